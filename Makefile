@@ -1,0 +1,48 @@
+# lmqtt: one command to run the gateway, one to run the tests. Every target is idempotent:
+# the virtual environment is created once and re-installed only when pyproject.toml changes.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CORE   := $(VENV)/.installed-core
+DEV    := $(VENV)/.installed-dev
+
+.PHONY: run test lint unit bench clean
+
+$(PY):
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lmqtt needs Python 3.11+"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(CORE): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(DEV): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(CORE) $@
+
+## run: install what the gateway needs and start it on ./lmqtt-data, port 1883 (or a free one)
+run: $(CORE)
+	$(VENV)/bin/lmqtt serve
+
+## test: install everything, lint, then run the whole test suite
+test: $(DEV)
+	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory unit
+
+lint: $(DEV)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+unit: $(DEV)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+## bench: compare lmqtt with amqtt and Mosquitto (installs mosquitto from Debian if missing)
+bench: $(DEV)
+	command -v mosquitto >/dev/null || (apt-get update -qq && apt-get install -y -qq mosquitto) || true
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) lmqtt-data bench/results reports .pytest_cache .mypy_cache .ruff_cache
