@@ -1,0 +1,281 @@
+"""Gateway settings: one frozen object resolved once from four layers.
+
+Precedence, highest first::
+
+    CLI overrides (load_settings(**overrides))   --port 1884
+    environment variables LMQTT_<FIELD>           LMQTT_PORT=1884
+    TOML file (--config FILE or LMQTT_CONFIG)     port = 1884
+    defaults declared below
+
+The TOML file is flat: top-level keys are the field names below (``max_packet_size = 65536``).
+Unknown keys are rejected by name (with a suggestion), because a typo in a config file that is
+silently ignored is the kind of bug an operator finds at 3 a.m.
+
+Every failure (unreadable file, bad TOML, unknown key, invalid value) raises SettingsError whose
+text names the setting, where the bad value came from and what is allowed; the CLI prints it and
+exits 2. Library code never calls sys.exit.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+__all__ = ["DEFAULT_PORT", "ENV_PREFIX", "GatewaySettings", "SettingsError", "load_settings"]
+
+ENV_PREFIX = "LMQTT_"
+CONFIG_ENV = "LMQTT_CONFIG"  # names a TOML file when --config is not given
+DEFAULT_PORT = 1883
+
+# MQTT's Remaining Length is at most 4 varint bytes: 268,435,455 + 5 header bytes.
+MQTT_MAX_PACKET_SIZE = 268_435_460
+U16_MAX = 0xFFFF
+U32_MAX = 0xFFFFFFFF
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+# The TOML layer of the settings being loaded right now. pydantic-settings builds its sources
+# from the class, not the call, so load_settings hands the parsed file over through this.
+_TOML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_TOML_DATA", default=None)
+
+
+class SettingsError(ValueError):
+    """Invalid gateway settings; str() is a complete, operator-readable explanation."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
+
+
+class _TomlSource(PydanticBaseSettingsSource):
+    """The TOML layer: already parsed and checked for unknown keys by load_settings."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        data = _TOML_DATA.get() or {}
+        return data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_TOML_DATA.get() or {})
+
+
+class GatewaySettings(BaseSettings):
+    """Everything the gateway can be told. Frozen: resolved once, passed around read-only."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        frozen=True,
+        extra="forbid",
+        case_sensitive=False,
+        env_parse_none_str="none",
+        validate_default=True,
+    )
+
+    # --- listener
+    host: str = "127.0.0.1"  # like Mosquitto 2: loopback unless configured
+    # None = 1883, or a free port if 1883 is taken (logged loudly); 0 = any free port.
+    port: int | None = None
+    max_connections: int = Field(default=100_000, ge=1)
+
+    # --- store
+    data_dir: Path = Path("lmqtt-data")
+    flush: Literal["async", "sync"] = "async"
+    flush_interval_ms: int = Field(default=200, ge=1, le=60_000)
+    segment_size: int = Field(default=1 << 30, ge=1 << 16, le=1 << 40)
+    retention_hours: float | None = Field(default=None, gt=0)
+    retention_bytes: int | None = Field(default=None, gt=0)
+
+    # --- MQTT limits
+    max_packet_size: int = Field(default=1_048_576, ge=64, le=MQTT_MAX_PACKET_SIZE)
+    receive_maximum: int = Field(default=1024, ge=1, le=U16_MAX)
+    max_inflight: int = Field(default=100, ge=1, le=U16_MAX)
+    topic_alias_maximum: int = Field(default=64, ge=0, le=U16_MAX)
+    outbound_topic_aliases: bool = True
+    server_keep_alive: int | None = Field(default=None, ge=0, le=U16_MAX)
+    max_keep_alive: int = Field(default=U16_MAX, ge=0, le=U16_MAX)
+    default_session_expiry: int = Field(default=7 * 24 * 3600, ge=0, le=U32_MAX)
+    max_session_expiry: int = Field(default=U32_MAX, ge=0, le=U32_MAX)
+    retain_available: bool = True
+    max_qos: int = Field(default=2, ge=0, le=2)
+    # Outbound messages a session may have read ahead of its acknowledgements (memory bound).
+    max_queued_messages: int = Field(default=1000, ge=1)
+
+    # --- services
+    sys_interval: float = Field(default=10.0, ge=0)  # $SYS publish period in s, 0 = off
+    retained_snapshot_interval: float = Field(default=60.0, gt=0)  # s between retained snapshots
+    log_level: str = "WARNING"
+    log_format: Literal["text", "json"] = "text"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # No .env or secrets directory: the four documented layers only.
+        return (init_settings, env_settings, _TomlSource(settings_cls))
+
+    @field_validator("host")
+    @classmethod
+    def _host_not_blank(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError("must be a host name or IP address to listen on, e.g. 127.0.0.1")
+        return value
+
+    @field_validator("port")
+    @classmethod
+    def _port_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= U16_MAX:
+            raise ValueError("must be between 0 and 65535 (0 = any free port)")
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level_name(cls, value: object) -> object:
+        if isinstance(value, str):
+            name = value.strip().upper()
+            if name not in LOG_LEVELS:
+                raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+            return name
+        return value
+
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir_not_blank(cls, value: Path) -> Path:
+        if str(value).strip() in ("", "."):
+            # "." would scatter commitlog/, consumequeue/, lock ... over the working directory.
+            raise ValueError("must name a directory of its own, e.g. ./lmqtt-data")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GatewaySettings:
+        if self.server_keep_alive is not None and self.server_keep_alive > self.max_keep_alive:
+            raise ValueError(
+                f"server_keep_alive ({self.server_keep_alive}) must not exceed "
+                f"max_keep_alive ({self.max_keep_alive})"
+            )
+        if self.default_session_expiry > self.max_session_expiry:
+            raise ValueError(
+                f"default_session_expiry ({self.default_session_expiry}) must not exceed "
+                f"max_session_expiry ({self.max_session_expiry})"
+            )
+        return self
+
+    @property
+    def port_explicit(self) -> bool:
+        """True when the operator chose the port (so a busy port is an error, not a fallback)."""
+        return self.port is not None
+
+    @property
+    def default_port(self) -> int:
+        """The port to try first: the configured one, else MQTT's 1883."""
+        return DEFAULT_PORT if self.port is None else self.port
+
+
+def _field_names() -> list[str]:
+    return list(GatewaySettings.model_fields)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise SettingsError(f"config file {path}: no such file") from None
+    except OSError as exc:
+        raise SettingsError(f"config file {path}: cannot read it ({exc.strerror})") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise SettingsError(f"config file {path}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {path}: invalid TOML: {exc}") from None
+    names = _field_names()
+    unknown = [key for key in data if key not in names]
+    if unknown:
+        problems = []
+        for key in unknown:
+            hint = difflib.get_close_matches(key.replace("-", "_"), names, n=1)
+            problems.append(
+                f"config file {path}: unknown setting {key!r}"
+                + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            )
+        raise SettingsError("\n".join(problems), problems)
+    return data
+
+
+def _origin(
+    name: str, overrides: dict[str, Any], toml: dict[str, Any], toml_path: Path | None
+) -> str:
+    """Where the value of setting `name` came from, for error messages."""
+    if name in overrides:
+        return "command line --" + name.replace("_", "-")
+    env_name = (ENV_PREFIX + name).upper()
+    if any(key.upper() == env_name for key in os.environ):
+        return f"environment {env_name}"
+    if name in toml:
+        return f"config file {toml_path}"
+    return "default"
+
+
+def _describe(
+    exc: ValidationError, overrides: dict[str, Any], toml: dict[str, Any], toml_path: Path | None
+) -> list[str]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = [str(part) for part in err.get("loc", ())]
+        msg = str(err.get("msg", "invalid"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        if not loc:  # a cross-field (model) check: the message names the settings itself
+            problems.append(msg)
+            continue
+        name = loc[0]
+        if err.get("type") == "extra_forbidden":
+            hint = difflib.get_close_matches(name, _field_names(), n=1)
+            problems.append(
+                f"unknown setting {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            )
+            continue
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        problems.append(f"{name}: {msg}{shown} [from {_origin(name, overrides, toml, toml_path)}]")
+    return problems
+
+
+def load_settings(config_file: Path | str | None = None, **overrides: Any) -> GatewaySettings:
+    """Resolve the settings: overrides > LMQTT_* environment > TOML file > defaults.
+
+    Overrides whose value is None are ignored ("not given on the command line"). When
+    `config_file` is None the file named by $LMQTT_CONFIG, if any, is read.
+    Raises SettingsError with one line per problem.
+    """
+    given = {key: value for key, value in overrides.items() if value is not None}
+    unknown = [key for key in given if key not in GatewaySettings.model_fields]
+    if unknown:
+        raise SettingsError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    if config_file is None and os.environ.get(CONFIG_ENV):
+        config_file = os.environ[CONFIG_ENV]
+    toml_path = Path(config_file) if config_file is not None else None
+    toml = _read_toml(toml_path) if toml_path is not None else {}
+    token = _TOML_DATA.set(toml)
+    try:
+        return GatewaySettings(**given)
+    except ValidationError as exc:
+        problems = _describe(exc, given, toml, toml_path)
+        raise SettingsError("invalid settings:\n  " + "\n  ".join(problems), problems) from None
+    finally:
+        _TOML_DATA.reset(token)
