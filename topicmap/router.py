@@ -1,0 +1,319 @@
+"""The router: registered subscription filters in a trie, `route(topic)` -> light-queue names.
+
+Theory of operation. The trie is nested plain dicts, because dict lookups are the cheapest
+thing CPython does. A node maps a filter level to the child node; three keys never collide
+with a level of a valid *topic* and carry the wildcards and the queues:
+
+    node = {
+        "<level>": child node,          # literal level (may be "" for an empty level)
+        "+":       child node,          # single-level wildcard
+        "#":       "%LMQ%...",          # queue of the filter <path>/#  (always a leaf)
+        "/":       "%LMQ%...",          # queue of the filter that ends exactly at this node
+    }
+
+Topic levels never contain "/" and never equal "+" or "#" (topic names have no wildcards and
+`route` checks that), so `node.get(level)` only ever finds a literal child.
+
+`route` walks the topic's levels once, keeping the (few) nodes whose path matches so far:
+at each node it collects "#" (matches one or more remaining levels, and also zero at the end:
+`a/#` matches `a`), then follows the literal child and the "+" child. At the end it collects
+"/" and "#" of the surviving nodes. Work is O(levels x live nodes); the live set is bounded
+by the wildcard shapes registered, not by how many filters exist. At the root a `$`-topic does
+not follow "+" or "#" (MQTT-4.7.2-1).
+
+Results are cached per topic string in two generations (a cheap approximation of LRU); any
+add or remove that changes the trie clears the cache. Not thread-safe: the gateway calls it
+from one event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from topicmap.errors import IMPLEMENTATION_SPECIFIC_ERROR, TopicError
+from topicmap.naming import DEFAULT_NAME_TABLE, NameTable
+from topicmap.topic import Topic, TopicFilter
+
+SNAPSHOT_FORMAT = "lmqtt.topicmap.router"
+SNAPSHOT_VERSION = 1
+_EXACT = "/"
+_PLUS = "+"
+_HASH = "#"
+_SHORT_ENOUGH = 65_535 // 4
+
+Node = dict[str, Any]
+
+
+class Router:
+    """Registered filters with reference counts, and `route(topic)` to their queue names.
+
+    Shared subscriptions (`$share/g/f`) count as references to `f` and route to its queue.
+    """
+
+    __slots__ = ("_cache", "_cache_old", "_cache_size", "_names", "_queues", "_refs", "_root")
+
+    def __init__(self, *, names: NameTable | None = None, cache_size: int = 65_536) -> None:
+        self._root: Node = {}
+        self._refs: dict[str, int] = {}
+        self._queues: dict[str, str] = {}
+        self._names = DEFAULT_NAME_TABLE if names is None else names
+        self._cache_size = max(0, cache_size)
+        self._cache: dict[str, frozenset[str]] = {}
+        self._cache_old: dict[str, frozenset[str]] = {}
+
+    # registration -------------------------------------------------------------------------
+
+    def add(self, filter: str | TopicFilter) -> str:
+        """Take one reference to `filter`; return its light-queue name."""
+        parsed = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)
+        underlying = parsed.filter
+        queue = self._queues.get(underlying)
+        if queue is not None:
+            self._refs[underlying] += 1
+            return queue
+        queue = self._names.queue_name(parsed)
+        node = self._root
+        *path, last = parsed.levels
+        for level in path:
+            child = node.get(level)
+            if child is None:
+                child = node[level] = {}
+            node = child
+        if last == _HASH:
+            node[_HASH] = queue
+        else:
+            child = node.get(last)
+            if child is None:
+                child = node[last] = {}
+            child[_EXACT] = queue
+        self._queues[underlying] = queue
+        self._refs[underlying] = 1
+        self._invalidate()
+        return queue
+
+    def remove(self, filter: str | TopicFilter) -> bool:
+        """Drop one reference; True when it was the last one and the filter is no longer
+        routed. Removing a filter that is not registered returns False."""
+        parsed = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)
+        underlying = parsed.filter
+        count = self._refs.get(underlying)
+        if count is None:
+            return False
+        if count > 1:
+            self._refs[underlying] = count - 1
+            return False
+        del self._refs[underlying]
+        del self._queues[underlying]
+        levels = parsed.levels
+        if levels[-1] == _HASH:
+            trail = [self._root]
+            for level in levels[:-1]:
+                trail.append(trail[-1][level])
+            del trail[-1][_HASH]
+            keys = levels[:-1]
+        else:
+            trail = [self._root]
+            for level in levels:
+                trail.append(trail[-1][level])
+            del trail[-1][_EXACT]
+            keys = levels
+        # Prune nodes left empty, deepest first, so memory follows the live filter set.
+        for depth in range(len(keys), 0, -1):
+            if trail[depth]:
+                break
+            del trail[depth - 1][keys[depth - 1]]
+        self._invalidate()
+        return True
+
+    def filters(self) -> dict[str, int]:
+        """Registered (underlying) filters and their reference counts."""
+        return dict(self._refs)
+
+    def queue_of(self, filter: str | TopicFilter) -> str | None:
+        """The queue of a registered filter, or None."""
+        parsed = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)
+        return self._queues.get(parsed.filter)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def __contains__(self, filter: object) -> bool:
+        if isinstance(filter, TopicFilter):
+            return filter.filter in self._refs
+        if isinstance(filter, str):
+            try:
+                return TopicFilter(filter).filter in self._refs
+            except TopicError:
+                return False
+        return False
+
+    # routing ------------------------------------------------------------------------------
+
+    def route(self, topic: str | Topic) -> set[str]:
+        """Queue names of every registered filter matching the topic name `topic`."""
+        if type(topic) is not str:
+            topic = topic.name if isinstance(topic, Topic) else Topic(topic).name
+        hit = self._cache.get(topic)
+        if hit is None:
+            hit = self._cache_old.get(topic)
+            if hit is None:
+                hit = frozenset(self._walk(topic))
+            if self._cache_size:
+                if len(self._cache) >= self._cache_size:
+                    self._cache_old = self._cache
+                    self._cache = {}
+                self._cache[topic] = hit
+        return set(hit)
+
+    def _walk(self, topic: str) -> set[str]:
+        if (
+            not topic
+            or "+" in topic
+            or "#" in topic
+            or "\x00" in topic
+            or len(topic) > _SHORT_ENOUGH
+        ):
+            Topic(topic)  # raises with the precise reason, or accepts a long valid topic
+        found: set[str] = set()
+        levels = topic.split("/")
+        root = self._root
+        # First level by hand: `$`-topics skip the root's wildcards.
+        first = levels[0]
+        child = root.get(first)
+        if first[:1] == "$":
+            if child is None:
+                return found
+            nodes = [child]
+        else:
+            queue = root.get(_HASH)
+            if queue is not None:
+                found.add(queue)
+            plus = root.get(_PLUS)
+            if child is None:
+                if plus is None:
+                    return found
+                nodes = [plus]
+            elif plus is None:
+                nodes = [child]
+            else:
+                nodes = [child, plus]
+        for index in range(1, len(levels)):
+            level = levels[index]
+            if len(nodes) == 1:
+                # The common case: one live path. No list churn.
+                node = nodes[0]
+                queue = node.get(_HASH)
+                if queue is not None:
+                    found.add(queue)
+                child = node.get(level)
+                plus = node.get(_PLUS)
+                if child is None:
+                    if plus is None:
+                        return found
+                    nodes[0] = plus
+                elif plus is None:
+                    nodes[0] = child
+                else:
+                    nodes = [child, plus]
+                continue
+            following = []
+            for node in nodes:
+                queue = node.get(_HASH)
+                if queue is not None:
+                    found.add(queue)
+                child = node.get(level)
+                if child is not None:
+                    following.append(child)
+                child = node.get(_PLUS)
+                if child is not None:
+                    following.append(child)
+            if not following:
+                return found
+            nodes = following
+        for node in nodes:
+            queue = node.get(_EXACT)
+            if queue is not None:
+                found.add(queue)
+            queue = node.get(_HASH)
+            if queue is not None:
+                found.add(queue)
+        return found
+
+    def _invalidate(self) -> None:
+        if self._cache or self._cache_old:
+            self._cache = {}
+            self._cache_old = {}
+
+    # persistence --------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-able picture of the registry: filters with reference counts, plus the
+        hash-based queue names they use (so a store reader can resolve them offline)."""
+        hashed = self._names.snapshot()
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "version": SNAPSHOT_VERSION,
+            "filters": dict(sorted(self._refs.items())),
+            "names": {
+                queue: filter
+                for filter, queue in sorted(self._queues.items())
+                if hashed.get(queue) == filter
+            },
+        }
+
+    def snapshot_bytes(self) -> bytes:
+        return json.dumps(self.snapshot(), ensure_ascii=False, sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def restore(
+        cls,
+        snapshot: Mapping[str, Any] | bytes | str,
+        *,
+        names: NameTable | None = None,
+        cache_size: int = 65_536,
+    ) -> Router:
+        """Rebuild a Router from `snapshot()` / `snapshot_bytes()` output, checking it."""
+
+        def fail(problem: str) -> TopicError:
+            return TopicError(
+                f"router snapshot rejected: {problem}",
+                value=None,
+                reason_code=IMPLEMENTATION_SPECIFIC_ERROR,
+            )
+
+        if isinstance(snapshot, bytes | str):
+            try:
+                snapshot = json.loads(snapshot)
+            except ValueError as exc:
+                raise fail(f"not JSON ({exc})") from None
+        if not isinstance(snapshot, Mapping):
+            raise fail("not a JSON object")
+        if snapshot.get("format") != SNAPSHOT_FORMAT:
+            raise fail(f"format is {snapshot.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
+        if snapshot.get("version") != SNAPSHOT_VERSION:
+            raise fail(f"version {snapshot.get('version')!r} is not {SNAPSHOT_VERSION}")
+        filters = snapshot.get("filters")
+        if not isinstance(filters, Mapping):
+            raise fail("'filters' is not an object")
+        router = cls(names=names, cache_size=cache_size)
+        recorded = snapshot.get("names", {})
+        if not isinstance(recorded, Mapping):
+            raise fail("'names' is not an object")
+        router._names.update(recorded)
+        for filter, count in filters.items():
+            if type(count) is not int or count < 1:
+                raise fail(f"reference count of {filter!r} is {count!r}, not a positive integer")
+            try:
+                parsed = TopicFilter(filter)
+            except TopicError as exc:
+                raise fail(str(exc)) from None
+            if parsed.is_shared or parsed.filter in router._refs:
+                raise fail(f"{filter!r} is not an underlying filter listed once")
+            router.add(parsed)
+            router._refs[parsed.filter] = count
+        return router
+
+    def __repr__(self) -> str:
+        return f"Router({len(self._refs)} filters)"
