@@ -1,0 +1,571 @@
+"""Connection: the server side of one MQTT connection, without I/O.
+
+Theory of operation
+-------------------
+Bytes go in with `receive_data`; `next_event` / `events` frame them and hand back events.
+Events go out with `send`, which returns bytes. Everything that affects the state machine lives
+in this module:
+
+    AWAIT_CONNECT --CONNECT--> CONNECTED --DISCONNECT in/out, CONNACK >= 0x80--> CLOSED
+          \\______________ any RemoteProtocolError ______________________________> ERROR
+
+* The protocol level comes from the CONNECT and governs both directions afterwards.
+* Receive buffer: one bytearray and a read offset. Consumed bytes are dropped only when they
+  are more than half of the buffer, so many tiny packets cost O(total) and a huge declared
+  length costs O(1) per call (the header is re-read, the body is not scanned) until the body is
+  complete. A packet above `max_packet_size` is refused from its header alone (0x95).
+* Packet identifiers: inbound QoS 1 ids wait for our PUBACK, inbound QoS 2 ids wait for the
+  client's PUBREL and then for our PUBCOMP; all of them count against the Receive Maximum we
+  announced. Outbound QoS 1/2 ids wait for PUBACK/PUBREC, then PUBCOMP, and count against the
+  client's Receive Maximum. Acks for unknown ids are delivered, not refused: a resumed session
+  knows more than this connection (see `restore_inbound_qos2` / `restore_outbound`).
+* Timers belong to the caller: `keep_alive` and `keep_alive_timeout` are plain data.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Literal
+
+from gateway.protocol import packet_types as pt
+from gateway.protocol import wire
+from gateway.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from gateway.protocol.events import (
+    Auth,
+    ConnAck,
+    Connect,
+    ConnectionClosed,
+    Disconnect,
+    Event,
+    PingResp,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    UnsubAck,
+)
+from gateway.protocol.prepared import PreparedPublish
+from gateway.protocol.readers import (
+    READERS,
+    check_fixed_flags,
+    connect_level,
+    read_connect,
+    read_publish,
+)
+from gateway.protocol.reason_codes import ALLOWED_REASON_CODES
+from gateway.protocol.writers import WRITERS, write_connack, write_disconnect
+
+
+class Sentinel(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+
+
+NEED_DATA: Literal[Sentinel.NEED_DATA] = Sentinel.NEED_DATA
+
+AWAIT_CONNECT, CONNECTED, CLOSED, ERROR = range(4)
+
+# Packet types a server may receive; the others (CONNACK, SUBACK, ...) are a Protocol Error.
+SERVER_RECEIVES = frozenset(
+    {pt.CONNECT, pt.PUBLISH, pt.PUBACK, pt.PUBREC, pt.PUBREL, pt.PUBCOMP, pt.SUBSCRIBE}
+    | {pt.UNSUBSCRIBE, pt.PINGREQ, pt.DISCONNECT, pt.AUTH}
+)
+SERVER_SENDS = frozenset(
+    {ConnAck, Publish, PubAck, PubRec, PubRel, PubComp, SubAck, UnsubAck, PingResp}
+    | {Disconnect, Auth}
+)
+
+# Outbound in-flight stages.
+UNACKED, RELEASED = 1, 2
+
+RECEIVE_MAXIMUM_EXCEEDED = 0x93
+TOPIC_ALIAS_INVALID = 0x94
+PACKET_TOO_LARGE = 0x95
+RETAIN_NOT_SUPPORTED = 0x9A
+QOS_NOT_SUPPORTED = 0x9B
+PACKET_IDENTIFIER_IN_USE = 0x91
+
+
+class Connection:
+    """Server side of one MQTT 3.1 / 3.1.1 / 5.0 connection. Not thread-safe."""
+
+    def __init__(self, max_packet_size: int = 1_048_576) -> None:
+        if max_packet_size < 2:
+            raise ValueError("max_packet_size must allow at least a fixed header")
+        self.max_packet_size = max_packet_size
+        self._buf = bytearray()
+        self._off = 0
+        self._eof = False
+        self._phase = AWAIT_CONNECT
+        self._pending_error: RemoteProtocolError | None = None
+        # Level used to answer errors: known from the CONNECT bytes even if they are malformed.
+        self._answer_level: int | None = None
+        self.protocol_level: int | None = None
+        self.client_id: str | None = None
+        self.keep_alive = 0
+        self.client_receive_maximum = 65535
+        self.client_max_packet_size: int | None = None
+        self.client_topic_alias_maximum = 0
+        self._connect_session_expiry = 0
+        self._auth_method: str | None = None
+        self._connack_sent = False
+        # What we announced in CONNACK (defaults apply until then).
+        self.receive_maximum = 65535
+        self.topic_alias_maximum = 0
+        self.maximum_qos = 2
+        self.retain_available = True
+        self._aliases: dict[int, str] = {}
+        self._in_qos1: set[int] = set()
+        self._in_qos2: set[int] = set()
+        self._in_released: set[int] = set()
+        self._out: dict[int, int] = {}
+
+    # ----------------------------------------------------------------- data as data
+
+    @property
+    def keep_alive_timeout(self) -> float | None:
+        """Seconds of silence after which the client is gone (1.5 x keep alive), or None."""
+        return self.keep_alive * 1.5 if self.keep_alive else None
+
+    @property
+    def outbound_in_flight(self) -> int:
+        return len(self._out)
+
+    @property
+    def outbound_quota(self) -> int:
+        """How many more QoS 1/2 PUBLISH packets the client's Receive Maximum allows now."""
+        return max(0, self.client_receive_maximum - len(self._out))
+
+    def outbound_packet_ids(self) -> frozenset[int]:
+        return frozenset(self._out)
+
+    def inbound_qos2_ids(self) -> frozenset[int]:
+        """Inbound QoS 2 ids whose PUBREL has not arrived yet."""
+        return frozenset(self._in_qos2)
+
+    def restore_inbound_qos2(self, packet_ids: Iterable[int]) -> None:
+        """A resumed session had these QoS 2 ids received and waiting for PUBREL."""
+        self._in_qos2.update(packet_ids)
+
+    def restore_outbound(
+        self, unacknowledged: Iterable[int] = (), released: Iterable[int] = ()
+    ) -> None:
+        """A resumed session had these outbound PUBLISH ids unacknowledged (waiting for
+        PUBACK/PUBREC) and these PUBREL ids waiting for PUBCOMP."""
+        for packet_id in unacknowledged:
+            self._out[packet_id] = UNACKED
+        for packet_id in released:
+            self._out[packet_id] = RELEASED
+
+    # ----------------------------------------------------------------- receiving
+
+    def receive_data(self, data: bytes) -> None:
+        """Add bytes from the peer; `b""` means the peer closed its side."""
+        if self._eof:
+            raise LocalProtocolError("receive_data after EOF")
+        if not data:
+            self._eof = True
+            return
+        buf = self._buf
+        off = self._off
+        if off:
+            if off == len(buf):
+                buf.clear()
+                self._off = 0
+            elif off > 4096 and off * 2 > len(buf):
+                del buf[:off]
+                self._off = 0
+        buf += data
+
+    def next_event(self) -> Event | Literal[Sentinel.NEED_DATA]:
+        """The next event, or NEED_DATA. Raises RemoteProtocolError on a broken peer."""
+        if self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            raise err
+        if self._phase == ERROR:
+            raise RemoteProtocolError(0x82, "connection already failed")
+        try:
+            return self._next()
+        except RemoteProtocolError as err:
+            self._fail(err)
+            raise
+
+    def events(self) -> list[Event]:
+        """Every event available now. An error after some events is raised on the next call."""
+        out: list[Event] = []
+        append = out.append
+        while True:
+            try:
+                event = self.next_event()
+            except RemoteProtocolError as err:
+                if not out:
+                    raise
+                self._pending_error = err
+                return out
+            if event is NEED_DATA:
+                return out
+            append(event)
+            if type(event) is ConnectionClosed:
+                return out
+
+    def _next(self) -> Event | Literal[Sentinel.NEED_DATA]:
+        buf = self._buf
+        off = self._off
+        avail = len(buf) - off
+        if avail < 2:
+            return self._short(avail)
+        length = buf[off + 1]
+        if length < 128:
+            header = 2
+        else:
+            length, header = self._long_length(buf, off)
+            if not header:
+                return self._short(avail)
+        total = header + length
+        if total > self.max_packet_size:
+            raise RemoteProtocolError(
+                PACKET_TOO_LARGE, f"packet of {total} bytes exceeds {self.max_packet_size}"
+            )
+        if avail < total:
+            return self._short(avail)
+        end = off + total
+        self._off = end
+        first = buf[off]
+        if first >> 4 == pt.PUBLISH and self._phase == CONNECTED:
+            return self._on_publish(
+                read_publish(first & 0x0F, buf, off + header, end, self.protocol_level or 4)
+            )
+        return self._on_packet(first >> 4, first & 0x0F, bytes(buf[off + header : end]))
+
+    @staticmethod
+    def _long_length(buf: bytearray, off: int) -> tuple[int, int]:
+        """Remaining length of 2-4 bytes -> (length, header size), or (0, 0) if incomplete."""
+        value = 0
+        for i in range(4):
+            at = off + 1 + i
+            if at >= len(buf):
+                return 0, 0
+            byte = buf[at]
+            value |= (byte & 0x7F) << (7 * i)
+            if not byte & 0x80:
+                if byte == 0:
+                    raise wire.malformed("remaining length is not minimally encoded")
+                return value, i + 2
+        raise wire.malformed("remaining length longer than 4 bytes")
+
+    def _short(self, avail: int) -> Event | Literal[Sentinel.NEED_DATA]:
+        if not self._eof:
+            return NEED_DATA
+        if avail:
+            raise RemoteProtocolError(0x81, f"connection closed inside a packet ({avail} bytes)")
+        self._phase = CLOSED
+        return ConnectionClosed()
+
+    def _fail(self, err: RemoteProtocolError) -> None:
+        """Record the error and decide what may be sent before closing."""
+        level = self._answer_level
+        if self._connack_sent:
+            err.send_connack = False
+            err.send_disconnect = level == 5 and self._phase == CONNECTED
+        elif level == 5:
+            err.send_connack = True
+        else:
+            # 3.1.1 answers only a bad protocol level or client identifier (MQTT-3.2.2-5).
+            err.send_connack = level is not None and err.reason_code in (0x84, 0x85)
+        self._phase = ERROR
+
+    def _on_packet(self, ptype: int, flags: int, body: bytes) -> Event:
+        phase = self._phase
+        if ptype not in SERVER_RECEIVES:
+            if ptype == 0:
+                raise wire.malformed("reserved packet type 0")
+            raise wire.protocol_error(f"a client must not send {pt.NAMES[ptype]}")
+        if phase == AWAIT_CONNECT:
+            if ptype != pt.CONNECT:
+                raise wire.protocol_error(f"{pt.NAMES[ptype]} before CONNECT")
+            claimed = connect_level(body)
+            if claimed is not None:
+                self._answer_level = claimed if claimed in (3, 4, 5) else 4
+            check_fixed_flags(ptype, flags, self._answer_level or 4)
+            return self._on_connect(read_connect(flags, body, 0))
+        if phase != CONNECTED:
+            raise wire.protocol_error(f"{pt.NAMES[ptype]} after the connection was closed")
+        if ptype == pt.CONNECT:
+            raise wire.protocol_error("second CONNECT")
+        level = self.protocol_level or 4
+        check_fixed_flags(ptype, flags, level)
+        event = READERS[ptype](flags, body, level)
+        handler = _INBOUND.get(ptype)
+        if handler is not None:
+            handler(self, event)
+        return event
+
+    def _on_connect(self, event: Event) -> Event:
+        assert isinstance(event, Connect)
+        self.protocol_level = event.protocol_level
+        self._answer_level = event.protocol_level
+        self.client_id = event.client_id
+        self.keep_alive = event.keep_alive
+        props = event.properties
+        if props.receive_maximum is not None:
+            self.client_receive_maximum = props.receive_maximum
+        self.client_max_packet_size = props.maximum_packet_size
+        if props.topic_alias_maximum is not None:
+            self.client_topic_alias_maximum = props.topic_alias_maximum
+        self._connect_session_expiry = props.session_expiry_interval or 0
+        self._auth_method = props.authentication_method
+        self._phase = CONNECTED
+        return event
+
+    def _on_publish(self, event: Publish) -> Publish:
+        qos = event.qos
+        if qos:
+            if qos > self.maximum_qos:
+                raise RemoteProtocolError(QOS_NOT_SUPPORTED, f"QoS {qos} above maximum QoS")
+            packet_id = event.packet_id
+            assert packet_id is not None
+            if qos == 1:
+                if packet_id not in self._in_qos1:
+                    self._check_receive_maximum()
+                    self._in_qos1.add(packet_id)
+            elif packet_id in self._in_qos2:
+                event.dup = True  # resent before PUBREL: the gateway must not store it twice
+            else:
+                self._check_receive_maximum()
+                self._in_qos2.add(packet_id)
+        if event.retain and not self.retain_available:
+            raise RemoteProtocolError(RETAIN_NOT_SUPPORTED, "retain is not available")
+        if self.protocol_level == 5:
+            props = event.properties
+            if props is not None:
+                if props.subscription_identifiers is not None:
+                    raise wire.protocol_error("a client PUBLISH must not carry subscription ids")
+                if props.topic_alias is not None:
+                    self._resolve_alias(event, props.topic_alias)
+                    props.topic_alias = None
+                    return event
+            if not event.topic:
+                raise wire.protocol_error("empty PUBLISH topic without a topic alias")
+        return event
+
+    def _check_receive_maximum(self) -> None:
+        if len(self._in_qos1) + len(self._in_qos2) + len(self._in_released) >= self.receive_maximum:
+            raise RemoteProtocolError(
+                RECEIVE_MAXIMUM_EXCEEDED, f"more than {self.receive_maximum} QoS 1/2 in flight"
+            )
+
+    def _resolve_alias(self, event: Publish, alias: int) -> None:
+        if alias > self.topic_alias_maximum:
+            raise RemoteProtocolError(
+                TOPIC_ALIAS_INVALID, f"topic alias {alias} above {self.topic_alias_maximum}"
+            )
+        if event.topic:
+            self._aliases[alias] = event.topic
+            return
+        topic = self._aliases.get(alias)
+        if topic is None:
+            raise wire.protocol_error(f"topic alias {alias} was never set")
+        event.topic = topic
+
+    def _in_puback(self, event: Event) -> None:
+        assert isinstance(event, PubAck)
+        self._out.pop(event.packet_id, None)
+
+    def _in_pubrec(self, event: Event) -> None:
+        assert isinstance(event, PubRec)
+        if event.reason_code >= 0x80:
+            self._out.pop(event.packet_id, None)
+        else:
+            self._out[event.packet_id] = RELEASED
+
+    def _in_pubrel(self, event: Event) -> None:
+        assert isinstance(event, PubRel)
+        self._in_qos2.discard(event.packet_id)
+        self._in_released.add(event.packet_id)
+
+    def _in_pubcomp(self, event: Event) -> None:
+        assert isinstance(event, PubComp)
+        self._out.pop(event.packet_id, None)
+
+    def _in_disconnect(self, event: Event) -> None:
+        assert isinstance(event, Disconnect)
+        props = event.properties
+        if props is not None and props.session_expiry_interval and not self._connect_session_expiry:
+            # MQTT-3.14.2-2: zero session expiry in CONNECT cannot be raised at DISCONNECT.
+            raise wire.protocol_error("DISCONNECT sets a session expiry after CONNECT had 0")
+        self._phase = CLOSED
+
+    def _in_auth(self, event: Event) -> None:
+        assert isinstance(event, Auth)
+        if self._auth_method is None:
+            raise wire.protocol_error("AUTH without an authentication method in CONNECT")
+        if event.reason_code not in (0x18, 0x19):
+            raise wire.protocol_error(f"a client AUTH must not carry 0x{event.reason_code:02X}")
+
+    # ----------------------------------------------------------------- sending
+
+    def send(self, event: Event) -> bytes:
+        """Bytes for `event`; LocalProtocolError if the server may not send it now."""
+        kind = type(event)
+        if kind not in SERVER_SENDS:
+            raise LocalProtocolError(f"a server does not send {kind.__name__}")
+        level = self.protocol_level
+        if level is None:
+            raise LocalProtocolError("nothing can be sent before CONNECT is received")
+        if self._phase != CONNECTED:
+            raise LocalProtocolError(f"cannot send {kind.__name__}: connection is not open")
+        if not self._connack_sent and kind is not ConnAck and kind is not Auth:
+            raise LocalProtocolError(f"cannot send {kind.__name__} before CONNACK")
+        data = WRITERS[kind](event, level)
+        limit = self.client_max_packet_size
+        if limit is not None and len(data) > limit:
+            raise LocalProtocolError(
+                f"{kind.__name__} of {len(data)} bytes exceeds the client's maximum {limit}",
+                PACKET_TOO_LARGE,
+            )
+        handler = _OUTBOUND.get(kind)
+        if handler is not None:
+            handler(self, event)
+        return data
+
+    def send_prepared(
+        self, prepared: PreparedPublish, packet_id: int | None = None, dup: bool = False
+    ) -> bytes:
+        """`prepared.packet(packet_id, dup)`, recording the id as outbound in flight."""
+        if prepared.level != self.protocol_level:
+            raise LocalProtocolError(
+                f"PUBLISH prepared for level {prepared.level} on a level "
+                f"{self.protocol_level} connection"
+            )
+        if self._phase != CONNECTED or not self._connack_sent:
+            raise LocalProtocolError("cannot send PUBLISH: connection is not open")
+        limit = self.client_max_packet_size
+        if limit is not None and prepared.size > limit:
+            raise LocalProtocolError(
+                f"PUBLISH of {prepared.size} bytes exceeds the client's maximum {limit}",
+                PACKET_TOO_LARGE,
+            )
+        data = prepared.packet(packet_id, dup)
+        if packet_id is not None:
+            self._track_outbound(packet_id, dup)
+        return data
+
+    def _track_outbound(self, packet_id: int, dup: bool) -> None:
+        out = self._out
+        if packet_id in out:
+            if not dup:
+                raise LocalProtocolError(
+                    f"packet identifier {packet_id} is in use", PACKET_IDENTIFIER_IN_USE
+                )
+            return
+        if len(out) >= self.client_receive_maximum:
+            raise LocalProtocolError(
+                f"client Receive Maximum {self.client_receive_maximum} reached",
+                RECEIVE_MAXIMUM_EXCEEDED,
+            )
+        out[packet_id] = UNACKED
+
+    def _out_connack(self, event: Event) -> None:
+        assert isinstance(event, ConnAck)
+        self._connack_sent = True
+        if event.reason_code >= 0x80:
+            self._phase = CLOSED
+            return
+        props = event.properties
+        if props is None or self.protocol_level != 5:
+            return
+        if props.server_keep_alive is not None:
+            self.keep_alive = props.server_keep_alive
+        if props.receive_maximum is not None:
+            self.receive_maximum = props.receive_maximum
+        if props.topic_alias_maximum is not None:
+            self.topic_alias_maximum = props.topic_alias_maximum
+        if props.maximum_qos is not None:
+            self.maximum_qos = props.maximum_qos
+        if props.retain_available is not None:
+            self.retain_available = bool(props.retain_available)
+
+    def _out_publish(self, event: Event) -> None:
+        assert isinstance(event, Publish)
+        if event.qos:
+            assert event.packet_id is not None
+            self._track_outbound(event.packet_id, event.dup)
+        props = event.properties
+        if (
+            props is not None
+            and props.topic_alias is not None
+            and props.topic_alias > self.client_topic_alias_maximum
+        ):
+            raise LocalProtocolError(
+                f"topic alias {props.topic_alias} above the client's maximum "
+                f"{self.client_topic_alias_maximum}"
+            )
+
+    def _out_puback(self, event: Event) -> None:
+        assert isinstance(event, PubAck)
+        self._in_qos1.discard(event.packet_id)
+
+    def _out_pubrec(self, event: Event) -> None:
+        assert isinstance(event, PubRec)
+        if event.reason_code >= 0x80:
+            self._in_qos2.discard(event.packet_id)
+
+    def _out_pubrel(self, event: Event) -> None:
+        assert isinstance(event, PubRel)
+        self._out[event.packet_id] = RELEASED
+
+    def _out_pubcomp(self, event: Event) -> None:
+        assert isinstance(event, PubComp)
+        self._in_released.discard(event.packet_id)
+        self._in_qos2.discard(event.packet_id)
+
+    def _out_disconnect(self, event: Event) -> None:
+        self._phase = CLOSED
+
+    # ----------------------------------------------------------------- errors
+
+    def error_packet(self, err: ProtocolError) -> bytes:
+        """What to send before closing after `err` (b"" when the answer is to just close)."""
+        if not isinstance(err, RemoteProtocolError):
+            return b""
+        level = self._answer_level
+        if level is None:
+            return b""
+        if err.send_connack and not self._connack_sent:
+            self._connack_sent = True
+            code = err.reason_code
+            if code not in ALLOWED_REASON_CODES[pt.CONNACK]:
+                code = 0x82
+            if level == 5:
+                return write_connack(ConnAck(False, code), 5)
+            if code in (0x84, 0x85):
+                return write_connack(ConnAck(False, code), 4)
+            return b""
+        if (err.send_connack or err.send_disconnect) and level == 5:
+            code = err.reason_code
+            if code not in ALLOWED_REASON_CODES[pt.DISCONNECT]:
+                code = 0x82
+            return write_disconnect(Disconnect(code), 5)
+        return b""
+
+
+_INBOUND = {
+    pt.PUBACK: Connection._in_puback,
+    pt.PUBREC: Connection._in_pubrec,
+    pt.PUBREL: Connection._in_pubrel,
+    pt.PUBCOMP: Connection._in_pubcomp,
+    pt.DISCONNECT: Connection._in_disconnect,
+    pt.AUTH: Connection._in_auth,
+}
+
+_OUTBOUND = {
+    ConnAck: Connection._out_connack,
+    Publish: Connection._out_publish,
+    PubAck: Connection._out_puback,
+    PubRec: Connection._out_pubrec,
+    PubRel: Connection._out_pubrel,
+    PubComp: Connection._out_pubcomp,
+    Disconnect: Connection._out_disconnect,
+}

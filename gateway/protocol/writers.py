@@ -1,0 +1,276 @@
+"""Writers: one event -> the bytes of one packet, at a protocol level. Direction-agnostic.
+
+Writers validate what our code hands them (LocalProtocolError) and map MQTT 5 reason codes to
+what levels 3 and 4 can express. Properties are dropped below level 5, where they do not exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gateway.protocol import packet_types as pt
+from gateway.protocol import wire
+from gateway.protocol.errors import LocalProtocolError
+from gateway.protocol.events import (
+    Auth,
+    ConnAck,
+    Connect,
+    ConnectionClosed,
+    Disconnect,
+    Event,
+    PingReq,
+    PingResp,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    Subscribe,
+    UnsubAck,
+    Unsubscribe,
+)
+from gateway.protocol.properties import write_properties
+from gateway.protocol.reason_codes import (
+    ALLOWED_REASON_CODES,
+    connack_return_code_v4,
+    suback_return_code_v4,
+)
+
+varint = wire.varint
+utf8 = wire.utf8
+
+
+def frame(first_byte: int, body: bytes) -> bytes:
+    return bytes((first_byte,)) + varint(len(body)) + body
+
+
+def _packet_id(packet_id: int | None) -> bytes:
+    if packet_id is None or not 1 <= packet_id <= 0xFFFF:
+        raise LocalProtocolError(f"packet identifier must be 1..65535, not {packet_id}")
+    return packet_id.to_bytes(2, "big")
+
+
+def _reason(packet: int, code: int) -> int:
+    if code not in ALLOWED_REASON_CODES[packet]:
+        raise LocalProtocolError(f"reason code 0x{code:02X} is not valid in {pt.NAMES[packet]}")
+    return code
+
+
+def _qos(qos: int) -> int:
+    if qos not in (0, 1, 2):
+        raise LocalProtocolError(f"QoS must be 0, 1 or 2, not {qos}")
+    return qos
+
+
+_PROTOCOL_NAMES = {
+    3: utf8("MQIsdp") + b"\x03",
+    4: utf8("MQTT") + b"\x04",
+    5: utf8("MQTT") + b"\x05",
+}
+
+
+def write_connect(ev: Connect, level: int) -> bytes:
+    if ev.protocol_level != level:
+        raise LocalProtocolError(f"Connect.protocol_level {ev.protocol_level} != level {level}")
+    flags = 0x02 if ev.clean_start else 0
+    will = ev.will
+    if will is not None:
+        flags |= 0x04 | (_qos(will.qos) << 3) | (0x20 if will.retain else 0)
+    if ev.username is not None:
+        flags |= 0x80
+    if ev.password is not None:
+        if ev.username is None and level < 5:
+            raise LocalProtocolError("a password needs a user name before MQTT 5")
+        flags |= 0x40
+    parts = [_PROTOCOL_NAMES[level], bytes((flags,)), wire.uint16(ev.keep_alive)]
+    if level == 5:
+        parts.append(write_properties(ev.properties, pt.CONNECT))
+    parts.append(utf8(ev.client_id))
+    if will is not None:
+        if level == 5:
+            parts.append(write_properties(will.properties, pt.WILL))
+        parts += [utf8(will.topic), wire.binary(will.payload)]
+    if ev.username is not None:
+        parts.append(utf8(ev.username))
+    if ev.password is not None:
+        parts.append(wire.binary(ev.password))
+    return frame(0x10, b"".join(parts))
+
+
+def write_connack(ev: ConnAck, level: int) -> bytes:
+    code = _reason(pt.CONNACK, ev.reason_code)
+    # A refused connection never has a session (MQTT-3.2.2-4 / 3.2.2-6); 3.1 has no flag.
+    present = 1 if ev.session_present and code == 0 and level != 3 else 0
+    if level < 5:
+        return bytes((0x20, 2, present, connack_return_code_v4(code)))
+    return frame(0x20, bytes((present, code)) + write_properties(ev.properties, pt.CONNACK))
+
+
+def write_publish(ev: Publish, level: int) -> bytes:
+    qos = ev.qos
+    if qos not in (0, 1, 2):
+        raise LocalProtocolError(f"QoS must be 0, 1 or 2, not {qos}")
+    topic = ev.topic
+    if "+" in topic or "#" in topic:
+        raise LocalProtocolError(f"wildcard in PUBLISH topic {topic!r}")
+    if qos:
+        var = utf8(topic) + _packet_id(ev.packet_id)
+        first = 0x30 | (qos << 1) | (8 if ev.dup else 0) | (1 if ev.retain else 0)
+    else:
+        if ev.dup:
+            raise LocalProtocolError("DUP must be 0 on a QoS 0 PUBLISH")
+        var = utf8(topic)
+        first = 0x31 if ev.retain else 0x30
+    if level == 5:
+        props = ev.properties
+        var += b"\x00" if props is None else write_properties(props, pt.PUBLISH)
+        if not topic and (props is None or props.topic_alias is None):
+            raise LocalProtocolError("empty PUBLISH topic without a topic alias")
+    elif not topic:
+        raise LocalProtocolError("empty PUBLISH topic")
+    payload = ev.payload
+    length = len(var) + len(payload)
+    if length < 128:
+        return bytes((first, length)) + var + payload
+    return bytes((first,)) + varint(length) + var + payload
+
+
+def _write_ack(
+    packet: int, first: int, ev: PubAck | PubRec | PubRel | PubComp, level: int
+) -> bytes:
+    pid = _packet_id(ev.packet_id)
+    if level < 5:
+        return bytes((first, 2)) + pid
+    code = _reason(packet, ev.reason_code)
+    if ev.properties is None or ev.properties.is_empty():
+        if code == 0:
+            return bytes((first, 2)) + pid
+        return bytes((first, 3)) + pid + bytes((code,))
+    return frame(first, pid + bytes((code,)) + write_properties(ev.properties, packet))
+
+
+def write_puback(ev: PubAck, level: int) -> bytes:
+    return _write_ack(pt.PUBACK, 0x40, ev, level)
+
+
+def write_pubrec(ev: PubRec, level: int) -> bytes:
+    return _write_ack(pt.PUBREC, 0x50, ev, level)
+
+
+def write_pubrel(ev: PubRel, level: int) -> bytes:
+    return _write_ack(pt.PUBREL, 0x62, ev, level)
+
+
+def write_pubcomp(ev: PubComp, level: int) -> bytes:
+    return _write_ack(pt.PUBCOMP, 0x70, ev, level)
+
+
+def write_subscribe(ev: Subscribe, level: int) -> bytes:
+    if not ev.subscriptions:
+        raise LocalProtocolError("SUBSCRIBE needs at least one subscription")
+    parts = [_packet_id(ev.packet_id)]
+    if level == 5:
+        parts.append(write_properties(ev.properties, pt.SUBSCRIBE))
+    for sub in ev.subscriptions:
+        options = _qos(sub.qos)
+        if level == 5:
+            if sub.retain_handling not in (0, 1, 2):
+                raise LocalProtocolError(f"retain handling must be 0..2: {sub.retain_handling}")
+            options |= (
+                (4 if sub.no_local else 0)
+                | (8 if sub.retain_as_published else 0)
+                | (sub.retain_handling << 4)
+            )
+        parts += [utf8(sub.topic_filter), bytes((options,))]
+    return frame(0x82, b"".join(parts))
+
+
+def write_suback(ev: SubAck, level: int) -> bytes:
+    if not ev.reason_codes:
+        raise LocalProtocolError("SUBACK needs at least one reason code")
+    if level < 5:
+        codes = bytes(suback_return_code_v4(code) for code in ev.reason_codes)
+        return frame(0x90, _packet_id(ev.packet_id) + codes)
+    codes = bytes(_reason(pt.SUBACK, code) for code in ev.reason_codes)
+    props = write_properties(ev.properties, pt.SUBACK)
+    return frame(0x90, _packet_id(ev.packet_id) + props + codes)
+
+
+def write_unsubscribe(ev: Unsubscribe, level: int) -> bytes:
+    if not ev.topic_filters:
+        raise LocalProtocolError("UNSUBSCRIBE needs at least one topic filter")
+    parts = [_packet_id(ev.packet_id)]
+    if level == 5:
+        parts.append(write_properties(ev.properties, pt.UNSUBSCRIBE))
+    parts += [utf8(topic_filter) for topic_filter in ev.topic_filters]
+    return frame(0xA2, b"".join(parts))
+
+
+def write_unsuback(ev: UnsubAck, level: int) -> bytes:
+    if level < 5:
+        return b"\xb0\x02" + _packet_id(ev.packet_id)
+    if not ev.reason_codes:
+        raise LocalProtocolError("MQTT 5 UNSUBACK needs one reason code per topic filter")
+    codes = bytes(_reason(pt.UNSUBACK, code) for code in ev.reason_codes)
+    props = write_properties(ev.properties, pt.UNSUBACK)
+    return frame(0xB0, _packet_id(ev.packet_id) + props + codes)
+
+
+def write_pingreq(ev: PingReq, level: int) -> bytes:
+    return b"\xc0\x00"
+
+
+def write_pingresp(ev: PingResp, level: int) -> bytes:
+    return b"\xd0\x00"
+
+
+def _write_code_and_props(packet: int, first: int, ev: Disconnect | Auth) -> bytes:
+    code = _reason(packet, ev.reason_code)
+    if ev.properties is None or ev.properties.is_empty():
+        return bytes((first, 0)) if code == 0 else bytes((first, 1, code))
+    return frame(first, bytes((code,)) + write_properties(ev.properties, packet))
+
+
+def write_disconnect(ev: Disconnect, level: int) -> bytes:
+    if level < 5:
+        return b"\xe0\x00"
+    return _write_code_and_props(pt.DISCONNECT, 0xE0, ev)
+
+
+def write_auth(ev: Auth, level: int) -> bytes:
+    if level < 5:
+        raise LocalProtocolError("AUTH exists only in MQTT 5")
+    return _write_code_and_props(pt.AUTH, 0xF0, ev)
+
+
+WRITERS: dict[type, Callable[[Any, int], bytes]] = {
+    Connect: write_connect,
+    ConnAck: write_connack,
+    Publish: write_publish,
+    PubAck: write_puback,
+    PubRec: write_pubrec,
+    PubRel: write_pubrel,
+    PubComp: write_pubcomp,
+    Subscribe: write_subscribe,
+    SubAck: write_suback,
+    Unsubscribe: write_unsubscribe,
+    UnsubAck: write_unsuback,
+    PingReq: write_pingreq,
+    PingResp: write_pingresp,
+    Disconnect: write_disconnect,
+    Auth: write_auth,
+}
+
+
+def encode(event: Event, level: int) -> bytes:
+    """Encode any event at `level` (3, 4 or 5), regardless of direction."""
+    if level not in (3, 4, 5):
+        raise LocalProtocolError(f"unknown protocol level {level}")
+    if isinstance(event, ConnectionClosed):
+        raise LocalProtocolError("ConnectionClosed is not a packet")
+    writer = WRITERS.get(type(event))
+    if writer is None:
+        raise LocalProtocolError(f"not an MQTT event: {event!r}")
+    return writer(event, level)
