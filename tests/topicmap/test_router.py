@@ -1,0 +1,244 @@
+"""Router: trie routing against a reference matcher, reference counts, cache, snapshots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from tests.topicmap.strategies import filters, topics
+from topicmap import NameTable, Router, Topic, TopicError, TopicFilter, filter_of, queue_name
+from topicmap.topic import matches_levels
+
+SPEC_FILTERS = [
+    "sport/tennis/player1/#",
+    "sport/tennis/+",
+    "sport/#",
+    "sport/+",
+    "+/+",
+    "/+",
+    "+",
+    "#",
+    "$SYS/#",
+    "$SYS/monitor/+",
+    "+/monitor/Clients",
+    "+/#",
+]
+
+
+def reference_route(registered: list[str], topic: str) -> set[str]:
+    """Obviously correct and slow: test every filter."""
+    levels = topic.split("/")
+    return {f for f in registered if matches_levels(TopicFilter(f).levels, levels)}
+
+
+def routed_filters(router: Router, topic: str) -> set[str]:
+    return {filter_of(queue) for queue in router.route(topic)}
+
+
+@pytest.mark.parametrize(
+    ("topic", "expected"),
+    [
+        ("sport/tennis/player1", {"sport/tennis/player1/#", "sport/tennis/+", "sport/#", "#"}),
+        ("sport/tennis/player1/ranking", {"sport/tennis/player1/#", "sport/#", "#", "+/#"}),
+        ("sport", {"sport/#", "+", "#", "+/#"}),
+        ("sport/", {"sport/+", "sport/#", "+/+", "#", "+/#"}),
+        ("/finance", {"+/+", "/+", "#", "+/#"}),
+        ("$SYS/monitor/Clients", {"$SYS/#", "$SYS/monitor/+"}),
+        ("$SYS", {"$SYS/#"}),
+        ("SYS/monitor/Clients", {"+/monitor/Clients", "#", "+/#"}),
+        ("$other", set()),
+    ],
+)
+def test_spec_examples_route(topic: str, expected: set[str]) -> None:
+    router = Router()
+    for text in SPEC_FILTERS:
+        router.add(text)
+    # "+/#" also matches every one-level topic; the table lists the spec's expectations.
+    want = expected | ({"+/#"} if not topic.startswith("$") else set())
+    assert routed_filters(router, topic) == want
+    assert routed_filters(router, topic) == reference_route(SPEC_FILTERS, topic)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(filters(), max_size=25), st.lists(topics(), min_size=1, max_size=10))
+def test_route_equals_reference_matcher(registered: list[str], probes: list[str]) -> None:
+    router = Router(names=NameTable())
+    for text in registered:
+        router.add(text)
+    for topic in probes:
+        expected = {queue_name(f) for f in reference_route(registered, topic)}
+        assert router.route(topic) == expected
+        assert router.route(topic) == expected  # second time from the cache
+
+
+def test_refcounts_and_shared_subscriptions() -> None:
+    router = Router()
+    queue = router.add("site/+/temp")
+    assert router.add("site/+/temp") == queue
+    assert router.add("$share/g/site/+/temp") == queue
+    assert router.filters() == {"site/+/temp": 3}
+    assert router.route("site/1/temp") == {queue}
+    assert router.remove("site/+/temp") is False
+    assert router.remove("$share/g/site/+/temp") is False
+    assert router.route("site/1/temp") == {queue}
+    assert router.remove(TopicFilter("site/+/temp")) is True
+    assert router.route("site/1/temp") == set()
+    assert router.filters() == {}
+    assert router.remove("site/+/temp") is False
+    assert router.remove("never/added") is False
+
+
+def test_removal_prunes_the_trie() -> None:
+    router = Router()
+    texts = ["a/b/c", "a/b/#", "a/+/c", "a/b", "#", "+", "/", "a//"]
+    for text in texts:
+        router.add(text)
+    for text in texts:
+        assert router.remove(text) is True
+    assert router._root == {}
+
+
+def test_remove_keeps_siblings() -> None:
+    router = Router()
+    router.add("a/b/c")
+    router.add("a/b")
+    router.add("a/b/#")
+    router.remove("a/b")
+    assert routed_filters(router, "a/b/c") == {"a/b/c", "a/b/#"}
+    assert routed_filters(router, "a/b") == {"a/b/#"}
+
+
+def test_cache_is_invalidated_and_bounded() -> None:
+    router = Router(cache_size=2)
+    assert router.route("a/b") == set()
+    queue = router.add("a/+")
+    assert router.route("a/b") == {queue}
+    for index in range(10):
+        assert router.route(f"a/{index}") == {queue}
+    router.remove("a/+")
+    assert router.route("a/b") == set()
+    assert len(router._cache) <= 2 and len(router._cache_old) <= 2
+
+
+def test_route_result_is_a_fresh_set() -> None:
+    router = Router()
+    queue = router.add("a")
+    router.route("a").add("junk")
+    assert router.route("a") == {queue}
+
+
+def test_uncached_router_routes() -> None:
+    router = Router(cache_size=0)
+    queue = router.add("x/#")
+    assert router.route("x/y") == {queue}
+    assert router.route(Topic("x")) == {queue}
+
+
+@pytest.mark.parametrize("topic", ["", "a/+", "#", "a\x00", "x" * 70_000])
+def test_route_rejects_invalid_topics(topic: str) -> None:
+    router = Router()
+    router.add("#")
+    with pytest.raises(TopicError):
+        router.route(topic)
+
+
+def test_route_accepts_a_long_valid_topic() -> None:
+    router = Router()
+    queue = router.add("#")
+    assert router.route("x" * 20_000) == {queue}
+
+
+def test_membership_and_queue_of() -> None:
+    router = Router()
+    queue = router.add("a/#")
+    assert "a/#" in router and "$share/g/a/#" in router and TopicFilter("a/#") in router
+    assert "b" not in router and "a/#/b" not in router and 5 not in router
+    assert router.queue_of("$share/g/a/#") == queue
+    assert router.queue_of("b") is None
+    assert len(router) == 1
+
+
+def test_snapshot_restores_through_json_with_long_filters() -> None:
+    router = Router(names=NameTable())
+    long_filter = "fleet/" + "v" * 300 + "/+/#"
+    for text in ["a/+", "a/+", "$share/g/b/#", long_filter, "/"]:
+        router.add(text)
+    blob = router.snapshot_bytes()
+    assert json.loads(blob) == router.snapshot()
+    fresh_names = NameTable()
+    restored = Router.restore(blob, names=fresh_names)
+    assert restored.filters() == {"a/+": 2, "b/#": 1, long_filter: 1, "/": 1}
+    long_queue = queue_name(long_filter, fresh_names)
+    assert fresh_names.filter_of(long_queue) == long_filter
+    assert router.snapshot()["names"] == {long_queue: long_filter}
+    for topic in ["a/x", "b", "/", "fleet/" + "v" * 300 + "/1/2"]:
+        assert restored.route(topic) == router.route(topic)
+    restored.remove("a/+")
+    assert restored.filters()["a/+"] == 1
+    assert Router.restore(router.snapshot()).snapshot() == router.snapshot()
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "hint"),
+    [
+        (b"{not json", "not JSON"),
+        ("[]", "not a JSON object"),
+        ({"format": "other", "version": 1, "filters": {}}, "format"),
+        ({"format": "lmqtt.topicmap.router", "version": 9, "filters": {}}, "version"),
+        ({"format": "lmqtt.topicmap.router", "version": 1, "filters": []}, "'filters'"),
+        ({"format": "lmqtt.topicmap.router", "version": 1, "filters": {"a": 0}}, "positive"),
+        ({"format": "lmqtt.topicmap.router", "version": 1, "filters": {"a": True}}, "positive"),
+        ({"format": "lmqtt.topicmap.router", "version": 1, "filters": {"a/#/b": 1}}, "last"),
+        ({"format": "lmqtt.topicmap.router", "version": 1, "filters": {"$share/g/a": 1}}, "once"),
+        (
+            {"format": "lmqtt.topicmap.router", "version": 1, "filters": {}, "names": []},
+            "'names'",
+        ),
+    ],
+)
+def test_restore_rejects_bad_snapshots(snapshot: object, hint: str) -> None:
+    with pytest.raises(TopicError, match=hint):
+        Router.restore(snapshot)  # type: ignore[arg-type]
+
+
+class RouterModel(RuleBasedStateMachine):
+    """Random add / remove / route / snapshot sequences against a dict of refcounts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = Router(names=NameTable(), cache_size=4)
+        self.model: dict[str, int] = {}
+
+    @rule(text=filters(), shared=st.booleans())
+    def add(self, text: str, shared: bool) -> None:
+        self.router.add(f"$share/g/{text}" if shared else text)
+        self.model[text] = self.model.get(text, 0) + 1
+
+    @rule(text=filters())
+    def remove(self, text: str) -> None:
+        last = self.model.get(text) == 1
+        assert self.router.remove(text) is last
+        if text in self.model:
+            self.model[text] -= 1
+            if not self.model[text]:
+                del self.model[text]
+
+    @rule(topic=topics())
+    def route(self, topic: str) -> None:
+        assert routed_filters(self.router, topic) == reference_route(list(self.model), topic)
+
+    @rule()
+    def snapshot_restore(self) -> None:
+        self.router = Router.restore(self.router.snapshot_bytes(), cache_size=4)
+
+    @invariant()
+    def refcounts_match(self) -> None:
+        assert self.router.filters() == self.model
+
+
+TestRouterModel = RouterModel.TestCase
+TestRouterModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
