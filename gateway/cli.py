@@ -1,0 +1,303 @@
+"""The `lmqtt` command: serve, inspect, report, sim.
+
+Exit codes::
+
+    0    normal end (serve: stopped by SIGINT/SIGTERM after a graceful shutdown)
+    1    runtime failure (port busy when chosen explicitly, store locked or damaged, ...)
+    2    usage or settings error (bad flag, bad LMQTT_* value, bad TOML, unknown key)
+    130  second SIGINT/SIGTERM while the graceful shutdown was still running
+
+Errors are one clear line (or one per problem) on stderr, never a traceback; run with
+--log-level DEBUG to have tracebacks of unexpected failures logged.
+
+`report` and `sim` are other packages' commands, imported lazily (the gateway must never import
+pyspark): `lmqtt report ARGS` calls `analytics.cli.main(ARGS)`, `lmqtt sim ARGS` calls
+`gateway.sim.cli.main(ARGS)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gateway.config import DEFAULT_PORT, GatewaySettings, SettingsError, load_settings
+from gateway.logs import configure_logging
+
+__all__ = ["main"]
+
+log = logging.getLogger("lmqtt.cli")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_FORCED = 130
+
+# name -> (module, what to install when it is missing)
+SUBTOOLS: dict[str, tuple[str, str]] = {
+    "report": ("analytics.cli", "pip install 'lmqtt[analytics]' (PySpark, pyarrow, pandas)"),
+    "sim": ("gateway.sim.cli", "pip install 'lmqtt[sim]' (amqtt)"),
+}
+
+
+def _err(message: str) -> None:
+    print(f"lmqtt: {message}", file=sys.stderr, flush=True)
+
+
+def _shown_dir(path: Path) -> str:
+    text = str(path)
+    return text if path.is_absolute() or text.startswith(".") else f"./{text}"
+
+
+# ---------------------------------------------------------------- argument parsing
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmqtt",
+        description="MQTT 3.1.1/5.0 gateway on a CommitLog with light message queues.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway",
+        description="Run the MQTT gateway. Every option is also an LMQTT_<NAME> environment "
+        "variable and a key of the --config TOML file (command line > environment > file).",
+    )
+    serve.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument(
+        "--port",
+        type=int,
+        help=f"TCP port (default {DEFAULT_PORT}, or a free port if it is taken; 0 = any free port)",
+    )
+    serve.add_argument("--data-dir", type=Path, metavar="DIR", help="default ./lmqtt-data")
+    serve.add_argument("--flush", help="async (default) or sync: acknowledge after fsync")
+    serve.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default), ...")
+    serve.add_argument("--log-format", metavar="FMT", help="text (default) or json")
+    serve.add_argument("--sys-interval", type=float, metavar="S", help="$SYS period, 0 = off")
+
+    inspect = sub.add_parser(
+        "inspect",
+        help="show a data directory's queues, offsets, sessions (read-only)",
+        description="Print the store's queues, offsets and backlogs, sessions and "
+        "subscriptions, without a running server. Never writes.",
+    )
+    inspect.add_argument("--data-dir", type=Path, metavar="DIR", help="default ./lmqtt-data")
+    inspect.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+    for name, (module, _) in SUBTOOLS.items():
+        # Listed for --help only: main() hands their arguments over untouched.
+        sub.add_parser(
+            name, help=f"{name} tool ({module}); see 'lmqtt {name} --help'", add_help=False
+        )
+    return parser
+
+
+# ---------------------------------------------------------------- serve
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether binding host:port fails because something listens there. Mirrors asyncio's
+    create_server (SO_REUSEADDR on POSIX), so a TIME_WAIT leftover does not count as busy."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror:
+        return False  # let the real bind report the bad host
+    for family, socktype, proto, _, addr in infos:
+        with socket.socket(family, socktype, proto) as probe:
+            if os.name == "posix":
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def _resolve_port(settings: GatewaySettings) -> tuple[GatewaySettings, bool]:
+    """Apply the 'default port, or a free one' rule; returns (settings, fell_back)."""
+    if settings.port is not None:
+        return settings, False
+    if _port_in_use(settings.host, DEFAULT_PORT):
+        return settings.model_copy(update={"port": 0}), True
+    return settings.model_copy(update={"port": DEFAULT_PORT}), False
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:  # Windows, or a minimal install: the standard loop works too
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+async def _serve(settings: GatewaySettings, fell_back: bool) -> int:
+    from gateway.app import Gateway
+
+    gateway = Gateway(settings)
+    await gateway.start()
+    if fell_back:
+        log.warning(
+            "port %d is in use on %s; listening on free port %d instead",
+            DEFAULT_PORT,
+            settings.host,
+            gateway.port,
+        )
+        _err(
+            f"port {DEFAULT_PORT} is in use; listening on free port {gateway.port} instead"
+            " (pass --port to choose one)"
+        )
+    print(
+        f"lmqtt listening on {settings.host}:{gateway.port},"
+        f" data in {_shown_dir(settings.data_dir)}",
+        flush=True,
+    )
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stopping.is_set():
+            # The operator insists: the store's recovery handles an unclean end.
+            _err(f"{signal.Signals(signum).name} again: exiting without finishing shutdown")
+            os._exit(EXIT_FORCED)
+        log.warning("%s received: shutting down", signal.Signals(signum).name)
+        stopping.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+        except (NotImplementedError, RuntimeError):  # non-POSIX loops
+            signal.signal(signum, lambda s, _f: loop.call_soon_threadsafe(on_signal, s))
+
+    serving = asyncio.ensure_future(gateway.serve_forever())
+    stop_wait = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({serving, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_wait.cancel()
+        await gateway.stop()
+        if not serving.done():
+            serving.cancel()
+        try:
+            await serving
+        except asyncio.CancelledError:
+            pass
+    return EXIT_OK
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(
+            args.config,
+            host=args.host,
+            port=args.port,
+            data_dir=args.data_dir,
+            flush=args.flush,
+            log_level=args.log_level,
+            log_format=args.log_format,
+            sys_interval=args.sys_interval,
+        )
+    except SettingsError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    configure_logging(settings.log_level, settings.log_format)
+    settings, fell_back = _resolve_port(settings)
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(_serve(settings, fell_back))
+    except KeyboardInterrupt:  # SIGINT before the handlers were installed
+        return EXIT_OK
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            _err(f"cannot listen on {settings.host}:{settings.port}: address already in use")
+        else:
+            _err(f"cannot start: {exc}")
+        log.debug("start failure", exc_info=True)
+        return EXIT_FAILURE
+    except ImportError as exc:
+        _err(f"the gateway core is not installed correctly: {exc}")
+        return EXIT_FAILURE
+    except Exception as exc:
+        # StoreError & co. carry operator-readable messages.
+        _err(f"{type(exc).__name__}: {exc}")
+        log.debug("fatal error", exc_info=True)
+        return EXIT_FAILURE
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from gateway.inspect import InspectError, inspect_data_dir, render_json, render_text
+
+    data_dir = args.data_dir
+    if data_dir is None:
+        try:
+            data_dir = load_settings(args.config).data_dir
+        except SettingsError as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+    try:
+        report = inspect_data_dir(data_dir)
+    except InspectError as exc:
+        _err(str(exc))
+        return EXIT_FAILURE
+    if args.json:
+        print(render_json(report), flush=True)
+    else:
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        render_text(report, console)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- sub-tools
+
+
+def _run_subtool(name: str, argv: list[str]) -> int:
+    module_name, install_hint = SUBTOOLS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        if module_name == missing or module_name.startswith(missing + "."):
+            _err(f"'lmqtt {name}' is not available in this installation ({module_name} is missing)")
+        else:  # the tool is there, one of its dependencies is not
+            _err(f"'lmqtt {name}' needs the {missing} package: {install_hint}")
+        return EXIT_FAILURE
+    entry: Any = getattr(module, "main", None)
+    if not callable(entry):
+        _err(f"'lmqtt {name}' is not available: {module_name} has no main()")
+        return EXIT_FAILURE
+    result = entry(argv)
+    return int(result) if isinstance(result, int) else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] in SUBTOOLS:
+        return _run_subtool(args_list[0], args_list[1:])
+    args = _parser().parse_args(args_list)  # exits 2 with usage on bad arguments
+    if args.command == "serve":
+        return _cmd_serve(args)
+    if args.command == "inspect":
+        return _cmd_inspect(args)
+    return EXIT_USAGE  # pragma: no cover - argparse requires a known command
