@@ -1,1 +1,46 @@
-"""lmqtt package."""
+"""Embedded CommitLog store with light message queues (RocketMQ's model, RIP-28 LMQ)."""
+
+from store.config import FlushMode, StoreConfig
+from store.errors import (
+    CorruptStoreError,
+    FlushTimeoutError,
+    InvalidPropertyError,
+    InvalidQueueNameError,
+    MessageTooLargeError,
+    ReadOnlyStoreError,
+    StoreClosedError,
+    StoreError,
+    StoreLockedError,
+)
+from store.recovery import RecoveryReport
+from store.results import (
+    ArrivalListener,
+    GetResult,
+    GetStatus,
+    PutRequest,
+    PutResult,
+    StoredMessage,
+)
+from store.store import MessageStore
+
+__all__ = [
+    "ArrivalListener",
+    "CorruptStoreError",
+    "FlushMode",
+    "FlushTimeoutError",
+    "GetResult",
+    "GetStatus",
+    "InvalidPropertyError",
+    "InvalidQueueNameError",
+    "MessageStore",
+    "MessageTooLargeError",
+    "PutRequest",
+    "PutResult",
+    "ReadOnlyStoreError",
+    "RecoveryReport",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreError",
+    "StoreLockedError",
+    "StoredMessage",
+]

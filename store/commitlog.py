@@ -1,0 +1,179 @@
+"""The CommitLog: an ordered list of segments named by their 20-digit start offset.
+
+Invariants (checked at load): segments are contiguous (each starts where the previous one
+ends), all have the same size, and ``write_pos`` lies in the last one. Offsets are absolute
+byte positions in the log. Not thread-safe: MessageStore holds its lock around every call
+except :meth:`fsync_to`, which only touches file descriptors of live segments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from store.errors import CorruptStoreError, MessageTooLargeError
+from store.format import (
+    BLANK_MAGIC,
+    CRC_TRAILER_SIZE,
+    END_FILE_MIN_BLANK_LENGTH,
+    FIXED_OVERHEAD,
+    SIZE_MAGIC,
+    offset_file_name,
+    parse_offset_file_name,
+    write_record,
+)
+from store.segment import Segment
+
+log = logging.getLogger("lmqtt.store.commitlog")
+
+
+class CommitLog:
+    """Append-only record log over fixed-size memory-mapped segments."""
+
+    def __init__(self, directory: Path, segment_size: int, *, read_only: bool = False) -> None:
+        self.dir = directory
+        self.segment_size = segment_size
+        self.read_only = read_only
+        self.segments: list[Segment] = []
+        #: Next byte to write; also the end of valid data once recovery has run.
+        self.write_pos = 0
+        #: Everything below this offset has been fsynced.
+        self.flushed_pos = 0
+
+    # -- loading ---------------------------------------------------------------------------
+    def load(self) -> None:
+        """Open existing segments, checking names, sizes and contiguity."""
+        if not self.read_only:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        if not self.dir.is_dir():
+            return
+        starts: list[int] = []
+        for entry in os.scandir(self.dir):
+            start = parse_offset_file_name(entry.name)
+            if start is None or not entry.is_file():
+                if entry.name.endswith(".tmp"):
+                    continue
+                raise CorruptStoreError(str(entry.path), "foreign file in the commitlog directory")
+            starts.append(start)
+        starts.sort()
+        if not starts:
+            return
+        size = os.path.getsize(self.dir / offset_file_name(starts[0]))
+        if size != self.segment_size:
+            log.warning(
+                "segments are %d bytes, not the configured %d: keeping %d",
+                size, self.segment_size, size,
+            )  # fmt: skip
+            self.segment_size = size
+        for i, start in enumerate(starts):
+            path = self.dir / offset_file_name(start)
+            if start % self.segment_size:
+                raise CorruptStoreError(str(path), "start offset is not a multiple of the size")
+            if i and start != starts[i - 1] + self.segment_size:
+                raise CorruptStoreError(str(path), "gap before this segment")
+            fsize = os.path.getsize(path)
+            if fsize != self.segment_size:
+                if i == len(starts) - 1 and not self.read_only and fsize < self.segment_size:
+                    # A crash while creating the last segment: finish creating it.
+                    with open(path, "r+b") as f:
+                        f.truncate(self.segment_size)
+                else:
+                    raise CorruptStoreError(str(path), f"size {fsize} != {self.segment_size}")
+            self.segments.append(
+                Segment(path, start, self.segment_size, create=False, read_only=self.read_only)
+            )
+        self.write_pos = self.segments[0].start
+        self.flushed_pos = self.write_pos
+
+    @property
+    def min_offset(self) -> int:
+        return self.segments[0].start if self.segments else self.write_pos
+
+    def segment_for(self, offset: int) -> Segment | None:
+        """The segment containing ``offset`` (None if deleted or not yet written)."""
+        segs = self.segments
+        if not segs:
+            return None
+        i = (offset - segs[0].start) // self.segment_size
+        if 0 <= i < len(segs):
+            return segs[i]
+        return None
+
+    # -- writing -----------------------------------------------------------------------------
+    def _roll(self) -> Segment:
+        start = self.segments[-1].end if self.segments else self.write_pos
+        seg = Segment(
+            self.dir / offset_file_name(start), start, self.segment_size,
+            create=True, read_only=False,
+        )  # fmt: skip
+        self.segments.append(seg)
+        self.write_pos = start
+        return seg
+
+    def max_record_size(self) -> int:
+        return self.segment_size - END_FILE_MIN_BLANK_LENGTH
+
+    def append(
+        self,
+        topic: bytes,
+        body: bytes,
+        properties: bytes,
+        queue_offset: int,
+        born_timestamp: int,
+        store_timestamp: int,
+    ) -> tuple[int, int]:
+        """Append one record; returns ``(physical offset, size)``. Rolls with a blank filler."""
+        size = FIXED_OVERHEAD + len(body) + len(topic) + len(properties) + CRC_TRAILER_SIZE
+        if size > self.segment_size - END_FILE_MIN_BLANK_LENGTH:
+            raise MessageTooLargeError(size, self.segment_size - END_FILE_MIN_BLANK_LENGTH)
+        segs = self.segments
+        seg = segs[-1] if segs else self._roll()
+        rel = self.write_pos - seg.start
+        if rel + size + END_FILE_MIN_BLANK_LENGTH > seg.size:
+            SIZE_MAGIC.pack_into(seg.view, rel, seg.size - rel, BLANK_MAGIC)
+            seg = self._roll()
+            rel = 0
+        phys = self.write_pos
+        write_record(
+            seg.view, rel, topic=topic, body=body, properties=properties,
+            queue_offset=queue_offset, physical_offset=phys,
+            born_timestamp=born_timestamp, store_timestamp=store_timestamp,
+        )  # fmt: skip
+        self.write_pos = phys + size
+        return phys, size
+
+    def fsync_to(self, end: int) -> None:
+        """fsync every segment holding bytes in ``[flushed_pos, end)``."""
+        if end <= self.flushed_pos:
+            return
+        start = self.flushed_pos
+        for seg in list(self.segments):
+            if seg.end > start and seg.start < end:
+                seg.fsync()
+        self.flushed_pos = end
+
+    def truncate(self, offset: int) -> None:
+        """Drop everything from ``offset`` on: zero the rest of its segment, delete later ones."""
+        while self.segments and self.segments[-1].start > offset:
+            seg = self.segments.pop()
+            seg.close()
+            os.unlink(seg.path)
+        last = self.segment_for(offset) if self.segments else None
+        if last is not None:
+            last.zero_from(offset - last.start)
+            last.fsync()
+        self.write_pos = offset
+        self.flushed_pos = min(self.flushed_pos, offset)
+
+    def delete_oldest(self) -> Segment:
+        """Remove the first segment (retention); never the one being written."""
+        seg = self.segments.pop(0)
+        seg.close()
+        os.unlink(seg.path)
+        return seg
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.close()
+        self.segments.clear()

@@ -1,0 +1,322 @@
+"""Consume queues: per-queue arrays of 20-byte units pointing into the CommitLog.
+
+A queue's units live in files of ``units_per_file`` units named by their start byte offset
+(``consumequeue/<encoded name>/0/<20 digits>``); file k holds units ``[k*upf, (k+1)*upf)``.
+Files grow by appending; nothing is preallocated. Units appended by dispatch are buffered in
+``ConsumeQueue.pending`` and written by :meth:`ConsumeQueueTable.write_pending` (on flush);
+reads see both. Queue states are kept in a bounded LRU: an evicted queue writes its pending
+units first and is reloaded from its files when touched again, so memory does not grow with
+the number of queues. Not thread-safe: MessageStore calls everything under its lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+from store.filehandles import FileHandles
+from store.format import (
+    CQ_UNIT,
+    CQ_UNIT_SIZE,
+    QUEUE_ID,
+    decode_queue_dir,
+    encode_queue_dir,
+    offset_file_name,
+    parse_offset_file_name,
+)
+
+log = logging.getLogger("lmqtt.store.consumequeue")
+
+
+class ConsumeQueue:
+    """State of one queue: units ``[min_offset, flushed)`` on disk, then ``pending``."""
+
+    __slots__ = ("dir", "flushed", "max_offset", "min_offset", "name", "pending")
+
+    def __init__(self, name: str, directory: str, min_offset: int, flushed: int) -> None:
+        self.name = name
+        self.dir = directory  # .../consumequeue/<encoded>/0
+        self.min_offset = min_offset
+        self.flushed = flushed
+        self.max_offset = flushed  # next offset to assign
+        self.pending = bytearray()
+
+
+class ConsumeQueueTable:
+    """All consume queues of a store, loaded on demand."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        units_per_file: int,
+        max_open_files: int,
+        max_cached_queues: int,
+        read_only: bool = False,
+    ) -> None:
+        self.root = root
+        self.upf = units_per_file
+        self.file_bytes = units_per_file * CQ_UNIT_SIZE
+        self.read_only = read_only
+        self.files = FileHandles(max_open_files, read_only=read_only)
+        self.max_cached = max_cached_queues
+        self._cache: OrderedDict[str, ConsumeQueue] = OrderedDict()
+        self.dirty: dict[str, ConsumeQueue] = {}
+        #: CommitLog's first offset; units below it were removed by retention.
+        self.log_min_offset = 0
+
+    # -- paths -------------------------------------------------------------------------------
+    def dir_of(self, name: str) -> str:
+        return f"{self.root}/{encode_queue_dir(name)}/{QUEUE_ID}"
+
+    def file_of(self, cq: ConsumeQueue, unit: int) -> str:
+        return f"{cq.dir}/{offset_file_name(unit // self.upf * self.file_bytes)}"
+
+    # -- lookup ------------------------------------------------------------------------------
+    def lookup(self, name: str) -> ConsumeQueue | None:
+        cq = self._cache.get(name)
+        if cq is not None:
+            self._cache.move_to_end(name)
+            return cq
+        cq = self._load(name)
+        if cq is not None:
+            self._insert(cq)
+        return cq
+
+    def get_or_create(self, name: str) -> ConsumeQueue:
+        cq = self._cache.get(name)
+        if cq is not None:
+            self._cache.move_to_end(name)
+            return cq
+        cq = self._load(name) or ConsumeQueue(name, self.dir_of(name), 0, 0)
+        self._insert(cq)
+        return cq
+
+    def cached(self) -> Iterator[ConsumeQueue]:
+        return iter(list(self._cache.values()))
+
+    def _insert(self, cq: ConsumeQueue) -> None:
+        self._cache[cq.name] = cq
+
+    def evict_overflow(self) -> None:
+        """Drop least recently used states beyond the bound, writing their pending units.
+
+        Called at the end of a critical section, never in the middle of one, so a state a
+        caller still holds is never replaced by a second copy loaded from disk.
+        """
+        while len(self._cache) > self.max_cached:
+            _, old = self._cache.popitem(last=False)
+            if old.pending:
+                self._write(old)
+                self.dirty.pop(old.name, None)
+
+    def _list_files(self, directory: str) -> list[int]:
+        try:
+            names = os.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        starts = []
+        for n in names:
+            s = parse_offset_file_name(n)
+            if s is None or s % self.file_bytes:
+                log.warning("ignoring foreign file %s/%s", directory, n)
+                continue
+            starts.append(s // CQ_UNIT_SIZE)
+        starts.sort()
+        return starts
+
+    def _load(self, name: str) -> ConsumeQueue | None:
+        directory = self.dir_of(name)
+        starts = self._list_files(directory)
+        if not starts:
+            if not self.read_only and os.path.isdir(directory):
+                return ConsumeQueue(name, directory, 0, 0)
+            return None
+        # Use the contiguous run of files that ends with the newest one.
+        first = len(starts) - 1
+        while first > 0 and starts[first - 1] == starts[first] - self.upf:
+            first -= 1
+        if first:
+            log.error("queue %r: files missing before unit %d", name, starts[first])
+        last = starts[-1]
+        size = os.path.getsize(f"{directory}/{offset_file_name(last * CQ_UNIT_SIZE)}")
+        flushed = last + size // CQ_UNIT_SIZE
+        cq = ConsumeQueue(name, directory, starts[first], flushed)
+        if self.log_min_offset:
+            self.correct_min_offset(cq)
+        return cq
+
+    def has_gap(self, name: str) -> bool:
+        """True if the queue's files are not contiguous or end in a partial unit."""
+        directory = self.dir_of(name)
+        starts = self._list_files(directory)
+        for a, b in itertools.pairwise(starts):
+            if b != a + self.upf:
+                return True
+        for s in starts[:-1]:
+            if os.path.getsize(f"{directory}/{offset_file_name(s * CQ_UNIT_SIZE)}") != (
+                self.file_bytes
+            ):
+                return True
+        return False
+
+    def disk_names(self) -> Iterator[str]:
+        """Names of queues with a directory on disk."""
+        try:
+            entries = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        for e in entries:
+            name = decode_queue_dir(e)
+            if name is None:
+                log.warning("ignoring foreign entry %s/%s", self.root, e)
+                continue
+            yield name
+
+    def names(self) -> list[str]:
+        seen = dict.fromkeys(self.disk_names())
+        for n in self._cache:
+            seen[n] = None
+        return list(seen)
+
+    # -- writing -----------------------------------------------------------------------------
+    def append(self, cq: ConsumeQueue, unit: bytes) -> None:
+        cq.pending += unit
+        cq.max_offset += 1
+        self.dirty[cq.name] = cq
+
+    def _write(self, cq: ConsumeQueue) -> list[str]:
+        """Write ``cq.pending`` to its files; returns the paths written."""
+        data = memoryview(bytes(cq.pending))
+        unit = cq.flushed
+        written = []
+        while data:
+            path = self.file_of(cq, unit)
+            room = self.upf - unit % self.upf
+            chunk = data[: room * CQ_UNIT_SIZE]
+            if unit % self.upf == 0 or not os.path.isdir(cq.dir):
+                os.makedirs(cq.dir, exist_ok=True)
+            self.files.pwrite(path, chunk, (unit % self.upf) * CQ_UNIT_SIZE)
+            written.append(path)
+            unit += len(chunk) // CQ_UNIT_SIZE
+            data = data[len(chunk) :]
+        cq.flushed = unit
+        cq.pending = bytearray()
+        return written
+
+    def write_pending(self) -> list[str]:
+        """Write every queue's buffered units; returns the files written (to fsync)."""
+        written: list[str] = []
+        for cq in self.dirty.values():
+            if cq.pending:
+                written += self._write(cq)
+        self.dirty.clear()
+        return written
+
+    # -- reading -----------------------------------------------------------------------------
+    def read_units(self, cq: ConsumeQueue, offset: int, count: int) -> bytes:
+        """Units ``[offset, offset + count)`` clipped to the queue end and one file."""
+        count = min(count, cq.max_offset - offset)
+        if count <= 0:
+            return b""
+        if offset >= cq.flushed:
+            p = (offset - cq.flushed) * CQ_UNIT_SIZE
+            return bytes(cq.pending[p : p + count * CQ_UNIT_SIZE])
+        in_file = min(count, cq.flushed - offset, self.upf - offset % self.upf)
+        data = self.files.pread(
+            self.file_of(cq, offset), in_file * CQ_UNIT_SIZE, (offset % self.upf) * CQ_UNIT_SIZE
+        )
+        if in_file < count and offset + in_file == cq.flushed and len(data) == in_file * 20:
+            data += cq.pending[: (count - in_file) * CQ_UNIT_SIZE]
+        return data
+
+    def unit_at(self, cq: ConsumeQueue, offset: int) -> tuple[int, int] | None:
+        data = self.read_units(cq, offset, 1)
+        if len(data) < CQ_UNIT_SIZE:
+            return None
+        phys, size, _tag = CQ_UNIT.unpack(data)
+        return phys, size
+
+    def first_unit_at_or_after(self, cq: ConsumeQueue, lo: int, hi: int, phys: int) -> int:
+        """Smallest offset in ``[lo, hi)`` whose unit points at or past ``phys`` (else hi)."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            u = self.unit_at(cq, mid)
+            if u is not None and u[0] >= phys:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def correct_min_offset(self, cq: ConsumeQueue) -> None:
+        """Move ``min_offset`` past units whose messages retention deleted."""
+        u = self.unit_at(cq, cq.min_offset)
+        if u is not None and u[0] < self.log_min_offset:
+            cq.min_offset = self.first_unit_at_or_after(
+                cq, cq.min_offset, cq.max_offset, self.log_min_offset
+            )
+
+    # -- truncation (recovery, retention) ------------------------------------------------------
+    def truncate(self, cq: ConsumeQueue, offset: int) -> None:
+        """Drop units ``[offset, max_offset)``."""
+        if offset >= cq.max_offset:
+            return
+        if offset >= cq.flushed:
+            del cq.pending[(offset - cq.flushed) * CQ_UNIT_SIZE :]
+        else:
+            cq.pending = bytearray()
+            self.dirty.pop(cq.name, None)
+            kept = False
+            for start in self._list_files(cq.dir):
+                path = f"{cq.dir}/{offset_file_name(start * CQ_UNIT_SIZE)}"
+                if start + self.upf <= offset:
+                    kept = True
+                    continue
+                self.files.forget(path)
+                if start < offset or (start == offset and not kept):
+                    # Keep the file holding the cut (an empty one at a boundary), so a reload
+                    # still knows where the queue ends.
+                    os.truncate(path, (offset - start) * CQ_UNIT_SIZE)
+                    kept = True
+                else:
+                    os.unlink(path)
+            cq.flushed = offset
+        cq.max_offset = offset
+        cq.min_offset = min(cq.min_offset, offset)
+
+    def truncate_past(self, cq: ConsumeQueue, phys_end: int) -> int:
+        """Drop units pointing at or beyond ``phys_end``; returns how many were dropped."""
+        cut = self.first_unit_at_or_after(cq, cq.min_offset, cq.max_offset, phys_end)
+        dropped = cq.max_offset - cut
+        self.truncate(cq, cut)
+        return dropped
+
+    def reset(self, cq: ConsumeQueue, offset: int) -> None:
+        """Empty the queue so that its next unit is ``offset`` (rebuild after a gap)."""
+        self.files.forget_under(cq.dir + "/")
+        shutil.rmtree(cq.dir, ignore_errors=True)
+        self.dirty.pop(cq.name, None)
+        cq.pending = bytearray()
+        cq.min_offset = cq.flushed = cq.max_offset = offset
+
+    def delete_files_below(self, cq: ConsumeQueue, log_min: int) -> int:
+        """Retention: delete whole files whose every unit points below ``log_min``."""
+        deleted = 0
+        for start in self._list_files(cq.dir)[:-1]:
+            path = f"{cq.dir}/{offset_file_name(start * CQ_UNIT_SIZE)}"
+            u = self.unit_at(cq, min(start + self.upf, cq.flushed) - 1)
+            if u is None or u[0] >= log_min:
+                break
+            self.files.forget(path)
+            os.unlink(path)
+            deleted += 1
+            cq.min_offset = max(cq.min_offset, start + self.upf)
+        return deleted
+
+    def close(self) -> None:
+        self.files.close()

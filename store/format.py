@@ -1,0 +1,499 @@
+"""On-disk formats of the store: CommitLog records, consume-queue units, file names.
+
+Pure module: no I/O, no side effects on import, standard library only. The analytics package
+reads CommitLog segments with nothing but this module, so everything a reader needs to
+interpret the files lives here.
+
+CommitLog record (RocketMQ message layout v1, IPv4 hosts, big-endian)::
+
+    offset size field
+       0    4  TOTALSIZE                 whole record, this field included
+       4    4  MAGICCODE                 0xDAA320A7 (MAGIC)
+       8    4  BODYCRC                   crc32(body) & 0x7FFFFFFF
+      12    4  QUEUEID                   always 0: one queue per parent topic
+      16    4  FLAG                      0
+      20    8  QUEUEOFFSET               offset of the message in its parent queue
+      28    8  PHYSICALOFFSET            offset of this record in the CommitLog
+      36    4  SYSFLAG                   0 (IPv4 hosts, uncompressed)
+      40    8  BORNTIMESTAMP             ms since the epoch, given by the producer
+      48    8  BORNHOST                  IPv4 4 + port 4 (zeros: the gateway keeps the client id)
+      56    8  STORETIMESTAMP            ms since the epoch, taken under the append lock
+      64    8  STOREHOST                 IPv4 4 + port 4 (zeros)
+      72    4  RECONSUMETIMES            0
+      76    8  PREPAREDTRANSACTIONOFFSET 0
+      84    4  BODYLENGTH  + BODY
+       .    1  TOPICLENGTH + TOPIC       UTF-8, at most 127 bytes
+       .    2  PROPERTIESLENGTH + PROPERTIES
+
+    PROPERTIES = key \\x01 value \\x02  key \\x01 value \\x02 ... "__CRC32#" \\x01 dddddddddd \\x02
+                                                              '-------- CRC_TRAILER: 20 bytes --'
+    The final property is always __CRC32#, ten zero-padded decimal digits of
+    crc32(record[0 : TOTALSIZE - 20]) & 0x7FFFFFFF, as RocketMQ 5.x writes it with
+    enabledAppendPropCRC, so a torn record is detected wherever the tear is.
+    INNER_MULTI_DISPATCH     = comma-separated light queue names the message was dispatched to
+    INNER_MULTI_QUEUE_OFFSET = the message's offset in each of them, same order
+
+Blank filler, written when a record (plus 8 bytes) does not fit at the end of a segment::
+
+    +----------------------+----------------------+- - - - - - - - - - -+
+    | remaining bytes (4)  | BLANK_MAGIC (4)      |  unused to segment end |
+    +----------------------+----------------------+- - - - - - - - - - -+
+
+Consume-queue unit (20 bytes, big-endian); queue offset N is unit N::
+
+    +---------------------------+----------------+---------------------------+
+    | CommitLog offset (int64)  | size (int32)   | tag hash (int64, always 0) |
+    +---------------------------+----------------+---------------------------+
+
+File names::
+
+    <data_dir>/commitlog/<20-digit start byte offset>
+    <data_dir>/consumequeue/<encoded queue name>/0/<20-digit start byte offset in the queue>
+
+A consume-queue file holds at most ``units_per_file`` units (300,000 in RocketMQ) and grows on
+demand instead of being preallocated.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+# ---------------------------------------------------------------------------------------------
+# Record constants
+# ---------------------------------------------------------------------------------------------
+MAGIC: Final = 0xDAA320A7
+BLANK_MAGIC: Final = 0xCBD43194
+
+#: Fixed part of a record, TOTALSIZE through BODYLENGTH (88 bytes); see the table above.
+HEADER: Final = struct.Struct(">iIIiiqqiqIiqIiiqi")
+HEADER_SIZE: Final = HEADER.size  # 88
+#: Bytes of a record besides body, topic and properties (RocketMQ's "91 bytes" for IPv4).
+FIXED_OVERHEAD: Final = HEADER_SIZE + 1 + 2
+#: Offsets of the fields readers need without decoding the whole header.
+OFF_TOTALSIZE: Final = 0
+OFF_MAGIC: Final = 4
+OFF_QUEUEOFFSET: Final = 20
+OFF_PHYSICALOFFSET: Final = 28
+OFF_BORNTIMESTAMP: Final = 40
+OFF_STORETIMESTAMP: Final = 56
+OFF_BODYLENGTH: Final = 84
+OFF_BODY: Final = 88
+
+SIZE_MAGIC: Final = struct.Struct(">iI")  # TOTALSIZE + MAGICCODE, also the blank filler
+INT64: Final = struct.Struct(">q")
+INT32: Final = struct.Struct(">i")
+TOPIC_LEN: Final = struct.Struct(">B")
+PROPS_LEN: Final = struct.Struct(">H")
+
+#: A segment always keeps room for a blank filler header (RocketMQ END_FILE_MIN_BLANK_LENGTH).
+END_FILE_MIN_BLANK_LENGTH: Final = 8
+MAX_TOPIC_BYTES: Final = 127  # TOPICLENGTH is a (signed, in Java) byte
+MAX_PROPERTIES_BYTES: Final = 32767  # PROPERTIESLENGTH is a (signed, in Java) short
+
+# ---------------------------------------------------------------------------------------------
+# Properties
+# ---------------------------------------------------------------------------------------------
+NAME_VALUE_SEPARATOR: Final = "\x01"
+PROPERTY_SEPARATOR: Final = "\x02"
+PROP_MULTI_DISPATCH: Final = "INNER_MULTI_DISPATCH"
+PROP_MULTI_QUEUE_OFFSET: Final = "INNER_MULTI_QUEUE_OFFSET"
+PROP_CRC32: Final = "__CRC32#"
+MULTI_DISPATCH_SEPARATOR: Final = ","
+#: Keys the store writes itself; callers may not set them.
+RESERVED_PROPERTIES: Final = frozenset({PROP_MULTI_DISPATCH, PROP_MULTI_QUEUE_OFFSET, PROP_CRC32})
+
+CRC_PREFIX: Final = (PROP_CRC32 + NAME_VALUE_SEPARATOR).encode()
+#: "__CRC32#" \x01 + 10 digits + \x02
+CRC_TRAILER_SIZE: Final = len(CRC_PREFIX) + 10 + 1  # 20
+CRC_MASK: Final = 0x7FFFFFFF  # RocketMQ's UtilAll.crc32 masks the sign bit
+
+_DISPATCH_PREFIX: Final = (PROP_MULTI_DISPATCH + NAME_VALUE_SEPARATOR).encode()
+_QOFFSET_PREFIX: Final = (PROP_MULTI_QUEUE_OFFSET + NAME_VALUE_SEPARATOR).encode()
+
+# ---------------------------------------------------------------------------------------------
+# Consume-queue unit
+# ---------------------------------------------------------------------------------------------
+CQ_UNIT: Final = struct.Struct(">qiq")
+CQ_UNIT_SIZE: Final = CQ_UNIT.size  # 20
+CQ_UNITS_PER_FILE: Final = 300_000
+QUEUE_ID: Final = 0  # every queue, parent or light, is queue 0 of its name
+
+# ---------------------------------------------------------------------------------------------
+# Directory and file names
+# ---------------------------------------------------------------------------------------------
+COMMITLOG_DIR: Final = "commitlog"
+CONSUMEQUEUE_DIR: Final = "consumequeue"
+CONFIG_DIR: Final = "config"
+CHECKPOINT_FILE: Final = "checkpoint"
+ABORT_FILE: Final = "abort"
+LOCK_FILE: Final = "lock"
+FILE_NAME_DIGITS: Final = 20
+#: Longest encoded queue directory name; file systems allow 255 bytes per component.
+MAX_ENCODED_NAME: Final = 240
+
+#: Characters kept as they are in a queue's directory name. '%' stays so "%LMQ%x" and
+#: "%RETAIN%" read as in RocketMQ; '+' is the escape character and is itself escaped.
+_SAFE_NAME_CHARS: Final = frozenset(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.%"
+)
+
+
+def offset_file_name(offset: int) -> str:
+    """20-digit zero-padded name of a file starting at ``offset`` (RocketMQ's naming)."""
+    return f"{offset:020d}"
+
+
+def parse_offset_file_name(name: str) -> int | None:
+    """Start offset of a file named by :func:`offset_file_name`, or None for any other name."""
+    if len(name) != FILE_NAME_DIGITS or not name.isascii() or not name.isdigit():
+        return None
+    return int(name)
+
+
+def commitlog_path(start_offset: int) -> str:
+    """Path of a CommitLog segment relative to the data directory."""
+    return f"{COMMITLOG_DIR}/{offset_file_name(start_offset)}"
+
+
+def consumequeue_path(queue: str, start_unit: int) -> str:
+    """Path of the consume-queue file of ``queue`` holding unit ``start_unit`` first."""
+    return (
+        f"{CONSUMEQUEUE_DIR}/{encode_queue_dir(queue)}/{QUEUE_ID}/"
+        f"{offset_file_name(start_unit * CQ_UNIT_SIZE)}"
+    )
+
+
+def encode_queue_dir(queue: str) -> str:
+    """Reversible, collision-free directory name for an opaque queue name.
+
+    Bytes outside ``[A-Za-z0-9_.%-]`` of the UTF-8 form become ``+HH``; a name made only of
+    dots gets its first dot escaped so "." and ".." never appear. Raises ValueError for names
+    that cannot be a file-name component (empty, or longer than MAX_ENCODED_NAME encoded).
+    """
+    if not queue:
+        raise ValueError("empty queue name")
+    if all(c in _SAFE_NAME_CHARS for c in queue) and queue.strip("."):
+        encoded = queue
+    else:
+        out: list[str] = []
+        for b in queue.encode("utf-8", "surrogatepass"):
+            c = chr(b)
+            out.append(c if c in _SAFE_NAME_CHARS else f"+{b:02X}")
+        if not queue.strip("."):
+            out[0] = "+2E"
+        encoded = "".join(out)
+    if len(encoded) > MAX_ENCODED_NAME:
+        raise ValueError(f"queue name too long for a file name ({len(encoded)} bytes encoded)")
+    return encoded
+
+
+def decode_queue_dir(name: str) -> str | None:
+    """Inverse of :func:`encode_queue_dir`; None for a name it never produces."""
+    if "+" not in name:
+        return name if name and all(c in _SAFE_NAME_CHARS for c in name) else None
+    raw = bytearray()
+    i, n = 0, len(name)
+    while i < n:
+        c = name[i]
+        if c == "+":
+            h = name[i + 1 : i + 3]
+            if len(h) != 2 or any(x not in "0123456789ABCDEF" for x in h):
+                return None
+            raw.append(int(h, 16))
+            i += 3
+        elif c in _SAFE_NAME_CHARS:
+            raw.append(ord(c))
+            i += 1
+        else:
+            return None
+    try:
+        return raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Codec
+# ---------------------------------------------------------------------------------------------
+def encode_properties(properties: dict[str, str] | None) -> bytes:
+    """``key\\x01value\\x02`` pairs (no CRC trailer). Separators inside keys/values are refused."""
+    if not properties:
+        return b""
+    parts = []
+    for k, v in properties.items():
+        if not k or "\x01" in k or "\x02" in k or "\x01" in v or "\x02" in v:
+            raise ValueError(f"property {k!r} contains a separator or is empty")
+        parts.append(f"{k}\x01{v}\x02")
+    return "".join(parts).encode("utf-8")
+
+
+def dispatch_properties(queues: Sequence[str], offsets: list[int]) -> bytes:
+    """INNER_MULTI_DISPATCH and INNER_MULTI_QUEUE_OFFSET properties for light queues."""
+    if not queues:
+        return b""
+    return b"".join(
+        (
+            _DISPATCH_PREFIX,
+            ",".join(queues).encode("utf-8"),
+            b"\x02",
+            _QOFFSET_PREFIX,
+            ",".join(map(str, offsets)).encode(),
+            b"\x02",
+        )
+    )
+
+
+def record_size(body_len: int, topic_len: int, props_len: int) -> int:
+    """TOTALSIZE of a record; ``props_len`` excludes the CRC trailer."""
+    return FIXED_OVERHEAD + body_len + topic_len + props_len + CRC_TRAILER_SIZE
+
+
+def write_record(
+    buf: bytearray | memoryview,
+    pos: int,
+    *,
+    topic: bytes,
+    body: bytes,
+    properties: bytes,
+    queue_offset: int,
+    physical_offset: int,
+    born_timestamp: int,
+    store_timestamp: int,
+) -> int:
+    """Write one record into ``buf`` at ``pos`` and return its size.
+
+    ``properties`` is the encoded property string without the CRC trailer, which is computed
+    here over the finished record. The caller guarantees room and valid lengths.
+    """
+    blen = len(body)
+    tlen = len(topic)
+    plen = len(properties) + CRC_TRAILER_SIZE
+    size = FIXED_OVERHEAD + blen + tlen + plen
+    HEADER.pack_into(
+        buf, pos, size, MAGIC, zlib.crc32(body) & CRC_MASK, QUEUE_ID, 0, queue_offset,
+        physical_offset, 0, born_timestamp, 0, 0, store_timestamp, 0, 0, 0, 0, blen,
+    )  # fmt: skip
+    p = pos + HEADER_SIZE
+    buf[p : p + blen] = body
+    p += blen
+    buf[p] = tlen
+    buf[p + 1 : p + 1 + tlen] = topic
+    p += 1 + tlen
+    PROPS_LEN.pack_into(buf, p, plen)
+    p += 2
+    buf[p : p + len(properties)] = properties
+    end = pos + size - CRC_TRAILER_SIZE
+    crc = zlib.crc32(memoryview(buf)[pos:end]) & CRC_MASK
+    buf[end : pos + size] = b"__CRC32#\x01%010d\x02" % crc
+    return size
+
+
+def encode_record(
+    *,
+    topic: str,
+    body: bytes,
+    properties: dict[str, str] | None = None,
+    queues: list[str] | tuple[str, ...] = (),
+    queue_offsets: list[int] | None = None,
+    queue_offset: int = 0,
+    physical_offset: int = 0,
+    born_timestamp: int = 0,
+    store_timestamp: int = 0,
+) -> bytes:
+    """Encode a complete record (convenience form of :func:`write_record`)."""
+    t = topic.encode("utf-8")
+    if not 0 < len(t) <= MAX_TOPIC_BYTES:
+        raise ValueError("topic must be 1..127 UTF-8 bytes")
+    props = encode_properties(properties) + dispatch_properties(
+        queues, queue_offsets if queue_offsets is not None else [0] * len(queues)
+    )
+    if len(props) + CRC_TRAILER_SIZE > MAX_PROPERTIES_BYTES:
+        raise ValueError("properties too long")
+    buf = bytearray(record_size(len(body), len(t), len(props)))
+    write_record(
+        buf, 0, topic=t, body=body, properties=props, queue_offset=queue_offset,
+        physical_offset=physical_offset, born_timestamp=born_timestamp,
+        store_timestamp=store_timestamp,
+    )  # fmt: skip
+    return bytes(buf)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedRecord:
+    """One CommitLog record as stored. ``properties`` holds every property except __CRC32#."""
+
+    size: int
+    queue_offset: int
+    physical_offset: int
+    born_timestamp: int
+    store_timestamp: int
+    topic: str
+    body: bytes
+    properties: dict[str, str]
+
+    @property
+    def queues(self) -> list[str]:
+        """Light queues of INNER_MULTI_DISPATCH (empty if none)."""
+        v = self.properties.get(PROP_MULTI_DISPATCH)
+        return v.split(MULTI_DISPATCH_SEPARATOR) if v else []
+
+    @property
+    def queue_offsets(self) -> list[int]:
+        """Offsets of INNER_MULTI_QUEUE_OFFSET (empty if none)."""
+        v = self.properties.get(PROP_MULTI_QUEUE_OFFSET)
+        return [int(x) for x in v.split(MULTI_DISPATCH_SEPARATOR)] if v else []
+
+
+class _Blank:
+    """Marker type of :data:`BLANK`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "BLANK"
+
+
+#: Returned by :func:`decode_record` for a blank filler: the rest of the segment is unused.
+BLANK: Final = _Blank()
+
+
+def parse_properties(raw: bytes | str) -> dict[str, str]:
+    """Parse ``key\\x01value\\x02`` pairs; malformed pairs raise ValueError."""
+    s = raw.decode("utf-8") if isinstance(raw, bytes | bytearray | memoryview) else raw
+    out: dict[str, str] = {}
+    if not s:
+        return out
+    if not s.endswith("\x02"):
+        raise ValueError("properties do not end with a separator")
+    for pair in s[:-1].split("\x02"):
+        k, sep, v = pair.partition("\x01")
+        if not sep or not k or "\x01" in v:
+            raise ValueError(f"malformed property {pair!r}")
+        out[k] = v
+    return out
+
+
+def check_record(buf: bytes | bytearray | memoryview | object, pos: int, limit: int) -> int:
+    """Validate the record at ``pos`` without decoding it.
+
+    Returns the record size (> 0) if magic, length bounds and the __CRC32# trailer check out,
+    0 for a blank filler or unwritten space (TOTALSIZE 0), and -1 for anything else (torn or
+    corrupt). ``limit`` is the end of readable data (segment end).
+    """
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)  # type: ignore[arg-type]
+    if pos + 8 > limit:
+        return 0 if pos >= limit or not any(mv[pos:limit]) else -1
+    size, magic = SIZE_MAGIC.unpack_from(mv, pos)
+    if magic == BLANK_MAGIC:
+        return 0 if size == limit - pos else -1
+    if magic != MAGIC:
+        return 0 if size == 0 and magic == 0 else -1
+    if size < FIXED_OVERHEAD + 1 + CRC_TRAILER_SIZE or pos + size > limit:
+        return -1
+    end = pos + size
+    trailer = mv[end - CRC_TRAILER_SIZE : end]
+    if trailer[:9] != CRC_PREFIX or trailer[19] != 2:
+        return -1
+    digits = bytes(trailer[9:19])
+    if not digits.isdigit():
+        return -1
+    if zlib.crc32(mv[pos : end - CRC_TRAILER_SIZE]) & CRC_MASK != int(digits):
+        return -1
+    # Inner lengths must add up exactly, or the CRC matched by accident of a foreign writer.
+    blen = INT32.unpack_from(mv, pos + OFF_BODYLENGTH)[0]
+    p = pos + HEADER_SIZE + blen
+    if blen < 0 or p + 3 > end:
+        return -1
+    tlen = mv[p]
+    p += 1 + tlen
+    if p + 2 > end:
+        return -1
+    plen = PROPS_LEN.unpack_from(mv, p)[0]
+    if p + 2 + plen != end:
+        return -1
+    return int(size)
+
+
+def decode_record(
+    buf: bytes | bytearray | memoryview, pos: int = 0, limit: int | None = None
+) -> tuple[DecodedRecord | _Blank | None, int]:
+    """Decode the record at ``pos``.
+
+    Returns ``(record, size)`` for a valid record, ``(BLANK, bytes to segment end)`` for a
+    blank filler or unwritten (zero) space, and ``(None, 0)`` for a torn or corrupt record.
+    Never raises on malformed input.
+    """
+    mv = memoryview(buf)
+    end_limit = len(mv) if limit is None else min(limit, len(mv))
+    size = check_record(mv, pos, end_limit)
+    if size == 0:
+        return BLANK, max(0, end_limit - pos)
+    if size < 0:
+        return None, 0
+    (
+        _size, _magic, _bcrc, _qid, _flag, qoff, phys, _sysflag, born, _bip, _bport,
+        store_ts, _sip, _sport, _reconsume, _prep, blen,
+    ) = HEADER.unpack_from(mv, pos)  # fmt: skip
+    p = pos + HEADER_SIZE
+    body = bytes(mv[p : p + blen])
+    p += blen
+    tlen = mv[p]
+    try:
+        topic = bytes(mv[p + 1 : p + 1 + tlen]).decode("utf-8")
+        p += 1 + tlen
+        plen = PROPS_LEN.unpack_from(mv, p)[0]
+        props = parse_properties(bytes(mv[p + 2 : p + 2 + plen - CRC_TRAILER_SIZE]))
+    except ValueError:  # UnicodeDecodeError included
+        return None, 0
+    return DecodedRecord(size, qoff, phys, born, store_ts, topic, body, props), size
+
+
+def iter_records(
+    buf: bytes | bytearray | memoryview, start: int = 0, limit: int | None = None
+) -> Iterator[DecodedRecord]:
+    """Records of one segment buffer from ``start`` up to the first blank, gap or bad record."""
+    pos = start
+    end = len(buf) if limit is None else limit
+    while pos < end:
+        rec, size = decode_record(buf, pos, end)
+        if not isinstance(rec, DecodedRecord):
+            return
+        yield rec
+        pos += size
+
+
+def dispatch_info(
+    buf: bytes | bytearray | memoryview, pos: int
+) -> tuple[str, int, list[str], list[int]]:
+    """``(topic, parent queue offset, light queues, light offsets)`` of a record known valid.
+
+    Cheaper than :func:`decode_record`: the body is skipped and only the INNER_* properties
+    are looked at. Used by recovery to re-dispatch consume-queue units.
+    """
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    size = INT32.unpack_from(mv, pos)[0]
+    qoff = INT64.unpack_from(mv, pos + OFF_QUEUEOFFSET)[0]
+    blen = INT32.unpack_from(mv, pos + OFF_BODYLENGTH)[0]
+    p = pos + HEADER_SIZE + blen
+    tlen = mv[p]
+    topic = str(mv[p + 1 : p + 1 + tlen], "utf-8")
+    p += 3 + tlen
+    props = bytes(mv[p : pos + size - CRC_TRAILER_SIZE])
+    # The store writes its INNER_* pair last, so the last match is it, if it starts a pair.
+    i = props.rfind(_DISPATCH_PREFIX)
+    if i < 0 or (i > 0 and props[i - 1] != 2):
+        return topic, qoff, [], []
+    j = props.index(b"\x02", i)
+    queues = props[i + len(_DISPATCH_PREFIX) : j].decode("utf-8").split(",")
+    k = props.rfind(_QOFFSET_PREFIX)
+    if k < 0 or props[k - 1] != 2:
+        raise ValueError("INNER_MULTI_DISPATCH without INNER_MULTI_QUEUE_OFFSET")
+    m = props.index(b"\x02", k)
+    offsets = [int(x) for x in props[k + len(_QOFFSET_PREFIX) : m].split(b",")]
+    if len(offsets) != len(queues):
+        raise ValueError("INNER_MULTI_DISPATCH and INNER_MULTI_QUEUE_OFFSET differ in length")
+    return topic, qoff, queues, offsets

@@ -1,0 +1,253 @@
+"""Recovery: make the consume queues agree with the CommitLog after open.
+
+Clean restart (no ``abort`` marker, valid checkpoint whose offsets agree): trust the
+checkpoint, check the log holds nothing past its end, done; no rescan.
+
+Abnormal restart (``abort`` present, or checkpoint missing/stale/inconsistent):
+
+1. Validate the CommitLog from ``scan_start`` (the lower checkpoint offset, or the first
+   segment) record by record: magic, length bounds, inner lengths and the ``__CRC32#`` trailer.
+   A blank filler moves to the next segment; unwritten space or the first bad record is the
+   end. Everything after the end is cut (zeroed / segments deleted) and logged.
+2. Every consume queue on disk drops units pointing at or past ``scan_start``: they are
+   re-derived in step 3 (this also removes units pointing past the cut log end).
+3. Re-dispatch every record in ``[scan_start, end)`` at the offsets recorded in the record
+   (QUEUEOFFSET for the parent queue, INNER_MULTI_QUEUE_OFFSET for light queues).
+4. A queue whose next recorded offset is beyond its end lost units before ``scan_start``
+   (deleted files): it is emptied and rebuilt from the whole log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from store.checkpoint import Checkpoint
+from store.commitlog import CommitLog
+from store.consumequeue import ConsumeQueueTable
+from store.errors import CorruptStoreError
+from store.format import BLANK_MAGIC, CQ_UNIT, MAGIC, SIZE_MAGIC, check_record, dispatch_info
+
+log = logging.getLogger("lmqtt.store.recovery")
+
+
+@dataclass
+class RecoveryReport:
+    """What open() found and did; logged and exposed as ``MessageStore.recovery``."""
+
+    abnormal: bool
+    scan_start: int = 0
+    log_end: int = 0
+    records_scanned: int = 0
+    truncated_at: int | None = None
+    truncated_bytes: int = 0
+    units_dropped: int = 0
+    queues_rebuilt: list[str] = field(default_factory=list)
+    reason: str = ""
+
+
+def scan_log(commitlog: CommitLog, start: int) -> tuple[int, int, bool]:
+    """Validate records from ``start``: returns ``(end, records, stopped_at_bad_record)``."""
+    pos = start
+    n = 0
+    while True:
+        seg = commitlog.segment_for(pos)
+        if seg is None:
+            return pos, n, False
+        rel = pos - seg.start
+        r = check_record(seg.view, rel, seg.size)
+        if r > 0:
+            pos += r
+            n += 1
+            continue
+        if r == 0 and rel + 8 <= seg.size:
+            _size, magic = SIZE_MAGIC.unpack_from(seg.view, rel)
+            if magic == BLANK_MAGIC and commitlog.segment_for(seg.end) is not None:
+                pos = seg.end
+                continue
+            if magic == BLANK_MAGIC:
+                return seg.end, n, False
+        return pos, n, r < 0
+
+
+def _bytes_after(commitlog: CommitLog, pos: int) -> int:
+    """Rough count of bytes a truncation at ``pos`` discards (for the log message)."""
+    total = 0
+    for seg in commitlog.segments:
+        if seg.end <= pos:
+            continue
+        lo = max(pos, seg.start) - seg.start
+        chunk = seg.view[lo:]
+        stripped = bytes(chunk).rstrip(b"\0")
+        total += len(stripped)
+    return total
+
+
+def _clean_end(commitlog: CommitLog, cp: Checkpoint) -> int | None:
+    """Log end from a clean shutdown's checkpoint, or None if it does not hold up."""
+    end = cp.log_flushed_offset
+    if cp.queues_flushed_offset != end:
+        return None
+    if not commitlog.segments:
+        return end if end == 0 or end == commitlog.write_pos else None
+    if not commitlog.min_offset <= end <= commitlog.segments[-1].end:
+        return None
+    seg = commitlog.segment_for(end)
+    if seg is not None:
+        rel = end - seg.start
+        if rel + 8 <= seg.size:
+            size, magic = SIZE_MAGIC.unpack_from(seg.view, rel)
+            if magic == MAGIC or ((size, magic) != (0, 0) and magic != BLANK_MAGIC):
+                return None  # data past the checkpoint: not a clean shutdown after all
+        if commitlog.segments[-1] is not seg:
+            return None
+    elif end != commitlog.segments[-1].end:
+        return None
+    return end
+
+
+def recover(
+    commitlog: CommitLog,
+    table: ConsumeQueueTable,
+    cp: Checkpoint | None,
+    *,
+    abort_present: bool,
+    read_only: bool,
+) -> RecoveryReport:
+    """Bring ``commitlog.write_pos`` and the consume queues to a consistent state."""
+    if not abort_present and cp is not None:
+        end = _clean_end(commitlog, cp)
+        if end is not None:
+            commitlog.write_pos = commitlog.flushed_pos = end
+            return RecoveryReport(abnormal=False, scan_start=end, log_end=end)
+        reason = "checkpoint does not match the log"
+    elif cp is None:
+        reason = "no valid checkpoint"
+    else:
+        reason = "abort marker present (unclean shutdown)"
+    if not commitlog.segments:
+        commitlog.write_pos = commitlog.flushed_pos = 0
+        if not read_only:
+            for name in list(table.disk_names()):
+                cq = table.lookup(name)
+                if cq is not None and cq.max_offset:
+                    table.reset(cq, 0)
+        return RecoveryReport(abnormal=True, reason=reason)
+
+    report = RecoveryReport(abnormal=True, reason=reason)
+    log_min = commitlog.min_offset
+    start = log_min
+    if cp is not None:
+        cand = min(cp.log_flushed_offset, cp.queues_flushed_offset)
+        seg = commitlog.segment_for(cand)
+        if (
+            cand > log_min
+            and seg is not None
+            and check_record(seg.view, cand - seg.start, seg.size) > 0
+        ):
+            start = cand
+    first = commitlog.segment_for(start)
+    if start == log_min and first is not None:
+        _size, magic = SIZE_MAGIC.unpack_from(first.view, 0)
+        if magic not in (MAGIC, BLANK_MAGIC, 0):
+            raise CorruptStoreError(str(first.path), "not a CommitLog segment (bad magic)")
+    end, n, bad = scan_log(commitlog, start)
+    report.scan_start, report.log_end, report.records_scanned = start, end, n
+    last_end = commitlog.segments[-1].end
+    if read_only:
+        commitlog.write_pos = commitlog.flushed_pos = end
+        return report
+    if end < last_end:
+        cut = _bytes_after(commitlog, end)
+        if cut or bad:
+            report.truncated_at, report.truncated_bytes = end, cut
+            log.warning(
+                "recovery: CommitLog truncated at offset %d (%s), %d non-zero bytes cut",
+                end, "bad record" if bad else "end of data", cut,
+            )  # fmt: skip
+        commitlog.truncate(end)
+    commitlog.write_pos = commitlog.flushed_pos = end
+
+    rebuild: set[str] = set()
+    for name in list(table.disk_names()):
+        cq = table.lookup(name)
+        if cq is None:
+            continue
+        if table.has_gap(name):
+            rebuild.add(name)
+        report.units_dropped += table.truncate_past(cq, start)
+        table.evict_overflow()
+
+    def place(name: str, index: int, unit: bytes) -> None:
+        cq = table.get_or_create(name)
+        if index == cq.max_offset:
+            table.append(cq, unit)
+        elif index > cq.max_offset:
+            rebuild.add(name)
+
+    _redispatch(commitlog, table, start, end, place)
+    if rebuild:
+        names = sorted(rebuild)
+        log.warning("recovery: rebuilding %d consume queue(s) from the log: %s", len(names),
+                    names[:10])  # fmt: skip
+        for name in names:
+            cq = table.get_or_create(name)
+            table.reset(cq, -1)
+        wanted = set(names)
+
+        def place_rebuild(name: str, index: int, unit: bytes) -> None:
+            if name not in wanted:
+                return
+            cq = table.get_or_create(name)
+            if cq.max_offset < 0:
+                cq.min_offset = cq.flushed = cq.max_offset = index
+            if index == cq.max_offset:
+                table.append(cq, unit)
+            elif index > cq.max_offset:  # a hole the log cannot fill: skip over it
+                table.write_pending()
+                cq.flushed = cq.max_offset = index
+                table.append(cq, unit)
+
+        _redispatch(commitlog, table, log_min, end, place_rebuild)
+        for name in names:
+            cq = table.get_or_create(name)
+            if cq.max_offset < 0:
+                cq.min_offset = cq.flushed = cq.max_offset = 0
+        report.queues_rebuilt = names
+    table.write_pending()
+    table.evict_overflow()
+    log.warning(
+        "recovery (%s): validated %d records from %d to %d; dropped %d stale queue units",
+        reason, n, start, end, report.units_dropped,
+    )  # fmt: skip
+    return report
+
+
+def _redispatch(
+    commitlog: CommitLog,
+    table: ConsumeQueueTable,
+    start: int,
+    end: int,
+    put: Callable[[str, int, bytes], None],
+) -> None:
+    pack = CQ_UNIT.pack
+    pos = start
+    while pos < end:
+        seg = commitlog.segment_for(pos)
+        if seg is None:
+            break
+        rel = pos - seg.start
+        size, magic = SIZE_MAGIC.unpack_from(seg.view, rel)
+        if magic != MAGIC:  # blank filler: next segment
+            pos = seg.end
+            continue
+        topic, qoff, queues, offsets = dispatch_info(seg.view, rel)
+        unit = pack(pos, size, 0)
+        put(topic, qoff, unit)
+        for q, o in zip(queues, offsets, strict=True):
+            put(q, o, unit)
+        if len(table.dirty) > 4096:
+            table.write_pending()
+            table.evict_overflow()
+        pos += size
