@@ -1,0 +1,166 @@
+"""`lmqtt sim`: run the device simulator against a gateway and judge delivery.
+
+Exit status: 0 nothing acknowledged was lost; 1 something acknowledged was lost, misrouted, or
+a subscriber connection was dropped; 2 bad arguments or the gateway cannot be reached;
+130 interrupted with Ctrl-C (and nothing lost among what was checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from gateway.sim.errors import SimError
+from gateway.sim.progress import follow, summary, verdict
+from gateway.sim.simulation import (
+    MAX_DEVICES,
+    MAX_DURATION,
+    MAX_RATE,
+    MAX_SUBSCRIBERS,
+    SimConfig,
+    SimReport,
+    Simulation,
+)
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmqtt sim",
+        description=(
+            "Simulate IoT devices publishing JSON telemetry to site/{site}/dev/{device}/{metric} "
+            "and subscribers using exact, + and # filters (some persistent, going offline and "
+            "coming back); report sent, acknowledged, received and lost messages."
+        ),
+        epilog=(
+            "Exit status: 0 no acknowledged message lost; 1 loss, misrouting or dropped "
+            "connections; 2 bad arguments or gateway unreachable; 130 interrupted."
+        ),
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="gateway host (default: %(default)s)")
+    add("--port", type=int, default=1883, help="gateway MQTT port (default: %(default)s)")
+    add("--devices", type=int, default=10, help=f"devices, 0..{MAX_DEVICES} (default: %(default)s)")
+    add(
+        "--rate",
+        type=float,
+        default=1.0,
+        help=f"messages per second per device, up to {MAX_RATE:g} (default: %(default)s)",
+    )
+    add(
+        "--duration",
+        type=float,
+        default=30.0,
+        help=f"seconds of publishing, up to {MAX_DURATION:g} (default: %(default)s)",
+    )
+    add(
+        "--subscribers",
+        type=int,
+        default=4,
+        help=f"subscribers, 0..{MAX_SUBSCRIBERS} (default: %(default)s)",
+    )
+    add("--qos", type=int, choices=(0, 1, 2), default=1, help="publish and subscription QoS")
+    add("--seed", type=int, default=None, help="seed for reproducible telemetry values")
+    add("--sites", type=int, default=4, help="sites the devices are spread over (default: 4)")
+    add(
+        "--max-messages",
+        type=int,
+        default=1_000_000,
+        help="stop publishing after this many messages in total (default: %(default)s)",
+    )
+    add(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for outstanding deliveries after publishing (default: %(default)s)",
+    )
+    add("--username", default=None, help="MQTT user name, if the gateway wants one")
+    add("--password", default=None, help="MQTT password")
+    add(
+        "--keep-sessions",
+        action="store_true",
+        help="leave the persistent subscribers' sessions on the gateway at the end",
+    )
+    add("--json", type=Path, default=None, metavar="FILE", help="also write the report as JSON")
+    add("--quiet", action="store_true", help="no progress line, only the summary")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        host=args.host,
+        port=args.port,
+        devices=args.devices,
+        rate=args.rate,
+        duration=args.duration,
+        subscribers=args.subscribers,
+        qos=args.qos,
+        seed=args.seed,
+        sites=args.sites,
+        max_messages=args.max_messages,
+        drain_timeout=args.drain_timeout,
+        keep_sessions=args.keep_sessions,
+        username=args.username,
+        password=args.password,
+    )
+
+
+async def _run(sim: Simulation, console: Console, quiet: bool) -> SimReport:
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            console.print("stopping: draining outstanding deliveries (Ctrl-C again to skip)")
+            sim.stop()
+        else:
+            sim.abort()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signum, on_signal)
+    display = None if quiet else asyncio.create_task(follow(sim, console))
+    try:
+        return await sim.run()
+    finally:
+        if display is not None:
+            display.cancel()
+            await asyncio.gather(display, return_exceptions=True)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=False, highlight=False)
+    try:
+        config = config_from_args(args)
+        config.check()
+    except SimError as exc:
+        console.print(f"lmqtt sim: {exc}", style="red")
+        return EXIT_USAGE
+    try:
+        report = asyncio.run(_run(Simulation(config), console, args.quiet))
+    except SimError as exc:
+        console.print(f"lmqtt sim: {exc}", style="red")
+        return EXIT_USAGE
+    console.print(summary(report))
+    console.print(verdict(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""What the user sees: a live progress line while running, a summary table at the end.
+
+On a terminal the line is redrawn in place (rich Live); in logs (docker compose, CI) a plain
+line is printed every few seconds instead, so the output stays readable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from gateway.sim.simulation import SimReport, SimSnapshot, Simulation
+
+LOG_INTERVAL = 5.0
+
+
+def progress_text(snap: SimSnapshot, devices: int, subscribers: int) -> Text:
+    text = Text()
+    text.append(f"[{snap.phase} {snap.elapsed:6.1f}s] ", style="bold cyan")
+    text.append(f"devices {snap.devices_online}/{devices}  ")
+    text.append(f"subscribers {snap.subscribers_online}/{subscribers}  ")
+    text.append(f"sent {snap.sent:,}  acked {snap.acknowledged:,}  ")
+    text.append(f"received {snap.received:,}  expected {snap.expected:,}  ")
+    text.append(f"pending {snap.outstanding:,}", style="yellow" if snap.outstanding else "green")
+    if snap.failed:
+        text.append(f"  failed {snap.failed:,}", style="red")
+    if snap.foreign:
+        text.append(f"  from other publishers {snap.foreign:,}")
+    return text
+
+
+async def follow(sim: Simulation, console: Console) -> None:
+    """Show the progress of ``sim`` until cancelled."""
+    devices, subscribers = sim.config.devices, sim.config.subscribers
+    if console.is_terminal:
+        with Live(console=console, refresh_per_second=4, transient=True) as live:
+            try:
+                while True:
+                    live.update(progress_text(sim.snapshot(), devices, subscribers))
+                    await asyncio.sleep(0.25)
+            finally:
+                with contextlib.suppress(Exception):
+                    live.update(progress_text(sim.snapshot(), devices, subscribers))
+    else:
+        while True:
+            await asyncio.sleep(LOG_INTERVAL)
+            console.print(progress_text(sim.snapshot(), devices, subscribers), soft_wrap=True)
+
+
+def summary(report: SimReport) -> Table:
+    table = Table(title=f"lmqtt sim run {report.run_id} (QoS {report.qos})", title_justify="left")
+    table.add_column("subscriber")
+    table.add_column("filters")
+    table.add_column("session")
+    for column in ("expected", "received", "lost", "dup", "misrouted"):
+        table.add_column(column, justify="right")
+    for sub in report.subscribers:
+        session = "persistent" if sub.persistent else "clean"
+        if sub.went_offline:
+            session += ", went offline"
+        if sub.dropped:
+            session += f", dropped x{sub.dropped}"
+        table.add_row(
+            sub.name,
+            "\n".join(sub.filters),
+            session,
+            f"{sub.expected:,}",
+            f"{sub.received:,}",
+            Text(f"{sub.lost:,}", style="bold red" if sub.lost else "green"),
+            f"{sub.duplicates:,}",
+            Text(f"{sub.misrouted:,}", style="bold red" if sub.misrouted else ""),
+        )
+    return table
+
+
+def verdict(report: SimReport) -> Text:
+    totals = (
+        f"sent {report.sent:,}, acknowledged {report.acknowledged:,}, failed {report.failed:,}; "
+        f"deliveries expected {report.expected:,}, received {report.received:,}, "
+        f"lost {report.lost:,}, duplicates {report.duplicates:,} in {report.elapsed:.1f}s"
+    )
+    if report.foreign:
+        totals += f"; {report.foreign:,} messages from other publishers ignored"
+    text = Text(totals + "\n")
+    if report.ok:
+        text.append(
+            "OK: every acknowledged message reached every subscriber it was due to", "green"
+        )
+    else:
+        problems = []
+        if report.lost:
+            problems.append(f"{report.lost:,} acknowledged deliveries never arrived")
+        if report.misrouted:
+            problems.append(f"{report.misrouted:,} deliveries did not match the filters")
+        if report.dropped:
+            problems.append(f"{report.dropped:,} subscriber connections were dropped")
+        text.append("FAILED: " + "; ".join(problems), "bold red")
+    if report.interrupted:
+        text.append("\n(interrupted: publishing stopped early)", "yellow")
+    if report.qos == 0:
+        text.append("\n(QoS 0: nothing is acknowledged, so nothing can be judged lost)", "yellow")
+    return text
