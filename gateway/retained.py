@@ -291,6 +291,9 @@ class RetainedIndex:
                     end,
                 )
                 index._next_offset = end
+                if not _read_only(store):
+                    # Fix the claim on disk now: after another crash it would hide new records.
+                    index.snapshot()
         before = index._next_offset
         index.replayed = index._catch_up(confirmable=False)
         if index.replayed:
