@@ -1,0 +1,277 @@
+"""Gateway: the MQTT server, joining the protocol core, the topic router and the store.
+
+    client bytes -> MqttServerProtocol -> ClientConnection -> Gateway.store_publish
+                                                 |                 |  router.route(topic)
+                                                 |                 v
+                                            DeliveryLoop <- store arrival notice (ArrivalHub)
+
+One PUBLISH is one store record: parent topic = first topic level; INNER_MULTI_DISPATCH = the
+light queues of every registered filter matching the topic (plus %RETAIN% when retained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from gateway.client import ClientConnection
+from gateway.config import GatewaySettings
+from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache
+from gateway.protocol import Publish, Will
+from gateway.records import message_properties
+from gateway.retained import RetainedIndex, RetainedMessage
+from gateway.server import MqttServerProtocol
+from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
+from gateway.shared import SharedSubscriptions
+from gateway.stats import GatewayStats
+from gateway.will import WillScheduler
+from store import MessageStore
+from topicmap import Router, TopicFilter, parent_topic
+
+log = logging.getLogger("lmqtt.gateway")
+
+SERVER_SHUTTING_DOWN = 0x8B
+HOUSEKEEPING_INTERVAL_S = 1.0
+
+
+class Gateway:
+    """An MQTT 3.1/3.1.1/5.0 server over the store; `start()`, then `stop()`."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.stats = GatewayStats()
+        self.router = Router()
+        self.connections: set[ClientConnection] = set()
+        self.prepared = PreparedCache()
+        self.shared = SharedSubscriptions(self)
+        self.wills = WillScheduler(self._publish_will)
+        self.stopping = False
+        self._server: asyncio.Server | None = None
+        self._stopped = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sys: object | None = None
+        # Set by start():
+        self.store: MessageStore
+        self.retained: RetainedIndex
+        self.sessions: SessionRegistry
+        self.arrivals: ArrivalHub
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        s = self.settings
+        s.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = MessageStore.open(s.store_config())
+        self.arrivals = ArrivalHub(loop)
+        self.store.add_listener(self.arrivals)
+        self.retained = RetainedIndex.open(self.store)
+        self.sessions = SessionRegistry(self.store, self.end_session)
+        for session in self.sessions.load():
+            for sub in session.subscriptions.values():
+                self.router.add(sub.topic_filter)
+                if sub.share_group is not None:
+                    tf = TopicFilter(sub.topic_filter)
+                    self.shared.acquire(sub.share_group, tf.filter, sub.queue, resume=True)
+                self.stats.subscriptions += 1
+            self.sessions.schedule_expiry(session)
+        self.stats.retained_count = len(self.retained)
+        port = s.default_port
+        self._server = await loop.create_server(
+            lambda: MqttServerProtocol(self), s.host, port, reuse_address=True
+        )
+        self._tasks.append(loop.create_task(self._housekeeping()))
+        self._tasks.append(
+            loop.create_task(self.retained.snapshot_periodically(s.retained_snapshot_interval))
+        )
+        if s.sys_interval > 0:
+            from gateway.sys_topics import SysPublisher
+
+            sys_pub = SysPublisher(self)
+            sys_pub.start()
+            self._sys = sys_pub
+        log.info(
+            "lmqtt gateway listening on %s:%d (data %s, flush %s, %d sessions restored)",
+            s.host,
+            self.port,
+            s.data_dir,
+            s.flush,
+            len(self.sessions),
+        )
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None and self._server.sockets
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def serve_forever(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        """Graceful: stop accepting, DISCONNECT 0x8B (MQTT 5), flush, save sessions, close."""
+        if self.stopping:
+            await self._stopped.wait()
+            return
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        if self._sys is not None:
+            from gateway.sys_topics import SysPublisher
+
+            assert isinstance(self._sys, SysPublisher)
+            await self._sys.stop()
+        for client in list(self.connections):
+            client.close(SERVER_SHUTTING_DOWN, abnormal=False)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.wills.drain()
+        self.wills.cancel_all()
+        if self._server is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        try:
+            self.sessions.save_now()
+            self.retained.close()
+            self.store.flush()
+        finally:
+            self.store.close()
+            self._stopped.set()
+        log.info("lmqtt gateway stopped")
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+            try:
+                await self.sessions.save_if_dirty()
+                self.stats.retained_count = len(self.retained)
+            except Exception:
+                log.exception("housekeeping failed")
+
+    # -- publishing --------------------------------------------------------------------------
+
+    async def store_publish(self, pub: Publish, client_id: str) -> None:
+        """Append one PUBLISH to the store (awaits the covering fsync in sync mode)."""
+        queues = list(self.router.route(pub.topic))
+        if pub.retain:
+            queues.append(RetainedIndex.QUEUE)
+        props = message_properties(pub, client_id)
+        r = await self.store.put_async(
+            topic=parent_topic(pub.topic), body=pub.payload, queues=queues, properties=props
+        )
+        self.stats.messages_received += 1
+        if pub.retain:
+            expiry = pub.properties.message_expiry_interval if pub.properties else None
+            self.retained.apply(
+                RetainedMessage(
+                    topic=pub.topic,
+                    payload=pub.payload,
+                    qos=pub.qos,
+                    properties=props,
+                    stored_at_ms=r.store_timestamp or now_ms(),
+                    expiry_interval_s=expiry,
+                    offset=r.light_offsets.get(RetainedIndex.QUEUE),
+                )
+            )
+
+    async def publish_internal(
+        self, topic: str, payload: bytes, retain: bool = False, qos: int = 0
+    ) -> None:
+        """Publish from the gateway itself ($SYS): stored and routed like a client publish."""
+        await self.store_publish(Publish(topic=topic, payload=payload, qos=qos, retain=retain), "")
+
+    async def _publish_will(self, client_id: str, will: Will) -> None:
+        if self.stopping:
+            return
+        log.info("publishing the will of %r to %r", client_id, will.topic)
+        props = will.properties
+        pub = Publish(
+            topic=will.topic,
+            payload=will.payload,
+            qos=will.qos,
+            retain=will.retain,
+            properties=props,
+        )
+        await self.store_publish(pub, client_id)
+
+    # -- subscriptions and sessions ----------------------------------------------------------
+
+    def add_subscription(self, session: Session, tf: TopicFilter, qos: int) -> SubscriptionState:
+        """Register a new subscription; it starts at the queue's current end."""
+        queue = self.router.add(tf)
+        start = self.store.max_offset(queue)
+        sub = SubscriptionState(
+            topic_filter=tf.text,
+            queue=queue,
+            share_group=tf.share_group,
+            qos=qos,
+            start_offset=start,
+            next_offset=start,
+            start_phys=self.store.log_max_offset,
+        )
+        session.add_subscription(sub)
+        if tf.share_group is not None:
+            self.shared.acquire(tf.share_group, tf.filter, queue, resume=False)
+        else:
+            self.store.offsets.commit(session.client_id, queue, start)
+        self.stats.subscriptions += 1
+        return sub
+
+    def remove_subscription(
+        self, session: Session, sub: SubscriptionState, loop: DeliveryLoop | None
+    ) -> None:
+        session.remove_subscription(sub.topic_filter)
+        self.router.remove(sub.topic_filter)
+        self.stats.subscriptions -= 1
+        # Acks for messages in flight on this subscription only free their packet ids now.
+        for inf in session.inflight.values():
+            if inf.topic_filter == sub.topic_filter or (
+                sub.share_group is None and inf.group is None and inf.queue == sub.queue
+            ):
+                if inf.group is not None:
+                    inf.group.pending.pop(inf.offset, None)
+                    inf.group.returned.append(inf.offset)
+                    import heapq
+
+                    heapq.heapify(inf.group.returned)
+                inf.queue = None
+                inf.group = None
+        if sub.share_group is not None:
+            tf = TopicFilter(sub.topic_filter)
+            group = self.shared.get(sub.share_group, tf.filter)
+            if group is not None and loop is not None:
+                group.leave(loop)
+            self.shared.release(sub.share_group, tf.filter)
+        else:
+            self.store.offsets.remove(session.client_id, sub.queue)
+
+    def end_session(self, session: Session) -> None:
+        """The session is over (clean start, expiry, clean disconnect): drop its state."""
+        for sub in list(session.subscriptions.values()):
+            self.remove_subscription(session, sub, None)
+        if self.sessions.get(session.client_id) is session:
+            self.sessions.remove(session.client_id)
+        self.wills.fire_now(session.client_id)
+
+    def connection_ended(self, session: Session, will: Will | None) -> None:
+        """A connection of `session` closed; `will` is set when it closed abnormally."""
+        cid = session.client_id
+        if self.stopping:
+            session.disconnected_at_ms = now_ms()
+            return
+        if not session.persistent:
+            self.end_session(session)
+            if will is not None:
+                self.wills.schedule(cid, will, 0)
+        else:
+            session.disconnected_at_ms = now_ms()
+            self.sessions.schedule_expiry(session)
+            if will is not None:
+                delay = 0
+                if session.protocol_level == 5 and will.properties is not None:
+                    delay = will.properties.will_delay_interval or 0
+                self.wills.schedule(cid, will, min(delay, session.expiry_interval))
+        self.sessions.mark_dirty()

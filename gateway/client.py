@@ -1,0 +1,631 @@
+"""ClientConnection: one MQTT network connection, between the transport and the session.
+
+The asyncio Protocol (server.py) only moves bytes: it feeds `feed()` and reports flow control.
+Here a reader task pulls events out of the sans-IO `Connection` and handles them in order;
+packets that must wait for the store (QoS 1/2 publishes in `sync` flush mode) are pipelined:
+each gets a task that awaits its fsync and then the previous acknowledgement, so PUBACKs leave in
+the order the PUBLISH packets arrived while many share one group commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import TYPE_CHECKING
+
+from gateway.delivery import DeliveryLoop
+from gateway.protocol import (
+    NEED_DATA,
+    Auth,
+    ConnAck,
+    Connect,
+    Connection,
+    ConnectionClosed,
+    Disconnect,
+    LocalProtocolError,
+    PingReq,
+    PingResp,
+    Properties,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    RemoteProtocolError,
+    SubAck,
+    Subscribe,
+    UnsubAck,
+    Unsubscribe,
+    Will,
+)
+from gateway.session import Session, SubscriptionState
+from store import StoreError
+from topicmap import Topic, TopicError, TopicFilter
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = logging.getLogger("lmqtt.gateway")
+
+CONNECT_TIMEOUT_S = 10.0
+# Sync-flush publishes awaiting their fsync before this connection stops reading.
+MAX_PENDING_PUTS = 256
+# Unparsed input beyond which reading pauses until the reader task catches up.
+MAX_UNPARSED = 1 << 20
+
+# MQTT 5 reason codes used here.
+UNSPECIFIED_ERROR = 0x80
+NOT_AUTHORIZED = 0x87
+SERVER_SHUTTING_DOWN = 0x8B
+KEEP_ALIVE_TIMEOUT = 0x8D
+SESSION_TAKEN_OVER = 0x8E
+TOPIC_NAME_INVALID = 0x90
+PACKET_ID_NOT_FOUND = 0x92
+NO_SUBSCRIPTION_EXISTED = 0x11
+IMPLEMENTATION_SPECIFIC = 0x83
+PROTOCOL_ERROR = 0x82
+SHARED_NOT_SUPPORTED = 0x9E
+DISCONNECT_WITH_WILL = 0x04
+
+
+class ClientConnection:
+    """One network connection; owns the protocol state machine and the reader task."""
+
+    def __init__(self, gateway: Gateway, transport: asyncio.Transport) -> None:
+        self.gw = gateway
+        self.transport = transport
+        self.conn = Connection(max_packet_size=gateway.settings.max_packet_size)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.client_id = ""
+        self.session: Session | None = None
+        self.will: Will | None = None
+        self.delivery: DeliveryLoop | None = None
+        self.writable = True
+        self.closed = False
+        self._cleaned = False
+        self._eof = False
+        self._abnormal = True
+        self._loop = asyncio.get_running_loop()
+        self._data = asyncio.Event()
+        self._last_rx = self._loop.time()
+        self._unparsed = 0
+        self._reading_paused = False
+        self._pending_puts = 0
+        self._ack_chain: asyncio.Task[None] | None = None
+        self._keepalive: asyncio.TimerHandle | None = None
+        self._connect_timer: asyncio.TimerHandle | None = self._loop.call_later(
+            CONNECT_TIMEOUT_S, self._connect_timeout
+        )
+        self._reader = self._loop.create_task(self._read_loop())
+
+    # -- bytes in / out (called by the asyncio Protocol) --------------------------------------
+
+    def feed(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.gw.stats.bytes_received += len(data)
+        self._last_rx = self._loop.time()
+        self.conn.receive_data(data)
+        self._unparsed += len(data)
+        if self._unparsed > MAX_UNPARSED + self.gw.settings.max_packet_size:
+            self._pause_reading()
+        self._data.set()
+
+    def feed_eof(self) -> None:
+        if not self._eof:
+            self._eof = True
+            try:
+                self.conn.receive_data(b"")
+            except LocalProtocolError:
+                pass
+            self._data.set()
+
+    def write(self, data: bytes) -> None:
+        if data and not self.closed:
+            self.gw.stats.bytes_sent += len(data)
+            self.transport.write(data)
+
+    def pause_writing(self) -> None:
+        self.writable = False
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        if self.delivery is not None:
+            self.delivery.on_transport_resumed()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cleanup()
+        self._reader.cancel()
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and not self.closed:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if (
+            self._reading_paused
+            and not self.closed
+            and self._pending_puts < MAX_PENDING_PUTS // 2
+            and self._unparsed <= MAX_UNPARSED
+        ):
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    # -- closing -----------------------------------------------------------------------------
+
+    def close(self, reason: int | None = None, *, abnormal: bool = True) -> None:
+        """Close now; MQTT 5 clients get DISCONNECT `reason` first when given."""
+        if self.closed:
+            return
+        self._abnormal = abnormal
+        if reason is not None and self.conn.protocol_level == 5:
+            try:
+                self.write(self.conn.send(Disconnect(reason_code=reason)))
+            except LocalProtocolError:
+                pass
+        self.closed = True
+        self._cleanup()
+        self.transport.close()
+        if asyncio.current_task() is not self._reader:
+            self._reader.cancel()
+
+    def abort(self, reason: int) -> None:
+        self.close(reason)
+
+    def _cleanup(self) -> None:
+        """Detach from the session exactly once; decides about the will."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        self.closed = True
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        if self._connect_timer is not None:
+            self._connect_timer.cancel()
+        if self.delivery is not None:
+            self.delivery.stop()
+            self.delivery = None
+        session = self.session
+        if session is None or session.connection is not self:
+            return
+        session.connection = None
+        self.gw.stats.clients_connected -= 1
+        will = self.will if self._abnormal else None
+        self.gw.connection_ended(session, will)
+
+    def _connect_timeout(self) -> None:
+        self._connect_timer = None
+        if self.session is None and not self.closed:
+            log.info("%s: no CONNECT within %.0f s; closing", self.peer, CONNECT_TIMEOUT_S)
+            self.close()
+
+    def _check_keepalive(self) -> None:
+        self._keepalive = None
+        timeout = self.conn.keep_alive_timeout
+        if timeout is None or self.closed:
+            return
+        idle = self._loop.time() - self._last_rx
+        if idle >= timeout:
+            log.info("%r: keep-alive timeout (%.1f s idle); closing", self.client_id, idle)
+            self.close(KEEP_ALIVE_TIMEOUT)
+            return
+        self._keepalive = self._loop.call_later(timeout - idle, self._check_keepalive)
+
+    # -- the reader task ---------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        try:
+            while not self.closed:
+                await self._data.wait()
+                self._data.clear()
+                while not self.closed:
+                    try:
+                        ev = self.conn.next_event()
+                    except RemoteProtocolError as err:
+                        self._protocol_error(err)
+                        return
+                    if ev is NEED_DATA:
+                        break
+                    if type(ev) is ConnectionClosed:
+                        log.debug("%r: connection closed by peer", self.client_id or self.peer)
+                        self.close()
+                        return
+                    await self._handle(ev)
+                self._unparsed = 0
+                self._resume_reading()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%r: internal error handling a packet", self.client_id or self.peer)
+            self.close(IMPLEMENTATION_SPECIFIC)
+
+    def _protocol_error(self, err: RemoteProtocolError) -> None:
+        log.warning(
+            "%s (%r): protocol error 0x%02X: %s",
+            self.peer,
+            self.client_id,
+            err.reason_code,
+            err.message,
+        )
+        self.write(self.conn.error_packet(err))
+        self.close()
+
+    def _fail(self, reason: int, message: str) -> None:
+        """A rule the gateway (not the codec) enforces was broken: MQTT 5 DISCONNECT, close."""
+        log.warning("%s (%r): 0x%02X: %s", self.peer, self.client_id, reason, message)
+        self.close(reason)
+
+    async def _handle(self, ev: object) -> None:
+        kind = type(ev)
+        if kind is Publish:
+            assert isinstance(ev, Publish)
+            await self._on_publish(ev)
+        elif kind is PubAck:
+            assert isinstance(ev, PubAck)
+            if self.delivery is not None:
+                self.delivery.on_puback(ev.packet_id)
+        elif kind is PubRec:
+            assert isinstance(ev, PubRec)
+            self._on_pubrec(ev)
+        elif kind is PubComp:
+            assert isinstance(ev, PubComp)
+            if self.delivery is not None:
+                self.delivery.on_puback(ev.packet_id)
+        elif kind is PubRel:
+            assert isinstance(ev, PubRel)
+            await self._on_pubrel(ev)
+        elif kind is Subscribe:
+            assert isinstance(ev, Subscribe)
+            await self._on_subscribe(ev)
+        elif kind is Unsubscribe:
+            assert isinstance(ev, Unsubscribe)
+            self._on_unsubscribe(ev)
+        elif kind is PingReq:
+            self.write(self.conn.send(PingResp()))
+        elif kind is Connect:
+            assert isinstance(ev, Connect)
+            await self._on_connect(ev)
+        elif kind is Disconnect:
+            assert isinstance(ev, Disconnect)
+            self._on_disconnect(ev)
+        elif kind is Auth:
+            self._fail(0x8C, "enhanced authentication is not supported")
+
+    # -- CONNECT -----------------------------------------------------------------------------
+
+    async def _on_connect(self, ev: Connect) -> None:
+        gw = self.gw
+        s = gw.settings
+        level = ev.protocol_level
+        if self._connect_timer is not None:
+            self._connect_timer.cancel()
+            self._connect_timer = None
+        cid = ev.client_id
+        assigned: str | None = None
+        if not cid:
+            cid = "lmqtt-" + secrets.token_hex(8)
+            if level == 5:
+                assigned = cid
+        self.client_id = cid
+        if level == 5:
+            requested = ev.properties.session_expiry_interval or 0
+            expiry = min(requested, s.max_session_expiry)
+        else:
+            requested = expiry = 0 if ev.clean_start else s.default_session_expiry
+        will = ev.will
+        if will is not None:
+            code = self._check_will(will)
+            if code:
+                self._refuse(code)
+                return
+        if gw.stopping:
+            self._refuse(0x89 if level == 5 else 0x88)  # server busy / unavailable
+            return
+        old = gw.sessions.get(cid)
+        if old is not None and old.connection is not None:
+            log.info("%r: session taken over by a new connection from %s", cid, self.peer)
+            old.connection.close(SESSION_TAKEN_OVER)
+        session = gw.sessions.get(cid)  # the old connection may have ended it
+        present = False
+        if session is not None and ev.clean_start:
+            gw.end_session(session)
+            session = None
+        if session is None:
+            session = Session(cid, level, expiry)
+            gw.sessions.add(session)
+        else:
+            present = True
+            gw.wills.cancel(cid)
+            gw.sessions.cancel_expiry(session)
+        session.protocol_level = level
+        session.expiry_interval = expiry
+        session.disconnected_at_ms = None
+        session.connection = self
+        self.session = session
+        self.will = will
+        props: Properties | None = None
+        if level == 5:
+            server_ka: int | None = None
+            if s.server_keep_alive is not None:
+                server_ka = s.server_keep_alive
+            elif ev.keep_alive > s.max_keep_alive or (ev.keep_alive == 0 and s.max_keep_alive):
+                server_ka = s.max_keep_alive if ev.keep_alive > s.max_keep_alive else None
+            props = Properties(
+                receive_maximum=s.receive_maximum,
+                maximum_packet_size=s.max_packet_size,
+                topic_alias_maximum=s.topic_alias_maximum,
+                retain_available=1 if s.retain_available else 0,
+                wildcard_subscription_available=1,
+                subscription_identifier_available=1,
+                shared_subscription_available=1,
+            )
+            if s.max_qos < 2:
+                props.maximum_qos = s.max_qos
+            if assigned is not None:
+                props.assigned_client_identifier = assigned
+            if server_ka is not None:
+                props.server_keep_alive = server_ka
+            if expiry != requested:
+                props.session_expiry_interval = expiry
+        self.write(
+            self.conn.send(ConnAck(session_present=present, reason_code=0, properties=props))
+        )
+        gw.stats.clients_connected += 1
+        gw.stats.clients_total += 1
+        log.info(
+            "%r connected from %s (level %d, clean %s, keep-alive %d, expiry %d, present %s)",
+            cid,
+            self.peer,
+            level,
+            ev.clean_start,
+            self.conn.keep_alive,
+            expiry,
+            present,
+        )
+        # The state machine must accept acks for ids of a previous connection of this session.
+        self.conn.restore_inbound_qos2(session.qos2_inbound)
+        self.conn.restore_outbound(
+            [i.packet_id for i in session.inflight.values() if not i.pubrel],
+            [i.packet_id for i in session.inflight.values() if i.pubrel],
+        )
+        timeout = self.conn.keep_alive_timeout
+        if timeout is not None:
+            self._keepalive = self._loop.call_later(timeout, self._check_keepalive)
+        self.delivery = DeliveryLoop(gw, session, self)
+        for sub in session.subscriptions.values():
+            if sub.share_group is not None:
+                group = gw.shared.get(sub.share_group, TopicFilter(sub.topic_filter).filter)
+                if group is not None:
+                    group.join(self.delivery)
+        self.delivery.start()
+        gw.sessions.mark_dirty()
+
+    def _check_will(self, will: Will) -> int:
+        s = self.gw.settings
+        try:
+            Topic(will.topic)
+        except TopicError:
+            return TOPIC_NAME_INVALID
+        if will.topic.startswith("$"):
+            return TOPIC_NAME_INVALID
+        if will.qos > s.max_qos:
+            return 0x9B
+        if will.retain and not s.retain_available:
+            return 0x9A
+        return 0
+
+    def _refuse(self, code: int) -> None:
+        log.info("%s: CONNECT refused with 0x%02X", self.peer, code)
+        try:
+            self.write(self.conn.send(ConnAck(reason_code=code)))
+        except LocalProtocolError:
+            pass
+        self._abnormal = False
+        self.close()
+
+    # -- PUBLISH in --------------------------------------------------------------------------
+
+    async def _on_publish(self, pub: Publish) -> None:
+        session = self.session
+        assert session is not None
+        gw = self.gw
+        level = self.conn.protocol_level
+        pid = pub.packet_id
+        try:
+            if pub.topic.startswith("$"):
+                raise TopicError("clients cannot publish to $-topics", reason_code=NOT_AUTHORIZED)
+            Topic(pub.topic)
+        except TopicError as e:
+            if e.reason_code != NOT_AUTHORIZED:
+                self._fail(TOPIC_NAME_INVALID, f"invalid topic {pub.topic!r}: {e}")
+                return
+            # Denied, not malformed: acknowledge (3.1.1 has no negative ack) and drop.
+            log.info("%r: PUBLISH to %r denied: %s", self.client_id, pub.topic, e)
+            gw.stats.publish_dropped += 1
+            code = NOT_AUTHORIZED if level == 5 else 0
+            if pub.qos == 1 and pid is not None:
+                self.write(self.conn.send(PubAck(pid, code)))
+            elif pub.qos == 2 and pid is not None:
+                self.write(self.conn.send(PubRec(pid, code)))
+                if code == 0:
+                    session.qos2_inbound.add(pid)
+            return
+        if pub.qos == 2 and pid is not None and pid in session.qos2_inbound:
+            # Re-sent before our PUBREC arrived: stored already (state survives restarts).
+            self.write(self.conn.send(PubRec(pid)))
+            return
+        if gw.settings.flush == "sync" and pub.qos > 0:
+            self._pending_puts += 1
+            if self._pending_puts >= MAX_PENDING_PUTS:
+                self._pause_reading()
+            prev = self._ack_chain
+            self._ack_chain = self._loop.create_task(self._store_then_ack(pub, prev))
+            return
+        try:
+            await gw.store_publish(pub, self.client_id)
+        except StoreError as e:
+            self._store_failed(pub, e)
+            return
+        await self._acknowledge(pub)
+
+    async def _store_then_ack(self, pub: Publish, prev: asyncio.Task[None] | None) -> None:
+        try:
+            try:
+                await self.gw.store_publish(pub, self.client_id)
+                failed: StoreError | None = None
+            except StoreError as e:
+                failed = e
+            if prev is not None:
+                await asyncio.gather(prev, return_exceptions=True)
+            if self.closed:
+                return
+            if failed is not None:
+                self._store_failed(pub, failed)
+            else:
+                await self._acknowledge(pub)
+        finally:
+            self._pending_puts -= 1
+            self._resume_reading()
+
+    async def _acknowledge(self, pub: Publish) -> None:
+        pid = pub.packet_id
+        if pid is None or self.closed:
+            return
+        if pub.qos == 1:
+            self.write(self.conn.send(PubAck(pid)))
+        elif pub.qos == 2:
+            session = self.session
+            assert session is not None
+            session.qos2_inbound.add(pid)
+            if session.persistent:
+                await self.gw.sessions.save()
+            if not self.closed:
+                self.write(self.conn.send(PubRec(pid)))
+
+    def _store_failed(self, pub: Publish, err: StoreError) -> None:
+        log.error("%r: storing a PUBLISH to %r failed: %s", self.client_id, pub.topic, err)
+        self.gw.stats.publish_dropped += 1
+        if self.closed or pub.packet_id is None:
+            return
+        if self.conn.protocol_level == 5:
+            ack = PubAck if pub.qos == 1 else PubRec
+            self.write(self.conn.send(ack(pub.packet_id, UNSPECIFIED_ERROR)))
+        else:
+            self.close()
+
+    async def _on_pubrel(self, ev: PubRel) -> None:
+        session = self.session
+        assert session is not None
+        if self._ack_chain is not None and not self._ack_chain.done():
+            # PUBCOMP must not overtake the PUBREC of a publish still waiting for its fsync.
+            await asyncio.gather(self._ack_chain, return_exceptions=True)
+        known = ev.packet_id in session.qos2_inbound
+        session.qos2_inbound.discard(ev.packet_id)
+        self.gw.sessions.mark_dirty()
+        code = 0 if known or self.conn.protocol_level != 5 else PACKET_ID_NOT_FOUND
+        if not self.closed:
+            self.write(self.conn.send(PubComp(ev.packet_id, code)))
+
+    def _on_pubrec(self, ev: PubRec) -> None:
+        if self.delivery is None:
+            return
+        if self.delivery.on_pubrec(ev.packet_id, ev.reason_code >= 0x80):
+            self.write(self.conn.send(PubRel(ev.packet_id)))
+        elif ev.reason_code < 0x80:
+            code = PACKET_ID_NOT_FOUND if self.conn.protocol_level == 5 else 0
+            self.write(self.conn.send(PubRel(ev.packet_id, code)))
+
+    # -- SUBSCRIBE / UNSUBSCRIBE -------------------------------------------------------------
+
+    async def _on_subscribe(self, ev: Subscribe) -> None:
+        session = self.session
+        assert session is not None and self.delivery is not None
+        gw = self.gw
+        level = self.conn.protocol_level
+        sub_id: int | None = None
+        if ev.properties is not None and ev.properties.subscription_identifiers:
+            sub_id = ev.properties.subscription_identifiers[0]
+        codes: list[int] = []
+        retained_for: list[tuple[SubscriptionState, TopicFilter]] = []
+        for req in ev.subscriptions:
+            try:
+                tf = TopicFilter(req.topic_filter)
+            except TopicError as e:
+                log.info("%r: SUBSCRIBE %r refused: %s", self.client_id, req.topic_filter, e)
+                codes.append(0x8F if level == 5 else 0x80)
+                continue
+            if tf.is_shared and req.no_local:
+                self._fail(PROTOCOL_ERROR, "no-local on a shared subscription")
+                return
+            qos = min(req.qos, gw.settings.max_qos)
+            existing = session.subscriptions.get(tf.text)
+            if existing is not None:
+                existing.qos = qos
+                existing.no_local = req.no_local
+                existing.retain_as_published = req.retain_as_published
+                existing.retain_handling = req.retain_handling
+                existing.subscription_identifier = sub_id
+                sub = existing
+                is_new = False
+            else:
+                sub = gw.add_subscription(session, tf, qos)
+                sub.no_local = req.no_local
+                sub.retain_as_published = req.retain_as_published
+                sub.retain_handling = req.retain_handling
+                sub.subscription_identifier = sub_id
+                is_new = True
+                if sub.share_group is None:
+                    self.delivery.watch(sub.queue)
+                else:
+                    group = gw.shared.get(sub.share_group, tf.filter)
+                    if group is not None:
+                        group.join(self.delivery)
+            codes.append(qos)
+            if not tf.is_shared and (
+                req.retain_handling == 0 or (req.retain_handling == 1 and is_new)
+            ):
+                retained_for.append((sub, tf))
+        if session.persistent:
+            await gw.sessions.save()  # the subscription must survive a crash once SUBACKed
+        else:
+            gw.sessions.mark_dirty()
+        if self.closed:
+            return
+        self.write(self.conn.send(SubAck(ev.packet_id, codes)))
+        for sub, tf in retained_for:
+            matches = gw.retained.match(tf.filter)
+            if matches:
+                self.delivery.queue_retained(matches, sub)
+        self.delivery.wake()
+
+    def _on_unsubscribe(self, ev: Unsubscribe) -> None:
+        session = self.session
+        assert session is not None
+        codes: list[int] = []
+        for text in ev.topic_filters:
+            sub = session.subscriptions.get(text)
+            if sub is None:
+                codes.append(NO_SUBSCRIPTION_EXISTED)
+                continue
+            if sub.share_group is None and self.delivery is not None:
+                self.delivery.unwatch(sub.queue)
+            self.gw.remove_subscription(session, sub, self.delivery)
+            codes.append(0)
+        self.gw.sessions.mark_dirty()
+        self.write(self.conn.send(UnsubAck(ev.packet_id, codes)))
+
+    # -- DISCONNECT --------------------------------------------------------------------------
+
+    def _on_disconnect(self, ev: Disconnect) -> None:
+        session = self.session
+        if session is not None and ev.properties is not None:
+            new_expiry = ev.properties.session_expiry_interval
+            if new_expiry is not None:
+                session.expiry_interval = min(new_expiry, self.gw.settings.max_session_expiry)
+        abnormal = ev.reason_code == DISCONNECT_WITH_WILL
+        log.info("%r disconnected (0x%02X)", self.client_id, ev.reason_code)
+        self.close(abnormal=abnormal)

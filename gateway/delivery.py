@@ -1,0 +1,474 @@
+"""Delivery by long-polling light queues: one DeliveryLoop per connected session.
+
+Theory of operation. A session's non-shared subscriptions each read their own light queue from
+`next_offset`. One pass of the loop reads a batch from every queue that has something new
+(store.max_offset > next_offset) and sends what the client's receive window allows. When a pass
+finds nothing to do, the loop waits on one asyncio.Event, set by:
+  - the store's arrival notice for any of its queues (ArrivalHub), i.e. long polling;
+  - an acknowledgement freeing window space;
+  - the transport draining below its low-water mark (resume_writing);
+  - a new subscription or retained messages to send.
+The event is cleared BEFORE a pass, and the store calls the listener synchronously on the loop
+thread after dispatch, so no notice can fall between "found nothing" and "wait".
+
+Overlapping subscriptions. A message matching several filters of one session sits in several of
+its queues. It is delivered once, at the highest QoS of the matching subscriptions and with all
+their subscription identifiers, from its "owner" queue: the first (by name) of the session's
+queues that contains it at or after that subscription's start. The record's
+INNER_MULTI_DISPATCH / INNER_MULTI_QUEUE_OFFSET tell every queue and offset it sits at, so the
+decision needs no memory and is the same after a restart; the other queues skip it.
+
+Offsets. `pending` (per subscription) holds the queue offsets sent at QoS > 0 and not yet
+acknowledged; the committed offset (store.offsets, group = client id) is the smallest of them,
+or `next_offset` when none: the highest contiguously acknowledged position.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gateway.protocol import PreparedPublish, Publish, PubRel
+from gateway.records import RecordedPublish, read_record
+from gateway.session import Inflight, Session, SubscriptionState
+from store import GetStatus, StoredMessage
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+    from gateway.client import ClientConnection
+    from gateway.retained import RetainedMessage
+    from gateway.shared import SharedGroup
+
+log = logging.getLogger("lmqtt.gateway")
+
+BATCH = 32
+PREPARED_CACHE_SIZE = 4096
+
+
+class ArrivalHub:
+    """The store's ArrivalListener: wakes whoever reads a queue when it grows."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.get_ident()
+        self._waiters: dict[str, set[Callable[[], None]]] = {}
+
+    def watch(self, queue: str, wake: Callable[[], None]) -> None:
+        self._waiters.setdefault(queue, set()).add(wake)
+
+    def unwatch(self, queue: str, wake: Callable[[], None]) -> None:
+        waiters = self._waiters.get(queue)
+        if waiters is not None:
+            waiters.discard(wake)
+            if not waiters:
+                del self._waiters[queue]
+
+    def on_arrival(self, queue: str, max_offset: int) -> None:
+        if queue not in self._waiters:
+            return
+        if threading.get_ident() != self._thread:
+            self._loop.call_soon_threadsafe(self._notify, queue)
+        else:
+            self._notify(queue)
+
+    def _notify(self, queue: str) -> None:
+        for wake in tuple(self._waiters.get(queue, ())):
+            wake()
+
+
+class PreparedCache:
+    """Recently encoded PUBLISH packets, so a fan-out encodes each variant once."""
+
+    def __init__(self, size: int = PREPARED_CACHE_SIZE) -> None:
+        self._size = size
+        self._items: OrderedDict[tuple[object, ...], PreparedPublish] = OrderedDict()
+
+    def get(self, key: tuple[object, ...], make: Callable[[], PreparedPublish]) -> PreparedPublish:
+        p = self._items.get(key)
+        if p is None:
+            p = make()
+            self._items[key] = p
+            if len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return p
+
+
+class DeliveryLoop:
+    """Sends a connected session's messages within its window; see the module docstring."""
+
+    def __init__(self, gateway: Gateway, session: Session, client: ClientConnection) -> None:
+        self.gw = gateway
+        self.session = session
+        self.client = client
+        conn = client.conn
+        self.level = conn.protocol_level or 4
+        self.window = max(
+            1, min(conn.client_receive_maximum or 65535, gateway.settings.max_inflight)
+        )
+        self.max_packet = conn.client_max_packet_size
+        alias_max = conn.client_topic_alias_maximum or 0
+        self.alias_max = alias_max if gateway.settings.outbound_topic_aliases else 0
+        self.aliases: dict[str, int] = {}
+        self.retained_backlog: deque[tuple[RetainedMessage, SubscriptionState]] = deque()
+        self.groups: set[SharedGroup] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watched: set[str] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for sub in self.session.by_queue.values():
+            self.watch(sub.queue)
+        self._resend_inflight()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        for q in self._watched:
+            self.gw.arrivals.unwatch(q, self.wake)
+        self._watched.clear()
+        for group in list(self.groups):
+            group.leave(self)
+        self.groups.clear()
+
+    def watch(self, queue: str) -> None:
+        if queue not in self._watched:
+            self._watched.add(queue)
+            self.gw.arrivals.watch(queue, self.wake)
+
+    def unwatch(self, queue: str) -> None:
+        if queue in self._watched:
+            self._watched.discard(queue)
+            self.gw.arrivals.unwatch(queue, self.wake)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def capacity(self) -> int:
+        return self.window - len(self.session.inflight)
+
+    def can_send(self) -> bool:
+        return self.client.writable and not self.client.closed
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                if self._pass():
+                    await asyncio.sleep(0)  # let publishers and other sessions run
+                    continue
+                await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("delivery to %r failed; closing the connection", self.session.client_id)
+            self.client.abort(0x83)
+
+    def _pass(self) -> bool:
+        if not self.can_send():
+            return False
+        progressed = False
+        if self.retained_backlog:
+            progressed = self._send_retained()
+        store = self.gw.store
+        for sub in list(self.session.by_queue.values()):
+            if self.capacity() <= 0 or not self.can_send():
+                break
+            if sub.next_offset >= store.max_offset(sub.queue):
+                continue
+            if self._read(sub):
+                progressed = True
+        return progressed
+
+    # -- reading queues ----------------------------------------------------------------------
+
+    def _read(self, sub: SubscriptionState) -> bool:
+        store = self.gw.store
+        got = store.get(sub.queue, sub.next_offset, BATCH)
+        if got.status is not GetStatus.FOUND:
+            if got.status is GetStatus.OFFSET_TOO_SMALL:
+                log.warning(
+                    "%r: queue %s offsets %d..%d were deleted by retention before delivery",
+                    self.session.client_id,
+                    sub.queue,
+                    sub.next_offset,
+                    got.min_offset,
+                )
+                sub.next_offset = got.min_offset
+                return True
+            if got.status is GetStatus.OFFSET_OVERFLOW_BADLY and got.max_offset < sub.next_offset:
+                sub.next_offset = got.max_offset
+                sub.start_offset = min(sub.start_offset, got.max_offset)
+            return False
+        moved = False
+        for msg in got.messages:
+            off = msg.queue_offset
+            if off < sub.next_offset:
+                continue
+            if not self._deliver(sub, off, msg):
+                break
+            sub.next_offset = off + 1
+            moved = True
+        self._commit(sub)
+        return moved
+
+    def _commit(self, sub: SubscriptionState) -> None:
+        self.gw.store.offsets.commit(self.session.client_id, sub.queue, sub.committed())
+
+    def _covering(
+        self, sub: SubscriptionState, msg: StoredMessage
+    ) -> list[SubscriptionState] | None:
+        """The session's subscriptions this message is delivered for, or None if another of
+        the session's queues owns the delivery."""
+        by_queue = self.session.by_queue
+        if len(by_queue) == 1 or len(msg.queues) <= 1:
+            return [sub]
+        phys = msg.physical_offset
+        covering = [
+            s
+            for q in msg.queues
+            if (s := by_queue.get(q)) is not None and (s is sub or phys >= s.start_phys)
+        ]
+        if sub not in covering:
+            covering.append(sub)
+        owner = min(covering, key=lambda s: s.queue)
+        if owner is not sub:
+            return None
+        return covering
+
+    def _deliver(self, sub: SubscriptionState, off: int, msg: StoredMessage) -> bool:
+        """Send one queue message; False when the window is full (retry later)."""
+        rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
+        if rec is None:
+            return True
+        covering = self._covering(sub, msg)
+        if covering is None:
+            return True
+        cid = self.session.client_id
+        covering = [s for s in covering if not (s.no_local and rec.client_id == cid)]
+        if not covering:
+            return True
+        expiry_left = rec.remaining_expiry()
+        if expiry_left is not None and expiry_left <= 0:
+            return True
+        qos = min(rec.qos, max(s.qos for s in covering))
+        if qos > 0 and self.capacity() <= 0:
+            return False
+        retain = rec.retain and self.level == 5 and any(s.retain_as_published for s in covering)
+        sub_ids = sorted({s.subscription_identifier for s in covering if s.subscription_identifier})
+        pid = self.send(rec, qos, retain, sub_ids, expiry_left, msg.physical_offset)
+        if pid:
+            self.session.inflight[pid] = Inflight(pid, sub.queue, off, qos)
+            sub.pending[off] = pid
+        return True
+
+    # -- shared subscriptions ----------------------------------------------------------------
+
+    def deliver_shared(
+        self, group: SharedGroup, sub: SubscriptionState, off: int, msg: StoredMessage
+    ) -> str:
+        """Send one message for a shared subscription: "pending" (awaits ack), "done" or
+        "full" (no window space: the group gives it to someone else)."""
+        rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
+        if rec is None:
+            return "done"
+        expiry_left = rec.remaining_expiry()
+        if expiry_left is not None and expiry_left <= 0:
+            return "done"
+        qos = min(rec.qos, sub.qos)
+        if (qos > 0 and self.capacity() <= 0) or not self.can_send():
+            return "full"
+        retain = rec.retain and self.level == 5 and sub.retain_as_published
+        sub_ids = [sub.subscription_identifier] if sub.subscription_identifier else []
+        pid = self.send(rec, qos, retain, sub_ids, expiry_left, msg.physical_offset)
+        if pid:
+            inf = Inflight(pid, sub.queue, off, qos, group=group, topic_filter=sub.topic_filter)
+            self.session.inflight[pid] = inf
+            return "pending"
+        return "done"
+
+    # -- retained messages on subscribe -------------------------------------------------------
+
+    def queue_retained(self, messages: list[RetainedMessage], sub: SubscriptionState) -> None:
+        for m in messages:
+            self.retained_backlog.append((m, sub))
+        self.wake()
+
+    def _send_retained(self) -> bool:
+        sent = False
+        while self.retained_backlog and self.can_send():
+            m, sub = self.retained_backlog[0]
+            qos = min(m.qos, sub.qos)
+            if qos > 0 and self.capacity() <= 0:
+                break
+            self.retained_backlog.popleft()
+            rec = RecordedPublish(
+                topic=m.topic,
+                payload=m.payload,
+                qos=m.qos,
+                retain=True,
+                client_id="",
+                expiry=m.expiry_interval_s,
+                stored_at_ms=m.stored_at_ms,
+                props=m.properties,
+            )
+            expiry_left = rec.remaining_expiry()
+            if expiry_left is not None and expiry_left <= 0:
+                continue
+            sub_ids = [sub.subscription_identifier] if sub.subscription_identifier else []
+            pid = self.send(rec, qos, True, sub_ids, expiry_left, None)
+            if pid:
+                self.session.inflight[pid] = Inflight(pid, None, 0, qos)
+            sent = True
+        return sent
+
+    # -- acknowledgements --------------------------------------------------------------------
+
+    def on_puback(self, packet_id: int) -> None:
+        """PUBACK (QoS 1) or PUBCOMP (QoS 2): the message is done."""
+        inf = self.session.inflight.pop(packet_id, None)
+        if inf is None:
+            return
+        if inf.group is not None:
+            inf.group.ack(inf.offset)
+        elif inf.queue is not None:
+            sub = self.session.by_queue.get(inf.queue)
+            if sub is not None and sub.pending.get(inf.offset) == packet_id:
+                del sub.pending[inf.offset]
+                self._commit(sub)
+        self.gw.sessions.mark_dirty()
+        self.wake()
+        for group in self.groups:
+            group.schedule_pump()
+
+    def on_pubrec(self, packet_id: int, failed: bool) -> bool:
+        """PUBREC for an outbound QoS 2 message; True when PUBREL should be sent."""
+        inf = self.session.inflight.get(packet_id)
+        if inf is None:
+            return False
+        if failed:  # MQTT 5: reason >= 0x80 ends the flow
+            self.on_puback(packet_id)
+            return False
+        inf.pubrel = True
+        self.gw.sessions.mark_dirty()
+        return True
+
+    def on_transport_resumed(self) -> None:
+        self.wake()
+        for group in self.groups:
+            group.schedule_pump()
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def send(
+        self,
+        rec: RecordedPublish,
+        qos: int,
+        retain: bool,
+        sub_ids: list[int],
+        expiry_left: int | None,
+        physical_offset: int | None,
+        dup: bool = False,
+        packet_id: int | None = None,
+    ) -> int:
+        """Encode (cached per fan-out) and write one PUBLISH; returns the packet id used
+        (0 for QoS 0 or when the packet was dropped as larger than the client accepts)."""
+        level = self.level
+        topic = rec.topic
+        alias: int | None = None
+        new_alias = False
+        if level == 5 and self.alias_max:
+            alias = self.aliases.get(topic)
+            if alias is not None:
+                topic = ""
+            elif len(self.aliases) < self.alias_max:
+                alias = len(self.aliases) + 1
+                new_alias = True
+        key = (physical_offset, level, qos, retain, topic, alias, tuple(sub_ids), expiry_left)
+
+        def make() -> PreparedPublish:
+            props = rec.mqtt5_properties(sub_ids, expiry_left) if level == 5 else None
+            if alias is not None:
+                if props is None:
+                    from gateway.protocol import Properties
+
+                    props = Properties()
+                props.topic_alias = alias
+            pub = Publish(
+                topic=topic, payload=rec.payload, qos=qos, retain=retain, properties=props
+            )
+            return PreparedPublish(level, pub)
+
+        prepared = make() if physical_offset is None else self.gw.prepared.get(key, make)
+        pid = 0
+        if qos > 0:
+            pid = packet_id if packet_id is not None else self.session.allocate_packet_id()
+        if self.max_packet is not None:
+            size = len(prepared.packet(pid or None, dup))
+            if size > self.max_packet:
+                self.gw.stats.publish_dropped += 1
+                log.info(
+                    "%r: %d-byte PUBLISH on %r dropped: client maximum packet size is %d",
+                    self.session.client_id,
+                    size,
+                    rec.topic,
+                    self.max_packet,
+                )
+                return 0
+        data = self.client.conn.send_prepared(prepared, pid or None, dup)
+        if new_alias and alias is not None:
+            self.aliases[rec.topic] = alias
+        self.client.write(data)
+        self.gw.stats.messages_sent += 1
+        return pid
+
+    def _resend_inflight(self) -> None:
+        """After a reconnect: re-send what was unacknowledged, with DUP, in the original order."""
+        store = self.gw.store
+        for inf in list(self.session.inflight.values()):
+            if inf.pubrel:
+                self.client.write(self.client.conn.send(PubRel(packet_id=inf.packet_id)))
+                continue
+            if inf.queue is None:
+                del self.session.inflight[inf.packet_id]
+                continue
+            got = store.get(inf.queue, inf.offset, 1)
+            sub = self.session.by_queue.get(inf.queue)
+            if got.status is not GetStatus.FOUND or not got.messages or sub is None:
+                self._forget(inf)
+                continue
+            msg = got.messages[0]
+            rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
+            if rec is None:
+                self._forget(inf)
+                continue
+            covering = self._covering(sub, msg) or [sub]
+            sub_ids = sorted(
+                {s.subscription_identifier for s in covering if s.subscription_identifier}
+            )
+            expiry_left = rec.remaining_expiry()
+            retain = rec.retain and self.level == 5 and any(s.retain_as_published for s in covering)
+            self.send(
+                rec,
+                inf.qos,
+                retain,
+                sub_ids,
+                expiry_left,
+                None,
+                dup=True,
+                packet_id=inf.packet_id,
+            )
+
+    def _forget(self, inf: Inflight) -> None:
+        self.session.inflight.pop(inf.packet_id, None)
+        sub = self.session.by_queue.get(inf.queue) if inf.queue else None
+        if sub is not None:
+            sub.pending.pop(inf.offset, None)
+            self._commit(sub)

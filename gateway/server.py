@@ -1,0 +1,61 @@
+"""The listener's asyncio Protocol: it only moves bytes and flow-control signals.
+
+Parsing, sessions and delivery live in ClientConnection; this class is the seam with the event
+loop (uvicorn's h11_impl shape). Write-buffer limits make `pause_writing` fire when a slow
+subscriber's socket backs up, which pauses that subscriber's delivery loop, so memory per
+connection stays bounded by the high-water mark plus one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from gateway.client import ClientConnection
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = logging.getLogger("lmqtt.gateway")
+
+WRITE_HIGH_WATER = 256 * 1024
+WRITE_LOW_WATER = 64 * 1024
+
+
+class MqttServerProtocol(asyncio.Protocol):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self.client: ClientConnection | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        if len(self.gw.connections) >= self.gw.settings.max_connections or self.gw.stopping:
+            log.warning("connection refused: %d connections open", len(self.gw.connections))
+            transport.abort()
+            return
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+        self.client = ClientConnection(self.gw, transport)
+        self.gw.connections.add(self.client)
+
+    def data_received(self, data: bytes) -> None:
+        if self.client is not None:
+            self.client.feed(data)
+
+    def eof_received(self) -> bool:
+        if self.client is not None:
+            self.client.feed_eof()
+        return True  # keep the transport until the reader has handled what was buffered
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.client is not None:
+            self.gw.connections.discard(self.client)
+            self.client.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.client is not None:
+            self.client.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.client is not None:
+            self.client.resume_writing()

@@ -1,0 +1,325 @@
+"""Sessions: the state that outlives a network connection, and their registry.
+
+A Session holds the subscriptions (with read positions), the outbound in-flight window and the
+inbound QoS 2 ids awaiting PUBREL. The offline backlog is NOT here: it is the part of each
+subscribed light queue past the session's read position, on disk in the store.
+
+`config/sessions.json` (written atomically through store.write_config):
+
+    {"version": 1, "sessions": {"<client id>": {
+        "protocol_level": 5, "expiry_interval": 3600, "disconnected_at_ms": null | int,
+        "subscriptions": [{"filter": "site/+/t", "queue": "%LMQ%...", "share_group": null | "g",
+                           "qos": 1, "no_local": false, "retain_as_published": false,
+                           "retain_handling": 0, "subscription_identifier": null | int,
+                           "start_offset": 123, "next_offset": 130, "start_phys": 4096}],
+        "qos2_inbound": [packet ids],
+        "inflight": [{"packet_id": 1, "queue": "...", "offset": 5, "qos": 1, "pubrel": false}]}}}
+
+`filter` is the filter as subscribed (with a `$share/g/` prefix for shared subscriptions).
+`next_offset` is the read position; everything below it that is not in `inflight` was delivered
+and acknowledged, so sessions.json alone is a consistent resume point (store.offsets also gets the
+committed offsets, for inspect and analytics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.client import ClientConnection
+    from gateway.shared import SharedGroup
+    from store import MessageStore
+
+log = logging.getLogger("lmqtt.gateway")
+
+SESSIONS_FILE = "sessions.json"
+SESSIONS_VERSION = 1
+NEVER_EXPIRES = 0xFFFFFFFF
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(slots=True)
+class SubscriptionState:
+    """One subscription of a session and its position in its light queue."""
+
+    topic_filter: str  # as subscribed, including a $share/<group>/ prefix
+    queue: str
+    share_group: str | None
+    qos: int
+    no_local: bool = False
+    retain_as_published: bool = False
+    retain_handling: int = 0
+    subscription_identifier: int | None = None
+    start_offset: int = 0
+    next_offset: int = 0
+    start_phys: int = 0  # CommitLog end when subscribed: covers records at or after it
+    # queue offset -> packet id, for QoS > 0 messages read from this queue and not yet acknowledged
+    pending: dict[int, int] = field(default_factory=dict)
+
+    def committed(self) -> int:
+        """Highest offset below which everything is acknowledged."""
+        return min(self.pending) if self.pending else self.next_offset
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "filter": self.topic_filter,
+            "queue": self.queue,
+            "share_group": self.share_group,
+            "qos": self.qos,
+            "no_local": self.no_local,
+            "retain_as_published": self.retain_as_published,
+            "retain_handling": self.retain_handling,
+            "subscription_identifier": self.subscription_identifier,
+            "start_offset": self.start_offset,
+            "next_offset": self.next_offset,
+            "start_phys": self.start_phys,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SubscriptionState:
+        start = int(d.get("start_offset", 0))
+        return cls(
+            topic_filter=str(d["filter"]),
+            queue=str(d["queue"]),
+            share_group=d.get("share_group"),
+            qos=int(d.get("qos", 0)),
+            no_local=bool(d.get("no_local", False)),
+            retain_as_published=bool(d.get("retain_as_published", False)),
+            retain_handling=int(d.get("retain_handling", 0)),
+            subscription_identifier=d.get("subscription_identifier"),
+            start_offset=start,
+            next_offset=int(d.get("next_offset", start)),
+            start_phys=int(d.get("start_phys", 0)),
+        )
+
+
+@dataclass(slots=True)
+class Inflight:
+    """An outbound QoS 1/2 message awaiting PUBACK, PUBREC or PUBCOMP."""
+
+    packet_id: int
+    queue: str | None  # None: a retained copy sent on subscribe (not re-sent after restart)
+    offset: int
+    qos: int
+    pubrel: bool = False  # QoS 2: PUBREC received, PUBREL sent, awaiting PUBCOMP
+    group: SharedGroup | None = None  # set when delivered for a shared subscription
+    topic_filter: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "packet_id": self.packet_id,
+            "queue": self.queue,
+            "offset": self.offset,
+            "qos": self.qos,
+            "pubrel": self.pubrel,
+        }
+
+
+class Session:
+    """State of one client id, live or offline."""
+
+    def __init__(self, client_id: str, protocol_level: int, expiry_interval: int) -> None:
+        self.client_id = client_id
+        self.protocol_level = protocol_level
+        self.expiry_interval = expiry_interval
+        self.disconnected_at_ms: int | None = None
+        self.subscriptions: dict[str, SubscriptionState] = {}
+        self.by_queue: dict[str, SubscriptionState] = {}  # non-shared subscriptions by queue
+        self.qos2_inbound: set[int] = set()
+        self.inflight: dict[int, Inflight] = {}  # insertion order = send order
+        self.connection: ClientConnection | None = None
+        self.expiry_timer: asyncio.TimerHandle | None = None
+        self._next_packet_id = 1
+
+    @property
+    def persistent(self) -> bool:
+        return self.expiry_interval > 0
+
+    def add_subscription(self, sub: SubscriptionState) -> None:
+        self.subscriptions[sub.topic_filter] = sub
+        if sub.share_group is None:
+            self.by_queue[sub.queue] = sub
+
+    def remove_subscription(self, topic_filter: str) -> SubscriptionState | None:
+        sub = self.subscriptions.pop(topic_filter, None)
+        if sub is not None and sub.share_group is None:
+            self.by_queue.pop(sub.queue, None)
+        return sub
+
+    def allocate_packet_id(self) -> int:
+        """Next free outbound packet id (1..65535); caller guarantees the window is not full."""
+        pid = self._next_packet_id
+        for _ in range(65535):
+            if pid not in self.inflight:
+                self._next_packet_id = pid % 65535 + 1
+                return pid
+            pid = pid % 65535 + 1
+        raise RuntimeError("no free packet id")
+
+    def expires_at_ms(self) -> int | None:
+        if self.disconnected_at_ms is None or self.expiry_interval >= NEVER_EXPIRES:
+            return None
+        return self.disconnected_at_ms + self.expiry_interval * 1000
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "protocol_level": self.protocol_level,
+            "expiry_interval": self.expiry_interval,
+            "disconnected_at_ms": self.disconnected_at_ms,
+            "subscriptions": [s.to_json() for s in self.subscriptions.values()],
+            "qos2_inbound": sorted(self.qos2_inbound),
+            "inflight": [i.to_json() for i in self.inflight.values() if i.queue is not None],
+        }
+
+    @classmethod
+    def from_json(cls, client_id: str, d: dict[str, Any]) -> Session:
+        s = cls(client_id, int(d.get("protocol_level", 4)), int(d.get("expiry_interval", 0)))
+        s.disconnected_at_ms = d.get("disconnected_at_ms")
+        for sd in d.get("subscriptions", []):
+            s.add_subscription(SubscriptionState.from_json(sd))
+        s.qos2_inbound = {int(x) for x in d.get("qos2_inbound", [])}
+        for i in d.get("inflight", []):
+            inf = Inflight(
+                packet_id=int(i["packet_id"]),
+                queue=i.get("queue"),
+                offset=int(i["offset"]),
+                qos=int(i["qos"]),
+                pubrel=bool(i.get("pubrel", False)),
+            )
+            sub = s.by_queue.get(inf.queue) if inf.queue is not None else None
+            if sub is None:
+                continue  # shared or unsubscribed: nothing to resume it against
+            s.inflight[inf.packet_id] = inf
+            sub.pending[inf.offset] = inf.packet_id
+        return s
+
+
+class SessionRegistry:
+    """All sessions by client id, their expiry timers and their persistence."""
+
+    def __init__(self, store: MessageStore, on_expire: Callable[[Session], None]) -> None:
+        self._store = store
+        self._on_expire = on_expire
+        self.sessions: dict[str, Session] = {}
+        self._dirty = False
+        self._lock = asyncio.Lock()
+        self._requested = 0
+        self._saved = 0
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def get(self, client_id: str) -> Session | None:
+        return self.sessions.get(client_id)
+
+    def add(self, session: Session) -> None:
+        self.sessions[session.client_id] = session
+        self._dirty = True
+
+    def remove(self, client_id: str) -> Session | None:
+        s = self.sessions.pop(client_id, None)
+        if s is not None:
+            self.cancel_expiry(s)
+            self._dirty = True
+        return s
+
+    def mark_dirty(self) -> None:
+        self._dirty = True
+
+    # -- expiry ------------------------------------------------------------------------------
+
+    def schedule_expiry(self, session: Session) -> None:
+        self.cancel_expiry(session)
+        at = session.expires_at_ms()
+        if at is None:
+            return
+        delay = max(0.0, (at - now_ms()) / 1000)
+        loop = asyncio.get_running_loop()
+        session.expiry_timer = loop.call_later(delay, self._expire, session)
+
+    def cancel_expiry(self, session: Session) -> None:
+        if session.expiry_timer is not None:
+            session.expiry_timer.cancel()
+            session.expiry_timer = None
+
+    def _expire(self, session: Session) -> None:
+        session.expiry_timer = None
+        if self.sessions.get(session.client_id) is session and session.connection is None:
+            log.info("session %r expired", session.client_id)
+            self._on_expire(session)
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def load(self) -> list[Session]:
+        """Read sessions.json; sessions that ended with the previous run are dropped."""
+        try:
+            raw = self._store.read_config(SESSIONS_FILE)
+        except (FileNotFoundError, OSError):
+            return []
+        if raw is None:
+            return []
+        try:
+            doc = json.loads(raw)
+            entries = doc.get("sessions", {})
+        except (ValueError, AttributeError):
+            log.error("config/%s unreadable; starting without sessions", SESSIONS_FILE)
+            return []
+        loaded = []
+        now = now_ms()
+        for cid, d in entries.items():
+            try:
+                s = Session.from_json(cid, d)
+            except (KeyError, TypeError, ValueError) as e:
+                log.error("session %r in %s unreadable (%s); dropped", cid, SESSIONS_FILE, e)
+                continue
+            if not s.persistent:
+                continue
+            if s.disconnected_at_ms is None:
+                s.disconnected_at_ms = now  # was connected when the previous run ended
+            self.sessions[cid] = s
+            loaded.append(s)
+        self._dirty = True
+        return loaded
+
+    def _serialize(self) -> bytes:
+        doc = {
+            "version": SESSIONS_VERSION,
+            "sessions": {cid: s.to_json() for cid, s in self.sessions.items()},
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def save_now(self) -> None:
+        """Synchronous save (shutdown)."""
+        self._dirty = False
+        self._store.write_config(SESSIONS_FILE, self._serialize())
+
+    async def save(self) -> None:
+        """Durable save that coalesces concurrent callers into as few writes as possible.
+
+        Each caller takes a ticket; a write serializes the state after every ticket issued so
+        far, so callers whose ticket it covers return without writing again.
+        """
+        self._requested += 1
+        ticket = self._requested
+        async with self._lock:
+            if self._saved >= ticket:
+                return
+            covered = self._requested
+            self._dirty = False
+            data = self._serialize()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._store.write_config, SESSIONS_FILE, data)
+            self._saved = covered
+
+    async def save_if_dirty(self) -> None:
+        if self._dirty:
+            await self.save()

@@ -1,0 +1,192 @@
+"""Shared subscriptions `$share/<group>/<filter>`: competing consumers of one light queue.
+
+A SharedGroup reads the filter's queue with ONE offset (store.offsets group "$share/<group>")
+and pushes each message to one connected member, round-robin among members with window space.
+A message sent at QoS > 0 stays `pending` until the member acknowledges it (not when the bytes
+were written: rocketmq-mqtt #248); when a member leaves with messages in flight they go back to
+`returned` and are given to another member. Members that are offline get nothing; the backlog
+waits in the store. The committed group offset is the smallest offset not yet done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from store import GetStatus, StoredMessage
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+    from gateway.delivery import DeliveryLoop
+
+log = logging.getLogger("lmqtt.gateway")
+
+BATCH = 32
+
+
+class SharedGroup:
+    """One share group on one filter (so one light queue)."""
+
+    def __init__(self, gateway: Gateway, group: str, topic_filter: str, queue: str) -> None:
+        self.gw = gateway
+        self.group = group
+        self.topic_filter = topic_filter  # underlying filter, without $share/<group>/
+        self.subscription = f"$share/{group}/{topic_filter}"
+        self.queue = queue
+        self.consumer = f"$share/{group}"
+        self.refs = 0  # sessions (live or offline) holding this subscription
+        self.members: list[DeliveryLoop] = []
+        self.next_offset = 0
+        self.pending: dict[int, DeliveryLoop] = {}
+        self.returned: list[int] = []  # heap of offsets to hand out again
+        self._buffer: deque[tuple[int, StoredMessage]] = deque()
+        self._rr = 0
+        self._scheduled = False
+
+    def committed(self) -> int:
+        candidates = [self.next_offset]
+        if self._buffer:
+            candidates.append(self._buffer[0][0])
+        if self.pending:
+            candidates.append(min(self.pending))
+        if self.returned:
+            candidates.append(self.returned[0])
+        return min(candidates)
+
+    def _commit(self) -> None:
+        self.gw.store.offsets.commit(self.consumer, self.queue, self.committed())
+
+    # -- membership --------------------------------------------------------------------------
+
+    def join(self, member: DeliveryLoop) -> None:
+        if member not in self.members:
+            self.members.append(member)
+            member.groups.add(self)
+        if len(self.members) == 1:
+            self.gw.arrivals.watch(self.queue, self.schedule_pump)
+        self.schedule_pump()
+
+    def leave(self, member: DeliveryLoop) -> None:
+        """A member disconnected or unsubscribed: its in-flight messages go to the others."""
+        if member in self.members:
+            self.members.remove(member)
+        member.groups.discard(self)
+        inflight = member.session.inflight
+        for pid, inf in list(inflight.items()):
+            if inf.group is self:
+                del inflight[pid]
+        for off, m in list(self.pending.items()):
+            if m is member:
+                del self.pending[off]
+                heapq.heappush(self.returned, off)
+        if not self.members:
+            self.gw.arrivals.unwatch(self.queue, self.schedule_pump)
+        self.schedule_pump()
+
+    def ack(self, offset: int) -> None:
+        if self.pending.pop(offset, None) is not None:
+            self._commit()
+        self.schedule_pump()
+
+    # -- pumping -----------------------------------------------------------------------------
+
+    def schedule_pump(self) -> None:
+        if not self._scheduled and self.members:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _next_message(self) -> tuple[int, StoredMessage] | None:
+        store = self.gw.store
+        while self.returned:
+            off = heapq.heappop(self.returned)
+            got = store.get(self.queue, off, 1)
+            if got.status is GetStatus.FOUND and got.messages:
+                return off, got.messages[0]
+        if self._buffer:
+            return self._buffer.popleft()
+        if self.next_offset >= store.max_offset(self.queue):
+            return None
+        got = store.get(self.queue, self.next_offset, BATCH)
+        if got.status is GetStatus.OFFSET_TOO_SMALL:
+            self.next_offset = got.min_offset
+            got = store.get(self.queue, self.next_offset, BATCH)
+        if got.status is not GetStatus.FOUND:
+            return None
+        for msg in got.messages:
+            self._buffer.append((msg.queue_offset, msg))
+        self.next_offset = got.next_offset
+        return self._buffer.popleft() if self._buffer else None
+
+    def _pump(self) -> None:
+        self._scheduled = False
+        if not self.members:
+            return
+        changed = False
+        try:
+            while True:
+                candidates = [m for m in self.members if m.capacity() > 0 and m.can_send()]
+                if not candidates:
+                    return
+                item = self._next_message()
+                if item is None:
+                    return
+                off, msg = item
+                delivered = False
+                for i in range(len(candidates)):
+                    member = candidates[(self._rr + i) % len(candidates)]
+                    sub = member.session.subscriptions.get(self.subscription)
+                    if sub is None:
+                        continue
+                    outcome = member.deliver_shared(self, sub, off, msg)
+                    if outcome == "full":
+                        continue
+                    self._rr = (self._rr + i + 1) % max(1, len(self.members))
+                    if outcome == "pending":
+                        self.pending[off] = member
+                    delivered = True
+                    changed = True
+                    break
+                if not delivered:
+                    self._buffer.appendleft((off, msg))
+                    return
+        finally:
+            if changed:
+                self._commit()
+
+
+class SharedSubscriptions:
+    """Share groups by (group, filter), created with their first subscriber."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self.groups: dict[tuple[str, str], SharedGroup] = {}
+
+    def acquire(self, group: str, topic_filter: str, queue: str, resume: bool) -> SharedGroup:
+        """Take a reference; a new group starts at the queue's end, or at its saved offset
+        when `resume` (restart with persistent members)."""
+        key = (group, topic_filter)
+        g = self.groups.get(key)
+        if g is None:
+            g = SharedGroup(self.gw, group, topic_filter, queue)
+            saved = self.gw.store.offsets.get(g.consumer, queue) if resume else None
+            g.next_offset = saved if saved is not None else self.gw.store.max_offset(queue)
+            self.groups[key] = g
+            g._commit()
+        g.refs += 1
+        return g
+
+    def get(self, group: str, topic_filter: str) -> SharedGroup | None:
+        return self.groups.get((group, topic_filter))
+
+    def release(self, group: str, topic_filter: str) -> None:
+        g = self.groups.get((group, topic_filter))
+        if g is None:
+            return
+        g.refs -= 1
+        if g.refs <= 0:
+            for m in list(g.members):
+                g.leave(m)
+            del self.groups[(group, topic_filter)]
