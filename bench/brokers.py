@@ -1,0 +1,187 @@
+"""The brokers under test, each started as its own process on a free loopback port.
+
+Every broker gets a fresh working directory (data dir, config, log) unless a scenario restarts
+one on the directory it already has (durability). ``BrokerUnavailable`` carries the note shown
+in the table when a broker cannot run here (Mosquitto not installed, lmqtt not serving yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+BROKERS = ("lmqtt", "mosquitto", "amqtt")
+
+
+class BrokerUnavailable(Exception):
+    """The broker cannot be started on this machine; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerOptions:
+    flush: str = "async"  # lmqtt only: "async" or "sync"
+    persistence: bool = False  # Mosquitto only: lmqtt always stores, amqtt never does
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class BrokerProcess:
+    """One broker process: start, wait until it accepts connections, stop or SIGKILL."""
+
+    def __init__(self, name: str, workdir: Path, options: BrokerOptions) -> None:
+        self.name = name
+        self.workdir = workdir
+        self.options = options
+        self.port = free_port()
+        self.process: asyncio.subprocess.Process | None = None
+        self.ps: psutil.Process | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def command(self) -> list[str]:
+        if self.name == "lmqtt":
+            exe = Path(sys.executable).parent / "lmqtt"
+            if not exe.exists():
+                raise BrokerUnavailable("lmqtt console script not installed")
+            return [
+                str(exe),
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.workdir / "data"),
+                "--flush",
+                self.options.flush,
+                "--log-level",
+                "WARNING",
+            ]
+        if self.name == "amqtt":
+            return [sys.executable, "-m", "bench.amqtt_broker", str(self.port)]
+        if self.name == "mosquitto":
+            found = shutil.which("mosquitto") or (
+                "/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None
+            )
+            if found is None:
+                raise BrokerUnavailable("mosquitto not installed (apt-get install mosquitto)")
+            return [found, "-c", str(self.mosquitto_config())]
+        raise BrokerUnavailable(f"unknown broker {self.name}")
+
+    def mosquitto_config(self) -> Path:
+        store = self.workdir / "mosquitto-data"
+        store.mkdir(parents=True, exist_ok=True)
+        lines = [
+            f"listener {self.port} 127.0.0.1",
+            "allow_anonymous true",
+            # Unlimited queues: by default Mosquitto drops QoS 1 messages beyond 1,000 queued
+            # per client, which would count as loss rather than as slower delivery.
+            "max_queued_messages 0",
+            "log_dest stderr",
+            "log_type error",
+            "log_type warning",
+        ]
+        if os.geteuid() == 0:
+            # Keep access to our temp dir instead of dropping privileges to user "mosquitto".
+            lines.append("user root")
+        if self.options.persistence:
+            lines += [
+                "persistence true",
+                f"persistence_location {store}/",
+                # The most frequent save Mosquitto offers; its default is every 30 minutes.
+                "autosave_interval 1",
+            ]
+        path = self.workdir / "mosquitto.conf"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    async def start(self, timeout: float = 20.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = open(self.workdir / f"{self.name}.log", "ab")  # noqa: SIM115 - owned by the child
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = await asyncio.create_subprocess_exec(
+            *self.command(),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+        self.ps = psutil.Process(self.process.pid)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if self.process.returncode is not None:
+                break
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+        await self.stop()
+        tail = self.log_tail()
+        raise BrokerUnavailable(f"{self.name} did not accept connections: {tail}")
+
+    def log_tail(self, lines: int = 5) -> str:
+        path = self.workdir / f"{self.name}.log"
+        if not path.exists():
+            return ""
+        text = path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:])[-600:]
+
+    def rss(self) -> int:
+        assert self.ps is not None
+        try:
+            return int(self.ps.memory_info().rss)
+        except psutil.Error:
+            return 0
+
+    def cpu_seconds(self) -> float:
+        assert self.ps is not None
+        try:
+            times = self.ps.cpu_times()
+        except psutil.Error:
+            return 0.0
+        return float(times.user + times.system)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGKILL)
+
+    async def wait(self) -> None:
+        if self.process is not None:
+            await self.process.wait()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        if self.process is None or self.process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.process.wait(), timeout)
+        except TimeoutError:
+            self.kill()
+            await self.process.wait()

@@ -1,0 +1,161 @@
+"""``python -m bench [scenario ...] [--duration S] [--repeat N] [--brokers ...]``.
+
+Brokers run one after another, never at the same time, each on a fresh port and directory.
+Every (scenario, broker) pair is repeated ``--repeat`` times (heavy scenarios once) and the
+median of each figure is reported, next to the CPU shares that say who limited the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import resource
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.brokers import BROKERS, BrokerProcess, BrokerUnavailable
+from bench.report import machine_details, render_markdown, write_docs
+from bench.scenarios import SCENARIOS, RunSettings, run_scenario
+from bench.workers import WorkerError, wait_for_quiet_host
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def raise_open_files_limit(wanted: int = 65536) -> int:
+    """Idle-connection runs need ~10,000 sockets on each side; children inherit the limit."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for target_hard in (max(hard, wanted), hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, target_hard), target_hard))
+            break
+        except (ValueError, OSError):
+            continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    keys = {k for run in runs for k in run}
+    for key in sorted(keys):
+        values = [run[key] for run in runs if key in run]
+        if all(isinstance(v, bool) for v in values):
+            merged[key] = all(values)
+        elif all(isinstance(v, int | float) for v in values):
+            merged[key] = statistics.median(values)
+        elif key == "flags":
+            merged[key] = sorted({f for v in values for f in v})
+        else:
+            merged[key] = values[-1]
+    return merged
+
+
+async def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    settings = RunSettings(
+        duration=args.duration,
+        repeat=args.repeat,
+        backlog=args.backlog,
+        backlog_seconds=args.backlog_seconds,
+        idle=args.idle,
+    )
+    brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="lmqtt-bench-") as tmp:
+        for name in args.scenarios:
+            scenario = SCENARIOS[name]
+            results[name] = {}
+            for broker_name in brokers:
+                options = scenario.options(broker_name)
+                entry: dict[str, Any] = {"runs": [], "notes": []}
+                results[name][broker_name] = entry
+                if options is None:
+                    entry["notes"].append("n/a for this broker")
+                    continue
+                repeats = settings.repeat if scenario.repeated else 1
+                for attempt in range(repeats):
+                    workdir = Path(tmp) / f"{name}-{broker_name}-{attempt}"
+                    broker = BrokerProcess(broker_name, workdir, options)
+                    label = f"{name} {broker_name} #{attempt + 1}/{repeats}"
+                    busy = await wait_for_quiet_host(args.quiet_wait)
+                    print(f"... {label} (host busy {busy:.2f} cores)", file=sys.stderr, flush=True)
+                    try:
+                        metrics = await asyncio.wait_for(
+                            run_scenario(scenario, broker, settings, workdir),
+                            timeout=args.scenario_timeout,
+                        )
+                    except BrokerUnavailable as exc:
+                        entry["notes"].append(f"skipped: {exc}")
+                        break
+                    except (WorkerError, TimeoutError, OSError) as exc:
+                        entry["notes"].append(f"run {attempt + 1} failed: {exc or 'timeout'}")
+                        print(f"    failed: {exc}  [{broker.log_tail(3)}]", file=sys.stderr)
+                        broker.kill()
+                        continue
+                    finally:
+                        broker.kill()
+                    metrics["host_busy_before"] = round(busy, 2)
+                    entry["runs"].append(metrics)
+                    print(f"    {json.dumps(metrics)}", file=sys.stderr, flush=True)
+                if entry["runs"]:
+                    entry["median"] = median_metrics(entry["runs"])
+    return results
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument(
+        "scenarios", nargs="*", metavar="scenario", help=f"any of: {', '.join(SCENARIOS)}"
+    )
+    parser.add_argument("--duration", type=float, default=5.0, help="publish phase, s")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--brokers", default=",".join(BROKERS))
+    parser.add_argument("--backlog", type=int, default=1_000_000, help="offline backlog size")
+    parser.add_argument(
+        "--backlog-seconds", type=float, default=30.0, help="cap on backlog fill and drain, s"
+    )
+    parser.add_argument("--idle", type=int, default=10_000, help="idle connections")
+    parser.add_argument("--scenario-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=10.0,
+        help="wait up to this many s before each run for the shared host to go idle",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--docs", type=Path, help="also write the table to this Markdown file")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.scenarios if s not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
+    args.scenarios = args.scenarios or list(SCENARIOS)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    nofile = raise_open_files_limit()
+    started = dt.datetime.now(dt.UTC)
+    results = asyncio.run(run_all(args))
+    finished = dt.datetime.now(dt.UTC)
+    document = {
+        "started": started.isoformat(timespec="seconds"),
+        "finished": finished.isoformat(timespec="seconds"),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": {**machine_details(), "open_files_limit": nofile},
+        "results": results,
+    }
+    markdown = render_markdown(document)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = started.strftime("%Y%m%dT%H%M%SZ")
+    (args.out / f"bench-{stamp}.json").write_text(json.dumps(document, indent=2))
+    (args.out / f"bench-{stamp}.md").write_text(markdown)
+    (args.out / "latest.json").write_text(json.dumps(document, indent=2))
+    (args.out / "latest.md").write_text(markdown)
+    if args.docs:
+        write_docs(args.docs, markdown)
+    print(markdown)
+    return 0

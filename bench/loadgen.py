@@ -1,0 +1,385 @@
+"""The lean load generator: one OS process per role, driven over stdin, reporting JSON on stdout.
+
+Run as ``python -m bench.loadgen '<json spec>'``. The orchestrator (bench.runner) writes one
+command per line on stdin (``start``, ``report``, ``stop``) and reads one JSON object per line
+from stdout (``ready``, ``progress``, ``result``, ``error``). Roles:
+
+- ``sub``: N connections, each subscribing to its filters; counts deliveries, acknowledges QoS 1,
+  optionally measures latency (from the payload's send timestamp) and records sequence numbers.
+- ``pub``: one connection publishing a fixed-size payload round-robin over topics, at full speed
+  or at a given rate, with a window of unacknowledged QoS 1 packets; stops after a duration or a
+  count, or when the broker goes away (durability), and reports which sequence numbers were
+  acknowledged.
+- ``idle``: N connections that connect and then stay silent (memory per connection, connect rate).
+
+Timestamps are ``time.monotonic()``: CLOCK_MONOTONIC is system-wide on Linux, so the orchestrator
+and every worker process share one clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from bench import wire
+
+
+@dataclass(slots=True)
+class Deliveries:
+    """What every subscriber connection of a worker received, merged."""
+
+    count: int = 0
+    first: float = 0.0
+    last: float = 0.0
+    latencies_ns: list[int] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    measure_latency: bool = False
+    track_seqs: bool = False
+    skip_latency: int = 0
+
+
+class BenchClient(asyncio.Protocol):
+    """One MQTT connection: moves bytes, answers PUBLISH QoS 1 with PUBACK, wakes waiters."""
+
+    def __init__(self, deliveries: Deliveries | None = None) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.deliveries = deliveries
+        loop = asyncio.get_running_loop()
+        self.connack: asyncio.Future[int] = loop.create_future()
+        self.suback: asyncio.Future[bytes] = loop.create_future()
+        self.lost = asyncio.Event()
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.on_puback: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only duck-typed ones.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost.set()
+        self.writable.set()
+        for fut in (self.connack, self.suback):
+            if not fut.done():
+                fut.set_exception(ConnectionError("connection lost"))
+                fut.exception()  # nobody may be waiting any more: mark it retrieved
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def data_received(self, data: bytes) -> None:
+        if self.buffer:
+            self.buffer += data
+            data = bytes(self.buffer)
+        packets, consumed = wire.split_packets(data)
+        # Views point into the immutable ``data``; only the unparsed tail is kept.
+        self.buffer = bytearray(data[consumed:]) if consumed < len(data) else bytearray()
+        acks: list[bytes] = []
+        deliveries = self.deliveries
+        now_ns = 0
+        before = deliveries.count if deliveries is not None else 0
+        for first, body in packets:
+            kind = first >> 4
+            if kind == wire.PUBLISH and deliveries is not None:
+                qos, packet_id, payload = wire.publish_fields(first, body)
+                if qos:
+                    acks.append(wire.puback(packet_id))
+                deliveries.count += 1
+                if deliveries.measure_latency or deliveries.track_seqs:
+                    seq, sent_ns = wire.PAYLOAD_HEADER.unpack_from(payload)
+                    if deliveries.track_seqs:
+                        deliveries.seqs.append(seq)
+                    if deliveries.measure_latency:
+                        if not now_ns:
+                            now_ns = time.monotonic_ns()
+                        if deliveries.skip_latency:
+                            deliveries.skip_latency -= 1
+                        else:
+                            deliveries.latencies_ns.append(now_ns - sent_ns)
+            elif kind == wire.PUBACK:
+                if self.on_puback is not None:
+                    self.on_puback((body[0] << 8) | body[1])
+            elif kind == wire.CONNACK:
+                if not self.connack.done():
+                    self.connack.set_result(body[1])
+            elif kind == wire.SUBACK and not self.suback.done():
+                self.suback.set_result(bytes(body[2:]))
+        if deliveries is not None and deliveries.count != before:
+            now = time.monotonic()
+            if not deliveries.first:
+                deliveries.first = now
+            deliveries.last = now
+        if acks and self.transport is not None:
+            self.transport.write(b"".join(acks))
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def close(self, graceful: bool = True) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            if graceful:
+                self.transport.write(wire.DISCONNECT_PACKET)
+            self.transport.close()
+
+
+async def open_client(
+    host: str,
+    port: int,
+    client_id: str,
+    clean: bool = True,
+    deliveries: Deliveries | None = None,
+    timeout: float = 10.0,
+) -> BenchClient:
+    loop = asyncio.get_running_loop()
+    _, client = await asyncio.wait_for(
+        loop.create_connection(lambda: BenchClient(deliveries), host, port), timeout
+    )
+    client.write(wire.connect(client_id, clean_session=clean))
+    code = await asyncio.wait_for(client.connack, timeout)
+    if code != 0:
+        client.close(graceful=False)
+        raise ConnectionError(f"CONNACK return code {code} for {client_id}")
+    return client
+
+
+def emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+class Commands:
+    """Lines from the orchestrator on stdin."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+
+    async def next(self) -> str:
+        line = await self.reader.readline()
+        return line.decode().strip() or "stop"
+
+
+async def stdin_commands() -> Commands:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return Commands(reader)
+
+
+def percentiles_ms(samples_ns: list[int]) -> dict[str, float]:
+    if not samples_ns:
+        return {}
+    ordered = sorted(samples_ns)
+    size = len(ordered)
+
+    def at(q: float) -> float:
+        return ordered[min(size - 1, int(q * size))] / 1e6
+
+    return {
+        "p50": at(0.50),
+        "p99": at(0.99),
+        "p999": at(0.999),
+        "max": ordered[-1] / 1e6,
+        "samples": float(size),
+    }
+
+
+async def run_sub(spec: dict[str, Any], commands: Commands) -> None:
+    deliveries = Deliveries(
+        measure_latency=bool(spec.get("latency")),
+        track_seqs=bool(spec.get("track")),
+        skip_latency=int(spec.get("skip_latency", 0)),
+    )
+    clients: list[BenchClient] = []
+    for conn in spec["connections"]:
+        client = await open_client(
+            spec["host"], spec["port"], conn["id"], conn.get("clean", True), deliveries
+        )
+        if conn.get("filters"):
+            client.write(wire.subscribe(1, conn["filters"], spec.get("qos", 0)))
+            granted = await asyncio.wait_for(client.suback, 10)
+            if any(code == 0x80 for code in granted):
+                raise ConnectionError(f"subscription refused for {conn['id']}")
+        clients.append(client)
+    emit("ready")
+    while True:
+        command = await commands.next()
+        if command == "report":
+            emit("progress", count=deliveries.count, first=deliveries.first, last=deliveries.last)
+            continue
+        break
+    for client in clients:
+        client.close(graceful=True)
+    await asyncio.sleep(0.05)
+    emit(
+        "result",
+        count=deliveries.count,
+        first=deliveries.first,
+        last=deliveries.last,
+        latency_ms=percentiles_ms(deliveries.latencies_ns),
+        seqs=deliveries.seqs if deliveries.track_seqs else None,
+    )
+
+
+async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
+    qos = int(spec.get("qos", 0))
+    topics: list[str] = spec["topics"]
+    templates = [wire.PublishTemplate(t, qos, int(spec.get("payload", 64))) for t in topics]
+    n_templates = len(templates)
+    rate: float | None = spec.get("rate")
+    duration: float = float(spec.get("duration", 5.0))
+    count_limit: int | None = spec.get("count")
+    window = int(spec.get("window", 256))
+    track = bool(spec.get("track"))
+    client = await open_client(spec["host"], spec["port"], spec.get("id", "bench-pub"))
+    inflight: dict[int, int] = {}
+    acked_seqs: list[int] = []
+    acked = 0
+    room = asyncio.Event()
+    room.set()
+
+    def on_puback(packet_id: int) -> None:
+        nonlocal acked
+        seq = inflight.pop(packet_id, None)
+        if seq is None:
+            return
+        acked += 1
+        if track:
+            acked_seqs.append(seq)
+        if len(inflight) <= window // 2:
+            room.set()
+
+    client.on_puback = on_puback
+    emit("ready")
+    await commands.next()
+    start = time.monotonic()
+    deadline = start + duration
+    seq = 0
+    batch_max = 64 if rate is None else 1_000_000
+    monotonic_ns = time.monotonic_ns
+    while not client.lost.is_set():
+        now = time.monotonic()
+        if now >= deadline or (count_limit is not None and seq >= count_limit):
+            break
+        if not client.writable.is_set():
+            await client.writable.wait()
+            continue
+        want = batch_max
+        if rate is not None:
+            want = int((now - start) * rate) - seq
+            if want <= 0:
+                await asyncio.sleep(0.001)
+                continue
+        if count_limit is not None:
+            want = min(want, count_limit - seq)
+        if qos:
+            want = min(want, window - len(inflight))
+            if want <= 0:
+                room.clear()
+                await room.wait()
+                continue
+        stamp = monotonic_ns()
+        packets = []
+        for _ in range(want):
+            packet_id = 0
+            if qos:
+                packet_id = seq % 65535 + 1
+                inflight[packet_id] = seq
+            packets.append(templates[seq % n_templates].encode(seq, stamp, packet_id))
+            seq += 1
+        client.write(b"".join(packets))
+        await asyncio.sleep(0)
+    end = time.monotonic()
+    if qos:
+        settle = time.monotonic() + 5.0
+        while inflight and not client.lost.is_set() and time.monotonic() < settle:
+            room.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(room.wait(), 0.1)
+    acked_end = time.monotonic()
+    lost_connection = client.lost.is_set()
+    client.close(graceful=not lost_connection)
+    emit(
+        "result",
+        sent=seq,
+        acked=acked if qos else seq,
+        start=start,
+        end=end,
+        acked_end=acked_end,
+        lost_connection=lost_connection,
+        acked_seqs=acked_seqs if track else None,
+    )
+    with contextlib.suppress(Exception):
+        await commands.next()
+
+
+async def run_idle(spec: dict[str, Any], commands: Commands) -> None:
+    count = int(spec["count"])
+    concurrency = int(spec.get("concurrency", 100))
+    deadline_s = float(spec.get("timeout", 30.0))
+    prefix = spec.get("prefix", "idle")
+    gate = asyncio.Semaphore(concurrency)
+    clients: list[BenchClient] = []
+    failures = 0
+
+    async def one(index: int) -> None:
+        nonlocal failures
+        async with gate:
+            try:
+                clients.append(await open_client(spec["host"], spec["port"], f"{prefix}-{index}"))
+            except (OSError, TimeoutError, ConnectionError):
+                failures += 1
+
+    emit("ready")
+    await commands.next()
+    start = time.monotonic()
+    tasks = [asyncio.ensure_future(one(i)) for i in range(count)]
+    _done, pending = await asyncio.wait(tasks, timeout=deadline_s)
+    for task in pending:
+        task.cancel()
+    end = time.monotonic()
+    emit(
+        "connected",
+        connected=len(clients),
+        failures=failures + len(pending),
+        start=start,
+        end=end,
+    )
+    await commands.next()
+    for client in clients:
+        client.close(graceful=False)
+    emit("result", connected=len(clients))
+
+
+ROLES = {"sub": run_sub, "pub": run_pub, "idle": run_idle}
+
+
+async def main_async(spec: dict[str, Any]) -> None:
+    commands = await stdin_commands()
+    try:
+        await ROLES[spec["role"]](spec, commands)
+    except (OSError, TimeoutError, ConnectionError, wire.WireError) as exc:
+        emit("error", message=f"{type(exc).__name__}: {exc}")
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux
+        asyncio.run(main_async(spec))
+    else:
+        uvloop.run(main_async(spec))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Machine details, the results table (Markdown) and the docs page."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.scenarios import SCENARIOS
+
+THROUGHPUT = ("1to1_qos0", "1to1_qos1", "1to100_qos0", "1to100_qos1", "wildcard")
+NAMES = {"lmqtt": "lmqtt", "mosquitto": "Mosquitto", "amqtt": "amqtt"}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(command: list[str]) -> str:
+    if shutil.which(command[0]) is None and not Path(command[0]).exists():
+        return "absent"
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr) else ""
+
+
+def machine_details() -> dict[str, Any]:
+    def pkg(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    commit = _version(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"])
+    return {
+        "cpu": _cpu_model(),
+        "cores": psutil.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "lmqtt": f"{pkg('lmqtt')} ({commit})",
+        "amqtt": pkg("amqtt"),
+        "mosquitto": _version(["mosquitto", "-h"]).replace("mosquitto version ", ""),
+        "uvloop": pkg("uvloop"),
+    }
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and value > 99):
+        return f"{int(value):,}"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if not isinstance(a, int | float) or not isinstance(b, int | float) or not b:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+Check = Callable[[dict[str, Any]], str]
+
+
+def _get(results: dict[str, Any], scenario: str, broker: str, key: str) -> Any:
+    median = results.get(scenario, {}).get(broker, {}).get("median")
+    return None if median is None else median.get(key)
+
+
+def target_checks(results: dict[str, Any]) -> dict[tuple[str, str], str]:
+    """``(scenario, metric) -> 'target: held / missed'`` for every figure the issue targets."""
+    verdicts: dict[tuple[str, str], str] = {}
+
+    def verdict(ok: bool | None, text: str) -> str:
+        if ok is None:
+            return f"{text}: n/a"
+        return f"{text}: {'held' if ok else 'MISSED'}"
+
+    for name in THROUGHPUT:
+        lm = _get(results, name, "lmqtt", "deliveries_per_s")
+        mo = _get(results, name, "mosquitto", "deliveries_per_s")
+        am = _get(results, name, "amqtt", "deliveries_per_s")
+        parts = []
+        if lm is not None and mo:
+            parts.append(verdict(lm >= 0.5 * mo, ">=0.5x Mosq"))
+        if lm is not None and am:
+            parts.append(verdict(lm >= 10 * am, ">=10x amqtt"))
+        verdicts[(name, "deliveries_per_s")] = "; ".join(parts) or "n/a"
+    p99 = _get(results, "latency_async", "lmqtt", "p99_ms")
+    verdicts[("latency_async", "p99_ms")] = verdict(None if p99 is None else p99 <= 3.0, "<=3 ms")
+    kib = _get(results, "idle", "lmqtt", "kib_per_connection")
+    verdicts[("idle", "kib_per_connection")] = verdict(
+        None if kib is None else kib <= 5.0, "<=5 KiB"
+    )
+    rate = _get(results, "idle", "lmqtt", "connects_per_s")
+    verdicts[("idle", "connects_per_s")] = verdict(None if rate is None else rate >= 5000, ">=5k/s")
+    growth = _get(results, "backlog", "lmqtt", "growth_mb_per_million")
+    verdicts[("backlog", "growth_mb_per_million")] = verdict(
+        None if growth is None else growth <= 100, "<=100 MB"
+    )
+    lost = _get(results, "durability", "lmqtt", "acked_lost")
+    verdicts[("durability", "acked_lost")] = verdict(None if lost is None else lost == 0, "0 lost")
+    return verdicts
+
+
+def render_markdown(document: dict[str, Any]) -> str:
+    results: dict[str, Any] = document["results"]
+    settings = document["settings"]
+    machine = document["machine"]
+    brokers = [b for b in ("lmqtt", "mosquitto", "amqtt") if any(b in r for r in results.values())]
+    verdicts = target_checks(results)
+    lines = [
+        f"Run {document['started']} .. {document['finished']} UTC;"
+        f" duration {settings['duration']} s per run, median of {settings['repeat']}"
+        " (idle, backlog, durability: 1 run)",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "open_files_limit"),
+        "",
+        "| scenario | figure | "
+        + " | ".join(NAMES[b] for b in brokers)
+        + " | lmqtt/Mosquitto | lmqtt/amqtt | target |",
+        "| --- | --- | " + " | ".join("---:" for _ in brokers) + " | ---: | ---: | --- |",
+    ]
+    for name in results:
+        scenario = SCENARIOS[name]
+        for metric in scenario.metrics:
+            values = {b: _get(results, name, b, metric.key) for b in brokers}
+            cells = [_fmt(values[b]) for b in brokers]
+            lines.append(
+                f"| {scenario.title} | {metric.label} ({metric.unit}) | "
+                + " | ".join(cells)
+                + f" | {_ratio(values.get('lmqtt'), values.get('mosquitto'))}"
+                + f" | {_ratio(values.get('lmqtt'), values.get('amqtt'))}"
+                + f" | {verdicts.get((name, metric.key), '')} |"
+            )
+    lines += [
+        "",
+        "CPU (cores; 1.0 = one core busy) of broker / load generator / other processes, and flags:",
+        "",
+        "| scenario | broker | broker CPU | generator CPU | other CPU | flags | notes |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    for name, per_broker in results.items():
+        for broker in brokers:
+            entry = per_broker.get(broker)
+            if entry is None:
+                continue
+            median = entry.get("median") or {}
+            notes = "; ".join(entry.get("notes", []))
+            lines.append(
+                f"| {name} | {NAMES[broker]} | {_fmt(median.get('broker_cpu'))} | "
+                f"{_fmt(median.get('gen_cpu'))} | {_fmt(median.get('other_cpu'))} | "
+                f"{', '.join(median.get('flags', []))} | {notes} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+DOC_HEAD = """# Benchmarks
+
+`make bench` (or `.venv/bin/python -m bench [scenario ...] [--duration S] [--repeat N]
+[--brokers lmqtt,mosquitto,amqtt] [--backlog N] [--docs docs/benchmarks.md]`) starts lmqtt,
+Mosquitto and amqtt's broker one after another on free loopback ports and drives each with the
+same load generator (`bench/loadgen.py`: a hand-written MQTT 3.1.1 client on asyncio + uvloop,
+one process per role). Results land in `bench/results/` (JSON + Markdown, not committed).
+
+How to read the table:
+- deliveries/s counts messages received by all subscribers from the first publish to the last
+  delivery; loss is what had not arrived two seconds after deliveries stopped.
+- Flags: `generator-bound` = a generator process used >= 0.85 of a core, so the broker may be
+  faster than shown; `host-saturated` = both cores busy while the broker was not; `other-load` =
+  processes outside the benchmark used >= 0.3 core (the machine is shared).
+- Mosquitto runs with `max_queued_messages 0` (no per-client queue limit) so that slow delivery
+  is not counted as loss; for durability it runs with `persistence true` and
+  `autosave_interval 1`, its most frequent save.
+- amqtt runs with only the anonymous-auth plugin (no packet logger, no $SYS); it keeps
+  sessions in memory, so it has no durability row.
+- Backlog: the publish phase is capped (`--backlog-seconds`, default 30 s); when the cap hits
+  before `--backlog` messages, growth per 1M messages is extrapolated linearly.
+
+## Latest results
+
+"""
+
+
+def write_docs(path: Path, markdown: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(DOC_HEAD + markdown)

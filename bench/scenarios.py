@@ -1,0 +1,490 @@
+"""The benchmark scenarios. Each runs against one already started broker and returns metrics.
+
+A scenario is bounded in time: a publish phase of ``duration`` seconds (or a message count with a
+time cap), then a drain phase that ends when every expected delivery arrived, when deliveries
+stop for two seconds, or at a cap. Loss is what did not arrive by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.brokers import BrokerOptions, BrokerProcess
+from bench.workers import CpuProbe, RssSampler, Worker
+
+Metrics = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    duration: float = 5.0
+    repeat: int = 3
+    backlog: int = 1_000_000
+    backlog_seconds: float = 30.0
+    idle: int = 10_000
+    payload: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """How a figure is shown and judged."""
+
+    key: str
+    label: str
+    unit: str
+    higher_is_better: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    title: str
+    run: Callable[[BrokerProcess, RunSettings, Path], Awaitable[Metrics]]
+    metrics: tuple[Metric, ...]
+    options: Callable[[str], BrokerOptions | None] = field(default=lambda broker: BrokerOptions())
+    repeated: bool = True  # heavy scenarios run once whatever --repeat says
+    manages_broker: bool = False  # the scenario restarts the broker itself
+
+
+async def _start_all(workers: list[Worker], timeout: float = 60.0) -> None:
+    for worker in workers:
+        await worker.start()
+    await asyncio.gather(*(w.expect("ready", timeout) for w in workers))
+
+
+async def _close_all(workers: list[Worker]) -> None:
+    await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+
+
+async def _drain(subs: list[Worker], expected: int, cap: float, idle: float = 2.0) -> int:
+    """Wait until ``expected`` deliveries arrived, deliveries stall for ``idle`` s, or ``cap`` s."""
+    deadline = time.monotonic() + cap
+    last_total = -1
+    last_change = time.monotonic()
+    while True:
+        reports = await asyncio.gather(*(w.request("report", "progress", 10) for w in subs))
+        total = sum(int(r["count"]) for r in reports)
+        now = time.monotonic()
+        if total != last_total:
+            last_total, last_change = total, now
+        if total >= expected or now >= deadline or now - last_change >= idle:
+            return total
+        await asyncio.sleep(0.1)
+
+
+def _split(items: list[dict[str, Any]], parts: int) -> list[list[dict[str, Any]]]:
+    parts = max(1, min(parts, len(items)))
+    return [items[i::parts] for i in range(parts)]
+
+
+async def fanout(
+    broker: BrokerProcess,
+    settings: RunSettings,
+    *,
+    qos: int,
+    connections: list[dict[str, Any]],
+    topics: list[str],
+    per_message: int,
+    sub_processes: int = 1,
+    rate: float | None = None,
+    latency: bool = False,
+) -> Metrics:
+    """One publisher, subscriber connections spread over worker processes; deliveries/s, loss."""
+    base = {"host": "127.0.0.1", "port": broker.port}
+    subs = [
+        Worker(
+            {
+                **base,
+                "role": "sub",
+                "qos": qos,
+                "connections": group,
+                "latency": latency,
+                "skip_latency": 200 if latency else 0,
+            }
+        )
+        for group in _split(connections, sub_processes)
+    ]
+    pub = Worker(
+        {
+            **base,
+            "role": "pub",
+            "qos": qos,
+            "topics": topics,
+            "payload": settings.payload,
+            "duration": settings.duration,
+            "rate": rate,
+            "window": 256,
+        }
+    )
+    workers = [*subs, pub]
+    try:
+        await _start_all(workers)
+        probe = CpuProbe(broker, workers)
+        probe.start()
+        pub.send("start")
+        published = await pub.expect("result", settings.duration + 30)
+        expected = int(published["acked"]) * per_message
+        await _drain(subs, expected, cap=max(5.0, settings.duration))
+        cpu = probe.stop()
+        results = await asyncio.gather(*(w.request("stop", "result", 30) for w in subs))
+    finally:
+        await _close_all(workers)
+    delivered = sum(int(r["count"]) for r in results)
+    last = max((float(r["last"]) for r in results if r["count"]), default=published["end"])
+    span = max(last - float(published["start"]), 1e-6)
+    pub_span = max(float(published["end"]) - float(published["start"]), 1e-6)
+    metrics: Metrics = {
+        "deliveries_per_s": round(delivered / span),
+        "publish_per_s": round(int(published["sent"]) / pub_span),
+        "published": int(published["sent"]),
+        "delivered": delivered,
+        "loss_pct": round(100.0 * max(0, expected - delivered) / expected, 3) if expected else 0.0,
+        **cpu,
+    }
+    if latency:
+        lat = results[0]["latency_ms"]
+        metrics.update(
+            {
+                "p50_ms": round(lat.get("p50", 0.0), 3),
+                "p99_ms": round(lat.get("p99", 0.0), 3),
+                "p999_ms": round(lat.get("p999", 0.0), 3),
+                "max_ms": round(lat.get("max", 0.0), 3),
+            }
+        )
+    return metrics
+
+
+async def one_to_one(broker: BrokerProcess, settings: RunSettings, qos: int) -> Metrics:
+    return await fanout(
+        broker,
+        settings,
+        qos=qos,
+        connections=[{"id": "bench-sub-0", "filters": ["bench/one"]}],
+        topics=["bench/one"],
+        per_message=1,
+    )
+
+
+async def one_to_many(broker: BrokerProcess, settings: RunSettings, qos: int) -> Metrics:
+    return await fanout(
+        broker,
+        settings,
+        qos=qos,
+        connections=[{"id": f"bench-sub-{i}", "filters": ["bench/fan"]} for i in range(100)],
+        topics=["bench/fan"],
+        per_message=100,
+        sub_processes=2,
+    )
+
+
+async def wildcard(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
+    topics = [f"dev/{i}/temp" for i in range(1000)]
+    connections: list[dict[str, Any]] = [
+        {"id": "bench-plus", "filters": ["dev/+/temp"]},
+        {"id": "bench-hash", "filters": ["dev/#"]},
+    ]
+    connections += [
+        {"id": f"bench-exact-{i}", "filters": topics[i * 100 : (i + 1) * 100]} for i in range(10)
+    ]
+    return await fanout(
+        broker, settings, qos=1, connections=connections, topics=topics, per_message=3
+    )
+
+
+async def latency(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
+    return await fanout(
+        broker,
+        settings,
+        qos=1,
+        connections=[{"id": "bench-lat", "filters": ["bench/lat"]}],
+        topics=["bench/lat"],
+        per_message=1,
+        rate=1000.0,
+        latency=True,
+    )
+
+
+async def idle_connections(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
+    await asyncio.sleep(1.0)
+    baseline = broker.rss()
+    processes = 2
+    share = settings.idle // processes
+    workers = [
+        Worker(
+            {
+                "role": "idle",
+                "host": "127.0.0.1",
+                "port": broker.port,
+                "count": share,
+                "concurrency": 100,
+                "timeout": 40.0,
+                "prefix": f"idle{p}",
+            }
+        )
+        for p in range(processes)
+    ]
+    try:
+        await _start_all(workers)
+        probe = CpuProbe(broker, workers)
+        probe.start()
+        for worker in workers:
+            worker.send("start")
+        reports = await asyncio.gather(*(w.expect("connected", 90) for w in workers))
+        cpu = probe.stop()
+        await asyncio.sleep(1.5)
+        after = broker.rss()
+    finally:
+        await _close_all(workers)
+    connected = sum(int(r["connected"]) for r in reports)
+    span = max(float(r["end"]) for r in reports) - min(float(r["start"]) for r in reports)
+    return {
+        "connected": connected,
+        "failures": sum(int(r["failures"]) for r in reports),
+        "connects_per_s": round(connected / max(span, 1e-6)),
+        "kib_per_connection": round((after - baseline) / 1024 / max(connected, 1), 2),
+        "rss_mb": round(after / 2**20, 1),
+        **cpu,
+    }
+
+
+async def _session(broker: BrokerProcess, client_id: str, topic: str) -> None:
+    """Create a persistent session subscribed (QoS 1) to ``topic``, then disconnect."""
+    worker = Worker(
+        {
+            "role": "sub",
+            "host": "127.0.0.1",
+            "port": broker.port,
+            "qos": 1,
+            "connections": [{"id": client_id, "clean": False, "filters": [topic]}],
+        }
+    )
+    try:
+        await _start_all([worker])
+        await worker.request("stop", "result", 10)
+    finally:
+        await _close_all([worker])
+
+
+def _resume(broker: BrokerProcess, client_id: str, track: bool) -> Worker:
+    return Worker(
+        {
+            "role": "sub",
+            "host": "127.0.0.1",
+            "port": broker.port,
+            "qos": 1,
+            "track": track,
+            "connections": [{"id": client_id, "clean": False, "filters": []}],
+        }
+    )
+
+
+async def backlog(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
+    topic = "bench/backlog"
+    await _session(broker, "bench-backlog", topic)
+    await asyncio.sleep(0.5)
+    baseline = broker.rss()
+    pub = Worker(
+        {
+            "role": "pub",
+            "host": "127.0.0.1",
+            "port": broker.port,
+            "qos": 1,
+            "topics": [topic],
+            "payload": settings.payload,
+            "count": settings.backlog,
+            "duration": settings.backlog_seconds,
+            "window": 256,
+        }
+    )
+    with RssSampler(broker) as rss:
+        try:
+            await _start_all([pub])
+            probe = CpuProbe(broker, [pub])
+            probe.start()
+            pub.send("start")
+            published = await pub.expect("result", settings.backlog_seconds + 30)
+            cpu = probe.stop()
+        finally:
+            await _close_all([pub])
+        stored_peak = rss.peak
+        sub = _resume(broker, "bench-backlog", track=False)
+        connect_at = time.monotonic()
+        try:
+            await _start_all([sub])
+            expected = int(published["acked"])
+            delivered = await _drain([sub], expected, cap=settings.backlog_seconds, idle=5.0)
+            result = await sub.request("stop", "result", 30)
+        finally:
+            await _close_all([sub])
+    acked = int(published["acked"])
+    drain_span = max(float(result["last"] or connect_at) - connect_at, 1e-6)
+    growth = (rss.peak - baseline) / 2**20
+    return {
+        "backlog": acked,
+        "complete": acked >= settings.backlog,
+        "publish_per_s": round(acked / max(published["end"] - published["start"], 1e-6)),
+        "growth_mb": round(growth, 1),
+        "growth_mb_per_million": round(growth * 1_000_000 / max(acked, 1), 1),
+        "stored_growth_mb": round((stored_peak - baseline) / 2**20, 1),
+        "drain_per_s": round(delivered / drain_span),
+        "drained": delivered,
+        **cpu,
+    }
+
+
+async def durability(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
+    """SIGKILL the broker during a QoS 1 flood; count acknowledged messages that never arrive."""
+    topic = "bench/durable"
+    await broker.start()
+    try:
+        await _session(broker, "bench-durable", topic)
+        await asyncio.sleep(1.5)  # let periodic session saving happen before the flood
+        pub = Worker(
+            {
+                "role": "pub",
+                "host": "127.0.0.1",
+                "port": broker.port,
+                "qos": 1,
+                "topics": [topic],
+                "payload": settings.payload,
+                "duration": 60.0,
+                "window": 256,
+                "track": True,
+            }
+        )
+        try:
+            await _start_all([pub])
+            pub.send("start")
+            await asyncio.sleep(min(3.0, settings.duration))
+            broker.kill()
+            await broker.wait()
+            published = await pub.expect("result", 30)
+        finally:
+            await _close_all([pub])
+        acked = set(published["acked_seqs"] or [])
+        await broker.start()
+        sub = _resume(broker, "bench-durable", track=True)
+        try:
+            await _start_all([sub])
+            await _drain([sub], len(acked), cap=30.0, idle=3.0)
+            result = await sub.request("stop", "result", 60)
+        finally:
+            await _close_all([sub])
+    finally:
+        await broker.stop()
+    received = set(result["seqs"] or [])
+    return {
+        "acked": len(acked),
+        "received": len(received),
+        "acked_lost": len(acked - received),
+        "unacked_received": len(received - acked),
+    }
+
+
+M_DELIV = Metric("deliveries_per_s", "deliveries/s", "msg/s")
+M_LOSS = Metric("loss_pct", "loss", "%", higher_is_better=False)
+THROUGHPUT = (M_DELIV, M_LOSS)
+
+
+def _lmqtt_only_sync(broker: str) -> BrokerOptions | None:
+    return BrokerOptions(flush="sync") if broker == "lmqtt" else None
+
+
+def _durable(broker: str) -> BrokerOptions | None:
+    if broker == "lmqtt":
+        return BrokerOptions(flush="sync")
+    if broker == "mosquitto":
+        return BrokerOptions(persistence=True)
+    return None  # amqtt 0.12.1 keeps sessions and queues only in memory
+
+
+def _scenario_fn(fn: Callable[..., Awaitable[Metrics]], *args: Any) -> Any:
+    async def run(broker: BrokerProcess, settings: RunSettings, workdir: Path) -> Metrics:
+        return await fn(broker, settings, *args)
+
+    return run
+
+
+LAT_METRICS = (
+    Metric("p50_ms", "latency p50", "ms", False),
+    Metric("p99_ms", "latency p99", "ms", False),
+    Metric("p999_ms", "latency p99.9", "ms", False),
+)
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("1to1_qos0", "1 -> 1, QoS 0, 64 B", _scenario_fn(one_to_one, 0), THROUGHPUT),
+        Scenario("1to1_qos1", "1 -> 1, QoS 1, 64 B", _scenario_fn(one_to_one, 1), THROUGHPUT),
+        Scenario("1to100_qos0", "1 -> 100, QoS 0", _scenario_fn(one_to_many, 0), THROUGHPUT),
+        Scenario("1to100_qos1", "1 -> 100, QoS 1", _scenario_fn(one_to_many, 1), THROUGHPUT),
+        Scenario(
+            "wildcard",
+            "1,000 topics dev/{id}/temp; dev/+/temp, dev/#, exact; QoS 1",
+            wildcard,
+            THROUGHPUT,
+        ),
+        Scenario("latency_async", "latency @1,000 msg/s QoS 1, async flush", latency, LAT_METRICS),
+        Scenario(
+            "latency_sync",
+            "latency @1,000 msg/s QoS 1, sync flush",
+            latency,
+            LAT_METRICS,
+            options=_lmqtt_only_sync,
+        ),
+        Scenario(
+            "idle",
+            "idle connections",
+            idle_connections,
+            (
+                Metric("kib_per_connection", "memory per connection", "KiB", False),
+                Metric("connects_per_s", "connect rate", "conn/s"),
+                Metric("connected", "connected", "conns"),
+            ),
+            repeated=False,
+        ),
+        Scenario(
+            "backlog",
+            "offline backlog, QoS 1",
+            backlog,
+            (
+                Metric("backlog", "messages queued", "msgs"),
+                Metric("growth_mb", "peak memory growth", "MB", False),
+                Metric("growth_mb_per_million", "growth per 1M msgs", "MB", False),
+                Metric("drain_per_s", "drain rate", "msg/s"),
+            ),
+            repeated=False,
+        ),
+        Scenario(
+            "durability",
+            "SIGKILL during QoS 1 flood",
+            durability,
+            (
+                Metric("acked", "acknowledged", "msgs"),
+                Metric("acked_lost", "acknowledged but lost", "msgs", False),
+            ),
+            options=_durable,
+            repeated=False,
+            manages_broker=True,
+        ),
+    )
+}
+
+
+async def run_scenario(
+    scenario: Scenario, broker: BrokerProcess, settings: RunSettings, workdir: Path
+) -> Metrics:
+    if scenario.manages_broker:
+        return await scenario.run(broker, settings, workdir)
+    await broker.start()
+    try:
+        return await scenario.run(broker, settings, workdir)
+    finally:
+        with contextlib.suppress(Exception):
+            await broker.stop()
