@@ -50,6 +50,8 @@ from gateway.protocol.events import (
 from gateway.protocol.prepared import PreparedPublish
 from gateway.protocol.readers import (
     READERS,
+    TOPIC_CACHE,
+    cache_topic,
     check_fixed_flags,
     connect_level,
     read_connect,
@@ -57,6 +59,15 @@ from gateway.protocol.readers import (
 )
 from gateway.protocol.reason_codes import ALLOWED_REASON_CODES
 from gateway.protocol.writers import WRITERS, write_connack, write_disconnect
+
+
+class _Slow(Exception):
+    """Internal: leave the inline PUBLISH path for the general one."""
+
+
+# First bytes of PUBLISH packets the inline path decodes -> QoS. QoS 2 (duplicate detection),
+# QoS 3 and DUP on QoS 0 always take the general path.
+_FAST_PUBLISH_QOS = {0x30: 0, 0x31: 0, 0x32: 1, 0x33: 1, 0x3A: 1, 0x3B: 1}
 
 
 class Sentinel(enum.Enum):
@@ -95,7 +106,7 @@ class Connection:
         if max_packet_size < 2:
             raise ValueError("max_packet_size must allow at least a fixed header")
         self.max_packet_size = max_packet_size
-        self._buf = bytearray()
+        self._buf: bytes | bytearray = b""
         self._off = 0
         self._eof = False
         self._phase = AWAIT_CONNECT
@@ -170,14 +181,28 @@ class Connection:
             return
         buf = self._buf
         off = self._off
-        if off:
-            if off == len(buf):
-                buf.clear()
-                self._off = 0
-            elif off > 4096 and off * 2 > len(buf):
-                del buf[:off]
-                self._off = 0
-        buf += data
+        left = len(buf) - off
+        if not left:
+            # Common case: everything before was consumed. Keep the caller's bytes as they
+            # are; slicing bytes copies once, slicing a bytearray would copy twice.
+            self._buf = bytes(data)
+            self._off = 0
+        elif type(buf) is bytes and left <= len(data):
+            # A partial packet no longer than the new data: copying it is paid for by `data`.
+            self._buf = buf[off:] + data
+            self._off = 0
+        else:
+            # A long partial packet (a large body trickling in): append in place, dropping
+            # the consumed prefix once it is more than half of the buffer.
+            if type(buf) is bytes:
+                buf = bytearray(memoryview(buf)[off:])
+                off = 0
+            elif off * 2 > len(buf):
+                del buf[:off]  # type: ignore[union-attr]
+                off = 0
+            buf += data
+            self._buf = buf
+            self._off = off
 
     def next_event(self) -> Event | Literal[Sentinel.NEED_DATA]:
         """The next event, or NEED_DATA. Raises RemoteProtocolError on a broken peer."""
@@ -193,10 +218,99 @@ class Connection:
             raise
 
     def events(self) -> list[Event]:
-        """Every event available now. An error after some events is raised on the next call."""
+        """Every event available now. An error after some events is raised on the next call.
+
+        The loop decodes ordinary PUBLISH packets inline (the hot path: no per-field objects,
+        no calls); anything else, or anything unusual about a PUBLISH, goes through
+        `next_event`, which applies every rule and raises the precise error.
+        """
+        if self._phase != CONNECTED or self._pending_error is not None:
+            return self._events_general()
         out: list[Event] = []
         append = out.append
-        while True:
+        buf = self._buf
+        off = self._off
+        n = len(buf)
+        is_bytes = type(buf) is bytes
+        v5 = self.protocol_level == 5
+        fast = True
+        limit = self.max_packet_size
+        topics = TOPIC_CACHE
+        in_qos1 = self._in_qos1
+        # QoS 2 and PUBREL take the general path, so only QoS 1 ids change inside the loop.
+        in_flight_others = len(self._in_qos2) + len(self._in_released)
+        receive_maximum = self.receive_maximum
+        maximum_qos = self.maximum_qos
+        while n - off >= 2:
+            if fast:
+                try:
+                    first = buf[off]
+                    qos = _FAST_PUBLISH_QOS[first]  # KeyError: not a PUBLISH we inline
+                    length = buf[off + 1]
+                    if length < 128:
+                        start = off + 2
+                    else:
+                        if n - off < 3:
+                            break
+                        second = buf[off + 2]
+                        if second > 127 or not second:
+                            raise _Slow
+                        length = (length & 0x7F) | (second << 7)
+                        start = off + 3
+                    end = start + length
+                    if end - off > limit:
+                        raise _Slow
+                    if end > n:
+                        break
+                    if length < 2:
+                        raise _Slow
+                    pos = start + 2 + ((buf[start] << 8) | buf[start + 1])
+                    if pos > end:
+                        raise _Slow
+                    if is_bytes:
+                        raw = buf[start + 2 : pos]
+                        topic = topics.get(raw) or cache_topic(raw)  # type: ignore[arg-type]
+                        if topic is None:
+                            raise _Slow
+                    else:
+                        topic = buf[start + 2 : pos].decode("utf-8")
+                        if not topic or "\x00" in topic or "+" in topic or "#" in topic:
+                            raise _Slow
+                    packet_id = None
+                    if qos:
+                        if pos + 2 > end or qos > maximum_qos:
+                            raise _Slow
+                        packet_id = (buf[pos] << 8) | buf[pos + 1]
+                        pos += 2
+                        if not packet_id:
+                            raise _Slow
+                    if v5:
+                        if pos >= end or buf[pos]:
+                            raise _Slow  # properties need the full reader
+                        pos += 1
+                    if first & 1 and not self.retain_available:
+                        raise _Slow
+                    if packet_id is not None and packet_id not in in_qos1:
+                        if len(in_qos1) + in_flight_others >= receive_maximum:
+                            raise _Slow
+                        in_qos1.add(packet_id)
+                    append(
+                        Publish(
+                            topic,
+                            buf[pos:end] if is_bytes else bytes(buf[pos:end]),  # type: ignore[arg-type]
+                            qos,
+                            bool(first & 1),
+                            bool(first & 8),
+                            packet_id,
+                            None,
+                        )
+                    )
+                    off = end
+                    continue
+                except (_Slow, KeyError, UnicodeDecodeError):
+                    pass
+            # The general path, one packet at a time.
+            self._off = off
             try:
                 event = self.next_event()
             except RemoteProtocolError as err:
@@ -207,6 +321,44 @@ class Connection:
             if event is NEED_DATA:
                 return out
             append(event)
+            if type(event) is ConnectionClosed:
+                return out
+            buf = self._buf
+            off = self._off
+            fast = self._phase == CONNECTED
+            v5 = self.protocol_level == 5
+            in_flight_others = len(self._in_qos2) + len(self._in_released)
+            receive_maximum = self.receive_maximum
+            maximum_qos = self.maximum_qos
+        self._off = off
+        if self._eof and off == n:
+            # Let the general path report EOF (ConnectionClosed or a truncated packet).
+            try:
+                event = self.next_event()
+            except RemoteProtocolError as err:
+                if not out:
+                    raise
+                self._pending_error = err
+                return out
+            if event is not NEED_DATA:
+                append(event)
+        elif self._eof:
+            return out + self._events_general()
+        return out
+
+    def _events_general(self) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            try:
+                event = self.next_event()
+            except RemoteProtocolError as err:
+                if not out:
+                    raise
+                self._pending_error = err
+                return out
+            if event is NEED_DATA:
+                return out
+            out.append(event)
             if type(event) is ConnectionClosed:
                 return out
 
@@ -240,7 +392,7 @@ class Connection:
         return self._on_packet(first >> 4, first & 0x0F, bytes(buf[off + header : end]))
 
     @staticmethod
-    def _long_length(buf: bytearray, off: int) -> tuple[int, int]:
+    def _long_length(buf: bytes | bytearray, off: int) -> tuple[int, int]:
         """Remaining length of 2-4 bytes -> (length, header size), or (0, 0) if incomplete."""
         value = 0
         for i in range(4):

@@ -151,6 +151,27 @@ def read_connack(flags: int, body: bytes, level: int) -> ConnAck:
     return ConnAck(session_present, code, props)
 
 
+# Topic names repeat (a sensor publishes to the same few topics for days), so the hot path
+# keeps a bounded map from raw topic bytes to the validated name: one dict probe replaces
+# UTF-8 decoding and the U+0000 / wildcard scans. Only valid, non-empty names are stored.
+TOPIC_CACHE: dict[bytes, str] = {}
+TOPIC_CACHE_SIZE = 4096
+
+
+def cache_topic(raw: bytes) -> str | None:
+    """The topic name for `raw` if it is valid for a PUBLISH (and remember it), else None."""
+    try:
+        topic = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if not topic or "\x00" in topic or "+" in topic or "#" in topic:
+        return None
+    if len(TOPIC_CACHE) >= TOPIC_CACHE_SIZE:
+        TOPIC_CACHE.clear()
+    TOPIC_CACHE[raw] = topic
+    return topic
+
+
 def read_publish(flags: int, data: bytes | bytearray, start: int, end: int, level: int) -> Publish:
     """PUBLISH from `data[start:end]`; the hot path, so fields are sliced directly."""
     qos = (flags >> 1) & 3

@@ -16,7 +16,6 @@ from gateway.protocol.events import (
     Auth,
     ConnAck,
     Connect,
-    ConnectionClosed,
     Disconnect,
     Event,
     PingReq,
@@ -39,6 +38,7 @@ from gateway.protocol.reason_codes import (
 )
 
 varint = wire.varint
+_LEVELS = frozenset({3, 4, 5})
 utf8 = wire.utf8
 
 
@@ -108,29 +108,54 @@ def write_connack(ev: ConnAck, level: int) -> bytes:
     return frame(0x20, bytes((present, code)) + write_properties(ev.properties, pt.CONNACK))
 
 
-def write_publish(ev: Publish, level: int) -> bytes:
-    qos = ev.qos
-    if qos not in (0, 1, 2):
-        raise LocalProtocolError(f"QoS must be 0, 1 or 2, not {qos}")
-    topic = ev.topic
+# Encoded topic names (length prefix included), bounded like readers.TOPIC_CACHE.
+_ENCODED_TOPICS: dict[str, bytes] = {}
+
+
+def _encoded_topic(topic: str) -> bytes:
     if "+" in topic or "#" in topic:
         raise LocalProtocolError(f"wildcard in PUBLISH topic {topic!r}")
-    if qos:
-        var = utf8(topic) + _packet_id(ev.packet_id)
-        first = 0x30 | (qos << 1) | (8 if ev.dup else 0) | (1 if ev.retain else 0)
-    else:
+    encoded = utf8(topic)
+    if len(_ENCODED_TOPICS) >= 4096:
+        _ENCODED_TOPICS.clear()
+    _ENCODED_TOPICS[topic] = encoded
+    return encoded
+
+
+def write_publish(ev: Publish, level: int) -> bytes:
+    qos = ev.qos
+    topic = ev.topic
+    if qos == 0:
         if ev.dup:
             raise LocalProtocolError("DUP must be 0 on a QoS 0 PUBLISH")
-        var = utf8(topic)
         first = 0x31 if ev.retain else 0x30
+    elif qos == 1 or qos == 2:
+        first = 0x30 | qos << 1 | (8 if ev.dup else 0) | (1 if ev.retain else 0)
+    else:
+        raise LocalProtocolError(f"QoS must be 0, 1 or 2, not {qos}")
+    encoded = _ENCODED_TOPICS.get(topic) or _encoded_topic(topic)
+    payload = ev.payload
     if level == 5:
         props = ev.properties
-        var += b"\x00" if props is None else write_properties(props, pt.PUBLISH)
         if not topic and (props is None or props.topic_alias is None):
             raise LocalProtocolError("empty PUBLISH topic without a topic alias")
-    elif not topic:
-        raise LocalProtocolError("empty PUBLISH topic")
-    payload = ev.payload
+        var = encoded + _packet_id(ev.packet_id) if qos else encoded
+        var += b"\x00" if props is None else write_properties(props, pt.PUBLISH)
+    else:
+        if not topic:
+            raise LocalProtocolError("empty PUBLISH topic")
+        if qos:
+            packet_id = ev.packet_id
+            if packet_id is None or not 0 < packet_id < 0x10000:
+                raise LocalProtocolError(f"packet identifier must be 1..65535, not {packet_id}")
+            length = len(encoded) + 2 + len(payload)
+            if length < 128:
+                return bytes((first, length)) + encoded + packet_id.to_bytes(2, "big") + payload
+        else:
+            length = len(encoded) + len(payload)
+            if length < 128:
+                return bytes((first, length)) + encoded + payload
+        var = encoded + _packet_id(ev.packet_id) if qos else encoded
     length = len(var) + len(payload)
     if length < 128:
         return bytes((first, length)) + var + payload
@@ -266,11 +291,9 @@ WRITERS: dict[type, Callable[[Any, int], bytes]] = {
 
 def encode(event: Event, level: int) -> bytes:
     """Encode any event at `level` (3, 4 or 5), regardless of direction."""
-    if level not in (3, 4, 5):
-        raise LocalProtocolError(f"unknown protocol level {level}")
-    if isinstance(event, ConnectionClosed):
-        raise LocalProtocolError("ConnectionClosed is not a packet")
     writer = WRITERS.get(type(event))
     if writer is None:
-        raise LocalProtocolError(f"not an MQTT event: {event!r}")
+        raise LocalProtocolError(f"not an MQTT packet event: {event!r}")
+    if level not in _LEVELS:
+        raise LocalProtocolError(f"unknown protocol level {level}")
     return writer(event, level)

@@ -1,0 +1,179 @@
+"""PUBLISH decode/encode rates of gateway.protocol vs amqtt's codec, in one run.
+
+Run: .venv/bin/python bench/protocol_bench.py [--quick]
+
+Decode: a stream of N identical PUBLISH packets (64-byte payload) is fed in 64 KiB chunks, as a
+socket would deliver it, to `Connection.receive_data` + `Connection.events()`; amqtt decodes the
+same bytes the way its broker does (`MQTTFixedHeader.from_stream` + `PublishPacket.from_stream`
+on an asyncio.StreamReader). amqtt speaks 3.1.1 only: on 5.0 bytes it parses the property block
+as payload, which is the same amount of work. Encode: `encode(Publish(...), level)` and
+`PreparedPublish.packet(packet_id)` vs `PublishPacket.build(...).to_bytes()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from amqtt.adapters import StreamReaderAdapter
+from amqtt.mqtt.packet import MQTTFixedHeader
+from amqtt.mqtt.publish import PublishPacket
+
+from gateway.protocol import ConnAck, Connect, Connection, PreparedPublish, Publish, encode
+
+TOPIC = "sensors/building-7/floor-3/temperature"
+PAYLOAD = bytes(range(64))
+CHUNK = 65536
+
+
+def best_rate(fn: Callable[[], tuple[int, float]], repeat: int) -> float:
+    """Packets per second of the fastest of `repeat` runs; fn returns (packets, seconds)."""
+    best = 0.0
+    for _ in range(repeat):
+        count, elapsed = fn()
+        best = max(best, count / elapsed)
+    return best
+
+
+def timed(fn: Callable[[], int]) -> Callable[[], tuple[int, float]]:
+    def run() -> tuple[int, float]:
+        start = time.perf_counter()
+        count = fn()
+        return count, time.perf_counter() - start
+
+    return run
+
+
+def open_server(level: int) -> Connection:
+    conn = Connection(max_packet_size=1 << 20)
+    conn.receive_data(encode(Connect(level, "bench", True, 60), level))
+    conn.events()
+    conn.send(ConnAck())
+    return conn
+
+
+def packet_bytes(level: int, qos: int, packet_id: int = 1) -> bytes:
+    return encode(Publish(TOPIC, PAYLOAD, qos, packet_id=packet_id if qos else None), level)
+
+
+def ours_decode(level: int, qos: int, count: int) -> Callable[[], tuple[int, float]]:
+    # QoS 1 ids cycle 1..60000 and are acknowledged as a gateway would, so the receive
+    # maximum never trips; the PUBACK send is not part of the measured decode work.
+    if qos:
+        stream = b"".join(packet_bytes(level, qos, 1 + i % 60000) for i in range(count))
+    else:
+        stream = packet_bytes(level, 0) * count
+    chunks = [stream[i : i + CHUNK] for i in range(0, len(stream), CHUNK)]
+
+    def run() -> int:
+        conn = open_server(level)
+        conn.receive_maximum = 1 << 30  # as if announced; acks are not part of decode cost
+        received = 0
+        for chunk in chunks:
+            conn.receive_data(chunk)
+            received += len(conn.events())
+        assert received == count, received
+        return received
+
+    return timed(run)
+
+
+def amqtt_decode(level: int, qos: int, count: int) -> Callable[[], tuple[int, float]]:
+    stream = packet_bytes(level, qos) * count
+
+    async def decode_all() -> tuple[int, float]:
+        reader = asyncio.StreamReader(limit=len(stream) + 1)
+        reader.feed_data(stream)
+        reader.feed_eof()
+        adapter = StreamReaderAdapter(reader)
+        start = time.perf_counter()  # event loop start-up is not decoding: keep it out
+        for _ in range(count):
+            header = await MQTTFixedHeader.from_stream(adapter)
+            await PublishPacket.from_stream(adapter, fixed_header=header)
+        return count, time.perf_counter() - start
+
+    def run() -> tuple[int, float]:
+        return asyncio.run(decode_all())
+
+    return run
+
+
+def ours_encode(level: int, qos: int, count: int) -> Callable[[], tuple[int, float]]:
+    def run() -> int:
+        for i in range(count):
+            encode(Publish(TOPIC, PAYLOAD, qos, packet_id=(i & 0x7FFF) + 1 if qos else None), level)
+        return count
+
+    return timed(run)
+
+
+def ours_prepared(level: int, qos: int, count: int) -> Callable[[], tuple[int, float]]:
+    prepared = PreparedPublish(level, Publish(TOPIC, PAYLOAD, qos))
+
+    def run() -> int:
+        packet = prepared.packet
+        if qos:
+            for i in range(count):
+                packet((i & 0x7FFF) + 1)
+        else:
+            for _ in range(count):
+                packet()
+        return count
+
+    return timed(run)
+
+
+def amqtt_encode(level: int, qos: int, count: int) -> Callable[[], tuple[int, float]]:
+    def run() -> int:
+        for i in range(count):
+            packet_id = (i & 0x7FFF) + 1 if qos else None
+            PublishPacket.build(TOPIC, PAYLOAD, packet_id, False, qos, False).to_bytes()
+        return count
+
+    return timed(run)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
+    args = parser.parse_args()
+    ours_n, amqtt_n, repeat = (20_000, 2_000, 1) if args.quick else (200_000, 20_000, 3)
+    check = asyncio.run(_amqtt_roundtrip())
+    assert check, "amqtt failed to decode our PUBLISH"
+    print(f"PUBLISH, topic {len(TOPIC)} B, payload {len(PAYLOAD)} B; packets/s (best of {repeat})")
+    header = f"{'case':<18}{'ours':>12}{'amqtt':>12}{'ratio':>8}  {'prepared':>12}"
+    for what in ("decode", "encode"):
+        print(f"\n{what}\n{header}")
+        for level in (4, 5):
+            for qos in (0, 1):
+                if what == "decode":
+                    ours = best_rate(ours_decode(level, qos, ours_n), repeat)
+                    theirs = best_rate(amqtt_decode(level, qos, amqtt_n), repeat)
+                    extra = ""
+                else:
+                    ours = best_rate(ours_encode(level, qos, ours_n), repeat)
+                    theirs = best_rate(amqtt_encode(level, qos, amqtt_n), repeat)
+                    extra = f"{best_rate(ours_prepared(level, qos, ours_n), repeat):>12,.0f}"
+                name = f"{'3.1.1' if level == 4 else '5.0'} QoS {qos}"
+                print(f"{name:<18}{ours:>12,.0f}{theirs:>12,.0f}{ours / theirs:>7.1f}x  {extra}")
+
+
+async def _amqtt_roundtrip() -> bool:
+    data = packet_bytes(4, 1, 7)
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    adapter = StreamReaderAdapter(reader)
+    header = await MQTTFixedHeader.from_stream(adapter)
+    packet = await PublishPacket.from_stream(adapter, fixed_header=header)
+    return packet.topic_name == TOPIC and packet.data == PAYLOAD and packet.packet_id == 7
+
+
+if __name__ == "__main__":
+    main()
