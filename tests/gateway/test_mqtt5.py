@@ -1,0 +1,196 @@
+"""MQTT 5 features: aliases, subscription ids, receive maximum, no-local, retain-as-published,
+maximum packet size, message expiry, overlapping subscriptions, and `$`-topics."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.protocol import (
+    Properties,
+    PubAck,
+    Publish,
+    Subscribe,
+    Subscription,
+)
+from tests.gateway.conftest import Client, GatewayHarness, RawClient
+
+
+def _sub(
+    gateway: GatewayHarness, cid: str, subs: list[Subscription], **connect: object
+) -> RawClient:
+    c = RawClient(gateway.port, level=5)
+    assert c.connect(cid, **connect).reason_code == 0  # type: ignore[arg-type]
+    c.send(Subscribe(1, subs))
+    ack = c.recv()
+    assert len(ack.reason_codes) == len(subs)
+    return c
+
+
+def _pub(gateway: GatewayHarness, cid: str = "p5") -> RawClient:
+    p = RawClient(gateway.port, level=5)
+    p.connect(cid)
+    return p
+
+
+def test_inbound_topic_alias(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "s", [Subscription("alias/in", 0)])
+    p = _pub(gateway)
+    p.send(Publish("alias/in", b"1", properties=Properties(topic_alias=3)))
+    p.send(Publish("", b"2", properties=Properties(topic_alias=3)))
+    assert [s.recv().payload for _ in range(2)] == [b"1", b"2"]
+    # An alias above the maximum we announced is a protocol error (0x94).
+    p.send(Publish("alias/in", b"x", properties=Properties(topic_alias=65)))
+    ev = p.recv()
+    assert ev.reason_code == 0x94
+    assert p.is_closed()
+    s.close()
+
+
+def test_outbound_topic_alias(gateway: GatewayHarness) -> None:
+    s = _sub(
+        gateway, "s", [Subscription("alias/out/#", 0)], properties=Properties(topic_alias_maximum=2)
+    )
+    p = _pub(gateway)
+    for t in ("alias/out/a", "alias/out/a", "alias/out/b", "alias/out/c", "alias/out/b"):
+        p.send(Publish(t, t.encode()))
+    got = [s.recv() for _ in range(5)]
+    assert [(g.topic, g.properties.topic_alias if g.properties else None) for g in got] == [
+        ("alias/out/a", 1),
+        ("", 1),
+        ("alias/out/b", 2),
+        ("alias/out/c", None),  # aliases used up: full topic
+        ("", 2),
+    ]
+    assert [g.payload for g in got][-1] == b"alias/out/b"
+
+
+def test_subscription_identifiers_and_overlap_single_copy(gateway: GatewayHarness) -> None:
+    s = RawClient(gateway.port, level=5)
+    s.connect("ids")
+    s.send(Subscribe(1, [Subscription("o/+/t", 0)], Properties(subscription_identifiers=[7])))
+    s.recv()
+    s.send(Subscribe(2, [Subscription("o/#", 1)], Properties(subscription_identifiers=[9])))
+    s.recv()
+    p = _pub(gateway)
+    p.send(Publish("o/1/t", b"both", qos=1, packet_id=1))
+    p.recv()
+    p.send(Publish("o/1/u", b"one", qos=1, packet_id=2))
+    p.recv()
+    first = s.recv()
+    assert first.payload == b"both" and first.qos == 1  # highest QoS of the matches
+    assert sorted(first.properties.subscription_identifiers) == [7, 9]
+    s.send(PubAck(first.packet_id))
+    second = s.recv()  # no duplicate of "both" in between
+    assert second.payload == b"one" and second.properties.subscription_identifiers == [9]
+    s.close()
+
+
+def test_overlapping_subscriptions_311_single_copy(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    s = Client(gateway.port, "ov")
+    p = Client(gateway.port, "op")
+    clients += [s, p]
+    s.subscribe([("ov/a", 0), ("ov/+", 2), ("#", 1)])
+    p.publish("ov/a", b"x", qos=2)
+    p.publish("ov/b", b"y", qos=2)
+    msgs = s.wait_messages(2)
+    p.publish("ov/zz", b"probe", qos=0)
+    msgs = s.wait_messages(3)
+    assert [(m.payload, m.qos) for m in msgs] == [(b"x", 2), (b"y", 2), (b"probe", 0)]
+
+
+def test_no_local_and_retain_as_published(gateway: GatewayHarness) -> None:
+    me = RawClient(gateway.port, level=5)
+    me.connect("self")
+    me.send(
+        Subscribe(
+            1,
+            [
+                Subscription("nl/t", 0, no_local=True),
+                Subscription("rap/t", 0, retain_as_published=True),
+            ],
+        )
+    )
+    me.recv()
+    me.send(Publish("nl/t", b"mine"))
+    me.send(Publish("rap/t", b"kept-flag", retain=True))
+    got = me.recv()
+    assert got.topic == "rap/t" and got.retain  # and nothing from nl/t
+    other = _pub(gateway)
+    other.send(Publish("nl/t", b"theirs"))
+    got = me.recv()
+    assert got.payload == b"theirs"
+    me.close()
+
+
+def test_receive_maximum_limits_inflight(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "rm", [Subscription("rm/t", 1)], properties=Properties(receive_maximum=2))
+    p = _pub(gateway)
+    for i in range(5):
+        p.send(Publish("rm/t", f"{i}".encode(), qos=1, packet_id=i + 1))
+        p.recv()
+    a, b = s.recv(), s.recv()
+    assert [a.payload, b.payload] == [b"0", b"1"]
+    try:
+        extra = s.recv(timeout=0.3)
+    except TimeoutError:
+        extra = None
+    assert extra is None  # the window is full
+    s.send(PubAck(a.packet_id))
+    assert s.recv().payload == b"2"
+    s.send(PubAck(b.packet_id))
+    assert s.recv().payload == b"3"
+    s.close()
+
+
+def test_client_maximum_packet_size_drops_large(gateway: GatewayHarness) -> None:
+    s = _sub(
+        gateway, "small", [Subscription("mp/t", 0)], properties=Properties(maximum_packet_size=64)
+    )
+    p = _pub(gateway)
+    p.send(Publish("mp/t", b"x" * 200))
+    p.send(Publish("mp/t", b"fits"))
+    assert s.recv().payload == b"fits"
+    s.close()
+
+
+def test_message_expiry(gateway: GatewayHarness) -> None:
+    s = RawClient(gateway.port, level=5)
+    s.connect("exp", properties=Properties(session_expiry_interval=60))
+    s.send(Subscribe(1, [Subscription("ex/t", 1)]))
+    s.recv()
+    s.close()
+    p = _pub(gateway)
+    p.send(
+        Publish(
+            "ex/t", b"short", qos=1, packet_id=1, properties=Properties(message_expiry_interval=1)
+        )
+    )
+    p.recv()
+    p.send(
+        Publish(
+            "ex/t", b"long", qos=1, packet_id=2, properties=Properties(message_expiry_interval=100)
+        )
+    )
+    p.recv()
+    time.sleep(1.1)  # let the first message's expiry interval pass while the session is offline
+    s = RawClient(gateway.port, level=5)
+    s.connect("exp", clean=False, properties=Properties(session_expiry_interval=60))
+    got = s.recv()
+    assert got.payload == b"long"
+    assert 98 <= got.properties.message_expiry_interval <= 100
+    s.close()
+
+
+def test_dollar_topics(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "all", [Subscription("#", 0), Subscription("+/x", 0)])
+    p = _pub(gateway)
+    p.send(Publish("$SYS/fake", b"no", qos=1, packet_id=1))
+    ack = p.recv()
+    assert isinstance(ack, PubAck) and ack.reason_code == 0x87
+    p.send(Publish("$other/x", b"no"))
+    p.send(Publish("ok/x", b"yes"))
+    got = s.recv()
+    assert got.payload == b"yes"  # neither the refused nor a $-topic for "#"
+    s.close()
