@@ -38,7 +38,7 @@ class InspectError(Exception):
 @dataclass(slots=True)
 class QueueInfo:
     name: str
-    kind: str  # "parent", "light", "retained", "internal"
+    kind: str  # "parent", "light", "retained"
     filter: str | None
     min_offset: int
     max_offset: int
@@ -98,8 +98,6 @@ def _queue_kind(name: str) -> str:
         return "retained"
     if name.startswith(LMQ_PREFIX):
         return "light"
-    if name.startswith("%"):
-        return "internal"
     return "parent"
 
 
@@ -156,7 +154,10 @@ def inspect_data_dir(data_dir: Path) -> StoreReport:
         for sess in sessions.values():
             for sub in (sess or {}).get("subscriptions") or []:
                 if isinstance(sub, dict) and "queue" in sub and "filter" in sub:
-                    known_filters[str(sub["queue"])] = str(sub["filter"])
+                    text = str(sub["filter"])
+                    if text.startswith("$share/") and text.count("/") >= 2:
+                        text = text.split("/", 2)[2]  # the queue belongs to the plain filter
+                    known_filters[str(sub["queue"])] = text
 
         maxima: dict[str, int] = {}
         minima: dict[str, int] = {}
