@@ -21,12 +21,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import mmap
+import struct
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from bench import wire
+
+
+class DeliveryBoard:
+    """Delivery counters shared between processes through a small mapped file.
+
+    Each subscriber process owns one 8-byte slot and writes its running count there; the
+    publisher reads the sum to stay at most ``lead`` messages ahead of delivery (closed loop),
+    so a run measures the rate a broker sustains rather than how fast it can queue.
+
+        +------------------+------------------+-----+
+        | slot 0: u64 (LE) | slot 1: u64 (LE) | ... |
+        +------------------+------------------+-----+
+    """
+
+    SLOT = struct.Struct("<Q")
+
+    def __init__(self, path: str, slots: int) -> None:
+        self.slots = slots
+        with open(path, "r+b") as handle:
+            self.map = mmap.mmap(handle.fileno(), slots * self.SLOT.size)
+
+    @classmethod
+    def create(cls, path: str, slots: int) -> None:
+        with open(path, "wb") as handle:
+            handle.write(b"\x00" * cls.SLOT.size * slots)
+
+    def set(self, slot: int, value: int) -> None:
+        self.SLOT.pack_into(self.map, slot * self.SLOT.size, value)
+
+    def total(self) -> int:
+        size = self.SLOT.size
+        return sum(self.SLOT.unpack_from(self.map, i * size)[0] for i in range(self.slots))
 
 
 @dataclass(slots=True)
@@ -41,6 +75,8 @@ class Deliveries:
     measure_latency: bool = False
     track_seqs: bool = False
     skip_latency: int = 0
+    board: DeliveryBoard | None = None
+    slot: int = 0
 
 
 class BenchClient(asyncio.Protocol):
@@ -118,6 +154,8 @@ class BenchClient(asyncio.Protocol):
             if not deliveries.first:
                 deliveries.first = now
             deliveries.last = now
+            if deliveries.board is not None:
+                deliveries.board.set(deliveries.slot, deliveries.count)
         if acks and self.transport is not None:
             self.transport.write(b"".join(acks))
 
@@ -198,6 +236,8 @@ async def run_sub(spec: dict[str, Any], commands: Commands) -> None:
         measure_latency=bool(spec.get("latency")),
         track_seqs=bool(spec.get("track")),
         skip_latency=int(spec.get("skip_latency", 0)),
+        board=DeliveryBoard(spec["board"], int(spec["slots"])) if spec.get("board") else None,
+        slot=int(spec.get("slot", 0)),
     )
     clients: list[BenchClient] = []
     for conn in spec["connections"]:
@@ -240,6 +280,11 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
     count_limit: int | None = spec.get("count")
     window = int(spec.get("window", 256))
     track = bool(spec.get("track"))
+    board = DeliveryBoard(spec["board"], int(spec["slots"])) if spec.get("board") else None
+    per_message = int(spec.get("per_message", 1))
+    lead = int(spec.get("lead", 1000)) * per_message
+    forgiven = 0  # deliveries given up on (a broker dropped QoS 0 messages)
+    stalled_since = 0.0
     client = await open_client(spec["host"], spec["port"], spec.get("id", "bench-pub"))
     inflight: dict[int, int] = {}
     acked_seqs: list[int] = []
@@ -274,6 +319,19 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
             await client.writable.wait()
             continue
         want = batch_max
+        if board is not None:
+            room_left = (lead - (seq * per_message - board.total() - forgiven)) // per_message
+            if room_left <= 0:
+                if not stalled_since:
+                    stalled_since = now
+                elif now - stalled_since > 1.0:
+                    # Nothing moved for a second: the broker dropped what is outstanding.
+                    forgiven = seq * per_message - board.total()
+                    stalled_since = 0.0
+                await asyncio.sleep(0.001)
+                continue
+            stalled_since = 0.0
+            want = min(want, room_left)
         if rate is not None:
             want = int((now - start) * rate) - seq
             if want <= 0:

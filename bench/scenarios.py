@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.brokers import BrokerOptions, BrokerProcess
+from bench.loadgen import DeliveryBoard
 from bench.workers import CpuProbe, RssSampler, Worker
 
 Metrics = dict[str, Any]
+LEAD = 1000  # closed loop: most messages a publisher may be ahead of delivery
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +96,21 @@ async def fanout(
     sub_processes: int = 1,
     rate: float | None = None,
     latency: bool = False,
+    closed_loop: bool = True,
 ) -> Metrics:
-    """One publisher, subscriber connections spread over worker processes; deliveries/s, loss."""
+    """One publisher, subscriber connections spread over worker processes; deliveries/s, loss.
+
+    Closed loop (default): the publisher stays at most ``LEAD`` messages ahead of what the
+    subscribers received, so every broker is measured at the rate it sustains, with bounded
+    queues, instead of by how much it can buffer (amqtt stalls when flooded unpaced).
+    """
     base = {"host": "127.0.0.1", "port": broker.port}
+    groups = _split(connections, sub_processes)
+    board = ""
+    if closed_loop and rate is None:
+        board = str(broker.workdir / "delivery-board")
+        broker.workdir.mkdir(parents=True, exist_ok=True)
+        DeliveryBoard.create(board, len(groups))
     subs = [
         Worker(
             {
@@ -106,9 +120,12 @@ async def fanout(
                 "connections": group,
                 "latency": latency,
                 "skip_latency": 200 if latency else 0,
+                "board": board,
+                "slots": len(groups),
+                "slot": slot,
             }
         )
-        for group in _split(connections, sub_processes)
+        for slot, group in enumerate(groups)
     ]
     pub = Worker(
         {
@@ -120,6 +137,10 @@ async def fanout(
             "duration": settings.duration,
             "rate": rate,
             "window": 256,
+            "board": board,
+            "slots": len(groups),
+            "per_message": per_message,
+            "lead": LEAD,
         }
     )
     workers = [*subs, pub]
