@@ -15,7 +15,6 @@ import itertools
 import logging
 import os
 import shutil
-from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,7 +64,10 @@ class ConsumeQueueTable:
         self.read_only = read_only
         self.files = FileHandles(max_open_files, read_only=read_only)
         self.max_cached = max_cached_queues
-        self._cache: OrderedDict[str, ConsumeQueue] = OrderedDict()
+        # Insertion-ordered; eviction is FIFO among states without pending units. True LRU
+        # bookkeeping (move_to_end on every access) costs more on the put path than the
+        # occasional reload of a hot queue it would save.
+        self.states: dict[str, ConsumeQueue] = {}
         self.dirty: dict[str, ConsumeQueue] = {}
         #: CommitLog's first offset; units below it were removed by retention.
         self.log_min_offset = 0
@@ -79,9 +81,8 @@ class ConsumeQueueTable:
 
     # -- lookup ------------------------------------------------------------------------------
     def lookup(self, name: str) -> ConsumeQueue | None:
-        cq = self._cache.get(name)
+        cq = self.states.get(name)
         if cq is not None:
-            self._cache.move_to_end(name)
             return cq
         cq = self._load(name)
         if cq is not None:
@@ -89,19 +90,18 @@ class ConsumeQueueTable:
         return cq
 
     def get_or_create(self, name: str) -> ConsumeQueue:
-        cq = self._cache.get(name)
+        cq = self.states.get(name)
         if cq is not None:
-            self._cache.move_to_end(name)
             return cq
         cq = self._load(name) or ConsumeQueue(name, self.dir_of(name), 0, 0)
         self._insert(cq)
         return cq
 
     def cached(self) -> Iterator[ConsumeQueue]:
-        return iter(list(self._cache.values()))
+        return iter(list(self.states.values()))
 
     def _insert(self, cq: ConsumeQueue) -> None:
-        self._cache[cq.name] = cq
+        self.states[cq.name] = cq
 
     def evict_overflow(self) -> None:
         """Drop least recently used states beyond the bound, writing their pending units.
@@ -109,11 +109,22 @@ class ConsumeQueueTable:
         Called at the end of a critical section, never in the middle of one, so a state a
         caller still holds is never replaced by a second copy loaded from disk.
         """
-        while len(self._cache) > self.max_cached:
-            _, old = self._cache.popitem(last=False)
+        cache = self.states
+        excess = len(cache) - self.max_cached
+        if excess <= 0:
+            return
+        # Evict a tenth more than needed so this does not run on every put at the bound.
+        excess += self.max_cached // 10
+        victims = []
+        for name in cache:
+            victims.append(name)
+            if len(victims) >= excess:
+                break
+        for name in victims:
+            old = cache.pop(name)
             if old.pending:
                 self._write(old)
-                self.dirty.pop(old.name, None)
+                self.dirty.pop(name, None)
 
     def _list_files(self, directory: str) -> list[int]:
         try:
@@ -180,15 +191,16 @@ class ConsumeQueueTable:
 
     def names(self) -> list[str]:
         seen = dict.fromkeys(self.disk_names())
-        for n in self._cache:
+        for n in self.states:
             seen[n] = None
         return list(seen)
 
     # -- writing -----------------------------------------------------------------------------
     def append(self, cq: ConsumeQueue, unit: bytes) -> None:
+        if not cq.pending:
+            self.dirty[cq.name] = cq
         cq.pending += unit
         cq.max_offset += 1
-        self.dirty[cq.name] = cq
 
     def _write(self, cq: ConsumeQueue) -> list[str]:
         """Write ``cq.pending`` to its files; returns the paths written."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class GetStatus(enum.Enum):
@@ -18,9 +18,11 @@ class GetStatus(enum.Enum):
     NO_MATCHED_LOGIC_QUEUE = "NO_MATCHED_LOGIC_QUEUE"  # no such queue
 
 
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    """Where a message went. ``end_offset`` = physical_offset + record size."""
+class PutResult(NamedTuple):
+    """Where a message went. ``end_offset`` = physical_offset + record size.
+
+    A NamedTuple rather than a dataclass: one is built per put, on the hot path.
+    """
 
     physical_offset: int
     queue_offset: int
@@ -40,14 +42,13 @@ class PutRequest:
     born_timestamp: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class StoredMessage:
+class StoredMessage(NamedTuple):
     """A message read back.
 
     ``queue_offset`` is the offset in the queue that was read (a light queue's own offset when
     reading a light queue; the parent offset for ``message_at``). ``properties`` are the
     caller's own; the store's INNER_* and __CRC32# properties are removed and the light queues
-    are in ``queues``.
+    are in ``queues``. A NamedTuple: one is built per message read, on the hot path.
     """
 
     topic: str

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -42,7 +43,8 @@ from store.format import (
     CONSUMEQUEUE_DIR,
     CQ_UNIT,
     CRC_TRAILER_SIZE,
-    HEADER,
+    DISPATCH_PREFIX,
+    FIXED_OVERHEAD,
     HEADER_SIZE,
     INT64,
     LOCK_FILE,
@@ -50,13 +52,11 @@ from store.format import (
     MAX_TOPIC_BYTES,
     OFF_STORETIMESTAMP,
     PROP_CRC32,
-    PROP_MULTI_DISPATCH,
-    PROP_MULTI_QUEUE_OFFSET,
-    PROPS_LEN,
+    QOFFSET_PREFIX,
     RESERVED_PROPERTIES,
     check_record,
-    dispatch_properties,
     encode_queue_dir,
+    write_record,
 )
 from store.offsets import OFFSETS_FILE, ConsumerOffsets
 from store.recovery import RecoveryReport, recover, scan_log
@@ -74,7 +74,21 @@ log = logging.getLogger("lmqtt.store")
 
 _FORBIDDEN_NAME_CHARS = frozenset(",\x00\x01\x02")
 _VALID_CACHE_LIMIT = 200_000
-_EMPTY: dict[str, int] = {}
+_RECORD_OVERHEAD = FIXED_OVERHEAD + CRC_TRAILER_SIZE
+_MAX_USER_PROPS = MAX_PROPERTIES_BYTES - CRC_TRAILER_SIZE
+_pack_unit = CQ_UNIT.pack
+_time = time.time
+#: QUEUEOFFSET, BORNTIMESTAMP, STORETIMESTAMP, BODYLENGTH of a record header (see format.py).
+_READ_FIELDS = struct.Struct(">20xq12xq8xq20xi").unpack_from
+
+
+def _parse_user_props(raw: bytes) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in raw.decode("utf-8")[:-1].split("\x02"):
+        k, _, v = pair.partition("\x01")
+        if k != PROP_CRC32:
+            out[k] = v
+    return out
 
 
 def _now_ms() -> int:
@@ -89,11 +103,14 @@ class MessageStore:
         self.data_dir = Path(config.data_dir)
         self.config_dir = self.data_dir / CONFIG_DIR
         self.read_only = config.read_only
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._closed = False
         self._lock_fd: int | None = None
         self._listeners: tuple[ArrivalListener, ...] = ()
         self._valid: dict[str, bytes] = {}
+        self._topic_names: dict[bytes, str] = {}
+        self._queue_tuples: dict[bytes, tuple[str, ...]] = {}
+        self._queue_sets: dict[tuple[str, ...], tuple[tuple[str, ...], bytes]] = {}
         self._last_store_ts = 0
         self._sync = config.flush == FlushMode.SYNC
         self._max_body = config.max_body_size
@@ -333,57 +350,87 @@ class MessageStore:
         body: bytes,
         queues: Sequence[str],
         properties: dict[str, str] | None,
-    ) -> tuple[bytes, Sequence[str], bytes]:
+    ) -> tuple[bytes, tuple[str, ...], bytes, bytes]:
+        """Validate one message: ``(topic bytes, light queues, their joined names, props)``."""
         if len(body) > self._max_body:
             raise MessageTooLargeError(len(body), self._max_body)
-        valid = self._valid
-        tb = valid.get(topic)
+        tb = self._valid.get(topic)
         if tb is None:
             tb = self._check_name(topic, topic=True)
-            if len(tb) > MAX_TOPIC_BYTES:
-                raise InvalidQueueNameError(topic, "topic too long")
-        for q in queues:
-            if q not in valid:
-                self._check_name(q, topic=False)
-        if len(queues) > 1 and len(set(queues)) != len(queues):
-            queues = list(dict.fromkeys(queues))
-        if topic in queues:
-            raise InvalidQueueNameError(topic, "a light queue may not be the parent topic")
+        if queues:
+            key = queues if isinstance(queues, tuple) else tuple(queues)
+            qs = self._queue_sets.get(key)
+            if qs is None or (qs[0][0] is not topic and topic in qs[0]):
+                qs = self._check_queue_set(topic, key)
+            lights, qbytes = qs
+        else:
+            lights, qbytes = (), b""
         props = self._encode_props(properties) if properties else b""
-        return tb, queues, props
+        return tb, lights, qbytes, props
+
+    def _check_queue_set(self, topic: str, key: tuple[str, ...]) -> tuple[tuple[str, ...], bytes]:
+        for q in key:
+            if q not in self._valid:
+                self._check_name(q, topic=False)
+        lights = tuple(dict.fromkeys(key))
+        if topic in lights:
+            raise InvalidQueueNameError(topic, "a light queue may not be the parent topic")
+        qs = (lights, ",".join(lights).encode("utf-8"))
+        if len(self._queue_sets) >= _VALID_CACHE_LIMIT:
+            self._queue_sets.clear()
+        self._queue_sets[key] = qs
+        return qs
 
     def _append_locked(
         self,
         topic: str,
         tb: bytes,
         body: bytes,
-        queues: Sequence[str],
+        lights: tuple[str, ...],
+        qbytes: bytes,
         uprops: bytes,
         born: int,
         now: int,
     ) -> PutResult:
-        """Assign every offset, append the record and dispatch its units. Lock held."""
+        """Assign every offset, append the record and dispatch its units. Lock held.
+
+        This is the hot path: consume-queue states are touched directly rather than through
+        ConsumeQueueTable methods (same logic as ConsumeQueueTable.append).
+        """
         table = self.queues_table
-        parent = table.get_or_create(topic)
+        cache = table.states
+        parent = cache.get(topic) or table.get_or_create(topic)
         qoff = parent.max_offset
-        if queues:
-            lights = [table.get_or_create(q) for q in queues]
-            loffs = [cq.max_offset for cq in lights]
-            props = uprops + dispatch_properties(queues, loffs)
+        if lights:
+            cqs = [cache.get(q) or table.get_or_create(q) for q in lights]
+            loffs = [cq.max_offset for cq in cqs]
+            props = b"".join(
+                (uprops, DISPATCH_PREFIX, qbytes, b"\x02", QOFFSET_PREFIX,
+                 ",".join(map(str, loffs)).encode(), b"\x02")
+            )  # fmt: skip
         else:
-            lights = []
+            cqs = []
             loffs = []
             props = uprops
-        if len(props) + CRC_TRAILER_SIZE > MAX_PROPERTIES_BYTES:
+        if len(props) > _MAX_USER_PROPS:
             raise InvalidPropertyError(f"properties of {len(props)} bytes are too long")
-        phys, size = self.commitlog.append(tb, body, props, qoff, born, now)
-        unit = CQ_UNIT.pack(phys, size, 0)
-        append = table.append
-        append(parent, unit)
-        for cq in lights:
-            append(cq, unit)
-        return PutResult(phys, qoff, dict(zip(queues, loffs, strict=True)) if queues else {},
-                         phys + size, now)  # fmt: skip
+        size = _RECORD_OVERHEAD + len(body) + len(tb) + len(props)
+        view, rel, phys = self.commitlog.reserve(size)
+        write_record(view, rel, tb, body, props, qoff, phys, born, now)
+        unit = _pack_unit(phys, size, 0)
+        dirty = table.dirty
+        if not parent.pending:
+            dirty[topic] = parent
+        parent.pending += unit
+        parent.max_offset = qoff + 1
+        for cq in cqs:
+            if not cq.pending:
+                dirty[cq.name] = cq
+            cq.pending += unit
+            cq.max_offset += 1
+        return PutResult(
+            phys, qoff, dict(zip(lights, loffs, strict=True)) if lights else {}, phys + size, now
+        )
 
     def _notify(self, topic: str, r: PutResult) -> None:
         for listener in self._listeners:
@@ -404,16 +451,16 @@ class MessageStore:
     ) -> PutResult:
         if self._closed or self.read_only:
             self._check_writable()
-        tb, queues, uprops = self._prepare(topic, body, queues, properties)
-        now = _now_ms()
+        tb, lights, qbytes, uprops = self._prepare(topic, body, queues, properties)
+        now = int(_time() * 1000)
         born = now if born_timestamp is None else born_timestamp
         with self._lock:
             if self._closed:
                 raise StoreClosedError("store is closed")
-            r = self._append_locked(topic, tb, body, queues, uprops, born, now)
+            r = self._append_locked(topic, tb, body, lights, qbytes, uprops, born, now)
             self._last_store_ts = now
             table = self.queues_table
-            if len(table._cache) > table.max_cached:
+            if len(table.states) > table.max_cached:
                 table.evict_overflow()
         if self._listeners:
             self._notify(topic, r)
@@ -460,12 +507,12 @@ class MessageStore:
             if self._closed:
                 raise StoreClosedError("store is closed")
             append = self._append_locked
-            for req, tb, queues, uprops in prepared:
+            for req, tb, lights, qbytes, uprops in prepared:
                 born = now if req.born_timestamp is None else req.born_timestamp
-                results.append(append(req.topic, tb, req.body, queues, uprops, born, now))
+                results.append(append(req.topic, tb, req.body, lights, qbytes, uprops, born, now))
             self._last_store_ts = now
             table = self.queues_table
-            if len(table._cache) > table.max_cached:
+            if len(table.states) > table.max_cached:
                 table.evict_overflow()
         if self._listeners:
             latest: dict[str, int] = {}
@@ -523,35 +570,42 @@ class MessageStore:
             return None
 
     def _decode_at(self, phys: int, size: int, queue_offset: int) -> StoredMessage | None:
+        """Decode the record a unit points at (trusted: validated by recovery or written here)."""
         seg = self.commitlog.segment_for(phys)
         if seg is None or size <= 0 or phys + size > self.commitlog.write_pos:
             return None
         mv = seg.view
         rel = phys - seg.start
-        (
-            _size, _magic, _bcrc, _qid, _flag, poff, _phys, _sysflag, born, _bip, _bport,
-            store_ts, _sip, _sport, _reconsume, _prep, blen,
-        ) = HEADER.unpack_from(mv, rel)  # fmt: skip
-        p = rel + HEADER_SIZE
-        body = bytes(mv[p : p + blen])
-        p += blen
+        poff, born, store_ts, blen = _READ_FIELDS(mv, rel)
+        p = rel + HEADER_SIZE + blen
         tlen = mv[p]
-        topic = str(mv[p + 1 : p + 1 + tlen], "utf-8")
-        p += 1 + tlen
-        plen = PROPS_LEN.unpack_from(mv, p)[0]
-        raw = str(mv[p + 2 : p + 2 + plen - CRC_TRAILER_SIZE], "utf-8")
-        props: dict[str, str] = {}
+        rest = bytes(mv[p + 1 : rel + size - CRC_TRAILER_SIZE])
+        topic_b = rest[:tlen]
+        topic = self._topic_names.get(topic_b)
+        if topic is None:
+            topic = self._topic_names.setdefault(topic_b, topic_b.decode("utf-8"))
+        raw = rest[tlen + 2 :]
         queues: tuple[str, ...] = ()
         if raw:
-            for pair in raw[:-1].split("\x02"):
-                k, _, v = pair.partition("\x01")
-                props[k] = v
-            d = props.pop(PROP_MULTI_DISPATCH, None)
-            if d is not None:
-                queues = tuple(d.split(","))
-                props.pop(PROP_MULTI_QUEUE_OFFSET, None)
-            props.pop(PROP_CRC32, None)
-        return StoredMessage(topic, body, props, queue_offset, phys, store_ts, born, poff, queues)
+            # The store's INNER_* pair is last; user properties (if any) come before it.
+            i = raw.rfind(DISPATCH_PREFIX)
+            if i >= 0 and (i == 0 or raw[i - 1] == 2):
+                j = raw.index(b"\x02", i)
+                qb = raw[i + len(DISPATCH_PREFIX) : j]
+                cached = self._queue_tuples.get(qb)
+                if cached is None:
+                    if len(self._queue_tuples) >= _VALID_CACHE_LIMIT:
+                        self._queue_tuples.clear()
+                    cached = self._queue_tuples[qb] = tuple(qb.decode("utf-8").split(","))
+                queues = cached
+                raw = raw[:i]
+            props = _parse_user_props(raw) if raw else {}
+        else:
+            props = {}
+        return StoredMessage(
+            topic, bytes(mv[rel + HEADER_SIZE : rel + HEADER_SIZE + blen]), props, queue_offset,
+            phys, store_ts, born, poff, queues,
+        )  # fmt: skip
 
     def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
         """Read up to ``max_messages`` from ``queue`` starting at ``offset``."""
@@ -577,7 +631,7 @@ class MessageStore:
                 if m is not None:
                     msgs.append(m)
                 i += 1
-            if len(self.queues_table._cache) > self.queues_table.max_cached:
+            if len(self.queues_table.states) > self.queues_table.max_cached:
                 self.queues_table.evict_overflow()
         if not msgs and i == offset:
             # The unit could not be read (file damaged underneath us): skip nothing, report.
