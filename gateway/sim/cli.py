@@ -143,17 +143,14 @@ async def _run(sim: Simulation, console: Console, quiet: bool) -> SimReport:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(stderr=False, highlight=False)
+    # Logs (docker compose, CI) are not terminals; rich would squeeze the table into 80 columns.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     try:
         config = config_from_args(args)
         config.check()
-    except SimError as exc:
-        console.print(f"lmqtt sim: {exc}", style="red")
-        return EXIT_USAGE
-    try:
         report = asyncio.run(_run(Simulation(config), console, args.quiet))
     except SimError as exc:
-        console.print(f"lmqtt sim: {exc}", style="red")
+        print(f"lmqtt sim: {exc}", file=sys.stderr)
         return EXIT_USAGE
     console.print(summary(report))
     console.print(verdict(report))

@@ -43,6 +43,7 @@ class SubscriberLedger:
     delivered: int = 0  # |expected & received|, kept incrementally
     duplicates: int = 0
     misrouted: int = 0
+    foreign: int = 0  # messages from outside this run (other simulators, mosquitto_pub, ...)
 
     @property
     def outstanding(self) -> int:
@@ -72,9 +73,9 @@ class DeliveryLedger:
         self.failed += 1
 
     def acknowledged_publish(self, key: int, topic: str, qos: int, sent_at: float) -> None:
-        self.acknowledged += 1
         if qos == 0:
-            return
+            return  # "sent" is all a QoS 0 publish ever is
+        self.acknowledged += 1
         for index in self._route(topic):
             ledger = self.subscribers[index]
             if ledger.qos == 0 or ledger.subscribed_at is None or sent_at < ledger.subscribed_at:
@@ -110,6 +111,10 @@ class DeliveryLedger:
     @property
     def misrouted(self) -> int:
         return sum(s.misrouted for s in self.subscribers)
+
+    @property
+    def foreign(self) -> int:
+        return sum(s.foreign for s in self.subscribers)
 
     def _route(self, topic: str) -> tuple[int, ...]:
         # Topics repeat (devices x metrics), so matching is done once per topic.

@@ -47,17 +47,22 @@ async def follow(sim: Simulation, console: Console) -> None:
                 with contextlib.suppress(Exception):
                     live.update(progress_text(sim.snapshot(), devices, subscribers))
     else:
+        # Logs: a line when the phase changes and every LOG_INTERVAL seconds in between.
+        phase, last = "", 0.0
         while True:
-            await asyncio.sleep(LOG_INTERVAL)
-            console.print(progress_text(sim.snapshot(), devices, subscribers), soft_wrap=True)
+            snap = sim.snapshot()
+            if snap.phase != phase or snap.elapsed - last >= LOG_INTERVAL:
+                console.print(progress_text(snap, devices, subscribers), soft_wrap=True)
+                phase, last = snap.phase, snap.elapsed
+            await asyncio.sleep(0.1)
 
 
 def summary(report: SimReport) -> Table:
     table = Table(title=f"lmqtt sim run {report.run_id} (QoS {report.qos})", title_justify="left")
-    table.add_column("subscriber")
-    table.add_column("filters")
-    table.add_column("session")
-    for column in ("expected", "received", "lost", "dup", "misrouted"):
+    table.add_column("subscriber", no_wrap=True)
+    table.add_column("filters", no_wrap=True)
+    table.add_column("session", no_wrap=True)
+    for column in ("expected", "received", "lost", "dup", "misrouted", "other"):
         table.add_column(column, justify="right")
     for sub in report.subscribers:
         session = "persistent" if sub.persistent else "clean"
@@ -74,6 +79,7 @@ def summary(report: SimReport) -> Table:
             Text(f"{sub.lost:,}", style="bold red" if sub.lost else "green"),
             f"{sub.duplicates:,}",
             Text(f"{sub.misrouted:,}", style="bold red" if sub.misrouted else ""),
+            f"{sub.foreign:,}",
         )
     return table
 
@@ -85,7 +91,7 @@ def verdict(report: SimReport) -> Text:
         f"lost {report.lost:,}, duplicates {report.duplicates:,} in {report.elapsed:.1f}s"
     )
     if report.foreign:
-        totals += f"; {report.foreign:,} messages from other publishers ignored"
+        totals += f"; {report.foreign:,} deliveries from other publishers (column 'other')"
     text = Text(totals + "\n")
     if report.ok:
         text.append(

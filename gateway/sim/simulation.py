@@ -114,6 +114,7 @@ class SubscriberReport:
     duplicates: int
     misrouted: int
     dropped: int
+    foreign: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +201,6 @@ class Simulation:
         self._started_at: float | None = None
         self._publish_start = 0.0
         self._publish_end = 0.0
-        self.foreign = 0
         self._interrupted = False
         self._background: set[asyncio.Task[None]] = set()
 
@@ -242,7 +242,7 @@ class Simulation:
             received=ledger.received,
             expected=ledger.expected,
             outstanding=ledger.outstanding,
-            foreign=self.foreign,
+            foreign=ledger.foreign,
         )
 
     # -- the run ------------------------------------------------------------------------
@@ -405,7 +405,7 @@ class Simulation:
             delivery = await subscriber.client.next_delivery()
             reading = parse_reading(delivery.payload)
             if reading is None or reading.run != self.run_id:
-                self.foreign += 1  # another simulator's devices, or anyone else's publishes
+                self.ledger.subscribers[index].foreign += 1
                 continue
             device = self._device_index.get(reading.device)
             if device is None or reading.topic != delivery.topic:
@@ -463,6 +463,7 @@ class Simulation:
                     duplicates=ledger.duplicates,
                     misrouted=ledger.misrouted,
                     dropped=subscriber.dropped,
+                    foreign=ledger.foreign,
                 )
             )
         return SimReport(
@@ -478,7 +479,7 @@ class Simulation:
             duplicates=self.ledger.duplicates,
             misrouted=self.ledger.misrouted,
             dropped=sum(s.dropped for s in self._subscribers),
-            foreign=self.foreign,
+            foreign=self.ledger.foreign,
             interrupted=self._interrupted,
             subscribers=tuple(subscribers),
         )
