@@ -86,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--flush", help="async (default) or sync: acknowledge after fsync")
     serve.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default), ...")
     serve.add_argument("--log-format", metavar="FMT", help="text (default) or json")
+    serve.add_argument("--loop", dest="event_loop", help="auto (default), uvloop or asyncio")
     serve.add_argument("--sys-interval", type=float, metavar="S", help="$SYS period, 0 = off")
 
     inspect = sub.add_parser(
@@ -139,10 +140,17 @@ def _resolve_port(settings: GatewaySettings) -> tuple[GatewaySettings, bool]:
     return settings.model_copy(update={"port": DEFAULT_PORT}), False
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """None = asyncio's default loop."""
+    if choice == "asyncio":
+        return None
     try:
         import uvloop
     except ImportError:  # Windows, or a minimal install: the standard loop works too
+        if choice == "uvloop":
+            raise SettingsError(
+                "event_loop: uvloop is not installed (pip install uvloop, or use asyncio)"
+            ) from None
         return None
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
@@ -213,14 +221,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             log_format=args.log_format,
             sys_interval=args.sys_interval,
+            event_loop=args.event_loop,
         )
     except SettingsError as exc:
         _err(str(exc))
         return EXIT_USAGE
     configure_logging(settings.log_level, settings.log_format)
+    try:
+        loop_factory = _loop_factory(settings.event_loop)
+    except SettingsError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
     settings, fell_back = _resolve_port(settings)
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
             return runner.run(_serve(settings, fell_back))
     except KeyboardInterrupt:  # SIGINT before the handlers were installed
         return EXIT_OK

@@ -116,6 +116,8 @@ class GatewaySettings(BaseSettings):
     # --- services
     sys_interval: float = Field(default=10.0, ge=0)  # $SYS publish period in s, 0 = off
     retained_snapshot_interval: float = Field(default=60.0, gt=0)  # s between retained snapshots
+    # Event loop for `lmqtt serve`: auto = uvloop when installed, else asyncio's own.
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     log_level: str = "WARNING"
     log_format: Literal["text", "json"] = "text"
 
@@ -237,12 +239,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return data
 
 
+# Settings whose command-line flag is not simply the field name.
+_CLI_FLAGS = {"event_loop": "loop"}
+
+
 def _origin(
     name: str, overrides: dict[str, Any], toml: dict[str, Any], toml_path: Path | None
 ) -> str:
     """Where the value of setting `name` came from, for error messages."""
     if name in overrides:
-        return "command line --" + name.replace("_", "-")
+        return "command line --" + _CLI_FLAGS.get(name, name).replace("_", "-")
     env_name = (ENV_PREFIX + name).upper()
     if any(key.upper() == env_name for key in os.environ):
         return f"environment {env_name}"

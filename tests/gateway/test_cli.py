@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.cli import main
+
 ROOT = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"lmqtt listening on (\S+):(\d+), data in (.+)$")
 
@@ -57,53 +59,78 @@ def _run(
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(
-    args: tuple[str, ...], env: dict[str, str], expected: str
+    args: tuple[str, ...],
+    env: dict[str, str],
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    result = _run(*args, env={**_env(), **env})
-    assert result.returncode == 2, result.stderr
-    assert expected in result.stderr
-    assert "Traceback" not in result.stderr
+    """In-process (the same main() the console script calls), to keep the suite fast."""
+    for key in list(os.environ):
+        if key.upper().startswith("LMQTT_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        rc = main(list(args))
+    except SystemExit as exc:  # argparse's own usage errors
+        rc = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert expected in err
+    assert "Traceback" not in err
 
 
-def test_config_file_errors_exit_2(tmp_path: Path) -> None:
+def test_bad_settings_in_a_real_process() -> None:
+    result = _run("serve", "--port", "70000", env={**_env(), "LMQTT_FLUSH": "never"})
+    assert result.returncode == 2
+    assert "port: must be between 0 and 65535" in result.stderr
+    assert "flush:" in result.stderr and "environment LMQTT_FLUSH" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_config_file_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "lmqtt.toml"
     cfg.write_text("hots = '0.0.0.0'\n")
-    result = _run("serve", "--config", str(cfg))
-    assert result.returncode == 2
-    assert "unknown setting 'hots' (did you mean 'host'?)" in result.stderr
-    result = _run("serve", "--config", str(tmp_path / "missing.toml"))
-    assert result.returncode == 2 and "no such file" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert "unknown setting 'hots' (did you mean 'host'?)" in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "no such file" in capsys.readouterr().err
 
 
-def test_inspect_rejects_missing_and_foreign_dirs(tmp_path: Path) -> None:
-    result = _run("inspect", "--data-dir", str(tmp_path / "nope"))
-    assert result.returncode == 1 and "no such directory" in result.stderr
+def test_inspect_rejects_missing_and_foreign_dirs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["inspect", "--data-dir", str(tmp_path / "nope")]) == 1
+    assert "no such directory" in capsys.readouterr().err
     (tmp_path / "photos").mkdir()
-    result = _run("inspect", "--data-dir", str(tmp_path / "photos"))
-    assert result.returncode == 1 and "not an lmqtt data directory" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert main(["inspect", "--data-dir", str(tmp_path / "photos")]) == 1
+    assert "not an lmqtt data directory" in capsys.readouterr().err
 
 
-def test_subtools_dispatch_or_explain(tmp_path: Path) -> None:
-    """`lmqtt sim/report` hand their arguments to the sub-tool's main(argv), or explain."""
-    pkg = tmp_path / "fake"
-    (pkg / "analytics").mkdir(parents=True)
-    (pkg / "analytics" / "__init__.py").write_text("")
-    (pkg / "analytics" / "cli.py").write_text(
+def test_subtools_dispatch_or_explain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmqtt report/sim ARGS` call the sub-tool's main(ARGS) untouched, or explain."""
+    (tmp_path / "g2_fake_report.py").write_text(
         "def main(argv):\n    print('report got', argv)\n    return 3\n"
     )
-    env = _env()
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{pkg}"
-    # A real analytics package (when present) shadows the fake one: only check dispatch then.
-    result = _run("report", "--since", "1h", env=env)
-    if "report got" in result.stdout:
-        assert result.stdout.strip() == "report got ['--since', '1h']"
-        assert result.returncode == 3
-    for tool in ("sim", "report"):
-        result = _run(tool, "--help")
-        if result.returncode != 0 and "not available" in result.stderr:
-            assert f"'lmqtt {tool}'" in result.stderr and "Traceback" not in result.stderr
+    (tmp_path / "g2_fake_sim.py").write_text("import g2_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gateway.cli as cli
+
+    monkeypatch.setitem(cli.SUBTOOLS, "report", ("g2_fake_report", "install report"))
+    assert main(["report", "--since", "1h", "--help"]) == 3
+    assert capsys.readouterr().out.strip() == "report got ['--since', '1h', '--help']"
+
+    monkeypatch.setitem(cli.SUBTOOLS, "sim", ("g2_fake_sim", "pip install 'lmqtt[sim]'"))
+    assert main(["sim", "run"]) == 1
+    err = capsys.readouterr().err
+    assert "'lmqtt sim' needs the g2_no_such_dependency package: pip install 'lmqtt[sim]'" in err
+
+    monkeypatch.setitem(cli.SUBTOOLS, "sim", ("g2_absent_tool.cli", "x"))
+    assert main(["sim"]) == 1
+    assert "'lmqtt sim' is not available in this installation" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- serve
@@ -141,7 +168,17 @@ def _wait_listening(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[s
 def serving(*args: str, cwd: Path | None = None) -> Iterator[Server]:
     pytest.importorskip("gateway.app")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--sys-interval", "0", *args],
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--loop",
+            "asyncio",
+            "--sys-interval",
+            "0",
+            *args,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
