@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gateway.client import ClientConnection
 
@@ -29,7 +29,8 @@ class MqttServerProtocol(asyncio.Protocol):
         self.client: ClientConnection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports implement the interface without subclassing asyncio.Transport.
+        transport = cast(asyncio.Transport, transport)
         if len(self.gw.connections) >= self.gw.settings.max_connections or self.gw.stopping:
             log.warning("connection refused: %d connections open", len(self.gw.connections))
             transport.abort()

@@ -55,7 +55,13 @@ class GatewayHarness:
 
     def start(self, **overrides: Any) -> GatewayHarness:
         self.overrides.update(overrides)
-        loop = asyncio.new_event_loop()
+        # The production loop (uvloop) unless unavailable.
+        try:
+            import uvloop
+
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
         self.loop = loop
         self.thread = threading.Thread(target=loop.run_forever, name="gateway", daemon=True)
         self.thread.start()

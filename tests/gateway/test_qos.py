@@ -18,8 +18,11 @@ def test_qos1_and_qos2_end_to_end(gateway: GatewayHarness, clients: list[Client]
     for i in range(20):
         pub.publish("q/1", f"m{i}".encode(), qos=1 + i % 2)
     msgs = sub.wait_messages(20)
-    assert [m.payload for m in msgs] == [f"m{i}".encode() for i in range(20)]
-    assert [m.qos for m in msgs] == [1 + i % 2 for i in range(20)]
+    # paho hands a QoS 2 message to the application only at PUBREL, so compare per QoS.
+    for qos in (1, 2):
+        assert [m.payload for m in msgs if m.qos == qos] == [
+            f"m{i}".encode() for i in range(20) if 1 + i % 2 == qos
+        ]
     # Every delivery was acknowledged: the committed offset reached the queue's end.
     gw = gateway.gw
     assert gw is not None
