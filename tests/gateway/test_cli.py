@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import selectors
@@ -239,13 +240,20 @@ def _roundtrip(port: int) -> bytes:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serve_answers_mqtt_and_stops_gracefully(tmp_path: Path, sig: int) -> None:
     data = tmp_path / "data"
-    with serving("--port", "0", "--data-dir", str(data)) as server:
+    logs = ("--log-format", "json", "--log-level", "INFO") if sig == signal.SIGINT else ()
+    with serving("--port", "0", "--data-dir", str(data), *logs) as server:
         assert server.host == "127.0.0.1" and server.port != 0
         assert server.data == str(data)
         assert _roundtrip(server.port) == b"world"
         rc, stderr = _stop(server, sig)
     assert rc == 0, stderr
     assert "Traceback" not in stderr
+    if logs:  # structured: every line one JSON object from an lmqtt.* logger
+        docs = [json.loads(line) for line in stderr.splitlines() if line.strip()]
+        assert docs and all(d["logger"].startswith("lmqtt.") for d in docs)
+        assert any(d["msg"] == "SIGINT received: shutting down" for d in docs)
+    else:  # quiet by default: the shutdown notice is the only line
+        assert stderr.strip().endswith("SIGTERM received: shutting down")
     assert (data / "commitlog").is_dir()
     # After a graceful stop the data directory is inspectable and holds the message.
     result = _run("inspect", "--data-dir", str(data), "--json")
@@ -291,3 +299,37 @@ def test_explicit_busy_port_is_an_error(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "address already in use" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- logging
+
+
+def test_logging_text_json_and_quiet_default() -> None:
+    import io
+    import json
+    import logging
+
+    from gateway.logs import configure_logging, get_logger
+
+    log = get_logger("server")
+    assert log.name == "lmqtt.server"
+    buf = io.StringIO()
+    configure_logging("WARNING", "text", buf)
+    log.info("not shown %s", "by default")
+    log.warning("client %s gone", "c1", extra={"client": "c1", "reason": 0x8E})
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 1
+    assert "WARNING lmqtt.server: client c1 gone client=c1 reason=142" in lines[0]
+
+    buf = io.StringIO()
+    configure_logging("DEBUG", "json", buf)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed %d times", 2, extra={"client": "c2"})
+    doc = json.loads(buf.getvalue())
+    assert doc["level"] == "ERROR" and doc["logger"] == "lmqtt.server"
+    assert doc["msg"] == "failed 2 times" and doc["client"] == "c2"
+    assert "ValueError: boom" in doc["exc"]
+    configure_logging()  # back to the quiet default for other tests
+    assert logging.getLogger("lmqtt").level == logging.WARNING
