@@ -1,4 +1,4 @@
-"""Connection: the server side of one MQTT connection, without I/O.
+r"""Connection: the server side of one MQTT connection, without I/O.
 
 Theory of operation
 -------------------
@@ -6,14 +6,21 @@ Bytes go in with `receive_data`; `next_event` / `events` frame them and hand bac
 Events go out with `send`, which returns bytes. Everything that affects the state machine lives
 in this module:
 
-    AWAIT_CONNECT --CONNECT--> CONNECTED --DISCONNECT in/out, CONNACK >= 0x80--> CLOSED
-          \\______________ any RemoteProtocolError ______________________________> ERROR
+    receiving  AWAIT_CONNECT --CONNECT--> CONNECTED --DISCONNECT, EOF--> CLOSED
+                     \________ any RemoteProtocolError ___________________> ERROR
+    sending    nothing before CONNECT; only CONNACK / AUTH before CONNACK; nothing after
+               our DISCONNECT, a refusing CONNACK (>= 0x80) or `error_packet`.
 
+* The two sides are separate (as in h11): a batch from `events()` may end in DISCONNECT, and
+  the caller can still answer the packets that came before it.
 * The protocol level comes from the CONNECT and governs both directions afterwards.
-* Receive buffer: one bytearray and a read offset. Consumed bytes are dropped only when they
-  are more than half of the buffer, so many tiny packets cost O(total) and a huge declared
-  length costs O(1) per call (the header is re-read, the body is not scanned) until the body is
-  complete. A packet above `max_packet_size` is refused from its header alone (0x95).
+* Receive buffer: the caller's `bytes` plus a read offset. When everything was consumed the
+  next chunk is kept as is (no copy; slicing bytes copies once). A leftover partial packet is
+  joined to the next chunk only if it is shorter than the chunk (the copy is paid for by new
+  bytes); a longer one (a large body trickling in) moves to a bytearray that grows in place
+  and drops its consumed prefix once that is more than half of it. Every byte is thus copied
+  O(1) times however the input is split, and a huge declared length costs O(1) per call until
+  the body is complete. A packet above `max_packet_size` is refused from its header (0x95).
 * Packet identifiers: inbound QoS 1 ids wait for our PUBACK, inbound QoS 2 ids wait for the
   client's PUBREL and then for our PUBCOMP; all of them count against the Receive Maximum we
   announced. Outbound QoS 1/2 ids wait for PUBACK/PUBREC, then PUBCOMP, and count against the
@@ -109,7 +116,8 @@ class Connection:
         self._buf: bytes | bytearray = b""
         self._off = 0
         self._eof = False
-        self._phase = AWAIT_CONNECT
+        self._phase = AWAIT_CONNECT  # the receiving side (their state)
+        self._sending_closed = False  # we sent DISCONNECT, a refusing CONNACK or an error answer
         self._pending_error: RemoteProtocolError | None = None
         # Level used to answer errors: known from the CONNECT bytes even if they are malformed.
         self._answer_level: int | None = None
@@ -420,7 +428,7 @@ class Connection:
         level = self._answer_level
         if self._connack_sent:
             err.send_connack = False
-            err.send_disconnect = level == 5 and self._phase == CONNECTED
+            err.send_disconnect = level == 5 and not self._sending_closed
         elif level == 5:
             err.send_connack = True
         else:
@@ -566,10 +574,16 @@ class Connection:
         level = self.protocol_level
         if level is None:
             raise LocalProtocolError("nothing can be sent before CONNECT is received")
-        if self._phase != CONNECTED:
-            raise LocalProtocolError(f"cannot send {kind.__name__}: connection is not open")
-        if not self._connack_sent and kind is not ConnAck and kind is not Auth:
+        if self._sending_closed:
+            raise LocalProtocolError(f"cannot send {kind.__name__}: connection is closed")
+        if self._connack_sent:
+            if kind is ConnAck:
+                raise LocalProtocolError("CONNACK was already sent")
+        elif kind is not ConnAck and kind is not Auth:
             raise LocalProtocolError(f"cannot send {kind.__name__} before CONNACK")
+        if kind is Disconnect and level < 5:
+            self._sending_closed = True  # 3.1.1 servers never send DISCONNECT: they just close
+            return b""
         data = WRITERS[kind](event, level)
         limit = self.client_max_packet_size
         if limit is not None and len(data) > limit:
@@ -591,7 +605,7 @@ class Connection:
                 f"PUBLISH prepared for level {prepared.level} on a level "
                 f"{self.protocol_level} connection"
             )
-        if self._phase != CONNECTED or not self._connack_sent:
+        if self._sending_closed or not self._connack_sent:
             raise LocalProtocolError("cannot send PUBLISH: connection is not open")
         limit = self.client_max_packet_size
         if limit is not None and prepared.size > limit:
@@ -623,7 +637,7 @@ class Connection:
         assert isinstance(event, ConnAck)
         self._connack_sent = True
         if event.reason_code >= 0x80:
-            self._phase = CLOSED
+            self._sending_closed = True
             return
         props = event.properties
         if props is None or self.protocol_level != 5:
@@ -674,7 +688,7 @@ class Connection:
         self._in_qos2.discard(event.packet_id)
 
     def _out_disconnect(self, event: Event) -> None:
-        self._phase = CLOSED
+        self._sending_closed = True
 
     # ----------------------------------------------------------------- errors
 
@@ -683,8 +697,9 @@ class Connection:
         if not isinstance(err, RemoteProtocolError):
             return b""
         level = self._answer_level
-        if level is None:
+        if level is None or self._sending_closed:
             return b""
+        self._sending_closed = True
         if err.send_connack and not self._connack_sent:
             self._connack_sent = True
             code = err.reason_code
