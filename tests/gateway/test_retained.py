@@ -366,3 +366,33 @@ async def test_periodic_snapshot(store: MessageStore) -> None:
         assert json.loads(path.read_bytes())["messages"][0]["topic"] == "z"
     finally:
         task.cancel()
+
+
+def test_snapshot_outlives_store_retention(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The snapshot holds payloads, so deleting the segments that stored them loses nothing;
+    only a retained publish made after the last snapshot and already deleted is lost (logged)."""
+    s = _open(tmp_path / "d", segment_size=4096, retention_bytes=4096)
+    index = RetainedIndex.open(s)
+    for i in range(4):
+        _publish(s, index, f"keep/{i}", bytes([i]) * 900)
+    index.snapshot()
+    _publish(s, index, "late", b"L" * 900)  # after the snapshot
+    for _ in range(12):
+        s.put(topic="noise", body=b"n" * 900, queues=[], properties={})
+    assert s.delete_expired() > 0
+    assert s.min_offset(QUEUE) > 0  # the retained records' segments are gone
+    s.close()  # crash: no final snapshot
+
+    s = _open(tmp_path / "d", segment_size=4096)
+    try:
+        with caplog.at_level("WARNING", logger="lmqtt.retained"):
+            again = RetainedIndex.open(s)
+        got = {m.topic: m.payload for m in again.match("#")}
+        assert {f"keep/{i}" for i in range(4)} <= set(got)
+        assert got["keep/3"] == b"\x03" * 900
+        assert "late" not in got  # its segment went before any snapshot covered it
+        assert "deleted by retention" in caplog.text
+    finally:
+        s.close()
