@@ -45,6 +45,8 @@ class RecoveryReport:
     units_dropped: int = 0
     queues_rebuilt: list[str] = field(default_factory=list)
     reason: str = ""
+    #: Sum of every queue's max offset after recovery (see Checkpoint.units_total).
+    units_total: int = 0
 
 
 def scan_log(commitlog: CommitLog, start: int) -> tuple[int, int, bool]:
@@ -120,7 +122,9 @@ def recover(
         end = _clean_end(commitlog, cp)
         if end is not None:
             commitlog.write_pos = commitlog.flushed_pos = end
-            return RecoveryReport(abnormal=False, scan_start=end, log_end=end)
+            return RecoveryReport(
+                abnormal=False, scan_start=end, log_end=end, units_total=cp.units_total
+            )
         reason = "checkpoint does not match the log"
     elif cp is None:
         reason = "no valid checkpoint"
@@ -138,6 +142,7 @@ def recover(
     report = RecoveryReport(abnormal=True, reason=reason)
     log_min = commitlog.min_offset
     start = log_min
+    cand = -1
     if cp is not None:
         cand = min(cp.log_flushed_offset, cp.queues_flushed_offset)
         seg = commitlog.segment_for(cand)
@@ -170,14 +175,26 @@ def recover(
     commitlog.write_pos = commitlog.flushed_pos = end
 
     rebuild: set[str] = set()
-    for name in list(table.disk_names()):
+    rebuild_all = False
+    units_kept = 0
+    names = list(table.disk_names())
+    for name in names:
         cq = table.lookup(name)
         if cq is None:
             continue
         if table.has_gap(name):
             rebuild.add(name)
         report.units_dropped += table.truncate_past(cq, start)
+        units_kept += cq.max_offset
         table.evict_overflow()
+    if cp is not None and start == cand and start > log_min and units_kept != cp.units_total:
+        # Units below the checkpoint are missing (or extra): consume-queue files were deleted
+        # or damaged. Rebuild every queue from the whole log.
+        log.warning(
+            "recovery: consume queues hold %d units below offset %d, checkpoint says %d; "
+            "rebuilding all of them", units_kept, start, cp.units_total,
+        )  # fmt: skip
+        rebuild_all = True
 
     def place(name: str, index: int, unit: bytes) -> None:
         cq = table.get_or_create(name)
@@ -186,42 +203,66 @@ def recover(
         elif index > cq.max_offset:
             rebuild.add(name)
 
-    _redispatch(commitlog, table, start, end, place)
-    if rebuild:
-        names = sorted(rebuild)
-        log.warning("recovery: rebuilding %d consume queue(s) from the log: %s", len(names),
-                    names[:10])  # fmt: skip
-        for name in names:
-            cq = table.get_or_create(name)
-            table.reset(cq, -1)
-        wanted = set(names)
-
-        def place_rebuild(name: str, index: int, unit: bytes) -> None:
-            if name not in wanted:
-                return
-            cq = table.get_or_create(name)
-            if cq.max_offset < 0:
-                cq.min_offset = cq.flushed = cq.max_offset = index
-            if index == cq.max_offset:
-                table.append(cq, unit)
-            elif index > cq.max_offset:  # a hole the log cannot fill: skip over it
-                table.write_pending()
-                cq.flushed = cq.max_offset = index
-                table.append(cq, unit)
-
-        _redispatch(commitlog, table, log_min, end, place_rebuild)
-        for name in names:
-            cq = table.get_or_create(name)
-            if cq.max_offset < 0:
-                cq.min_offset = cq.flushed = cq.max_offset = 0
-        report.queues_rebuilt = names
+    if rebuild_all:
+        _rebuild(commitlog, table, names, log_min, end, everything=True)
+        report.queues_rebuilt = ["*"]
+    else:
+        _redispatch(commitlog, table, start, end, place)
+        if rebuild:
+            _rebuild(commitlog, table, sorted(rebuild), log_min, end)
+            report.queues_rebuilt = sorted(rebuild)
     table.write_pending()
+    table.evict_overflow()
+    report.units_total = sum(
+        cq.max_offset for cq in (table.lookup(n) for n in table.names()) if cq is not None
+    )
     table.evict_overflow()
     log.warning(
         "recovery (%s): validated %d records from %d to %d; dropped %d stale queue units",
         reason, n, start, end, report.units_dropped,
     )  # fmt: skip
     return report
+
+
+def _rebuild(
+    commitlog: CommitLog,
+    table: ConsumeQueueTable,
+    names: list[str],
+    log_min: int,
+    end: int,
+    *,
+    everything: bool = False,
+) -> None:
+    """Empty ``names`` and re-derive them from every record in ``[log_min, end)``.
+
+    With ``everything``, also re-create queues whose directories are gone entirely.
+    """
+    log.warning("recovery: rebuilding %s consume queue(s) from the log: %s",
+                "all" if everything else len(names), names[:10])  # fmt: skip
+    wanted = set(names)
+    for name in names:
+        table.reset(table.get_or_create(name), 0)
+        table.evict_overflow()
+    seen: set[str] = set()
+
+    def place(name: str, index: int, unit: bytes) -> None:
+        if not everything and name not in wanted:
+            return
+        cq = table.get_or_create(name)
+        if name not in seen:
+            # The queue's first unit still in the log: the queue starts there.
+            seen.add(name)
+            cq.min_offset = cq.flushed = cq.max_offset = index
+        if index == cq.max_offset:
+            table.append(cq, unit)
+        elif index > cq.max_offset:  # a hole the log cannot fill: skip over it
+            log.error("recovery: queue %r has no record for offsets %d..%d", name,
+                      cq.max_offset, index - 1)  # fmt: skip
+            table.write_pending()
+            cq.flushed = cq.max_offset = index
+            table.append(cq, unit)
+
+    _redispatch(commitlog, table, log_min, end, place)
 
 
 def _redispatch(

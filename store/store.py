@@ -112,6 +112,7 @@ class MessageStore:
         self._queue_tuples: dict[bytes, tuple[str, ...]] = {}
         self._queue_sets: dict[tuple[str, ...], tuple[tuple[str, ...], bytes]] = {}
         self._last_store_ts = 0
+        self._units_total = 0
         self._sync = config.flush == FlushMode.SYNC
         self._max_body = config.max_body_size
         self.commitlog = CommitLog(
@@ -166,6 +167,7 @@ class MessageStore:
             abort_present=abort_present, read_only=self.read_only,
         )  # fmt: skip
         self.queues_table.log_min_offset = self.commitlog.min_offset
+        self._units_total = self.recovery.units_total
         if self.read_only:
             return
         if self.recovery.abnormal:
@@ -258,6 +260,7 @@ class MessageStore:
                 return 0
             end = self.commitlog.write_pos
             ts = self._last_store_ts
+            units = self._units_total
             paths = self.queues_table.write_pending()
         self.commitlog.fsync_to(end)
         for p in dict.fromkeys(paths):
@@ -272,7 +275,7 @@ class MessageStore:
         self.offsets.persist()
         write_checkpoint(
             self.data_dir / CHECKPOINT_FILE,
-            Checkpoint(end, end, ts, ts),
+            Checkpoint(end, end, ts, ts, units),
         )
         return end
 
@@ -423,6 +426,7 @@ class MessageStore:
             dirty[topic] = parent
         parent.pending += unit
         parent.max_offset = qoff + 1
+        self._units_total += 1 + len(cqs)
         for cq in cqs:
             if not cq.pending:
                 dirty[cq.name] = cq
