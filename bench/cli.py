@@ -115,14 +115,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--brokers", default=",".join(BROKERS))
     parser.add_argument("--backlog", type=int, default=1_000_000, help="offline backlog size")
     parser.add_argument(
-        "--backlog-seconds", type=float, default=30.0, help="cap on backlog fill and drain, s"
+        "--backlog-seconds", type=float, default=20.0, help="cap on backlog fill and drain, s"
     )
     parser.add_argument("--idle", type=int, default=10_000, help="idle connections")
     parser.add_argument("--scenario-timeout", type=float, default=300.0)
     parser.add_argument(
         "--quiet-wait",
         type=float,
-        default=10.0,
+        default=3.0,
         help="wait up to this many s before each run for the shared host to go idle",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -93,6 +93,7 @@ class BenchClient(asyncio.Protocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.on_puback: Any = None
+        self.on_lost: Any = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only duck-typed ones.
@@ -101,6 +102,8 @@ class BenchClient(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost.set()
         self.writable.set()
+        if self.on_lost is not None:
+            self.on_lost()
         for fut in (self.connack, self.suback):
             if not fut.done():
                 fut.set_exception(ConnectionError("connection lost"))
@@ -304,6 +307,7 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
             room.set()
 
     client.on_puback = on_puback
+    client.on_lost = room.set
     emit("ready")
     await commands.next()
     start = time.monotonic()
