@@ -249,8 +249,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _err(f"the gateway core is not installed correctly: {exc}")
         return EXIT_FAILURE
     except Exception as exc:
-        # StoreError & co. carry operator-readable messages.
-        _err(f"{type(exc).__name__}: {exc}")
+        from store import StoreError, StoreLockedError
+
+        if isinstance(exc, StoreLockedError):
+            _err(f"{exc} (is another 'lmqtt serve' using {_shown_dir(settings.data_dir)}?)")
+        elif isinstance(exc, StoreError):  # operator-readable already
+            _err(f"data directory {_shown_dir(settings.data_dir)}: {exc}")
+        else:
+            _err(f"{type(exc).__name__}: {exc}")
         log.debug("fatal error", exc_info=True)
         return EXIT_FAILURE
 

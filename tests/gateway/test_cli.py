@@ -333,3 +333,17 @@ def test_logging_text_json_and_quiet_default() -> None:
     assert "ValueError: boom" in doc["exc"]
     configure_logging()  # back to the quiet default for other tests
     assert logging.getLogger("lmqtt").level == logging.WARNING
+
+
+def test_second_server_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with serving("--port", "0", "--data-dir", str(data)) as first:
+        result = _run("serve", "--port", "0", "--data-dir", str(data))
+        assert result.returncode == 1
+        assert "another 'lmqtt serve'" in result.stderr and "Traceback" not in result.stderr
+        # ... while inspect, read-only, still works next to the live server.
+        result = _run("inspect", "--data-dir", str(data), "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["data_dir"] == str(data)
+        rc, _ = _stop(first)
+    assert rc == 0
