@@ -14,6 +14,9 @@ nothing, it only makes the next replay longer. ``snapshot()`` first catches up w
 then writes every live message (payload included, so store retention may delete the segments
 that hold old retained messages) and the queue offset it covers, atomically via
 ``store.write_config``. It runs periodically (``snapshot_periodically``) and on ``close()``.
+Limit: a retained publish made after the last snapshot whose segment retention deletes before
+the next snapshot is lost (and logged); the snapshot period (default 60 s) keeps that window
+far below any sensible retention setting.
 
 At run time the gateway calls ``apply(msg)`` right after the store accepted the publish, so the
 message is visible to the next SUBSCRIBE without reading the store. Two writers (apply and the
@@ -26,9 +29,10 @@ log catch-up) could reorder changes to one topic, so every change carries a vers
   log; if the log has already shown a change to this topic that no apply() has confirmed yet,
   the log is ahead of the caller and the call is only a confirmation. Otherwise it is applied.
 
-Matching happens on SUBSCRIBE, never on the publish path: a trie over topic levels walks ``+``
-(one child level) and ``#`` (a whole subtree, the parent level included) and applies the ``$``
-rule (a filter starting with a wildcard never matches a topic starting with ``$``). Expired
+``match()`` also catches up first, so records another writer put in ``%RETAIN%`` are never
+missed. Matching happens on SUBSCRIBE, never on the publish path: a trie over topic levels
+walks ``+`` (one child level) and ``#`` (a whole subtree, the parent level included) and
+applies the ``$`` rule (a filter starting with a wildcard never matches a ``$`` topic). Expired
 messages (MQTT 5 message expiry interval) are skipped and dropped when met.
 
 Snapshot file ``config/retained.json``::
@@ -55,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from store import MessageStore, StoredMessage
 
-__all__ = ["RetainedError", "RetainedIndex", "RetainedMessage"]
+__all__ = ["RetainedIndex", "RetainedMessage", "RetainedTrie"]
 
 log = logging.getLogger("lmqtt.retained")
 
@@ -69,10 +73,6 @@ _INTERNAL_PROPERTIES = frozenset({"INNER_MULTI_DISPATCH", "INNER_MULTI_QUEUE_OFF
 def _read_only(store: MessageStore) -> bool:
     config = getattr(store, "config", None)
     return bool(getattr(store, "read_only", False) or getattr(config, "read_only", False))
-
-
-class RetainedError(Exception):
-    """The retained snapshot cannot be used (the caller may delete it: the log is the truth)."""
 
 
 def _now_ms() -> int:
