@@ -264,6 +264,8 @@ class Simulation:
             self._publish_end = self._publish_start + self.config.duration
             schedules = [asyncio.create_task(self._schedule(s)) for s in self._subscribers]
             await asyncio.gather(*(self._publish_from(d) for d in self._devices))
+            if not self._devices:  # observers only: listen for the whole duration
+                await self._stopped_within(self._publish_end - loop.time())
             self._stop.set()  # publishing is over: the schedules bring everyone back
             await asyncio.gather(*schedules)
             self._phase = "draining"

@@ -51,10 +51,10 @@ def test_wildcards_match_what_they_replace_and_nothing_else(
     assert filter_matches(topic, topic)
     assert filter_matches("#", topic)
     position = data.draw(st.integers(0, len(levels) - 1))
-    plus = levels[:position] + ["+"] + levels[position + 1 :]
+    plus = [*levels[:position], "+", *levels[position + 1 :]]
     assert filter_matches("/".join(plus), topic)
     assert filter_matches("/".join([*levels[:position], "#"]), topic)
-    other = levels[:position] + [levels[position] + "x"] + levels[position + 1 :]
+    other = [*levels[:position], levels[position] + "x", *levels[position + 1 :]]
     assert not filter_matches("/".join(other), topic)
     assert not filter_matches("/".join([*levels, "+"]), topic)
 
