@@ -136,8 +136,9 @@ class Gateway:
         try:
             self.sessions.save_now()
             self.retained.close()
-            self.store.flush()
         finally:
+            # close() stops the flusher, then flushes and checkpoints (a separate flush() here
+            # would race the flusher thread on the checkpoint file).
             self.store.close()
             self._stopped.set()
         log.info("lmqtt gateway stopped")

@@ -94,6 +94,7 @@ class ClientConnection:
         self._reading_paused = False
         self._pending_puts = 0
         self._ack_chain: asyncio.Task[None] | None = None
+        self._put_tasks: set[asyncio.Task[None]] = set()
         self._keepalive: asyncio.TimerHandle | None = None
         self._connect_timer: asyncio.TimerHandle | None = self._loop.call_later(
             CONNECT_TIMEOUT_S, self._connect_timeout
@@ -458,12 +459,18 @@ class ClientConnection:
             # Re-sent before our PUBREC arrived: stored already (state survives restarts).
             self.write(self.conn.send(PubRec(pid)))
             return
-        if gw.settings.flush == "sync" and pub.qos > 0:
+        if gw.settings.flush == "sync":
+            # Tasks start in creation order, so appends keep the arrival order; each awaits
+            # its fsync concurrently (group commit) and acknowledges after its predecessor.
             self._pending_puts += 1
             if self._pending_puts >= MAX_PENDING_PUTS:
                 self._pause_reading()
             prev = self._ack_chain
-            self._ack_chain = self._loop.create_task(self._store_then_ack(pub, prev))
+            task = self._loop.create_task(self._store_then_ack(pub, prev if pub.qos else None))
+            self._put_tasks.add(task)
+            task.add_done_callback(self._put_tasks.discard)
+            if pub.qos > 0:
+                self._ack_chain = task
             return
         try:
             await gw.store_publish(pub, self.client_id)

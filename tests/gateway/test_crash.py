@@ -14,10 +14,12 @@ from gateway.protocol import PubAck, Publish, Subscribe, Subscription
 from tests.gateway.conftest import GatewayHarness, RawClient
 
 ROOT = Path(__file__).resolve().parents[2]
+SEGMENT = 4 << 20
 
 
 def _spawn(data_dir: Path) -> tuple[subprocess.Popen[str], int]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Small segments: recovery after the kill zeroes the tail of the active segment.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LMQTT_SEGMENT_SIZE": str(SEGMENT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "serve", "--port", "0", "--data-dir", str(data_dir),
          "--flush", "sync", "--sys-interval", "0"],
@@ -70,7 +72,7 @@ def test_sigkill_with_sync_flush_loses_no_acknowledged_message(tmp_path: Path) -
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    h = GatewayHarness(data, flush="sync").start()
+    h = GatewayHarness(data, flush="sync", segment_size=SEGMENT).start()
     try:
         sub = RawClient(h.port, level=4)
         ack = sub.connect("keeper", clean=False)
@@ -78,7 +80,7 @@ def test_sigkill_with_sync_flush_loses_no_acknowledged_message(tmp_path: Path) -
         got: list[bytes] = []
         while True:
             try:
-                ev = sub.recv(timeout=2)
+                ev = sub.recv(timeout=0.5 if len(got) >= len(acked) else 5)
             except TimeoutError:
                 break
             if ev is None:
