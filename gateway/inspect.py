@@ -19,6 +19,7 @@ What it reports:
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,10 @@ def render_json(report: StoreReport) -> str:
     return json.dumps(report.to_json(), indent=2, sort_keys=False)
 
 
+def _utc(ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(ms / 1000))
+
+
 def _opt(value: object) -> str:
     return "-" if value is None else str(value)
 
@@ -255,7 +260,9 @@ def render_text(report: StoreReport, console: Console) -> None:
         sessions.add_column(col, justify="right")
     for s in report.sessions:
         state = (
-            "connected" if s.disconnected_at_ms is None else f"offline since {s.disconnected_at_ms}"
+            "connected"
+            if s.disconnected_at_ms is None
+            else f"offline since {_utc(s.disconnected_at_ms)}"
         )
         sessions.add_row(
             s.client_id,

@@ -182,7 +182,7 @@ def test_cli_json_and_text_are_read_only(data: Path) -> None:
         ALL,
         "$share/g",
         "Retained messages: 1",
-        "offline since 1700000000000",
+        "offline since 2023-11-14 22:13:20Z",
     ):
         assert needle in out, needle
     assert _tree(data) == before  # not a byte, not a timestamp changed
@@ -207,3 +207,56 @@ def test_damaged_sessions_file_is_a_warning(tmp_path: Path) -> None:
     report = inspect_data_dir(tmp_path / "d")
     assert report.sessions == [] and "sessions.json" in report.warnings[0]
     assert [q.name for q in report.queues] == ["a"]
+
+
+async def test_backlog_of_an_offline_persistent_session(tmp_path: Path) -> None:
+    """Through a real Gateway: a persistent subscriber goes away, 3 messages arrive for it;
+    after the gateway stops, inspect shows the session offline with a backlog of 3."""
+    import asyncio
+    import threading
+
+    import paho.mqtt.client as mqtt
+
+    app = pytest.importorskip("gateway.app")
+    from gateway.config import load_settings
+
+    data = tmp_path / "data"
+    gateway = app.Gateway(load_settings(port=0, data_dir=data, sys_interval=0))
+    await gateway.start()
+    try:
+        subscribed, gone = threading.Event(), threading.Event()
+        sub = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2,
+            client_id="field-7",
+            clean_session=False,
+            protocol=mqtt.MQTTv311,
+        )
+        sub.on_subscribe = lambda *a: subscribed.set()
+        sub.on_disconnect = lambda *a: gone.set()
+        sub.connect("127.0.0.1", gateway.port)
+        sub.loop_start()
+        sub.subscribe("plant/+/alarm", qos=1)
+        assert await asyncio.to_thread(subscribed.wait, 10)
+        sub.disconnect()
+        assert await asyncio.to_thread(gone.wait, 10)
+        sub.loop_stop()
+
+        pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="plc", protocol=mqtt.MQTTv311)
+        pub.connect("127.0.0.1", gateway.port)
+        pub.loop_start()
+        infos = [pub.publish(f"plant/{i}/alarm", b"!", qos=1) for i in range(3)]
+        for info in infos:
+            await asyncio.to_thread(info.wait_for_publish, 10)  # PUBACK: stored
+        pub.disconnect()
+        pub.loop_stop()
+    finally:
+        await gateway.stop()
+
+    report = inspect_data_dir(data)
+    [session] = [s for s in report.sessions if s.client_id == "field-7"]
+    assert session.disconnected_at_ms is not None and session.subscriptions == 1
+    [subscription] = [s for s in report.subscriptions if s.client_id == "field-7"]
+    assert subscription.filter == "plant/+/alarm" and subscription.qos == 1
+    assert subscription.backlog == 3
+    queue = {q.name: q for q in report.queues}[subscription.queue]
+    assert queue.filter == "plant/+/alarm" and queue.kind == "light"
