@@ -31,6 +31,7 @@ in this module:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable
 from typing import Literal
@@ -52,6 +53,7 @@ from gateway.protocol.events import (
     PubRec,
     PubRel,
     SubAck,
+    Subscribe,
     UnsubAck,
 )
 from gateway.protocol.prepared import PreparedPublish
@@ -104,6 +106,10 @@ PACKET_TOO_LARGE = 0x95
 RETAIN_NOT_SUPPORTED = 0x9A
 QOS_NOT_SUPPORTED = 0x9B
 PACKET_IDENTIFIER_IN_USE = 0x91
+SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED = 0xA1
+# Packets that must not carry a Reason String or User Properties when the client set
+# Request Problem Information to 0 (MQTT-3.1.2-29).
+_PROBLEM_INFORMATION_PACKETS = frozenset({PubAck, PubRec, PubRel, PubComp, SubAck, UnsubAck, Auth})
 
 
 class Connection:
@@ -129,12 +135,14 @@ class Connection:
         self.client_topic_alias_maximum = 0
         self._connect_session_expiry = 0
         self._auth_method: str | None = None
+        self._problem_information = True  # Request Problem Information from CONNECT
         self._connack_sent = False
         # What we announced in CONNACK (defaults apply until then).
         self.receive_maximum = 65535
         self.topic_alias_maximum = 0
         self.maximum_qos = 2
         self.retain_available = True
+        self.subscription_identifier_available = True
         self._aliases: dict[int, str] = {}
         self._in_qos1: set[int] = set()
         self._in_qos2: set[int] = set()
@@ -249,11 +257,21 @@ class Connection:
         in_flight_others = len(self._in_qos2) + len(self._in_released)
         receive_maximum = self.receive_maximum
         maximum_qos = self.maximum_qos
+        fast_qos = _FAST_PUBLISH_QOS
+        out_flight = self._out
         while n - off >= 2:
-            if fast:
+            first = buf[off]
+            if first == 0x40 and fast and buf[off + 1] == 2 and n - off >= 4:
+                # PUBACK without reason code: every QoS 1 delivery brings one back.
+                acked = (buf[off + 2] << 8) | buf[off + 3]
+                if acked:
+                    out_flight.pop(acked, None)
+                    append(PubAck(acked))
+                    off += 4
+                    continue
+            qos = fast_qos.get(first) if fast else None
+            if qos is not None:
                 try:
-                    first = buf[off]
-                    qos = _FAST_PUBLISH_QOS[first]  # KeyError: not a PUBLISH we inline
                     length = buf[off + 1]
                     if length < 128:
                         start = off + 2
@@ -315,7 +333,7 @@ class Connection:
                     )
                     off = end
                     continue
-                except (_Slow, KeyError, UnicodeDecodeError):
+                except (_Slow, UnicodeDecodeError):
                     pass
             # The general path, one packet at a time.
             self._off = off
@@ -333,7 +351,7 @@ class Connection:
                 return out
             buf = self._buf
             off = self._off
-            fast = self._phase == CONNECTED
+            fast = self._phase == CONNECTED and self._pending_error is None
             v5 = self.protocol_level == 5
             in_flight_others = len(self._in_qos2) + len(self._in_released)
             receive_maximum = self.receive_maximum
@@ -475,6 +493,7 @@ class Connection:
         if props.topic_alias_maximum is not None:
             self.client_topic_alias_maximum = props.topic_alias_maximum
         self._connect_session_expiry = props.session_expiry_interval or 0
+        self._problem_information = props.request_problem_information != 0
         self._auth_method = props.authentication_method
         self._phase = CONNECTED
         return event
@@ -549,6 +568,18 @@ class Connection:
         assert isinstance(event, PubComp)
         self._out.pop(event.packet_id, None)
 
+    def _in_subscribe(self, event: Event) -> None:
+        assert isinstance(event, Subscribe)
+        props = event.properties
+        if (
+            props is not None
+            and props.subscription_identifiers
+            and not self.subscription_identifier_available
+        ):
+            raise RemoteProtocolError(
+                SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED, "subscription identifiers not available"
+            )
+
     def _in_disconnect(self, event: Event) -> None:
         assert isinstance(event, Disconnect)
         props = event.properties
@@ -584,6 +615,8 @@ class Connection:
         if kind is Disconnect and level < 5:
             self._sending_closed = True  # 3.1.1 servers never send DISCONNECT: they just close
             return b""
+        if not self._problem_information and kind in _PROBLEM_INFORMATION_PACKETS:
+            event = _without_problem_information(event)
         data = WRITERS[kind](event, level)
         limit = self.client_max_packet_size
         if limit is not None and len(data) > limit:
@@ -652,6 +685,8 @@ class Connection:
             self.maximum_qos = props.maximum_qos
         if props.retain_available is not None:
             self.retain_available = bool(props.retain_available)
+        if props.subscription_identifier_available is not None:
+            self.subscription_identifier_available = bool(props.subscription_identifier_available)
 
     def _out_publish(self, event: Event) -> None:
         assert isinstance(event, Publish)
@@ -718,11 +753,20 @@ class Connection:
         return b""
 
 
+def _without_problem_information(event: Event) -> Event:
+    props = getattr(event, "properties", None)
+    if props is None or (props.reason_string is None and props.user_properties is None):
+        return event
+    stripped = dataclasses.replace(props, reason_string=None, user_properties=None)
+    return dataclasses.replace(event, properties=stripped)
+
+
 _INBOUND = {
     pt.PUBACK: Connection._in_puback,
     pt.PUBREC: Connection._in_pubrec,
     pt.PUBREL: Connection._in_pubrel,
     pt.PUBCOMP: Connection._in_pubcomp,
+    pt.SUBSCRIBE: Connection._in_subscribe,
     pt.DISCONNECT: Connection._in_disconnect,
     pt.AUTH: Connection._in_auth,
 }

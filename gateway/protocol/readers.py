@@ -93,6 +93,8 @@ def read_connect(flags: int, body: bytes, level: int) -> Connect:
     props = Properties()
     if level == 5:
         props, pos = read_properties(body, pos, pt.CONNECT)
+        if props.authentication_data is not None and props.authentication_method is None:
+            raise wire.protocol_error("authentication data without an authentication method")
     client_id, pos = read_str(body, pos)
     will = None
     if will_flag:

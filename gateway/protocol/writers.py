@@ -112,6 +112,10 @@ def write_connack(ev: ConnAck, level: int) -> bytes:
 _ENCODED_TOPICS: dict[str, bytes] = {}
 
 
+# Fixed headers of PUBLISH packets shorter than 130 bytes: [flags][remaining length].
+_SHORT_HEADERS = [[bytes((0x30 | flags, length)) for length in range(128)] for flags in range(16)]
+
+
 def _encoded_topic(topic: str) -> bytes:
     if "+" in topic or "#" in topic:
         raise LocalProtocolError(f"wildcard in PUBLISH topic {topic!r}")
@@ -150,11 +154,16 @@ def write_publish(ev: Publish, level: int) -> bytes:
                 raise LocalProtocolError(f"packet identifier must be 1..65535, not {packet_id}")
             length = len(encoded) + 2 + len(payload)
             if length < 128:
-                return bytes((first, length)) + encoded + packet_id.to_bytes(2, "big") + payload
+                return (
+                    _SHORT_HEADERS[first & 0x0F][length]
+                    + encoded
+                    + packet_id.to_bytes(2, "big")
+                    + payload
+                )
         else:
             length = len(encoded) + len(payload)
             if length < 128:
-                return bytes((first, length)) + encoded + payload
+                return _SHORT_HEADERS[first & 0x0F][length] + encoded + payload
         var = encoded + _packet_id(ev.packet_id) if qos else encoded
     length = len(var) + len(payload)
     if length < 128:

@@ -371,3 +371,52 @@ def test_level_3_quirks() -> None:
     conn = open_connection(3)
     conn.receive_data(b"\x8a\x06\x00\x01\x00\x01t\x01")  # 3.1 SUBSCRIBE with DUP set
     assert conn.events() == [Subscribe(1, [Subscription("t", 1)])]
+
+
+def test_request_problem_information_zero_strips_reason_strings() -> None:
+    conn = open_connection(5, connect_properties=Properties(request_problem_information=0))
+    props = Properties(reason_string="quota", user_properties=[("a", "b")])
+    assert conn.send(PubAck(1, 0x97, props)) == b"\x40\x03\x00\x01\x97"
+    # CONNACK / DISCONNECT / PUBLISH may still carry them
+    assert conn.send(Disconnect(0x8B, props)) == encode(Disconnect(0x8B, props), 5)
+
+
+def test_subscription_identifiers_not_available() -> None:
+    conn = open_connection(5, connack_properties=Properties(subscription_identifier_available=0))
+    conn.receive_data(
+        encode(Subscribe(1, [Subscription("a", 0)], Properties(subscription_identifiers=[3])), 5)
+    )
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.events()
+    assert info.value.reason_code == 0xA1
+    assert conn.error_packet(info.value) == b"\xe0\x01\xa1"
+
+
+def test_authentication_data_without_method() -> None:
+    conn = Connection()
+    conn.receive_data(encode(Connect(5, "c", properties=Properties(authentication_data=b"x")), 5))
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.events()
+    assert conn.error_packet(info.value) == b"\x20\x03\x00\x82\x00"
+
+
+def test_error_packet_is_sent_once() -> None:
+    conn = open_connection(5)
+    conn.receive_data(b"\x00\x00")
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.events()
+    assert conn.error_packet(info.value) == b"\xe0\x01\x81"
+    assert conn.error_packet(info.value) == b""
+    with pytest.raises(LocalProtocolError):
+        conn.send(PingResp())
+
+
+def test_puback_fast_path_matches_general_path() -> None:
+    conn = open_connection(4)
+    conn.send(Publish("t", b"", 1, packet_id=1))
+    conn.send(Publish("t", b"", 1, packet_id=2))
+    conn.receive_data(b"\x40\x02\x00\x01\x40\x02\x00\x02\x40\x02\x00\x00")
+    assert conn.events() == [PubAck(1), PubAck(2)]
+    assert conn.outbound_in_flight == 0
+    with pytest.raises(RemoteProtocolError):
+        conn.events()  # packet id 0 falls through to the general path and is refused
