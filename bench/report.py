@@ -95,15 +95,16 @@ def target_checks(results: dict[str, Any]) -> dict[tuple[str, str], str]:
         return f"{text}: {'held' if ok else 'MISSED'}"
 
     for name in THROUGHPUT:
-        lm = _get(results, name, "lmqtt", "deliveries_per_s")
-        mo = _get(results, name, "mosquitto", "deliveries_per_s")
-        am = _get(results, name, "amqtt", "deliveries_per_s")
-        parts = []
-        if lm is not None and mo:
-            parts.append(verdict(lm >= 0.5 * mo, ">=0.5x Mosq"))
-        if lm is not None and am:
-            parts.append(verdict(lm >= 10 * am, ">=10x amqtt"))
-        verdicts[(name, "deliveries_per_s")] = "; ".join(parts) or "n/a"
+        for key in ("deliveries_per_s", "deliveries_per_cpu_s"):
+            lm = _get(results, name, "lmqtt", key)
+            mo = _get(results, name, "mosquitto", key)
+            am = _get(results, name, "amqtt", key)
+            parts = []
+            if lm is not None and mo:
+                parts.append(verdict(lm >= 0.5 * mo, ">=0.5x Mosq"))
+            if lm is not None and am:
+                parts.append(verdict(lm >= 10 * am, ">=10x amqtt"))
+            verdicts[(name, key)] = "; ".join(parts) or "n/a"
     p99 = _get(results, "latency_async", "lmqtt", "p99_ms")
     verdicts[("latency_async", "p99_ms")] = verdict(None if p99 is None else p99 <= 3.0, "<=3 ms")
     kib = _get(results, "idle", "lmqtt", "kib_per_connection")

@@ -158,6 +158,7 @@ class CpuProbe:
         if host >= 0.92 * cores and broker < 0.85:
             flags.append("host-saturated")
         return {
+            "broker_cpu_s": round(broker * wall, 3),
             "broker_cpu": round(broker, 3),
             "gen_cpu": round(generator, 3),
             "gen_cpu_max_process": round(max(per_worker, default=0.0), 3),
