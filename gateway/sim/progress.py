@@ -26,7 +26,10 @@ def progress_text(snap: SimSnapshot, devices: int, subscribers: int) -> Text:
     text.append(f"subscribers {snap.subscribers_online}/{subscribers}  ")
     text.append(f"sent {snap.sent:,}  acked {snap.acknowledged:,}  ")
     text.append(f"received {snap.received:,}  expected {snap.expected:,}  ")
-    text.append(f"pending {snap.outstanding:,}", style="yellow" if snap.outstanding else "green")
+    # In flight while running; once the drain is over, what is still missing is lost.
+    settled = snap.phase in ("closing", "done")
+    label, bad = ("lost", "bold red") if settled else ("pending", "yellow")
+    text.append(f"{label} {snap.outstanding:,}", style=bad if snap.outstanding else "green")
     if snap.failed:
         text.append(f"  failed {snap.failed:,}", style="red")
     if snap.foreign:
