@@ -158,6 +158,7 @@ def read_connack(flags: int, body: bytes, level: int) -> ConnAck:
 # UTF-8 decoding and the U+0000 / wildcard scans. Only valid, non-empty names are stored.
 TOPIC_CACHE: dict[bytes, str] = {}
 TOPIC_CACHE_SIZE = 4096
+TOPIC_CACHE_KEY_MAX = 256  # bytes; at most 4096 x 256 B pinned
 
 
 def cache_topic(raw: bytes) -> str | None:
@@ -168,9 +169,10 @@ def cache_topic(raw: bytes) -> str | None:
         return None
     if not topic or "\x00" in topic or "+" in topic or "#" in topic:
         return None
-    if len(TOPIC_CACHE) >= TOPIC_CACHE_SIZE:
-        TOPIC_CACHE.clear()
-    TOPIC_CACHE[raw] = topic
+    if len(raw) <= TOPIC_CACHE_KEY_MAX:  # bound the memory a hostile client can pin
+        if len(TOPIC_CACHE) >= TOPIC_CACHE_SIZE:
+            TOPIC_CACHE.clear()
+        TOPIC_CACHE[raw] = topic
     return topic
 
 

@@ -120,9 +120,10 @@ def _encoded_topic(topic: str) -> bytes:
     if "+" in topic or "#" in topic:
         raise LocalProtocolError(f"wildcard in PUBLISH topic {topic!r}")
     encoded = utf8(topic)
-    if len(_ENCODED_TOPICS) >= 4096:
-        _ENCODED_TOPICS.clear()
-    _ENCODED_TOPICS[topic] = encoded
+    if len(encoded) <= 258:
+        if len(_ENCODED_TOPICS) >= 4096:
+            _ENCODED_TOPICS.clear()
+        _ENCODED_TOPICS[topic] = encoded
     return encoded
 
 
@@ -130,8 +131,8 @@ def write_publish(ev: Publish, level: int) -> bytes:
     qos = ev.qos
     topic = ev.topic
     if qos == 0:
-        if ev.dup:
-            raise LocalProtocolError("DUP must be 0 on a QoS 0 PUBLISH")
+        if ev.dup or ev.packet_id is not None:
+            raise LocalProtocolError("a QoS 0 PUBLISH has no packet identifier and no DUP")
         first = 0x31 if ev.retain else 0x30
     elif qos == 1 or qos == 2:
         first = 0x30 | qos << 1 | (8 if ev.dup else 0) | (1 if ev.retain else 0)
