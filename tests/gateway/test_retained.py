@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -396,3 +400,76 @@ def test_snapshot_outlives_store_retention(
         assert "deleted by retention" in caplog.text
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------- through the real server
+
+
+def _serve(data: Path) -> tuple[subprocess.Popen[str], int]:
+    import re
+
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LMQTT_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--port", "0", "--data-dir", str(data),
+         "--flush", "sync", "--sys-interval", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the server prints it once listening (or exits: "")
+    m = re.search(r"listening on \S+:(\d+),", line)
+    if m is None:
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError(f"server did not start: {line!r}")
+    return proc, int(m.group(1))
+
+
+def test_acknowledged_retained_publish_survives_sigkill(tmp_path: Path) -> None:
+    """flush=sync: once PUBACK arrived, a retained message survives SIGKILL of the server
+    (no snapshot was written: it comes back from the %RETAIN% replay)."""
+    import paho.mqtt.client as mqtt
+
+    pytest.importorskip("gateway.app")
+    data = tmp_path / "data"
+    proc, port = _serve(data)
+    try:
+        pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="pub")
+        pub.connect("127.0.0.1", port)
+        pub.loop_start()
+        for topic, body in (("crash/a", b"gone"), ("crash/a", b"kept"), ("crash/b", b"\x00bin")):
+            info = pub.publish(topic, body, qos=1, retain=True)
+            info.wait_for_publish(30)  # generous: a loaded disk can make fsync slow
+            assert info.is_published(), "no PUBACK"
+        proc.kill()  # SIGKILL right after the last PUBACK
+        proc.wait(10)
+        pub.loop_stop()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert not (data / "config" / SNAPSHOT_NAME).exists()
+
+    proc, port = _serve(data)
+    try:
+        got: dict[str, bytes] = {}
+        done = threading.Event()
+
+        def on_message(_c: object, _u: object, msg: mqtt.MQTTMessage) -> None:
+            assert msg.retain
+            got[msg.topic] = msg.payload
+            if len(got) == 2:
+                done.set()
+
+        sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="sub")
+        sub.on_message = on_message
+        sub.connect("127.0.0.1", port)
+        sub.loop_start()
+        sub.subscribe("crash/#", qos=1)
+        assert done.wait(30), got
+        sub.disconnect()
+        sub.loop_stop()
+        assert got == {"crash/a": b"kept", "crash/b": b"\x00bin"}
+    finally:
+        proc.terminate()
+        proc.wait(15)
