@@ -88,6 +88,8 @@ def lmqtt_commands_in_compose() -> list[tuple[str, list[str]]]:
         elif entrypoint == ["sh", "-c"]:
             for part in " ".join(command).split("&&"):
                 argv = shlex.split(part)
+                if argv[0] == "export":  # environment set-up, not a command
+                    continue
                 assert argv[0] == "lmqtt", f"{name}: unexpected command {argv}"
                 found.append((name, argv[1:]))
     return found
