@@ -27,7 +27,16 @@ from store.checkpoint import Checkpoint
 from store.commitlog import CommitLog
 from store.consumequeue import ConsumeQueueTable
 from store.errors import CorruptStoreError
-from store.format import BLANK_MAGIC, CQ_UNIT, MAGIC, SIZE_MAGIC, check_record, dispatch_info
+from store.format import (
+    BLANK_MAGIC,
+    CQ_UNIT,
+    CRC_PREFIX,
+    CRC_TRAILER_SIZE,
+    MAGIC,
+    SIZE_MAGIC,
+    check_record,
+    dispatch_info,
+)
 
 log = logging.getLogger("lmqtt.store.recovery")
 
@@ -73,16 +82,38 @@ def scan_log(commitlog: CommitLog, start: int) -> tuple[int, int, bool]:
         return pos, n, r < 0
 
 
+def _is_record_boundary(commitlog: CommitLog, pos: int) -> bool:
+    """Whether a record starts at ``pos``, or the one before ends there (end of data)."""
+    seg = commitlog.segment_for(pos)
+    if seg is None:
+        return False
+    rel = pos - seg.start
+    r = check_record(seg.view, rel, seg.size)
+    if r > 0:
+        return True
+    if r < 0 or rel < CRC_TRAILER_SIZE:
+        return rel == 0 and r == 0
+    # Every record ends with its __CRC32# trailer.
+    trailer = seg.view[rel - CRC_TRAILER_SIZE : rel]
+    return trailer[:9] == CRC_PREFIX and trailer[19] == 2
+
+
+_ZERO_CHUNK = bytes(1 << 20)
+
+
 def _bytes_after(commitlog: CommitLog, pos: int) -> int:
-    """Rough count of bytes a truncation at ``pos`` discards (for the log message)."""
+    """Bytes a truncation at ``pos`` discards, counted up to the first all-zero MiB."""
     total = 0
     for seg in commitlog.segments:
         if seg.end <= pos:
             continue
-        lo = max(pos, seg.start) - seg.start
-        chunk = seg.view[lo:]
-        stripped = bytes(chunk).rstrip(b"\0")
-        total += len(stripped)
+        rel = max(pos, seg.start) - seg.start
+        while rel < seg.size:
+            chunk = seg.view[rel : rel + len(_ZERO_CHUNK)]
+            if chunk == _ZERO_CHUNK[: len(chunk)]:
+                return total
+            total += len(bytes(chunk).rstrip(b"\0"))
+            rel += len(chunk)
     return total
 
 
@@ -145,12 +176,7 @@ def recover(
     cand = -1
     if cp is not None:
         cand = min(cp.log_flushed_offset, cp.queues_flushed_offset)
-        seg = commitlog.segment_for(cand)
-        if (
-            cand > log_min
-            and seg is not None
-            and check_record(seg.view, cand - seg.start, seg.size) > 0
-        ):
+        if cand > log_min and _is_record_boundary(commitlog, cand):
             start = cand
     first = commitlog.segment_for(start)
     if start == log_min and first is not None:

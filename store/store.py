@@ -113,6 +113,7 @@ class MessageStore:
         self._queue_sets: dict[tuple[str, ...], tuple[tuple[str, ...], bytes]] = {}
         self._last_store_ts = 0
         self._units_total = 0
+        self._lock_wanted = False
         self._sync = config.flush == FlushMode.SYNC
         self._max_body = config.max_body_size
         self.commitlog = CommitLog(
@@ -255,9 +256,11 @@ class MessageStore:
 
     def _flush_all(self) -> int:
         """Consume-queue units, CommitLog, fsyncs, consumer offsets, checkpoint."""
+        # A writer looping on put() would win the lock again and again (the GIL hands it
+        # back before this thread runs): ask writers to yield once after their section.
+        self._lock_wanted = True
         with self._lock:
-            if self.commitlog.segments == [] and self._closed and self.read_only:
-                return 0
+            self._lock_wanted = False
             end = self.commitlog.write_pos
             ts = self._last_store_ts
             units = self._units_total
@@ -354,7 +357,7 @@ class MessageStore:
         queues: Sequence[str],
         properties: dict[str, str] | None,
     ) -> tuple[bytes, tuple[str, ...], bytes, bytes]:
-        """Validate one message: ``(topic bytes, light queues, their joined names, props)``."""
+        """Validate one message: ``(topic bytes, light queues, INNER_* template, props)``."""
         if len(body) > self._max_body:
             raise MessageTooLargeError(len(body), self._max_body)
         tb = self._valid.get(topic)
@@ -378,7 +381,12 @@ class MessageStore:
         lights = tuple(dict.fromkeys(key))
         if topic in lights:
             raise InvalidQueueNameError(topic, "a light queue may not be the parent topic")
-        qs = (lights, ",".join(lights).encode("utf-8"))
+        # INNER_MULTI_DISPATCH is fixed for a queue set; only the offsets vary per message.
+        template = b"".join((
+            DISPATCH_PREFIX, ",".join(lights).encode("utf-8").replace(b"%", b"%%"), b"\x02",
+            QOFFSET_PREFIX, b",".join([b"%d"] * len(lights)), b"\x02",
+        ))  # fmt: skip
+        qs = (lights, template)
         if len(self._queue_sets) >= _VALID_CACHE_LIMIT:
             self._queue_sets.clear()
         self._queue_sets[key] = qs
@@ -407,10 +415,7 @@ class MessageStore:
         if lights:
             cqs = [cache.get(q) or table.get_or_create(q) for q in lights]
             loffs = [cq.max_offset for cq in cqs]
-            props = b"".join(
-                (uprops, DISPATCH_PREFIX, qbytes, b"\x02", QOFFSET_PREFIX,
-                 ",".join(map(str, loffs)).encode(), b"\x02")
-            )  # fmt: skip
+            props = uprops + qbytes % tuple(loffs)
         else:
             cqs = []
             loffs = []
@@ -433,7 +438,11 @@ class MessageStore:
             cq.pending += unit
             cq.max_offset += 1
         return PutResult(
-            phys, qoff, dict(zip(lights, loffs, strict=True)) if lights else {}, phys + size, now
+            phys,
+            qoff,
+            dict(zip(lights, loffs, strict=False)) if lights else {},
+            phys + size,
+            now,
         )
 
     def _notify(self, topic: str, r: PutResult) -> None:
@@ -466,6 +475,8 @@ class MessageStore:
             table = self.queues_table
             if len(table.states) > table.max_cached:
                 table.evict_overflow()
+        if self._lock_wanted:
+            time.sleep(0)
         if self._listeners:
             self._notify(topic, r)
         return r
@@ -518,6 +529,8 @@ class MessageStore:
             table = self.queues_table
             if len(table.states) > table.max_cached:
                 table.evict_overflow()
+        if self._lock_wanted:
+            time.sleep(0)
         if self._listeners:
             latest: dict[str, int] = {}
             for req, r in zip(requests, results, strict=True):
