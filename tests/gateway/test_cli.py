@@ -228,9 +228,9 @@ def _roundtrip(port: int) -> bytes:
     client.loop_start()
     try:
         client.subscribe("cli/#", qos=1)
-        assert ready.wait(10), "no SUBACK"
+        assert ready.wait(30), "no SUBACK"
         client.publish("cli/hello", b"world", qos=1)
-        assert arrived.wait(10), "message not delivered"
+        assert arrived.wait(30), "message not delivered"
     finally:
         client.disconnect()
         client.loop_stop()

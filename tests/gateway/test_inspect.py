@@ -236,9 +236,9 @@ async def test_backlog_of_an_offline_persistent_session(tmp_path: Path) -> None:
         sub.connect("127.0.0.1", gateway.port)
         sub.loop_start()
         sub.subscribe("plant/+/alarm", qos=1)
-        assert await asyncio.to_thread(subscribed.wait, 10)
+        assert await asyncio.to_thread(subscribed.wait, 30)
         sub.disconnect()
-        assert await asyncio.to_thread(gone.wait, 10)
+        assert await asyncio.to_thread(gone.wait, 30)
         sub.loop_stop()
 
         pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="plc", protocol=mqtt.MQTTv311)
@@ -246,7 +246,8 @@ async def test_backlog_of_an_offline_persistent_session(tmp_path: Path) -> None:
         pub.loop_start()
         infos = [pub.publish(f"plant/{i}/alarm", b"!", qos=1) for i in range(3)]
         for info in infos:
-            await asyncio.to_thread(info.wait_for_publish, 10)  # PUBACK: stored
+            await asyncio.to_thread(info.wait_for_publish, 30)  # PUBACK: stored
+            assert info.is_published()
         pub.disconnect()
         pub.loop_stop()
     finally:

@@ -163,7 +163,7 @@ async def test_sys_topics_reach_a_subscriber(tmp_path: Path) -> None:
         client.loop_start()
         try:
             client.subscribe("$SYS/#", qos=0)
-            await asyncio.wait_for(seen_all.wait(), 10)
+            await asyncio.wait_for(seen_all.wait(), 30)
             assert got[SYS_PREFIX + "version"].startswith(b"lmqtt version ")
             assert got[SYS_PREFIX + "uptime"].endswith(b" seconds")
 
@@ -187,9 +187,9 @@ async def test_sys_topics_reach_a_subscriber(tmp_path: Path) -> None:
             c2.loop_start()
             try:
                 c2.subscribe("#", qos=0)
-                await asyncio.wait_for(subscribed.wait(), 10)
+                await asyncio.wait_for(subscribed.wait(), 30)
                 c2.publish("probe", b"p", qos=1)
-                await asyncio.wait_for(probe_back.wait(), 10)
+                await asyncio.wait_for(probe_back.wait(), 30)
             finally:
                 c2.disconnect()
                 c2.loop_stop()
