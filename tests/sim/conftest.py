@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from amqtt.broker import Broker
 
+from gateway.app import Gateway
+from gateway.config import load_settings
 from gateway.sim.client import silence_amqtt
 
 SIM_USER = "sim"
@@ -46,11 +48,6 @@ async def amqtt_broker() -> AsyncIterator[int]:
 
 @pytest.fixture
 async def lmqtt_gateway(tmp_path: Path) -> AsyncIterator[int]:
-    try:
-        from gateway.app import Gateway
-        from gateway.config import load_settings
-    except ImportError as exc:  # pragma: no cover - only while the gateway is being written
-        pytest.skip(f"the lmqtt gateway cannot be imported: {exc}")
     settings = load_settings(host="127.0.0.1", port=0, data_dir=tmp_path / "data", sys_interval=0)
     gateway = Gateway(settings)
     await gateway.start()

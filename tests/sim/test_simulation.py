@@ -8,6 +8,8 @@ dropped when the PUBACK wait is cancelled), so here the subscribers stay connect
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.sim import SimConfig, SimError, Simulation, run_simulation
@@ -76,8 +78,6 @@ async def test_the_message_budget_bounds_a_run(amqtt_broker: int) -> None:
 
 async def test_stop_ends_publishing_early_and_still_reports(amqtt_broker: int) -> None:
     sim = Simulation(config(amqtt_broker, duration=60.0))
-    import asyncio
-
     run = asyncio.create_task(sim.run())
     while sim.snapshot().acknowledged < 5:
         await asyncio.wait([run], timeout=0.05)
