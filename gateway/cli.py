@@ -97,7 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--data-dir", type=Path, metavar="DIR", help="default ./lmqtt-data")
     inspect.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output (all rows)")
+    inspect.add_argument(
+        "--all", action="store_true", help="every row (default: the 50 most significant per table)"
+    )
 
     for name, (module, _) in SUBTOOLS.items():
         # Listed for --help only: main() hands their arguments over untouched.
@@ -285,7 +288,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(render_json(report), flush=True)
     else:
         console = Console(width=None if sys.stdout.isatty() else 160)
-        render_text(report, console)
+        render_text(report, console, limit=None if args.all else 50)
     return EXIT_OK
 
 

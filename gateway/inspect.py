@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -30,6 +31,7 @@ from rich.table import Table
 __all__ = ["InspectError", "StoreReport", "inspect_data_dir", "render_json", "render_text"]
 
 SESSIONS_FILE = "sessions.json"
+_Row = TypeVar("_Row")
 
 
 class InspectError(Exception):
@@ -237,7 +239,22 @@ def _opt(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def render_text(report: StoreReport, console: Console) -> None:
+def _top(rows: list[_Row], limit: int | None, key: Callable[[_Row], int]) -> list[_Row]:
+    """All rows, or the `limit` largest by `key` (in their original order)."""
+    if limit is None or len(rows) <= limit:
+        return rows
+    keep = set(map(id, sorted(rows, key=key, reverse=True)[:limit]))
+    return [r for r in rows if id(r) in keep]
+
+
+def _caption(shown: int, total: int, what: str) -> str | None:
+    if shown == total:
+        return None
+    return f"{shown} of {total} shown ({what}); --all shows every row"
+
+
+def render_text(report: StoreReport, console: Console, limit: int | None = 50) -> None:
+    """Rich tables; with `limit`, each table shows only its `limit` most significant rows."""
     console.print(f"[bold]lmqtt data directory[/bold] {report.data_dir}")
     for warning in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
@@ -247,7 +264,9 @@ def render_text(report: StoreReport, console: Console) -> None:
         queues.add_column(col, overflow="fold")
     for col in ("min", "max", "messages"):
         queues.add_column(col, justify="right")
-    for q in report.queues:
+    rows_q = _top(report.queues, limit, lambda q: q.messages)
+    queues.caption = _caption(len(rows_q), len(report.queues), "most messages")
+    for q in rows_q:
         queues.add_row(
             q.name, q.kind, _opt(q.filter), str(q.min_offset), str(q.max_offset), str(q.messages)
         )
@@ -258,7 +277,9 @@ def render_text(report: StoreReport, console: Console) -> None:
         sessions.add_column(col, overflow="fold")
     for col in ("subs", "in-flight", "qos2 in"):
         sessions.add_column(col, justify="right")
-    for s in report.sessions:
+    rows_s = report.sessions if limit is None else report.sessions[:limit]
+    sessions.caption = _caption(len(rows_s), len(report.sessions), "first by client id")
+    for s in rows_s:
         state = (
             "connected"
             if s.disconnected_at_ms is None
@@ -280,7 +301,9 @@ def render_text(report: StoreReport, console: Console) -> None:
         subs.add_column(col, overflow="fold")
     for col in ("qos", "start", "committed", "max", "backlog"):
         subs.add_column(col, justify="right")
-    for sub in report.subscriptions:
+    rows_sub = _top(report.subscriptions, limit, lambda sub: sub.backlog)
+    subs.caption = _caption(len(rows_sub), len(report.subscriptions), "largest backlog")
+    for sub in rows_sub:
         subs.add_row(
             sub.client_id,
             sub.filter,
@@ -299,7 +322,9 @@ def render_text(report: StoreReport, console: Console) -> None:
         offsets.add_column("queue", overflow="fold")
         offsets.add_column("offset", justify="right")
         offsets.add_column("lag", justify="right")
-        for o in report.offsets:
+        rows_o = _top(report.offsets, limit, lambda o: int(o["lag"]))
+        offsets.caption = _caption(len(rows_o), len(report.offsets), "largest lag")
+        for o in rows_o:
             offsets.add_row(o["group"], o["queue"], str(o["offset"]), str(o["lag"]))
         console.print(offsets)
 

@@ -261,3 +261,31 @@ async def test_backlog_of_an_offline_persistent_session(tmp_path: Path) -> None:
     assert subscription.backlog == 3
     queue = {q.name: q for q in report.queues}[subscription.queue]
     assert queue.filter == "plant/+/alarm" and queue.kind == "light"
+
+
+def test_text_output_is_bounded_unless_all(tmp_path: Path) -> None:
+    """Millions of light queues must not become millions of lines by default."""
+    import io
+
+    from rich.console import Console
+
+    from gateway.inspect import render_text
+
+    store = MessageStore.open(StoreConfig(data_dir=tmp_path / "d"))
+    for i in range(8):
+        for _ in range(i + 1):  # queue i holds i + 1 messages
+            store.put(topic="big", body=b"x", queues=[queue_name(f"big/{i}")], properties={})
+    store.close()
+    report = inspect_data_dir(tmp_path / "d")
+
+    def text(limit: int | None) -> str:
+        buf = io.StringIO()
+        render_text(report, Console(file=buf, width=200), limit=limit)
+        return buf.getvalue()
+
+    short = text(3)
+    assert "3 of 9 shown (most messages); --all shows every row" in short
+    assert "big/7" in short and "big/6" in short and "big/0" not in short
+    assert "│ 36 │" in short.replace(" ", "").replace("│36│", "│ 36 │")  # parent: 36 messages
+    full = text(None)
+    assert all(f"big/{i}" in full for i in range(8)) and "shown" not in full
