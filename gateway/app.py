@@ -69,6 +69,7 @@ class Gateway:
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
         for session in self.sessions.load():
+            self._clamp_to_store(session)
             for sub in session.subscriptions.values():
                 self.router.add(sub.topic_filter)
                 if sub.share_group is not None:
@@ -99,6 +100,26 @@ class Gateway:
             s.flush,
             len(self.sessions),
         )
+
+    def _clamp_to_store(self, session: Session) -> None:
+        """After an async-flush crash the log may end before positions sessions.json saved:
+        read again from the queue's real end, or new messages would land below the cursor."""
+        for sub in session.subscriptions.values():
+            end = self.store.max_offset(sub.queue)
+            if sub.next_offset > end:
+                log.warning(
+                    "session %r: %s position %d is past the queue end %d (lost tail); resuming"
+                    " at %d",
+                    session.client_id,
+                    sub.queue,
+                    sub.next_offset,
+                    end,
+                    end,
+                )
+                sub.next_offset = end
+                sub.start_offset = min(sub.start_offset, end)
+            for off in [o for o in sub.pending if o >= end]:
+                session.inflight.pop(sub.pending.pop(off), None)
 
     @property
     def port(self) -> int:

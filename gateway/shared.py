@@ -171,8 +171,9 @@ class SharedSubscriptions:
         g = self.groups.get(key)
         if g is None:
             g = SharedGroup(self.gw, group, topic_filter, queue)
+            end = self.gw.store.max_offset(queue)
             saved = self.gw.store.offsets.get(g.consumer, queue) if resume else None
-            g.next_offset = saved if saved is not None else self.gw.store.max_offset(queue)
+            g.next_offset = min(saved, end) if saved is not None else end
             self.groups[key] = g
             g._commit()
         g.refs += 1
