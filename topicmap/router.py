@@ -21,15 +21,18 @@ at each node it collects "#" (matches one or more remaining levels, and also zer
 by the wildcard shapes registered, not by how many filters exist. At the root a `$`-topic does
 not follow "+" or "#" (MQTT-4.7.2-1).
 
-Results are cached per topic string in two generations (a cheap approximation of LRU); any
-add or remove that changes the trie clears the cache. Not thread-safe: the gateway calls it
-from one event loop.
+Two bounded caches make the walk cheaper still; any add or remove that changes the trie clears
+both. The topic cache maps a topic string to its result, in two generations (a cheap
+approximation of LRU). The prefix cache maps a topic without its last level (`site/7/dev/42`)
+to the live nodes and "#" matches after walking it, so the many metrics a device publishes
+under one prefix only pay for their last level. `cache_size=0, prefix_cache_size=0` is the
+plain walk. Not thread-safe: the gateway calls it from one event loop.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from topicmap.errors import IMPLEMENTATION_SPECIFIC_ERROR, TopicError
@@ -52,9 +55,25 @@ class Router:
     Shared subscriptions (`$share/g/f`) count as references to `f` and route to its queue.
     """
 
-    __slots__ = ("_cache", "_cache_old", "_cache_size", "_names", "_queues", "_refs", "_root")
+    __slots__ = (
+        "_cache",
+        "_cache_old",
+        "_cache_size",
+        "_names",
+        "_prefix_cache_size",
+        "_prefixes",
+        "_queues",
+        "_refs",
+        "_root",
+    )
 
-    def __init__(self, *, names: NameTable | None = None, cache_size: int = 65_536) -> None:
+    def __init__(
+        self,
+        *,
+        names: NameTable | None = None,
+        cache_size: int = 65_536,
+        prefix_cache_size: int = 65_536,
+    ) -> None:
         self._root: Node = {}
         self._refs: dict[str, int] = {}
         self._queues: dict[str, str] = {}
@@ -62,6 +81,8 @@ class Router:
         self._cache_size = max(0, cache_size)
         self._cache: dict[str, frozenset[str]] = {}
         self._cache_old: dict[str, frozenset[str]] = {}
+        self._prefix_cache_size = max(0, prefix_cache_size)
+        self._prefixes: dict[str, tuple[tuple[Node, ...], frozenset[str]]] = {}
 
     # registration -------------------------------------------------------------------------
 
@@ -156,18 +177,21 @@ class Router:
         if type(topic) is not str:
             topic = topic.name if isinstance(topic, Topic) else Topic(topic).name
         hit = self._cache.get(topic)
+        if hit is not None:
+            return set(hit)
+        hit = self._cache_old.get(topic)
         if hit is None:
-            hit = self._cache_old.get(topic)
-            if hit is None:
-                hit = frozenset(self._walk(topic))
-            if self._cache_size:
-                if len(self._cache) >= self._cache_size:
-                    self._cache_old = self._cache
-                    self._cache = {}
-                self._cache[topic] = hit
+            found = self._match(topic)
+            if not self._cache_size:
+                return found
+            hit = frozenset(found)
+        if len(self._cache) >= self._cache_size:
+            self._cache_old = self._cache
+            self._cache = {}
+        self._cache[topic] = hit
         return set(hit)
 
-    def _walk(self, topic: str) -> set[str]:
+    def _match(self, topic: str) -> set[str]:
         if (
             not topic
             or "+" in topic
@@ -176,48 +200,83 @@ class Router:
             or len(topic) > _SHORT_ENOUGH
         ):
             Topic(topic)  # raises with the precise reason, or accepts a long valid topic
+        cut = topic.rfind("/")
+        if cut < 0:
+            return self._match_one_level(topic)
+        prefix = topic[:cut]
+        state = self._prefixes.get(prefix)
+        nodes: Sequence[Node]
+        if state is None:
+            nodes, found = self._advance(prefix.split("/"))
+            if self._prefix_cache_size:
+                if len(self._prefixes) >= self._prefix_cache_size:
+                    self._prefixes.clear()
+                self._prefixes[prefix] = (tuple(nodes), frozenset(found))
+        else:
+            nodes, found = state[0], set(state[1])
+        # The last level: every live node's "#" matches it; its literal and "+" children are
+        # where matching filters end ("/") or where "#" matches zero further levels.
+        last = topic[cut + 1 :]
+        for node in nodes:
+            queue = node.get(_HASH)
+            if queue is not None:
+                found.add(queue)
+            child = node.get(last)
+            if child is not None:
+                queue = child.get(_EXACT)
+                if queue is not None:
+                    found.add(queue)
+                queue = child.get(_HASH)
+                if queue is not None:
+                    found.add(queue)
+            child = node.get(_PLUS)
+            if child is not None:
+                queue = child.get(_EXACT)
+                if queue is not None:
+                    found.add(queue)
+                queue = child.get(_HASH)
+                if queue is not None:
+                    found.add(queue)
+        return found
+
+    def _match_one_level(self, topic: str) -> set[str]:
         found: set[str] = set()
-        levels = topic.split("/")
+        root = self._root
+        ends = [root.get(topic)]
+        if topic[0] != "$":
+            queue = root.get(_HASH)
+            if queue is not None:
+                found.add(queue)
+            ends.append(root.get(_PLUS))
+        for node in ends:
+            if node is not None:
+                queue = node.get(_EXACT)
+                if queue is not None:
+                    found.add(queue)
+                queue = node.get(_HASH)
+                if queue is not None:
+                    found.add(queue)
+        return found
+
+    def _advance(self, levels: list[str]) -> tuple[list[Node], set[str]]:
+        """Consume `levels` (a topic's levels but its last): the nodes still matching, and the
+        queues of "#" filters already matched on the way."""
+        found: set[str] = set()
         root = self._root
         # First level by hand: `$`-topics skip the root's wildcards.
         first = levels[0]
         child = root.get(first)
         if first[:1] == "$":
-            if child is None:
-                return found
-            nodes = [child]
+            nodes = [] if child is None else [child]
         else:
             queue = root.get(_HASH)
             if queue is not None:
                 found.add(queue)
-            plus = root.get(_PLUS)
-            if child is None:
-                if plus is None:
-                    return found
-                nodes = [plus]
-            elif plus is None:
-                nodes = [child]
-            else:
-                nodes = [child, plus]
+            nodes = [node for node in (child, root.get(_PLUS)) if node is not None]
         for index in range(1, len(levels)):
+            if not nodes:
+                break
             level = levels[index]
-            if len(nodes) == 1:
-                # The common case: one live path. No list churn.
-                node = nodes[0]
-                queue = node.get(_HASH)
-                if queue is not None:
-                    found.add(queue)
-                child = node.get(level)
-                plus = node.get(_PLUS)
-                if child is None:
-                    if plus is None:
-                        return found
-                    nodes[0] = plus
-                elif plus is None:
-                    nodes[0] = child
-                else:
-                    nodes = [child, plus]
-                continue
             following = []
             for node in nodes:
                 queue = node.get(_HASH)
@@ -229,22 +288,14 @@ class Router:
                 child = node.get(_PLUS)
                 if child is not None:
                     following.append(child)
-            if not following:
-                return found
             nodes = following
-        for node in nodes:
-            queue = node.get(_EXACT)
-            if queue is not None:
-                found.add(queue)
-            queue = node.get(_HASH)
-            if queue is not None:
-                found.add(queue)
-        return found
+        return nodes, found
 
     def _invalidate(self) -> None:
-        if self._cache or self._cache_old:
+        if self._cache or self._cache_old or self._prefixes:
             self._cache = {}
             self._cache_old = {}
+            self._prefixes = {}
 
     # persistence --------------------------------------------------------------------------
 
@@ -273,6 +324,7 @@ class Router:
         *,
         names: NameTable | None = None,
         cache_size: int = 65_536,
+        prefix_cache_size: int = 65_536,
     ) -> Router:
         """Rebuild a Router from `snapshot()` / `snapshot_bytes()` output, checking it."""
 
@@ -297,7 +349,7 @@ class Router:
         filters = snapshot.get("filters")
         if not isinstance(filters, Mapping):
             raise fail("'filters' is not an object")
-        router = cls(names=names, cache_size=cache_size)
+        router = cls(names=names, cache_size=cache_size, prefix_cache_size=prefix_cache_size)
         recorded = snapshot.get("names", {})
         if not isinstance(recorded, Mapping):
             raise fail("'names' is not an object")

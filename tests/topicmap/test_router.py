@@ -66,13 +66,19 @@ def test_spec_examples_route(topic: str, expected: set[str]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(filters(), max_size=25), st.lists(topics(), min_size=1, max_size=10))
 def test_route_equals_reference_matcher(registered: list[str], probes: list[str]) -> None:
-    router = Router(names=NameTable())
-    for text in registered:
-        router.add(text)
+    routers = [
+        Router(names=NameTable()),
+        Router(names=NameTable(), cache_size=0, prefix_cache_size=0),  # the plain walk
+        Router(names=NameTable(), cache_size=2, prefix_cache_size=1),  # caches keep rolling
+    ]
+    for router in routers:
+        for text in registered:
+            router.add(text)
     for topic in probes:
         expected = {queue_name(f) for f in reference_route(registered, topic)}
-        assert router.route(topic) == expected
-        assert router.route(topic) == expected  # second time from the cache
+        for router in routers:
+            assert router.route(topic) == expected
+            assert router.route(topic) == expected  # second time from a cache
 
 
 def test_refcounts_and_shared_subscriptions() -> None:
@@ -124,6 +130,18 @@ def test_cache_is_invalidated_and_bounded() -> None:
     assert len(router._cache) <= 2 and len(router._cache_old) <= 2
 
 
+def test_prefix_cache_sees_additions_under_a_cached_prefix() -> None:
+    router = Router(cache_size=0)
+    first = router.add("d/1/temp")
+    assert router.route("d/1/temp") == {first}  # caches the prefix "d/1"
+    second = router.add("d/1/+")
+    third = router.add("d/1/#")
+    assert router.route("d/1/temp") == {first, second, third}
+    assert router.route("d/1") == {third}
+    router.remove("d/1/+")
+    assert router.route("d/1/hum") == {third}
+
+
 def test_route_result_is_a_fresh_set() -> None:
     router = Router()
     queue = router.add("a")
@@ -132,7 +150,7 @@ def test_route_result_is_a_fresh_set() -> None:
 
 
 def test_uncached_router_routes() -> None:
-    router = Router(cache_size=0)
+    router = Router(cache_size=0, prefix_cache_size=0)
     queue = router.add("x/#")
     assert router.route("x/y") == {queue}
     assert router.route(Topic("x")) == {queue}
@@ -210,7 +228,7 @@ class RouterModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.router = Router(names=NameTable(), cache_size=4)
+        self.router = Router(names=NameTable(), cache_size=4, prefix_cache_size=2)
         self.model: dict[str, int] = {}
 
     @rule(text=filters(), shared=st.booleans())
@@ -233,7 +251,9 @@ class RouterModel(RuleBasedStateMachine):
 
     @rule()
     def snapshot_restore(self) -> None:
-        self.router = Router.restore(self.router.snapshot_bytes(), cache_size=4)
+        self.router = Router.restore(
+            self.router.snapshot_bytes(), cache_size=4, prefix_cache_size=2
+        )
 
     @invariant()
     def refcounts_match(self) -> None:
