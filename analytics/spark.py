@@ -89,6 +89,7 @@ def _create(master: str, shuffle_partitions: int) -> SparkSession:
         .set("spark.sql.shuffle.partitions", str(shuffle_partitions))
         .set("spark.sql.session.timeZone", "UTC")
         .set("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .set("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
         .set("spark.driver.extraJavaOptions", java_opts)
         .set("spark.executor.extraJavaOptions", java_opts)
         .set("spark.driver.memory", os.environ.get("LMQTT_SPARK_DRIVER_MEMORY", "2g"))

@@ -1,0 +1,210 @@
+"""`lmqtt report ...` (also `python -m analytics ...`): fan-out jobs and operator answers.
+
+    lmqtt report fanout  --data-dir D [--out DIR] [--since T] [--until T] [--window S]
+                         [--master URL] [--no-progress]
+    lmqtt report compact --data-dir D [--out DIR] [--master URL]
+    lmqtt report show    [--out DIR] [--device ID] [--top N]
+                         [--by messages|bytes|fanout|deliveries|backlog] [--html FILE]
+
+Exit status: 0 done, 2 bad input (missing or empty data directory, corrupt segment, unknown
+device, no report yet, bad arguments), 1 an unexpected Spark failure, 130 interrupted. Errors
+are one line on stderr; Spark's own log goes to a file named in the message.
+
+`show` imports neither pyspark nor the Spark job modules: it starts no JVM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rich.console import Console
+
+from analytics.errors import AnalyticsError, recover_worker_error
+from analytics.reportfiles import default_out_dir
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+class UsageError(AnalyticsError):
+    """Bad command-line arguments."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def parse_time(text: str, now_ms: int | None = None) -> int:
+    """A point in time as epoch ms: ISO 8601 (UTC unless it says otherwise), epoch seconds or
+    milliseconds, or a duration ago ("15m", "2h", "7d")."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    value = text.strip()
+    m = _DURATION.match(value)
+    if m:
+        return now_ms - int(float(m.group(1)) * _UNITS[m.group(2)] * 1000)
+    if re.fullmatch(r"\d+(\.\d+)?", value):
+        number = float(value)
+        return int(number if number >= 1e11 else number * 1000)
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise UsageError(
+            f"cannot read time {text!r}: use ISO 8601 (2024-05-01T12:00), epoch seconds or "
+            "milliseconds, or a duration ago like 15m, 2h, 7d"
+        ) from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return int(parsed.timestamp() * 1000)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lmqtt report", description="Fan-out analytics over an lmqtt store.")
+    sub = parser.add_subparsers(dest="command", metavar="{fanout,compact,show}")
+    sub.required = True
+    default_data = os.environ.get("LMQTT_DATA_DIR", "lmqtt-data")
+    default_out = str(default_out_dir())
+
+    fan = sub.add_parser("fanout", help="run the fan-out job and write the report tables")
+    fan.add_argument("--data-dir", default=default_data, help="the gateway's data directory")
+    fan.add_argument("--out", default=default_out, help="report directory (default %(default)s)")
+    fan.add_argument("--since", help="only messages stored at or after this time")
+    fan.add_argument("--until", help="only messages stored before this time")
+    fan.add_argument("--window", type=int, help="timeline window in seconds (default: auto)")
+    fan.add_argument("--master", help="Spark master URL (default local[*])")
+    fan.add_argument("--no-progress", action="store_true", help="no progress display")
+
+    comp = sub.add_parser("compact", help="rewrite sealed segments as Parquet once")
+    comp.add_argument("--data-dir", default=default_data)
+    comp.add_argument("--out", default=default_out)
+    comp.add_argument("--master")
+
+    show = sub.add_parser("show", help="answer from the last report (no Spark)")
+    show.add_argument("--out", default=default_out)
+    show.add_argument("--device", help="one device's numbers and activity")
+    show.add_argument("--top", type=int, default=10)
+    show.add_argument(
+        "--by", default="messages", choices=("messages", "bytes", "fanout", "deliveries", "backlog")
+    )
+    show.add_argument("--html", help="also write a self-contained HTML page here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    out = Console()
+    err = Console(stderr=True)
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "show":
+            return _show(args, out)
+        if args.command == "compact":
+            return _with_spark(lambda: _compact(args, err), err)
+        return _with_spark(lambda: _fanout(args, err), err)
+    except AnalyticsError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+
+
+def _show(args: argparse.Namespace, console: Console) -> int:
+    from analytics.show import Report, render_device, render_summary, render_top
+
+    if args.top < 1:
+        raise UsageError("--top must be at least 1")
+    report = Report.load(args.out)
+    if args.device is not None:
+        render_device(report, args.device, console)
+    else:
+        render_summary(report, console)
+        render_top(report, args.by, args.top, console)
+    if args.html:
+        from analytics.html_report import write_html
+
+        path = write_html(report, args.html)
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _with_spark(job, err: Console) -> int:  # type: ignore[no-untyped-def]
+    """Run a Spark job; turn any Spark/JVM failure into one clear line."""
+    from analytics.spark import spark_log_path, stop_spark
+
+    try:
+        return int(job())
+    except AnalyticsError:
+        raise
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # Py4J / PySpark failures carry JVM stack traces: never show them
+        found = recover_worker_error(str(e))
+        if found is not None:
+            raise found from None
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        err.print(
+            f"[red]error:[/] Spark job failed: {first[:300]}\n(Spark's log: {spark_log_path()})",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 1
+    finally:
+        try:
+            stop_spark()
+        except Exception:
+            pass
+
+
+def _fanout(args: argparse.Namespace, err: Console) -> int:
+    from analytics.fanout import check_data_dir, run_fanout
+    from analytics.progress import SparkProgress
+    from analytics.spark import get_spark
+
+    since = parse_time(args.since) if args.since else None
+    until = parse_time(args.until) if args.until else None
+    if since is not None and until is not None and since >= until:
+        raise UsageError("--since must be before --until")
+    if args.window is not None and args.window < 1:
+        raise UsageError("--window must be at least 1 second")
+    check_data_dir(args.data_dir)  # before starting a JVM: bad input fails in milliseconds
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    err.print("starting Spark ...", highlight=False)
+    spark = get_spark(args.master)
+    with SparkProgress(spark.sparkContext, err, enabled=not args.no_progress) as progress:
+        meta = run_fanout(spark, args.data_dir, args.out, since, until, args.window, progress)
+    err.print(
+        f"report: {meta.messages:,} messages from {meta.devices:,} devices, "
+        f"{meta.deliveries:,} deliveries, in {meta.duration_s:.1f}s -> "
+        f"{Path(args.out) / 'report'}  (see: lmqtt report show --out {args.out})",
+        highlight=False,
+    )
+    return 0
+
+
+def _compact(args: argparse.Namespace, err: Console) -> int:
+    from analytics.compaction import COMPACTED_DIR, compact
+    from analytics.fanout import check_data_dir
+    from analytics.spark import get_spark
+
+    check_data_dir(args.data_dir)
+    target = Path(args.out) / COMPACTED_DIR
+    spark = get_spark(args.master)
+    started = time.monotonic()
+    result = compact(spark, args.data_dir, target)
+    records = sum(c.records for c in result.compacted)
+    err.print(
+        f"compacted {len(result.compacted)} segments ({records:,} records) in "
+        f"{time.monotonic() - started:.1f}s; {result.already} already compacted, "
+        f"{result.pending} active segment(s) left raw -> {target}",
+        highlight=False,
+    )
+    return 0

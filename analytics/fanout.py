@@ -1,0 +1,472 @@
+"""The fan-out report: per device, per topic, per light queue and over time.
+
+Definitions (the tables' columns; all counts exact):
+
+    fanout       light queues (%LMQ%...) a message was dispatched to (INNER_MULTI_DISPATCH)
+    eligible     per message, the subscribers with a subscription on one of its queues that
+                 existed when it arrived (start_offset <= the message's offset in that queue)
+    deliveries   per message, those eligible subscribers whose committed offset is past it
+                 ([start, committed) covers it). A subscriber is a session or a shared group:
+                 a session matching a message through several filters, and a shared group
+                 whatever member took it, count once, as the gateway delivers once.
+    delivery_ratio = deliveries / eligible
+    backlog      per queue: messages in [max(slowest committed, queue min), end), their bytes
+                 and the age of the oldest (relative to the report's generated_at)
+
+Tables (Parquet, one directory each under <out>/report/): device_fanout, topic_fanout,
+queue_backlog, timeline, fanout_histogram; plus meta.json. --since/--until restrict the
+messages of every table except queue_backlog, which is always the queues' current state.
+
+Plan: one scan of the segments (raw through the data source, compacted ones natively from
+Parquet) is written once to scratch Parquet; messages are exploded to (message, queue, offset)
+pairs and joined with the small, broadcast subscriber table; the rest is group-bys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from analytics.compaction import COMPACTED_DIR, compacted_segments
+from analytics.datasource import SOURCE_NAME, SPARK_SCHEMA
+from analytics.errors import DataDirError
+from analytics.reportfiles import META_FILE, REPORT_DIR, TABLES
+from analytics.segments import SegmentFile, list_segments
+from analytics.snapshots import (
+    LIGHT_QUEUE_PREFIX,
+    QUEUE_ENDS_SCHEMA,
+    SUBSCRIBERS_SCHEMA,
+    queue_ends,
+    queue_ends_table,
+    read_committed,
+    read_subscriptions,
+    subscribers,
+    subscribers_table,
+)
+from analytics.storeformat import MAGIC
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from analytics.progress import SparkProgress
+
+NICE_WINDOWS = (1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400)
+
+
+@dataclass
+class ReportMeta:
+    """meta.json: what the report covers, for `report show` and the HTML page."""
+
+    generated_at_ms: int
+    data_dir: str
+    since_ms: int | None
+    until_ms: int | None
+    window_s: int
+    segments: int
+    compacted_segments: int
+    messages: int
+    devices: int
+    topics: int
+    bytes: int
+    deliveries: int
+    eligible: int
+    light_queues: int
+    subscribers: int
+    duration_s: float = 0.0
+    tables: list[str] = field(default_factory=lambda: list(TABLES))
+
+
+def check_data_dir(data_dir: str | Path) -> list[SegmentFile]:
+    """The store's segments, or DataDirError if there is nothing to report on."""
+    segments = list_segments(data_dir)
+    if not segments:
+        raise DataDirError(f"{data_dir} has no CommitLog segments: the store is empty")
+    for seg in segments:
+        if seg.size >= 8:
+            with open(seg.path, "rb") as f:
+                head = f.read(8)
+            if int.from_bytes(head[4:8], "big") == MAGIC:
+                return segments
+    raise DataDirError(f"{data_dir} holds no messages yet: the store is empty")
+
+
+def load_messages(
+    spark: SparkSession, data_dir: str | Path, compacted_dir: str | Path
+) -> DataFrame:
+    """All messages: compacted segments natively from Parquet, the rest through the source."""
+    from pyspark.sql import functions as F
+
+    segments = list_segments(data_dir)
+    done = compacted_segments(compacted_dir, segments)
+    raw = (
+        spark.read.format(SOURCE_NAME)
+        .option("compacted", str(compacted_dir))
+        .option("skip_compacted", "true")
+        .load(str(data_dir))
+    )
+    if not done:
+        return raw
+    files = [c.parquet for c in done.values()]
+    parquet = spark.read.schema(SPARK_SCHEMA).parquet(*files)
+    parquet = parquet.select([F.col(f.name).cast(f.dataType) for f in SPARK_SCHEMA.fields])
+    if len(done) == len(segments):
+        return parquet
+    return parquet.unionByName(raw)
+
+
+def choose_window(span_s: float) -> int:
+    """A round window giving at most about 120 buckets over the span."""
+    for w in NICE_WINDOWS:
+        if span_s / w <= 120:
+            return w
+    return NICE_WINDOWS[-1]
+
+
+def run_fanout(
+    spark: SparkSession,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
+    window_s: int | None = None,
+    progress: SparkProgress | None = None,
+) -> ReportMeta:
+    """Compute every table and swap them into <out_dir>/report atomically."""
+    from pyspark.sql import functions as F
+
+    started = time.monotonic()
+    generated_at_ms = int(time.time() * 1000)
+    data_dir = Path(data_dir)
+    out_dir = Path(out_dir)
+    segments = check_data_dir(data_dir)
+    compacted_dir = out_dir / COMPACTED_DIR
+    n_compacted = len(compacted_segments(compacted_dir, segments))
+    subs = subscribers(read_subscriptions(data_dir), read_committed(data_dir))
+    ends = queue_ends(data_dir)
+
+    def phase(name: str):  # type: ignore[no-untyped-def]
+        from contextlib import nullcontext
+
+        spark.sparkContext.setJobDescription(name)
+        return progress.phase(name) if progress is not None else nullcontext()
+
+    staging = out_dir / f".report-staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    scratch = staging / "_messages"
+    raw = load_messages(spark, data_dir, compacted_dir)
+    # The one pass over the segments: the narrow message table goes to scratch Parquet, and
+    # every table below reads that natively (no Python source planning or parsing again).
+    try:
+        with phase(f"scan {len(segments)} segments ({n_compacted} compacted)"):
+            raw.select(
+                "physical_offset",
+                F.col("store_timestamp").alias("ts"),
+                F.coalesce("client_id", F.lit("")).alias("client_id"),
+                F.coalesce("topic", "parent_topic").alias("topic"),
+                "body_size",
+                "queues",
+                "queue_offsets",
+                F.size(F.filter("queues", lambda q: q.startswith(LIGHT_QUEUE_PREFIX))).alias(
+                    "fanout"
+                ),
+            ).write.parquet(str(scratch))
+            all_msgs = spark.read.parquet(str(scratch))
+            span = all_msgs.agg(
+                F.count(F.lit(1)).alias("n"), F.min("ts").alias("lo"), F.max("ts").alias("hi")
+            ).collect()[0]
+        msgs = all_msgs
+        if since_ms is not None:
+            msgs = msgs.where(F.col("ts") >= F.timestamp_millis(F.lit(since_ms)))
+        if until_ms is not None:
+            msgs = msgs.where(F.col("ts") < F.timestamp_millis(F.lit(until_ms)))
+        if window_s is None:
+            lo = (
+                since_ms / 1000 if since_ms is not None else (span.lo.timestamp() if span.lo else 0)
+            )
+            hi = (
+                until_ms / 1000 if until_ms is not None else (span.hi.timestamp() if span.hi else 0)
+            )
+            window_s = choose_window(max(0.0, hi - lo))
+
+        subs_df = spark.createDataFrame(
+            subscribers_table(subs), schema=_spark_schema(SUBSCRIBERS_SCHEMA)
+        )
+        ends_df = spark.createDataFrame(
+            queue_ends_table(ends), schema=_spark_schema(QUEUE_ENDS_SCHEMA)
+        )
+        # Only a subscriber holding several queues can be reached twice by one message.
+        queues_per_subscriber: dict[str, int] = {}
+        for s in subs:
+            queues_per_subscriber[s.subscriber] = queues_per_subscriber.get(s.subscriber, 0) + 1
+        needs_dedup = any(n > 1 for n in queues_per_subscriber.values())
+
+        def pairs(frame: DataFrame) -> DataFrame:
+            return frame.select(
+                "physical_offset",
+                "ts",
+                "client_id",
+                "topic",
+                "body_size",
+                F.explode(F.arrays_zip("queues", "queue_offsets")).alias("z"),
+            ).select(
+                "physical_offset",
+                "ts",
+                "client_id",
+                "topic",
+                "body_size",
+                F.col("z.queues").alias("queue"),
+                F.col("z.queue_offsets").alias("qoff"),
+            )
+
+        reached = (
+            pairs(msgs)
+            .join(F.broadcast(subs_df), "queue")
+            .where(F.col("qoff") >= F.col("start_offset"))
+            .select(
+                "physical_offset",
+                "ts",
+                "client_id",
+                "topic",
+                "subscriber",
+                (F.col("qoff") < F.col("committed")).cast("int").alias("delivered"),
+            )
+        )
+        if needs_dedup:
+            reached = reached.groupBy(
+                "physical_offset", "ts", "client_id", "topic", "subscriber"
+            ).agg(F.max("delivered").alias("delivered"))
+        reached_agg = [
+            F.sum("delivered").alias("deliveries"),
+            F.count(F.lit(1)).alias("eligible"),
+            F.count_distinct(F.when(F.col("delivered") == 1, F.col("subscriber"))).alias(
+                "subscribers_reached"
+            ),
+        ]
+        fanout_agg = [
+            F.count(F.lit(1)).alias("messages"),
+            F.sum("body_size").alias("bytes"),
+            F.avg("fanout").alias("fanout_mean"),
+            F.percentile("fanout", 0.5).alias("fanout_p50"),
+            F.percentile("fanout", 0.99).alias("fanout_p99"),
+            F.max("fanout").alias("fanout_max"),
+            F.min("ts").alias("first_seen"),
+            F.max("ts").alias("last_seen"),
+        ]
+
+        def finish(stats: DataFrame, deliv: DataFrame, keys: list[str]) -> DataFrame:
+            joined = stats.join(deliv, keys, "left").fillna(
+                0, ["deliveries", "eligible", "subscribers_reached"]
+            )
+            return joined.withColumn(
+                "delivery_ratio",
+                F.when(F.col("eligible") > 0, F.col("deliveries") / F.col("eligible")),
+            )
+
+        device = finish(
+            msgs.groupBy("client_id").agg(*fanout_agg, F.count_distinct("topic").alias("topics")),
+            reached.groupBy("client_id").agg(*reached_agg),
+            ["client_id"],
+        ).select(
+            "client_id", "messages", "bytes", "topics", "fanout_mean", "fanout_p50",
+            "fanout_p99", "fanout_max", "deliveries", "eligible", "delivery_ratio",
+            "subscribers_reached", "first_seen", "last_seen",
+        )  # fmt: skip
+        with phase("device_fanout"):
+            totals = _write(device, staging / "device_fanout")
+
+        topic = finish(
+            msgs.groupBy("topic").agg(*fanout_agg, F.count_distinct("client_id").alias("devices")),
+            reached.groupBy("topic").agg(*reached_agg),
+            ["topic"],
+        ).select(
+            "topic", "messages", "bytes", "devices", "fanout_mean", "fanout_p50", "fanout_p99",
+            "fanout_max", "deliveries", "eligible", "delivery_ratio", "subscribers_reached",
+            "first_seen", "last_seen",
+        )  # fmt: skip
+        with phase("topic_fanout"):
+            n_topics = _write(topic, staging / "topic_fanout")
+
+        bucket = F.timestamp_seconds(
+            F.floor(F.unix_micros("ts") / F.lit(window_s * 1_000_000)) * F.lit(window_s)
+        )
+        timeline = (
+            msgs.withColumn("window_start", bucket)
+            .groupBy("client_id", "window_start")
+            .agg(F.count(F.lit(1)).alias("messages"), F.sum("body_size").alias("bytes"))
+            .join(
+                reached.withColumn("window_start", bucket)
+                .groupBy("client_id", "window_start")
+                .agg(F.sum("delivered").alias("deliveries")),
+                ["client_id", "window_start"],
+                "left",
+            )
+            .fillna(0, ["deliveries"])
+            .withColumn("window_end", F.col("window_start") + F.make_interval(secs=F.lit(window_s)))
+            .select("client_id", "window_start", "window_end", "messages", "bytes", "deliveries")
+        )
+        with phase("timeline"):
+            _write(timeline, staging / "timeline")
+
+        histogram = msgs.groupBy("fanout").agg(F.count(F.lit(1)).alias("messages"))
+        with phase("fanout_histogram"):
+            _write(histogram, staging / "fanout_histogram")
+
+        with phase("queue_backlog"):
+            backlog = _backlog(spark, all_msgs, pairs, subs_df, ends_df, generated_at_ms)
+            n_queues = _write(backlog, staging / "queue_backlog")
+
+        device_totals = (
+            spark.read.parquet(str(staging / "device_fanout"))
+            .agg(
+                F.count(F.lit(1)).alias("devices"),
+                F.sum("messages").alias("messages"),
+                F.sum("bytes").alias("bytes"),
+                F.sum("deliveries").alias("deliveries"),
+                F.sum("eligible").alias("eligible"),
+            )
+            .collect()[0]
+        )
+        meta = ReportMeta(
+            generated_at_ms=generated_at_ms,
+            data_dir=str(data_dir.resolve()),
+            since_ms=since_ms,
+            until_ms=until_ms,
+            window_s=window_s,
+            segments=len(segments),
+            compacted_segments=n_compacted,
+            messages=int(device_totals.messages or 0),
+            devices=int(totals),
+            topics=int(n_topics),
+            bytes=int(device_totals.bytes or 0),
+            deliveries=int(device_totals.deliveries or 0),
+            eligible=int(device_totals.eligible or 0),
+            light_queues=int(n_queues),
+            subscribers=len({s.subscriber for s in subs}),
+            duration_s=round(time.monotonic() - started, 3),
+        )
+        (staging / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
+        shutil.rmtree(scratch, ignore_errors=True)
+        _swap_in(staging, out_dir / REPORT_DIR)
+        return meta
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _backlog(
+    spark: SparkSession,
+    msgs: DataFrame,
+    pairs: Callable[[DataFrame], DataFrame],
+    subs_df: DataFrame,
+    ends_df: DataFrame,
+    generated_at_ms: int,
+) -> DataFrame:
+    """Per light queue: subscribers, slowest committed offset, backlog messages/bytes/age."""
+    from pyspark.sql import functions as F
+
+    per_queue = subs_df.groupBy("queue").agg(
+        F.first("filter").alias("sub_filter"),
+        F.count(F.lit(1)).alias("subscribers"),
+        F.sum(F.col("online").cast("int")).alias("online_subscribers"),
+        F.min("committed").alias("slowest_committed"),
+        F.min_by("subscriber", "committed").alias("slowest_subscriber"),
+    )
+    exploded = pairs(msgs)
+    log_ends = exploded.groupBy("queue").agg((F.max("qoff") + 1).alias("log_end"))
+    queues = (
+        ends_df.join(per_queue, "queue", "full")
+        .join(log_ends, "queue", "full")
+        .where(F.col("queue").startswith(LIGHT_QUEUE_PREFIX))
+        .withColumn(
+            "end_offset",
+            F.greatest(F.coalesce("end_offset", F.lit(0)), F.coalesce("log_end", F.lit(0))),
+        )
+        .withColumn("min_offset", F.coalesce("min_offset", F.lit(0)))
+        .withColumn("filter", F.coalesce("sub_filter", "queue_filter"))
+        .withColumn("subscribers", F.coalesce("subscribers", F.lit(0)))
+        .withColumn("online_subscribers", F.coalesce("online_subscribers", F.lit(0)))
+        .withColumn(
+            "backlog_from",
+            F.when(
+                F.col("slowest_committed").isNotNull(),
+                F.greatest("slowest_committed", "min_offset"),
+            ),
+        )
+        .withColumn(
+            "backlog_messages",
+            F.coalesce(F.greatest(F.col("end_offset") - F.col("backlog_from"), F.lit(0)), F.lit(0)),
+        )
+    )
+    waiting = (
+        exploded.join(F.broadcast(queues.select("queue", "backlog_from")), "queue")
+        .where(F.col("qoff") >= F.col("backlog_from"))
+        .groupBy("queue")
+        .agg(F.sum("body_size").alias("backlog_bytes"), F.min("ts").alias("oldest_undelivered_at"))
+    )
+    now = F.timestamp_millis(F.lit(generated_at_ms))
+    return (
+        queues.join(waiting, "queue", "left")
+        .withColumn("backlog_bytes", F.coalesce("backlog_bytes", F.lit(0)))
+        .withColumn(
+            "oldest_age_s",
+            F.when(
+                F.col("oldest_undelivered_at").isNotNull(),
+                (F.unix_micros(now) - F.unix_micros("oldest_undelivered_at")) / 1e6,
+            ),
+        )
+        .select(
+            "queue",
+            "filter",
+            "min_offset",
+            "end_offset",
+            "subscribers",
+            "online_subscribers",
+            "slowest_committed",
+            "slowest_subscriber",
+            "backlog_messages",
+            "backlog_bytes",
+            "oldest_undelivered_at",
+            "oldest_age_s",
+        )
+    )
+
+
+def _write(frame: DataFrame, path: Path) -> int:
+    """Write one table as a single Parquet file; returns its row count."""
+    frame.coalesce(1).write.mode("overwrite").parquet(str(path))
+    import pyarrow.parquet as pq
+
+    return int(pq.ParquetDataset(str(path)).read(columns=[]).num_rows)
+
+
+def _swap_in(staging: Path, final: Path) -> None:
+    """Replace the previous report with the new one in two renames."""
+    old = final.with_name(f".report-old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _spark_schema(schema):  # type: ignore[no-untyped-def]
+    from pyspark.sql.types import (
+        BooleanType,
+        IntegerType,
+        LongType,
+        StringType,
+        StructField,
+        StructType,
+    )
+
+    types = {
+        "string": StringType(),
+        "int64": LongType(),
+        "int32": IntegerType(),
+        "bool": BooleanType(),
+    }
+    return StructType([StructField(f.name, types[str(f.type)], True) for f in schema])

@@ -1,0 +1,223 @@
+"""`lmqtt report show`: answers from the last report's Parquet files, without Spark.
+
+Only pyarrow and rich are imported here (no pyspark, no JVM), so an answer takes a fraction of
+a second even for large reports.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from rich.console import Console
+from rich.table import Table
+
+from analytics.errors import ReportNotFoundError, UnknownDeviceError
+from analytics.reportfiles import META_FILE, REPORT_DIR
+
+SORT_KEYS = {
+    "messages": "messages",
+    "bytes": "bytes",
+    "fanout": "fanout_mean",
+    "deliveries": "deliveries",
+    "backlog": "backlog_messages",
+}
+
+
+@dataclass
+class Report:
+    """The last finished report of an output directory; tables are read on first use."""
+
+    root: Path
+    meta: dict[str, Any]
+    _tables: dict[str, pa.Table] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> Report:
+        root = Path(out_dir) / REPORT_DIR
+        try:
+            meta = json.loads((root / META_FILE).read_text())
+        except FileNotFoundError:
+            raise ReportNotFoundError(
+                f"no fan-out report in {out_dir}: run `lmqtt report fanout --data-dir DIR "
+                f"--out {out_dir}` first"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise ReportNotFoundError(f"the report in {root} is unreadable: {e}") from None
+        return cls(root, meta)
+
+    def table(self, name: str) -> pa.Table:
+        if name not in self._tables:
+            path = self.root / name
+            try:
+                self._tables[name] = pq.read_table(path)
+            except (OSError, pa.ArrowInvalid) as e:
+                raise ReportNotFoundError(f"report table {path} is unreadable: {e}") from None
+        return self._tables[name]
+
+    def top(self, by: str, n: int) -> pa.Table:
+        """The n first rows of device_fanout (or queue_backlog for by=backlog), descending."""
+        name = "queue_backlog" if by == "backlog" else "device_fanout"
+        t = self.table(name)
+        key = SORT_KEYS[by]
+        tie = "queue" if by == "backlog" else "client_id"
+        idx = pc.sort_indices(t, sort_keys=[(key, "descending"), (tie, "ascending")])
+        return t.take(idx[:n])
+
+    def device(self, client_id: str) -> dict[str, Any]:
+        t = self.table("device_fanout")
+        rows = t.filter(pc.equal(t["client_id"], client_id)).to_pylist()
+        if not rows:
+            known = t["client_id"].to_pylist()
+            close = difflib.get_close_matches(client_id, [str(k) for k in known], n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise UnknownDeviceError(
+                f"device {client_id!r} is not in the report ({len(known)} devices){hint}"
+            )
+        return dict(rows[0])
+
+    def device_timeline(self, client_id: str) -> pa.Table:
+        t = self.table("timeline")
+        t = t.filter(pc.equal(t["client_id"], client_id))
+        return t.take(pc.sort_indices(t, sort_keys=[("window_start", "ascending")]))
+
+
+def render_summary(report: Report, console: Console) -> None:
+    m = report.meta
+    generated = _fmt_ms(m["generated_at_ms"])
+    ratio = m["deliveries"] / m["eligible"] if m.get("eligible") else None
+    span = ""
+    if m.get("since_ms") or m.get("until_ms"):
+        since = _fmt_ms(m["since_ms"]) if m.get("since_ms") else "start"
+        until = _fmt_ms(m["until_ms"]) if m.get("until_ms") else "now"
+        span = f"  window {since} .. {until}"
+    console.print(
+        f"[bold]lmqtt fan-out report[/] {generated}  data {m['data_dir']}{span}\n"
+        f"{m['messages']:,} messages  {m['devices']:,} devices  {m['topics']:,} topics  "
+        f"{_fmt_bytes(m['bytes'])}  {m['deliveries']:,} deliveries"
+        + (f" ({ratio:.1%} of due)" if ratio is not None else "")
+        + f"  {m['light_queues']:,} light queues  {m['subscribers']:,} subscribers"
+    )
+
+
+def render_top(report: Report, by: str, n: int, console: Console) -> None:
+    rows = report.top(by, n).to_pylist()
+    if by == "backlog":
+        table = Table(title=f"light queues by backlog (top {n})", title_justify="left")
+        for col in ("queue", "filter", "end", "subs", "slowest", "backlog", "bytes", "oldest"):
+            table.add_column(col, justify="left" if col in ("queue", "filter") else "right")
+        for r in rows:
+            table.add_row(
+                r["queue"],
+                r["filter"] or "",
+                f"{r['end_offset']:,}",
+                str(r["subscribers"]),
+                _opt(r["slowest_committed"]),
+                f"{r['backlog_messages']:,}",
+                _fmt_bytes(r["backlog_bytes"]),
+                _fmt_age(r["oldest_age_s"]),
+            )
+    else:
+        table = Table(title=f"devices by {by} (top {n})", title_justify="left")
+        cols = ("device", "messages", "bytes", "topics", "fanout mean", "p50", "p99", "max",
+                "deliveries", "ratio", "reached", "last seen")  # fmt: skip
+        for col in cols:
+            table.add_column(col, justify="left" if col == "device" else "right")
+        for r in rows:
+            table.add_row(
+                r["client_id"] or "(no client id)",
+                f"{r['messages']:,}",
+                _fmt_bytes(r["bytes"]),
+                str(r["topics"]),
+                f"{r['fanout_mean']:.2f}",
+                f"{r['fanout_p50']:g}",
+                f"{r['fanout_p99']:g}",
+                str(r["fanout_max"]),
+                f"{r['deliveries']:,}",
+                _fmt_ratio(r["delivery_ratio"]),
+                str(r["subscribers_reached"]),
+                _fmt_ts(r["last_seen"]),
+            )
+    console.print(table)
+
+
+def render_device(report: Report, client_id: str, console: Console) -> None:
+    d = report.device(client_id)
+    table = Table(title=f"device {client_id}", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    share = d["messages"] / report.meta["messages"] if report.meta.get("messages") else 0.0
+    for label, value in (
+        ("messages", f"{d['messages']:,} ({share:.1%} of all)"),
+        ("bytes", _fmt_bytes(d["bytes"])),
+        ("distinct topics", str(d["topics"])),
+        ("dispatch fan-out mean / p50 / p99 / max",
+         f"{d['fanout_mean']:.2f} / {d['fanout_p50']:g} / {d['fanout_p99']:g} / {d['fanout_max']}"),
+        ("deliveries", f"{d['deliveries']:,} of {d['eligible']:,} due"),
+        ("delivery ratio", _fmt_ratio(d["delivery_ratio"])),
+        ("distinct subscribers reached", str(d["subscribers_reached"])),
+        ("first seen", _fmt_ts(d["first_seen"])),
+        ("last seen", _fmt_ts(d["last_seen"])),
+    ):  # fmt: skip
+        table.add_row(label, value)
+    console.print(table)
+    timeline = report.device_timeline(client_id).to_pylist()
+    if timeline:
+        t = Table(title="activity per window", title_justify="left")
+        for col in ("window start", "messages", "bytes", "deliveries"):
+            t.add_column(col, justify="left" if col == "window start" else "right")
+        for r in timeline[-12:]:
+            t.add_row(
+                _fmt_ts(r["window_start"]),
+                f"{r['messages']:,}",
+                _fmt_bytes(r["bytes"]),
+                f"{r['deliveries']:,}",
+            )
+        console.print(t)
+
+
+def _fmt_ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _fmt_ts(value: datetime | None) -> str:
+    if value is None:
+        return "-"
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.1%}"
+
+
+def _fmt_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def _opt(v: int | None) -> str:
+    return "-" if v is None else f"{v:,}"

@@ -1,0 +1,282 @@
+"""Who subscribes to what, how far each got, and where each queue ends, from the store's files.
+
+Three small inputs, read without Spark and without opening the store:
+
+    config/sessions.json          the gateway's sessions and subscriptions (filter, queue,
+                                  share group, start_offset: the queue end when subscribed)
+    config/consumer_offsets.json  {"version": 1, "offsets": {group: {queue: next offset}}};
+                                  group = client id, or "$share/<group>" for a shared group
+    consumequeue/<queue>/0/<20-digit start byte>
+                                  20-byte units; a queue ends at the last file's start unit
+                                  plus its size / 20 (the store's ConsumeQueueTable._load)
+
+A *subscriber* is what one delivery goes to: a session, or a shared group (its members compete,
+so the group counts once). Its range on a queue is [start, committed): messages at offsets in
+the range were delivered and acknowledged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from analytics.errors import SnapshotError
+from analytics.storeformat import (
+    CONFIG_DIR,
+    CQ_UNIT_SIZE,
+    QUEUE_ID,
+    consumequeue_dir,
+    decode_queue_dir,
+    segment_start_offset,
+)
+from topicmap import LMQ_PREFIX, filter_of
+
+SESSIONS_FILE = "sessions.json"
+OFFSETS_FILE = "consumer_offsets.json"
+SHARE_PREFIX = "$share/"
+LIGHT_QUEUE_PREFIX = LMQ_PREFIX
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """One subscription of one session, as saved by the gateway."""
+
+    client_id: str
+    filter: str  # without any $share/<group>/ prefix
+    queue: str
+    share_group: str | None
+    qos: int
+    start_offset: int | None
+    next_offset: int | None
+    online: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Subscriber:
+    """What one delivery of a queue goes to: a session, or a shared group counted once."""
+
+    subscriber: str  # client id, or "$share/<group>"
+    queue: str
+    filter: str
+    start_offset: int
+    committed: int
+    sessions: int  # member sessions (1 unless shared)
+    shared: bool
+    online: bool
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEnd:
+    queue: str
+    min_offset: int
+    end_offset: int
+
+
+def read_subscriptions(data_dir: str | Path) -> list[Subscription]:
+    """Every saved subscription; a store without sessions.json has none."""
+    path = Path(data_dir) / CONFIG_DIR / SESSIONS_FILE
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"cannot read {path}: {e}") from None
+    out: list[Subscription] = []
+    try:
+        for client_id, session in doc["sessions"].items():
+            online = session.get("disconnected_at_ms") is None
+            for sub in session.get("subscriptions", []):
+                group = sub.get("share_group")
+                text = str(sub["filter"])
+                if group and text.startswith(SHARE_PREFIX):
+                    text = text.split("/", 2)[2] if text.count("/") >= 2 else text
+                out.append(
+                    Subscription(
+                        client_id=str(client_id),
+                        filter=text,
+                        queue=str(sub["queue"]),
+                        share_group=str(group) if group else None,
+                        qos=int(sub.get("qos", 0)),
+                        start_offset=_opt_int(sub.get("start_offset")),
+                        next_offset=_opt_int(sub.get("next_offset")),
+                        online=online,
+                    )
+                )
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise SnapshotError(f"{path} is not in the gateway's sessions format: {e!r}") from None
+    return out
+
+
+def read_committed(data_dir: str | Path) -> dict[tuple[str, str], int]:
+    """Committed offsets by (group, queue); a store without the file has none."""
+    path = Path(data_dir) / CONFIG_DIR / OFFSETS_FILE
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"cannot read {path}: {e}") from None
+    out: dict[tuple[str, str], int] = {}
+    try:
+        for group, queues in doc["offsets"].items():
+            for queue, offset in queues.items():
+                out[(str(group), str(queue))] = int(offset)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise SnapshotError(f"{path} is not in the store's offsets format: {e!r}") from None
+    return out
+
+
+def subscribers(
+    subscriptions: list[Subscription], committed: dict[tuple[str, str], int]
+) -> list[Subscriber]:
+    """Fold subscriptions into subscribers: one per session and queue, one per shared group.
+
+    start = the earliest start among the members (a missing start_offset counts as 0: the
+    gateway predates the field, so every committed message is taken as delivered);
+    committed = the store's committed offset, else the session's read position, else start.
+    """
+    folded: dict[tuple[str, str], list[Subscription]] = {}
+    for sub in subscriptions:
+        key = SHARE_PREFIX + sub.share_group if sub.share_group else sub.client_id
+        folded.setdefault((key, sub.queue), []).append(sub)
+    out = []
+    for (key, queue), members in sorted(folded.items()):
+        start = min(m.start_offset if m.start_offset is not None else 0 for m in members)
+        done = committed.get((key, queue))
+        if done is None and len(members) == 1 and members[0].share_group is None:
+            done = members[0].next_offset
+        if done is None:
+            done = start
+        out.append(
+            Subscriber(
+                subscriber=key,
+                queue=queue,
+                filter=members[0].filter,
+                start_offset=start,
+                committed=max(done, start),
+                sessions=len({m.client_id for m in members}),
+                shared=key.startswith(SHARE_PREFIX),
+                online=any(m.online for m in members),
+            )
+        )
+    return out
+
+
+def queue_ends(data_dir: str | Path) -> list[QueueEnd]:
+    """Every consume queue's min and end offset from its files (no store open needed)."""
+    root = consumequeue_dir(Path(data_dir))
+    out = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        queue = decode_queue_dir(entry.name)
+        if queue is None or not entry.is_dir():
+            continue
+        files = _cq_files(Path(entry.path) / str(QUEUE_ID))
+        if not files:
+            continue
+        first_start, _ = files[0]
+        last_start, last_size = files[-1]
+        out.append(
+            QueueEnd(
+                queue=queue,
+                min_offset=first_start // CQ_UNIT_SIZE,
+                end_offset=(last_start + last_size) // CQ_UNIT_SIZE,
+            )
+        )
+    out.sort(key=lambda q: q.queue)
+    return out
+
+
+def _cq_files(directory: Path) -> list[tuple[int, int]]:
+    files = []
+    try:
+        for entry in os.scandir(directory):
+            start = segment_start_offset(entry.name)
+            if start is not None and entry.is_file():
+                files.append((start, entry.stat().st_size))
+    except FileNotFoundError:
+        return []
+    files.sort()
+    return files
+
+
+def subscribers_table(rows: list[Subscriber]) -> pa.Table:
+    return pa.Table.from_pylist(
+        [
+            {
+                "subscriber": r.subscriber,
+                "queue": r.queue,
+                "filter": r.filter,
+                "start_offset": r.start_offset,
+                "committed": r.committed,
+                "sessions": r.sessions,
+                "shared": r.shared,
+                "online": r.online,
+            }
+            for r in rows
+        ],
+        schema=SUBSCRIBERS_SCHEMA,
+    )
+
+
+SUBSCRIBERS_SCHEMA = pa.schema(
+    [
+        ("subscriber", pa.string()),
+        ("queue", pa.string()),
+        ("filter", pa.string()),
+        ("start_offset", pa.int64()),
+        ("committed", pa.int64()),
+        ("sessions", pa.int32()),
+        ("shared", pa.bool_()),
+        ("online", pa.bool_()),
+    ]
+)
+
+QUEUE_ENDS_SCHEMA = pa.schema(
+    [
+        ("queue", pa.string()),
+        ("queue_filter", pa.string()),
+        ("min_offset", pa.int64()),
+        ("end_offset", pa.int64()),
+    ]
+)
+
+
+def queue_ends_table(rows: list[QueueEnd]) -> pa.Table:
+    return pa.Table.from_pylist(
+        [
+            {
+                "queue": q.queue,
+                "queue_filter": _filter_of(q.queue),
+                "min_offset": q.min_offset,
+                "end_offset": q.end_offset,
+            }
+            for q in rows
+        ],
+        schema=QUEUE_ENDS_SCHEMA,
+    )
+
+
+def _opt_int(value: object) -> int | None:
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    raise ValueError(f"not an integer offset: {value!r}")
+
+
+def _filter_of(queue: str) -> str | None:
+    """The filter a light queue was named after (None for other queues or unknown names)."""
+    if not queue.startswith(LMQ_PREFIX):
+        return None
+    try:
+        return filter_of(queue)
+    except (ValueError, KeyError):
+        return None

@@ -1,0 +1,181 @@
+"""A store with known traffic, written through the real store API, and its expected report.
+
+Subscriptions are saved in the gateway's config/sessions.json format (with start_offset) and
+committed offsets through store.offsets, exactly as the gateway does. The expected numbers come
+from a plain-Python model of the definitions in analytics.fanout, evaluated over the messages
+this module itself put, never over anything read back from the files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from store import MessageStore, StoreConfig
+from topicmap import LMQ_PREFIX, Router, TopicFilter
+
+
+@dataclass
+class Sub:
+    client_id: str
+    filter: str  # as subscribed, maybe $share/g/...
+    online: bool
+    subscribe_after: int  # subscribes once this many messages were published
+    progress: float  # fraction of its queue (since start) it has committed at the end
+
+
+@dataclass
+class Message:
+    client_id: str
+    topic: str
+    body_size: int
+    store_ms: int
+    queues: list[str]
+    offsets: list[int]
+
+
+@dataclass
+class World:
+    data_dir: Path
+    messages: list[Message] = field(default_factory=list)
+    # (subscriber key, queue) -> (start, committed)
+    ranges: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    ends: dict[str, int] = field(default_factory=dict)
+
+    def expected_devices(self) -> dict[str, dict[str, float | int]]:
+        out: dict[str, dict[str, float | int]] = {}
+        for m in self.messages:
+            d = out.setdefault(
+                m.client_id,
+                {"messages": 0, "bytes": 0, "deliveries": 0, "eligible": 0, "fanout_max": 0},
+            )
+            d["messages"] += 1
+            d["bytes"] += m.body_size
+            d["fanout_max"] = max(d["fanout_max"], sum(q.startswith(LMQ_PREFIX) for q in m.queues))
+            eligible, delivered = self.reach(m)
+            d["eligible"] += len(eligible)
+            d["deliveries"] += len(delivered)
+        for client, d in out.items():
+            reached: set[str] = set()
+            topics: set[str] = set()
+            for m in self.messages:
+                if m.client_id == client:
+                    reached |= self.reach(m)[1]
+                    topics.add(m.topic)
+            d["subscribers_reached"] = len(reached)
+            d["topics"] = len(topics)
+        return out
+
+    def reach(self, m: Message) -> tuple[set[str], set[str]]:
+        eligible: set[str] = set()
+        delivered: set[str] = set()
+        for queue, off in zip(m.queues, m.offsets, strict=True):
+            for (key, q), (start, committed) in self.ranges.items():
+                if q == queue and start <= off:
+                    eligible.add(key)
+                    if off < committed:
+                        delivered.add(key)
+        return eligible, delivered
+
+
+DEVICES = {
+    "dev-a": ["site/1/temp", "site/1/hum"],
+    "dev-b": ["site/2/temp"],
+    "dev-c": ["fleet/9/gps"],
+    "dev-quiet": ["nobody/listens"],
+}
+
+SUBS = [
+    Sub("s-all", "site/#", online=True, subscribe_after=0, progress=1.0),
+    Sub("s-all", "site/+/temp", online=True, subscribe_after=0, progress=1.0),  # overlap
+    Sub("s-slow", "site/+/temp", online=False, subscribe_after=0, progress=0.5),
+    Sub("m1", "$share/g/site/1/#", online=True, subscribe_after=0, progress=0.75),
+    Sub("m2", "$share/g/site/1/#", online=False, subscribe_after=10, progress=0.75),
+    Sub("s-late", "fleet/#", online=True, subscribe_after=30, progress=1.0),
+    Sub("s-none", "site/2/temp", online=False, subscribe_after=0, progress=0.0),
+]
+
+
+def build_world(
+    data_dir: Path, rounds: int = 20, segment_size: int = 1 << 30, t0_ms: int = 1_700_000_000_000
+) -> World:
+    """Publish `rounds` rounds of every device's topics; return the model of what happened."""
+    world = World(data_dir)
+    router = Router()
+    store = MessageStore.open(StoreConfig(data_dir=data_dir, segment_size=segment_size))
+    subscribed: dict[int, str] = {}  # index in SUBS -> queue
+    starts: dict[int, int] = {}
+    schedule = [(c, t) for _ in range(rounds) for c, ts in DEVICES.items() for t in ts]
+    try:
+        for i, (client, topic) in enumerate(schedule):
+            for k, sub in enumerate(SUBS):
+                if k not in subscribed and sub.subscribe_after <= i:
+                    queue = router.add(TopicFilter(sub.filter))
+                    subscribed[k] = queue
+                    starts[k] = store.max_offset(queue)
+            queues = sorted(router.route(topic))
+            body = bytes(10 + (i % 7))
+            ts = t0_ms + i * 1000
+            r = store.put(
+                topic=topic.split("/", 1)[0],
+                body=body,
+                queues=queues,
+                properties={
+                    "mqtt.topic": topic,
+                    "mqtt.qos": str(i % 3),
+                    "mqtt.retain": "0",
+                    "mqtt.client": client,
+                },
+                born_timestamp=ts,
+            )
+            world.messages.append(
+                Message(client, topic, len(body), ts, queues, [r.light_offsets[q] for q in queues])
+            )
+        sessions: dict[str, dict[str, object]] = {}
+        for k, sub in enumerate(SUBS):
+            queue = subscribed[k]
+            tf = TopicFilter(sub.filter)
+            end = store.max_offset(queue)
+            start = starts[k]
+            key = f"$share/{tf.share_group}" if tf.share_group else sub.client_id
+            committed = start + int((end - start) * sub.progress)
+            if key in {kk for kk, _ in world.ranges} and (key, queue) in world.ranges:
+                # shared group: one range per group and queue, the earliest start
+                old_start, old_committed = world.ranges[(key, queue)]
+                start = min(start, old_start)
+                committed = old_committed
+            world.ranges[(key, queue)] = (start, committed)
+            store.offsets.commit(key, queue, committed)
+            session = sessions.setdefault(
+                sub.client_id,
+                {
+                    "protocol_level": 5,
+                    "expiry_interval": 3600,
+                    "disconnected_at_ms": None if sub.online else t0_ms,
+                    "subscriptions": [],
+                    "qos2_inbound": [],
+                    "inflight": [],
+                },
+            )
+            session["subscriptions"].append(  # type: ignore[union-attr]
+                {
+                    "filter": sub.filter,
+                    "queue": queue,
+                    "share_group": tf.share_group,
+                    "qos": 1,
+                    "no_local": False,
+                    "retain_as_published": False,
+                    "retain_handling": 0,
+                    "subscription_identifier": None,
+                    "start_offset": starts[k],
+                    "next_offset": committed,
+                }
+            )
+            world.ends[queue] = end
+        store.write_config(
+            "sessions.json", json.dumps({"version": 1, "sessions": sessions}).encode()
+        )
+    finally:
+        store.close()
+    return world
