@@ -254,11 +254,7 @@ class Gateway:
                 sub.share_group is None and inf.group is None and inf.queue == sub.queue
             ):
                 if inf.group is not None:
-                    inf.group.pending.pop(inf.offset, None)
-                    inf.group.returned.append(inf.offset)
-                    import heapq
-
-                    heapq.heapify(inf.group.returned)
+                    inf.group.give_back(inf.offset)
                 inf.queue = None
                 inf.group = None
         if sub.share_group is not None:

@@ -86,6 +86,12 @@ class SharedGroup:
             self.gw.arrivals.unwatch(self.queue, self.schedule_pump)
         self.schedule_pump()
 
+    def give_back(self, offset: int) -> None:
+        """An in-flight message will not be acknowledged by its member: hand it out again."""
+        if self.pending.pop(offset, None) is not None:
+            heapq.heappush(self.returned, offset)
+            self.schedule_pump()
+
     def ack(self, offset: int) -> None:
         if self.pending.pop(offset, None) is not None:
             self._commit()

@@ -194,3 +194,28 @@ def test_dollar_topics(gateway: GatewayHarness) -> None:
     got = s.recv()
     assert got.payload == b"yes"  # neither the refused nor a $-topic for "#"
     s.close()
+
+
+def test_overlap_added_later_neither_loses_nor_duplicates(gateway: GatewayHarness) -> None:
+    x = _sub(gateway, "x", [Subscription("ov2/#", 1)])
+    y = _sub(gateway, "y", [Subscription("ov2/a", 1)])  # registers ov2/a's queue early
+    p = _pub(gateway)
+    p.send(Publish("ov2/a", b"m1", qos=1, packet_id=1))  # in both queues, x only on ov2/#
+    p.recv()
+    first = x.recv()
+    assert first.payload == b"m1"
+    x.send(PubAck(first.packet_id))
+    x.send(Subscribe(2, [Subscription("ov2/a", 1)], Properties(subscription_identifiers=[4])))
+    assert x.recv().reason_codes == [1]
+    p.send(Publish("ov2/a", b"m2", qos=1, packet_id=2))
+    p.recv()
+    p.send(Publish("ov2/b", b"m3", qos=1, packet_id=3))
+    p.recv()
+    got = []
+    for _ in range(2):
+        m = x.recv()
+        got.append((m.payload, (m.properties.subscription_identifiers if m.properties else None)))
+        x.send(PubAck(m.packet_id))
+    assert got == [(b"m2", [4]), (b"m3", None)]
+    for c in (x, y, p):
+        c.close()

@@ -161,3 +161,19 @@ def test_retained_survive_restart(gateway: GatewayHarness, clients: list[Client]
     s.subscribe("keep/+", 0)
     m = s.wait_messages(1)[0]
     assert (m.topic, m.payload, m.retain) == ("keep/x", b"durable", True)
+
+
+def test_will_published_when_session_expires_before_delay(gateway: GatewayHarness) -> None:
+    w = _watcher(gateway, "will/expiry")
+    c = RawClient(gateway.port, level=5)
+    t0 = time.monotonic()
+    c.connect(
+        "expiring",
+        will=Will("will/expiry", b"ended", 0, False, Properties(will_delay_interval=30)),
+        properties=Properties(session_expiry_interval=1),
+    )
+    c.close()
+    msg = w.recv(timeout=5)
+    assert msg.payload == b"ended"
+    assert 0.9 <= time.monotonic() - t0 < 5  # at session end (1 s), not after the 30 s delay
+    w.close()
