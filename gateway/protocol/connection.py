@@ -76,7 +76,9 @@ class _Slow(Exception):
 
 # First bytes of PUBLISH packets the inline path decodes -> QoS. QoS 2 (duplicate detection),
 # QoS 3 and DUP on QoS 0 always take the general path.
-_FAST_PUBLISH_QOS = {0x30: 0, 0x31: 0, 0x32: 1, 0x33: 1, 0x3A: 1, 0x3B: 1}
+_FAST_PUBLISH_QOS: list[int | None] = [None] * 256
+for _first, _qos in {0x30: 0, 0x31: 0, 0x32: 1, 0x33: 1, 0x3A: 1, 0x3B: 1}.items():
+    _FAST_PUBLISH_QOS[_first] = _qos
 
 
 class Sentinel(enum.Enum):
@@ -148,6 +150,7 @@ class Connection:
         self._in_qos2: set[int] = set()
         self._in_released: set[int] = set()
         self._out: dict[int, int] = {}
+        self._next_packet_id = 1
 
     # ----------------------------------------------------------------- data as data
 
@@ -164,6 +167,21 @@ class Connection:
     def outbound_quota(self) -> int:
         """How many more QoS 1/2 PUBLISH packets the client's Receive Maximum allows now."""
         return max(0, self.client_receive_maximum - len(self._out))
+
+    def allocate_packet_id(self) -> int:
+        """A packet identifier not in flight outbound (1..65535, round robin).
+
+        Raises LocalProtocolError when all 65535 are in use. The caller may also use its own
+        (persistent) allocator; `send` checks whatever id it gets.
+        """
+        out = self._out
+        if len(out) >= 0xFFFF:
+            raise LocalProtocolError("all packet identifiers are in use", PACKET_IDENTIFIER_IN_USE)
+        candidate = self._next_packet_id
+        while candidate in out:
+            candidate = candidate % 0xFFFF + 1
+        self._next_packet_id = candidate % 0xFFFF + 1
+        return candidate
 
     def outbound_packet_ids(self) -> frozenset[int]:
         return frozenset(self._out)
@@ -257,6 +275,7 @@ class Connection:
         in_flight_others = len(self._in_qos2) + len(self._in_released)
         receive_maximum = self.receive_maximum
         maximum_qos = self.maximum_qos
+        retain_available = self.retain_available
         fast_qos = _FAST_PUBLISH_QOS
         out_flight = self._out
         while n - off >= 2:
@@ -269,7 +288,7 @@ class Connection:
                     append(PubAck(acked))
                     off += 4
                     continue
-            qos = fast_qos.get(first) if fast else None
+            qos = fast_qos[first] if fast else None
             if qos is not None:
                 try:
                     length = buf[off + 1]
@@ -314,7 +333,7 @@ class Connection:
                         if pos >= end or buf[pos]:
                             raise _Slow  # properties need the full reader
                         pos += 1
-                    if first & 1 and not self.retain_available:
+                    if first & 1 and not retain_available:
                         raise _Slow
                     if packet_id is not None and packet_id not in in_qos1:
                         if len(in_qos1) + in_flight_others >= receive_maximum:
@@ -325,8 +344,8 @@ class Connection:
                             topic,
                             buf[pos:end] if is_bytes else bytes(buf[pos:end]),  # type: ignore[arg-type]
                             qos,
-                            bool(first & 1),
-                            bool(first & 8),
+                            first & 1 == 1,
+                            first & 8 == 8,
                             packet_id,
                             None,
                         )
@@ -351,6 +370,7 @@ class Connection:
                 return out
             buf = self._buf
             off = self._off
+            n = len(buf)
             fast = self._phase == CONNECTED and self._pending_error is None
             v5 = self.protocol_level == 5
             in_flight_others = len(self._in_qos2) + len(self._in_released)

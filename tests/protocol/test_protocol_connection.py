@@ -420,3 +420,17 @@ def test_puback_fast_path_matches_general_path() -> None:
     assert conn.outbound_in_flight == 0
     with pytest.raises(RemoteProtocolError):
         conn.events()  # packet id 0 falls through to the general path and is refused
+
+
+def test_allocate_packet_id_skips_ids_in_flight() -> None:
+    conn = open_connection(4)
+    conn.restore_outbound(unacknowledged=[1, 2, 4])
+    assert conn.allocate_packet_id() == 3
+    conn.send(Publish("t", b"", 1, packet_id=3))
+    assert conn.allocate_packet_id() == 5
+    conn.restore_outbound(unacknowledged=range(1, 65536))
+    with pytest.raises(LocalProtocolError):
+        conn.allocate_packet_id()
+    conn.receive_data(b"\x40\x02\xff\xff")
+    conn.events()
+    assert conn.allocate_packet_id() == 65535
