@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.topicmap.strategies import tricky_filters, tricky_texts
@@ -99,6 +99,7 @@ def test_queue_names_round_trip_and_are_store_names(text: str) -> None:
     assert filter_of(name) == text
 
 
+@settings(max_examples=60)
 @given(st.lists(tricky_filters(), min_size=2, max_size=20, unique=True))
 def test_queue_names_are_collision_free_even_ignoring_case(texts: list[str]) -> None:
     names = [queue_name(text) for text in texts]
@@ -186,6 +187,7 @@ def test_filter_of_rejects_foreign_names(name: str) -> None:
         filter_of(name)
 
 
+@settings(max_examples=40)
 @given(st.lists(tricky_filters().map(lambda f: "long/" + "z" * 130 + "/" + f), max_size=8))
 def test_name_table_snapshot_restores_through_json(texts: list[str]) -> None:
     table = NameTable()

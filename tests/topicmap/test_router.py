@@ -63,7 +63,7 @@ def test_spec_examples_route(topic: str, expected: set[str]) -> None:
     assert routed_filters(router, topic) == reference_route(SPEC_FILTERS, topic)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.lists(filters(), max_size=25), st.lists(topics(), min_size=1, max_size=10))
 def test_route_equals_reference_matcher(registered: list[str], probes: list[str]) -> None:
     routers = [
@@ -261,4 +261,4 @@ class RouterModel(RuleBasedStateMachine):
 
 
 TestRouterModel = RouterModel.TestCase
-TestRouterModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestRouterModel.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
