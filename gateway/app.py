@@ -155,7 +155,7 @@ class Gateway:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
         try:
-            self.sessions.save_now()
+            await self.sessions.close()
             self.retained.close()
         finally:
             # close() stops the flusher, then flushes and checkpoints (a separate flush() here

@@ -212,6 +212,7 @@ class SessionRegistry:
         self.sessions: dict[str, Session] = {}
         self._dirty = False
         self._lock = asyncio.Lock()
+        self._writing: asyncio.Future[None] | None = None
         self._requested = 0
         self._saved = 0
 
@@ -317,8 +318,18 @@ class SessionRegistry:
             self._dirty = False
             data = self._serialize()
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self._store.write_config, SESSIONS_FILE, data)
+            self._writing = loop.run_in_executor(
+                None, self._store.write_config, SESSIONS_FILE, data
+            )
+            # Shielded: a cancelled caller must not release the lock while the thread writes.
+            await asyncio.shield(self._writing)
             self._saved = covered
+
+    async def close(self) -> None:
+        """Final synchronous save, after any write still running in the executor."""
+        while self._writing is not None and not self._writing.done():
+            await asyncio.wait([self._writing])
+        self.save_now()
 
     async def save_if_dirty(self) -> None:
         if self._dirty:
