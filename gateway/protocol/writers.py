@@ -6,6 +6,7 @@ what levels 3 and 4 can express. Properties are dropped below level 5, where the
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +113,8 @@ def write_connack(ev: ConnAck, level: int) -> bytes:
 _ENCODED_TOPICS: dict[str, bytes] = {}
 
 
+_pack_uint16 = struct.Struct(">H").pack
+
 # Fixed headers of PUBLISH packets shorter than 130 bytes: [flags][remaining length].
 _SHORT_HEADERS = [[bytes((0x30 | flags, length)) for length in range(128)] for flags in range(16)]
 
@@ -130,45 +133,36 @@ def _encoded_topic(topic: str) -> bytes:
 def write_publish(ev: Publish, level: int) -> bytes:
     qos = ev.qos
     topic = ev.topic
+    encoded = _ENCODED_TOPICS.get(topic) or _encoded_topic(topic)
     if qos == 0:
         if ev.dup or ev.packet_id is not None:
             raise LocalProtocolError("a QoS 0 PUBLISH has no packet identifier and no DUP")
         first = 0x31 if ev.retain else 0x30
+        var = encoded
     elif qos == 1 or qos == 2:
+        packet_id = ev.packet_id
+        if packet_id is None or not 0 < packet_id < 0x10000:
+            raise LocalProtocolError(f"packet identifier must be 1..65535, not {packet_id}")
         first = 0x30 | qos << 1 | (8 if ev.dup else 0) | (1 if ev.retain else 0)
+        var = encoded + _pack_uint16(packet_id)
     else:
         raise LocalProtocolError(f"QoS must be 0, 1 or 2, not {qos}")
-    encoded = _ENCODED_TOPICS.get(topic) or _encoded_topic(topic)
-    payload = ev.payload
     if level == 5:
         props = ev.properties
-        if not topic and (props is None or props.topic_alias is None):
-            raise LocalProtocolError("empty PUBLISH topic without a topic alias")
-        var = encoded + _packet_id(ev.packet_id) if qos else encoded
-        var += b"\x00" if props is None else write_properties(props, pt.PUBLISH)
-    else:
-        if not topic:
-            raise LocalProtocolError("empty PUBLISH topic")
-        if qos:
-            packet_id = ev.packet_id
-            if packet_id is None or not 0 < packet_id < 0x10000:
-                raise LocalProtocolError(f"packet identifier must be 1..65535, not {packet_id}")
-            length = len(encoded) + 2 + len(payload)
-            if length < 128:
-                return (
-                    _SHORT_HEADERS[first & 0x0F][length]
-                    + encoded
-                    + packet_id.to_bytes(2, "big")
-                    + payload
-                )
+        if props is None:
+            var += b"\x00"
+            if not topic:
+                raise LocalProtocolError("empty PUBLISH topic without a topic alias")
         else:
-            length = len(encoded) + len(payload)
-            if length < 128:
-                return _SHORT_HEADERS[first & 0x0F][length] + encoded + payload
-        var = encoded + _packet_id(ev.packet_id) if qos else encoded
+            var += write_properties(props, pt.PUBLISH)
+            if not topic and props.topic_alias is None:
+                raise LocalProtocolError("empty PUBLISH topic without a topic alias")
+    elif not topic:
+        raise LocalProtocolError("empty PUBLISH topic")
+    payload = ev.payload
     length = len(var) + len(payload)
     if length < 128:
-        return bytes((first, length)) + var + payload
+        return _SHORT_HEADERS[first & 0x0F][length] + var + payload
     return bytes((first,)) + varint(length) + var + payload
 
 
