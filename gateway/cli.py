@@ -1,4 +1,4 @@
-"""The `lmqtt` command: serve, inspect, report, sim.
+"""The `lmqtt` command: serve, inspect, passwd, report, sim.
 
 Exit codes::
 
@@ -101,6 +101,17 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--all", action="store_true", help="every row (default: the 50 most significant per table)"
     )
+
+    passwd = sub.add_parser(
+        "passwd",
+        help="add, change or delete a user of a password file",
+        description="Add or change USER in the password file FILE (created when missing), or "
+        "delete USER with -D. Without -b the password is asked for twice on the terminal.",
+    )
+    passwd.add_argument("file", type=Path, metavar="FILE")
+    passwd.add_argument("user", metavar="USER")
+    passwd.add_argument("-b", dest="password", metavar="PASSWORD", help="password (batch mode)")
+    passwd.add_argument("-D", dest="delete", action="store_true", help="delete USER")
 
     for name, (module, _) in SUBTOOLS.items():
         # Listed for --help only: main() hands their arguments over untouched.
@@ -292,6 +303,55 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------- passwd
+
+
+def _cmd_passwd(args: argparse.Namespace) -> int:
+    import getpass
+
+    from gateway.auth import PasswordFile, SecurityError
+
+    path: Path = args.file
+    try:
+        users = PasswordFile.load(path) if path.exists() else PasswordFile(path=path)
+    except SecurityError as exc:
+        _err(str(exc))
+        return EXIT_FAILURE
+    if args.delete:
+        if args.password is not None:
+            _err("-D and -b cannot be combined")
+            return EXIT_USAGE
+        if not users.delete(args.user):
+            _err(f"user {args.user!r} is not in {path}")
+            return EXIT_FAILURE
+    else:
+        password = args.password
+        if password is None:
+            try:
+                password = getpass.getpass("Password: ")
+                again = getpass.getpass("Reenter password: ")
+            except (EOFError, KeyboardInterrupt):
+                _err("no password given")
+                return EXIT_USAGE
+            if password != again:
+                _err("passwords do not match")
+                return EXIT_USAGE
+        if not password:
+            _err("empty passwords are not allowed")
+            return EXIT_USAGE
+        try:
+            users.set(args.user, password)
+        except ValueError as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+    try:
+        users.save(path)
+    except OSError as exc:
+        _err(f"cannot write {path}: {exc.strerror or exc}")
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------- sub-tools
 
 
@@ -323,4 +383,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_serve(args)
     if args.command == "inspect":
         return _cmd_inspect(args)
+    if args.command == "passwd":
+        return _cmd_passwd(args)
     return EXIT_USAGE  # pragma: no cover - argparse requires a known command
