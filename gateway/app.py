@@ -27,7 +27,7 @@ from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
 from gateway.will import WillScheduler
 from store import MessageStore
-from topicmap import Router, TopicFilter, parent_topic
+from topicmap import Router, Topic, TopicFilter, parent_topic
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -175,14 +175,16 @@ class Gateway:
 
     # -- publishing --------------------------------------------------------------------------
 
-    async def store_publish(self, pub: Publish, client_id: str) -> None:
-        """Append one PUBLISH to the store (awaits the covering fsync in sync mode)."""
-        queues = list(self.router.route(pub.topic))
+    async def store_publish(self, pub: Publish, client_id: str, topic: Topic | None = None) -> None:
+        """Append one PUBLISH to the store (awaits the covering fsync in sync mode).
+        `topic` is the already validated topic name, if the caller has it."""
+        name: Topic | str = pub.topic if topic is None else topic
+        queues = list(self.router.route(name))
         if pub.retain:
             queues.append(RetainedIndex.QUEUE)
         props = message_properties(pub, client_id)
         r = await self.store.put_async(
-            topic=parent_topic(pub.topic), body=pub.payload, queues=queues, properties=props
+            topic=parent_topic(name), body=pub.payload, queues=queues, properties=props
         )
         self.stats.messages_received += 1
         if pub.retain:

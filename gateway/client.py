@@ -439,7 +439,7 @@ class ClientConnection:
         try:
             if pub.topic.startswith("$"):
                 raise TopicError("clients cannot publish to $-topics", reason_code=NOT_AUTHORIZED)
-            Topic(pub.topic)
+            topic = Topic(pub.topic)
         except TopicError as e:
             if e.reason_code != NOT_AUTHORIZED:
                 self._fail(TOPIC_NAME_INVALID, f"invalid topic {pub.topic!r}: {e}")
@@ -466,23 +466,27 @@ class ClientConnection:
             if self._pending_puts >= MAX_PENDING_PUTS:
                 self._pause_reading()
             prev = self._ack_chain
-            task = self._loop.create_task(self._store_then_ack(pub, prev if pub.qos else None))
+            task = self._loop.create_task(
+                self._store_then_ack(pub, topic, prev if pub.qos else None)
+            )
             self._put_tasks.add(task)
             task.add_done_callback(self._put_tasks.discard)
             if pub.qos > 0:
                 self._ack_chain = task
             return
         try:
-            await gw.store_publish(pub, self.client_id)
+            await gw.store_publish(pub, self.client_id, topic)
         except StoreError as e:
             self._store_failed(pub, e)
             return
         await self._acknowledge(pub)
 
-    async def _store_then_ack(self, pub: Publish, prev: asyncio.Task[None] | None) -> None:
+    async def _store_then_ack(
+        self, pub: Publish, topic: Topic, prev: asyncio.Task[None] | None
+    ) -> None:
         try:
             try:
-                await self.gw.store_publish(pub, self.client_id)
+                await self.gw.store_publish(pub, self.client_id, topic)
                 failed: StoreError | None = None
             except StoreError as e:
                 failed = e

@@ -118,6 +118,8 @@ class DeliveryLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watched: set[str] = set()
+        # Packets of the batch being read, written with one transport.write() at its end.
+        self._batch: list[bytes] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -208,14 +210,21 @@ class DeliveryLoop:
                 sub.start_offset = min(sub.start_offset, got.max_offset)
             return False
         moved = False
-        for msg in got.messages:
-            off = msg.queue_offset
-            if off < sub.next_offset:
-                continue
-            if not self._deliver(sub, off, msg):
-                break
-            sub.next_offset = off + 1
-            moved = True
+        batch: list[bytes] = []
+        self._batch = batch
+        try:
+            for msg in got.messages:
+                off = msg.queue_offset
+                if off < sub.next_offset:
+                    continue
+                if not self._deliver(sub, off, msg):
+                    break
+                sub.next_offset = off + 1
+                moved = True
+        finally:
+            self._batch = None
+            if batch:
+                self.client.write(b"".join(batch))
         self._commit(sub)
         return moved
 
@@ -425,7 +434,10 @@ class DeliveryLoop:
         data = self.client.conn.send_prepared(prepared, pid or None, dup)
         if new_alias and alias is not None:
             self.aliases[rec.topic] = alias
-        self.client.write(data)
+        if self._batch is not None:
+            self._batch.append(data)
+        else:
+            self.client.write(data)
         self.gw.stats.messages_sent += 1
         return pid
 
