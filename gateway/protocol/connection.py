@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import deque
 from collections.abc import Iterable
 from typing import Literal
 
@@ -127,6 +128,7 @@ class Connection:
         self._phase = AWAIT_CONNECT  # the receiving side (their state)
         self._sending_closed = False  # we sent DISCONNECT, a refusing CONNACK or an error answer
         self._pending_error: RemoteProtocolError | None = None
+        self._queue: deque[Event] = deque()  # decoded, not yet returned by next_event
         # Level used to answer errors: known from the CONNECT bytes even if they are malformed.
         self._answer_level: int | None = None
         self.protocol_level: int | None = None
@@ -239,7 +241,42 @@ class Connection:
             self._off = off
 
     def next_event(self) -> Event | Literal[Sentinel.NEED_DATA]:
-        """The next event, or NEED_DATA. Raises RemoteProtocolError on a broken peer."""
+        """The next event, or NEED_DATA. Raises RemoteProtocolError on a broken peer.
+
+        Decodes everything complete in the buffer at once (the fast path of `events`) and
+        hands the events out one by one. A batch ends after a CONNECT, so that what the
+        caller does on CONNECT (restore_*, CONNACK limits) applies to the packets after it.
+        """
+        queue = self._queue
+        if queue:
+            return queue.popleft()
+        batch = self._batch(stop_after_connect=True)
+        if not batch:
+            return NEED_DATA
+        if len(batch) > 1:
+            queue.extend(batch)
+            return queue.popleft()
+        return batch[0]
+
+    def events(self) -> list[Event]:
+        """Every event available now. An error after some events is raised on the next call.
+
+        Packets pipelined after a CONNECT are decoded before the caller has seen the CONNECT;
+        a caller that must `restore_inbound_qos2` first should use `next_event`.
+        """
+        queue = self._queue
+        if not queue:
+            return self._batch()
+        out = list(queue)
+        queue.clear()
+        try:
+            out += self._batch()
+        except RemoteProtocolError as err:
+            self._pending_error = err
+        return out
+
+    def _next_one(self) -> Event | Literal[Sentinel.NEED_DATA]:
+        """One packet through the general path, which applies every rule."""
         if self._pending_error is not None:
             err, self._pending_error = self._pending_error, None
             raise err
@@ -251,15 +288,15 @@ class Connection:
             self._fail(err)
             raise
 
-    def events(self) -> list[Event]:
-        """Every event available now. An error after some events is raised on the next call.
+    def _batch(self, stop_after_connect: bool = False) -> list[Event]:
+        """The events of every complete packet in the buffer.
 
-        The loop decodes ordinary PUBLISH packets inline (the hot path: no per-field objects,
-        no calls); anything else, or anything unusual about a PUBLISH, goes through
-        `next_event`, which applies every rule and raises the precise error.
+        The loop decodes ordinary PUBLISH (and plain PUBACK) packets inline, the hot path: no
+        per-field objects, no calls. Anything else, or anything unusual about a PUBLISH, goes
+        through `_next_one`, which applies every rule and raises the precise error.
         """
         if self._phase != CONNECTED or self._pending_error is not None:
-            return self._events_general()
+            return self._events_general(stop_after_connect)
         out: list[Event] = []
         append = out.append
         buf = self._buf
@@ -357,7 +394,7 @@ class Connection:
             # The general path, one packet at a time.
             self._off = off
             try:
-                event = self.next_event()
+                event = self._next_one()
             except RemoteProtocolError as err:
                 if not out:
                     raise
@@ -380,7 +417,7 @@ class Connection:
         if self._eof and off == n:
             # Let the general path report EOF (ConnectionClosed or a truncated packet).
             try:
-                event = self.next_event()
+                event = self._next_one()
             except RemoteProtocolError as err:
                 if not out:
                     raise
@@ -389,14 +426,14 @@ class Connection:
             if event is not NEED_DATA:
                 append(event)
         elif self._eof:
-            return out + self._events_general()
+            return out + self._events_general(False)
         return out
 
-    def _events_general(self) -> list[Event]:
+    def _events_general(self, stop_after_connect: bool) -> list[Event]:
         out: list[Event] = []
         while True:
             try:
-                event = self.next_event()
+                event = self._next_one()
             except RemoteProtocolError as err:
                 if not out:
                     raise
@@ -405,7 +442,7 @@ class Connection:
             if event is NEED_DATA:
                 return out
             out.append(event)
-            if type(event) is ConnectionClosed:
+            if type(event) is ConnectionClosed or (stop_after_connect and type(event) is Connect):
                 return out
 
     def _next(self) -> Event | Literal[Sentinel.NEED_DATA]:

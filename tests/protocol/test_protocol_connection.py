@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.protocol import (
+    NEED_DATA,
     Auth,
     ConnAck,
     Connect,
@@ -434,3 +435,27 @@ def test_allocate_packet_id_skips_ids_in_flight() -> None:
     conn.receive_data(b"\x40\x02\xff\xff")
     conn.events()
     assert conn.allocate_packet_id() == 65535
+
+
+def test_next_event_applies_connect_handling_to_pipelined_packets() -> None:
+    conn = Connection()
+    resent = encode(Publish("t", b"m", 2, False, True, 7), 4)
+    conn.receive_data(encode(Connect(4, "c", False), 4) + resent + b"\xc0\x00")
+    assert isinstance(conn.next_event(), Connect)
+    conn.restore_inbound_qos2([7])  # what the gateway does while handling CONNECT
+    conn.send(ConnAck(True))
+    event = conn.next_event()
+    assert isinstance(event, Publish) and event.dup
+    assert conn.events() == [PingReq()]
+    assert conn.next_event() is NEED_DATA
+
+
+def test_next_event_and_events_interleave_in_order() -> None:
+    conn = open_connection(5)
+    packets = [Publish("a", bytes([i]), 1, packet_id=i + 1) for i in range(5)]
+    conn.receive_data(b"".join(encode(p, 5) for p in packets) + b"\x00\x00")
+    assert conn.next_event() == packets[0]
+    assert conn.next_event() == packets[1]
+    assert conn.events() == packets[2:]
+    with pytest.raises(RemoteProtocolError):
+        conn.next_event()
