@@ -28,7 +28,15 @@ from amqtt.adapters import StreamReaderAdapter
 from amqtt.mqtt.packet import MQTTFixedHeader
 from amqtt.mqtt.publish import PublishPacket
 
-from gateway.protocol import ConnAck, Connect, Connection, PreparedPublish, Publish, encode
+from gateway.protocol import (
+    NEED_DATA,
+    ConnAck,
+    Connect,
+    Connection,
+    PreparedPublish,
+    Publish,
+    encode,
+)
 
 TOPIC = "sensors/building-7/floor-3/temperature"
 PAYLOAD = bytes(range(64))
@@ -72,6 +80,25 @@ def ours_decode(level: int, qos: int, count: int) -> Callable[[], tuple[int, flo
         for chunk in chunks:
             conn.receive_data(chunk)
             received += len(conn.events())
+        assert received == count, received
+        return received
+
+    return timed(run)
+
+
+def ours_decode_one_by_one(level: int, qos: int, count: int) -> Callable[[], tuple[int, float]]:
+    """The same stream through `next_event()` until NEED_DATA, as the gateway reads."""
+    stream = b"".join(packet_bytes(level, qos, 1 + i % 60000 if qos else 1) for i in range(count))
+    chunks = [stream[i : i + CHUNK] for i in range(0, len(stream), CHUNK)]
+
+    def run() -> int:
+        conn = open_server(level)
+        conn.receive_maximum = 1 << 30
+        received = 0
+        for chunk in chunks:
+            conn.receive_data(chunk)
+            while conn.next_event() is not NEED_DATA:
+                received += 1
         assert received == count, received
         return received
 
@@ -151,20 +178,25 @@ def main() -> None:
     check = asyncio.run(_amqtt_roundtrip())
     assert check, "amqtt failed to decode our PUBLISH"
     print(f"PUBLISH, topic {len(TOPIC)} B, payload {len(PAYLOAD)} B; packets/s, best of {repeat}")
-    print("(decode: Connection.receive_data + events() on 64 KiB chunks; encode: from a Publish)")
+    print("decode: receive_data on 64 KiB chunks + events() (or next_event() one by one)")
+    print("encode: Publish(...) + encode() (or PreparedPublish.packet(id), encoded once)")
     header = f"{'case':<14}{'ours':>12}{'amqtt':>10}{'ratio':>8}"
     for what in ("decode", "encode"):
-        extra = f"{'prepared':>12}{'ratio':>8}" if what == "encode" else ""
+        extra = f"{'prepared' if what == 'encode' else 'next_event':>12}{'ratio':>8}"
         print(f"\n{what}\n{header}{extra}")
         for level in (4, 5):
             for qos in (0, 1):
                 name = f"{'3.1.1' if level == 4 else '5.0'} QoS {qos}"
                 if what == "decode":
-                    ours, theirs = interleaved(
-                        [ours_decode(level, qos, ours_n), amqtt_decode(level, qos, amqtt_n)],
+                    ours, theirs, one = interleaved(
+                        [
+                            ours_decode(level, qos, ours_n),
+                            amqtt_decode(level, qos, amqtt_n),
+                            ours_decode_one_by_one(level, qos, ours_n),
+                        ],
                         repeat,
                     )
-                    tail = ""
+                    tail = f"{one:>12,.0f}{one / theirs:>7.1f}x"
                 else:
                     ours, theirs, prepared = interleaved(
                         [
