@@ -167,6 +167,16 @@ def main() -> None:
         )
         del router
 
+    # 1b. Steady telemetry: the same 30,000 device topics published over and over.
+    pool = make_topics(30_000, args.filters, rng)
+    repeating = [pool[rng.randrange(len(pool))] for _ in range(len(topics) // 2)]
+    print(f"\nsteady telemetry, {len(repeating):,} publishes over {len(pool):,} distinct topics:")
+    for label, cache_size, prefix_cache_size in MODES:
+        router, _ = build(filters, cache_size, prefix_cache_size)
+        rate, _ = route_rate(router, repeating)
+        print(f"  {label}: {rate:>10,.0f} routes/s")
+        del router
+
     # 2. Flat as filters grow 10x (and 100x): same topic shape, uncached.
     print(f"\ngrowth, {args.growth_topics:,} topics each, plain trie walk (no caches):")
     base = None

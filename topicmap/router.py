@@ -24,8 +24,9 @@ not follow "+" or "#" (MQTT-4.7.2-1).
 Two bounded caches make the walk cheaper still; any add or remove that changes the trie clears
 both. The topic cache maps a topic string to its result, in two generations (a cheap
 approximation of LRU). The prefix cache maps a topic without its last level (`site/7/dev/42`)
-to the live nodes and "#" matches after walking it, so the many metrics a device publishes
-under one prefix only pay for their last level. `cache_size=0, prefix_cache_size=0` is the
+to what every topic under it matches whatever the last level is ("#" and "+" filters) and the
+nodes whose literal children may match the last level, so the many metrics a device publishes
+under one prefix only pay one dict lookup per live node. `cache_size=0, prefix_cache_size=0` is the
 plain walk. Not thread-safe: the gateway calls it from one event loop.
 """
 
@@ -79,10 +80,11 @@ class Router:
         self._queues: dict[str, str] = {}
         self._names = DEFAULT_NAME_TABLE if names is None else names
         self._cache_size = max(0, cache_size)
-        self._cache: dict[str, frozenset[str]] = {}
-        self._cache_old: dict[str, frozenset[str]] = {}
+        # Results are stored as tuples: a 5-name tuple is 80 bytes, a 5-name frozenset 700.
+        self._cache: dict[str, tuple[str, ...]] = {}
+        self._cache_old: dict[str, tuple[str, ...]] = {}
         self._prefix_cache_size = max(0, prefix_cache_size)
-        self._prefixes: dict[str, tuple[tuple[Node, ...], frozenset[str]]] = {}
+        self._prefixes: dict[str, tuple[tuple[Node, ...], tuple[str, ...]]] = {}
 
     # registration -------------------------------------------------------------------------
 
@@ -180,16 +182,13 @@ class Router:
         if hit is not None:
             return set(hit)
         hit = self._cache_old.get(topic)
-        if hit is None:
-            found = self._match(topic)
-            if not self._cache_size:
-                return found
-            hit = frozenset(found)
-        if len(self._cache) >= self._cache_size:
-            self._cache_old = self._cache
-            self._cache = {}
-        self._cache[topic] = hit
-        return set(hit)
+        found = self._match(topic) if hit is None else set(hit)
+        if self._cache_size:
+            if len(self._cache) >= self._cache_size:
+                self._cache_old = self._cache
+                self._cache = {}
+            self._cache[topic] = tuple(found) if hit is None else hit
+        return found
 
     def _match(self, topic: str) -> set[str]:
         if (
@@ -207,20 +206,17 @@ class Router:
         state = self._prefixes.get(prefix)
         nodes: Sequence[Node]
         if state is None:
-            nodes, found = self._advance(prefix.split("/"))
+            nodes, found = self._settle(prefix)
             if self._prefix_cache_size:
                 if len(self._prefixes) >= self._prefix_cache_size:
                     self._prefixes.clear()
-                self._prefixes[prefix] = (tuple(nodes), frozenset(found))
+                self._prefixes[prefix] = (tuple(nodes), tuple(found))
         else:
             nodes, found = state[0], set(state[1])
-        # The last level: every live node's "#" matches it; its literal and "+" children are
-        # where matching filters end ("/") or where "#" matches zero further levels.
+        # Only literal children depend on the last level: a filter ending there ("/"), or "#"
+        # under it matching zero further levels (`a/b/#` matches `a/b`).
         last = topic[cut + 1 :]
         for node in nodes:
-            queue = node.get(_HASH)
-            if queue is not None:
-                found.add(queue)
             child = node.get(last)
             if child is not None:
                 queue = child.get(_EXACT)
@@ -229,7 +225,17 @@ class Router:
                 queue = child.get(_HASH)
                 if queue is not None:
                     found.add(queue)
-            child = node.get(_PLUS)
+        return found
+
+    def _settle(self, prefix: str) -> tuple[list[Node], set[str]]:
+        """Everything a topic `prefix/<last>` matches whatever its last level is, and the nodes
+        whose literal child named <last> may still end a matching filter."""
+        nodes, found = self._advance(prefix.split("/"))
+        for node in nodes:
+            queue = node.get(_HASH)  # one or more levels below the prefix
+            if queue is not None:
+                found.add(queue)
+            child = node.get(_PLUS)  # `+` matches any last level
             if child is not None:
                 queue = child.get(_EXACT)
                 if queue is not None:
@@ -237,7 +243,7 @@ class Router:
                 queue = child.get(_HASH)
                 if queue is not None:
                     found.add(queue)
-        return found
+        return nodes, found
 
     def _match_one_level(self, topic: str) -> set[str]:
         found: set[str] = set()
