@@ -21,11 +21,7 @@ in this module:
   and drops its consumed prefix once that is more than half of it. Every byte is thus copied
   O(1) times however the input is split, and a huge declared length costs O(1) per call until
   the body is complete. A packet above `max_packet_size` is refused from its header (0x95).
-* Packet identifiers: inbound QoS 1 ids wait for our PUBACK, inbound QoS 2 ids wait for the
-  client's PUBREL and then for our PUBCOMP; all of them count against the Receive Maximum we
-  announced. Outbound QoS 1/2 ids wait for PUBACK/PUBREC, then PUBCOMP, and count against the
-  client's Receive Maximum. Acks for unknown ids are delivered, not refused: a resumed session
-  knows more than this connection (see `restore_inbound_qos2` / `restore_outbound`).
+* Packet identifiers and Receive Maximum quotas: see `packet_ids.py`.
 * Timers belong to the caller: `keep_alive` and `keep_alive_timeout` are plain data.
 """
 
@@ -57,6 +53,7 @@ from gateway.protocol.events import (
     Subscribe,
     UnsubAck,
 )
+from gateway.protocol.packet_ids import PacketIds
 from gateway.protocol.prepared import PreparedPublish
 from gateway.protocol.readers import (
     READERS,
@@ -100,15 +97,10 @@ SERVER_SENDS = frozenset(
     | {Disconnect, Auth}
 )
 
-# Outbound in-flight stages.
-UNACKED, RELEASED = 1, 2
-
-RECEIVE_MAXIMUM_EXCEEDED = 0x93
 TOPIC_ALIAS_INVALID = 0x94
 PACKET_TOO_LARGE = 0x95
 RETAIN_NOT_SUPPORTED = 0x9A
 QOS_NOT_SUPPORTED = 0x9B
-PACKET_IDENTIFIER_IN_USE = 0x91
 SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED = 0xA1
 # Packets that must not carry a Reason String or User Properties when the client set
 # Request Problem Information to 0 (MQTT-3.1.2-29).
@@ -148,11 +140,7 @@ class Connection:
         self.retain_available = True
         self.subscription_identifier_available = True
         self._aliases: dict[int, str] = {}
-        self._in_qos1: set[int] = set()
-        self._in_qos2: set[int] = set()
-        self._in_released: set[int] = set()
-        self._out: dict[int, int] = {}
-        self._next_packet_id = 1
+        self._ids = PacketIds()
 
     # ----------------------------------------------------------------- data as data
 
@@ -163,12 +151,12 @@ class Connection:
 
     @property
     def outbound_in_flight(self) -> int:
-        return len(self._out)
+        return len(self._ids.outbound)
 
     @property
     def outbound_quota(self) -> int:
         """How many more QoS 1/2 PUBLISH packets the client's Receive Maximum allows now."""
-        return max(0, self.client_receive_maximum - len(self._out))
+        return max(0, self.client_receive_maximum - len(self._ids.outbound))
 
     def allocate_packet_id(self) -> int:
         """A packet identifier not in flight outbound (1..65535, round robin).
@@ -176,35 +164,25 @@ class Connection:
         Raises LocalProtocolError when all 65535 are in use. The caller may also use its own
         (persistent) allocator; `send` checks whatever id it gets.
         """
-        out = self._out
-        if len(out) >= 0xFFFF:
-            raise LocalProtocolError("all packet identifiers are in use", PACKET_IDENTIFIER_IN_USE)
-        candidate = self._next_packet_id
-        while candidate in out:
-            candidate = candidate % 0xFFFF + 1
-        self._next_packet_id = candidate % 0xFFFF + 1
-        return candidate
+        return self._ids.allocate()
 
     def outbound_packet_ids(self) -> frozenset[int]:
-        return frozenset(self._out)
+        return frozenset(self._ids.outbound)
 
     def inbound_qos2_ids(self) -> frozenset[int]:
         """Inbound QoS 2 ids whose PUBREL has not arrived yet."""
-        return frozenset(self._in_qos2)
+        return frozenset(self._ids.inbound_qos2)
 
     def restore_inbound_qos2(self, packet_ids: Iterable[int]) -> None:
         """A resumed session had these QoS 2 ids received and waiting for PUBREL."""
-        self._in_qos2.update(packet_ids)
+        self._ids.restore_inbound_qos2(packet_ids)
 
     def restore_outbound(
         self, unacknowledged: Iterable[int] = (), released: Iterable[int] = ()
     ) -> None:
         """A resumed session had these outbound PUBLISH ids unacknowledged (waiting for
         PUBACK/PUBREC) and these PUBREL ids waiting for PUBCOMP."""
-        for packet_id in unacknowledged:
-            self._out[packet_id] = UNACKED
-        for packet_id in released:
-            self._out[packet_id] = RELEASED
+        self._ids.restore_outbound(unacknowledged, released)
 
     # ----------------------------------------------------------------- receiving
 
@@ -307,14 +285,15 @@ class Connection:
         fast = True
         limit = self.max_packet_size
         topics = TOPIC_CACHE
-        in_qos1 = self._in_qos1
+        ids = self._ids
+        in_qos1 = ids.inbound_qos1
         # QoS 2 and PUBREL take the general path, so only QoS 1 ids change inside the loop.
-        in_flight_others = len(self._in_qos2) + len(self._in_released)
+        in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
         receive_maximum = self.receive_maximum
         maximum_qos = self.maximum_qos
         retain_available = self.retain_available
         fast_qos = _FAST_PUBLISH_QOS
-        out_flight = self._out
+        out_flight = ids.outbound
         while n - off >= 2:
             first = buf[off]
             if first == 0x40 and fast and buf[off + 1] == 2 and n - off >= 4:
@@ -410,7 +389,7 @@ class Connection:
             n = len(buf)
             fast = self._phase == CONNECTED and self._pending_error is None
             v5 = self.protocol_level == 5
-            in_flight_others = len(self._in_qos2) + len(self._in_released)
+            in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
             receive_maximum = self.receive_maximum
             maximum_qos = self.maximum_qos
         self._off = off
@@ -562,15 +541,8 @@ class Connection:
                 raise RemoteProtocolError(QOS_NOT_SUPPORTED, f"QoS {qos} above maximum QoS")
             packet_id = event.packet_id
             assert packet_id is not None
-            if qos == 1:
-                if packet_id not in self._in_qos1:
-                    self._check_receive_maximum()
-                    self._in_qos1.add(packet_id)
-            elif packet_id in self._in_qos2:
+            if self._ids.publish_received(qos, packet_id, self.receive_maximum):
                 event.dup = True  # resent before PUBREL: the gateway must not store it twice
-            else:
-                self._check_receive_maximum()
-                self._in_qos2.add(packet_id)
         if event.retain and not self.retain_available:
             raise RemoteProtocolError(RETAIN_NOT_SUPPORTED, "retain is not available")
         if self.protocol_level == 5:
@@ -585,12 +557,6 @@ class Connection:
             if not event.topic:
                 raise wire.protocol_error("empty PUBLISH topic without a topic alias")
         return event
-
-    def _check_receive_maximum(self) -> None:
-        if len(self._in_qos1) + len(self._in_qos2) + len(self._in_released) >= self.receive_maximum:
-            raise RemoteProtocolError(
-                RECEIVE_MAXIMUM_EXCEEDED, f"more than {self.receive_maximum} QoS 1/2 in flight"
-            )
 
     def _resolve_alias(self, event: Publish, alias: int) -> None:
         if alias > self.topic_alias_maximum:
@@ -607,23 +573,19 @@ class Connection:
 
     def _in_puback(self, event: Event) -> None:
         assert isinstance(event, PubAck)
-        self._out.pop(event.packet_id, None)
+        self._ids.puback_received(event.packet_id)
 
     def _in_pubrec(self, event: Event) -> None:
         assert isinstance(event, PubRec)
-        if event.reason_code >= 0x80:
-            self._out.pop(event.packet_id, None)
-        else:
-            self._out[event.packet_id] = RELEASED
+        self._ids.pubrec_received(event.packet_id, event.reason_code)
 
     def _in_pubrel(self, event: Event) -> None:
         assert isinstance(event, PubRel)
-        self._in_qos2.discard(event.packet_id)
-        self._in_released.add(event.packet_id)
+        self._ids.pubrel_received(event.packet_id)
 
     def _in_pubcomp(self, event: Event) -> None:
         assert isinstance(event, PubComp)
-        self._out.pop(event.packet_id, None)
+        self._ids.pubcomp_received(event.packet_id)
 
     def _in_subscribe(self, event: Event) -> None:
         assert isinstance(event, Subscribe)
@@ -705,23 +667,8 @@ class Connection:
             )
         data = prepared.packet(packet_id, dup)
         if packet_id is not None:
-            self._track_outbound(packet_id, dup)
+            self._ids.publish_sent(packet_id, dup, self.client_receive_maximum)
         return data
-
-    def _track_outbound(self, packet_id: int, dup: bool) -> None:
-        out = self._out
-        if packet_id in out:
-            if not dup:
-                raise LocalProtocolError(
-                    f"packet identifier {packet_id} is in use", PACKET_IDENTIFIER_IN_USE
-                )
-            return
-        if len(out) >= self.client_receive_maximum:
-            raise LocalProtocolError(
-                f"client Receive Maximum {self.client_receive_maximum} reached",
-                RECEIVE_MAXIMUM_EXCEEDED,
-            )
-        out[packet_id] = UNACKED
 
     def _out_connack(self, event: Event) -> None:
         assert isinstance(event, ConnAck)
@@ -749,7 +696,7 @@ class Connection:
         assert isinstance(event, Publish)
         if event.qos:
             assert event.packet_id is not None
-            self._track_outbound(event.packet_id, event.dup)
+            self._ids.publish_sent(event.packet_id, event.dup, self.client_receive_maximum)
         props = event.properties
         if (
             props is not None
@@ -763,21 +710,19 @@ class Connection:
 
     def _out_puback(self, event: Event) -> None:
         assert isinstance(event, PubAck)
-        self._in_qos1.discard(event.packet_id)
+        self._ids.puback_sent(event.packet_id)
 
     def _out_pubrec(self, event: Event) -> None:
         assert isinstance(event, PubRec)
-        if event.reason_code >= 0x80:
-            self._in_qos2.discard(event.packet_id)
+        self._ids.pubrec_sent(event.packet_id, event.reason_code)
 
     def _out_pubrel(self, event: Event) -> None:
         assert isinstance(event, PubRel)
-        self._out[event.packet_id] = RELEASED
+        self._ids.pubrel_sent(event.packet_id)
 
     def _out_pubcomp(self, event: Event) -> None:
         assert isinstance(event, PubComp)
-        self._in_released.discard(event.packet_id)
-        self._in_qos2.discard(event.packet_id)
+        self._ids.pubcomp_sent(event.packet_id)
 
     def _out_disconnect(self, event: Event) -> None:
         self._sending_closed = True

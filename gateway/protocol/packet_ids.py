@@ -1,0 +1,130 @@
+"""Packet identifiers in flight, in both directions, and the Receive Maximum quotas.
+
+    inbound   PUBLISH QoS 1 --------------------------> [qos1]     --our PUBACK-->   free
+              PUBLISH QoS 2 ----> [qos2] --PUBREL--> [released]   --our PUBCOMP-->  free
+                                     \\--our PUBREC >= 0x80 (refused) ------------> free
+    outbound  our PUBLISH QoS 1/2 --> [UNACKED] --PUBACK / PUBREC >= 0x80--------> free
+                                               --PUBREC--> [RELEASED] --PUBCOMP--> free
+
+Inbound ids count against the Receive Maximum we announced (0x93 when exceeded); outbound
+ids against the client's. A QoS 2 PUBLISH whose id is still in [qos2] is a resend (the client
+did not get our PUBREC), reported as DUP so the gateway does not store it twice. Acks for ids
+we do not know are not errors: a resumed session knows more than this connection, and its
+ids come back through `restore_inbound_qos2` / `restore_outbound`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gateway.protocol.errors import LocalProtocolError, RemoteProtocolError
+
+UNACKED, RELEASED = 1, 2
+PACKET_IDENTIFIER_IN_USE = 0x91
+RECEIVE_MAXIMUM_EXCEEDED = 0x93
+
+
+class PacketIds:
+    """The packet-id bookkeeping of one connection. Sets are public for the hot path."""
+
+    __slots__ = ("_next", "inbound_qos1", "inbound_qos2", "inbound_released", "outbound")
+
+    def __init__(self) -> None:
+        self.inbound_qos1: set[int] = set()
+        self.inbound_qos2: set[int] = set()
+        self.inbound_released: set[int] = set()
+        self.outbound: dict[int, int] = {}
+        self._next = 1
+
+    # inbound ------------------------------------------------------------------------
+
+    def inbound_in_flight(self) -> int:
+        return len(self.inbound_qos1) + len(self.inbound_qos2) + len(self.inbound_released)
+
+    def publish_received(self, qos: int, packet_id: int, receive_maximum: int) -> bool:
+        """Record an inbound QoS 1/2 PUBLISH; True if it is a QoS 2 resend (DUP)."""
+        if qos == 1:
+            if packet_id not in self.inbound_qos1:
+                self._check_quota(receive_maximum)
+                self.inbound_qos1.add(packet_id)
+            return False
+        if packet_id in self.inbound_qos2:
+            return True
+        self._check_quota(receive_maximum)
+        self.inbound_qos2.add(packet_id)
+        return False
+
+    def _check_quota(self, receive_maximum: int) -> None:
+        if self.inbound_in_flight() >= receive_maximum:
+            raise RemoteProtocolError(
+                RECEIVE_MAXIMUM_EXCEEDED, f"more than {receive_maximum} QoS 1/2 in flight"
+            )
+
+    def pubrel_received(self, packet_id: int) -> None:
+        self.inbound_qos2.discard(packet_id)
+        self.inbound_released.add(packet_id)
+
+    def puback_sent(self, packet_id: int) -> None:
+        self.inbound_qos1.discard(packet_id)
+
+    def pubrec_sent(self, packet_id: int, reason_code: int) -> None:
+        if reason_code >= 0x80:
+            self.inbound_qos2.discard(packet_id)  # refused: the flow ends here
+
+    def pubcomp_sent(self, packet_id: int) -> None:
+        self.inbound_released.discard(packet_id)
+        self.inbound_qos2.discard(packet_id)
+
+    # outbound -----------------------------------------------------------------------
+
+    def publish_sent(self, packet_id: int, dup: bool, client_receive_maximum: int) -> None:
+        outbound = self.outbound
+        if packet_id in outbound:
+            if not dup:
+                raise LocalProtocolError(
+                    f"packet identifier {packet_id} is in use", PACKET_IDENTIFIER_IN_USE
+                )
+            return  # a retransmission
+        if len(outbound) >= client_receive_maximum:
+            raise LocalProtocolError(
+                f"client Receive Maximum {client_receive_maximum} reached",
+                RECEIVE_MAXIMUM_EXCEEDED,
+            )
+        outbound[packet_id] = UNACKED
+
+    def puback_received(self, packet_id: int) -> None:
+        self.outbound.pop(packet_id, None)
+
+    def pubrec_received(self, packet_id: int, reason_code: int) -> None:
+        if reason_code >= 0x80:
+            self.outbound.pop(packet_id, None)
+        else:
+            self.outbound[packet_id] = RELEASED
+
+    def pubrel_sent(self, packet_id: int) -> None:
+        self.outbound[packet_id] = RELEASED
+
+    def pubcomp_received(self, packet_id: int) -> None:
+        self.outbound.pop(packet_id, None)
+
+    def allocate(self) -> int:
+        """An id not in flight outbound, round robin over 1..65535."""
+        outbound = self.outbound
+        if len(outbound) >= 0xFFFF:
+            raise LocalProtocolError("all packet identifiers are in use", PACKET_IDENTIFIER_IN_USE)
+        candidate = self._next
+        while candidate in outbound:
+            candidate = candidate % 0xFFFF + 1
+        self._next = candidate % 0xFFFF + 1
+        return candidate
+
+    # resumed sessions ---------------------------------------------------------------
+
+    def restore_inbound_qos2(self, packet_ids: Iterable[int]) -> None:
+        self.inbound_qos2.update(packet_ids)
+
+    def restore_outbound(self, unacknowledged: Iterable[int], released: Iterable[int]) -> None:
+        for packet_id in unacknowledged:
+            self.outbound[packet_id] = UNACKED
+        for packet_id in released:
+            self.outbound[packet_id] = RELEASED
