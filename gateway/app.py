@@ -17,7 +17,7 @@ import logging
 
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
-from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache
+from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.protocol import Publish, Will
 from gateway.records import message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
@@ -44,6 +44,7 @@ class Gateway:
         self.router = Router()
         self.connections: set[ClientConnection] = set()
         self.prepared = PreparedCache()
+        self.recent = RecentMessages()
         self.shared = SharedSubscriptions(self)
         self.wills = WillScheduler(self._publish_will)
         self.stopping = False
@@ -183,9 +184,11 @@ class Gateway:
         if pub.retain:
             queues.append(RetainedIndex.QUEUE)
         props = message_properties(pub, client_id)
+        parent = parent_topic(name)
         r = await self.store.put_async(
-            topic=parent_topic(name), body=pub.payload, queues=queues, properties=props
+            topic=parent, body=pub.payload, queues=queues, properties=props
         )
+        self.recent.add(parent, pub.payload, props, r)
         self.stats.messages_received += 1
         if pub.retain:
             expiry = pub.properties.message_expiry_interval if pub.properties else None

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from gateway.protocol import PreparedPublish, Publish, PubRel
 from gateway.records import RecordedPublish, read_record
 from gateway.session import Inflight, Session, SubscriptionState
-from store import GetStatus, StoredMessage
+from store import GetStatus, PutResult, StoredMessage
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -95,6 +95,42 @@ class PreparedCache:
             if len(self._items) > self._size:
                 self._items.popitem(last=False)
         return p
+
+
+class RecentMessages:
+    """The last messages this gateway appended, by (queue, offset).
+
+    A fan-out to N subscribers of one filter would otherwise decode the same record N times;
+    subscribers that keep up read it from here (rocketmq-mqtt keeps a similar per-queue cache).
+    Anything not here (older, or appended before a restart) is read from the store.
+    """
+
+    def __init__(self, size: int = 8192) -> None:
+        self._size = size
+        self._items: dict[tuple[str, int], StoredMessage] = {}
+
+    def add(self, parent: str, body: bytes, props: dict[str, str], r: PutResult) -> None:
+        items = self._items
+        queues = tuple(r.light_offsets)
+        ts = r.store_timestamp
+        for q, off in r.light_offsets.items():
+            items[(q, off)] = StoredMessage(
+                parent, body, props, off, r.physical_offset, ts, ts, r.queue_offset, queues
+            )
+        while len(items) > self._size:
+            del items[next(iter(items))]  # dicts keep insertion order: oldest first
+
+    def run(self, queue: str, offset: int, limit: int) -> list[StoredMessage]:
+        """Consecutive cached messages of `queue` from `offset` (empty if the first is not)."""
+        out: list[StoredMessage] = []
+        get = self._items.get
+        while len(out) < limit:
+            m = get((queue, offset))
+            if m is None:
+                break
+            out.append(m)
+            offset += 1
+        return out
 
 
 class DeliveryLoop:
@@ -192,8 +228,10 @@ class DeliveryLoop:
     # -- reading queues ----------------------------------------------------------------------
 
     def _read(self, sub: SubscriptionState) -> bool:
-        store = self.gw.store
-        got = store.get(sub.queue, sub.next_offset, BATCH)
+        messages = self.gw.recent.run(sub.queue, sub.next_offset, BATCH)
+        if messages:
+            return self._deliver_batch(sub, messages)
+        got = self.gw.store.get(sub.queue, sub.next_offset, BATCH)
         if got.status is not GetStatus.FOUND:
             if got.status is GetStatus.OFFSET_TOO_SMALL:
                 log.warning(
@@ -209,11 +247,14 @@ class DeliveryLoop:
                 sub.next_offset = got.max_offset
                 sub.start_offset = min(sub.start_offset, got.max_offset)
             return False
+        return self._deliver_batch(sub, got.messages)
+
+    def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
         moved = False
         batch: list[bytes] = []
         self._batch = batch
         try:
-            for msg in got.messages:
+            for msg in messages:
                 off = msg.queue_offset
                 if off < sub.next_offset:
                     continue

@@ -115,6 +115,11 @@ class SharedGroup:
             return self._buffer.popleft()
         if self.next_offset >= store.max_offset(self.queue):
             return None
+        recent = self.gw.recent.run(self.queue, self.next_offset, BATCH)
+        if recent:
+            self._buffer.extend((m.queue_offset, m) for m in recent)
+            self.next_offset = recent[-1].queue_offset + 1
+            return self._buffer.popleft()
         got = store.get(self.queue, self.next_offset, BATCH)
         if got.status is GetStatus.OFFSET_TOO_SMALL:
             self.next_offset = got.min_offset
