@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import importlib
 import logging
@@ -207,6 +208,12 @@ async def _serve(settings: GatewaySettings, fell_back: bool) -> int:
             loop.add_signal_handler(signum, on_signal, signum)
         except (NotImplementedError, RuntimeError):  # non-POSIX loops
             signal.signal(signum, lambda s, _f: loop.call_soon_threadsafe(on_signal, s))
+    if hasattr(signal, "SIGHUP"):
+        # Re-read password and ACL files; connections stay open (Mosquitto's SIGHUP).
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(
+                signal.SIGHUP, lambda: gateway.access.reload(list(gateway.connections))
+            )
 
     serving = asyncio.ensure_future(gateway.serve_forever())
     stop_wait = asyncio.ensure_future(stopping.wait())
@@ -262,6 +269,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         _err(f"the gateway core is not installed correctly: {exc}")
         return EXIT_FAILURE
+    except SettingsError as exc:  # security files, TLS certificates, anonymous-access rule
+        _err(str(exc))
+        return EXIT_USAGE
     except Exception as exc:
         from store import StoreError, StoreLockedError
 

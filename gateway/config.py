@@ -113,6 +113,36 @@ class GatewaySettings(BaseSettings):
     # Outbound messages a session may have read ahead of its acknowledgements (memory bound).
     max_queued_messages: int = Field(default=1000, ge=1)
 
+    # --- security (gateway/auth.py, gateway/acl.py, gateway/access.py)
+    password_file: Path | None = None  # `lmqtt passwd FILE USER` writes it
+    acl_file: Path | None = None  # Mosquitto ACL syntax; none = every client may do anything
+    # None = anonymous clients allowed only when there is no password file and every listener
+    # is on a loopback address; a non-loopback listener without a password file refuses to
+    # start unless this is explicitly true.
+    allow_anonymous: bool | None = None
+
+    # --- extra listeners (same host as the MQTT listener; None = off, 0 = any free port)
+    tls_port: int | None = Field(default=None, ge=0, le=U16_MAX)
+    tls_certfile: Path | None = None
+    tls_keyfile: Path | None = None
+    tls_cafile: Path | None = None  # CA bundle for client certificates
+    tls_require_certificate: bool = False  # clients must present a certificate from tls_cafile
+    tls_use_identity_as_username: bool = False  # the client certificate's CN is the user name
+    ws_port: int | None = Field(default=None, ge=0, le=U16_MAX)  # MQTT over WebSocket
+    wss_port: int | None = Field(default=None, ge=0, le=U16_MAX)  # ... over TLS (tls_* files)
+    admin_host: str = "127.0.0.1"  # /metrics and /health
+    admin_port: int | None = Field(default=None, ge=0, le=U16_MAX)
+
+    # --- hostile-client limits (gateway/limits.py)
+    connect_timeout: float = Field(default=10.0, gt=0)  # s for a new socket to send CONNECT
+    max_topic_length: int = Field(default=65535, ge=1, le=U16_MAX)  # bytes
+    max_topic_levels: int = Field(default=128, ge=1)
+    max_subscriptions: int = Field(default=10_000, ge=1)  # per client
+    # New connections per second per source address (token bucket), 0 = unlimited.
+    connect_rate: float = Field(default=20.0, ge=0)
+    connect_burst: int = Field(default=100, ge=1)
+    connect_rate_loopback: bool = False  # also limit 127.0.0.1/::1 (tests, local tools)
+
     # --- services
     sys_interval: float = Field(default=10.0, ge=0)  # $SYS publish period in s, 0 = off
     retained_snapshot_interval: float = Field(default=60.0, gt=0)  # s between retained snapshots
@@ -173,6 +203,11 @@ class GatewaySettings(BaseSettings):
                 f"server_keep_alive ({self.server_keep_alive}) must not exceed "
                 f"max_keep_alive ({self.max_keep_alive})"
             )
+        needs_tls = self.tls_port is not None or self.wss_port is not None
+        if needs_tls and (self.tls_certfile is None or self.tls_keyfile is None):
+            raise ValueError("tls_port and wss_port need tls_certfile and tls_keyfile")
+        if self.tls_require_certificate and self.tls_cafile is None:
+            raise ValueError("tls_require_certificate needs tls_cafile (the CA of the clients)")
         if self.default_session_expiry > self.max_session_expiry:
             raise ValueError(
                 f"default_session_expiry ({self.default_session_expiry}) must not exceed "

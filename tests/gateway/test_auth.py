@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import PasswordFile, PasswordFileError, hash_password, verify_password
+from gateway.app import Gateway
+from gateway.auth import (
+    PasswordFile,
+    PasswordFileError,
+    SecurityError,
+    hash_password,
+    verify_password,
+)
 from gateway.cli import main
+from gateway.config import load_settings
+from gateway.protocol import Connect, encode
+from tests.gateway.conftest import TIMEOUT, Client, GatewayHarness, wait_until
 
 FAST_N = 1 << 4  # tests of the encoding itself need not be slow
 
@@ -115,3 +130,176 @@ def test_passwd_cli_refuses_damaged_file(tmp_path: Path) -> None:
     path.write_text("garbage\n")
     assert main(["passwd", str(path), "x", "-b", "y"]) == 1
     assert path.read_text() == "garbage\n"
+
+
+# ---------------------------------------------------------------- against a running gateway
+
+
+def _raw_connack_v4(port: int, username: str | None, password: bytes | None) -> int:
+    """The 3.1.1 CONNACK return code exactly as sent on the wire."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    try:
+        sock.sendall(encode(Connect(4, "raw", True, 30, username=username, password=password), 4))
+        data = b""
+        while len(data) < 4:
+            chunk = sock.recv(4 - len(data))
+            assert chunk, "closed before CONNACK"
+            data += chunk
+        assert data[:2] == b"\x20\x02"
+        return data[3]
+    finally:
+        sock.close()
+
+
+def _paho(port: int, user: str | None, password: str | None, *, v5: bool) -> Client:
+    c = Client(port, v5=v5, connect=False)
+    if user is not None:
+        c.c.username_pw_set(user, password)
+    c.connect()
+    return c
+
+
+@pytest.fixture
+def passwd_file(tmp_path: Path) -> Path:
+    path = tmp_path / "passwd"
+    assert main(["passwd", str(path), "alice", "-b", "wonderland"]) == 0
+    return path
+
+
+@pytest.mark.parametrize("v5", [True, False])
+def test_connect_auth_matrix(
+    tmp_path: Path, passwd_file: Path, clients: list[Client], v5: bool
+) -> None:
+    h = GatewayHarness(tmp_path / "data", password_file=passwd_file).start()
+    try:
+        cases = [
+            ("alice", "wonderland", 0),
+            ("alice", "wrong", 0x86),
+            ("mallory", "wonderland", 0x86),
+            (None, None, 0x87),  # anonymous: a password file turns it off by default
+        ]
+        for user, pw, expected in cases:
+            c = _paho(h.port, user, pw, v5=v5)
+            clients.append(c)
+            assert c.connack is not None and c.connack[1] == expected, (user, pw, c.connack)
+        if not v5:  # 3.1.1 return codes on the wire: 4 bad credentials, 5 not authorized
+            assert _raw_connack_v4(h.port, "alice", b"wonderland") == 0
+            assert _raw_connack_v4(h.port, "alice", b"nope") == 4
+            assert _raw_connack_v4(h.port, None, None) == 5
+        # A refused client got nothing: the accepted one still works end to end.
+        ok = clients[0]
+        ok.subscribe("t/#", 1)
+        ok.publish("t/1", b"hello", 1)
+        assert ok.wait_messages(1)[0].payload == b"hello"
+        expected_refusals = 3 if v5 else 5
+        assert h.call(lambda: h.gw.access.refused_connects) == expected_refusals  # type: ignore[union-attr]
+    finally:
+        h.stop()
+
+
+def test_anonymous_allowed_explicitly_with_password_file(
+    tmp_path: Path, passwd_file: Path, clients: list[Client]
+) -> None:
+    h = GatewayHarness(tmp_path / "data", password_file=passwd_file, allow_anonymous=True).start()
+    try:
+        anon = _paho(h.port, None, None, v5=True)
+        clients.append(anon)
+        assert anon.connack == (False, 0)
+        bad = _paho(h.port, "alice", "wrong", v5=True)  # credentials given are still checked
+        clients.append(bad)
+        assert bad.connack is not None and bad.connack[1] == 0x86
+    finally:
+        h.stop()
+
+
+def test_loopback_default_allows_anonymous(gateway: GatewayHarness, clients: list[Client]) -> None:
+    c = _paho(gateway.port, None, None, v5=False)
+    clients.append(c)
+    assert c.connack == (False, 0)
+
+
+def test_non_loopback_without_auth_refuses_to_start(tmp_path: Path, passwd_file: Path) -> None:
+    data = tmp_path / "data"
+    with pytest.raises(SecurityError, match="refusing to listen on 0.0.0.0"):
+        Gateway(load_settings(host="0.0.0.0", port=0, data_dir=data))
+    assert not data.exists()  # refused before anything was opened
+    # Either a password file or an explicit allow_anonymous makes it start.
+    Gateway(load_settings(host="0.0.0.0", port=0, data_dir=data, password_file=passwd_file))
+    Gateway(load_settings(host="0.0.0.0", port=0, data_dir=data, allow_anonymous=True))
+
+
+def test_serve_refuses_non_loopback_without_auth(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--host", "0.0.0.0", "--port", "0"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LMQTT_DATA_DIR": str(tmp_path / "d")},
+    )
+    assert proc.returncode == 2
+    assert "refusing to listen on 0.0.0.0 without authentication" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sighup_reloads_passwords_without_dropping(tmp_path: Path, passwd_file: Path) -> None:
+    """A real `lmqtt serve` process: change the password file, SIGHUP, old sessions live on."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--sys-interval",
+            "0",
+        ],
+        env={**os.environ, "LMQTT_PASSWORD_FILE": str(passwd_file)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    made: list[Client] = []
+    try:
+        assert proc.stdout is not None
+        assert "listening" in proc.stdout.readline()
+        alice = _paho(port, "alice", "wonderland", v5=True)
+        made.append(alice)
+        assert alice.connack == (False, 0)
+        alice.subscribe("news", 1)
+        assert main(["passwd", str(passwd_file), "bob", "-b", "builder"]) == 0
+        assert main(["passwd", str(passwd_file), "alice", "-D"]) == 0
+        before = _paho(port, "bob", "builder", v5=True)
+        made.append(before)
+        assert before.connack is not None and before.connack[1] == 0x86  # not reloaded yet
+        proc.send_signal(signal.SIGHUP)
+
+        def bob_gets_in() -> bool:
+            c = _paho(port, "bob", "builder", v5=True)
+            made.append(c)
+            return c.connack == (False, 0)
+
+        wait_until(bob_gets_in, what="bob accepted after SIGHUP")
+        late = _paho(port, "alice", "wonderland", v5=True)
+        made.append(late)
+        assert late.connack is not None and late.connack[1] == 0x86
+        # alice's existing connection was not dropped and still receives.
+        made[-2].publish("news", b"still here", 1)
+        assert alice.wait_messages(1)[0].payload == b"still here"
+        assert alice.disconnected is None
+    finally:
+        for c in made:
+            c.c.disconnect()
+            c.c.loop_stop()
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,193 @@
+"""AccessControl: who may connect and what each client may publish, subscribe and read.
+
+The gateway holds one AccessControl (`gateway.access`). ClientConnection asks it once per
+CONNECT (`check_connect`: rate limit, connection limit, credentials) and keeps the answer as
+`client.username` and `client.acl` (a ClientAccess, None when there is no ACL file), which the
+publish, subscribe and delivery paths consult. `reload()` (SIGHUP) re-reads the password and
+ACL files and swaps every connected client's ClientAccess in place: nobody is disconnected, and
+a file with an error is refused as a whole (the previous rules stay) and logged.
+
+Anonymous access (no user name in CONNECT):
+
+    allow_anonymous  password_file  listeners        anonymous clients
+    ---------------  -------------  ---------------  -------------------------------------
+    true             any            any              allowed
+    false            any            any              refused (0x87 / 5)
+    unset            none           loopback only    allowed (`make run` needs no config)
+    unset            none           non-loopback     gateway refuses to start
+    unset            set            any              refused (0x87 / 5)
+
+With a password file, a user name must come with its password (0x86 / 4 otherwise). Without
+one, a user name is taken as given (as Mosquitto does) and only selects ACL rules. With
+tls_use_identity_as_username, the client certificate's CN is the user name and CONNECT's
+credentials are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from gateway.acl import AclRules, ClientAccess
+from gateway.auth import PasswordFile, SecurityError
+from gateway.config import GatewaySettings
+from gateway.limits import (
+    CONNECTION_RATE_EXCEEDED,
+    QUOTA_EXCEEDED,
+    ConnectRateLimiter,
+    is_loopback,
+    topic_limit_error,
+)
+from gateway.protocol import Connect
+from topicmap import TopicError
+
+if TYPE_CHECKING:
+    from gateway.client import ClientConnection
+
+__all__ = ["AccessControl", "certificate_cn"]
+
+log = logging.getLogger("lmqtt.access")
+
+BAD_USER_NAME_OR_PASSWORD = 0x86
+NOT_AUTHORIZED = 0x87
+TOPIC_FILTER_INVALID = 0x8F
+TOPIC_NAME_INVALID = 0x90
+
+
+def certificate_cn(peercert: Any) -> str | None:
+    """The commonName of a certificate as ssl.SSLSocket.getpeercert() returns it."""
+    if not isinstance(peercert, dict):
+        return None
+    for rdn in peercert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName" and isinstance(value, str):
+                return value
+    return None
+
+
+class AccessControl:
+    """Authentication, ACL and connect limits for one gateway (see the module docstring)."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        s = settings
+        if s.allow_anonymous is None and s.password_file is None and not is_loopback(s.host):
+            raise SecurityError(
+                f"refusing to listen on {s.host} without authentication: set password_file "
+                "(create it with 'lmqtt passwd FILE USER'), or allow_anonymous = true to "
+                "accept anyone who can reach the port"
+            )
+        if s.allow_anonymous is not None:
+            self.allow_anonymous = s.allow_anonymous
+        else:
+            self.allow_anonymous = s.password_file is None
+        self.passwords: PasswordFile | None = None
+        self.acl: AclRules | None = None
+        self.rate = ConnectRateLimiter(
+            s.connect_rate, s.connect_burst, limit_loopback=s.connect_rate_loopback
+        )
+        self.refused_connects = 0
+        self.denied_publishes = 0
+        self.denied_subscriptions = 0
+        self.reloads = 0
+        self._load()  # errors at start-up are fatal (SecurityError names file and line)
+
+    def _load(self) -> None:
+        s = self.settings
+        passwords = PasswordFile.load(s.password_file) if s.password_file else None
+        acl = AclRules.load(s.acl_file) if s.acl_file else None
+        self.passwords, self.acl = passwords, acl
+
+    def reload(self, clients: list[ClientConnection] | None = None) -> bool:
+        """Re-read the password and ACL files (SIGHUP); False (and old rules kept) on error."""
+        try:
+            self._load()
+        except SecurityError as exc:
+            log.error("reload refused, previous rules stay in force: %s", exc)
+            return False
+        self.reloads += 1
+        for client in clients or ():
+            if client.session is not None:
+                client.acl = self.client_access(client.client_id, client.username)
+        log.warning(
+            "reloaded security files (%d users, ACL %s)",
+            len(self.passwords.users) if self.passwords else 0,
+            "on" if self.acl is not None else "off",
+        )
+        return True
+
+    def client_access(self, client_id: str, username: str | None) -> ClientAccess | None:
+        return None if self.acl is None else ClientAccess(self.acl, client_id, username)
+
+    # -- CONNECT -----------------------------------------------------------------------------
+
+    async def check_connect(
+        self, ev: Connect, client: ClientConnection, connected: int
+    ) -> tuple[int, str | None]:
+        """(reason code, user name): 0 = accept. `connected` = clients connected now."""
+        s = self.settings
+        host = client.peer.rsplit(":", 1)[0].strip("[]")
+        if not self.rate.allow(host):
+            return self._refused(client, CONNECTION_RATE_EXCEEDED, "connect rate exceeded")
+        if connected >= s.max_connections:
+            return self._refused(client, QUOTA_EXCEEDED, "max_connections reached")
+        if s.tls_use_identity_as_username:
+            cn = certificate_cn(client.transport.get_extra_info("peercert"))
+            if cn is not None:
+                return 0, cn
+        user = ev.username
+        if user is None:
+            if self.allow_anonymous:
+                return 0, None
+            return self._refused(client, NOT_AUTHORIZED, "anonymous clients are not allowed")
+        passwords = self.passwords
+        if passwords is None:
+            return 0, user
+        password = ev.password or b""
+        # scrypt takes ~50 ms of CPU: in a worker thread, so the event loop keeps serving.
+        ok = await asyncio.get_running_loop().run_in_executor(
+            None, passwords.verify, user, password
+        )
+        if not ok:
+            return self._refused(client, BAD_USER_NAME_OR_PASSWORD, f"bad password for {user!r}")
+        return 0, user
+
+    def _refused(self, client: ClientConnection, code: int, why: str) -> tuple[int, None]:
+        self.refused_connects += 1
+        log.warning("%s: CONNECT refused (0x%02X): %s", client.peer, code, why)
+        return code, None
+
+    # -- PUBLISH / SUBSCRIBE -----------------------------------------------------------------
+
+    def check_publish(self, client: ClientConnection, topic: str) -> None:
+        """Raise TopicError when `client` may not publish to `topic`: reason 0x90 for the
+        length/level limits (the client is disconnected), 0x87 for the ACL (dropped)."""
+        s = self.settings
+        why = topic_limit_error(topic, s.max_topic_length, s.max_topic_levels)
+        if why is not None:
+            raise TopicError(why, value=topic, reason_code=TOPIC_NAME_INVALID)
+        acl = client.acl
+        if acl is not None and not acl.may_write(topic):
+            self.denied_publishes += 1
+            raise TopicError("not authorized by the ACL", value=topic, reason_code=NOT_AUTHORIZED)
+
+    def subscribe_refusal(
+        self, client: ClientConnection, topic_filter: str, text: str, new: bool, count: int
+    ) -> int:
+        """MQTT 5 reason code refusing one SUBSCRIBE entry, or 0. `topic_filter` is the filter
+        without any $share/group/ prefix, `text` the full one, `count` the client's current
+        number of subscriptions."""
+        s = self.settings
+        why = topic_limit_error(text, s.max_topic_length, s.max_topic_levels)
+        code = 0
+        if why is not None:
+            code = TOPIC_FILTER_INVALID
+        elif new and count >= s.max_subscriptions:
+            why, code = f"more than {s.max_subscriptions} subscriptions", QUOTA_EXCEEDED
+        elif client.acl is not None and not client.acl.may_subscribe(topic_filter):
+            why, code = "not authorized", NOT_AUTHORIZED
+            self.denied_subscriptions += 1
+        if code:
+            log.info("%r: SUBSCRIBE %r refused (0x%02X): %s", client.client_id, text, code, why)
+        return code

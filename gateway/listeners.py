@@ -1,0 +1,91 @@
+"""The gateway's listeners besides plain MQTT/TCP: MQTT over TLS, WebSocket (ws, wss) and the
+admin HTTP port. Each is off unless its port is set; TLS and WebSocket listeners bind the same
+host as the MQTT listener and feed the same MqttServerProtocol, so authentication, ACL and
+limits are identical on every transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from gateway.metrics import AdminServer, GatewayMetrics
+from gateway.server import MqttServerProtocol
+from gateway.tls import server_context
+from gateway.websocket import WebSocketMqttProtocol
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+__all__ = ["ExtraListeners"]
+
+log = logging.getLogger("lmqtt.gateway")
+
+
+class ExtraListeners:
+    """Started by Gateway.start() after the MQTT listener, closed by Gateway.stop()."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.servers: dict[str, asyncio.Server] = {}
+        self.metrics = GatewayMetrics(gw)
+        self.admin: AdminServer | None = None
+        st = gw.settings
+        # Built now, so a bad certificate stops Gateway() before anything is opened.
+        tls = st.tls_port is not None or st.wss_port is not None
+        self.ssl_context = server_context(st) if tls else None
+
+    async def start(self) -> None:
+        gw = self.gw
+        s = gw.settings
+        loop = asyncio.get_running_loop()
+        self.metrics.instrument_store(gw.store)
+        try:
+            ctx = self.ssl_context
+            if s.tls_port is not None:
+                self.servers["mqtts"] = await loop.create_server(
+                    lambda: MqttServerProtocol(gw), s.host, s.tls_port, ssl=ctx, reuse_address=True
+                )
+            if s.ws_port is not None:
+                self.servers["ws"] = await loop.create_server(
+                    lambda: WebSocketMqttProtocol(gw), s.host, s.ws_port, reuse_address=True
+                )
+            if s.wss_port is not None:
+                self.servers["wss"] = await loop.create_server(
+                    lambda: WebSocketMqttProtocol(gw),
+                    s.host,
+                    s.wss_port,
+                    ssl=ctx,
+                    reuse_address=True,
+                )
+            if s.admin_port is not None:
+                self.admin = AdminServer(gw, self.metrics)
+                await self.admin.start(s.admin_host, s.admin_port)
+        except BaseException:
+            self.close()
+            raise
+        for name in self.servers:
+            log.info("lmqtt %s listener on %s:%d", name, s.host, self.port(name))
+        if self.admin is not None:
+            log.info("lmqtt admin (/metrics, /health) on %s:%d", s.admin_host, self.admin.port)
+
+    def port(self, name: str) -> int:
+        """Bound port of listener `name`: mqtts, ws, wss or admin."""
+        if name == "admin":
+            assert self.admin is not None
+            return self.admin.port
+        server = self.servers[name]
+        return int(server.sockets[0].getsockname()[1])
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+        if self.admin is not None:
+            self.admin.close()
+
+    async def wait_closed(self) -> None:
+        for server in self.servers.values():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 2.0)

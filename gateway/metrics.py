@@ -1,0 +1,203 @@
+"""Prometheus metrics and the admin HTTP listener (`GET /metrics`, `GET /health`).
+
+Values are read from the gateway when scraped (a custom Collector on a private registry), so
+the hot paths pay nothing for them. The two latency histograms time the store from outside:
+`put_async` (append, and in sync mode the covering fsync) and the flusher's CommitLog fsync.
+
+The admin listener is a deliberately tiny HTTP/1.0-style server on the gateway's event loop:
+one request per connection, request head at most 8 KiB and 5 s, GET only. It binds
+admin_host (loopback by default) and is off unless admin_port is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+__all__ = ["AdminServer", "GatewayMetrics"]
+
+log = logging.getLogger("lmqtt.metrics")
+
+MAX_REQUEST_HEAD = 8192
+REQUEST_TIMEOUT_S = 5.0
+LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class _GatewayCollector(Collector):
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def collect(self) -> Iterator[Any]:
+        gw = self.gw
+        st = gw.stats
+        access = gw.access
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"lmqtt_{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"lmqtt_{name}", doc, value=value)
+
+        yield gauge("connections", "open network connections", len(gw.connections))
+        yield gauge("clients_connected", "clients past CONNECT", st.clients_connected)
+        yield counter("clients", "clients accepted since start", st.clients_total)
+        yield counter("messages_received", "PUBLISH packets stored", st.messages_received)
+        yield counter("messages_sent", "PUBLISH packets delivered", st.messages_sent)
+        yield counter("bytes_received", "bytes read from clients", st.bytes_received)
+        yield counter("bytes_sent", "bytes written to clients", st.bytes_sent)
+        yield counter("publish_dropped", "messages dropped or denied", st.publish_dropped)
+        yield gauge("subscriptions", "subscriptions", st.subscriptions)
+        yield counter("connect_refused", "CONNECTs refused (auth, limits)", access.refused_connects)
+        yield counter("publish_denied", "PUBLISHes denied by the ACL", access.denied_publishes)
+        yield counter(
+            "subscribe_denied", "SUBSCRIBE entries denied by the ACL", access.denied_subscriptions
+        )
+        yield counter("security_reloads", "password/ACL file reloads", access.reloads)
+        store = getattr(gw, "store", None)
+        sessions = getattr(gw, "sessions", None)
+        if store is None or sessions is None or store.closed:
+            return
+        yield gauge("sessions", "sessions (connected and offline)", len(sessions))
+        yield gauge("retained_messages", "retained messages", len(gw.retained))
+        yield gauge(
+            "store_bytes", "CommitLog bytes kept", store.log_max_offset - store.log_min_offset
+        )
+        yield gauge("light_queues", "light message queues", len(store.queues()))
+        backlog = 0
+        for session in sessions.sessions.values():
+            for sub in session.subscriptions.values():
+                backlog += max(0, store.max_offset(sub.queue) - sub.next_offset)
+        yield gauge("backlog_messages", "messages stored, not yet sent to subscribers", backlog)
+
+
+class GatewayMetrics:
+    """The registry for one gateway, plus the store latency histograms."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_GatewayCollector(gw))
+        self.append_seconds = Histogram(
+            "lmqtt_store_append_seconds",
+            "store put_async latency (sync flush: including the covering fsync)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.fsync_seconds = Histogram(
+            "lmqtt_store_fsync_seconds",
+            "CommitLog fsync latency (flusher thread)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def instrument_store(self, store: Any) -> None:
+        """Time the store's append and fsync by wrapping them on this instance."""
+        put_async: Callable[..., Awaitable[Any]] = store.put_async
+        append = self.append_seconds
+
+        @functools.wraps(put_async)
+        async def timed_put_async(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await put_async(*args, **kwargs)
+            finally:
+                append.observe(time.perf_counter() - t0)
+
+        store.put_async = timed_put_async
+        flusher = getattr(store, "_flusher", None)
+        flush_log = getattr(flusher, "_flush_log", None)
+        if flusher is not None and callable(flush_log):
+            fsync = self.fsync_seconds
+
+            def timed_flush_log() -> int:
+                t0 = time.perf_counter()
+                try:
+                    return int(flush_log())
+                finally:
+                    fsync.observe(time.perf_counter() - t0)
+
+            flusher._flush_log = timed_flush_log
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class AdminServer:
+    """HTTP `GET /metrics` (Prometheus text format) and `GET /health` (JSON)."""
+
+    def __init__(self, gw: Gateway, metrics: GatewayMetrics) -> None:
+        self.gw = gw
+        self.metrics = metrics
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self.server = await asyncio.start_server(
+            self._handle, host, port, reuse_address=True, limit=MAX_REQUEST_HEAD
+        )
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None and self.server.sockets
+        return int(self.server.sockets[0].getsockname()[1])
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        gw = self.gw
+        ok = not gw.stopping and getattr(gw, "store", None) is not None and not gw.store.closed
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "clients_connected": gw.stats.clients_connected,
+            "connections": len(gw.connections),
+        }
+        return (200 if ok else 503), body
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, TimeoutError):
+                return
+            if len(head) > MAX_REQUEST_HEAD:
+                return
+            parts = head.split(b"\r\n", 1)[0].split()
+            method, path = (parts[0], parts[1]) if len(parts) >= 2 else (b"", b"")
+            path = path.split(b"?", 1)[0]
+            if method not in (b"GET", b"HEAD"):
+                status, ctype, body = 405, "text/plain", b"method not allowed\n"
+            elif path == b"/metrics":
+                status, ctype, body = 200, CONTENT_TYPE_LATEST, self.metrics.render()
+            elif path == b"/health":
+                code, data = self.health()
+                status, ctype, body = code, "application/json", json.dumps(data).encode() + b"\n"
+            else:
+                status, ctype, body = 404, "text/plain", b"not found: try /metrics or /health\n"
+            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}.get(
+                status, "Service Unavailable"
+            )
+            writer.write(
+                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + (b"" if method == b"HEAD" else body)
+            )
+            await writer.drain()
+        except Exception:
+            log.exception("admin request failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
