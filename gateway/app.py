@@ -15,10 +15,12 @@ import asyncio
 import contextlib
 import logging
 
+from gateway.access import AccessControl
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.protocol import Publish, Will
+from gateway.listeners import ExtraListeners
 from gateway.records import message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
 from gateway.server import MqttServerProtocol
@@ -48,6 +50,9 @@ class Gateway:
         self.shared = SharedSubscriptions(self)
         self.wills = WillScheduler(self._publish_will)
         self.stopping = False
+        # Checks the security settings and files now: a bad one stops us before start().
+        self.access = AccessControl(settings)
+        self.listeners = ExtraListeners(self)  # TLS, WebSocket, admin HTTP (gateway/listeners.py)
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -83,6 +88,7 @@ class Gateway:
         self._server = await loop.create_server(
             lambda: MqttServerProtocol(self), s.host, port, reuse_address=True
         )
+        await self.listeners.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
         self._tasks.append(
             loop.create_task(self.retained.snapshot_periodically(s.retained_snapshot_interval))
@@ -138,6 +144,7 @@ class Gateway:
         self.stopping = True
         if self._server is not None:
             self._server.close()
+        self.listeners.close()
         if self._sys is not None:
             from gateway.sys_topics import SysPublisher
 

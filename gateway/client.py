@@ -14,6 +14,7 @@ import logging
 import secrets
 from typing import TYPE_CHECKING
 
+from gateway.acl import ClientAccess
 from gateway.delivery import DeliveryLoop
 from gateway.protocol import (
     NEED_DATA,
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmqtt.gateway")
 
-CONNECT_TIMEOUT_S = 10.0
 # Sync-flush publishes awaiting their fsync before this connection stops reading.
 MAX_PENDING_PUTS = 256
 # Unparsed input beyond which reading pauses until the reader task catches up.
@@ -79,6 +79,8 @@ class ClientConnection:
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.client_id = ""
+        self.username: str | None = None  # authenticated (or asserted, without password file)
+        self.acl: ClientAccess | None = None  # None: no ACL file, everything allowed
         self.session: Session | None = None
         self.will: Will | None = None
         self.delivery: DeliveryLoop | None = None
@@ -97,7 +99,7 @@ class ClientConnection:
         self._put_tasks: set[asyncio.Task[None]] = set()
         self._keepalive: asyncio.TimerHandle | None = None
         self._connect_timer: asyncio.TimerHandle | None = self._loop.call_later(
-            CONNECT_TIMEOUT_S, self._connect_timeout
+            gateway.settings.connect_timeout, self._connect_timeout
         )
         self._reader = self._loop.create_task(self._read_loop())
 
@@ -201,7 +203,8 @@ class ClientConnection:
     def _connect_timeout(self) -> None:
         self._connect_timer = None
         if self.session is None and not self.closed:
-            log.info("%s: no CONNECT within %.0f s; closing", self.peer, CONNECT_TIMEOUT_S)
+            timeout = self.gw.settings.connect_timeout
+            log.info("%s: no CONNECT within %.1f s; closing", self.peer, timeout)
             self.close()
 
     def _check_keepalive(self) -> None:
@@ -326,6 +329,13 @@ class ClientConnection:
         if gw.stopping:
             self._refuse(0x89 if level == 5 else 0x88)  # server busy / unavailable
             return
+        code, self.username = await gw.access.check_connect(ev, self, gw.stats.clients_connected)
+        if self.closed:
+            return
+        if code:
+            self._refuse(code)
+            return
+        self.acl = gw.access.client_access(cid, self.username)
         old = gw.sessions.get(cid)
         if old is not None and old.connection is not None:
             log.info("%r: session taken over by a new connection from %s", cid, self.peer)
@@ -440,6 +450,7 @@ class ClientConnection:
             if pub.topic.startswith("$"):
                 raise TopicError("clients cannot publish to $-topics", reason_code=NOT_AUTHORIZED)
             topic = Topic(pub.topic)
+            gw.access.check_publish(self, pub.topic)  # limits (0x90) and ACL (0x87)
         except TopicError as e:
             if e.reason_code != NOT_AUTHORIZED:
                 self._fail(TOPIC_NAME_INVALID, f"invalid topic {pub.topic!r}: {e}")
@@ -572,6 +583,12 @@ class ClientConnection:
             if tf.is_shared and req.no_local:
                 self._fail(PROTOCOL_ERROR, "no-local on a shared subscription")
                 return
+            new = tf.text not in session.subscriptions
+            n = len(session.subscriptions)
+            refusal = gw.access.subscribe_refusal(self, tf.filter, tf.text, new, n)
+            if refusal:
+                codes.append(refusal if level == 5 else 0x80)
+                continue
             qos = min(req.qos, gw.settings.max_qos)
             existing = session.subscriptions.get(tf.text)
             if existing is not None:

@@ -429,7 +429,12 @@ class DeliveryLoop:
         packet_id: int | None = None,
     ) -> int:
         """Encode (cached per fan-out) and write one PUBLISH; returns the packet id used
-        (0 for QoS 0 or when the packet was dropped as larger than the client accepts)."""
+        (0 for QoS 0 or when the packet was dropped as larger than the client accepts, or as
+        not readable by this client under the ACL: wildcard subscriptions are checked here)."""
+        acl = self.client.acl
+        if acl is not None and not acl.may_read(rec.topic):
+            self.gw.stats.publish_dropped += 1
+            return 0
         level = self.level
         topic = rec.topic
         alias: int | None = None

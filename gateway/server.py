@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, cast
 
 from gateway.client import ClientConnection
+from gateway.limits import socket_limit
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -31,7 +32,10 @@ class MqttServerProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio.Transport.
         transport = cast(asyncio.Transport, transport)
-        if len(self.gw.connections) >= self.gw.settings.max_connections or self.gw.stopping:
+        # Up to socket_limit(), CONNECT is answered with "quota exceeded" (gateway/access.py);
+        # beyond it, sockets are closed unread.
+        limit = socket_limit(self.gw.settings.max_connections)
+        if len(self.gw.connections) >= limit or self.gw.stopping:
             log.warning("connection refused: %d connections open", len(self.gw.connections))
             transport.abort()
             return
