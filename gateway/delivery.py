@@ -107,7 +107,7 @@ class RecentMessages:
 
     def __init__(self, size: int = 8192) -> None:
         self._size = size
-        self._items: dict[tuple[str, int], StoredMessage] = {}
+        self._items: OrderedDict[tuple[str, int], StoredMessage] = OrderedDict()
 
     def add(self, parent: str, body: bytes, props: dict[str, str], r: PutResult) -> None:
         items = self._items
@@ -118,7 +118,7 @@ class RecentMessages:
                 parent, body, props, off, r.physical_offset, ts, ts, r.queue_offset, queues
             )
         while len(items) > self._size:
-            del items[next(iter(items))]  # dicts keep insertion order: oldest first
+            items.popitem(last=False)  # oldest first, O(1)
 
     def run(self, queue: str, offset: int, limit: int) -> list[StoredMessage]:
         """Consecutive cached messages of `queue` from `offset` (empty if the first is not)."""
