@@ -282,7 +282,9 @@ class Connection:
         n = len(buf)
         is_bytes = type(buf) is bytes
         v5 = self.protocol_level == 5
-        fast = True
+        # A limit below 130 bytes could refuse even a short PUBLISH: leave that to the
+        # general path, so that the inline path checks the limit only for long packets.
+        fast = self.max_packet_size >= 130
         limit = self.max_packet_size
         topics = TOPIC_CACHE
         ids = self._ids
@@ -296,16 +298,17 @@ class Connection:
         out_flight = ids.outbound
         while n - off >= 2:
             first = buf[off]
-            if first == 0x40 and fast and buf[off + 1] == 2 and n - off >= 4:
-                # PUBACK without reason code: every QoS 1 delivery brings one back.
-                acked = (buf[off + 2] << 8) | buf[off + 3]
-                if acked:
-                    out_flight.pop(acked, None)
-                    append(PubAck(acked))
-                    off += 4
-                    continue
             qos = fast_qos[first] if fast else None
-            if qos is not None:
+            if qos is None:
+                if first == 0x40 and fast and buf[off + 1] == 2 and n - off >= 4:
+                    # PUBACK without reason code: every QoS 1 delivery brings one back.
+                    acked = (buf[off + 2] << 8) | buf[off + 3]
+                    if acked:
+                        out_flight.pop(acked, None)
+                        append(PubAck(acked))
+                        off += 4
+                        continue
+            else:
                 try:
                     length = buf[off + 1]
                     if length < 128:
@@ -318,13 +321,12 @@ class Connection:
                             raise _Slow
                         length = (length & 0x7F) | (second << 7)
                         start = off + 3
+                        if length + 3 > limit:
+                            raise _Slow
                     end = start + length
-                    if end - off > limit:
-                        raise _Slow
                     if end > n:
                         break
-                    if length < 2:
-                        raise _Slow
+                    # A body shorter than 2 bytes makes pos > end (or IndexError at the end).
                     pos = start + 2 + ((buf[start] << 8) | buf[start + 1])
                     if pos > end:
                         raise _Slow
@@ -368,7 +370,7 @@ class Connection:
                     )
                     off = end
                     continue
-                except (_Slow, UnicodeDecodeError):
+                except (_Slow, UnicodeDecodeError, IndexError):
                     pass
             # The general path, one packet at a time.
             self._off = off
@@ -387,7 +389,11 @@ class Connection:
             buf = self._buf
             off = self._off
             n = len(buf)
-            fast = self._phase == CONNECTED and self._pending_error is None
+            fast = (
+                self._phase == CONNECTED
+                and self._pending_error is None
+                and self.max_packet_size >= 130
+            )
             v5 = self.protocol_level == 5
             in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
             receive_maximum = self.receive_maximum

@@ -386,3 +386,15 @@ def test_packets_after_disconnect_are_refused() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         conn.events()
     assert conn.error_packet(info.value) == b""
+
+
+@pytest.mark.parametrize("limit", [129, 130, 200, 301])
+def test_packet_size_limit_on_the_inline_path(limit: int) -> None:
+    conn = open_connection(4, max_packet_size=limit)
+    small = encode(Publish("t", b"x" * 100), 4)  # 105 bytes
+    large = encode(Publish("t", b"x" * 296), 4)  # 302 bytes
+    conn.receive_data(small + small + large)
+    assert len(conn.events()) == 2
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.events()
+    assert info.value.reason_code == 0x95
