@@ -294,7 +294,12 @@ class SessionRegistry:
     def _serialize(self) -> bytes:
         doc = {
             "version": SESSIONS_VERSION,
-            "sessions": {cid: s.to_json() for cid, s in self.sessions.items()},
+            # Clean sessions are listed while connected (inspect, analytics), not after.
+            "sessions": {
+                cid: s.to_json()
+                for cid, s in self.sessions.items()
+                if s.persistent or s.connection is not None
+            },
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
