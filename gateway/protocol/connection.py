@@ -60,6 +60,7 @@ from gateway.protocol.readers import (
     TOPIC_CACHE,
     cache_topic,
     check_fixed_flags,
+    check_message_properties,
     connect_level,
     read_connect,
     read_publish,
@@ -556,6 +557,7 @@ class Connection:
             if props is not None:
                 if props.subscription_identifiers is not None:
                     raise wire.protocol_error("a client PUBLISH must not carry subscription ids")
+                check_message_properties(props, event.payload)
                 if props.topic_alias is not None:
                     self._resolve_alias(event, props.topic_alias)
                     props.topic_alias = None
@@ -619,6 +621,9 @@ class Connection:
             raise wire.protocol_error("AUTH without an authentication method in CONNECT")
         if event.reason_code not in (0x18, 0x19):
             raise wire.protocol_error(f"a client AUTH must not carry 0x{event.reason_code:02X}")
+        method = event.properties.authentication_method if event.properties else None
+        if method != self._auth_method:
+            raise wire.protocol_error("AUTH with another authentication method than CONNECT")
 
     # ----------------------------------------------------------------- sending
 

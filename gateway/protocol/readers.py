@@ -43,6 +43,7 @@ read_uint16 = wire.read_uint16
 UNSUPPORTED_PROTOCOL_VERSION = 0x84
 CLIENT_IDENTIFIER_NOT_VALID = 0x85
 TOPIC_NAME_INVALID = 0x90
+PAYLOAD_FORMAT_INVALID = 0x99
 
 # Protocol name + level pairs we speak. A known name with another level gets CONNACK 0x84.
 PROTOCOLS: dict[str, tuple[int, ...]] = {"MQTT": (4, 5), "MQIsdp": (3,)}
@@ -105,6 +106,7 @@ def read_connect(flags: int, body: bytes, level: int) -> Connect:
         if not will_topic or "+" in will_topic or "#" in will_topic:
             raise RemoteProtocolError(TOPIC_NAME_INVALID, f"invalid will topic {will_topic!r}")
         will_payload, pos = wire.read_binary(body, pos)
+        check_message_properties(will_props, will_payload)
         will = Will(will_topic, will_payload, will_qos, will_retain, will_props)
     username = password = None
     if has_username:
@@ -174,6 +176,19 @@ def cache_topic(raw: bytes) -> str | None:
             TOPIC_CACHE.clear()
         TOPIC_CACHE[raw] = topic
     return topic
+
+
+def check_message_properties(props: Properties, payload: bytes) -> None:
+    """Rules on PUBLISH and Will properties that need the payload or a topic check."""
+    if props.payload_format_indicator == 1:
+        # "UTF-8 Encoded Character Data": the receiver MAY check it (MQTT 5, 3.3.2.3.2).
+        try:
+            payload.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RemoteProtocolError(PAYLOAD_FORMAT_INVALID, "payload is not UTF-8") from None
+    topic = props.response_topic
+    if topic is not None and (not topic or "+" in topic or "#" in topic):
+        raise wire.protocol_error(f"invalid response topic {topic!r}")
 
 
 def read_publish(flags: int, data: bytes | bytearray, start: int, end: int, level: int) -> Publish:

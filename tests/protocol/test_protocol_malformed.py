@@ -398,3 +398,47 @@ def test_packet_size_limit_on_the_inline_path(limit: int) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         conn.events()
     assert info.value.reason_code == 0x95
+
+
+def test_payload_format_and_response_topic_rules() -> None:
+    conn = open_connection(5)
+    ok = Publish("t", "grüße".encode(), properties=Properties(payload_format_indicator=1))
+    conn.receive_data(encode(ok, 5))
+    assert conn.events() == [ok]
+    bad = Publish("t", b"\xff\xfe", properties=Properties(payload_format_indicator=1))
+    conn.receive_data(encode(bad, 5))
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.events()
+    assert info.value.reason_code == 0x99
+    assert conn.error_packet(info.value) == b"\xe0\x01\x99"
+
+    conn = open_connection(5)
+    conn.receive_data(encode(Publish("t", b"", properties=Properties(response_topic="r/#")), 5))
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.events()
+    assert info.value.reason_code == PROTOCOL_ERROR
+
+
+def test_will_payload_format_checked_in_connect() -> None:
+    from gateway.protocol import Connect, Will
+
+    will = Will("w", b"\xff", 0, False, Properties(payload_format_indicator=1))
+    conn = Connection()
+    conn.receive_data(encode(Connect(5, "c", will=will), 5))
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.events()
+    assert conn.error_packet(info.value) == b"\x20\x03\x00\x99\x00"
+
+
+def test_auth_method_must_match_connect() -> None:
+    from gateway.protocol import Auth, Connect
+
+    conn = Connection()
+    conn.receive_data(
+        encode(Connect(5, "c", properties=Properties(authentication_method="A")), 5)
+        + encode(Auth(0x18, Properties(authentication_method="B")), 5)
+    )
+    assert len(conn.events()) == 1
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.events()
+    assert info.value.reason_code == PROTOCOL_ERROR
