@@ -161,6 +161,19 @@ class BrokerProcess:
         except psutil.Error:
             return 0
 
+    def anon(self) -> int:
+        """Anonymous resident memory (heap, stacks): RSS minus file-backed and shared pages.
+
+        lmqtt maps its CommitLog segments; the pages it writes count in RSS but are page cache
+        the kernel can write back and drop, unlike heap.
+        """
+        assert self.ps is not None
+        try:
+            info = self.ps.memory_info()
+        except psutil.Error:
+            return 0
+        return int(info.rss - getattr(info, "shared", 0))
+
     def cpu_seconds(self) -> float:
         assert self.ps is not None
         try:

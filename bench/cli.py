@@ -98,6 +98,8 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
                     finally:
                         broker.kill()
                     metrics["host_busy_before"] = round(busy, 2)
+                    if any("disconnected" in f or "exited" in f for f in metrics.get("flags", [])):
+                        entry["notes"].append(f"run {attempt + 1}: {broker.log_tail(3)}")
                     entry["runs"].append(metrics)
                     print(f"    {json.dumps(metrics)}", file=sys.stderr, flush=True)
                 if entry["runs"]:
@@ -127,6 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--docs", type=Path, help="also write the table to this Markdown file")
+    parser.add_argument("--from-json", type=Path, help="only render the table of a saved run")
     args = parser.parse_args(argv)
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown:
@@ -137,6 +140,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        markdown = render_markdown(json.loads(args.from_json.read_text()))
+        if args.docs:
+            write_docs(args.docs, markdown)
+        print(markdown)
+        return 0
     nofile = raise_open_files_limit()
     started = dt.datetime.now(dt.UTC)
     results = asyncio.run(run_all(args))

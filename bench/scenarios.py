@@ -157,6 +157,10 @@ async def fanout(
     finally:
         await _close_all(workers)
     delivered = sum(int(r["count"]) for r in results)
+    if published["lost_connection"]:
+        cpu["flags"].append("publisher-disconnected")
+    if broker.process is not None and broker.process.returncode is not None:
+        cpu["flags"].append(f"broker-exited({broker.process.returncode})")
     last = max((float(r["last"]) for r in results if r["count"]), default=published["end"])
     span = max(last - float(published["start"]), 1e-6)
     pub_span = max(float(published["end"]) - float(published["start"]), 1e-6)
@@ -236,6 +240,7 @@ async def latency(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metr
 async def idle_connections(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
     await asyncio.sleep(1.0)
     baseline = broker.rss()
+    baseline_anon = broker.anon()
     processes = 2
     share = settings.idle // processes
     workers = [
@@ -262,6 +267,7 @@ async def idle_connections(broker: BrokerProcess, settings: RunSettings, _: Path
         cpu = probe.stop()
         await asyncio.sleep(1.5)
         after = broker.rss()
+        after_anon = broker.anon()
     finally:
         await _close_all(workers)
     connected = sum(int(r["connected"]) for r in reports)
@@ -271,6 +277,9 @@ async def idle_connections(broker: BrokerProcess, settings: RunSettings, _: Path
         "failures": sum(int(r["failures"]) for r in reports),
         "connects_per_s": round(connected / max(span, 1e-6)),
         "kib_per_connection": round((after - baseline) / 1024 / max(connected, 1), 2),
+        "anon_kib_per_connection": round(
+            (after_anon - baseline_anon) / 1024 / max(connected, 1), 2
+        ),
         "rss_mb": round(after / 2**20, 1),
         **cpu,
     }
@@ -312,6 +321,7 @@ async def backlog(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metr
     await _session(broker, "bench-backlog", topic)
     await asyncio.sleep(0.5)
     baseline = broker.rss()
+    baseline_anon = broker.anon()
     pub = Worker(
         {
             "role": "pub",
@@ -348,12 +358,16 @@ async def backlog(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metr
     acked = int(published["acked"])
     drain_span = max(float(result["last"] or connect_at) - connect_at, 1e-6)
     growth = (rss.peak - baseline) / 2**20
+    growth_anon = (rss.peak_anon - baseline_anon) / 2**20
+    per_million = 1_000_000 / max(acked, 1)
     return {
         "backlog": acked,
         "complete": acked >= settings.backlog,
         "publish_per_s": round(acked / max(published["end"] - published["start"], 1e-6)),
         "growth_mb": round(growth, 1),
-        "growth_mb_per_million": round(growth * 1_000_000 / max(acked, 1), 1),
+        "growth_mb_per_million": round(growth * per_million, 1),
+        "anon_growth_mb": round(growth_anon, 1),
+        "anon_growth_mb_per_million": round(growth_anon * per_million, 1),
         "stored_growth_mb": round((stored_peak - baseline) / 2**20, 1),
         "drain_per_s": round(delivered / drain_span),
         "drained": delivered,
@@ -479,8 +493,9 @@ SCENARIOS: dict[str, Scenario] = {
             backlog,
             (
                 Metric("backlog", "messages queued", "msgs"),
-                Metric("growth_mb", "peak memory growth", "MB", False),
-                Metric("growth_mb_per_million", "growth per 1M msgs", "MB", False),
+                Metric("growth_mb", "peak RSS growth", "MB", False),
+                Metric("growth_mb_per_million", "RSS growth per 1M msgs", "MB", False),
+                Metric("anon_growth_mb_per_million", "heap (anon) growth per 1M msgs", "MB", False),
                 Metric("drain_per_s", "drain rate", "msg/s"),
             ),
             repeated=False,

@@ -174,11 +174,13 @@ class RssSampler:
         self.broker = broker
         self.interval = interval
         self.peak = broker.rss()
+        self.peak_anon = broker.anon()
         self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
         while True:
             self.peak = max(self.peak, self.broker.rss())
+            self.peak_anon = max(self.peak_anon, self.broker.anon())
             await asyncio.sleep(self.interval)
 
     def __enter__(self) -> RssSampler:
@@ -189,3 +191,4 @@ class RssSampler:
         if self._task is not None:
             self._task.cancel()
         self.peak = max(self.peak, self.broker.rss())
+        self.peak_anon = max(self.peak_anon, self.broker.anon())
