@@ -71,8 +71,8 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _ratio(a: Any, b: Any) -> str:
-    if not isinstance(a, int | float) or not isinstance(b, int | float) or not b:
+def _ratio(a: Any, b: Any, meaningful: bool = True) -> str:
+    if not meaningful or not isinstance(a, int | float) or not isinstance(b, int | float) or not b:
         return "-"
     return f"{a / b:.2f}x"
 
@@ -147,8 +147,8 @@ def render_markdown(document: dict[str, Any]) -> str:
             lines.append(
                 f"| {scenario.title} | {metric.label} ({metric.unit}) | "
                 + " | ".join(cells)
-                + f" | {_ratio(values.get('lmqtt'), values.get('mosquitto'))}"
-                + f" | {_ratio(values.get('lmqtt'), values.get('amqtt'))}"
+                + f" | {_ratio(values.get('lmqtt'), values.get('mosquitto'), metric.ratio)}"
+                + f" | {_ratio(values.get('lmqtt'), values.get('amqtt'), metric.ratio)}"
                 + f" | {verdicts.get((name, metric.key), '')} |"
             )
     lines += [
