@@ -355,7 +355,10 @@ class Connection:
                     if first & 1 and not retain_available:
                         raise _Slow
                     if packet_id is not None and packet_id not in in_qos1:
-                        if len(in_qos1) + in_flight_others >= receive_maximum:
+                        # With the default 65535 only a reused id could exceed the quota.
+                        if receive_maximum < 0xFFFF and (
+                            len(in_qos1) + in_flight_others >= receive_maximum
+                        ):
                             raise _Slow
                         in_qos1.add(packet_id)
                     append(
