@@ -19,8 +19,8 @@ from gateway.access import AccessControl
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
-from gateway.protocol import Publish, Will
 from gateway.listeners import ExtraListeners
+from gateway.protocol import Publish, Will
 from gateway.records import message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
 from gateway.server import MqttServerProtocol
@@ -83,6 +83,7 @@ class Gateway:
                     self.shared.acquire(sub.share_group, tf.filter, sub.queue, resume=True)
                 self.stats.subscriptions += 1
             self.sessions.schedule_expiry(session)
+        self._restore_wills()
         self.stats.retained_count = len(self.retained)
         port = s.default_port
         self._server = await loop.create_server(
@@ -107,6 +108,26 @@ class Gateway:
             s.flush,
             len(self.sessions),
         )
+
+    def _restore_wills(self) -> None:
+        """Wills survive restarts: delayed ones keep their due time; those of connections the
+        previous run lost without a DISCONNECT (a crash) start their delay now."""
+        now = now_ms()
+        for cid, orphan in self.sessions.orphan_wills:
+            self.wills.schedule(cid, orphan, 0)
+        self.sessions.orphan_wills.clear()
+        for session in self.sessions.sessions.values():
+            will = session.will
+            if will is None:
+                continue
+            if session.will_due_ms is None:
+                delay = (will.properties.will_delay_interval or 0) if will.properties else 0
+                session.will_due_ms = now + delay * 1000
+            due = session.will_due_ms
+            expires = session.expires_at_ms()
+            if expires is not None:
+                due = min(due, expires)
+            self.wills.schedule(session.client_id, will, max(0, due - now) / 1000)
 
     def _clamp_to_store(self, session: Session) -> None:
         """After an async-flush crash the log may end before positions sessions.json saved:
@@ -220,6 +241,11 @@ class Gateway:
     async def _publish_will(self, client_id: str, will: Will) -> None:
         if self.stopping:
             return
+        session = self.sessions.get(client_id)
+        if session is not None and session.will is will:
+            session.will = None
+            session.will_due_ms = None
+            self.sessions.mark_dirty()
         log.info("publishing the will of %r to %r", client_id, will.topic)
         props = will.properties
         pub = Publish(
@@ -289,7 +315,10 @@ class Gateway:
     def connection_ended(self, session: Session, will: Will | None) -> None:
         """A connection of `session` closed; `will` is set when it closed abnormally."""
         cid = session.client_id
+        session.will = None
+        session.will_due_ms = None
         if self.stopping:
+            # Closed by our own graceful shutdown: no will; the session resumes after restart.
             session.disconnected_at_ms = now_ms()
             return
         if not session.persistent:
@@ -303,5 +332,8 @@ class Gateway:
                 delay = 0
                 if session.protocol_level == 5 and will.properties is not None:
                     delay = will.properties.will_delay_interval or 0
-                self.wills.schedule(cid, will, min(delay, session.expiry_interval))
+                delay = min(delay, session.expiry_interval)
+                session.will = will
+                session.will_due_ms = now_ms() + delay * 1000
+                self.wills.schedule(cid, will, delay)
         self.sessions.mark_dirty()

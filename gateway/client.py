@@ -356,6 +356,8 @@ class ClientConnection:
         session.expiry_interval = expiry
         session.disconnected_at_ms = None
         session.connection = self
+        session.will = will  # persisted: a crash must not lose it
+        session.will_due_ms = None
         self.session = session
         self.will = will
         props: Properties | None = None

@@ -13,7 +13,12 @@ subscribed light queue past the session's read position, on disk in the store.
                            "retain_handling": 0, "subscription_identifier": null | int,
                            "start_offset": 123, "next_offset": 130, "start_phys": 4096}],
         "qos2_inbound": [packet ids],
-        "inflight": [{"packet_id": 1, "queue": "...", "offset": 5, "qos": 1, "pubrel": false}]}}}
+        "inflight": [{"packet_id": 1, "queue": "...", "offset": 5, "qos": 1, "pubrel": false}],
+        "will": null | {"topic", "payload" (base64), "qos", "retain", "properties"},
+        "will_due_ms": null | int}}}
+
+`will` is the will of the live connection (kept so a crash still publishes it after restart)
+or, with `will_due_ms`, a delayed will waiting to be published.
 
 `filter` is the filter as subscribed (with a `$share/g/` prefix for shared subscriptions).
 `next_offset` is the read position; everything below it that is not in `inflight` was delivered
@@ -31,8 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gateway.will import will_from_json, will_to_json
+
 if TYPE_CHECKING:
     from gateway.client import ClientConnection
+    from gateway.protocol import Will
     from gateway.shared import SharedGroup
     from store import MessageStore
 
@@ -138,6 +146,8 @@ class Session:
         self.inflight: dict[int, Inflight] = {}  # insertion order = send order
         self.connection: ClientConnection | None = None
         self.expiry_timer: asyncio.TimerHandle | None = None
+        self.will: Will | None = None  # of the live connection, or pending after it ended
+        self.will_due_ms: int | None = None  # set while a delayed will waits
         self._next_packet_id = 1
 
     @property
@@ -178,6 +188,8 @@ class Session:
             "subscriptions": [s.to_json() for s in self.subscriptions.values()],
             "qos2_inbound": sorted(self.qos2_inbound),
             "inflight": [i.to_json() for i in self.inflight.values() if i.queue is not None],
+            "will": will_to_json(self.will) if self.will is not None else None,
+            "will_due_ms": self.will_due_ms,
         }
 
     @classmethod
@@ -187,6 +199,9 @@ class Session:
         for sd in d.get("subscriptions", []):
             s.add_subscription(SubscriptionState.from_json(sd))
         s.qos2_inbound = {int(x) for x in d.get("qos2_inbound", [])}
+        if d.get("will"):
+            s.will = will_from_json(d["will"])
+            s.will_due_ms = d.get("will_due_ms")
         for i in d.get("inflight", []):
             inf = Inflight(
                 packet_id=int(i["packet_id"]),
@@ -210,6 +225,8 @@ class SessionRegistry:
         self._store = store
         self._on_expire = on_expire
         self.sessions: dict[str, Session] = {}
+        # Wills of clean sessions cut off by a crash: published once at start.
+        self.orphan_wills: list[tuple[str, Will]] = []
         self._dirty = False
         self._lock = asyncio.Lock()
         self._writing: asyncio.Future[None] | None = None
@@ -282,10 +299,13 @@ class SessionRegistry:
             except (KeyError, TypeError, ValueError) as e:
                 log.error("session %r in %s unreadable (%s); dropped", cid, SESSIONS_FILE, e)
                 continue
+            crashed = s.disconnected_at_ms is None  # connected when the previous run ended
+            if crashed:
+                s.disconnected_at_ms = now
             if not s.persistent:
+                if crashed and s.will is not None:
+                    self.orphan_wills.append((cid, s.will))
                 continue
-            if s.disconnected_at_ms is None:
-                s.disconnected_at_ms = now  # was connected when the previous run ended
             self.sessions[cid] = s
             loaded.append(s)
         self._dirty = True

@@ -12,7 +12,7 @@ from gateway.protocol import (
     Subscription,
     Will,
 )
-from tests.gateway.conftest import Client, GatewayHarness, RawClient
+from tests.gateway.conftest import Client, GatewayHarness, RawClient, wait_until
 
 
 def _watcher(gateway: GatewayHarness, topic: str, level: int = 5) -> RawClient:
@@ -176,4 +176,53 @@ def test_will_published_when_session_expires_before_delay(gateway: GatewayHarnes
     msg = w.recv(timeout=5)
     assert msg.payload == b"ended"
     assert 0.9 <= time.monotonic() - t0 < 5  # at session end (1 s), not after the 30 s delay
+    w.close()
+
+
+def test_delayed_will_survives_gateway_restart(gateway: GatewayHarness) -> None:
+    c = RawClient(gateway.port, level=5)
+    c.connect(
+        "restart-will",
+        will=Will("will/restart", b"after-restart", 1, False, Properties(will_delay_interval=1)),
+        properties=Properties(session_expiry_interval=60),
+    )
+    c.close()  # abnormal: the delayed will is pending
+    gw = gateway.gw
+    assert gw is not None
+    wait_until(
+        lambda: gateway.call(lambda: gw.sessions.get("restart-will").connection is None),  # type: ignore[union-attr]
+        what="session offline",
+    )
+    gateway.restart()
+    w = _watcher(gateway, "will/restart")
+    msg = w.recv(timeout=5)
+    assert msg.payload == b"after-restart"
+    w.close()
+
+
+def test_wills_of_connections_cut_by_a_crash_are_published(gateway: GatewayHarness) -> None:
+    gw = gateway.gw
+    assert gw is not None
+    w = RawClient(gateway.port, level=4)
+    w.connect("watch-crash", clean=False)
+    w.send(Subscribe(1, [Subscription("will/crash/+", 1)]))
+    w.recv()
+    w.close()
+    persistent = RawClient(gateway.port, level=4)
+    persistent.connect("crash-p", clean=False, will=Will("will/crash/p", b"p", 1, False))
+    clean = RawClient(gateway.port, level=4)
+    clean.connect("crash-c", clean=True, will=Will("will/crash/c", b"c", 1, False))
+    # A crash: sessions.json as saved while both were connected, and no graceful stop.
+    gateway.run(gw.sessions.save())
+    path = gateway.data_dir / "config" / "sessions.json"
+    saved = path.read_bytes()
+    gateway.stop()
+    path.write_bytes(saved)
+    persistent.close()
+    clean.close()
+    gateway.start()
+    w = RawClient(gateway.port, level=4)
+    assert w.connect("watch-crash", clean=False).session_present
+    got = sorted(w.recv().payload for _ in range(2))
+    assert got == [b"c", b"p"]
     w.close()
