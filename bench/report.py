@@ -192,8 +192,18 @@ How to read the table:
   `autosave_interval 1`, its most frequent save.
 - amqtt runs with only the anonymous-auth plugin (no packet logger, no $SYS); it keeps
   sessions in memory, so it has no durability row.
-- Backlog: the publish phase is capped (`--backlog-seconds`, default 30 s); when the cap hits
-  before `--backlog` messages, growth per 1M messages is extrapolated linearly.
+- deliveries per broker CPU-s divides deliveries by the CPU time the broker process used in the
+  window: on a shared host it is the steadier figure, since it does not depend on how much CPU
+  other jobs left to the broker.
+- Publishers run closed loop: at most 5,000 deliveries ahead of the subscribers (5,000 messages
+  for 1 -> 1, 50 for 1 -> 100), so a run measures the rate a broker sustains with bounded
+  queues, not how much it can buffer.
+- Backlog: the publish phase is capped (`--backlog-seconds`, default 20 s); when the cap hits
+  before `--backlog` messages, growth per 1M messages is extrapolated linearly. "RSS" includes
+  the CommitLog segments lmqtt maps into memory (file-backed page cache the kernel can write
+  back and drop); "heap (anon)" is RSS minus file-backed and shared pages.
+- Latency is measured from the publisher's send timestamp (CLOCK_MONOTONIC, shared by all
+  processes) to the subscriber's read, the first 200 messages skipped.
 
 ## Latest results
 
