@@ -116,9 +116,11 @@ class SimClient:
         if refused or len(codes) != len(filters):
             raise SimError(f"{self.client_id}: gateway refused subscriptions {refused or filters}")
 
-    async def publish(self, topic: str, payload: bytes, qos: int) -> None:
+    async def publish(self, topic: str, payload: bytes, qos: int, timeout: float = 10.0) -> None:
+        # amqtt waits 5 s for a PUBACK, but waits without limit for a lost connection to come
+        # back before even sending: hence the overall timeout.
         try:
-            await self._client.publish(topic, payload, qos=qos)
+            await asyncio.wait_for(self._client.publish(topic, payload, qos=qos), timeout)
         except (ClientError, AMQTTError, OSError, TimeoutError, ValueError) as exc:
             raise PublishFailed(f"{self.client_id}: publish to {topic!r} failed: {exc!r}") from exc
         except asyncio.CancelledError:

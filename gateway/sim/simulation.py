@@ -203,6 +203,7 @@ class Simulation:
         self._publish_end = 0.0
         self._interrupted = False
         self._background: set[asyncio.Task[None]] = set()
+        self._receivers: list[asyncio.Task[None]] = []
 
     def _new_client(self, name: str, clean_session: bool = True) -> SimClient:
         config = self.config
@@ -247,37 +248,56 @@ class Simulation:
 
     # -- the run ------------------------------------------------------------------------
 
+    @property
+    def time_bound(self) -> float:
+        """Seconds a run may take before it is abandoned: each phase is bounded on its own
+        (connect and publish timeouts, duration, drain); this catches what slips through."""
+        config = self.config
+        connecting = 2 * config.connect_timeout + (config.devices + config.subscribers) / 50
+        return connecting + config.duration + config.drain_timeout + 60.0
+
     async def run(self) -> SimReport:
+        """Run once and report; SimError if the gateway cannot be reached or the run hangs."""
         loop = asyncio.get_running_loop()
         self._started_at = loop.time()
-        receivers: list[asyncio.Task[None]] = []
         try:
-            self._phase = "connecting"
-            await self._connect_subscribers()
-            receivers = [
-                asyncio.create_task(self._receive(s), name=f"receive {s.plan.name}")
-                for s in self._subscribers
-            ]
-            await self._connect_devices()
-            self._phase = "publishing"
-            self._publish_start = loop.time()
-            self._publish_end = self._publish_start + self.config.duration
-            schedules = [asyncio.create_task(self._schedule(s)) for s in self._subscribers]
+            async with asyncio.timeout(self.time_bound):
+                await self._run_phases()
+        except TimeoutError as exc:
+            raise SimError(f"the run did not finish within {self.time_bound:.0f}s") from exc
+        finally:
+            self._phase = "closing"
+            for task in self._receivers:
+                task.cancel()
+            await asyncio.gather(*self._receivers, return_exceptions=True)
+            await self._close()
+            self._phase = "done"
+        return self._report(loop.time() - self._started_at)
+
+    async def _run_phases(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._phase = "connecting"
+        await self._connect_subscribers()
+        self._receivers = [
+            asyncio.create_task(self._receive(s), name=f"receive {s.plan.name}")
+            for s in self._subscribers
+        ]
+        await self._connect_devices()
+        self._phase = "publishing"
+        self._publish_start = loop.time()
+        self._publish_end = self._publish_start + self.config.duration
+        schedules = [asyncio.create_task(self._schedule(s)) for s in self._subscribers]
+        try:
             await asyncio.gather(*(self._publish_from(d) for d in self._devices))
             if not self._devices:  # observers only: listen for the whole duration
                 await self._stopped_within(self._publish_end - loop.time())
             self._stop.set()  # publishing is over: the schedules bring everyone back
             await asyncio.gather(*schedules)
-            self._phase = "draining"
-            await self._drain(loop.time() + self.config.drain_timeout)
         finally:
-            self._phase = "closing"
-            for task in receivers:
+            for task in schedules:
                 task.cancel()
-            await asyncio.gather(*receivers, return_exceptions=True)
-            await self._close()
-            self._phase = "done"
-        return self._report(loop.time() - self._started_at)
+        self._phase = "draining"
+        await self._drain(loop.time() + self.config.drain_timeout)
 
     async def _connect_subscribers(self) -> None:
         for subscriber in self._subscribers:  # in order: SUBACK times are the baseline
@@ -388,12 +408,14 @@ class Simulation:
 
     async def _bring_back(self, subscriber: _Subscriber) -> None:
         await subscriber.client.disconnect()
-        for _attempt in range(10):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2 * self.config.connect_timeout
+        while True:
             try:
                 await subscriber.client.connect(self.config.connect_timeout)
             except SimError:
-                if self._abort.is_set():
-                    return
+                if self._abort.is_set() or loop.time() >= deadline:
+                    return  # still offline: what it misses is reported as lost
                 await asyncio.sleep(0.5)
                 continue
             if not subscriber.plan.persistent:  # a clean session lost its subscriptions
@@ -440,14 +462,18 @@ class Simulation:
             subscriber.online = False
         if self.config.keep_sessions or self._abort.is_set():
             return
+
         # A clean-session CONNECT with the same client id discards the persistent session,
         # so finished runs do not leave queues filling up on the gateway.
-        for subscriber in self._subscribers:
-            if subscriber.plan.persistent and subscriber.client.has_connected:
-                cleaner = self._new_client(subscriber.plan.name)
-                with contextlib.suppress(SimError):
-                    await cleaner.connect(self.config.connect_timeout)
-                await cleaner.disconnect()
+        async def discard(subscriber: _Subscriber) -> None:
+            cleaner = self._new_client(subscriber.plan.name)
+            with contextlib.suppress(SimError):
+                await cleaner.connect(self.config.connect_timeout)
+            await cleaner.disconnect()
+
+        await asyncio.gather(
+            *(discard(s) for s in self._subscribers if s.plan.persistent and s.client.has_connected)
+        )
 
     def _report(self, elapsed: float) -> SimReport:
         subscribers = []

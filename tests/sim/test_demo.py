@@ -7,7 +7,6 @@ service) as local processes, with only host, port, paths and durations rewritten
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -132,9 +131,8 @@ def test_the_compose_demo_runs_locally(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.spark
+@pytest.mark.timeout(900)
 def test_the_compose_analytics_step_reports_on_the_demos_data(tmp_path: Path) -> None:
-    if importlib.util.find_spec("analytics.cli") is None:
-        pytest.skip("analytics.cli does not exist yet")
     data, _reports = run_compose_demo(tmp_path, duration=2.0)
     run_analytics(compose()["services"]["analytics"], data, tmp_path / "reports")
 

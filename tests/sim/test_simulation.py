@@ -93,6 +93,25 @@ async def test_an_unreachable_gateway_is_a_sim_error() -> None:
         await run_simulation(config(closed_port(), connect_timeout=5.0))
 
 
+async def test_a_server_that_never_answers_connect_is_a_sim_error_not_a_hang() -> None:
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def swallow(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # read nothing, answer nothing
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(SimError, match="cannot connect"):
+            await run_simulation(config(port, connect_timeout=1.0))
+        assert accepted
+    finally:
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
 @pytest.mark.parametrize(
     "bad",
     [
