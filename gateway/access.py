@@ -127,12 +127,29 @@ class AccessControl:
     ) -> tuple[int, str | None]:
         """(reason code, user name): 0 = accept. `connected` = clients connected now."""
         s = self.settings
-        host = client.peer.rsplit(":", 1)[0].strip("[]")
+        peer = client.transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else client.peer
         if not self.rate.allow(host):
             return self._refused(client, CONNECTION_RATE_EXCEEDED, "connect rate exceeded")
         if connected >= s.max_connections:
             return self._refused(client, QUOTA_EXCEEDED, "max_connections reached")
-        if s.tls_use_identity_as_username:
+        code, user = await self._authenticate(ev, client)
+        if code:
+            return code, None
+        will = ev.will
+        if will is not None:
+            # The will is published for this client later, so it needs the right to publish
+            # there now (Mosquitto 2 refuses such a CONNECT the same way).
+            why = topic_limit_error(will.topic, s.max_topic_length, s.max_topic_levels)
+            if why is not None:
+                return self._refused(client, TOPIC_NAME_INVALID, f"will topic: {why}")
+            acl = self.client_access(client.client_id, user)
+            if acl is not None and not acl.may_write(will.topic):
+                return self._refused(client, NOT_AUTHORIZED, "will topic not authorized")
+        return 0, user
+
+    async def _authenticate(self, ev: Connect, client: ClientConnection) -> tuple[int, str | None]:
+        if self.settings.tls_use_identity_as_username:
             cn = certificate_cn(client.transport.get_extra_info("peercert"))
             if cn is not None:
                 return 0, cn

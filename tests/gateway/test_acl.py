@@ -317,3 +317,20 @@ def test_acl_reload_applies_to_connected_clients(
     alice.publish("sensors/b", b"end", 1)
     assert bob.wait_messages(3)[-1].payload == b"end"
     assert b"still denied" not in bob.payloads()
+
+
+@pytest.mark.parametrize("v5", [True, False])
+def test_will_topic_needs_write_access(
+    acl_gateway: GatewayHarness, clients: list[Client], v5: bool
+) -> None:
+    port = acl_gateway.port
+    refused = Client(port, "w1", v5=v5, will=("sensors/x", b"gone", 1, False), connect=False)
+    clients.append(refused)
+    refused.c.username_pw_set("bob")
+    refused.connect()
+    assert refused.connack is not None and refused.connack[1] == 0x87
+    ok = Client(port, "w2", v5=v5, will=("bob/out", b"gone", 1, False), connect=False)
+    clients.append(ok)
+    ok.c.username_pw_set("bob")
+    ok.connect()
+    assert ok.connack == (False, 0)
