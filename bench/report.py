@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
+import tempfile
+import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -38,6 +41,19 @@ def _version(command: list[str]) -> str:
     return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr) else ""
 
 
+def fsync_latency_ms(rounds: int = 100) -> str:
+    """p50/p99 of a 4 KiB write + fsync in the temp dir: what sync flush waits for at best."""
+    samples = []
+    with tempfile.NamedTemporaryFile() as handle:
+        for _ in range(rounds):
+            os.write(handle.fileno(), b"\x00" * 4096)
+            start = time.perf_counter()
+            os.fsync(handle.fileno())
+            samples.append((time.perf_counter() - start) * 1000)
+    samples.sort()
+    return f"p50 {samples[rounds // 2]:.2f} ms, p99 {samples[int(rounds * 0.99)]:.2f} ms"
+
+
 def machine_details() -> dict[str, Any]:
     def pkg(name: str) -> str:
         try:
@@ -56,6 +72,7 @@ def machine_details() -> dict[str, Any]:
         "amqtt": pkg("amqtt"),
         "mosquitto": _version(["mosquitto", "-h"]).replace("mosquitto version ", ""),
         "uvloop": pkg("uvloop"),
+        "fsync": fsync_latency_ms(),
     }
 
 
