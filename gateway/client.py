@@ -90,7 +90,6 @@ class ClientConnection:
         self._eof = False
         self._abnormal = True
         self._loop = asyncio.get_running_loop()
-        self._data = asyncio.Event()
         self._last_rx = self._loop.time()
         self._unparsed = 0
         self._reading_paused = False
@@ -101,7 +100,9 @@ class ClientConnection:
         self._connect_timer: asyncio.TimerHandle | None = self._loop.call_later(
             gateway.settings.connect_timeout, self._connect_timeout
         )
-        self._reader = self._loop.create_task(self._read_loop())
+        # The reader task exists only while there are bytes to handle: an idle connection
+        # costs no task (memory per connection is what limits how many devices fit).
+        self._reader: asyncio.Task[None] | None = None
 
     # -- bytes in / out (called by the asyncio Protocol) --------------------------------------
 
@@ -114,7 +115,7 @@ class ClientConnection:
         self._unparsed += len(data)
         if self._unparsed > MAX_UNPARSED + self.gw.settings.max_packet_size:
             self._pause_reading()
-        self._data.set()
+        self._kick()
 
     def feed_eof(self) -> None:
         if not self._eof:
@@ -123,7 +124,11 @@ class ClientConnection:
                 self.conn.receive_data(b"")
             except LocalProtocolError:
                 pass
-            self._data.set()
+            self._kick()
+
+    def _kick(self) -> None:
+        if self._reader is None and not self.closed:
+            self._reader = self._loop.create_task(self._read_loop())
 
     def write(self, data: bytes) -> None:
         if data and not self.closed:
@@ -141,7 +146,8 @@ class ClientConnection:
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cleanup()
-        self._reader.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and not self.closed:
@@ -173,7 +179,7 @@ class ClientConnection:
         self.closed = True
         self._cleanup()
         self.transport.close()
-        if asyncio.current_task() is not self._reader:
+        if self._reader is not None and asyncio.current_task() is not self._reader:
             self._reader.cancel()
 
     def abort(self, reason: int) -> None:
@@ -222,30 +228,31 @@ class ClientConnection:
     # -- the reader task ---------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        """Handle every complete packet buffered (and arriving meanwhile), then end."""
         try:
             while not self.closed:
-                await self._data.wait()
-                self._data.clear()
-                while not self.closed:
-                    try:
-                        ev = self.conn.next_event()
-                    except RemoteProtocolError as err:
-                        self._protocol_error(err)
-                        return
-                    if ev is NEED_DATA:
-                        break
-                    if type(ev) is ConnectionClosed:
-                        log.debug("%r: connection closed by peer", self.client_id or self.peer)
-                        self.close()
-                        return
-                    await self._handle(ev)
-                self._unparsed = 0
-                self._resume_reading()
+                try:
+                    ev = self.conn.next_event()
+                except RemoteProtocolError as err:
+                    self._protocol_error(err)
+                    return
+                if ev is NEED_DATA:
+                    break
+                if type(ev) is ConnectionClosed:
+                    log.debug("%r: connection closed by peer", self.client_id or self.peer)
+                    self.close()
+                    return
+                await self._handle(ev)
+            self._unparsed = 0
+            self._resume_reading()
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("%r: internal error handling a packet", self.client_id or self.peer)
             self.close(IMPLEMENTATION_SPECIFIC)
+        finally:
+            if self._reader is asyncio.current_task():
+                self._reader = None
 
     def _protocol_error(self, err: RemoteProtocolError) -> None:
         log.warning(

@@ -2,14 +2,15 @@
 
 Theory of operation. A session's non-shared subscriptions each read their own light queue from
 `next_offset`. One pass of the loop reads a batch from every queue that has something new
-(store.max_offset > next_offset) and sends what the client's receive window allows. When a pass
-finds nothing to do, the loop waits on one asyncio.Event, set by:
+(store.max_offset > next_offset) and sends what the client's receive window allows. A pass
+that made progress schedules the next one (call_soon, so publishers and other sessions run in
+between); a pass that found nothing ends, and the loop sleeps (no task, no timer) until woken by:
   - the store's arrival notice for any of its queues (ArrivalHub), i.e. long polling;
   - an acknowledgement freeing window space;
   - the transport draining below its low-water mark (resume_writing);
   - a new subscription or retained messages to send.
-The event is cleared BEFORE a pass, and the store calls the listener synchronously on the loop
-thread after dispatch, so no notice can fall between "found nothing" and "wait".
+The store calls the listener synchronously on the loop thread after dispatch, and a pass runs
+to completion without yielding, so no notice can fall between "found nothing" and "sleep".
 
 Overlapping subscriptions. A message matching several filters of one session sits in several of
 its queues. It is delivered once, at the highest QoS of the matching subscriptions and with all
@@ -151,8 +152,10 @@ class DeliveryLoop:
         self.aliases: dict[str, int] = {}
         self.retained_backlog: deque[tuple[RetainedMessage, SubscriptionState]] = deque()
         self.groups: set[SharedGroup] = set()
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        # Stepped with call_soon rather than a task: an idle subscriber costs no task.
+        self._loop = asyncio.get_running_loop()
+        self._scheduled = False
+        self._stopped = False
         self._watched: set[str] = set()
         # Packets of the batch being read, written with one transport.write() at its end.
         self._batch: list[bytes] | None = None
@@ -163,12 +166,10 @@ class DeliveryLoop:
         for sub in self.session.by_queue.values():
             self.watch(sub.queue)
         self._resend_inflight()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self.wake()
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        self._stopped = True
         for q in self._watched:
             self.gw.arrivals.unwatch(q, self.wake)
         self._watched.clear()
@@ -187,7 +188,9 @@ class DeliveryLoop:
             self.gw.arrivals.unwatch(queue, self.wake)
 
     def wake(self) -> None:
-        self._wake.set()
+        if not self._scheduled and not self._stopped:
+            self._scheduled = True
+            self._loop.call_soon(self._step)
 
     def capacity(self) -> int:
         return self.window - len(self.session.inflight)
@@ -195,16 +198,14 @@ class DeliveryLoop:
     def can_send(self) -> bool:
         return self.client.writable and not self.client.closed
 
-    async def _run(self) -> None:
+    def _step(self) -> None:
+        """One pass; another is scheduled (after whatever else is ready) while it progresses."""
+        self._scheduled = False
+        if self._stopped:
+            return
         try:
-            while True:
-                self._wake.clear()
-                if self._pass():
-                    await asyncio.sleep(0)  # let publishers and other sessions run
-                    continue
-                await self._wake.wait()
-        except asyncio.CancelledError:
-            raise
+            if self._pass():
+                self.wake()
         except Exception:
             log.exception("delivery to %r failed; closing the connection", self.session.client_id)
             self.client.abort(0x83)
