@@ -137,6 +137,24 @@ class RecentMessages:
 class DeliveryLoop:
     """Sends a connected session's messages within its window; see the module docstring."""
 
+    __slots__ = (
+        "_batch",
+        "_loop",
+        "_scheduled",
+        "_stopped",
+        "_watched",
+        "alias_max",
+        "aliases",
+        "client",
+        "groups",
+        "gw",
+        "level",
+        "max_packet",
+        "retained_backlog",
+        "session",
+        "window",
+    )
+
     def __init__(self, gateway: Gateway, session: Session, client: ClientConnection) -> None:
         self.gw = gateway
         self.session = session
@@ -150,8 +168,9 @@ class DeliveryLoop:
         alias_max = conn.client_topic_alias_maximum or 0
         self.alias_max = alias_max if gateway.settings.outbound_topic_aliases else 0
         self.aliases: dict[str, int] = {}
-        self.retained_backlog: deque[tuple[RetainedMessage, SubscriptionState]] = deque()
-        self.groups: set[SharedGroup] = set()
+        # Allocated on first use: most subscribers never need them.
+        self.retained_backlog: deque[tuple[RetainedMessage, SubscriptionState]] | None = None
+        self.groups: list[SharedGroup] = []
         # Stepped with call_soon rather than a task: an idle subscriber costs no task.
         self._loop = asyncio.get_running_loop()
         self._scheduled = False
@@ -348,18 +367,21 @@ class DeliveryLoop:
     # -- retained messages on subscribe -------------------------------------------------------
 
     def queue_retained(self, messages: list[RetainedMessage], sub: SubscriptionState) -> None:
+        if self.retained_backlog is None:
+            self.retained_backlog = deque()
         for m in messages:
             self.retained_backlog.append((m, sub))
         self.wake()
 
     def _send_retained(self) -> bool:
         sent = False
-        while self.retained_backlog and self.can_send():
-            m, sub = self.retained_backlog[0]
+        backlog = self.retained_backlog
+        while backlog and self.can_send():
+            m, sub = backlog[0]
             qos = min(m.qos, sub.qos)
             if qos > 0 and self.capacity() <= 0:
                 break
-            self.retained_backlog.popleft()
+            backlog.popleft()
             rec = RecordedPublish(
                 topic=m.topic,
                 payload=m.payload,

@@ -135,6 +135,22 @@ class Inflight:
 class Session:
     """State of one client id, live or offline."""
 
+    __slots__ = (
+        "_next_packet_id",
+        "by_queue",
+        "client_id",
+        "connection",
+        "disconnected_at_ms",
+        "expiry_interval",
+        "expiry_timer",
+        "inflight",
+        "protocol_level",
+        "qos2_inbound",
+        "subscriptions",
+        "will",
+        "will_due_ms",
+    )
+
     def __init__(self, client_id: str, protocol_level: int, expiry_interval: int) -> None:
         self.client_id = client_id
         self.protocol_level = protocol_level

@@ -64,7 +64,8 @@ class SharedGroup:
     def join(self, member: DeliveryLoop) -> None:
         if member not in self.members:
             self.members.append(member)
-            member.groups.add(self)
+            if self not in member.groups:
+                member.groups.append(self)
         if len(self.members) == 1:
             self.gw.arrivals.watch(self.queue, self.schedule_pump)
         self.schedule_pump()
@@ -73,7 +74,8 @@ class SharedGroup:
         """A member disconnected or unsubscribed: its in-flight messages go to the others."""
         if member in self.members:
             self.members.remove(member)
-        member.groups.discard(self)
+        if self in member.groups:
+            member.groups.remove(self)
         inflight = member.session.inflight
         for pid, inf in list(inflight.items()):
             if inf.group is self:
