@@ -35,6 +35,7 @@ log = logging.getLogger("lmqtt.gateway")
 
 SERVER_SHUTTING_DOWN = 0x8B
 HOUSEKEEPING_INTERVAL_S = 1.0
+TIMEOUT_SWEEP_S = 1.0
 
 
 class Gateway:
@@ -91,6 +92,7 @@ class Gateway:
         )
         await self.listeners.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
+        self._tasks.append(loop.create_task(self._sweep_timeouts()))
         self._tasks.append(
             loop.create_task(self.retained.snapshot_periodically(s.retained_snapshot_interval))
         )
@@ -192,6 +194,19 @@ class Gateway:
             self.store.close()
             self._stopped.set()
         log.info("lmqtt gateway stopped")
+
+    async def _sweep_timeouts(self) -> None:
+        """Connect timeouts and keep-alive for every connection, once a second: one sweep
+        instead of a timer per connection (a timer costs more memory than an idle client)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(TIMEOUT_SWEEP_S)
+            now = loop.time()
+            for client in list(self.connections):
+                try:
+                    client.check_timeouts(now)
+                except Exception:
+                    log.exception("timeout check of %r failed", client.client_id)
 
     async def _housekeeping(self) -> None:
         while True:

@@ -96,10 +96,9 @@ class ClientConnection:
         self._pending_puts = 0
         self._ack_chain: asyncio.Task[None] | None = None
         self._put_tasks: set[asyncio.Task[None]] = set()
-        self._keepalive: asyncio.TimerHandle | None = None
-        self._connect_timer: asyncio.TimerHandle | None = self._loop.call_later(
-            gateway.settings.connect_timeout, self._connect_timeout
-        )
+        # Connect timeout and keep-alive are checked by the gateway's once-a-second sweep
+        # (check_timeouts), not by a timer per connection.
+        self._opened = self._loop.time()
         # The reader task exists only while there are bytes to handle: an idle connection
         # costs no task (memory per connection is what limits how many devices fit).
         self._reader: asyncio.Task[None] | None = None
@@ -191,10 +190,6 @@ class ClientConnection:
             return
         self._cleaned = True
         self.closed = True
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-        if self._connect_timer is not None:
-            self._connect_timer.cancel()
         if self.delivery is not None:
             self.delivery.stop()
             self.delivery = None
@@ -206,24 +201,23 @@ class ClientConnection:
         will = self.will if self._abnormal else None
         self.gw.connection_ended(session, will)
 
-    def _connect_timeout(self) -> None:
-        self._connect_timer = None
-        if self.session is None and not self.closed:
+    def check_timeouts(self, now: float) -> None:
+        """Close a socket that sent no CONNECT in time, or a client silent for 1.5 x its
+        keep-alive (the server keep-alive when we imposed one)."""
+        if self.closed:
+            return
+        if self.conn.protocol_level is None:
             timeout = self.gw.settings.connect_timeout
-            log.info("%s: no CONNECT within %.1f s; closing", self.peer, timeout)
-            self.close()
-
-    def _check_keepalive(self) -> None:
-        self._keepalive = None
-        timeout = self.conn.keep_alive_timeout
-        if timeout is None or self.closed:
+            if now - self._opened >= timeout:
+                log.info("%s: no CONNECT within %.1f s; closing", self.peer, timeout)
+                self.close()
             return
-        idle = self._loop.time() - self._last_rx
-        if idle >= timeout:
-            log.info("%r: keep-alive timeout (%.1f s idle); closing", self.client_id, idle)
-            self.close(KEEP_ALIVE_TIMEOUT)
-            return
-        self._keepalive = self._loop.call_later(timeout - idle, self._check_keepalive)
+        keep_alive = self.conn.keep_alive_timeout
+        if keep_alive is not None and self.session is not None:
+            idle = now - self._last_rx
+            if idle >= keep_alive:
+                log.info("%r: keep-alive timeout (%.1f s idle); closing", self.client_id, idle)
+                self.close(KEEP_ALIVE_TIMEOUT)
 
     # -- the reader task ---------------------------------------------------------------------
 
@@ -312,9 +306,6 @@ class ClientConnection:
         gw = self.gw
         s = gw.settings
         level = ev.protocol_level
-        if self._connect_timer is not None:
-            self._connect_timer.cancel()
-            self._connect_timer = None
         cid = ev.client_id
         assigned: str | None = None
         if not cid:
@@ -412,9 +403,7 @@ class ClientConnection:
             [i.packet_id for i in session.inflight.values() if not i.pubrel],
             [i.packet_id for i in session.inflight.values() if i.pubrel],
         )
-        timeout = self.conn.keep_alive_timeout
-        if timeout is not None:
-            self._keepalive = self._loop.call_later(timeout, self._check_keepalive)
+        self._last_rx = self._loop.time()
         self.delivery = DeliveryLoop(gw, session, self)
         for sub in session.subscriptions.values():
             if sub.share_group is not None:

@@ -162,3 +162,11 @@ def test_fuzzed_bytes_after_connect(gateway: GatewayHarness, junk: bytes) -> Non
     finally:
         c.close()
     _healthy(gateway)
+
+
+def test_silent_socket_closed_after_connect_timeout(gateway: GatewayHarness) -> None:
+    gateway.restart(connect_timeout=0.5)
+    c = RawClient(gateway.port, level=4)  # sends nothing at all
+    assert c.is_closed(timeout=5)
+    c.close()
+    _healthy(gateway)
