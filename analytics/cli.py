@@ -138,8 +138,9 @@ def _show(args: argparse.Namespace, console: Console) -> int:
 
 def _with_spark(job, err: Console) -> int:  # type: ignore[no-untyped-def]
     """Run a Spark job; turn any Spark/JVM failure into one clear line."""
-    from analytics.spark import spark_log_path, stop_spark
+    from analytics.spark import has_spark, spark_log_path, stop_spark
 
+    owned = not has_spark()  # embedded callers (tests, notebooks) keep their session
     try:
         return int(job())
     except AnalyticsError:
@@ -159,7 +160,8 @@ def _with_spark(job, err: Console) -> int:  # type: ignore[no-untyped-def]
         return 1
     finally:
         try:
-            stop_spark()
+            if owned:
+                stop_spark()
         except Exception:
             pass
 

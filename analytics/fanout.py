@@ -113,8 +113,9 @@ def load_messages(
     if not done:
         return raw
     files = [c.parquet for c in done.values()]
-    parquet = spark.read.schema(SPARK_SCHEMA).parquet(*files)
-    parquet = parquet.select([F.col(f.name).cast(f.dataType) for f in SPARK_SCHEMA.fields])
+    # Same columns in the same order; only nullability may differ (Parquet lists allow null
+    # elements), which a union tolerates but a cast to the non-null element type does not.
+    parquet = spark.read.parquet(*files).select([F.col(f.name) for f in SPARK_SCHEMA.fields])
     if len(done) == len(segments):
         return parquet
     return parquet.unionByName(raw)

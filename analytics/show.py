@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -110,9 +111,14 @@ def render_summary(report: Report, console: Console) -> None:
 def render_top(report: Report, by: str, n: int, console: Console) -> None:
     rows = report.top(by, n).to_pylist()
     if by == "backlog":
-        table = Table(title=f"light queues by backlog (top {n})", title_justify="left")
+        table = Table(
+            title=f"light queues by backlog (top {n})", title_justify="left", box=box.SIMPLE_HEAD
+        )
         for col in ("queue", "filter", "end", "subs", "slowest", "backlog", "bytes", "oldest"):
-            table.add_column(col, justify="left" if col in ("queue", "filter") else "right")
+            if col in ("queue", "filter"):
+                table.add_column(col, overflow="fold")
+            else:
+                table.add_column(col, justify="right")
         for r in rows:
             table.add_row(
                 r["queue"],
@@ -125,11 +131,14 @@ def render_top(report: Report, by: str, n: int, console: Console) -> None:
                 _fmt_age(r["oldest_age_s"]),
             )
     else:
-        table = Table(title=f"devices by {by} (top {n})", title_justify="left")
-        cols = ("device", "messages", "bytes", "topics", "fanout mean", "p50", "p99", "max",
-                "deliveries", "ratio", "reached", "last seen")  # fmt: skip
+        table = Table(title=f"devices by {by} (top {n})", title_justify="left", box=box.SIMPLE_HEAD)
+        cols = ("device", "msgs", "bytes", "topics", "fan-out", "p99", "max", "delivered",
+                "ratio", "subs")  # fmt: skip
         for col in cols:
-            table.add_column(col, justify="left" if col == "device" else "right")
+            if col == "device":
+                table.add_column(col, overflow="fold", min_width=10)
+            else:
+                table.add_column(col, justify="right")
         for r in rows:
             table.add_row(
                 r["client_id"] or "(no client id)",
@@ -137,13 +146,11 @@ def render_top(report: Report, by: str, n: int, console: Console) -> None:
                 _fmt_bytes(r["bytes"]),
                 str(r["topics"]),
                 f"{r['fanout_mean']:.2f}",
-                f"{r['fanout_p50']:g}",
                 f"{r['fanout_p99']:g}",
                 str(r["fanout_max"]),
                 f"{r['deliveries']:,}",
                 _fmt_ratio(r["delivery_ratio"]),
                 str(r["subscribers_reached"]),
-                _fmt_ts(r["last_seen"]),
             )
     console.print(table)
 
@@ -187,12 +194,12 @@ def _fmt_ms(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _fmt_ts(value: datetime | None) -> str:
+def _fmt_ts(value: datetime | None, short: bool = False) -> str:
     if value is None:
         return "-"
     if value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return value.astimezone(UTC).strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S")
 
 
 def _fmt_bytes(n: int | None) -> str:

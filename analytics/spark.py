@@ -53,6 +53,11 @@ def get_spark(master: str | None = None, shuffle_partitions: int = 4) -> SparkSe
         return _SESSION
 
 
+def has_spark() -> bool:
+    """Whether this process already has its session (the CLI leaves a caller's session alone)."""
+    return _SESSION is not None
+
+
 def stop_spark() -> None:
     """Stop the process's session (tests and the CLI call this at exit)."""
     global _SESSION

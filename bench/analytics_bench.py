@@ -1,0 +1,213 @@
+"""Analytics benchmark: records/s through the lmqtt-commitlog source, full fan-out report time
+with a warm JVM, and the speed-up of compacted (Parquet) segments.
+
+    python bench/analytics_bench.py [--messages N] [--data-dir D] [--segment-size BYTES]
+
+The store is generated once per size (reused when it exists) with the store's own record
+writer (store.format.write_record, the bytes MessageStore.put appends), 1,000 devices publishing
+`site/<k>/dev/<d>/temp` with 100-byte bodies to light queues of wildcard filters, and the
+gateway's sessions.json / consumer_offsets.json for 60 subscribers (some lagging, one shared
+group). Targets (issue 6, 10,000,000 messages, 2 cores): >= 300,000 records/s raw, full report
+<= 90 s, compacted re-scan >= 5x faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from store import format as fmt
+from topicmap import queue_name
+
+DEVICES = 1000
+SITES = 50
+
+
+def _filters() -> list[str]:
+    return ["site/+/dev/+/temp", *(f"site/{k}/#" for k in range(SITES))]
+
+
+def generate(data_dir: Path, n: int, segment_size: int) -> None:
+    """Write n records into segment files exactly as the store lays them out."""
+    marker = data_dir / "bench-complete.json"
+    if marker.exists() and json.loads(marker.read_text()) == {"n": n, "seg": segment_size}:
+        print(f"reusing {n:,} messages in {data_dir}")
+        return
+    shutil.rmtree(data_dir, ignore_errors=True)
+    (data_dir / "commitlog").mkdir(parents=True)
+    (data_dir / "config").mkdir()
+    all_q = queue_name("site/+/dev/+/temp")
+    site_q = [queue_name(f"site/{k}/#") for k in range(SITES)]
+    dev_q = {d: queue_name(f"site/{d % SITES}/dev/{d}/temp") for d in range(0, DEVICES, 100)}
+    offsets: dict[str, int] = {}
+    body = bytes(100)
+    started = time.monotonic()
+    seg_start = 0
+    buf = bytearray(segment_size)
+    pos = 0
+    t0 = 1_700_000_000_000
+
+    def flush_segment(last: bool) -> None:
+        nonlocal buf, pos, seg_start
+        if not last:
+            # Blank filler: [remaining][BLANK_MAGIC], as CommitLog writes at a roll.
+            fmt.SIZE_MAGIC.pack_into(buf, pos, segment_size - pos, fmt.BLANK_MAGIC)
+        (data_dir / "commitlog" / fmt.offset_file_name(seg_start)).write_bytes(buf)
+        seg_start += segment_size
+        buf = bytearray(segment_size)
+        pos = 0
+
+    for i in range(n):
+        d = i % DEVICES
+        k = d % SITES
+        topic = f"site/{k}/dev/{d}/temp"
+        queues = [all_q, site_q[k]]
+        if d in dev_q:
+            queues.append(dev_q[d])
+        offs = []
+        for q in queues:
+            o = offsets.get(q, 0)
+            offs.append(o)
+            offsets[q] = o + 1
+        props = fmt.encode_properties(
+            {"mqtt.topic": topic, "mqtt.qos": "1", "mqtt.retain": "0", "mqtt.client": f"dev-{d}"}
+        ) + fmt.dispatch_properties(queues, offs)
+        size = fmt.record_size(len(body), 4, len(props))
+        if pos + size + fmt.END_FILE_MIN_BLANK_LENGTH > segment_size:
+            flush_segment(last=False)
+        ts = t0 + i // 100  # 100 messages per ms of store time
+        fmt.write_record(buf, pos, b"site", body, props, i, seg_start + pos, ts, ts)
+        pos += size
+        if i and i % 1_000_000 == 0:
+            print(f"  generated {i:,} ({i / (time.monotonic() - started):,.0f}/s)")
+    flush_segment(last=True)
+    # 60 subscribers: one per site filter (every 5th lagging by half), the all-queue filter
+    # held by a shared group of two, and per-device subscribers.
+    sessions: dict[str, dict[str, object]] = {}
+    committed: dict[str, dict[str, int]] = {}
+    for k in range(SITES):
+        q = site_q[k]
+        end = offsets.get(q, 0)
+        client = f"sub-site-{k}"
+        sessions[client] = _session([(f"site/{k}/#", q, None)], online=k % 5 != 0)
+        committed[client] = {q: end // 2 if k % 5 == 0 else end}
+    for m in ("m1", "m2"):
+        sessions[m] = _session([("$share/all/site/+/dev/+/temp", all_q, "all")], online=True)
+    committed["$share/all"] = {all_q: offsets[all_q] - 1000}
+    for d, q in dev_q.items():
+        client = f"watch-{d}"
+        sessions[client] = _session([(f"site/{d % SITES}/dev/{d}/temp", q, None)], online=True)
+        committed[client] = {q: offsets.get(q, 0)}
+    (data_dir / "config" / "sessions.json").write_text(
+        json.dumps({"version": 1, "sessions": sessions})
+    )
+    (data_dir / "config" / "consumer_offsets.json").write_text(
+        json.dumps({"version": 1, "offsets": committed})
+    )
+    marker.write_text(json.dumps({"n": n, "seg": segment_size}))
+    print(f"generated {n:,} messages in {time.monotonic() - started:.1f}s")
+
+
+def _session(subs: list[tuple[str, str, str | None]], online: bool) -> dict[str, object]:
+    return {
+        "protocol_level": 5,
+        "expiry_interval": 3600,
+        "disconnected_at_ms": None if online else 1,
+        "subscriptions": [
+            {"filter": f, "queue": q, "share_group": g, "qos": 1, "start_offset": 0}
+            for f, q, g in subs
+        ],
+        "qos2_inbound": [],
+        "inflight": [],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=10_000_000)
+    parser.add_argument("--data-dir", default="/tmp/lmqtt-analytics-bench")
+    parser.add_argument("--segment-size", type=int, default=256 << 20)
+    parser.add_argument("--out", default=None, help="report dir (default: <data-dir>-reports)")
+    args = parser.parse_args()
+    data = Path(args.data_dir) / f"n{args.messages}"
+    out = Path(args.out or f"{args.data_dir}-reports") / f"n{args.messages}"
+    generate(data, args.messages, args.segment_size)
+
+    from analytics.compaction import COMPACTED_DIR, compact
+    from analytics.fanout import load_messages, run_fanout
+    from analytics.segments import SegmentParser, list_segments
+    from analytics.spark import get_spark, stop_spark
+
+    segments = list_segments(data)
+    results: dict[str, float] = {"messages": args.messages, "segments": len(segments)}
+
+    t = time.monotonic()
+    rows = 0
+    for seg in segments[:2]:
+        for batch in SegmentParser(seg).batches():
+            rows += batch.num_rows
+    dt = time.monotonic() - t
+    results["parser_records_per_s_1core"] = rows / dt
+    print(f"parser, one process:        {rows / dt:12,.0f} records/s ({rows:,} records)")
+
+    t = time.monotonic()
+    spark = get_spark()
+    results["spark_start_s"] = time.monotonic() - t
+    print(f"Spark start:                {results['spark_start_s']:12.1f} s")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+
+    def scan(df) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+        t = time.monotonic()
+        row = df.selectExpr("count(*) n", "sum(body_size) b", "sum(size(queues)) q").collect()[0]
+        return int(row.n), time.monotonic() - t
+
+    source = spark.read.format("lmqtt-commitlog")
+    scan(source.option("segments", str(segments[0].start_offset)).load(str(data)))  # warm-up
+    n, dt = scan(source.load(str(data)))
+    assert n == args.messages, (n, args.messages)
+    results["source_records_per_s"] = n / dt
+    results["raw_scan_s"] = dt
+    print(f"data source, raw segments:  {n / dt:12,.0f} records/s ({dt:.1f} s)")
+
+    t = time.monotonic()
+    meta = run_fanout(spark, data, out)
+    results["report_raw_s"] = time.monotonic() - t
+    print(f"full fan-out report (raw):  {results['report_raw_s']:12.1f} s "
+          f"({meta.devices:,} devices, {meta.deliveries:,} deliveries)")  # fmt: skip
+
+    t = time.monotonic()
+    res = compact(spark, data, out / COMPACTED_DIR)
+    results["compact_s"] = time.monotonic() - t
+    print(f"compaction:                 {results['compact_s']:12.1f} s "
+          f"({len(res.compacted)} segments)")  # fmt: skip
+
+    n2, dt2 = scan(load_messages(spark, data, out / COMPACTED_DIR))
+    assert n2 == n
+    results["compacted_scan_s"] = dt2
+    results["compacted_records_per_s"] = n2 / dt2
+    results["compaction_speedup"] = dt / dt2
+    print(f"re-scan, compacted:         {n2 / dt2:12,.0f} records/s ({dt2:.1f} s), "
+          f"speed-up {dt / dt2:.1f}x")  # fmt: skip
+
+    t = time.monotonic()
+    run_fanout(spark, data, out)
+    results["report_compacted_s"] = time.monotonic() - t
+    print(f"full fan-out report (compacted): {results['report_compacted_s']:7.1f} s")
+    stop_spark()
+    results_dir = Path(__file__).resolve().parent / "results"
+    results_dir.mkdir(exist_ok=True)
+    (results_dir / "analytics.json").write_text(json.dumps(results, indent=1))
+    print(f"load average during the run: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

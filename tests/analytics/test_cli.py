@@ -1,0 +1,64 @@
+"""Bad input to `lmqtt report`: one clear line and exit 2, decided before any JVM starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from analytics.cli import main, parse_time
+from analytics.errors import AnalyticsError
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "java" not in err.lower()
+    return rc, err
+
+
+@pytest.mark.parametrize("command", ["fanout", "compact"])
+def test_missing_data_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    rc, err = _run([command, "--data-dir", str(tmp_path / "nope"), "--out", str(tmp_path)], capsys)
+    assert rc == 2
+    assert "does not exist" in err
+
+
+def test_directory_that_is_not_a_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _run(["fanout", "--data-dir", str(tmp_path), "--out", str(tmp_path)], capsys)
+    assert (rc, "not an lmqtt store" in err) == (2, True)
+
+
+def test_empty_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "data" / "commitlog").mkdir(parents=True)
+    rc, err = _run(["fanout", "--data-dir", str(tmp_path / "data")], capsys)
+    assert (rc, "the store is empty" in err) == (2, True)
+    # A segment file preallocated but never written is just as empty.
+    (tmp_path / "data" / "commitlog" / ("0" * 20)).write_bytes(bytes(4096))
+    rc, err = _run(["fanout", "--data-dir", str(tmp_path / "data")], capsys)
+    assert (rc, "holds no messages yet" in err) == (2, True)
+
+
+def test_bad_times(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _run(["fanout", "--data-dir", str(tmp_path), "--since", "yesterday"], capsys)
+    assert (rc, "cannot read time 'yesterday'" in err) == (2, True)
+    rc, err = _run(["fanout", "--since", "2024-01-02", "--until", "2024-01-01"], capsys)
+    assert (rc, "--since must be before --until" in err) == (2, True)
+
+
+def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _run(["explode"], capsys)
+    assert rc == 2 and "invalid choice" in err
+
+
+def test_parse_time_forms() -> None:
+    now = 1_700_000_000_000
+    assert parse_time("2023-11-14T22:13:20", now) == 1_700_000_000_000
+    assert parse_time("2023-11-14T23:13:20+01:00", now) == 1_700_000_000_000
+    assert parse_time("2023-11-14T22:13:20Z", now) == 1_700_000_000_000
+    assert parse_time("1700000000", now) == 1_700_000_000_000
+    assert parse_time("1700000000000", now) == 1_700_000_000_000
+    assert parse_time("15m", now) == now - 15 * 60_000
+    assert parse_time("2h", now) == now - 7_200_000
+    with pytest.raises(AnalyticsError):
+        parse_time("soon", now)
