@@ -181,6 +181,9 @@ class Simulation:
             _Device(
                 identity=(identity := DeviceIdentity.of(i, config.sites)),
                 source=TelemetrySource(identity, self.run_id, random.Random(rng.random())),
+                # A device's client id is its name, stable across runs like a real device's,
+                # so the analytics report lists d0001, d0002, ... One device simulator per
+                # gateway at a time, then (two would take over each other's connections).
                 client=self._new_client(identity.device),
             )
             for i in range(config.devices)
@@ -189,7 +192,10 @@ class Simulation:
         self._subscribers = [
             _Subscriber(
                 plan,
-                self._new_client(plan.name, clean_session=not plan.persistent),
+                # Subscribers' ids are unique per run: no stale persistent session to inherit.
+                self._new_client(
+                    f"lmqtt-sim-{self.run_id}-{plan.name}", clean_session=not plan.persistent
+                ),
             )
             for plan in self._plans
         ]
@@ -205,10 +211,10 @@ class Simulation:
         self._background: set[asyncio.Task[None]] = set()
         self._receivers: list[asyncio.Task[None]] = []
 
-    def _new_client(self, name: str, clean_session: bool = True) -> SimClient:
+    def _new_client(self, client_id: str, clean_session: bool = True) -> SimClient:
         config = self.config
         return SimClient(
-            f"lmqtt-sim-{self.run_id}-{name}",
+            client_id,
             config.host,
             config.port,
             clean_session=clean_session,
@@ -466,7 +472,7 @@ class Simulation:
         # A clean-session CONNECT with the same client id discards the persistent session,
         # so finished runs do not leave queues filling up on the gateway.
         async def discard(subscriber: _Subscriber) -> None:
-            cleaner = self._new_client(subscriber.plan.name)
+            cleaner = self._new_client(subscriber.client.client_id)
             with contextlib.suppress(SimError):
                 await cleaner.connect(self.config.connect_timeout)
             await cleaner.disconnect()
