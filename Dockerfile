@@ -32,14 +32,15 @@ RUN useradd --create-home --uid "${LMQTT_UID}" --user-group lmqtt \
 
 # --- analytics: `lmqtt report` needs a JRE for Spark ------------------------------------------
 FROM runtime AS analytics
-RUN apt-get update \
+# (slim images have no man directories, which the JRE's postinst expects; procps: Spark's scripts)
+RUN mkdir -p /usr/share/man/man1 \
+ && apt-get update \
  && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps \
  && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=wheels,source=/wheels,target=/wheels \
     pip install "$(echo /wheels/lmqtt-*.whl)[sim,analytics]"
 USER lmqtt
 WORKDIR /home/lmqtt
-VOLUME ["/reports"]
 ENTRYPOINT ["lmqtt"]
 CMD ["report", "--help"]
 
