@@ -72,6 +72,35 @@ DISCONNECT_WITH_WILL = 0x04
 class ClientConnection:
     """One network connection; owns the protocol state machine and the reader task."""
 
+    # Slots: an idle connection's footprint is what limits how many devices fit. A new
+    # attribute must be listed here.
+    __slots__ = (
+        "_abnormal",
+        "_ack_chain",
+        "_cleaned",
+        "_eof",
+        "_last_rx",
+        "_loop",
+        "_opened",
+        "_pending_puts",
+        "_put_tasks",
+        "_reader",
+        "_reading_paused",
+        "_unparsed",
+        "acl",
+        "client_id",
+        "closed",
+        "conn",
+        "delivery",
+        "gw",
+        "peer",
+        "session",
+        "transport",
+        "username",
+        "will",
+        "writable",
+    )
+
     def __init__(self, gateway: Gateway, transport: asyncio.Transport) -> None:
         self.gw = gateway
         self.transport = transport
@@ -95,7 +124,7 @@ class ClientConnection:
         self._reading_paused = False
         self._pending_puts = 0
         self._ack_chain: asyncio.Task[None] | None = None
-        self._put_tasks: set[asyncio.Task[None]] = set()
+        self._put_tasks: set[asyncio.Task[None]] | None = None  # sync flush only
         # Connect timeout and keep-alive are checked by the gateway's once-a-second sweep
         # (check_timeouts), not by a timer per connection.
         self._opened = self._loop.time()
@@ -478,6 +507,8 @@ class ClientConnection:
             task = self._loop.create_task(
                 self._store_then_ack(pub, topic, prev if pub.qos else None)
             )
+            if self._put_tasks is None:
+                self._put_tasks = set()
             self._put_tasks.add(task)
             task.add_done_callback(self._put_tasks.discard)
             if pub.qos > 0:
