@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     except SimError as exc:
         print(f"lmqtt sim: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    console.print(summary(report))
+    console.print(summary(report, console.width))
     console.print(verdict(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")

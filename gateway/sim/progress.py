@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -60,30 +61,45 @@ async def follow(sim: Simulation, console: Console) -> None:
             await asyncio.sleep(0.1)
 
 
-def summary(report: SimReport) -> Table:
-    table = Table(title=f"lmqtt sim run {report.run_id} (QoS {report.qos})", title_justify="left")
+def summary(report: SimReport, width: int = 160) -> Table:
+    """One row per subscriber; the filters column only when ``width`` leaves room for it."""
+    table = Table(
+        title=f"lmqtt sim run {report.run_id} (QoS {report.qos})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        caption="* persistent session that went offline and came back"
+        if any(s.went_offline for s in report.subscribers)
+        else None,
+        caption_justify="left",
+    )
+    show_filters = width >= 120
     table.add_column("subscriber", no_wrap=True)
-    table.add_column("filters", no_wrap=True)
     table.add_column("session", no_wrap=True)
-    for column in ("expected", "received", "lost", "dup", "misrouted", "other"):
-        table.add_column(column, justify="right")
+    if show_filters:
+        table.add_column("filters", overflow="fold")
+    numbers = ["expected", "received", "lost", "dup", "misrouted"]
+    if report.foreign:
+        numbers.append("other")
+    for column in numbers:
+        table.add_column(column, justify="right", no_wrap=True, min_width=len(column))
     for sub in report.subscribers:
-        session = "persistent" if sub.persistent else "clean"
-        if sub.went_offline:
-            session += ", went offline"
+        session = ("persistent" if sub.persistent else "clean") + ("*" if sub.went_offline else "")
         if sub.dropped:
-            session += f", dropped x{sub.dropped}"
-        table.add_row(
-            sub.name,
-            "\n".join(sub.filters),
-            session,
+            session += f" dropped x{sub.dropped}"
+        row: list[str | Text] = [sub.name, session]
+        if show_filters:
+            row.append(" ".join(sub.filters))
+        row += [
             f"{sub.expected:,}",
             f"{sub.received:,}",
             Text(f"{sub.lost:,}", style="bold red" if sub.lost else "green"),
             f"{sub.duplicates:,}",
             Text(f"{sub.misrouted:,}", style="bold red" if sub.misrouted else ""),
-            f"{sub.foreign:,}",
-        )
+        ]
+        if report.foreign:
+            row.append(f"{sub.foreign:,}")
+        table.add_row(*row)
     return table
 
 

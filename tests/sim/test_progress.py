@@ -46,6 +46,8 @@ def test_the_verdict_names_losses_and_misrouting() -> None:
 
 
 def test_the_summary_has_one_row_per_subscriber_with_its_session_story() -> None:
-    table = rendered(summary(report(lost=3)))
+    table = rendered(summary(report(lost=3), width=200))
     assert "site-archive-2" in table and "site/s1/#" in table
-    assert "persistent, went offline" in table
+    assert "persistent*" in table and "went offline and came back" in table
+    narrow = rendered(summary(report(lost=3), width=80))
+    assert "site/s1/#" not in narrow and "misrouted" in narrow
