@@ -133,7 +133,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=10_000_000)
     parser.add_argument("--data-dir", default="/tmp/lmqtt-analytics-bench")
-    parser.add_argument("--segment-size", type=int, default=256 << 20)
+    parser.add_argument("--segment-size", type=int, default=64 << 20)
     parser.add_argument("--out", default=None, help="report dir (default: <data-dir>-reports)")
     args = parser.parse_args()
     data = Path(args.data_dir) / f"n{args.messages}"

@@ -173,3 +173,23 @@ def test_corrupt_segment_is_one_clear_error(
     )
     assert "CRC mismatch" in err
     assert "Traceback" not in err and "java" not in err.lower() and "Py4J" not in err
+
+
+@pytest.mark.slow
+def test_since_until_restrict_the_messages(spark, world: World, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from analytics.fanout import run_fanout
+    from analytics.segments import read_segment_table
+
+    stamps = sorted(
+        int(ts.timestamp() * 1000)
+        for seg in list_segments(world.data_dir)
+        for ts in read_segment_table(seg).column("store_timestamp").to_pylist()
+    )
+    since, until = stamps[len(stamps) // 4], stamps[3 * len(stamps) // 4]
+    assert since < until, "the puts must span more than one millisecond"
+    meta = run_fanout(spark, world.data_dir, tmp_path, since_ms=since, until_ms=until)
+    assert meta.messages == sum(1 for s in stamps if since <= s < until)
+    assert (meta.since_ms, meta.until_ms) == (since, until)
+    # The backlog is the queues' state now, whatever the window.
+    backlog = _rows(tmp_path, "queue_backlog", "queue")
+    assert {q: r["end_offset"] for q, r in backlog.items()} == world.ends
