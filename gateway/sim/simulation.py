@@ -182,8 +182,8 @@ class Simulation:
                 identity=(identity := DeviceIdentity.of(i, config.sites)),
                 source=TelemetrySource(identity, self.run_id, random.Random(rng.random())),
                 # A device's client id is its name, stable across runs like a real device's,
-                # so the analytics report lists d0001, d0002, ... One device simulator per
-                # gateway at a time, then (two would take over each other's connections).
+                # so the analytics report lists d0001, d0002, ... The price: two device
+                # simulators on one gateway would take over each other's connections.
                 client=self._new_client(identity.device),
             )
             for i in range(config.devices)
