@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.gateway.conftest import Client, GatewayHarness
+from tests.gateway.conftest import Client, GatewayHarness, wait_until
 
 
 def test_qos0_wildcard_fanout(gateway: GatewayHarness, clients: list[Client]) -> None:
@@ -20,3 +20,41 @@ def test_qos0_wildcard_fanout(gateway: GatewayHarness, clients: list[Client]) ->
     assert a.payloads() == [b"21.5"]
     assert b.payloads() == [b"21.5", b"40"]
     assert [m.topic for m in b.messages] == ["site/7/temp", "site/7/hum"]
+
+
+def test_stats_count_clients_messages_and_bytes(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    gw = gateway.gw
+    assert gw is not None
+    s = Client(gateway.port, "st-s")
+    p = Client(gateway.port, "st-p")
+    clients += [s, p]
+    s.subscribe("st/#", 1)
+    for _i in range(5):
+        p.publish("st/x", b"12345", qos=1)
+    s.wait_messages(5)
+    stats = gateway.call(lambda: gw.stats)
+    assert stats.clients_connected == 2 and stats.clients_total == 2
+    assert stats.messages_received == 5 and stats.messages_sent == 5
+    assert stats.subscriptions == 1
+    assert stats.bytes_received > 5 * 5 and stats.bytes_sent > 5 * 5
+    p.disconnect()
+    wait_until(lambda: gateway.call(lambda: gw.stats.clients_connected) == 1, what="1 client")
+
+
+def test_publish_internal_is_routed_like_a_client_publish(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    gw = gateway.gw
+    assert gw is not None
+    s = Client(gateway.port, "sys-s")
+    clients.append(s)
+    s.subscribe("$SYS/#", 0)
+    gateway.run(gw.publish_internal("$SYS/broker/test", b"42", retain=True))
+    m = s.wait_messages(1)[0]
+    assert (m.topic, m.payload) == ("$SYS/broker/test", b"42")
+    late = Client(gateway.port, "sys-late")
+    clients.append(late)
+    late.subscribe("$SYS/broker/+", 0)
+    assert late.wait_messages(1)[0].retain
