@@ -214,7 +214,7 @@ class Client:
             rc, mid = self.c.subscribe(topic, **kw)
         else:
             rc, mid = self.c.subscribe(topic, qos, **kw)
-        assert rc == mqtt.MQTT_ERR_SUCCESS
+        assert rc == mqtt.MQTT_ERR_SUCCESS and mid is not None
         wait_until(lambda: mid in self.subacks, what="SUBACK")
         return self.subacks[mid]
 
@@ -238,7 +238,7 @@ class Client:
 
     def payloads(self) -> list[bytes]:
         with self.lock:
-            return [m.payload for m in self.messages]
+            return [bytes(m.payload) for m in self.messages]
 
     def disconnect(self) -> None:
         self.c.disconnect()

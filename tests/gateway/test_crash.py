@@ -85,7 +85,7 @@ def test_sigkill_with_sync_flush_loses_no_acknowledged_message(tmp_path: Path) -
                 break
             if ev is None:
                 break
-            assert isinstance(ev, Publish)
+            assert isinstance(ev, Publish) and ev.packet_id is not None
             got.append(ev.payload)
             sub.send(PubAck(ev.packet_id))
         missing = [m for m in acked if m not in got]
