@@ -351,4 +351,4 @@ class Gateway:
                 session.will = will
                 session.will_due_ms = now_ms() + delay * 1000
                 self.wills.schedule(cid, will, delay)
-        self.sessions.mark_dirty()
+        self.sessions.touch(session)

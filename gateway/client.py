@@ -440,7 +440,7 @@ class ClientConnection:
                 if group is not None:
                     group.join(self.delivery)
         self.delivery.start()
-        gw.sessions.mark_dirty()
+        gw.sessions.touch(session)
 
     def _check_will(self, will: Will) -> int:
         s = self.gw.settings
@@ -576,7 +576,7 @@ class ClientConnection:
             await asyncio.gather(self._ack_chain, return_exceptions=True)
         known = ev.packet_id in session.qos2_inbound
         session.qos2_inbound.discard(ev.packet_id)
-        self.gw.sessions.mark_dirty()
+        self.gw.sessions.touch(session)
         code = 0 if known or self.conn.protocol_level != 5 else PACKET_ID_NOT_FOUND
         if not self.closed:
             self.write(self.conn.send(PubComp(ev.packet_id, code)))
@@ -649,7 +649,7 @@ class ClientConnection:
         if session.persistent:
             await gw.sessions.save()  # the subscription must survive a crash once SUBACKed
         else:
-            gw.sessions.mark_dirty()
+            gw.sessions.touch(session)
         if self.closed:
             return
         self.write(self.conn.send(SubAck(ev.packet_id, codes)))
@@ -672,7 +672,7 @@ class ClientConnection:
                 self.delivery.unwatch(sub.queue)
             self.gw.remove_subscription(session, sub, self.delivery)
             codes.append(0)
-        self.gw.sessions.mark_dirty()
+        self.gw.sessions.touch(session)
         self.write(self.conn.send(UnsubAck(ev.packet_id, codes)))
 
     # -- DISCONNECT --------------------------------------------------------------------------

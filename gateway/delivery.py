@@ -416,7 +416,7 @@ class DeliveryLoop:
             if sub is not None and sub.pending.get(inf.offset) == packet_id:
                 del sub.pending[inf.offset]
                 self._commit(sub)
-        self.gw.sessions.mark_dirty()
+        self.gw.sessions.mark_progress()
         self.wake()
         for group in self.groups:
             group.schedule_pump()
@@ -430,7 +430,7 @@ class DeliveryLoop:
             self.on_puback(packet_id)
             return False
         inf.pubrel = True
-        self.gw.sessions.mark_dirty()
+        self.gw.sessions.mark_progress()
         return True
 
     def on_transport_resumed(self) -> None:

@@ -49,6 +49,7 @@ log = logging.getLogger("lmqtt.gateway")
 SESSIONS_FILE = "sessions.json"
 SESSIONS_VERSION = 1
 NEVER_EXPIRES = 0xFFFFFFFF
+PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
 
 
 def now_ms() -> int:
@@ -244,6 +245,8 @@ class SessionRegistry:
         # Wills of clean sessions cut off by a crash: published once at start.
         self.orphan_wills: list[tuple[str, Will]] = []
         self._dirty = False
+        self._progress = False
+        self._last_save = time.monotonic()
         self._lock = asyncio.Lock()
         self._writing: asyncio.Future[None] | None = None
         self._requested = 0
@@ -257,17 +260,32 @@ class SessionRegistry:
 
     def add(self, session: Session) -> None:
         self.sessions[session.client_id] = session
-        self._dirty = True
+        self.touch(session)
 
     def remove(self, client_id: str) -> Session | None:
         s = self.sessions.pop(client_id, None)
         if s is not None:
             self.cancel_expiry(s)
-            self._dirty = True
+            self.touch(s)
         return s
 
+    def touch(self, session: Session) -> None:
+        """`session` changed: persistent ones must reach disk soon; clean sessions are listed
+        only for inspect and analytics, so they ride along with the slower progress saves."""
+        if session.persistent:
+            self._dirty = True
+        else:
+            self._progress = True
+
     def mark_dirty(self) -> None:
+        """A change that must reach disk soon (sessions, subscriptions, wills, QoS 2 state)."""
         self._dirty = True
+
+    def mark_progress(self) -> None:
+        """Read positions and acknowledgements moved. Losing these in a crash only re-sends
+        messages (at least once), so they are saved at a slower pace: under steady traffic the
+        whole file would otherwise be rewritten every second."""
+        self._progress = True
 
     # -- expiry ------------------------------------------------------------------------------
 
@@ -357,6 +375,8 @@ class SessionRegistry:
                 return
             covered = self._requested
             self._dirty = False
+            self._progress = False
+            self._last_save = time.monotonic()
             data = self._serialize()
             loop = asyncio.get_running_loop()
             self._writing = loop.run_in_executor(
@@ -372,6 +392,7 @@ class SessionRegistry:
             await asyncio.wait([self._writing])
         self.save_now()
 
-    async def save_if_dirty(self) -> None:
-        if self._dirty:
+    async def save_if_dirty(self, progress_interval_s: float = PROGRESS_SAVE_S) -> None:
+        now = time.monotonic()
+        if self._dirty or (self._progress and now - self._last_save >= progress_interval_s):
             await self.save()
