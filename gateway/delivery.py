@@ -106,7 +106,7 @@ class RecentMessages:
     Anything not here (older, or appended before a restart) is read from the store.
     """
 
-    def __init__(self, size: int = 8192) -> None:
+    def __init__(self, size: int = 4096) -> None:
         self._size = size
         self._items: OrderedDict[tuple[str, int], StoredMessage] = OrderedDict()
 
