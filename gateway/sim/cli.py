@@ -1,7 +1,7 @@
 """`lmqtt sim`: run the device simulator against a gateway and judge delivery.
 
-Exit status: 0 nothing acknowledged was lost; 1 something acknowledged was lost, misrouted, or
-a subscriber connection was dropped; 2 bad arguments or the gateway cannot be reached;
+Exit status: 0 nothing acknowledged was lost; 1 something acknowledged was lost or misrouted;
+2 bad arguments, the gateway cannot be reached, or the run overran its time bound;
 130 interrupted with Ctrl-C (and nothing lost among what was checked).
 """
 
@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
             "coming back); report sent, acknowledged, received and lost messages."
         ),
         epilog=(
-            "Exit status: 0 no acknowledged message lost; 1 loss, misrouting or dropped "
-            "connections; 2 bad arguments or gateway unreachable; 130 interrupted."
+            "Exit status: 0 no acknowledged message lost; 1 loss or misrouting; "
+            "2 bad arguments or gateway unreachable; 130 interrupted."
         ),
     )
     add = parser.add_argument

@@ -8,9 +8,11 @@ A message m is *expected* at subscriber s iff all of these hold:
 3. m's topic matches one of s's filters.
 4. m was handed to the device's socket after s's SUBACK arrived. Before that the gateway may
    not know the subscription yet; such messages count as received if they come, never as lost.
-5. s still has a session: clean-session subscribers stay connected for the whole run, and
-   persistent (clean_session=0) subscribers keep their session while offline, so whatever was
-   acknowledged while they were away is expected once they return.
+5. s still has a session: persistent (clean_session=0) subscribers keep theirs while offline,
+   so whatever was acknowledged while they were away is expected once they return. A
+   clean-session subscriber stays connected for the whole run unless the gateway drops it;
+   then its session is gone, with whatever it had not delivered yet (those deliveries are
+   *forgiven*, counted apart), and it expects again from its new SUBACK on.
 
 *Lost* is expected and not received by the end of the drain period. Receiving a message twice
 is allowed at QoS 1 (counted as a duplicate); receiving one of ours on a topic the subscriber's
@@ -44,6 +46,7 @@ class SubscriberLedger:
     duplicates: int = 0
     misrouted: int = 0
     foreign: int = 0  # messages from outside this run (other simulators, mosquitto_pub, ...)
+    forgiven: int = 0  # expected once, then discarded with the clean session that held them
 
     @property
     def outstanding(self) -> int:
@@ -65,6 +68,15 @@ class DeliveryLedger:
 
     def subscribed(self, subscriber: int, at: float) -> None:
         self.subscribers[subscriber].subscribed_at = at
+
+    def session_ended(self, subscriber: int) -> None:
+        """A clean session ended (connection dropped): forgive what it had not delivered."""
+        ledger = self.subscribers[subscriber]
+        ledger.subscribed_at = None
+        undelivered = ledger.expected - ledger.received
+        ledger.expected -= undelivered
+        ledger.forgiven += len(undelivered)
+        self.expected -= len(undelivered)
 
     def publish_sent(self) -> None:
         self.sent += 1
@@ -111,6 +123,10 @@ class DeliveryLedger:
     @property
     def misrouted(self) -> int:
         return sum(s.misrouted for s in self.subscribers)
+
+    @property
+    def forgiven(self) -> int:
+        return sum(s.forgiven for s in self.subscribers)
 
     @property
     def foreign(self) -> int:

@@ -122,9 +122,14 @@ def verdict(report: SimReport) -> Text:
             problems.append(f"{report.lost:,} acknowledged deliveries never arrived")
         if report.misrouted:
             problems.append(f"{report.misrouted:,} deliveries did not match the filters")
-        if report.dropped:
-            problems.append(f"{report.dropped:,} subscriber connections were dropped")
         text.append("FAILED: " + "; ".join(problems), "bold red")
+    if report.dropped:
+        text.append(
+            f"\n(the gateway dropped {report.dropped:,} subscriber connections; they reconnected"
+            f" and resumed; {report.forgiven:,} deliveries pending in dropped clean sessions"
+            " were not counted)",
+            "yellow",
+        )
     if report.interrupted:
         text.append("\n(interrupted: publishing stopped early)", "yellow")
     if report.qos == 0:

@@ -71,3 +71,19 @@ def test_duplicates_and_misrouted_deliveries_are_told_apart() -> None:
 def test_message_keys_are_unique_per_device_and_sequence() -> None:
     keys = {message_key(d, s) for d in range(50) for s in range(0, 2**32, 2**28)}
     assert len(keys) == 50 * 16
+
+
+def test_a_dropped_clean_session_forgives_what_it_had_not_delivered() -> None:
+    book = ledger()
+    book.acknowledged_publish(message_key(0, 1), TEMP, qos=1, sent_at=30.0)
+    book.acknowledged_publish(message_key(0, 2), TEMP, qos=1, sent_at=31.0)
+    book.delivery(0, message_key(0, 1), TEMP)
+    book.session_ended(0)
+    temps = book.subscribers[0]
+    assert (len(temps.expected), temps.forgiven, temps.outstanding) == (1, 1, 0)
+    # While it has no session nothing is expected; after its new SUBACK, again.
+    book.acknowledged_publish(message_key(0, 3), TEMP, qos=1, sent_at=32.0)
+    book.subscribed(0, at=33.0)
+    book.acknowledged_publish(message_key(0, 4), TEMP, qos=1, sent_at=34.0)
+    assert temps.expected == {message_key(0, 1), message_key(0, 4)}
+    assert book.expected == 2 + 4  # subscriber 1 (persistent) still expects all four

@@ -15,11 +15,12 @@ def snapshot(phase: str, outstanding: int) -> SimSnapshot:
 def report(lost: int, misrouted: int = 0, interrupted: bool = False) -> SimReport:
     sub = SubscriberReport(
         "site-archive-2", "lmqtt-sim-x-site-archive-2", ("site/s1/#",), True, True,
-        40, 40 - lost, lost, 1, misrouted, 0, 0,
+        40, 40 - lost, lost, 1, misrouted, 0, 0, 0,
     )  # fmt: skip
     return SimReport(
-        "abc123", 1, 4.2, 100, 100, 0, 40 - lost, 40, lost, 1, misrouted, 0, 0, interrupted, (sub,)
-    )
+        "abc123", 1, 4.2, 100, 100, 0, 40 - lost, 40, lost, 1, misrouted, 0, 0, 0, interrupted,
+        (sub,),
+    )  # fmt: skip
 
 
 def rendered(renderable: object) -> str:
