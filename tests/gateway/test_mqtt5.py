@@ -219,3 +219,25 @@ def test_overlap_added_later_neither_loses_nor_duplicates(gateway: GatewayHarnes
     assert got == [(b"m2", [4]), (b"m3", None)]
     for c in (x, y, p):
         c.close()
+
+
+def test_mqtt5_publish_properties_pass_through(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "props", [Subscription("req/+", 1)])
+    p = _pub(gateway)
+    sent = Properties(
+        payload_format_indicator=1,
+        content_type="application/json",
+        response_topic="resp/42",
+        correlation_data=b"\x00\x01corr",
+        user_properties=[("k", "v"), ("k", "v2"), ("x", "\x01odd\x02")],
+    )
+    p.send(Publish("req/1", b'{"a":1}', qos=1, packet_id=1, properties=sent))
+    p.recv()
+    got = s.recv().properties
+    assert got.payload_format_indicator == 1
+    assert got.content_type == "application/json"
+    assert got.response_topic == "resp/42"
+    assert got.correlation_data == b"\x00\x01corr"
+    assert got.user_properties == [("k", "v"), ("k", "v2"), ("x", "\x01odd\x02")]
+    s.close()
+    p.close()

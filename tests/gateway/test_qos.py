@@ -105,3 +105,20 @@ def test_amqtt_client_roundtrip(gateway: GatewayHarness) -> None:
 
     got = asyncio.run(scenario())
     assert got == [("am/1/x", b"q0", 0), ("am/2/x", b"q1", 1), ("am/3/x", b"q2", 2)]
+
+
+def test_mqtt31_client(gateway: GatewayHarness) -> None:
+    c = RawClient(gateway.port, level=3)
+    assert c.connect("old-31-client").reason_code == 0
+    c.send(Subscribe(1, [Subscription("v31/t", 1)]))
+    assert c.recv().reason_codes == [1]
+    c.send(Publish("v31/t", b"mqisdp", qos=1, packet_id=2))
+    first, second = c.recv(), c.recv()
+    got = {type(first), type(second)}
+    assert got == {PubAck, Publish}
+    msg = first if isinstance(first, Publish) else second
+    assert msg.payload == b"mqisdp"
+    c.close()
+    bad = RawClient(gateway.port, level=3)
+    assert bad.connect("").reason_code == 0x85  # 3.1 needs a client id
+    bad.close()
