@@ -36,6 +36,7 @@ log = logging.getLogger("lmqtt.gateway")
 SERVER_SHUTTING_DOWN = 0x8B
 HOUSEKEEPING_INTERVAL_S = 1.0
 TIMEOUT_SWEEP_S = 1.0
+STOP_DRAIN_S = 2.0
 
 
 class Gateway:
@@ -173,6 +174,10 @@ class Gateway:
 
             assert isinstance(self._sys, SysPublisher)
             await self._sys.stop()
+        # Publishes already read get stored and acknowledged before the DISCONNECT.
+        pending = [t for c in self.connections for t in c.pending_puts()]
+        if pending:
+            await asyncio.wait(pending, timeout=STOP_DRAIN_S)
         for client in list(self.connections):
             client.close(SERVER_SHUTTING_DOWN, abnormal=False)
         for task in self._tasks:

@@ -154,6 +154,10 @@ class ClientConnection:
                 pass
             self._kick()
 
+    def pending_puts(self) -> list[asyncio.Task[None]]:
+        """Publishes still waiting for their fsync (sync flush), for a graceful stop."""
+        return list(self._put_tasks) if self._put_tasks else []
+
     def _kick(self) -> None:
         if self._reader is None and not self.closed:
             self._reader = self._loop.create_task(self._read_loop())
