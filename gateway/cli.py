@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", metavar="FMT", help="text (default) or json")
     serve.add_argument("--loop", dest="event_loop", help="auto (default), uvloop or asyncio")
     serve.add_argument("--sys-interval", type=float, metavar="S", help="$SYS period, 0 = off")
+    serve.add_argument(
+        "--password-file", type=Path, metavar="FILE", help="users (see 'lmqtt passwd')"
+    )
+    serve.add_argument("--acl-file", type=Path, metavar="FILE", help="Mosquitto-syntax ACL")
+    serve.add_argument(
+        "--admin-port", type=int, metavar="PORT", help="HTTP /metrics and /health (default off)"
+    )
 
     inspect = sub.add_parser(
         "inspect",
@@ -192,6 +199,14 @@ async def _serve(settings: GatewaySettings, fell_back: bool) -> int:
         f" data in {_shown_dir(settings.data_dir)}",
         flush=True,
     )
+    extra = gateway.listeners
+    for name in sorted(extra.servers):
+        print(f"lmqtt {name} listening on {settings.host}:{extra.port(name)}", flush=True)
+    if extra.admin is not None:
+        print(
+            f"lmqtt admin (/metrics, /health) on {settings.admin_host}:{extra.admin.port}",
+            flush=True,
+        )
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
 
@@ -242,6 +257,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             log_format=args.log_format,
             sys_interval=args.sys_interval,
+            password_file=args.password_file,
+            acl_file=args.acl_file,
+            admin_port=args.admin_port,
             event_loop=args.event_loop,
         )
     except SettingsError as exc:

@@ -220,7 +220,7 @@ def test_loopback_default_allows_anonymous(gateway: GatewayHarness, clients: lis
 
 def test_non_loopback_without_auth_refuses_to_start(tmp_path: Path, passwd_file: Path) -> None:
     data = tmp_path / "data"
-    with pytest.raises(SecurityError, match="refusing to listen on 0.0.0.0"):
+    with pytest.raises(SecurityError, match=r"refusing to listen on 0\.0\.0\.0"):
         Gateway(load_settings(host="0.0.0.0", port=0, data_dir=data))
     assert not data.exists()  # refused before anything was opened
     # Either a password file or an explicit allow_anonymous makes it start.
@@ -257,8 +257,9 @@ def test_sighup_reloads_passwords_without_dropping(tmp_path: Path, passwd_file: 
             str(tmp_path / "d"),
             "--sys-interval",
             "0",
+            "--password-file",
+            str(passwd_file),
         ],
-        env={**os.environ, "LMQTT_PASSWORD_FILE": str(passwd_file)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
