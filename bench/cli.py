@@ -130,6 +130,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--docs", type=Path, help="also write the table to this Markdown file")
     parser.add_argument("--from-json", type=Path, help="only render the table of a saved run")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        help="start from this saved run and replace only the scenarios run now (re-runs)",
+    )
     args = parser.parse_args(argv)
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown:
@@ -150,7 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     started = dt.datetime.now(dt.UTC)
     results = asyncio.run(run_all(args))
     finished = dt.datetime.now(dt.UTC)
+    merged_from = None
+    if args.merge:
+        previous = json.loads(args.merge.read_text())
+        merged_from = previous.get("started")
+        started = dt.datetime.fromisoformat(previous["started"])
+        results = {**previous["results"], **results}
+        results = {name: results[name] for name in SCENARIOS if name in results}
     document = {
+        "merged_from": merged_from,
         "started": started.isoformat(timespec="seconds"),
         "finished": finished.isoformat(timespec="seconds"),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

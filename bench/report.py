@@ -147,7 +147,12 @@ def render_markdown(document: dict[str, Any]) -> str:
     lines = [
         f"Run {document['started']} .. {document['finished']} UTC;"
         f" duration {settings['duration']} s per run, median of {settings['repeat']}"
-        " (idle, backlog, durability: 1 run)",
+        " (idle, backlog, durability: 1 run)"
+        + (
+            f"; {', '.join(settings['scenarios'])} re-run and merged in"
+            if document.get("merged_from")
+            else ""
+        ),
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "open_files_limit"),
         "",

@@ -359,6 +359,8 @@ async def backlog(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metr
         finally:
             await _close_all([sub])
     acked = int(published["acked"])
+    if published["lost_connection"]:
+        cpu["flags"].append("publisher-disconnected")
     drain_span = max(float(result["last"] or connect_at) - connect_at, 1e-6)
     growth = (rss.peak - baseline) / 2**20
     growth_anon = (rss.peak_anon - baseline_anon) / 2**20
