@@ -51,6 +51,8 @@ log = logging.getLogger("lmqtt.gateway")
 
 # Sync-flush publishes awaiting their fsync before this connection stops reading.
 MAX_PENDING_PUTS = 256
+# Packets handled before the reader task yields to the event loop.
+EVENTS_PER_TURN = 32
 # Unparsed input beyond which reading pauses until the reader task catches up.
 MAX_UNPARSED = 1 << 20
 
@@ -256,8 +258,16 @@ class ClientConnection:
 
     async def _read_loop(self) -> None:
         """Handle every complete packet buffered (and arriving meanwhile), then end."""
+        handled = 0
         try:
             while not self.closed:
+                if handled >= EVENTS_PER_TURN:
+                    # A flooding client must not hold the event loop: let delivery (which then
+                    # still finds the messages in RecentMessages) and other clients run.
+                    handled = 0
+                    await asyncio.sleep(0)
+                    continue
+                handled += 1
                 try:
                     ev = self.conn.next_event()
                 except RemoteProtocolError as err:
