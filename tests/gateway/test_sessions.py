@@ -189,3 +189,19 @@ def test_disconnect_can_lower_session_expiry(gateway: GatewayHarness) -> None:
     assert gw is not None
     wait_until(lambda: gateway.call(lambda: gw.sessions.get("lower") is None), 5, "end")
     c.close()
+
+
+def test_311_persistent_session_expires_after_configured_default(gateway: GatewayHarness) -> None:
+    gateway.restart(default_session_expiry=1)
+    c = RawClient(gateway.port, level=4)
+    c.connect("old-style", clean=False)
+    c.send(Subscribe(1, [Subscription("d/e", 1)]))
+    c.recv()
+    c.send(Disconnect())
+    c.close()
+    gw = gateway.gw
+    assert gw is not None
+    wait_until(lambda: gateway.call(lambda: gw.sessions.get("old-style") is None), 5, "expiry")
+    again = RawClient(gateway.port, level=4)
+    assert not again.connect("old-style", clean=False).session_present
+    again.close()
