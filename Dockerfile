@@ -39,6 +39,9 @@ RUN mkdir -p /usr/share/man/man1 \
  && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=wheels,source=/wheels,target=/wheels \
     pip install "$(echo /wheels/lmqtt-*.whl)[sim,analytics]"
+# pip's PySpark is a complete Spark: `spark-class` (the cluster profile's master and worker)
+# finds its jars through SPARK_HOME.
+ENV SPARK_HOME=/usr/local/lib/python3.11/site-packages/pyspark
 USER lmqtt
 WORKDIR /home/lmqtt
 ENTRYPOINT ["lmqtt"]

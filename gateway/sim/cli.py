@@ -85,9 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--username", default=None, help="MQTT user name, if the gateway wants one")
     add("--password", default=None, help="MQTT password")
     add(
-        "--keep-sessions",
+        "--name",
+        default="sim",
+        help="client-id prefix of the subscribers (SIM-site-archive-2, ...): give simultaneous "
+        "simulators different names (default: %(default)s)",
+    )
+    add(
+        "--drop-sessions",
         action="store_true",
-        help="leave the persistent subscribers' sessions on the gateway at the end",
+        help="discard the persistent subscribers' sessions at the end (default: keep them, "
+        "so the next run resumes them and analytics sees their deliveries)",
     )
     add("--json", type=Path, default=None, metavar="FILE", help="also write the report as JSON")
     add("--quiet", action="store_true", help="no progress line, only the summary")
@@ -107,7 +114,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         sites=args.sites,
         max_messages=args.max_messages,
         drain_timeout=args.drain_timeout,
-        keep_sessions=args.keep_sessions,
+        name=args.name,
+        drop_sessions=args.drop_sessions,
         username=args.username,
         password=args.password,
     )

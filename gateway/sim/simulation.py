@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ MAX_RATE = 1_000.0
 MAX_DURATION = 24 * 3600.0
 MAX_MESSAGES = 50_000_000
 CONNECT_CONCURRENCY = 32  # simultaneous CONNECTs at start-up: no thundering herd
+CLIENT_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +54,9 @@ class SimConfig:
     drain_timeout: float = 10.0
     connect_timeout: float = 10.0
     max_inflight: int = 8  # unacknowledged publishes per device
-    keep_sessions: bool = False  # leave the persistent sessions on the gateway at the end
-    run_id: str | None = None  # default: random, so client ids never collide between runs
+    name: str = "sim"  # subscribers' client-id prefix: one name per simultaneous simulator
+    drop_sessions: bool = False  # discard the persistent sessions at the end
+    run_id: str | None = None  # default: random; tags every payload of this run
     username: str | None = None
     password: str | None = None
 
@@ -80,6 +83,8 @@ class SimConfig:
             problems.append("port must be 1..65535")
         if self.max_inflight < 1:
             problems.append("max inflight must be >= 1")
+        if not CLIENT_NAME.fullmatch(self.name):
+            problems.append("name must be 1-32 letters, digits, '-' or '_'")
         if problems:
             raise SimError("; ".join(problems))
 
@@ -194,10 +199,10 @@ class Simulation:
         self._subscribers = [
             _Subscriber(
                 plan,
-                # Subscribers' ids are unique per run: no stale persistent session to inherit.
-                self._new_client(
-                    f"lmqtt-sim-{self.run_id}-{plan.name}", clean_session=not plan.persistent
-                ),
+                # Stable ids too: the persistent sessions stay on the gateway after the run (one
+                # per subscriber, not one per run), so the analytics report still sees their
+                # deliveries and backlogs; each run starts them afresh.
+                self._new_client(f"{config.name}-{plan.name}", clean_session=not plan.persistent),
             )
             for plan in self._plans
         ]
@@ -308,6 +313,10 @@ class Simulation:
         await self._drain(loop.time() + self.config.drain_timeout)
 
     async def _connect_subscribers(self) -> None:
+        # A session left by an earlier run may hold other filters (say, other --sites), which
+        # would look like misrouting: discard it first.
+        persistent = [s.client.client_id for s in self._subscribers if s.plan.persistent]
+        await asyncio.gather(*(self._discard_session(client_id) for client_id in persistent))
         for subscriber in self._subscribers:  # in order: SUBACK times are the baseline
             await subscriber.client.connect(self.config.connect_timeout)
             subscriber.online = True
@@ -471,20 +480,23 @@ class Simulation:
             device.online = False
         for subscriber in self._subscribers:
             subscriber.online = False
-        if self.config.keep_sessions or self._abort.is_set():
+        if not self.config.drop_sessions or self._abort.is_set():
             return
 
-        # A clean-session CONNECT with the same client id discards the persistent session,
-        # so finished runs do not leave queues filling up on the gateway.
-        async def discard(subscriber: _Subscriber) -> None:
-            cleaner = self._new_client(subscriber.client.client_id)
-            with contextlib.suppress(SimError):
-                await cleaner.connect(self.config.connect_timeout)
-            await cleaner.disconnect()
-
         await asyncio.gather(
-            *(discard(s) for s in self._subscribers if s.plan.persistent and s.client.has_connected)
+            *(
+                self._discard_session(s.client.client_id)
+                for s in self._subscribers
+                if s.plan.persistent and s.client.has_connected
+            )
         )
+
+    async def _discard_session(self, client_id: str) -> None:
+        """A clean-session CONNECT with the same client id ends any session it had."""
+        cleaner = self._new_client(client_id)
+        with contextlib.suppress(SimError):
+            await cleaner.connect(self.config.connect_timeout)
+        await cleaner.disconnect()
 
     def _report(self, elapsed: float) -> SimReport:
         subscribers = []

@@ -23,6 +23,7 @@ import pytest
 from gateway.app import Gateway
 from gateway.config import load_settings
 from gateway.sim import SimConfig, Simulation, run_simulation
+from gateway.sim.client import SimClient
 from tests.sim.conftest import closed_port
 from tests.sim.deployment import compose, lmqtt_commands_in_compose, lmqtt_executable
 
@@ -81,6 +82,33 @@ async def test_a_gateway_restart_loses_nothing_acknowledged(tmp_path: Path) -> N
     assert report.lost == 0 and report.ok, report
     everything = next(s for s in report.subscribers if s.name == "everything-6")
     assert everything.persistent and everything.expected == report.acknowledged
+
+
+async def test_sessions_stay_for_analytics_and_the_next_run_starts_them_afresh(
+    lmqtt_gateway: int,
+) -> None:
+    # A session of an earlier run (same client id) subscribed to more than today's plan.
+    leftover = SimClient("sim-site-archive-2", "127.0.0.1", lmqtt_gateway, clean_session=False)
+    await leftover.connect()
+    await leftover.subscribe(("site/#",), 1)
+    await leftover.disconnect()
+
+    settings = {"port": lmqtt_gateway, "devices": 4, "rate": 8.0, "duration": 1.5}
+    first = await run_simulation(SimConfig(**settings, subscribers=2))  # type: ignore[arg-type]
+    assert first.ok and first.misrouted == 0
+    archive = first.subscribers[1]
+    assert archive.client_id == "sim-site-archive-2" and archive.received == archive.expected
+
+    # The sessions were kept: a subscriber resuming it now gets what was published since.
+    devices_only = SimConfig(**settings, subscribers=0, run_id="later")  # type: ignore[arg-type]
+    later = await run_simulation(devices_only)
+    resumed = SimClient("sim-site-archive-2", "127.0.0.1", lmqtt_gateway, clean_session=False)
+    await resumed.connect()
+    try:
+        delivery = await asyncio.wait_for(resumed.next_delivery(), 10)
+    finally:
+        await resumed.disconnect()
+    assert later.acknowledged > 0 and b'"run":"later"' in delivery.payload
 
 
 def rewritten(argv: list[str], replace: dict[str, str], extra: list[str]) -> list[str]:

@@ -60,6 +60,10 @@ def test_services_are_wired_for_the_demo() -> None:
     for name in ("devices", "subscribers"):
         assert services[name]["depends_on"]["gateway"]["condition"] == "service_healthy"
         assert "profiles" not in services[name]
+    # Two simulators on one gateway need different subscriber client ids.
+    names = [services[n]["command"][services[n]["command"].index("--name") + 1] for n in
+             ("devices", "subscribers")]  # fmt: skip
+    assert len(set(names)) == 2
     for name in ("analytics", "analytics-cluster"):
         assert services[name]["profiles"], f"`docker compose up` must not run {name}"
         assert "lmqtt-data:/data:ro" in services[name]["volumes"]
@@ -105,6 +109,9 @@ def test_images_are_small_non_root_and_start_lmqtt() -> None:
         assert entrypoint == [["lmqtt"]]
     java = " ".join(i.argument for i in stages["analytics"] if i.keyword == "RUN")
     assert "jre" in java
+    # pip's spark-class (the cluster profile) only finds Spark's jars through SPARK_HOME.
+    env = " ".join(i.argument for i in stages["analytics"] if i.keyword == "ENV")
+    assert "SPARK_HOME=/usr/local/lib/python3.11/site-packages/pyspark" in env
 
 
 def test_the_image_gets_only_the_repositorys_sources() -> None:

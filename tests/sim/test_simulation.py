@@ -124,6 +124,8 @@ async def test_a_server_that_never_answers_connect_is_a_sim_error_not_a_hang() -
         {"qos": 3},
         {"max_messages": 0},
         {"port": 70_000},
+        {"name": "two words"},
+        {"name": ""},
     ],
 )
 def test_settings_outside_the_bounds_are_refused(bad: dict[str, object]) -> None:
