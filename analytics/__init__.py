@@ -25,6 +25,7 @@ _EXPORTS = {
     "stop_spark": "analytics.spark",
     "run_fanout": "analytics.fanout",
     "load_messages": "analytics.fanout",
+    "snapshot_frames": "analytics.fanout",
     "compact": "analytics.compaction",
     "Report": "analytics.show",
     "write_html": "analytics.html_report",

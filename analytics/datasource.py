@@ -97,8 +97,12 @@ class CommitLogReader(DataSourceReader):
         self.wanted = {int(x) for x in wanted.split(",") if x} if wanted else None
 
     def partitions(self) -> list[InputPartition]:
-        return list(plan_partitions(self.data_dir, self.compacted_dir, self.skip_compacted,
-                                    self.wanted))  # fmt: skip
+        try:
+            return list(
+                plan_partitions(self.data_dir, self.compacted_dir, self.skip_compacted, self.wanted)
+            )
+        except AnalyticsError as e:
+            raise RuntimeError(e.worker_text()) from None
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SegmentPartition)

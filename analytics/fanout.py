@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +41,8 @@ from analytics.snapshots import (
     LIGHT_QUEUE_PREFIX,
     QUEUE_ENDS_SCHEMA,
     SUBSCRIBERS_SCHEMA,
+    QueueEnd,
+    Subscriber,
     queue_ends,
     queue_ends_table,
     read_committed,
@@ -119,6 +120,27 @@ def load_messages(
     if len(done) == len(segments):
         return parquet
     return parquet.unionByName(raw)
+
+
+def snapshot_frames(
+    spark: SparkSession,
+    subs: list[Subscriber] | None = None,
+    ends: list[QueueEnd] | None = None,
+    data_dir: str | Path | None = None,
+) -> tuple[DataFrame, DataFrame]:
+    """The subscribers and the queue ends as small DataFrames (read from data_dir if not given).
+
+    subscribers: subscriber, queue, filter, start_offset, committed, sessions, shared, online
+    queue ends:  queue, queue_filter, min_offset, end_offset
+    """
+    if subs is None or ends is None:
+        assert data_dir is not None, "give the snapshots or the data directory"
+        subs = subscribers(read_subscriptions(data_dir), read_committed(data_dir))
+        ends = queue_ends(data_dir)
+    return (
+        spark.createDataFrame(subscribers_table(subs), schema=_spark_schema(SUBSCRIBERS_SCHEMA)),
+        spark.createDataFrame(queue_ends_table(ends), schema=_spark_schema(QUEUE_ENDS_SCHEMA)),
+    )
 
 
 def choose_window(span_s: float) -> int:
@@ -207,60 +229,66 @@ def run_fanout(
             queues_per_subscriber[s.subscriber] = queues_per_subscriber.get(s.subscriber, 0) + 1
         needs_dedup = any(n > 1 for n in queues_per_subscriber.values())
 
-        def pairs(frame: DataFrame) -> DataFrame:
-            return frame.select(
-                "physical_offset",
-                "ts",
-                "client_id",
-                "topic",
-                "body_size",
-                F.explode(F.arrays_zip("queues", "queue_offsets")).alias("z"),
-            ).select(
-                "physical_offset",
-                "ts",
-                "client_id",
-                "topic",
-                "body_size",
-                F.col("z.queues").alias("queue"),
-                F.col("z.queue_offsets").alias("qoff"),
-            )
+        bucket = F.timestamp_seconds(
+            F.floor(F.unix_micros("ts") / F.lit(window_s * 1_000_000)) * F.lit(window_s)
+        )
+        keyed = msgs.withColumn("window_start", bucket)
 
+        # Level 1, the only passes over the messages: a small cube of (device, topic, window,
+        # fan-out) counts, and one of (device, topic, window, subscriber) deliveries. Every
+        # table is then a cheap roll-up of those; no count-distinct ever runs on big data.
+        cube = (
+            keyed.groupBy("client_id", "topic", "window_start", "fanout")
+            .agg(
+                F.count(F.lit(1)).alias("n"),
+                F.sum("body_size").alias("b"),
+                F.min("ts").alias("first"),
+                F.max("ts").alias("last"),
+            )
+            .cache()
+        )
         reached = (
-            pairs(msgs)
+            _pairs(keyed, "window_start")
             .join(F.broadcast(subs_df), "queue")
             .where(F.col("qoff") >= F.col("start_offset"))
             .select(
                 "physical_offset",
-                "ts",
                 "client_id",
                 "topic",
+                "window_start",
                 "subscriber",
                 (F.col("qoff") < F.col("committed")).cast("int").alias("delivered"),
             )
         )
         if needs_dedup:
             reached = reached.groupBy(
-                "physical_offset", "ts", "client_id", "topic", "subscriber"
+                "physical_offset", "client_id", "topic", "window_start", "subscriber"
             ).agg(F.max("delivered").alias("delivered"))
-        reached_agg = [
-            F.sum("delivered").alias("deliveries"),
-            F.count(F.lit(1)).alias("eligible"),
-            F.count_distinct(F.when(F.col("delivered") == 1, F.col("subscriber"))).alias(
-                "subscribers_reached"
-            ),
-        ]
-        fanout_agg = [
-            F.count(F.lit(1)).alias("messages"),
-            F.sum("body_size").alias("bytes"),
-            F.avg("fanout").alias("fanout_mean"),
-            F.percentile("fanout", 0.5).alias("fanout_p50"),
-            F.percentile("fanout", 0.99).alias("fanout_p99"),
-            F.max("fanout").alias("fanout_max"),
-            F.min("ts").alias("first_seen"),
-            F.max("ts").alias("last_seen"),
-        ]
+        rcube = (
+            reached.groupBy("client_id", "topic", "window_start", "subscriber")
+            .agg(F.sum("delivered").alias("d"), F.count(F.lit(1)).alias("e"))
+            .cache()
+        )
 
-        def finish(stats: DataFrame, deliv: DataFrame, keys: list[str]) -> DataFrame:
+        def rollup(keys: list[str], distinct: str, distinct_name: str) -> DataFrame:
+            stats = cube.groupBy(*keys).agg(
+                F.sum("n").alias("messages"),
+                F.sum("b").alias("bytes"),
+                F.count_distinct(distinct).alias(distinct_name),
+                (F.sum(F.col("n") * F.col("fanout")) / F.sum("n")).alias("fanout_mean"),
+                F.percentile("fanout", 0.5, F.col("n")).alias("fanout_p50"),
+                F.percentile("fanout", 0.99, F.col("n")).alias("fanout_p99"),
+                F.max("fanout").alias("fanout_max"),
+                F.min("first").alias("first_seen"),
+                F.max("last").alias("last_seen"),
+            )
+            deliv = rcube.groupBy(*keys).agg(
+                F.sum("d").alias("deliveries"),
+                F.sum("e").alias("eligible"),
+                F.count_distinct(F.when(F.col("d") > 0, F.col("subscriber"))).alias(
+                    "subscribers_reached"
+                ),
+            )
             joined = stats.join(deliv, keys, "left").fillna(
                 0, ["deliveries", "eligible", "subscribers_reached"]
             )
@@ -269,11 +297,7 @@ def run_fanout(
                 F.when(F.col("eligible") > 0, F.col("deliveries") / F.col("eligible")),
             )
 
-        device = finish(
-            msgs.groupBy("client_id").agg(*fanout_agg, F.count_distinct("topic").alias("topics")),
-            reached.groupBy("client_id").agg(*reached_agg),
-            ["client_id"],
-        ).select(
+        device = rollup(["client_id"], "topic", "topics").select(
             "client_id", "messages", "bytes", "topics", "fanout_mean", "fanout_p50",
             "fanout_p99", "fanout_max", "deliveries", "eligible", "delivery_ratio",
             "subscribers_reached", "first_seen", "last_seen",
@@ -281,11 +305,7 @@ def run_fanout(
         with phase("device_fanout"):
             totals = _write(device, staging / "device_fanout")
 
-        topic = finish(
-            msgs.groupBy("topic").agg(*fanout_agg, F.count_distinct("client_id").alias("devices")),
-            reached.groupBy("topic").agg(*reached_agg),
-            ["topic"],
-        ).select(
+        topic = rollup(["topic"], "client_id", "devices").select(
             "topic", "messages", "bytes", "devices", "fanout_mean", "fanout_p50", "fanout_p99",
             "fanout_max", "deliveries", "eligible", "delivery_ratio", "subscribers_reached",
             "first_seen", "last_seen",
@@ -293,17 +313,11 @@ def run_fanout(
         with phase("topic_fanout"):
             n_topics = _write(topic, staging / "topic_fanout")
 
-        bucket = F.timestamp_seconds(
-            F.floor(F.unix_micros("ts") / F.lit(window_s * 1_000_000)) * F.lit(window_s)
-        )
         timeline = (
-            msgs.withColumn("window_start", bucket)
-            .groupBy("client_id", "window_start")
-            .agg(F.count(F.lit(1)).alias("messages"), F.sum("body_size").alias("bytes"))
+            cube.groupBy("client_id", "window_start")
+            .agg(F.sum("n").alias("messages"), F.sum("b").alias("bytes"))
             .join(
-                reached.withColumn("window_start", bucket)
-                .groupBy("client_id", "window_start")
-                .agg(F.sum("delivered").alias("deliveries")),
+                rcube.groupBy("client_id", "window_start").agg(F.sum("d").alias("deliveries")),
                 ["client_id", "window_start"],
                 "left",
             )
@@ -314,13 +328,15 @@ def run_fanout(
         with phase("timeline"):
             _write(timeline, staging / "timeline")
 
-        histogram = msgs.groupBy("fanout").agg(F.count(F.lit(1)).alias("messages"))
+        histogram = cube.groupBy("fanout").agg(F.sum("n").alias("messages"))
         with phase("fanout_histogram"):
             _write(histogram, staging / "fanout_histogram")
 
         with phase("queue_backlog"):
-            backlog = _backlog(spark, all_msgs, pairs, subs_df, ends_df, generated_at_ms)
+            backlog = _backlog(all_msgs, subs_df, ends_df, generated_at_ms)
             n_queues = _write(backlog, staging / "queue_backlog")
+        cube.unpersist()
+        rcube.unpersist()
 
         device_totals = (
             spark.read.parquet(str(staging / "device_fanout"))
@@ -359,15 +375,24 @@ def run_fanout(
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _pairs(frame: DataFrame, *extra: str) -> DataFrame:
+    """One row per (message, light queue): the message's offset in that queue."""
+    from pyspark.sql import functions as F
+
+    cols = ["physical_offset", "ts", "client_id", "topic", "body_size", *extra]
+    return frame.select(
+        *cols, F.explode(F.arrays_zip("queues", "queue_offsets")).alias("z")
+    ).select(*cols, F.col("z.queues").alias("queue"), F.col("z.queue_offsets").alias("qoff"))
+
+
 def _backlog(
-    spark: SparkSession,
-    msgs: DataFrame,
-    pairs: Callable[[DataFrame], DataFrame],
-    subs_df: DataFrame,
-    ends_df: DataFrame,
-    generated_at_ms: int,
+    msgs: DataFrame, subs_df: DataFrame, ends_df: DataFrame, generated_at_ms: int
 ) -> DataFrame:
-    """Per light queue: subscribers, slowest committed offset, backlog messages/bytes/age."""
+    """Per light queue: subscribers, slowest committed offset, backlog messages/bytes/age.
+
+    The small queue table (consume-queue ends, subscribers) is built first; then one pass over
+    the (message, queue) pairs finds each queue's end in the log and what waits in it.
+    """
     from pyspark.sql import functions as F
 
     per_queue = subs_df.groupBy("queue").agg(
@@ -377,20 +402,9 @@ def _backlog(
         F.min("committed").alias("slowest_committed"),
         F.min_by("subscriber", "committed").alias("slowest_subscriber"),
     )
-    exploded = pairs(msgs)
-    log_ends = exploded.groupBy("queue").agg((F.max("qoff") + 1).alias("log_end"))
-    queues = (
+    known = (
         ends_df.join(per_queue, "queue", "full")
-        .join(log_ends, "queue", "full")
-        .where(F.col("queue").startswith(LIGHT_QUEUE_PREFIX))
-        .withColumn(
-            "end_offset",
-            F.greatest(F.coalesce("end_offset", F.lit(0)), F.coalesce("log_end", F.lit(0))),
-        )
         .withColumn("min_offset", F.coalesce("min_offset", F.lit(0)))
-        .withColumn("filter", F.coalesce("sub_filter", "queue_filter"))
-        .withColumn("subscribers", F.coalesce("subscribers", F.lit(0)))
-        .withColumn("online_subscribers", F.coalesce("online_subscribers", F.lit(0)))
         .withColumn(
             "backlog_from",
             F.when(
@@ -398,20 +412,35 @@ def _backlog(
                 F.greatest("slowest_committed", "min_offset"),
             ),
         )
+    )
+    waiting_from = F.col("qoff") >= F.col("backlog_from")
+    in_log = (
+        _pairs(msgs)
+        .where(F.col("queue").startswith(LIGHT_QUEUE_PREFIX))
+        .join(F.broadcast(known.select("queue", "backlog_from")), "queue", "left")
+        .groupBy("queue")
+        .agg(
+            (F.max("qoff") + 1).alias("log_end"),
+            F.sum(F.when(waiting_from, F.col("body_size"))).alias("backlog_bytes"),
+            F.min(F.when(waiting_from, F.col("ts"))).alias("oldest_undelivered_at"),
+        )
+    )
+    now = F.timestamp_millis(F.lit(generated_at_ms))
+    return (
+        known.join(in_log, "queue", "full")
+        .where(F.col("queue").startswith(LIGHT_QUEUE_PREFIX))
+        .withColumn("filter", F.coalesce("sub_filter", "queue_filter"))
+        .withColumn("min_offset", F.coalesce("min_offset", F.lit(0)))
+        .withColumn(
+            "end_offset",
+            F.greatest(F.coalesce("end_offset", F.lit(0)), F.coalesce("log_end", F.lit(0))),
+        )
+        .withColumn("subscribers", F.coalesce("subscribers", F.lit(0)))
+        .withColumn("online_subscribers", F.coalesce("online_subscribers", F.lit(0)))
         .withColumn(
             "backlog_messages",
             F.coalesce(F.greatest(F.col("end_offset") - F.col("backlog_from"), F.lit(0)), F.lit(0)),
         )
-    )
-    waiting = (
-        exploded.join(F.broadcast(queues.select("queue", "backlog_from")), "queue")
-        .where(F.col("qoff") >= F.col("backlog_from"))
-        .groupBy("queue")
-        .agg(F.sum("body_size").alias("backlog_bytes"), F.min("ts").alias("oldest_undelivered_at"))
-    )
-    now = F.timestamp_millis(F.lit(generated_at_ms))
-    return (
-        queues.join(waiting, "queue", "left")
         .withColumn("backlog_bytes", F.coalesce("backlog_bytes", F.lit(0)))
         .withColumn(
             "oldest_age_s",

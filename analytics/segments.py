@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -246,13 +247,14 @@ class SegmentParser:
             raise CorruptSegmentError(self.segment.path, self.segment.start_offset + pos, reason)
 
 
+_BE: dict[int, np.dtype[Any]] = {2: np.dtype(">u2"), 4: np.dtype(">u4"), 8: np.dtype(">i8")}
+_SPANS = {w: np.arange(w) for w in _BE}
+
+
 def _gather_be(whole: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
-    """Big-endian unsigned integers of `width` bytes at each position, as int64."""
-    cols = whole[at[:, None] + np.arange(width)].astype(np.int64)
-    value = np.zeros(len(at), dtype=np.int64)
-    for i in range(width):
-        value = (value << 8) | cols[:, i]
-    return value
+    """Big-endian integers (2, 4 bytes unsigned; 8 signed) at each position, as int64."""
+    raw = whole[at[:, None] + _SPANS[width]]  # (n, width) contiguous bytes
+    return raw.view(_BE[width]).reshape(len(at)).astype(np.int64)
 
 
 _TRAILER_SPAN = np.arange(CRC_TRAILER_SIZE)
@@ -301,21 +303,22 @@ def _validate(
 def _views(data: pa.Buffer, local: np.ndarray, at: np.ndarray, lengths: np.ndarray) -> pa.Array:
     """A binary column of (position, length) slices of `local`, copied once by Arrow.
 
-    Built as an Arrow binary-view array over the mapped bytes (16-byte views: length, then
-    either the inline bytes when <= 12, or a 4-byte prefix, buffer index 0 and offset), then
-    cast to a plain binary array.
+    Built as an Arrow binary-view array over the mapped bytes, then cast to plain binary.
+    A view is 16 bytes: length (int32 LE), then either the value itself when it fits in 12
+    bytes, or its first 4 bytes, buffer index 0 and offset (int32 LE). Dense numpy only: no
+    boolean-mask indexing.
     """
     n = len(at)
-    raw = np.zeros((n, 16), dtype=np.uint8)
-    words = raw.view("<i4")
-    words[:, 0] = lengths
-    head = local[np.minimum(at[:, None] + _INLINE_SPAN, len(local) - 1)]
-    inline = lengths <= 12
-    head[inline] *= _INLINE_SPAN[None, :] < lengths[inline, None]
-    raw[inline, 4:16] = head[inline]
-    outline = ~inline
-    raw[outline, 4:8] = head[outline, 0:4]
-    words[outline, 3] = at[outline]
+    head = local[np.minimum(at[:, None] + _INLINE_SPAN, len(local) - 1)]  # (n, 12)
+    inline = (lengths <= 12)[:, None]
+    # Inline: the value, zero-padded. Out of line: prefix, buffer 0, offset.
+    outline = np.empty((n, 12), dtype=np.uint8)
+    outline[:, 0:4] = head[:, 0:4]
+    outline[:, 4:8] = 0
+    outline[:, 8:12] = at.astype("<i4").view(np.uint8).reshape(n, 4)
+    raw = np.empty((n, 16), dtype=np.uint8)
+    raw[:, 0:4] = lengths.astype("<i4").view(np.uint8).reshape(n, 4)
+    raw[:, 4:16] = np.where(inline, head * (lengths[:, None] > _INLINE_SPAN), outline)
     array = pa.Array.from_buffers(pa.binary_view(), n, [None, pa.py_buffer(raw), data])
     return pc.cast(array, pa.binary())
 

@@ -193,3 +193,13 @@ def test_since_until_restrict_the_messages(spark, world: World, tmp_path: Path) 
     # The backlog is the queues' state now, whatever the window.
     backlog = _rows(tmp_path, "queue_backlog", "queue")
     assert {q: r["end_offset"] for q, r in backlog.items()} == world.ends
+
+
+def test_source_errors_surface_as_analytics_errors(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from analytics.errors import DataDirError, recover_worker_error
+
+    with pytest.raises(Exception) as raised:
+        spark.read.format("lmqtt-commitlog").load(str(tmp_path / "gone")).count()
+    found = recover_worker_error(str(raised.value))
+    assert isinstance(found, DataDirError)
+    assert str(found) == f"data directory {tmp_path / 'gone'} does not exist"
