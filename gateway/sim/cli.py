@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drop-sessions",
         action="store_true",
         help="discard the persistent subscribers' sessions at the end (default: keep them, "
-        "so the next run resumes them and analytics sees their deliveries)",
+        "so the analytics report still sees their deliveries and backlogs)",
     )
     add("--json", type=Path, default=None, metavar="FILE", help="also write the report as JSON")
     add("--quiet", action="store_true", help="no progress line, only the summary")
@@ -163,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     console.print(summary(report, console.width))
     console.print(verdict(report))
     if args.json is not None:
-        args.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        try:
+            args.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        except OSError as exc:
+            print(f"lmqtt sim: cannot write {args.json}: {exc.strerror}", file=sys.stderr)
+            return EXIT_USAGE
     return report.exit_code
 
 
