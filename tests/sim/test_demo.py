@@ -197,8 +197,18 @@ def test_the_compose_demo_runs_locally(tmp_path: Path) -> None:
 @pytest.mark.spark
 @pytest.mark.timeout(900)
 def test_the_compose_analytics_step_reports_on_the_demos_data(tmp_path: Path) -> None:
-    data, _reports = run_compose_demo(tmp_path, duration=2.0)
+    data, reports = run_compose_demo(tmp_path, duration=2.0)
     run_analytics(compose()["services"]["analytics"], data, tmp_path / "reports")
+
+    # Spark's per-device counts agree with what the simulator's devices had acknowledged.
+    import pandas as pd
+
+    devices = reports["devices"]
+    table = pd.read_parquet(tmp_path / "reports" / "fanout" / "report" / "device_fanout")
+    simulated = table[table["client_id"].str.fullmatch(r"d\d{4}")]
+    assert devices["failed"] == 0
+    assert int(simulated["messages"].sum()) == devices["acknowledged"]
+    assert int(simulated["deliveries"].sum()) > 0  # the kept persistent sessions count
 
 
 def run_analytics(service: dict[str, Any], data: Path, reports: Path) -> None:
