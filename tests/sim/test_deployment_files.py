@@ -136,3 +136,18 @@ def test_the_image_gets_only_the_repositorys_sources() -> None:
         assert sent_to_docker(source.rstrip("/")), f"{source} is excluded by .dockerignore"
     for private in (".venv", ".git", "lmqtt-data", "reports", "bench", "tests"):
         assert not sent_to_docker(private), f"{private} would be sent to the Docker build"
+
+
+def test_the_compose_gateway_environment_is_allowed_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway listens on 0.0.0.0 in compose, which needs explicit anonymous access (or a
+    password file): the security rule must accept exactly the environment the demo uses."""
+    from gateway.access import AccessControl
+    from gateway.config import load_settings
+
+    for key, value in compose()["services"]["gateway"]["environment"].items():
+        monkeypatch.setenv(key, str(value))
+    settings = load_settings()
+    assert settings.host == "0.0.0.0"
+    assert AccessControl(settings).allow_anonymous
