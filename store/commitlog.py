@@ -116,26 +116,33 @@ class CommitLog:
     def max_record_size(self) -> int:
         return self.segment_size - END_FILE_MIN_BLANK_LENGTH
 
-    def reserve(self, size: int) -> tuple[memoryview, int, int]:
-        """Claim ``size`` bytes for one record: ``(segment view, position in it, offset)``.
+    def segment_with_room(self, size: int) -> Segment:
+        """The segment the next ``size``-byte record starts in, at ``write_pos``.
 
         Writes a blank filler and rolls to a new segment when the record plus 8 bytes does
-        not fit. The caller must then write the whole record at the returned position.
+        not fit; ``write_pos`` then moves to the new segment's start. Does not advance past
+        the record: batch writers place several records before moving ``write_pos``.
         """
         if size > self.segment_size - END_FILE_MIN_BLANK_LENGTH:
             raise MessageTooLargeError(size, self.segment_size - END_FILE_MIN_BLANK_LENGTH)
         segs = self.segments
         seg = segs[-1] if segs else self._roll()
-        phys = self.write_pos
-        rel = phys - seg.start
+        rel = self.write_pos - seg.start
         if rel + size + END_FILE_MIN_BLANK_LENGTH > seg.size:
             if rel + END_FILE_MIN_BLANK_LENGTH <= seg.size:
                 SIZE_MAGIC.pack_into(seg.view, rel, seg.size - rel, BLANK_MAGIC)
             seg = self._roll()
-            phys = seg.start
-            rel = 0
+        return seg
+
+    def reserve(self, size: int) -> tuple[memoryview, int, int]:
+        """Claim ``size`` bytes for one record: ``(segment view, position in it, offset)``.
+
+        The caller must then write the whole record at the returned position.
+        """
+        seg = self.segment_with_room(size)
+        phys = self.write_pos
         self.write_pos = phys + size
-        return seg.view, rel, phys
+        return seg.view, phys - seg.start, phys
 
     def append(
         self,

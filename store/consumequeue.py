@@ -69,6 +69,10 @@ class ConsumeQueueTable:
         # occasional reload of a hot queue it would save.
         self.states: dict[str, ConsumeQueue] = {}
         self.dirty: dict[str, ConsumeQueue] = {}
+        #: Bumped whenever a state leaves ``states``: holders of ConsumeQueue objects (the
+        #: store's route cache) re-resolve them when it changed, so they never append to a
+        #: state that was written out and replaced by a fresh copy.
+        self.generation = 0
         #: CommitLog's first offset; units below it were removed by retention.
         self.log_min_offset = 0
 
@@ -120,6 +124,7 @@ class ConsumeQueueTable:
             victims.append(name)
             if len(victims) >= excess:
                 break
+        self.generation += 1
         for name in victims:
             old = cache.pop(name)
             if old.pending:

@@ -83,6 +83,14 @@ OFF_STORETIMESTAMP: Final = 56
 OFF_BODYLENGTH: Final = 84
 OFF_BODY: Final = 88
 
+#: The same 88 bytes as HEADER with its always-zero fields (QUEUEID, FLAG, SYSFLAG, BORNHOST,
+#: STOREHOST, RECONSUMETIMES, PREPAREDTRANSACTIONOFFSET) as pad bytes, which struct writes as
+#: zeros: 8 arguments to convert instead of 17, on the hot path of every append.
+#:     TOTALSIZE MAGIC BODYCRC [QUEUEID FLAG] QUEUEOFFSET PHYSICALOFFSET [SYSFLAG]
+#:     BORNTIMESTAMP [BORNHOST] STORETIMESTAMP [STOREHOST RECONSUMETIMES PREPARED] BODYLENGTH
+RECORD_HEAD: Final = struct.Struct(">iII8xqq4xq8xq8x4x8xi")
+#: The __CRC32# trailer, formatted with ``crc32(record[0 : TOTALSIZE - 20]) & CRC_MASK``.
+CRC_TRAILER_FORMAT: Final = b"__CRC32#\x01%010d\x02"
 SIZE_MAGIC: Final = struct.Struct(">iI")  # TOTALSIZE + MAGICCODE, also the blank filler
 INT64: Final = struct.Struct(">q")
 INT32: Final = struct.Struct(">i")
@@ -253,7 +261,7 @@ def record_size(body_len: int, topic_len: int, props_len: int) -> int:
 
 
 _BYTE = [bytes((i,)) for i in range(256)]
-_pack_header = HEADER.pack
+_pack_head = RECORD_HEAD.pack
 _pack_plen = PROPS_LEN.pack
 _crc32 = zlib.crc32
 
@@ -274,20 +282,23 @@ def write_record(
     ``properties`` is the encoded property string without the CRC trailer, which is computed
     here over the finished record. The caller guarantees room and valid lengths. Built as one
     bytes object and copied once: on CPython that beats several small writes into a mapping.
+    (MessageStore's batch writer inlines the same steps.)
     """
     blen = len(body)
     plen = len(properties) + CRC_TRAILER_SIZE
     size = FIXED_OVERHEAD + blen + len(topic) + plen
     rec = b"".join(
         (
-            _pack_header(
-                size, MAGIC, _crc32(body) & CRC_MASK, QUEUE_ID, 0, queue_offset,
-                physical_offset, 0, born_timestamp, 0, 0, store_timestamp, 0, 0, 0, 0, blen,
+            _pack_head(
+                size, MAGIC, _crc32(body) & CRC_MASK, queue_offset, physical_offset,
+                born_timestamp, store_timestamp, blen,
             ),
             body, _BYTE[len(topic)], topic, _pack_plen(plen), properties,
         )
     )  # fmt: skip
-    buf[pos : pos + size] = b"%b__CRC32#\x01%010d\x02" % (rec, _crc32(rec) & CRC_MASK)
+    end = pos + size - CRC_TRAILER_SIZE
+    buf[pos:end] = rec
+    buf[end : end + CRC_TRAILER_SIZE] = CRC_TRAILER_FORMAT % (_crc32(rec) & CRC_MASK)
     return size
 
 

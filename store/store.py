@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import mmap
 import os
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -42,21 +44,28 @@ from store.format import (
     CONFIG_DIR,
     CONSUMEQUEUE_DIR,
     CQ_UNIT,
+    CQ_UNIT_SIZE,
+    CRC_MASK,
+    CRC_TRAILER_FORMAT,
     CRC_TRAILER_SIZE,
     DISPATCH_PREFIX,
+    END_FILE_MIN_BLANK_LENGTH,
     FIXED_OVERHEAD,
     HEADER_SIZE,
     INT64,
     LOCK_FILE,
+    MAGIC,
     MAX_PROPERTIES_BYTES,
     MAX_TOPIC_BYTES,
+    MULTI_DISPATCH_SEPARATOR,
     OFF_STORETIMESTAMP,
     PROP_CRC32,
+    PROPS_LEN,
     QOFFSET_PREFIX,
+    RECORD_HEAD,
     RESERVED_PROPERTIES,
     check_record,
     encode_queue_dir,
-    write_record,
 )
 from store.offsets import OFFSETS_FILE, ConsumerOffsets
 from store.recovery import RecoveryReport, recover, scan_log
@@ -77,9 +86,17 @@ _VALID_CACHE_LIMIT = 200_000
 _RECORD_OVERHEAD = FIXED_OVERHEAD + CRC_TRAILER_SIZE
 _MAX_USER_PROPS = MAX_PROPERTIES_BYTES - CRC_TRAILER_SIZE
 _pack_unit = CQ_UNIT.pack
+_pack_head = RECORD_HEAD.pack
+_pack_plen = PROPS_LEN.pack
+_crc32 = zlib.crc32
 _time = time.time
+#: Builds PutResult / StoredMessage without the Python-level NamedTuple __new__ (one call
+#: less per message on the hot paths); same type, same fields.
+_tuple_new = tuple.__new__
 #: QUEUEOFFSET, BORNTIMESTAMP, STORETIMESTAMP, BODYLENGTH of a record header (see format.py).
 _READ_FIELDS = struct.Struct(">20xq12xq8xq20xi").unpack_from
+_iter_units = CQ_UNIT.iter_unpack
+_DISPATCH_PREFIX_LEN = len(DISPATCH_PREFIX)
 
 
 def _parse_user_props(raw: bytes) -> dict[str, str]:
@@ -91,8 +108,47 @@ def _parse_user_props(raw: bytes) -> dict[str, str]:
     return out
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
+class _Route:
+    """What every put to one (topic, light queues) pair shares, worked out once.
+
+    Names are validated when the route is made. ``template`` is the INNER_* property pair
+    with ``%d`` where the light-queue offsets go (only they vary per message). ``parent`` and
+    ``cqs`` are the ConsumeQueue states, resolved under the store lock and re-resolved when
+    the table's ``generation`` moved (a state was evicted and may come back as a new object).
+    """
+
+    __slots__ = (
+        "cqs", "fixed_size", "generation", "lights", "parent", "template", "topic",
+        "topic_field", "units",
+    )  # fmt: skip
+
+    def __init__(self, topic: str, topic_bytes: bytes, lights: tuple[str, ...]) -> None:
+        self.topic = topic
+        self.lights = lights
+        #: TOPICLENGTH + TOPIC, as they follow the body in the record.
+        self.topic_field = bytes((len(topic_bytes),)) + topic_bytes
+        #: Record size without body and properties (those vary per message).
+        self.fixed_size = _RECORD_OVERHEAD + len(topic_bytes)
+        self.units = 1 + len(lights)
+        self.template = b""
+        if lights:
+            names = ",".join(lights).encode("utf-8").replace(b"%", b"%%")
+            self.template = b"".join((
+                DISPATCH_PREFIX, names, b"\x02",
+                QOFFSET_PREFIX, b",".join([b"%d"] * len(lights)), b"\x02",
+            ))  # fmt: skip
+        self.generation = -1  # never resolved
+        self.parent: ConsumeQueue
+        self.cqs: tuple[ConsumeQueue, ...] = ()
+
+    def resolve(self, table: ConsumeQueueTable) -> None:
+        self.parent = table.get_or_create(self.topic)
+        self.cqs = tuple([table.get_or_create(q) for q in self.lights])
+        self.generation = table.generation
+
+
+#: A validated message waiting for the lock: (route, body, user properties, born timestamp).
+_Prepared = tuple[_Route, bytes, bytes, "int | None"]
 
 
 class MessageStore:
@@ -107,10 +163,9 @@ class MessageStore:
         self._closed = False
         self._lock_fd: int | None = None
         self._listeners: tuple[ArrivalListener, ...] = ()
-        self._valid: dict[str, bytes] = {}
+        self._routes: dict[tuple[str, tuple[str, ...]], _Route] = {}
         self._topic_names: dict[bytes, str] = {}
         self._queue_tuples: dict[bytes, tuple[str, ...]] = {}
-        self._queue_sets: dict[tuple[str, ...], tuple[tuple[str, ...], bytes]] = {}
         self._last_store_ts = 0
         self._units_total = 0
         self._lock_wanted = False
@@ -329,9 +384,6 @@ class MessageStore:
             raise InvalidQueueNameError(name, str(e)) from e
         if topic and len(raw) > MAX_TOPIC_BYTES:
             raise InvalidQueueNameError(name, f"topic longer than {MAX_TOPIC_BYTES} bytes")
-        if len(self._valid) >= _VALID_CACHE_LIMIT:
-            self._valid.clear()
-        self._valid[name] = raw
         return raw
 
     @staticmethod
@@ -350,100 +402,144 @@ class MessageStore:
     # =========================================================================================
     # writing
     # =========================================================================================
+    def _new_route(self, key: tuple[str, tuple[str, ...]]) -> _Route:
+        """Validate a (topic, light queues) pair seen for the first time and cache its route."""
+        topic, queues = key
+        tb = self._check_name(topic, topic=True)
+        for q in queues:
+            self._check_name(q, topic=False)
+        lights = tuple(dict.fromkeys(queues))
+        if topic in lights:
+            raise InvalidQueueNameError(topic, "a light queue may not be the parent topic")
+        route = _Route(topic, tb, lights)
+        if len(self._routes) >= _VALID_CACHE_LIMIT:
+            self._routes.clear()
+        self._routes[key] = route
+        return route
+
     def _prepare(
         self,
         topic: str,
         body: bytes,
         queues: Sequence[str],
         properties: dict[str, str] | None,
-    ) -> tuple[bytes, tuple[str, ...], bytes, bytes]:
-        """Validate one message: ``(topic bytes, light queues, INNER_* template, props)``."""
+        born_timestamp: int | None,
+    ) -> _Prepared:
+        """Validate one message (no lock needed): its route, body, user properties, born."""
         if len(body) > self._max_body:
             raise MessageTooLargeError(len(body), self._max_body)
-        tb = self._valid.get(topic)
-        if tb is None:
-            tb = self._check_name(topic, topic=True)
-        if queues:
-            key = queues if isinstance(queues, tuple) else tuple(queues)
-            qs = self._queue_sets.get(key)
-            if qs is None or (qs[0][0] is not topic and topic in qs[0]):
-                qs = self._check_queue_set(topic, key)
-            lights, qbytes = qs
-        else:
-            lights, qbytes = (), b""
-        props = self._encode_props(properties) if properties else b""
-        return tb, lights, qbytes, props
+        key = (topic, queues if type(queues) is tuple else tuple(queues))
+        route = self._routes.get(key)
+        if route is None:
+            route = self._new_route(key)
+        uprops = self._encode_props(properties) if properties else b""
+        return route, body, uprops, born_timestamp
 
-    def _check_queue_set(self, topic: str, key: tuple[str, ...]) -> tuple[tuple[str, ...], bytes]:
-        for q in key:
-            if q not in self._valid:
-                self._check_name(q, topic=False)
-        lights = tuple(dict.fromkeys(key))
-        if topic in lights:
-            raise InvalidQueueNameError(topic, "a light queue may not be the parent topic")
-        # INNER_MULTI_DISPATCH is fixed for a queue set; only the offsets vary per message.
-        template = b"".join((
-            DISPATCH_PREFIX, ",".join(lights).encode("utf-8").replace(b"%", b"%%"), b"\x02",
-            QOFFSET_PREFIX, b",".join([b"%d"] * len(lights)), b"\x02",
-        ))  # fmt: skip
-        qs = (lights, template)
-        if len(self._queue_sets) >= _VALID_CACHE_LIMIT:
-            self._queue_sets.clear()
-        self._queue_sets[key] = qs
-        return qs
+    def _write_locked(self, batch: Sequence[_Prepared], now: int) -> list[PutResult]:
+        """Assign every offset, append the records and dispatch their units. Lock held.
 
-    def _append_locked(
-        self,
-        topic: str,
-        tb: bytes,
-        body: bytes,
-        lights: tuple[str, ...],
-        qbytes: bytes,
-        uprops: bytes,
-        born: int,
-        now: int,
-    ) -> PutResult:
-        """Assign every offset, append the record and dispatch its units. Lock held.
-
-        This is the hot path: consume-queue states are touched directly rather than through
-        ConsumeQueueTable methods (same logic as ConsumeQueueTable.append).
+        The store's hot path, so it works on locals. The batch's records are built into one
+        bytearray and copied into the mapped segment once (one slice assignment instead of
+        one per record); ``write_pos`` moves at the end. Units go straight into the states'
+        ``pending`` buffers (ConsumeQueueTable.append, inlined). Each record is complete in
+        ``buf`` before its queues move, and ``finally`` copies ``buf`` out, so a record that
+        fails (too large for a segment) leaves everything before it written and dispatched
+        and nothing after it.
         """
         table = self.queues_table
-        cache = table.states
-        parent = cache.get(topic) or table.get_or_create(topic)
-        qoff = parent.max_offset
-        if lights:
-            cqs = [cache.get(q) or table.get_or_create(q) for q in lights]
-            loffs = [cq.max_offset for cq in cqs]
-            props = uprops + qbytes % tuple(loffs)
-        else:
-            cqs = []
-            loffs = []
-            props = uprops
-        if len(props) > _MAX_USER_PROPS:
-            raise InvalidPropertyError(f"properties of {len(props)} bytes are too long")
-        size = _RECORD_OVERHEAD + len(body) + len(tb) + len(props)
-        view, rel, phys = self.commitlog.reserve(size)
-        write_record(view, rel, tb, body, props, qoff, phys, born, now)
-        unit = _pack_unit(phys, size, 0)
+        gen = table.generation
         dirty = table.dirty
-        if not parent.pending:
-            dirty[topic] = parent
-        parent.pending += unit
-        parent.max_offset = qoff + 1
-        self._units_total += 1 + len(cqs)
-        for cq in cqs:
-            if not cq.pending:
-                dirty[cq.name] = cq
-            cq.pending += unit
-            cq.max_offset += 1
-        return PutResult(
-            phys,
-            qoff,
-            dict(zip(lights, loffs, strict=False)) if lights else {},
-            phys + size,
-            now,
-        )
+        commitlog = self.commitlog
+        results: list[PutResult] = []
+        add_result = results.append
+        segs = commitlog.segments
+        seg = segs[-1] if segs else commitlog.segment_with_room(0)
+        # A record must end 8 bytes before the segment end (room for a blank filler).
+        limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
+        phys = base = commitlog.write_pos
+        buf = bytearray()
+        units = 0
+        try:
+            for route, body, uprops, born in batch:
+                if route.generation != gen:
+                    route.resolve(table)
+                parent = route.parent
+                qoff = parent.max_offset
+                cqs = route.cqs
+                # The light offsets, as PutResult reports them (a queue's name is its key).
+                lo: dict[str, int] = {}
+                if cqs:
+                    for cq in cqs:
+                        lo[cq.name] = cq.max_offset
+                    props = route.template % tuple(lo.values())
+                    if uprops:
+                        props = uprops + props
+                else:
+                    props = uprops
+                plen = len(props)
+                if plen > _MAX_USER_PROPS:
+                    raise InvalidPropertyError(f"properties of {plen} bytes are too long")
+                blen = len(body)
+                size = route.fixed_size + blen + plen
+                if phys + size > limit:
+                    # Copy out what is built, let the CommitLog write the filler and roll.
+                    seg.view[base - seg.start : phys - seg.start] = buf
+                    buf = bytearray()
+                    commitlog.write_pos = phys
+                    seg = commitlog.segment_with_room(size)
+                    limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
+                    phys = base = commitlog.write_pos
+                rec = b"".join(
+                    (
+                        _pack_head(
+                            size, MAGIC, _crc32(body) & CRC_MASK, qoff, phys,
+                            now if born is None else born, now, blen,
+                        ),
+                        body, route.topic_field, _pack_plen(plen + CRC_TRAILER_SIZE), props,
+                    )
+                )  # fmt: skip
+                buf += rec
+                buf += CRC_TRAILER_FORMAT % (_crc32(rec) & CRC_MASK)
+                unit = _pack_unit(phys, size, 0)
+                if not parent.pending:
+                    dirty[parent.name] = parent
+                parent.pending += unit
+                parent.max_offset = qoff + 1
+                for cq in cqs:
+                    if not cq.pending:
+                        dirty[cq.name] = cq
+                    cq.pending += unit
+                    cq.max_offset += 1
+                units += route.units
+                end = phys + size
+                add_result(_tuple_new(PutResult, (phys, qoff, lo, end, now)))
+                phys = end
+        finally:
+            if buf:
+                seg.view[base - seg.start : phys - seg.start] = buf
+            commitlog.write_pos = phys
+            self._units_total += units
+        return results
+
+    def _append(self, batch: Sequence[_Prepared]) -> list[PutResult]:
+        """Write a prepared batch under one lock acquisition."""
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("store is closed")
+            # Taken under the lock and never decreasing, so store timestamps follow the log
+            # order (offset_by_time bisects on them) even if the wall clock steps back.
+            now = max(int(_time() * 1000), self._last_store_ts)
+            self._last_store_ts = now
+            table = self.queues_table
+            try:
+                results = self._write_locked(batch, now)
+            finally:
+                if len(table.states) > table.max_cached:
+                    table.evict_overflow()
+        if self._lock_wanted:
+            # A full flush waits for the lock: let it have it before our next put.
+            time.sleep(0)
+        return results
 
     def _notify(self, topic: str, r: PutResult) -> None:
         for listener in self._listeners:
@@ -454,7 +550,7 @@ class MessageStore:
             except Exception:
                 log.exception("arrival listener %r failed", listener)
 
-    def _append(
+    def _put(
         self,
         topic: str,
         body: bytes,
@@ -464,19 +560,7 @@ class MessageStore:
     ) -> PutResult:
         if self._closed or self.read_only:
             self._check_writable()
-        tb, lights, qbytes, uprops = self._prepare(topic, body, queues, properties)
-        now = int(_time() * 1000)
-        born = now if born_timestamp is None else born_timestamp
-        with self._lock:
-            if self._closed:
-                raise StoreClosedError("store is closed")
-            r = self._append_locked(topic, tb, body, lights, qbytes, uprops, born, now)
-            self._last_store_ts = now
-            table = self.queues_table
-            if len(table.states) > table.max_cached:
-                table.evict_overflow()
-        if self._lock_wanted:
-            time.sleep(0)
+        r = self._append((self._prepare(topic, body, queues, properties, born_timestamp),))[0]
         if self._listeners:
             self._notify(topic, r)
         return r
@@ -493,7 +577,7 @@ class MessageStore:
 
         In sync flush mode returns only after the fsync covering the message.
         """
-        r = self._append(topic, body, queues, properties, born_timestamp)
+        r = self._put(topic, body, queues, properties, born_timestamp)
         if self._sync and self._flusher is not None:
             self._flusher.wait_flushed(r.end_offset)
         return r
@@ -507,7 +591,7 @@ class MessageStore:
         born_timestamp: int | None = None,
     ) -> PutResult:
         """put() for event loops: appends now, awaits the group-commit fsync in sync mode."""
-        r = self._append(topic, body, queues, properties, born_timestamp)
+        r = self._put(topic, body, queues, properties, born_timestamp)
         if self._sync and self._flusher is not None:
             await self._flusher.flushed_future(r.end_offset)
         return r
@@ -515,22 +599,21 @@ class MessageStore:
     def _append_many(self, requests: Sequence[PutRequest]) -> list[PutResult]:
         if self._closed or self.read_only:
             self._check_writable()
-        prepared = [(r, *self._prepare(r.topic, r.body, r.queues, r.properties)) for r in requests]
-        results: list[PutResult] = []
-        now = _now_ms()
-        with self._lock:
-            if self._closed:
-                raise StoreClosedError("store is closed")
-            append = self._append_locked
-            for req, tb, lights, qbytes, uprops in prepared:
-                born = now if req.born_timestamp is None else req.born_timestamp
-                results.append(append(req.topic, tb, req.body, lights, qbytes, uprops, born, now))
-            self._last_store_ts = now
-            table = self.queues_table
-            if len(table.states) > table.max_cached:
-                table.evict_overflow()
-        if self._lock_wanted:
-            time.sleep(0)
+        # _prepare inlined: one call less per message.
+        routes = self._routes
+        max_body = self._max_body
+        batch: list[_Prepared] = []
+        add = batch.append
+        for req in requests:
+            body = req.body
+            if len(body) > max_body:
+                raise MessageTooLargeError(len(body), max_body)
+            lights = req.queues
+            key = (req.topic, lights if type(lights) is tuple else tuple(lights))
+            route = routes.get(key) or self._new_route(key)
+            props = req.properties
+            add((route, body, self._encode_props(props) if props else b"", req.born_timestamp))
+        results = self._append(batch)
         if self._listeners:
             latest: dict[str, int] = {}
             for req, r in zip(requests, results, strict=True):
@@ -586,43 +669,80 @@ class MessageStore:
         except ValueError:  # not encodable: cannot exist
             return None
 
-    def _decode_at(self, phys: int, size: int, queue_offset: int) -> StoredMessage | None:
-        """Decode the record a unit points at (trusted: validated by recovery or written here)."""
-        seg = self.commitlog.segment_for(phys)
-        if seg is None or size <= 0 or phys + size > self.commitlog.write_pos:
-            return None
-        mv = seg.view
-        rel = phys - seg.start
-        poff, born, store_ts, blen = _READ_FIELDS(mv, rel)
-        p = rel + HEADER_SIZE + blen
-        tlen = mv[p]
-        rest = bytes(mv[p + 1 : rel + size - CRC_TRAILER_SIZE])
-        topic_b = rest[:tlen]
-        topic = self._topic_names.get(topic_b)
-        if topic is None:
-            topic = self._topic_names.setdefault(topic_b, topic_b.decode("utf-8"))
-        raw = rest[tlen + 2 :]
-        queues: tuple[str, ...] = ()
-        if raw:
-            # The store's INNER_* pair is last; user properties (if any) come before it.
-            i = raw.rfind(DISPATCH_PREFIX)
-            if i >= 0 and (i == 0 or raw[i - 1] == 2):
-                j = raw.index(b"\x02", i)
-                qb = raw[i + len(DISPATCH_PREFIX) : j]
-                cached = self._queue_tuples.get(qb)
-                if cached is None:
-                    if len(self._queue_tuples) >= _VALID_CACHE_LIMIT:
-                        self._queue_tuples.clear()
-                    cached = self._queue_tuples[qb] = tuple(qb.decode("utf-8").split(","))
-                queues = cached
-                raw = raw[:i]
-            props = _parse_user_props(raw) if raw else {}
-        else:
-            props = {}
-        return StoredMessage(
-            topic, bytes(mv[rel + HEADER_SIZE : rel + HEADER_SIZE + blen]), props, queue_offset,
-            phys, store_ts, born, poff, queues,
-        )  # fmt: skip
+    def _topic_name(self, raw: bytes) -> str:
+        names = self._topic_names
+        if len(names) >= _VALID_CACHE_LIMIT:
+            names.clear()
+        name = names[raw] = raw.decode("utf-8")
+        return name
+
+    def _queue_tuple(self, raw: bytes) -> tuple[str, ...]:
+        tuples = self._queue_tuples
+        if len(tuples) >= _VALID_CACHE_LIMIT:
+            tuples.clear()
+        queues = tuples[raw] = tuple(raw.decode("utf-8").split(MULTI_DISPATCH_SEPARATOR))
+        return queues
+
+    def _decode_units(self, units: bytes, offset: int) -> tuple[list[StoredMessage], int]:
+        """Messages the consume-queue ``units`` point at; ``offset`` is the first unit's.
+
+        Returns the messages and the offset after the last unit looked at. Records are
+        trusted (validated by recovery or written by this process), so there is no CRC check
+        here. Theory: everything is read straight from the segment's mmap (slicing an mmap
+        gives bytes in one copy, ``find``/``rfind`` search it in place), the segment is looked
+        up only when a unit leaves the current one, topic names and INNER_MULTI_DISPATCH
+        queue tuples come from caches keyed by their raw bytes, and a message without user
+        properties (the common case: the store's INNER_* pair starts the property string)
+        builds no dict beyond an empty one. A unit pointing outside the log is skipped.
+        """
+        commitlog = self.commitlog
+        write_pos = commitlog.write_pos
+        topics = self._topic_names
+        tuples = self._queue_tuples
+        msgs: list[StoredMessage] = []
+        add = msgs.append
+        seg_start = seg_end = 0
+        mm: mmap.mmap | None = None
+        i = offset
+        if len(units) % CQ_UNIT_SIZE:  # a short read of a damaged file: whole units only
+            units = units[: len(units) - len(units) % CQ_UNIT_SIZE]
+        for phys, size, _tag in _iter_units(units):
+            i += 1
+            if not seg_start <= phys < seg_end or mm is None:
+                seg = commitlog.segment_for(phys)
+                if seg is None:
+                    continue
+                seg_start, seg_end, mm = seg.start, seg.end, seg.mm
+            if size <= 0 or phys + size > write_pos:
+                continue
+            rel = phys - seg_start
+            poff, born, store_ts, blen = _READ_FIELDS(mm, rel)
+            p = rel + HEADER_SIZE + blen
+            body = mm[rel + HEADER_SIZE : p]
+            tend = p + 1 + mm[p]
+            raw = mm[p + 1 : tend]
+            topic = topics.get(raw) or self._topic_name(raw)
+            p = tend + 2  # PROPERTIESLENGTH skipped: the record size bounds the properties
+            pend = rel + size - CRC_TRAILER_SIZE
+            queues: tuple[str, ...] = ()
+            props: dict[str, str] = {}
+            if p < pend:
+                # The store's INNER_* pair is last; user properties (if any) come before it.
+                d = mm.rfind(DISPATCH_PREFIX, p, pend)
+                if d >= 0 and (d == p or mm[d - 1] == 2):
+                    raw = mm[d + _DISPATCH_PREFIX_LEN : mm.find(b"\x02", d, pend)]
+                    queues = tuples.get(raw) or self._queue_tuple(raw)
+                    if d > p:
+                        props = _parse_user_props(mm[p:d])
+                else:
+                    props = _parse_user_props(mm[p:pend])
+            add(
+                _tuple_new(
+                    StoredMessage,
+                    (topic, body, props, i - 1, phys, store_ts, born, poff, queues),
+                )
+            )
+        return msgs, i
 
     def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
         """Read up to ``max_messages`` from ``queue`` starting at ``offset``."""
@@ -640,14 +760,7 @@ class MessageStore:
             if offset > hi:
                 return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, [], hi, lo, hi)
             data = self.queues_table.read_units(cq, offset, max(1, max_messages))
-            msgs: list[StoredMessage] = []
-            decode = self._decode_at
-            i = offset
-            for phys, size, _tag in CQ_UNIT.iter_unpack(data[: len(data) // 20 * 20]):
-                m = decode(phys, size, i)
-                if m is not None:
-                    msgs.append(m)
-                i += 1
+            msgs, i = self._decode_units(data, offset)
             if len(self.queues_table.states) > self.queues_table.max_cached:
                 self.queues_table.evict_overflow()
         if not msgs and i == offset:
@@ -667,13 +780,11 @@ class MessageStore:
             size = check_record(seg.view, rel, seg.size)
             if size <= 0:
                 raise StoreError(f"no message at offset {physical_offset}")
-            m = self._decode_at(physical_offset, size, 0)
-            if m is None:
+            msgs, _ = self._decode_units(CQ_UNIT.pack(physical_offset, size, 0), 0)
+            if not msgs:
                 raise StoreError(f"no message at offset {physical_offset}")
-            return StoredMessage(
-                m.topic, m.body, m.properties, m.parent_offset, m.physical_offset,
-                m.store_timestamp, m.born_timestamp, m.parent_offset, m.queues,
-            )  # fmt: skip
+            m = msgs[0]
+            return m._replace(queue_offset=m.parent_offset)
 
     def min_offset(self, queue: str) -> int:
         with self._lock:
