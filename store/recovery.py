@@ -20,23 +20,31 @@ Abnormal restart (``abort`` present, or checkpoint missing/stale/inconsistent):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import struct
+import zlib
 from dataclasses import dataclass, field
 
 from store.checkpoint import Checkpoint
 from store.commitlog import CommitLog
-from store.consumequeue import ConsumeQueueTable
+from store.consumequeue import ConsumeQueue, ConsumeQueueTable
 from store.errors import CorruptStoreError
 from store.format import (
     BLANK_MAGIC,
     CQ_UNIT,
+    CRC_MASK,
     CRC_PREFIX,
     CRC_TRAILER_SIZE,
+    DISPATCH_PREFIX,
+    FIXED_OVERHEAD,
+    HEADER_SIZE,
     MAGIC,
+    PROPS_LEN,
+    QOFFSET_PREFIX,
     SIZE_MAGIC,
     check_record,
     dispatch_info,
 )
+from store.segment import Segment
 
 log = logging.getLogger("lmqtt.store.recovery")
 
@@ -58,6 +66,46 @@ class RecoveryReport:
     units_total: int = 0
 
 
+#: TOTALSIZE, MAGICCODE and BODYLENGTH of a record header in one call (see format.py).
+_SIZE_MAGIC_BLEN = struct.Struct(">iI76xi").unpack_from
+_U16 = PROPS_LEN.unpack_from
+_MIN_RECORD = FIXED_OVERHEAD + 1 + CRC_TRAILER_SIZE
+_CRC_PREFIX_LEN = len(CRC_PREFIX)
+
+
+def _scan_segment(seg: Segment, rel: int) -> tuple[int, int]:
+    """Skip valid records from ``rel``: returns ``(where the first non-record starts, count)``.
+
+    The checks of :func:`store.format.check_record` (magic, length bounds, __CRC32# trailer
+    and CRC, inner lengths adding up), inlined in one loop over the mapping because recovery
+    runs them for every record of the log. Whatever this loop does not accept, it leaves to
+    ``check_record`` to classify (blank filler, unwritten space, torn or corrupt).
+    """
+    mm, view, limit = seg.mm, seg.view, seg.size
+    crc32 = zlib.crc32
+    n = 0
+    while rel + HEADER_SIZE <= limit:
+        size, magic, blen = _SIZE_MAGIC_BLEN(mm, rel)
+        end = rel + size
+        if magic != MAGIC or size < _MIN_RECORD or end > limit:
+            break
+        crc_at = end - CRC_TRAILER_SIZE
+        if mm[crc_at : crc_at + _CRC_PREFIX_LEN] != CRC_PREFIX or mm[end - 1] != 2:
+            break
+        digits = mm[crc_at + _CRC_PREFIX_LEN : end - 1]
+        if not digits.isdigit() or crc32(view[rel:crc_at]) & CRC_MASK != int(digits):
+            break
+        p = rel + HEADER_SIZE + blen
+        if blen < 0 or p + 3 > end:
+            break
+        p += 1 + mm[p]
+        if p + 2 > end or p + 2 + _U16(mm, p)[0] != end:
+            break
+        rel = end
+        n += 1
+    return rel, n
+
+
 def scan_log(commitlog: CommitLog, start: int) -> tuple[int, int, bool]:
     """Validate records from ``start``: returns ``(end, records, stopped_at_bad_record)``."""
     pos = start
@@ -66,9 +114,11 @@ def scan_log(commitlog: CommitLog, start: int) -> tuple[int, int, bool]:
         seg = commitlog.segment_for(pos)
         if seg is None:
             return pos, n, False
-        rel = pos - seg.start
+        rel, k = _scan_segment(seg, pos - seg.start)
+        n += k
+        pos = seg.start + rel
         r = check_record(seg.view, rel, seg.size)
-        if r > 0:
+        if r > 0:  # valid after all (the fast loop stops at the segment's last 88 bytes)
             pos += r
             n += 1
             continue
@@ -222,18 +272,11 @@ def recover(
         )  # fmt: skip
         rebuild_all = True
 
-    def place(name: str, index: int, unit: bytes) -> None:
-        cq = table.get_or_create(name)
-        if index == cq.max_offset:
-            table.append(cq, unit)
-        elif index > cq.max_offset:
-            rebuild.add(name)
-
     if rebuild_all:
         _rebuild(commitlog, table, names, log_min, end, everything=True)
         report.queues_rebuilt = ["*"]
     else:
-        _redispatch(commitlog, table, start, end, place)
+        rebuild |= _redispatch(commitlog, table, start, end)
         if rebuild:
             _rebuild(commitlog, table, sorted(rebuild), log_min, end)
             report.queues_rebuilt = sorted(rebuild)
@@ -265,30 +308,18 @@ def _rebuild(
     """
     log.warning("recovery: rebuilding %s consume queue(s) from the log: %s",
                 "all" if everything else len(names), names[:10])  # fmt: skip
-    wanted = set(names)
     for name in names:
         table.reset(table.get_or_create(name), 0)
         table.evict_overflow()
-    seen: set[str] = set()
+    _redispatch(
+        commitlog, table, log_min, end, rebuilding=True, only=None if everything else set(names)
+    )
 
-    def place(name: str, index: int, unit: bytes) -> None:
-        if not everything and name not in wanted:
-            return
-        cq = table.get_or_create(name)
-        if name not in seen:
-            # The queue's first unit still in the log: the queue starts there.
-            seen.add(name)
-            cq.min_offset = cq.flushed = cq.max_offset = index
-        if index == cq.max_offset:
-            table.append(cq, unit)
-        elif index > cq.max_offset:  # a hole the log cannot fill: skip over it
-            log.error("recovery: queue %r has no record for offsets %d..%d", name,
-                      cq.max_offset, index - 1)  # fmt: skip
-            table.write_pending()
-            cq.flushed = cq.max_offset = index
-            table.append(cq, unit)
 
-    _redispatch(commitlog, table, log_min, end, place)
+#: TOTALSIZE, MAGICCODE, QUEUEOFFSET and BODYLENGTH of a record header (see format.py).
+_DISPATCH_FIELDS = struct.Struct(">iI12xq56xi").unpack_from
+_DISPATCH_LEN = len(DISPATCH_PREFIX)
+_QOFFSET_LEN = len(QOFFSET_PREFIX)
 
 
 def _redispatch(
@@ -296,25 +327,141 @@ def _redispatch(
     table: ConsumeQueueTable,
     start: int,
     end: int,
-    put: Callable[[str, int, bytes], None],
-) -> None:
+    *,
+    rebuilding: bool = False,
+    only: set[str] | None = None,
+) -> set[str]:
+    """Re-derive the units of every record in ``[start, end)`` (validated before).
+
+    A unit whose index is its queue's next offset is appended; the rare others go to
+    :func:`_place_out_of_order`. Returns the queues that lost units before ``start``. With
+    ``only``, units of other queues are dropped (partial rebuild).
+
+    Theory: this runs for every record of the log in a full rebuild, so it reads the mapping
+    in place and resolves the queues of a record through a cache keyed by the raw topic and
+    INNER_MULTI_DISPATCH bytes (a handful of distinct values for millions of records); only
+    the offsets are parsed per record. The cache holds ConsumeQueue objects, so it is
+    dropped whenever the table may have evicted states.
+    """
+    gaps: set[str] = set()
+    routes: dict[tuple[bytes, bytes], _Route] = {}
+    dirty = table.dirty
     pack = CQ_UNIT.pack
     pos = start
     while pos < end:
         seg = commitlog.segment_for(pos)
         if seg is None:
             break
-        rel = pos - seg.start
-        size, magic = SIZE_MAGIC.unpack_from(seg.view, rel)
-        if magic != MAGIC:  # blank filler: next segment
-            pos = seg.end
-            continue
-        topic, qoff, queues, offsets = dispatch_info(seg.view, rel)
-        unit = pack(pos, size, 0)
-        put(topic, qoff, unit)
-        for q, o in zip(queues, offsets, strict=True):
-            put(q, o, unit)
-        if len(table.dirty) > 4096:
-            table.write_pending()
-            table.evict_overflow()
-        pos += size
+        mm = seg.mm
+        base = seg.start
+        rel = pos - base
+        stop = min(end - base, seg.size)
+        last_header = seg.size - HEADER_SIZE  # fewer bytes than a header left: a filler
+        while rel < stop:
+            if rel > last_header:
+                rel = seg.size
+                break
+            size, magic, qoff, blen = _DISPATCH_FIELDS(mm, rel)
+            if magic != MAGIC:  # blank filler: the rest of the segment is unused
+                rel = seg.size
+                break
+            p = rel + HEADER_SIZE + blen
+            tend = p + 1 + mm[p]
+            pstart = tend + 2
+            pend = rel + size - CRC_TRAILER_SIZE
+            names = b""
+            offsets: list[bytes] = []
+            # The store writes INNER_MULTI_DISPATCH then INNER_MULTI_QUEUE_OFFSET, last.
+            d = mm.rfind(DISPATCH_PREFIX, pstart, pend)
+            if d >= 0 and (d == pstart or mm[d - 1] == 2):
+                j = mm.find(b"\x02", d, pend)
+                names = mm[d + _DISPATCH_LEN : j]
+                k = j + 1 + _QOFFSET_LEN
+                if mm[j + 1 : k] == QOFFSET_PREFIX:
+                    offsets = mm[k : mm.find(b"\x02", k, pend)].split(b",")
+                else:  # not as this store writes it: take the general parser's word
+                    offsets = [b"%d" % o for o in dispatch_info(seg.view, rel)[3]]
+            key = (mm[p + 1 : tend], names)
+            route = routes.get(key)
+            if route is None:
+                route = routes[key] = _resolve(table, key, only)
+            parent, lights = route
+            if len(offsets) != len(lights):
+                raise ValueError(
+                    f"record at {base + rel}: INNER_MULTI_DISPATCH and "
+                    "INNER_MULTI_QUEUE_OFFSET differ in length"
+                )
+            unit = pack(base + rel, size, 0)
+            if parent is not None:
+                if qoff == parent.max_offset:  # ConsumeQueueTable.append, inlined
+                    if not parent.pending:
+                        dirty[parent.name] = parent
+                    parent.pending += unit
+                    parent.max_offset = qoff + 1
+                else:
+                    _place_out_of_order(table, parent, qoff, unit, rebuilding, gaps)
+            for cq, raw_index in zip(lights, offsets):  # noqa: B905 (lengths checked above)
+                if cq is None:
+                    continue
+                index = int(raw_index)
+                if index == cq.max_offset:
+                    if not cq.pending:
+                        dirty[cq.name] = cq
+                    cq.pending += unit
+                    cq.max_offset = index + 1
+                else:
+                    _place_out_of_order(table, cq, index, unit, rebuilding, gaps)
+            if len(dirty) > 4096:
+                table.write_pending()
+                table.evict_overflow()
+                # Evicted states may come back as new objects: resolve routes afresh.
+                routes.clear()
+            rel += size
+        pos = base + rel
+    return gaps
+
+
+#: A record's parent queue and light queues (None for queues a partial rebuild leaves alone).
+_Route = tuple["ConsumeQueue | None", list["ConsumeQueue | None"]]
+
+
+def _resolve(table: ConsumeQueueTable, key: tuple[bytes, bytes], only: set[str] | None) -> _Route:
+    """The queues of records with this raw topic and INNER_MULTI_DISPATCH value."""
+    topic, names = key
+    lights = names.decode("utf-8").split(",") if names else []
+    cqs = [
+        table.get_or_create(n) if only is None or n in only else None
+        for n in (topic.decode("utf-8"), *lights)
+    ]
+    return cqs[0], cqs[1:]
+
+
+def _place_out_of_order(
+    table: ConsumeQueueTable,
+    cq: ConsumeQueue,
+    index: int,
+    unit: bytes,
+    rebuilding: bool,
+    gaps: set[str],
+) -> None:
+    """A unit that is not its queue's next one.
+
+    Redispatch: an index past the end means units before the scan start are lost, so the
+    queue is noted for a rebuild; one below the end is already there. Rebuild (queues reset
+    to 0): a queue's first unit sets where it starts (retention may have deleted the records
+    before it); a later jump is a hole the log cannot fill, logged and skipped over.
+    """
+    if not rebuilding:
+        if index > cq.max_offset:
+            gaps.add(cq.name)
+        return
+    if cq.max_offset == 0:
+        cq.min_offset = cq.flushed = cq.max_offset = index
+    elif index > cq.max_offset:
+        log.error("recovery: queue %r has no record for offsets %d..%d", cq.name,
+                  cq.max_offset, index - 1)  # fmt: skip
+        table.write_pending()
+        cq.flushed = cq.max_offset = index
+    else:
+        return
+    table.append(cq, unit)
