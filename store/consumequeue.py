@@ -35,7 +35,7 @@ log = logging.getLogger("lmqtt.store.consumequeue")
 class ConsumeQueue:
     """State of one queue: units ``[min_offset, flushed)`` on disk, then ``pending``."""
 
-    __slots__ = ("dir", "flushed", "max_offset", "min_offset", "name", "pending")
+    __slots__ = ("dir", "dir_ready", "flushed", "max_offset", "min_offset", "name", "pending")
 
     def __init__(self, name: str, directory: str, min_offset: int, flushed: int) -> None:
         self.name = name
@@ -44,6 +44,8 @@ class ConsumeQueue:
         self.flushed = flushed
         self.max_offset = flushed  # next offset to assign
         self.pending = bytearray()
+        #: The directory is known to exist (saves a stat per queue on every flush).
+        self.dir_ready = False
 
 
 class ConsumeQueueTable:
@@ -216,8 +218,9 @@ class ConsumeQueueTable:
             path = self.file_of(cq, unit)
             room = self.upf - unit % self.upf
             chunk = data[: room * CQ_UNIT_SIZE]
-            if unit % self.upf == 0 or not os.path.isdir(cq.dir):
+            if not cq.dir_ready:
                 os.makedirs(cq.dir, exist_ok=True)
+                cq.dir_ready = True
             self.files.pwrite(path, chunk, (unit % self.upf) * CQ_UNIT_SIZE)
             written.append(path)
             unit += len(chunk) // CQ_UNIT_SIZE
@@ -317,6 +320,7 @@ class ConsumeQueueTable:
         """Empty the queue so that its next unit is ``offset`` (rebuild after a gap)."""
         self.files.forget_under(cq.dir + "/")
         shutil.rmtree(cq.dir, ignore_errors=True)
+        cq.dir_ready = False
         self.dirty.pop(cq.name, None)
         cq.pending = bytearray()
         cq.min_offset = cq.flushed = cq.max_offset = offset

@@ -4,7 +4,8 @@ Theory of operation: writers append under the store lock and, in sync mode, regi
 offset they need durable. The flusher thread loops: it takes the current CommitLog write
 position W, fsyncs up to W without holding the store lock, then completes every waiter whose
 end <= W. Writers arriving during an fsync are covered by the next one, so one fsync serves
-many puts (group commit). Every ``interval`` it also runs the full flush (consume queues,
+many puts (group commit). Every ``interval`` it fsyncs the CommitLog even if nobody waits
+(async mode), every ``full_interval`` it runs the full flush instead (consume queues,
 consumer offsets, checkpoint) and, less often, retention.
 
 Threads wait on a Condition; asyncio callers get a Future resolved through
@@ -44,6 +45,7 @@ class Flusher:
         maintain: Callable[[], None],
         sync: bool,
         interval_s: float,
+        full_interval_s: float,
         maintain_interval_s: float,
         timeout_s: float,
     ) -> None:
@@ -52,6 +54,7 @@ class Flusher:
         self._maintain = maintain
         self.sync = sync
         self.interval_s = interval_s
+        self.full_interval_s = full_interval_s
         self.maintain_interval_s = maintain_interval_s
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
@@ -105,12 +108,14 @@ class Flusher:
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        next_full = time.monotonic() + self.interval_s
-        next_maintain = time.monotonic() + self.maintain_interval_s
+        now = time.monotonic()
+        next_log = now + self.interval_s
+        next_full = now + self.full_interval_s
+        next_maintain = now + self.maintain_interval_s
         while True:
             with self._cond:
                 while not self._stopping and self._requested <= self._flushed:
-                    left = next_full - time.monotonic()
+                    left = min(next_log, next_full) - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
@@ -121,9 +126,12 @@ class Flusher:
             try:
                 if now >= next_full:
                     end = self._flush_all()
-                    next_full = now + self.interval_s
+                    next_full = now + self.full_interval_s
+                    next_log = now + self.interval_s
                 else:
                     end = self._flush_log()
+                    if now >= next_log:
+                        next_log = now + self.interval_s
                 if now >= next_maintain:
                     next_maintain = now + self.maintain_interval_s
                     self._maintain()
@@ -132,7 +140,7 @@ class Flusher:
                 log.exception("flush failed")
                 error = e
                 end = self._flushed
-                next_full = time.monotonic() + self.interval_s
+                next_full = next_log = time.monotonic() + self.interval_s
             self._complete(end, error)
         self._complete(self._flushed, None)
 

@@ -93,6 +93,12 @@ _time = time.time
 #: Builds PutResult / StoredMessage without the Python-level NamedTuple __new__ (one call
 #: less per message on the hot paths); same type, same fields.
 _tuple_new = tuple.__new__
+_MAX_OFFSET = (1 << 63) - 1
+#: Consume-queue files, consumer offsets and the checkpoint are flushed at most this often
+#: (RocketMQ: flushIntervalConsumeQueue = 1 s); the CommitLog, the only truth, every
+#: flush_interval_ms. Each full flush fsyncs one file per queue written since the last, so
+#: doing it every 200 ms with a thousand busy queues cost more CPU than the appends.
+_FULL_FLUSH_INTERVAL_S = 1.0
 #: QUEUEOFFSET, BORNTIMESTAMP, STORETIMESTAMP, BODYLENGTH of a record header (see format.py).
 _READ_FIELDS = struct.Struct(">20xq12xq8xq20xi").unpack_from
 _iter_units = CQ_UNIT.iter_unpack
@@ -118,7 +124,7 @@ class _Route:
     """
 
     __slots__ = (
-        "cqs", "fixed_size", "generation", "lights", "parent", "template", "topic",
+        "cqs", "fixed_size", "generation", "lights", "max_inner", "parent", "template", "topic",
         "topic_field", "units",
     )  # fmt: skip
 
@@ -137,6 +143,9 @@ class _Route:
                 DISPATCH_PREFIX, names, b"\x02",
                 QOFFSET_PREFIX, b",".join([b"%d"] * len(lights)), b"\x02",
             ))  # fmt: skip
+        #: Longest the INNER_* pair can get (19-digit offsets): a message whose properties
+        #: fit with it always fits, so size errors are raised before anything is written.
+        self.max_inner = len(self.template % ((_MAX_OFFSET,) * len(lights)))
         self.generation = -1  # never resolved
         self.parent: ConsumeQueue
         self.cqs: tuple[ConsumeQueue, ...] = ()
@@ -160,6 +169,7 @@ class MessageStore:
         self.config_dir = self.data_dir / CONFIG_DIR
         self.read_only = config.read_only
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._closed = False
         self._lock_fd: int | None = None
         self._listeners: tuple[ArrivalListener, ...] = ()
@@ -238,6 +248,7 @@ class MessageStore:
             maintain=self._maintain,
             sync=self._sync,
             interval_s=self.config.flush_interval_ms / 1000,
+            full_interval_s=max(self.config.flush_interval_ms / 1000, _FULL_FLUSH_INTERVAL_S),
             maintain_interval_s=self.config.retention_check_interval_s,
             timeout_s=self.config.sync_flush_timeout_ms / 1000,
         )
@@ -310,7 +321,15 @@ class MessageStore:
         return end
 
     def _flush_all(self) -> int:
-        """Consume-queue units, CommitLog, fsyncs, consumer offsets, checkpoint."""
+        """Consume-queue units, CommitLog, fsyncs, consumer offsets, checkpoint.
+
+        Serialised: flush() from a caller and the flusher thread would otherwise race on the
+        checkpoint's temp file (and could write an older checkpoint over a newer one).
+        """
+        with self._flush_lock:
+            return self._flush_all_serialised()
+
+    def _flush_all_serialised(self) -> int:
         # A writer looping on put() would win the lock again and again (the GIL hands it
         # back before this thread runs): ask writers to yield once after their section.
         self._lock_wanted = True
@@ -433,7 +452,17 @@ class MessageStore:
         if route is None:
             route = self._new_route(key)
         uprops = self._encode_props(properties) if properties else b""
+        self._check_size(route, len(body), len(uprops))
         return route, body, uprops, born_timestamp
+
+    def _check_size(self, route: _Route, body_len: int, props_len: int) -> None:
+        """Refuse a message that could exceed the property or segment limits once written."""
+        props_len += route.max_inner
+        if props_len > _MAX_USER_PROPS:
+            raise InvalidPropertyError(f"properties of up to {props_len} bytes are too long")
+        size = route.fixed_size + body_len + props_len
+        if size > self.commitlog.max_record_size():
+            raise MessageTooLargeError(size, self.commitlog.max_record_size())
 
     def _write_locked(self, batch: Sequence[_Prepared], now: int) -> list[PutResult]:
         """Assign every offset, append the records and dispatch their units. Lock held.
@@ -441,10 +470,10 @@ class MessageStore:
         The store's hot path, so it works on locals. The batch's records are built into one
         bytearray and copied into the mapped segment once (one slice assignment instead of
         one per record); ``write_pos`` moves at the end. Units go straight into the states'
-        ``pending`` buffers (ConsumeQueueTable.append, inlined). Each record is complete in
-        ``buf`` before its queues move, and ``finally`` copies ``buf`` out, so a record that
-        fails (too large for a segment) leaves everything before it written and dispatched
-        and nothing after it.
+        ``pending`` buffers (ConsumeQueueTable.append, inlined). Sizes were checked against
+        the worst case when the batch was prepared, so nothing here should fail; should it
+        anyway, each record is complete in ``buf`` before its queues move and ``finally``
+        copies ``buf`` out, leaving everything before the failure written and dispatched.
         """
         table = self.queues_table
         gen = table.generation
@@ -476,9 +505,7 @@ class MessageStore:
                         props = uprops + props
                 else:
                     props = uprops
-                plen = len(props)
-                if plen > _MAX_USER_PROPS:
-                    raise InvalidPropertyError(f"properties of {plen} bytes are too long")
+                plen = len(props)  # within limits: _check_size saw the worst case
                 blen = len(body)
                 size = route.fixed_size + blen + plen
                 if phys + size > limit:
@@ -612,7 +639,9 @@ class MessageStore:
             key = (req.topic, lights if type(lights) is tuple else tuple(lights))
             route = routes.get(key) or self._new_route(key)
             props = req.properties
-            add((route, body, self._encode_props(props) if props else b"", req.born_timestamp))
+            uprops = self._encode_props(props) if props else b""
+            self._check_size(route, len(body), len(uprops))
+            add((route, body, uprops, req.born_timestamp))
         results = self._append(batch)
         if self._listeners:
             latest: dict[str, int] = {}
