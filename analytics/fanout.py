@@ -169,7 +169,8 @@ def run_fanout(
     out_dir = Path(out_dir)
     segments = check_data_dir(data_dir)
     compacted_dir = out_dir / COMPACTED_DIR
-    n_compacted = len(compacted_segments(compacted_dir, segments))
+    done = compacted_segments(compacted_dir, segments)
+    n_compacted = len(done)
     subs = subscribers(read_subscriptions(data_dir), read_committed(data_dir))
     ends = queue_ends(data_dir)
 
@@ -182,24 +183,26 @@ def run_fanout(
     staging = out_dir / f".report-staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     scratch = staging / "_messages"
-    raw = load_messages(spark, data_dir, compacted_dir)
-    # The one pass over the segments: the narrow message table goes to scratch Parquet, and
-    # every table below reads that natively (no Python source planning or parsing again).
+    raw = (
+        spark.read.format(SOURCE_NAME)
+        .option("compacted", str(compacted_dir))
+        .option("skip_compacted", "true")
+        .load(str(data_dir))
+    )
+    # One parse of the raw segments: their narrow rows go to scratch Parquet; compacted
+    # segments are already Parquet. Every table below reads those two natively (no Python
+    # source planning or parsing again).
     try:
         with phase(f"scan {len(segments)} segments ({n_compacted} compacted)"):
-            raw.select(
-                "physical_offset",
-                F.col("store_timestamp").alias("ts"),
-                F.coalesce("client_id", F.lit("")).alias("client_id"),
-                F.coalesce("topic", "parent_topic").alias("topic"),
-                "body_size",
-                "queues",
-                "queue_offsets",
-                F.size(F.filter("queues", lambda q: q.startswith(LIGHT_QUEUE_PREFIX))).alias(
-                    "fanout"
-                ),
-            ).write.parquet(str(scratch))
-            all_msgs = spark.read.parquet(str(scratch))
+            narrow = _narrow(raw)
+            narrow.write.parquet(str(scratch))
+            all_msgs = spark.read.schema(narrow.schema).parquet(str(scratch))
+            if done:
+                files = [c.parquet for c in done.values()]
+                compacted = spark.read.parquet(*files).select(
+                    [F.col(f.name) for f in SPARK_SCHEMA.fields]
+                )
+                all_msgs = _narrow(compacted).unionByName(all_msgs)
             span = all_msgs.agg(
                 F.count(F.lit(1)).alias("n"), F.min("ts").alias("lo"), F.max("ts").alias("hi")
             ).collect()[0]
@@ -373,6 +376,22 @@ def run_fanout(
         return meta
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _narrow(frame: DataFrame) -> DataFrame:
+    """The columns the report needs, from rows of the data source's schema."""
+    from pyspark.sql import functions as F
+
+    return frame.select(
+        "physical_offset",
+        F.col("store_timestamp").alias("ts"),
+        F.coalesce("client_id", F.lit("")).alias("client_id"),
+        F.coalesce("topic", "parent_topic").alias("topic"),
+        "body_size",
+        "queues",
+        "queue_offsets",
+        F.size(F.filter("queues", lambda q: q.startswith(LIGHT_QUEUE_PREFIX))).alias("fanout"),
+    )
 
 
 def _pairs(frame: DataFrame, *extra: str) -> DataFrame:

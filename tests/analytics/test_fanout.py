@@ -127,7 +127,9 @@ def test_data_source_reads_every_segment(spark, world: World) -> None:  # type: 
     assert row.q == sum(len(m.queues) for m in world.messages)
 
 
-def test_compaction_gives_the_same_rows(spark, world: World, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_compaction_gives_the_same_rows(  # type: ignore[no-untyped-def]
+    spark, world: World, report: tuple[Path, ReportMeta], tmp_path: Path
+) -> None:
     from analytics.compaction import compact
     from analytics.fanout import load_messages
 
@@ -149,6 +151,14 @@ def test_compaction_gives_the_same_rows(spark, world: World, tmp_path: Path) -> 
     want = sorted(raw.collect())
     assert sorted(mixed.collect()) == want
     assert sorted(via_source.collect()) == want
+    # A report over compacted segments (tmp_path/compacted is where --out tmp_path looks).
+    from analytics.fanout import run_fanout
+
+    meta = run_fanout(spark, world.data_dir, tmp_path)
+    assert meta.compacted_segments == len(sealed)
+    before = pq.read_table(report[0] / "report" / "device_fanout").sort_by("client_id")
+    after = pq.read_table(tmp_path / "report" / "device_fanout").sort_by("client_id")
+    assert after.drop(["first_seen", "last_seen"]).equals(before.drop(["first_seen", "last_seen"]))
 
 
 def test_corrupt_segment_is_one_clear_error(
