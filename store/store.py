@@ -20,6 +20,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
@@ -99,10 +100,22 @@ _MAX_OFFSET = (1 << 63) - 1
 #: flush_interval_ms. Each full flush fsyncs one file per queue written since the last, so
 #: doing it every 200 ms with a thousand busy queues cost more CPU than the appends.
 _FULL_FLUSH_INTERVAL_S = 1.0
+_FSYNC_THREADS = 8
 #: QUEUEOFFSET, BORNTIMESTAMP, STORETIMESTAMP, BODYLENGTH of a record header (see format.py).
 _READ_FIELDS = struct.Struct(">20xq12xq8xq20xi").unpack_from
 _iter_units = CQ_UNIT.iter_unpack
 _DISPATCH_PREFIX_LEN = len(DISPATCH_PREFIX)
+
+
+def _fsync_path(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # deleted since (retention): nothing to make durable
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _parse_user_props(raw: bytes) -> dict[str, str]:
@@ -124,11 +137,13 @@ class _Route:
     """
 
     __slots__ = (
-        "cqs", "fixed_size", "generation", "lights", "max_inner", "parent", "template", "topic",
-        "topic_field", "units",
+        "cqs", "fixed_size", "generation", "lights", "max_inner", "parent", "props_room",
+        "size_room", "template", "topic", "topic_field", "units",
     )  # fmt: skip
 
-    def __init__(self, topic: str, topic_bytes: bytes, lights: tuple[str, ...]) -> None:
+    def __init__(
+        self, topic: str, topic_bytes: bytes, lights: tuple[str, ...], max_record: int
+    ) -> None:
         self.topic = topic
         self.lights = lights
         #: TOPICLENGTH + TOPIC, as they follow the body in the record.
@@ -146,6 +161,10 @@ class _Route:
         #: Longest the INNER_* pair can get (19-digit offsets): a message whose properties
         #: fit with it always fits, so size errors are raised before anything is written.
         self.max_inner = len(self.template % ((_MAX_OFFSET,) * len(lights)))
+        #: Room left for user properties, and for body plus user properties, in the worst
+        #: case: one comparison each per message; _check_size says what was exceeded.
+        self.props_room = _MAX_USER_PROPS - self.max_inner
+        self.size_room = max_record - self.fixed_size - self.max_inner
         self.generation = -1  # never resolved
         self.parent: ConsumeQueue
         self.cqs: tuple[ConsumeQueue, ...] = ()
@@ -170,6 +189,7 @@ class MessageStore:
         self.read_only = config.read_only
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
+        self._fsync_pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._lock_fd: int | None = None
         self._listeners: tuple[ArrivalListener, ...] = ()
@@ -266,6 +286,9 @@ class MessageStore:
         self._lock_fd = fd
 
     def _release(self) -> None:
+        if self._fsync_pool is not None:
+            self._fsync_pool.shutdown()
+            self._fsync_pool = None
         self.commitlog.close()
         self.queues_table.close()
         if self._lock_fd is not None:
@@ -340,15 +363,16 @@ class MessageStore:
             units = self._units_total
             paths = self.queues_table.write_pending()
         self.commitlog.fsync_to(end)
-        for p in dict.fromkeys(paths):
-            try:
-                fd = os.open(p, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        unique = list(dict.fromkeys(paths))
+        if len(unique) > 1:
+            # One fsync per queue file written. Issued from several threads at once the file
+            # system folds them into shared journal commits: 1,000 files take ~0.1 s instead
+            # of ~1 s one after the other (ext4), which kept the checkpoint seconds behind.
+            if self._fsync_pool is None:
+                self._fsync_pool = ThreadPoolExecutor(_FSYNC_THREADS, "lmqtt-store-fsync")
+            list(self._fsync_pool.map(_fsync_path, unique))
+        elif unique:
+            _fsync_path(unique[0])
         self.offsets.persist()
         write_checkpoint(
             self.data_dir / CHECKPOINT_FILE,
@@ -430,7 +454,7 @@ class MessageStore:
         lights = tuple(dict.fromkeys(queues))
         if topic in lights:
             raise InvalidQueueNameError(topic, "a light queue may not be the parent topic")
-        route = _Route(topic, tb, lights)
+        route = _Route(topic, tb, lights, self.commitlog.max_record_size())
         if len(self._routes) >= _VALID_CACHE_LIMIT:
             self._routes.clear()
         self._routes[key] = route
@@ -452,7 +476,8 @@ class MessageStore:
         if route is None:
             route = self._new_route(key)
         uprops = self._encode_props(properties) if properties else b""
-        self._check_size(route, len(body), len(uprops))
+        if len(body) + len(uprops) > route.size_room or len(uprops) > route.props_room:
+            self._check_size(route, len(body), len(uprops))
         return route, body, uprops, born_timestamp
 
     def _check_size(self, route: _Route, body_len: int, props_len: int) -> None:
@@ -640,7 +665,8 @@ class MessageStore:
             route = routes.get(key) or self._new_route(key)
             props = req.properties
             uprops = self._encode_props(props) if props else b""
-            self._check_size(route, len(body), len(uprops))
+            if len(body) + len(uprops) > route.size_room or len(uprops) > route.props_room:
+                self._check_size(route, len(body), len(uprops))
             add((route, body, uprops, req.born_timestamp))
         results = self._append(batch)
         if self._listeners:
