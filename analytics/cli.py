@@ -41,6 +41,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+def absolute(path: str) -> str:
+    """Resolve a path against this process's working directory: Spark executors on a cluster run
+    elsewhere, so a relative data directory would silently read nothing there."""
+    return str(Path(path).expanduser().absolute())
+
+
 def parse_time(text: str, now_ms: int | None = None) -> int:
     """A point in time as epoch ms: ISO 8601 (UTC unless it says otherwise), epoch seconds or
     milliseconds, or a duration ago ("15m", "2h", "7d")."""
@@ -72,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     default_out = str(default_out_dir())
 
     fan = sub.add_parser("fanout", help="run the fan-out job and write the report tables")
-    fan.add_argument("--data-dir", default=default_data, help="the gateway's data directory")
-    fan.add_argument("--out", default=default_out, help="report directory (default %(default)s)")
+    fan.add_argument(
+        "--data-dir", default=default_data, type=absolute, help="the gateway's data directory"
+    )
+    fan.add_argument(
+        "--out", default=default_out, type=absolute, help="report directory (default %(default)s)"
+    )
     fan.add_argument("--since", help="only messages stored at or after this time")
     fan.add_argument("--until", help="only messages stored before this time")
     fan.add_argument("--window", type=int, help="timeline window in seconds (default: auto)")
@@ -81,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     fan.add_argument("--no-progress", action="store_true", help="no progress display")
 
     comp = sub.add_parser("compact", help="rewrite sealed segments as Parquet once")
-    comp.add_argument("--data-dir", default=default_data)
-    comp.add_argument("--out", default=default_out)
+    comp.add_argument("--data-dir", default=default_data, type=absolute)
+    comp.add_argument("--out", default=default_out, type=absolute)
     comp.add_argument("--master")
 
     show = sub.add_parser("show", help="answer from the last report (no Spark)")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from analytics.cli import main, parse_time
+from analytics.cli import build_parser, main, parse_time
 from analytics.errors import AnalyticsError
 
 
@@ -62,3 +62,14 @@ def test_parse_time_forms() -> None:
     assert parse_time("2h", now) == now - 7_200_000
     with pytest.raises(AnalyticsError):
         parse_time("soon", now)
+
+
+@pytest.mark.parametrize("command", ["fanout", "compact"])
+def test_relative_paths_are_made_absolute_for_cluster_executors(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Executors on a cluster have another working directory: a relative --data-dir read nothing.
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args([command, "--data-dir", "data", "--out", "out"])
+    assert args.data_dir == str(tmp_path / "data")
+    assert args.out == str(tmp_path / "out")
