@@ -62,11 +62,14 @@ class Flusher:
         self._flushed = 0
         self._futures: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._stopping = False
+        self._full_flush_now = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lmqtt-store-flush", daemon=True)
 
-    def start(self, flushed: int) -> None:
+    def start(self, flushed: int, *, full_flush_now: bool = False) -> None:
+        """Start the thread; with ``full_flush_now`` its first act is a full flush."""
         self._flushed = flushed
+        self._full_flush_now = full_flush_now
         self._thread.start()
 
     # -- waiting (writers) ---------------------------------------------------------------------
@@ -110,7 +113,7 @@ class Flusher:
     def _run(self) -> None:
         now = time.monotonic()
         next_log = now + self.interval_s
-        next_full = now + self.full_interval_s
+        next_full = now if self._full_flush_now else now + self.full_interval_s
         next_maintain = now + self.maintain_interval_s
         while True:
             with self._cond:

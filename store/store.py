@@ -256,8 +256,6 @@ class MessageStore:
         self._units_total = self.recovery.units_total
         if self.read_only:
             return
-        if self.recovery.abnormal:
-            self._checkpoint_now()
         fd = os.open(abort, os.O_WRONLY | os.O_CREAT, 0o644)
         os.fsync(fd)
         os.close(fd)
@@ -272,7 +270,10 @@ class MessageStore:
             maintain_interval_s=self.config.retention_check_interval_s,
             timeout_s=self.config.sync_flush_timeout_ms / 1000,
         )
-        self._flusher.start(self.commitlog.flushed_pos)
+        # After an abnormal recovery the first full flush (rebuilt queue files, checkpoint)
+        # runs at once, in the flusher thread: fsyncing tens of MB of rebuilt units need not
+        # hold up open(). A crash before it completes recovers from the old checkpoint again.
+        self._flusher.start(self.commitlog.flushed_pos, full_flush_now=self.recovery.abnormal)
 
     def _take_lock(self) -> None:
         fd = os.open(self.data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -379,9 +380,6 @@ class MessageStore:
             Checkpoint(end, end, ts, ts, units),
         )
         return end
-
-    def _checkpoint_now(self) -> None:
-        self._flush_all()
 
     def flush(self) -> None:
         """Force a full flush and checkpoint now."""
