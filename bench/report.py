@@ -205,7 +205,8 @@ one process per role). Results land in `bench/results/` (JSON + Markdown, not co
 
 How to read the table:
 - deliveries/s counts messages received by all subscribers from the first publish to the last
-  delivery; loss is what had not arrived two seconds after deliveries stopped.
+  delivery; "undelivered at end" is what had not arrived when deliveries had stalled for two
+  seconds (or after a drain cap of max(5 s, duration)).
 - Flags: `generator-bound` = a generator process used >= 0.85 of a core, so the broker may be
   faster than shown; `host-saturated` = both cores busy while the broker was not; `other-load` =
   processes outside the benchmark used >= 0.3 core (the machine is shared).
