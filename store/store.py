@@ -7,6 +7,13 @@ fsyncs without it. Arrival listeners run after the lock is released, in the putt
 Dispatch happens inside the append critical section: the parent queue offset, every light
 queue offset and the physical offset are assigned together (rocketmq #7511 lost messages
 when they were not), so a get right after put sees the message.
+
+Hot paths (pure Python, so per-message work is what costs): a put resolves its (topic, light
+queues) pair through a cached ``_Route`` (names validated once, INNER_* template, queue
+states), is validated against worst-case sizes before the lock, and is written by
+``_write_locked``, which builds a whole batch in one buffer. A get decodes records straight
+from the segment mmap without re-checking CRCs (recovery validates; this process wrote the
+rest). Both build their NamedTuple results with ``tuple.__new__``.
 """
 
 from __future__ import annotations
