@@ -6,6 +6,8 @@ what levels 3 and 4 can express. Properties are dropped below level 5, where the
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +33,7 @@ from gateway.protocol.events import (
     UnsubAck,
     Unsubscribe,
 )
-from gateway.protocol.properties import write_properties
+from gateway.protocol.properties import Properties, write_properties
 from gateway.protocol.reason_codes import (
     ALLOWED_REASON_CODES,
     connack_return_code_v4,
@@ -109,61 +111,148 @@ def write_connack(ev: ConnAck, level: int) -> bytes:
     return frame(0x20, bytes((present, code)) + write_properties(ev.properties, pt.CONNACK))
 
 
-# Encoded topic names (length prefix included), bounded like readers.TOPIC_CACHE.
-_ENCODED_TOPICS: dict[str, bytes] = {}
+# The PUBLISH fast path. Fan-out mostly goes through PreparedPublish; this is the path of
+# `encode(Publish)` / `Connection.send(Publish)`. It builds no per-field objects: the encoded
+# topic comes from a bounded cache, the packet id (and, in MQTT 5, an empty property block)
+# from one precompiled struct, the fixed header from a table, and one join copies the payload.
+#
+#     +-------+----------+------------------+-----------+--------------+---------+
+#     | byte1 | rem. len | topic (cached,   | packet id | properties   | payload |
+#     | flags | 1-4 B    | length-prefixed) | QoS > 0   | MQTT 5 only  |         |
+#     +-------+----------+------------------+-----------+--------------+---------+
 
+# Encoded topic names (length prefix included), bounded like readers.TOPIC_CACHE, and the
+# same followed by an empty MQTT 5 property block (QoS 0 has nothing between the two). Only
+# valid, non-empty topic names are cached, so a hit needs no further topic checks.
+_ENCODED_TOPICS: dict[str, bytes] = {}
+_ENCODED_TOPICS_NO_PROPS: dict[str, bytes] = {}
+_TOPIC_CACHE_SIZE = 4096
 
 _pack_uint16 = struct.Struct(">H").pack
+# Packet id followed by a zero property length: the common MQTT 5 QoS 1/2 case, one call.
+_pack_id_no_props = struct.Struct(">Hx").pack
+# Fixed header with a two-byte remaining length (128..16383).
+_pack_header3 = struct.Struct(">BBB").pack
 
-# Fixed headers of PUBLISH packets shorter than 130 bytes: [flags][remaining length].
+# Fixed headers of PUBLISH packets with remaining length < 128: [flags][remaining length].
 _SHORT_HEADERS = [[bytes((0x30 | flags, length)) for length in range(128)] for flags in range(16)]
+
+_NO_PROPERTY_BLOCK = b"\x00"
+_property_values = operator.attrgetter(*(f.name for f in dataclasses.fields(Properties)))
+_ABSENT_PROPERTIES = (None,) * len(dataclasses.fields(Properties))
 
 
 def _encoded_topic(topic: str) -> bytes:
     if "+" in topic or "#" in topic:
         raise LocalProtocolError(f"wildcard in PUBLISH topic {topic!r}")
     encoded = utf8(topic)
-    if len(encoded) <= 258:
-        if len(_ENCODED_TOPICS) >= 4096:
+    if topic and len(encoded) <= 258:
+        if len(_ENCODED_TOPICS) >= _TOPIC_CACHE_SIZE:
             _ENCODED_TOPICS.clear()
+            _ENCODED_TOPICS_NO_PROPS.clear()
         _ENCODED_TOPICS[topic] = encoded
+        _ENCODED_TOPICS_NO_PROPS[topic] = encoded + _NO_PROPERTY_BLOCK
     return encoded
 
 
 def write_publish(ev: Publish, level: int) -> bytes:
+    """PUBLISH bytes. The common shapes (cached topic, no properties, QoS 0 or 1, shorter
+    than 16 KiB) are joined right here; everything else takes `_write_publish_general`."""
     qos = ev.qos
+    if qos == 0:
+        if level != 5:
+            prefix = _ENCODED_TOPICS.get(ev.topic)
+        elif ev.properties is None:
+            prefix = _ENCODED_TOPICS_NO_PROPS.get(ev.topic)
+        else:
+            prefix = None
+        if prefix is not None and ev.packet_id is None and not ev.dup:
+            payload = ev.payload
+            length = len(prefix) + len(payload)
+            if length < 128:
+                return b"".join((_SHORT_HEADERS[1 if ev.retain else 0][length], prefix, payload))
+            if length < 16384:
+                header = _pack_header3(
+                    0x31 if ev.retain else 0x30, length & 0x7F | 0x80, length >> 7
+                )
+                return b"".join((header, prefix, payload))
+    elif qos == 1:
+        packet_id = ev.packet_id
+        if level != 5:
+            encoded = _ENCODED_TOPICS.get(ev.topic)
+            pack = _pack_uint16
+        elif ev.properties is None:
+            encoded = _ENCODED_TOPICS.get(ev.topic)
+            pack = _pack_id_no_props
+        else:
+            encoded = None
+        if encoded is not None and packet_id is not None and 0 < packet_id < 0x10000:
+            payload = ev.payload
+            middle = pack(packet_id)
+            length = len(encoded) + len(middle) + len(payload)
+            flags = (0x0A if ev.dup else 0x02) | (1 if ev.retain else 0)
+            if length < 128:
+                header = _SHORT_HEADERS[flags][length]
+            elif length < 16384:
+                header = _pack_header3(0x30 | flags, length & 0x7F | 0x80, length >> 7)
+            else:
+                return _write_publish_general(ev, level)
+            return b"".join((header, encoded, middle, payload))
+    return _write_publish_general(ev, level)
+
+
+def _publish_property_block(props: Properties) -> bytes:
+    # All-absent properties (the usual case for a Properties() built by callers) skip the
+    # generic per-property encoder; anything else goes through it and its checks.
+    if _property_values(props) == _ABSENT_PROPERTIES:
+        return _NO_PROPERTY_BLOCK
+    return write_properties(props, pt.PUBLISH)
+
+
+def _write_publish_general(ev: Publish, level: int) -> bytes:
+    """Every PUBLISH shape, with every check (topic, QoS, packet id, properties)."""
     topic = ev.topic
     encoded = _ENCODED_TOPICS.get(topic) or _encoded_topic(topic)
+    qos = ev.qos
+    if level == 5:
+        props = ev.properties
+        if props is None:
+            block = _NO_PROPERTY_BLOCK
+            if not topic:
+                raise LocalProtocolError("empty PUBLISH topic without a topic alias")
+        else:
+            block = _publish_property_block(props)
+            if not topic and props.topic_alias is None:
+                raise LocalProtocolError("empty PUBLISH topic without a topic alias")
+    elif topic:
+        block = b""
+    else:
+        raise LocalProtocolError("empty PUBLISH topic")
     if qos == 0:
         if ev.dup or ev.packet_id is not None:
             raise LocalProtocolError("a QoS 0 PUBLISH has no packet identifier and no DUP")
-        first = 0x31 if ev.retain else 0x30
-        var = encoded
+        flags = 1 if ev.retain else 0
+        middle = block
     elif qos == 1 or qos == 2:
         packet_id = ev.packet_id
         if packet_id is None or not 0 < packet_id < 0x10000:
             raise LocalProtocolError(f"packet identifier must be 1..65535, not {packet_id}")
-        first = 0x30 | qos << 1 | (8 if ev.dup else 0) | (1 if ev.retain else 0)
-        var = encoded + _pack_uint16(packet_id)
+        flags = qos << 1 | (8 if ev.dup else 0) | (1 if ev.retain else 0)
+        if block is _NO_PROPERTY_BLOCK:
+            middle = _pack_id_no_props(packet_id)
+        else:
+            middle = _pack_uint16(packet_id) + block
     else:
         raise LocalProtocolError(f"QoS must be 0, 1 or 2, not {qos}")
-    if level == 5:
-        props = ev.properties
-        if props is None:
-            var += b"\x00"
-            if not topic:
-                raise LocalProtocolError("empty PUBLISH topic without a topic alias")
-        else:
-            var += write_properties(props, pt.PUBLISH)
-            if not topic and props.topic_alias is None:
-                raise LocalProtocolError("empty PUBLISH topic without a topic alias")
-    elif not topic:
-        raise LocalProtocolError("empty PUBLISH topic")
     payload = ev.payload
-    length = len(var) + len(payload)
+    length = len(encoded) + len(middle) + len(payload)
     if length < 128:
-        return _SHORT_HEADERS[first & 0x0F][length] + var + payload
-    return bytes((first,)) + varint(length) + var + payload
+        header = _SHORT_HEADERS[flags][length]
+    elif length < 16384:
+        header = _pack_header3(0x30 | flags, (length & 0x7F) | 0x80, length >> 7)
+    else:
+        header = bytes((0x30 | flags,)) + varint(length)
+    return b"".join((header, encoded, middle, payload))
 
 
 def _write_ack(
@@ -295,7 +384,10 @@ WRITERS: dict[type, Callable[[Any, int], bytes]] = {
 
 def encode(event: Event, level: int) -> bytes:
     """Encode any event at `level` (3, 4 or 5), regardless of direction."""
-    writer = WRITERS.get(type(event))
+    kind = type(event)
+    if kind is Publish and level in _LEVELS:
+        return write_publish(event, level)  # type: ignore[arg-type]
+    writer = WRITERS.get(kind)
     if writer is None:
         raise LocalProtocolError(f"not an MQTT packet event: {event!r}")
     if level not in _LEVELS:
