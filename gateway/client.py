@@ -70,6 +70,10 @@ PROTOCOL_ERROR = 0x82
 SHARED_NOT_SUPPORTED = 0x9E
 DISCONNECT_WITH_WILL = 0x04
 
+# Packets whose handling never waits (in async flush mode the store append does not either):
+# their replies are collected and written once per run of input (see ClientConnection._out).
+_COLLECTED = frozenset({Publish, PubAck, PubComp, PubRec, PingReq})
+
 
 class ClientConnection:
     """One network connection; owns the protocol state machine and the reader task."""
@@ -84,6 +88,7 @@ class ClientConnection:
         "_last_rx",
         "_loop",
         "_opened",
+        "_out",
         "_pending_puts",
         "_put_tasks",
         "_reader",
@@ -133,6 +138,9 @@ class ClientConnection:
         # The reader task exists only while there are bytes to handle: an idle connection
         # costs no task (memory per connection is what limits how many devices fit).
         self._reader: asyncio.Task[None] | None = None
+        # Packets written while the reader task handles a run of input (PUBACKs of a flood),
+        # sent with one transport.write() when it yields; None: write through.
+        self._out: list[bytes] | None = None
 
     # -- bytes in / out (called by the asyncio Protocol) --------------------------------------
 
@@ -167,7 +175,19 @@ class ClientConnection:
     def write(self, data: bytes) -> None:
         if data and not self.closed:
             self.gw.stats.bytes_sent += len(data)
-            self.transport.write(data)
+            out = self._out
+            if out is not None:
+                out.append(data)
+            else:
+                self.transport.write(data)
+
+    def _flush_out(self) -> None:
+        """Send what the reader collected; called before it yields and when it ends."""
+        out = self._out
+        if out:
+            self._out = []
+            if not self.closed:
+                self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def pause_writing(self) -> None:
         self.writable = False
@@ -204,6 +224,8 @@ class ClientConnection:
         """Close now; MQTT 5 clients get DISCONNECT `reason` first when given."""
         if self.closed:
             return
+        self._flush_out()
+        self._out = None
         self._abnormal = abnormal
         if reason is not None and self.conn.protocol_level == 5:
             try:
@@ -259,12 +281,14 @@ class ClientConnection:
     async def _read_loop(self) -> None:
         """Handle every complete packet buffered (and arriving meanwhile), then end."""
         handled = 0
+        self._out = []
         try:
             while not self.closed:
                 if handled >= EVENTS_PER_TURN:
                     # A flooding client must not hold the event loop: let delivery (which then
                     # still finds the messages in RecentMessages) and other clients run.
                     handled = 0
+                    self._flush_out()
                     await asyncio.sleep(0)
                     continue
                 handled += 1
@@ -288,6 +312,8 @@ class ClientConnection:
             log.exception("%r: internal error handling a packet", self.client_id or self.peer)
             self.close(IMPLEMENTATION_SPECIFIC)
         finally:
+            self._flush_out()
+            self._out = None
             if self._reader is asyncio.current_task():
                 self._reader = None
 
@@ -308,6 +334,19 @@ class ClientConnection:
         self.close(reason)
 
     async def _handle(self, ev: object) -> None:
+        if type(ev) in _COLLECTED:
+            await self._dispatch(ev)
+            return
+        # This handler may wait (session save, fsync, authentication): what the reader
+        # collected is sent now, and what is written meanwhile goes out directly.
+        self._flush_out()
+        self._out = None
+        try:
+            await self._dispatch(ev)
+        finally:
+            self._out = []
+
+    async def _dispatch(self, ev: object) -> None:
         kind = type(ev)
         if kind is Publish:
             assert isinstance(ev, Publish)
@@ -567,7 +606,13 @@ class ClientConnection:
             assert session is not None
             session.qos2_inbound.add(pid)
             if session.persistent:
-                await self.gw.sessions.save()
+                out, self._out = self._out, None
+                if out and not self.closed:
+                    self.transport.write(b"".join(out))
+                try:
+                    await self.gw.sessions.save()
+                finally:
+                    self._out = [] if out is not None else None
             if not self.closed:
                 self.write(self.conn.send(PubRec(pid)))
 
