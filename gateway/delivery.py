@@ -142,6 +142,7 @@ class DeliveryLoop:
         "_loop",
         "_scheduled",
         "_stopped",
+        "_uncommitted",
         "_watched",
         "alias_max",
         "aliases",
@@ -178,6 +179,9 @@ class DeliveryLoop:
         self._watched: set[str] = set()
         # Packets of the batch being read, written with one transport.write() at its end.
         self._batch: list[bytes] | None = None
+        # Subscriptions whose acknowledged position moved since it was last committed: one
+        # store commit per pass instead of one per PUBACK.
+        self._uncommitted: dict[str, SubscriptionState] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -189,6 +193,7 @@ class DeliveryLoop:
 
     def stop(self) -> None:
         self._stopped = True
+        self._commit_acknowledged()
         for q in self._watched:
             self.gw.arrivals.unwatch(q, self.wake)
         self._watched.clear()
@@ -223,6 +228,8 @@ class DeliveryLoop:
         if self._stopped:
             return
         try:
+            if self._uncommitted:
+                self._commit_acknowledged()
             if self._pass():
                 self.wake()
         except Exception:
@@ -290,7 +297,15 @@ class DeliveryLoop:
         return moved
 
     def _commit(self, sub: SubscriptionState) -> None:
+        self._uncommitted.pop(sub.queue, None)
         self.gw.store.offsets.commit(self.session.client_id, sub.queue, sub.committed())
+
+    def _commit_acknowledged(self) -> None:
+        uncommitted = self._uncommitted
+        while uncommitted:
+            _, sub = uncommitted.popitem()
+            if self.session.by_queue.get(sub.queue) is sub:  # not unsubscribed meanwhile
+                self.gw.store.offsets.commit(self.session.client_id, sub.queue, sub.committed())
 
     def _covering(
         self, sub: SubscriptionState, msg: StoredMessage
@@ -415,7 +430,7 @@ class DeliveryLoop:
             sub = self.session.by_queue.get(inf.queue)
             if sub is not None and sub.pending.get(inf.offset) == packet_id:
                 del sub.pending[inf.offset]
-                self._commit(sub)
+                self._uncommitted[sub.queue] = sub  # committed by the pass wake() schedules
         self.gw.sessions.mark_progress()
         self.wake()
         for group in self.groups:
@@ -451,7 +466,8 @@ class DeliveryLoop:
         dup: bool = False,
         packet_id: int | None = None,
     ) -> int:
-        """Encode (cached per fan-out) and write one PUBLISH; returns the packet id used
+        """Encode (cached per fan-out: `physical_offset` None skips the cache) and write one
+        PUBLISH; returns the packet id used
         (0 for QoS 0 or when the packet was dropped as larger than the client accepts, or as
         not readable by this client under the ACL: wildcard subscriptions are checked here)."""
         acl = self.client.acl

@@ -71,12 +71,14 @@ class SubscriptionState:
     start_offset: int = 0
     next_offset: int = 0
     start_phys: int = 0  # CommitLog end when subscribed: covers records at or after it
-    # queue offset -> packet id, for QoS > 0 messages read from this queue and not yet acknowledged
+    # queue offset -> packet id, for QoS > 0 messages read from this queue and not yet
+    # acknowledged. Offsets are added in increasing order (the queue is read forwards), so the
+    # first key is the smallest.
     pending: dict[int, int] = field(default_factory=dict)
 
     def committed(self) -> int:
-        """Highest offset below which everything is acknowledged."""
-        return min(self.pending) if self.pending else self.next_offset
+        """Highest offset below which everything is acknowledged (O(1): see `pending`)."""
+        return next(iter(self.pending)) if self.pending else self.next_offset
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -232,6 +234,9 @@ class Session:
                 continue  # shared or unsubscribed: nothing to resume it against
             s.inflight[inf.packet_id] = inf
             sub.pending[inf.offset] = inf.packet_id
+        for sub in s.subscriptions.values():
+            if len(sub.pending) > 1:
+                sub.pending = dict(sorted(sub.pending.items()))  # committed() needs the order
         return s
 
 
