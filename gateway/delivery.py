@@ -68,6 +68,11 @@ class ArrivalHub:
             if not waiters:
                 del self._waiters[queue]
 
+    def watchers(self, queue: str) -> int:
+        """How many delivery loops read `queue` now."""
+        waiters = self._waiters.get(queue)
+        return len(waiters) if waiters is not None else 0
+
     def on_arrival(self, queue: str, max_offset: int) -> None:
         if queue not in self._waiters:
             return
@@ -109,6 +114,23 @@ class RecentMessages:
     def __init__(self, size: int = 4096) -> None:
         self._size = size
         self._items: OrderedDict[tuple[str, int], StoredMessage] = OrderedDict()
+        # Decoded records by physical offset (unique within a run of the log), shared by
+        # every subscriber of a fan-out; oldest first.
+        self._records: dict[int, RecordedPublish | None] = {}
+
+    def record(self, msg: StoredMessage) -> RecordedPublish | None:
+        """read_record() of `msg`, decoded once for all the subscribers reading it."""
+        records = self._records
+        phys = msg.physical_offset
+        try:
+            return records[phys]
+        except KeyError:
+            pass
+        rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
+        records[phys] = rec
+        if len(records) > self._size:
+            del records[next(iter(records))]
+        return rec
 
     def add(self, parent: str, body: bytes, props: dict[str, str], r: PutResult) -> None:
         items = self._items
@@ -330,7 +352,13 @@ class DeliveryLoop:
 
     def _deliver(self, sub: SubscriptionState, off: int, msg: StoredMessage) -> bool:
         """Send one queue message; False when the window is full (retry later)."""
-        rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
+        # A fan-out decodes and encodes each message once for all its subscribers; a message
+        # only this loop reads skips both caches (they would cost more than they save).
+        fanout = len(msg.queues) > 1 or self.gw.arrivals.watchers(sub.queue) > 1
+        if fanout:
+            rec = self.gw.recent.record(msg)
+        else:
+            rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
         if rec is None:
             return True
         covering = self._covering(sub, msg)
@@ -348,7 +376,9 @@ class DeliveryLoop:
             return False
         retain = rec.retain and self.level == 5 and any(s.retain_as_published for s in covering)
         sub_ids = sorted({s.subscription_identifier for s in covering if s.subscription_identifier})
-        pid = self.send(rec, qos, retain, sub_ids, expiry_left, msg.physical_offset)
+        pid = self.send(
+            rec, qos, retain, sub_ids, expiry_left, msg.physical_offset if fanout else None
+        )
         if pid:
             self.session.inflight[pid] = Inflight(pid, sub.queue, off, qos)
             sub.pending[off] = pid
