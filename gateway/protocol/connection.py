@@ -109,7 +109,40 @@ _PROBLEM_INFORMATION_PACKETS = frozenset({PubAck, PubRec, PubRel, PubComp, SubAc
 
 
 class Connection:
-    """Server side of one MQTT 3.1 / 3.1.1 / 5.0 connection. Not thread-safe."""
+    """Server side of one MQTT 3.1 / 3.1.1 / 5.0 connection. Not thread-safe.
+
+    A gateway holds one per client, most of them idle: slots instead of an instance dict, and
+    the containers (event queue, topic aliases, packet-id sets) are made on first use.
+    """
+
+    __slots__ = (
+        "_aliases",
+        "_answer_level",
+        "_auth_method",
+        "_buf",
+        "_connack_sent",
+        "_connect_session_expiry",
+        "_eof",
+        "_ids",
+        "_off",
+        "_pending_error",
+        "_phase",
+        "_problem_information",
+        "_queue",
+        "_sending_closed",
+        "client_id",
+        "client_max_packet_size",
+        "client_receive_maximum",
+        "client_topic_alias_maximum",
+        "keep_alive",
+        "max_packet_size",
+        "maximum_qos",
+        "protocol_level",
+        "receive_maximum",
+        "retain_available",
+        "subscription_identifier_available",
+        "topic_alias_maximum",
+    )
 
     def __init__(self, max_packet_size: int = 1_048_576) -> None:
         if max_packet_size < 2:
@@ -121,7 +154,7 @@ class Connection:
         self._phase = AWAIT_CONNECT  # the receiving side (their state)
         self._sending_closed = False  # we sent DISCONNECT, a refusing CONNACK or an error answer
         self._pending_error: RemoteProtocolError | None = None
-        self._queue: deque[Event] = deque()  # decoded, not yet returned by next_event
+        self._queue: deque[Event] | None = None  # decoded, not yet returned by next_event
         # Level used to answer errors: known from the CONNECT bytes even if they are malformed.
         self._answer_level: int | None = None
         self.protocol_level: int | None = None
@@ -140,8 +173,14 @@ class Connection:
         self.maximum_qos = 2
         self.retain_available = True
         self.subscription_identifier_available = True
-        self._aliases: dict[int, str] = {}
-        self._ids = PacketIds()
+        self._aliases: dict[int, str] | None = None  # inbound topic aliases (MQTT 5)
+        self._ids: PacketIds | None = None  # made by the first QoS 1/2 packet or restore_*
+
+    def _packet_ids(self) -> PacketIds:
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = PacketIds()
+        return ids
 
     # ----------------------------------------------------------------- data as data
 
@@ -152,12 +191,13 @@ class Connection:
 
     @property
     def outbound_in_flight(self) -> int:
-        return len(self._ids.outbound)
+        ids = self._ids
+        return len(ids.outbound) if ids is not None else 0
 
     @property
     def outbound_quota(self) -> int:
         """How many more QoS 1/2 PUBLISH packets the client's Receive Maximum allows now."""
-        return max(0, self.client_receive_maximum - len(self._ids.outbound))
+        return max(0, self.client_receive_maximum - self.outbound_in_flight)
 
     def allocate_packet_id(self) -> int:
         """A packet identifier not in flight outbound (1..65535, round robin).
@@ -165,25 +205,27 @@ class Connection:
         Raises LocalProtocolError when all 65535 are in use. The caller may also use its own
         (persistent) allocator; `send` checks whatever id it gets.
         """
-        return self._ids.allocate()
+        return self._packet_ids().allocate()
 
     def outbound_packet_ids(self) -> frozenset[int]:
-        return frozenset(self._ids.outbound)
+        ids = self._ids
+        return frozenset(ids.outbound) if ids is not None else frozenset()
 
     def inbound_qos2_ids(self) -> frozenset[int]:
         """Inbound QoS 2 ids whose PUBREL has not arrived yet."""
-        return frozenset(self._ids.inbound_qos2)
+        ids = self._ids
+        return frozenset(ids.inbound_qos2) if ids is not None else frozenset()
 
     def restore_inbound_qos2(self, packet_ids: Iterable[int]) -> None:
         """A resumed session had these QoS 2 ids received and waiting for PUBREL."""
-        self._ids.restore_inbound_qos2(packet_ids)
+        self._packet_ids().restore_inbound_qos2(packet_ids)
 
     def restore_outbound(
         self, unacknowledged: Iterable[int] = (), released: Iterable[int] = ()
     ) -> None:
         """A resumed session had these outbound PUBLISH ids unacknowledged (waiting for
         PUBACK/PUBREC) and these PUBREL ids waiting for PUBCOMP."""
-        self._ids.restore_outbound(unacknowledged, released)
+        self._packet_ids().restore_outbound(unacknowledged, released)
 
     # ----------------------------------------------------------------- receiving
 
@@ -233,6 +275,8 @@ class Connection:
         if not batch:
             return NEED_DATA
         if len(batch) > 1:
+            if queue is None:
+                queue = self._queue = deque()
             queue.extend(batch)
             return queue.popleft()
         return batch[0]
@@ -288,15 +332,21 @@ class Connection:
         fast = self.max_packet_size >= 130
         limit = self.max_packet_size
         topics = TOPIC_CACHE
-        ids = self._ids
-        in_qos1 = ids.inbound_qos1
         # QoS 2 and PUBREL take the general path, so only QoS 1 ids change inside the loop.
-        in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
+        # No packet ids yet (an idle or QoS 0 connection): the first QoS 1 PUBLISH makes them.
+        ids = self._ids
+        if ids is None:
+            in_qos1 = None
+            out_flight = None
+            in_flight_others = 0
+        else:
+            in_qos1 = ids.inbound_qos1
+            out_flight = ids.outbound
+            in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
         receive_maximum = self.receive_maximum
         maximum_qos = self.maximum_qos
         retain_available = self.retain_available
         fast_qos = _FAST_PUBLISH_QOS
-        out_flight = ids.outbound
         while n - off >= 2:
             first = buf[off]
             qos = fast_qos[first] if fast else None
@@ -305,7 +355,8 @@ class Connection:
                     # PUBACK without reason code: every QoS 1 delivery brings one back.
                     acked = (buf[off + 2] << 8) | buf[off + 3]
                     if acked:
-                        out_flight.pop(acked, None)
+                        if out_flight is not None:
+                            out_flight.pop(acked, None)
                         append(PubAck(acked))
                         off += 4
                         continue
@@ -354,13 +405,18 @@ class Connection:
                         pos += 1
                     if first & 1 and not retain_available:
                         raise _Slow
-                    if packet_id is not None and packet_id not in in_qos1:
-                        # With the default 65535 only a reused id could exceed the quota.
-                        if receive_maximum < 0xFFFF and (
-                            len(in_qos1) + in_flight_others >= receive_maximum
-                        ):
-                            raise _Slow
-                        in_qos1.add(packet_id)
+                    if packet_id is not None:
+                        if in_qos1 is None:
+                            ids = self._packet_ids()
+                            in_qos1 = ids.inbound_qos1
+                            out_flight = ids.outbound
+                        if packet_id not in in_qos1:
+                            # With the default 65535 only a reused id could exceed the quota.
+                            if receive_maximum < 0xFFFF and (
+                                len(in_qos1) + in_flight_others >= receive_maximum
+                            ):
+                                raise _Slow
+                            in_qos1.add(packet_id)
                     append(
                         Publish(
                             topic,
@@ -399,9 +455,18 @@ class Connection:
                 and self.max_packet_size >= 130
             )
             v5 = self.protocol_level == 5
-            in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
+            ids = self._ids
+            if ids is not None:
+                in_qos1 = ids.inbound_qos1
+                out_flight = ids.outbound
+                in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
             receive_maximum = self.receive_maximum
             maximum_qos = self.maximum_qos
+        if off == n:
+            # Everything consumed: drop the caller's chunk now rather than holding it (up to a
+            # whole socket read) while the connection idles.
+            self._buf = b""
+            off = n = 0
         self._off = off
         if self._eof and off == n:
             # Let the general path report EOF (ConnectionClosed or a truncated packet).
@@ -428,8 +493,12 @@ class Connection:
                     raise
                 self._pending_error = err
                 return out
-            if event is NEED_DATA:
-                return out
+            if event is NEED_DATA or type(event) is Connect:
+                if self._off == len(self._buf):
+                    self._buf = b""  # as in _batch: an idle connection keeps no old chunk
+                    self._off = 0
+                if event is NEED_DATA:
+                    return out
             out.append(event)
             if type(event) is ConnectionClosed or (stop_after_connect and type(event) is Connect):
                 return out
@@ -551,7 +620,7 @@ class Connection:
                 raise RemoteProtocolError(QOS_NOT_SUPPORTED, f"QoS {qos} above maximum QoS")
             packet_id = event.packet_id
             assert packet_id is not None
-            if self._ids.publish_received(qos, packet_id, self.receive_maximum):
+            if self._packet_ids().publish_received(qos, packet_id, self.receive_maximum):
                 event.dup = True  # resent before PUBREL: the gateway must not store it twice
         if event.retain and not self.retain_available:
             raise RemoteProtocolError(RETAIN_NOT_SUPPORTED, "retain is not available")
@@ -574,29 +643,32 @@ class Connection:
             raise RemoteProtocolError(
                 TOPIC_ALIAS_INVALID, f"topic alias {alias} above {self.topic_alias_maximum}"
             )
+        aliases = self._aliases
         if event.topic:
-            self._aliases[alias] = event.topic
+            if aliases is None:
+                aliases = self._aliases = {}
+            aliases[alias] = event.topic
             return
-        topic = self._aliases.get(alias)
+        topic = aliases.get(alias) if aliases is not None else None
         if topic is None:
             raise wire.protocol_error(f"topic alias {alias} was never set")
         event.topic = topic
 
     def _in_puback(self, event: Event) -> None:
         assert isinstance(event, PubAck)
-        self._ids.puback_received(event.packet_id)
+        self._packet_ids().puback_received(event.packet_id)
 
     def _in_pubrec(self, event: Event) -> None:
         assert isinstance(event, PubRec)
-        self._ids.pubrec_received(event.packet_id, event.reason_code)
+        self._packet_ids().pubrec_received(event.packet_id, event.reason_code)
 
     def _in_pubrel(self, event: Event) -> None:
         assert isinstance(event, PubRel)
-        self._ids.pubrel_received(event.packet_id)
+        self._packet_ids().pubrel_received(event.packet_id)
 
     def _in_pubcomp(self, event: Event) -> None:
         assert isinstance(event, PubComp)
-        self._ids.pubcomp_received(event.packet_id)
+        self._packet_ids().pubcomp_received(event.packet_id)
 
     def _in_subscribe(self, event: Event) -> None:
         assert isinstance(event, Subscribe)
@@ -681,7 +753,7 @@ class Connection:
             )
         data = prepared.packet(packet_id, dup)
         if packet_id is not None:
-            self._ids.publish_sent(packet_id, dup, self.client_receive_maximum)
+            self._packet_ids().publish_sent(packet_id, dup, self.client_receive_maximum)
         return data
 
     def _out_connack(self, event: Event) -> None:
@@ -710,7 +782,7 @@ class Connection:
         assert isinstance(event, Publish)
         if event.qos:
             assert event.packet_id is not None
-            self._ids.publish_sent(event.packet_id, event.dup, self.client_receive_maximum)
+            self._packet_ids().publish_sent(event.packet_id, event.dup, self.client_receive_maximum)
         props = event.properties
         if (
             props is not None
@@ -724,19 +796,19 @@ class Connection:
 
     def _out_puback(self, event: Event) -> None:
         assert isinstance(event, PubAck)
-        self._ids.puback_sent(event.packet_id)
+        self._packet_ids().puback_sent(event.packet_id)
 
     def _out_pubrec(self, event: Event) -> None:
         assert isinstance(event, PubRec)
-        self._ids.pubrec_sent(event.packet_id, event.reason_code)
+        self._packet_ids().pubrec_sent(event.packet_id, event.reason_code)
 
     def _out_pubrel(self, event: Event) -> None:
         assert isinstance(event, PubRel)
-        self._ids.pubrel_sent(event.packet_id)
+        self._packet_ids().pubrel_sent(event.packet_id)
 
     def _out_pubcomp(self, event: Event) -> None:
         assert isinstance(event, PubComp)
-        self._ids.pubcomp_sent(event.packet_id)
+        self._packet_ids().pubcomp_sent(event.packet_id)
 
     def _out_disconnect(self, event: Event) -> None:
         self._sending_closed = True

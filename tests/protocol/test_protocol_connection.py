@@ -459,3 +459,39 @@ def test_next_event_and_events_interleave_in_order() -> None:
     assert conn.events() == packets[2:]
     with pytest.raises(RemoteProtocolError):
         conn.next_event()
+
+
+@pytest.mark.parametrize("level", [3, 4, 5])
+def test_idle_connection_allocates_no_containers(level: int) -> None:
+    """Gateways hold many idle connections: after CONNECT, CONNACK and a PINGREQ a Connection
+    is its slots plus the client id, with no queue, id sets or alias map made up front."""
+    import gc
+    import tracemalloc
+
+    def idle(i: int) -> Connection:
+        conn = Connection()
+        conn.receive_data(encode(Connect(level, f"idle-{i:06d}", True, 30), level))
+        assert isinstance(conn.next_event(), Connect)
+        conn.send(ConnAck())
+        conn.receive_data(b"\xc0\x00")
+        assert conn.events() == [PingReq()]
+        return conn
+
+    idle(0)  # warm caches (topic/varint tables) before measuring
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        conns = [idle(i) for i in range(300)]
+        gc.collect()
+        per_connection = (tracemalloc.get_traced_memory()[0] - before) / len(conns)
+    finally:
+        tracemalloc.stop()
+    assert per_connection < 600, per_connection
+    # The lazily made containers still work once needed.
+    conn = conns[0]
+    assert conn.outbound_in_flight == 0 and conn.outbound_packet_ids() == frozenset()
+    assert conn.inbound_qos2_ids() == frozenset()
+    pid = conn.allocate_packet_id()
+    conn.send(Publish("t", b"x", 1, packet_id=pid))
+    assert conn.outbound_packet_ids() == {pid}
