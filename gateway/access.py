@@ -53,6 +53,9 @@ BAD_USER_NAME_OR_PASSWORD = 0x86
 NOT_AUTHORIZED = 0x87
 TOPIC_FILTER_INVALID = 0x8F
 TOPIC_NAME_INVALID = 0x90
+# Source addresses whose loopback-ness is remembered (parsing one with ipaddress costs more
+# than the rest of the connect checks).
+LOOPBACK_CACHE_SIZE = 4096
 
 
 def certificate_cn(peercert: Any) -> str | None:
@@ -84,9 +87,11 @@ class AccessControl:
             self.allow_anonymous = s.password_file is None
         self.passwords: PasswordFile | None = None
         self.acl: AclRules | None = None
-        self.rate = ConnectRateLimiter(
-            s.connect_rate, s.connect_burst, limit_loopback=s.connect_rate_loopback
-        )
+        # The loopback exemption is decided here, with a cache by host string; the limiter
+        # then applies to every address it is asked about.
+        self.rate = ConnectRateLimiter(s.connect_rate, s.connect_burst, limit_loopback=True)
+        self._exempt_loopback = not s.connect_rate_loopback
+        self._loopback: dict[str, bool] = {}
         self.refused_connects = 0
         self.denied_publishes = 0
         self.denied_subscriptions = 0
@@ -129,7 +134,9 @@ class AccessControl:
         s = self.settings
         peer = client.transport.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) and peer else client.peer
-        if not self.rate.allow(host):
+        rate = self.rate
+        exempt = rate.rate <= 0 or (self._exempt_loopback and self._is_loopback(host))
+        if not exempt and not rate.allow(host):
             return self._refused(client, CONNECTION_RATE_EXCEEDED, "connect rate exceeded")
         if connected >= s.max_connections:
             return self._refused(client, QUOTA_EXCEEDED, "max_connections reached")
@@ -147,6 +154,15 @@ class AccessControl:
             if acl is not None and not acl.may_write(will.topic):
                 return self._refused(client, NOT_AUTHORIZED, "will topic not authorized")
         return 0, user
+
+    def _is_loopback(self, host: str) -> bool:
+        known = self._loopback.get(host)
+        if known is None:
+            known = is_loopback(host)
+            if len(self._loopback) >= LOOPBACK_CACHE_SIZE:
+                self._loopback.clear()  # bounded; parsing a few again is cheap
+            self._loopback[host] = known
+        return known
 
     async def _authenticate(self, ev: Connect, client: ClientConnection) -> tuple[int, str | None]:
         if self.settings.tls_use_identity_as_username:
