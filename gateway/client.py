@@ -486,14 +486,24 @@ class ClientConnection:
             [i.packet_id for i in session.inflight.values() if i.pubrel],
         )
         self._last_rx = self._loop.time()
-        self.delivery = DeliveryLoop(gw, session, self)
-        for sub in session.subscriptions.values():
-            if sub.share_group is not None:
-                group = gw.shared.get(sub.share_group, TopicFilter(sub.topic_filter).filter)
-                if group is not None:
-                    group.join(self.delivery)
-        self.delivery.start()
+        if session.subscriptions or session.inflight:
+            # A session with nothing to receive gets its loop at its first SUBSCRIBE.
+            delivery = self.delivery = DeliveryLoop(gw, session, self)
+            for sub in session.subscriptions.values():
+                if sub.share_group is not None:
+                    group = gw.shared.get(sub.share_group, TopicFilter(sub.topic_filter).filter)
+                    if group is not None:
+                        group.join(delivery)
+            delivery.start()
         gw.sessions.touch(session)
+
+    def _delivery_loop(self) -> DeliveryLoop:
+        delivery = self.delivery
+        if delivery is None:
+            assert self.session is not None
+            delivery = self.delivery = DeliveryLoop(self.gw, self.session, self)
+            delivery.start()
+        return delivery
 
     def _check_will(self, will: Will) -> int:
         s = self.gw.settings
@@ -641,9 +651,10 @@ class ClientConnection:
             self.write(self.conn.send(PubComp(ev.packet_id, code)))
 
     def _on_pubrec(self, ev: PubRec) -> None:
-        if self.delivery is None:
+        if self.session is None:
             return
-        if self.delivery.on_pubrec(ev.packet_id, ev.reason_code >= 0x80):
+        delivery = self.delivery
+        if delivery is not None and delivery.on_pubrec(ev.packet_id, ev.reason_code >= 0x80):
             self.write(self.conn.send(PubRel(ev.packet_id)))
         elif ev.reason_code < 0x80:
             code = PACKET_ID_NOT_FOUND if self.conn.protocol_level == 5 else 0
@@ -653,7 +664,8 @@ class ClientConnection:
 
     async def _on_subscribe(self, ev: Subscribe) -> None:
         session = self.session
-        assert session is not None and self.delivery is not None
+        assert session is not None
+        delivery = self._delivery_loop()
         gw = self.gw
         level = self.conn.protocol_level
         sub_id: int | None = None
@@ -695,11 +707,11 @@ class ClientConnection:
                 sub.subscription_identifier = sub_id
                 is_new = True
                 if sub.share_group is None:
-                    self.delivery.watch(sub.queue)
+                    delivery.watch(sub.queue)
                 else:
                     group = gw.shared.get(sub.share_group, tf.filter)
                     if group is not None:
-                        group.join(self.delivery)
+                        group.join(delivery)
             codes.append(qos)
             if not tf.is_shared and (
                 req.retain_handling == 0 or (req.retain_handling == 1 and is_new)
@@ -715,8 +727,8 @@ class ClientConnection:
         for sub, tf in retained_for:
             matches = gw.retained.match(tf.filter)
             if matches:
-                self.delivery.queue_retained(matches, sub)
-        self.delivery.wake()
+                delivery.queue_retained(matches, sub)
+        delivery.wake()
 
     def _on_unsubscribe(self, ev: Unsubscribe) -> None:
         session = self.session
