@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 from gateway.protocol import packet_types as pt
 from gateway.protocol import wire
@@ -66,7 +66,7 @@ from gateway.protocol.readers import (
     read_publish,
 )
 from gateway.protocol.reason_codes import ALLOWED_REASON_CODES
-from gateway.protocol.writers import WRITERS, write_connack, write_disconnect
+from gateway.protocol.writers import WRITERS, write_connack, write_disconnect, write_publish
 
 
 class _Slow(Exception):
@@ -705,6 +705,19 @@ class Connection:
     def send(self, event: Event) -> bytes:
         """Bytes for `event`; LocalProtocolError if the server may not send it now."""
         kind = type(event)
+        if kind is Publish and self._connack_sent and not self._sending_closed:
+            # The hot path, with the checks of the general one below: CONNACK sent (so the
+            # level is known), the client's maximum packet size, its topic alias maximum,
+            # and (in publish_sent) packet ids in use and its Receive Maximum.
+            data = write_publish(event, self.protocol_level)  # type: ignore[arg-type]
+            limit = self.client_max_packet_size
+            if limit is not None and len(data) > limit:
+                raise LocalProtocolError(
+                    f"Publish of {len(data)} bytes exceeds the client's maximum {limit}",
+                    PACKET_TOO_LARGE,
+                )
+            self._out_publish(event)  # type: ignore[arg-type]
+            return data
         if kind not in SERVER_SENDS:
             raise LocalProtocolError(f"a server does not send {kind.__name__}")
         level = self.protocol_level
@@ -778,11 +791,8 @@ class Connection:
         if props.subscription_identifier_available is not None:
             self.subscription_identifier_available = bool(props.subscription_identifier_available)
 
-    def _out_publish(self, event: Event) -> None:
-        assert isinstance(event, Publish)
-        if event.qos:
-            assert event.packet_id is not None
-            self._packet_ids().publish_sent(event.packet_id, event.dup, self.client_receive_maximum)
+    def _out_publish(self, event: Publish) -> None:
+        # Checked before the id is recorded, so a refused PUBLISH leaves no id in flight.
         props = event.properties
         if (
             props is not None
@@ -793,6 +803,12 @@ class Connection:
                 f"topic alias {props.topic_alias} above the client's maximum "
                 f"{self.client_topic_alias_maximum}"
             )
+        if event.qos:
+            ids = self._ids
+            if ids is None:
+                ids = self._packet_ids()
+            # The writer has checked that a QoS 1/2 PUBLISH has an id.
+            ids.publish_sent(event.packet_id, event.dup, self.client_receive_maximum)  # type: ignore[arg-type]
 
     def _out_puback(self, event: Event) -> None:
         assert isinstance(event, PubAck)
@@ -859,7 +875,8 @@ _INBOUND = {
     pt.AUTH: Connection._in_auth,
 }
 
-_OUTBOUND = {
+# Handlers take the event type they are registered for.
+_OUTBOUND: dict[type, Callable[[Connection, Any], None]] = {
     ConnAck: Connection._out_connack,
     Publish: Connection._out_publish,
     PubAck: Connection._out_puback,

@@ -495,3 +495,32 @@ def test_idle_connection_allocates_no_containers(level: int) -> None:
     pid = conn.allocate_packet_id()
     conn.send(Publish("t", b"x", 1, packet_id=pid))
     assert conn.outbound_packet_ids() == {pid}
+
+
+def test_send_publish_fast_path_keeps_every_check() -> None:
+    conn = open_connection(
+        5,
+        connect_properties=Properties(
+            maximum_packet_size=100, receive_maximum=1, topic_alias_maximum=2
+        ),
+    )
+    with pytest.raises(LocalProtocolError) as too_large:
+        conn.send(Publish("t", bytes(200)))
+    assert too_large.value.reason_code == 0x95
+    with pytest.raises(LocalProtocolError):
+        conn.send(Publish("t", b"x", 0, packet_id=1))
+    # A refused topic alias leaves no packet id in flight.
+    with pytest.raises(LocalProtocolError):
+        conn.send(Publish("t", b"x", 1, packet_id=5, properties=Properties(topic_alias=3)))
+    assert conn.outbound_packet_ids() == frozenset()
+    conn.send(Publish("t", b"x", 1, packet_id=5, properties=Properties(topic_alias=2)))
+    with pytest.raises(LocalProtocolError) as in_use:
+        conn.send(Publish("t", b"x", 1, packet_id=5))
+    assert in_use.value.reason_code == 0x91
+    assert conn.send(Publish("t", b"x", 1, dup=True, packet_id=5))  # a retransmission
+    with pytest.raises(LocalProtocolError) as quota:
+        conn.send(Publish("t", b"x", 1, packet_id=6))  # client Receive Maximum is 1
+    assert quota.value.reason_code == 0x93
+    conn.send(Disconnect())
+    with pytest.raises(LocalProtocolError):
+        conn.send(Publish("t", b"x"))
