@@ -37,6 +37,9 @@ SERVER_SHUTTING_DOWN = 0x8B
 HOUSEKEEPING_INTERVAL_S = 1.0
 TIMEOUT_SWEEP_S = 1.0
 STOP_DRAIN_S = 2.0
+# Validated topic names and their parent topics remembered (cleared when full): validating
+# and naming the parent cost more per PUBLISH than the rest of the gateway's put path.
+TOPIC_CACHE_SIZE = 16_384
 
 
 class Gateway:
@@ -59,6 +62,7 @@ class Gateway:
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._sys: object | None = None
+        self._topics: dict[str, tuple[Topic, str]] = {}  # name -> (Topic, parent topic)
         # Set by start():
         self.store: MessageStore
         self.retained: RetainedIndex
@@ -224,15 +228,33 @@ class Gateway:
 
     # -- publishing --------------------------------------------------------------------------
 
+    def topic(self, name: str) -> Topic:
+        """The validated Topic of a published name (TopicError if invalid), cached."""
+        entry = self._topics.get(name)
+        return entry[0] if entry is not None else self._topic_entry(name)[0]
+
+    def _topic_entry(self, name: str) -> tuple[Topic, str]:
+        entry = self._topics.get(name)
+        if entry is None:
+            topic = Topic(name)
+            entry = (topic, parent_topic(topic))
+            if len(self._topics) >= TOPIC_CACHE_SIZE:
+                self._topics.clear()
+            self._topics[name] = entry
+        return entry
+
     async def store_publish(self, pub: Publish, client_id: str, topic: Topic | None = None) -> None:
         """Append one PUBLISH to the store (awaits the covering fsync in sync mode).
-        `topic` is the already validated topic name, if the caller has it."""
-        name: Topic | str = pub.topic if topic is None else topic
+        `topic` is the already validated topic name, if the caller has it (kept for callers;
+        validated names are cached by `topic()` anyway)."""
+        entry = self._topics.get(pub.topic)
+        if entry is None:
+            entry = self._topic_entry(pub.topic)
+        name, parent = entry
         queues = list(self.router.route(name))
         if pub.retain:
             queues.append(RetainedIndex.QUEUE)
         props = message_properties(pub, client_id)
-        parent = parent_topic(name)
         r = await self.store.put_async(
             topic=parent, body=pub.payload, queues=queues, properties=props
         )

@@ -539,7 +539,7 @@ class ClientConnection:
         try:
             if pub.topic.startswith("$"):
                 raise TopicError("clients cannot publish to $-topics", reason_code=NOT_AUTHORIZED)
-            topic = Topic(pub.topic)
+            topic = gw.topic(pub.topic)
             gw.access.check_publish(self, pub.topic)  # limits (0x90) and ACL (0x87)
         except TopicError as e:
             if e.reason_code != NOT_AUTHORIZED:
