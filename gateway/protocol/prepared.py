@@ -14,9 +14,13 @@ around the packet identifier:
 
 from __future__ import annotations
 
+import struct
+
 from gateway.protocol.errors import LocalProtocolError
 from gateway.protocol.events import Publish
 from gateway.protocol.writers import write_publish
+
+_pack_uint16 = struct.Struct(">H").pack
 
 
 class PreparedPublish:
@@ -64,4 +68,4 @@ class PreparedPublish:
             return self._whole
         if packet_id is None or not 0 < packet_id < 0x10000:
             raise LocalProtocolError(f"packet identifier must be 1..65535, not {packet_id}")
-        return b"".join((self._first[dup], self._middle, packet_id.to_bytes(2, "big"), self._tail))
+        return b"".join((self._first[dup], self._middle, _pack_uint16(packet_id), self._tail))
