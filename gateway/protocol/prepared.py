@@ -6,10 +6,11 @@ around the packet identifier:
 
     +-------+-----------------------------+-----------+----------------------------+
     | byte1 | remaining length + topic    | packet id | properties + payload       |
-    | flags | (`_middle`, shared)         | 2 bytes   | (`_tail`, shared)          |
+    | flags |                             | 2 bytes   | (`_tail`, shared)          |
     +-------+-----------------------------+-----------+----------------------------+
+    |<- `_heads[dup]`: one per DUP bit -->|
 
-`packet(packet_id, dup)` joins four pieces, one copy of the payload and no re-encoding.
+`packet(packet_id, dup)` joins three pieces, one copy of the payload and no re-encoding.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ _pack_uint16 = struct.Struct(">H").pack
 
 
 class PreparedPublish:
-    __slots__ = ("_first", "_middle", "_tail", "_whole", "level", "qos", "retain", "size", "topic")
+    __slots__ = ("_heads", "_tail", "_whole", "level", "qos", "retain", "size", "topic")
 
-    _first: tuple[bytes, bytes]
+    _heads: tuple[bytes, bytes]
 
     def __init__(self, level: int, publish: Publish) -> None:
         if level not in (3, 4, 5):
@@ -48,16 +49,16 @@ class PreparedPublish:
         self.size = len(data)
         self._whole = data
         if not self.qos:
-            self._first = (b"", b"")
-            self._middle = self._tail = b""
+            self._heads = (b"", b"")
+            self._tail = b""
             return
         # Skip the variable byte integer, then the topic string; the packet id follows.
         header = 2
         while data[header - 1] & 0x80:
             header += 1
         pid_at = header + 2 + ((data[header] << 8) | data[header + 1])
-        self._first = (bytes((data[0] & 0xF7,)), bytes((data[0] | 0x08,)))
-        self._middle = data[1:pid_at]
+        middle = data[1:pid_at]
+        self._heads = (bytes((data[0] & 0xF7,)) + middle, bytes((data[0] | 0x08,)) + middle)
         self._tail = data[pid_at + 2 :]
 
     def packet(self, packet_id: int | None = None, dup: bool = False) -> bytes:
@@ -68,4 +69,4 @@ class PreparedPublish:
             return self._whole
         if packet_id is None or not 0 < packet_id < 0x10000:
             raise LocalProtocolError(f"packet identifier must be 1..65535, not {packet_id}")
-        return b"".join((self._first[dup], self._middle, _pack_uint16(packet_id), self._tail))
+        return b"".join((self._heads[dup], _pack_uint16(packet_id), self._tail))
