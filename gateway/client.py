@@ -303,7 +303,10 @@ class ClientConnection:
                     log.debug("%r: connection closed by peer", self.client_id or self.peer)
                     self.close()
                     return
-                await self._handle(ev)
+                if type(ev) in _COLLECTED:
+                    await self._dispatch(ev)
+                else:
+                    await self._handle_waiting(ev)
             self._unparsed = 0
             self._resume_reading()
         except asyncio.CancelledError:
@@ -333,10 +336,7 @@ class ClientConnection:
         log.warning("%s (%r): 0x%02X: %s", self.peer, self.client_id, reason, message)
         self.close(reason)
 
-    async def _handle(self, ev: object) -> None:
-        if type(ev) in _COLLECTED:
-            await self._dispatch(ev)
-            return
+    async def _handle_waiting(self, ev: object) -> None:
         # This handler may wait (session save, fsync, authentication): what the reader
         # collected is sent now, and what is written meanwhile goes out directly.
         self._flush_out()
