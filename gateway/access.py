@@ -56,6 +56,7 @@ TOPIC_NAME_INVALID = 0x90
 # Source addresses whose loopback-ness is remembered (parsing one with ipaddress costs more
 # than the rest of the connect checks).
 LOOPBACK_CACHE_SIZE = 4096
+TOPIC_CACHE_SIZE = 16_384
 
 
 def certificate_cn(peercert: Any) -> str | None:
@@ -92,6 +93,9 @@ class AccessControl:
         self.rate = ConnectRateLimiter(s.connect_rate, s.connect_burst, limit_loopback=True)
         self._exempt_loopback = not s.connect_rate_loopback
         self._loopback: dict[str, bool] = {}
+        # Topic names published to and found within the length/level limits (which are
+        # fixed for the gateway's life), so a flood checks each name once.
+        self._within_limits: set[str] = set()
         self.refused_connects = 0
         self.denied_publishes = 0
         self.denied_subscriptions = 0
@@ -196,10 +200,14 @@ class AccessControl:
     def check_publish(self, client: ClientConnection, topic: str) -> None:
         """Raise TopicError when `client` may not publish to `topic`: reason 0x90 for the
         length/level limits (the client is disconnected), 0x87 for the ACL (dropped)."""
-        s = self.settings
-        why = topic_limit_error(topic, s.max_topic_length, s.max_topic_levels)
-        if why is not None:
-            raise TopicError(why, value=topic, reason_code=TOPIC_NAME_INVALID)
+        if topic not in self._within_limits:
+            s = self.settings
+            why = topic_limit_error(topic, s.max_topic_length, s.max_topic_levels)
+            if why is not None:
+                raise TopicError(why, value=topic, reason_code=TOPIC_NAME_INVALID)
+            if len(self._within_limits) >= TOPIC_CACHE_SIZE:
+                self._within_limits.clear()
+            self._within_limits.add(topic)
         acl = client.acl
         if acl is not None and not acl.may_write(topic):
             self.denied_publishes += 1

@@ -582,7 +582,12 @@ class ClientConnection:
         except StoreError as e:
             self._store_failed(pub, e)
             return
-        await self._acknowledge(pub)
+        if pub.qos == 1:
+            # _acknowledge's QoS 1 case inline: no coroutine per publish of a QoS 1 flood.
+            if pid is not None and not self.closed:
+                self.write(self.conn.send(PubAck(pid)))
+        elif pub.qos == 2:
+            await self._acknowledge(pub)
 
     async def _store_then_ack(
         self, pub: Publish, topic: Topic, prev: asyncio.Task[None] | None
