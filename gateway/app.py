@@ -243,10 +243,9 @@ class Gateway:
             self._topics[name] = entry
         return entry
 
-    async def store_publish(self, pub: Publish, client_id: str, topic: Topic | None = None) -> None:
-        """Append one PUBLISH to the store (awaits the covering fsync in sync mode).
-        `topic` is the already validated topic name, if the caller has it (kept for callers;
-        validated names are cached by `topic()` anyway)."""
+    async def store_publish(self, pub: Publish, client_id: str) -> None:
+        """Append one PUBLISH to the store (awaits the covering fsync in sync mode). The topic
+        name's validation and parent topic come from the same cache `topic()` fills."""
         entry = self._topics.get(pub.topic)
         if entry is None:
             entry = self._topic_entry(pub.topic)

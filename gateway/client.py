@@ -539,7 +539,7 @@ class ClientConnection:
         try:
             if pub.topic.startswith("$"):
                 raise TopicError("clients cannot publish to $-topics", reason_code=NOT_AUTHORIZED)
-            topic = gw.topic(pub.topic)
+            gw.topic(pub.topic)  # validates (TopicError); store_publish reuses the cached entry
             gw.access.check_publish(self, pub.topic)  # limits (0x90) and ACL (0x87)
         except TopicError as e:
             if e.reason_code != NOT_AUTHORIZED:
@@ -567,9 +567,7 @@ class ClientConnection:
             if self._pending_puts >= MAX_PENDING_PUTS:
                 self._pause_reading()
             prev = self._ack_chain
-            task = self._loop.create_task(
-                self._store_then_ack(pub, topic, prev if pub.qos else None)
-            )
+            task = self._loop.create_task(self._store_then_ack(pub, prev if pub.qos else None))
             if self._put_tasks is None:
                 self._put_tasks = set()
             self._put_tasks.add(task)
@@ -578,7 +576,7 @@ class ClientConnection:
                 self._ack_chain = task
             return
         try:
-            await gw.store_publish(pub, self.client_id, topic)
+            await gw.store_publish(pub, self.client_id)
         except StoreError as e:
             self._store_failed(pub, e)
             return
@@ -589,12 +587,10 @@ class ClientConnection:
         elif pub.qos == 2:
             await self._acknowledge(pub)
 
-    async def _store_then_ack(
-        self, pub: Publish, topic: Topic, prev: asyncio.Task[None] | None
-    ) -> None:
+    async def _store_then_ack(self, pub: Publish, prev: asyncio.Task[None] | None) -> None:
         try:
             try:
-                await self.gw.store_publish(pub, self.client_id, topic)
+                await self.gw.store_publish(pub, self.client_id)
                 failed: StoreError | None = None
             except StoreError as e:
                 failed = e
