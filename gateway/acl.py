@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from gateway.auth import SecurityError
+from topicmap import matches_levels
 
 __all__ = [
     "AclError",
@@ -54,19 +55,9 @@ class AclError(SecurityError):
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
-    """Whether `topic` (no wildcards) matches `topic_filter` (spec 4.7, with the $ rule)."""
-    f = topic_filter.split("/")
-    t = topic.split("/")
-    if t[0].startswith("$") and f[0] in ("+", "#"):
-        return False
-    for i, level in enumerate(f):
-        if level == "#":
-            return True
-        if i >= len(t):
-            return False
-        if level != "+" and level != t[i]:
-            return False
-    return len(f) == len(t)
+    """Whether `topic` (no wildcards) matches `topic_filter` (spec 4.7, with the $ rule): the
+    same reading of the spec the Router is tested against, applied to an ACL rule's filter."""
+    return matches_levels(topic_filter.split("/"), topic.split("/"))
 
 
 def filter_covers(outer: str, inner: str) -> bool:

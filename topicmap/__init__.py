@@ -12,7 +12,7 @@ from topicmap.naming import (
     queue_name,
 )
 from topicmap.router import Router
-from topicmap.topic import MAX_TOPIC_BYTES, Topic, TopicFilter
+from topicmap.topic import MAX_TOPIC_BYTES, Topic, TopicFilter, matches_levels
 
 __all__ = [
     "EMPTY_PARENT",
@@ -26,6 +26,7 @@ __all__ = [
     "TopicFilter",
     "filter_of",
     "is_store_name",
+    "matches_levels",
     "parent_topic",
     "queue_name",
 ]
