@@ -74,10 +74,23 @@ class _Slow(Exception):
 
 
 # First bytes of PUBLISH packets the inline path decodes -> QoS. QoS 2 (duplicate detection),
-# QoS 3 and DUP on QoS 0 always take the general path.
-_FAST_PUBLISH_QOS: list[int | None] = [None] * 256
-for _first, _qos in {0x30: 0, 0x31: 0, 0x32: 1, 0x33: 1, 0x3A: 1, 0x3B: 1}.items():
-    _FAST_PUBLISH_QOS[_first] = _qos
+# QoS 3 and DUP on QoS 0 always take the general path. One table per (QoS 1 allowed, retain
+# available): what we announced in CONNACK is folded into the table, so a packet that breaks it
+# (0x9B / 0x9A) falls to the general path without per-packet checks in the inline one.
+def _fast_publish_table(qos1_allowed: bool, retain_allowed: bool) -> list[int | None]:
+    table: list[int | None] = [None] * 256
+    for first, qos in {0x30: 0, 0x31: 0, 0x32: 1, 0x33: 1, 0x3A: 1, 0x3B: 1}.items():
+        if (qos or qos1_allowed) and (not first & 1 or retain_allowed):
+            table[first] = qos
+    return table
+
+
+_FAST_PUBLISH_QOS = {
+    (qos1, retain): _fast_publish_table(qos1, retain)
+    for qos1 in (False, True)
+    for retain in (False, True)
+}
+_NO_FAST_PUBLISH: list[int | None] = [None] * 256
 
 
 class Sentinel(enum.Enum):
@@ -344,12 +357,19 @@ class Connection:
             out_flight = ids.outbound
             in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
         receive_maximum = self.receive_maximum
-        maximum_qos = self.maximum_qos
-        retain_available = self.retain_available
-        fast_qos = _FAST_PUBLISH_QOS
+        # With the default 65535 only a reused id could exceed the quota: no check per packet.
+        limited = receive_maximum < 0xFFFF
+        # Bytes after the topic that a QoS 1 PUBLISH must have: the packet id and, in MQTT 5,
+        # a property length the inline path accepts only as 0 (no properties).
+        id_size = 3 if v5 else 2
+        fast_qos = (
+            _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available]
+            if fast
+            else _NO_FAST_PUBLISH
+        )
         while n - off >= 2:
             first = buf[off]
-            qos = fast_qos[first] if fast else None
+            qos = fast_qos[first]
             if qos is None:
                 if first == 0x40 and fast and buf[off + 1] == 2 and n - off >= 4:
                     # PUBACK without reason code: every QoS 1 delivery brings one back.
@@ -391,32 +411,29 @@ class Connection:
                         topic = buf[start + 2 : pos].decode("utf-8")
                         if not topic or "\x00" in topic or "+" in topic or "#" in topic:
                             raise _Slow
-                    packet_id = None
                     if qos:
-                        if pos + 2 > end or qos > maximum_qos:
-                            raise _Slow
-                        packet_id = (buf[pos] << 8) | buf[pos + 1]
-                        pos += 2
-                        if not packet_id:
-                            raise _Slow
-                    if v5:
-                        if pos >= end or buf[pos]:
-                            raise _Slow  # properties need the full reader
-                        pos += 1
-                    if first & 1 and not retain_available:
-                        raise _Slow
-                    if packet_id is not None:
+                        # Read first, check once: bytes past `end` belong to the next packet
+                        # (or raise IndexError), and nothing is used before the check.
+                        packet_id: int | None = (buf[pos] << 8) | buf[pos + 1]
+                        pos += id_size
+                        if pos > end or not packet_id or (v5 and buf[pos - 1]):
+                            raise _Slow  # MQTT 5 properties need the full reader
                         if in_qos1 is None:
                             ids = self._packet_ids()
                             in_qos1 = ids.inbound_qos1
                             out_flight = ids.outbound
-                        if packet_id not in in_qos1:
-                            # With the default 65535 only a reused id could exceed the quota.
-                            if receive_maximum < 0xFFFF and (
-                                len(in_qos1) + in_flight_others >= receive_maximum
-                            ):
+                        if not limited:
+                            in_qos1.add(packet_id)
+                        elif packet_id not in in_qos1:
+                            if len(in_qos1) + in_flight_others >= receive_maximum:
                                 raise _Slow
                             in_qos1.add(packet_id)
+                    else:
+                        packet_id = None
+                        if v5:
+                            if pos >= end or buf[pos]:
+                                raise _Slow  # properties need the full reader
+                            pos += 1
                     append(
                         Publish(
                             topic,
@@ -454,14 +471,20 @@ class Connection:
                 and self._pending_error is None
                 and self.max_packet_size >= 130
             )
+            fast_qos = (
+                _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available]
+                if fast
+                else _NO_FAST_PUBLISH
+            )
             v5 = self.protocol_level == 5
+            id_size = 3 if v5 else 2
             ids = self._ids
             if ids is not None:
                 in_qos1 = ids.inbound_qos1
                 out_flight = ids.outbound
                 in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
             receive_maximum = self.receive_maximum
-            maximum_qos = self.maximum_qos
+            limited = receive_maximum < 0xFFFF
         if off == n:
             # Everything consumed: drop the caller's chunk now rather than holding it (up to a
             # whole socket read) while the connection idles.
