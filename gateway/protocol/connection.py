@@ -362,6 +362,7 @@ class Connection:
         # Bytes after the topic that a QoS 1 PUBLISH must have: the packet id and, in MQTT 5,
         # a property length the inline path accepts only as 0 (no properties).
         id_size = 3 if v5 else 2
+        new_publish = object.__new__
         fast_qos = (
             _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available]
             if fast
@@ -434,17 +435,18 @@ class Connection:
                             if pos >= end or buf[pos]:
                                 raise _Slow  # properties need the full reader
                             pos += 1
-                    append(
-                        Publish(
-                            topic,
-                            buf[pos:end] if is_bytes else bytes(buf[pos:end]),  # type: ignore[arg-type]
-                            qos,
-                            first & 1 == 1,
-                            first & 8 == 8,
-                            packet_id,
-                            None,
-                        )
-                    )
+                    # Publish(...) runs the dataclass __init__, a Python call; filling the
+                    # slots of a bare instance here is ~40% cheaper. Every field is set (a
+                    # test pins the field list).
+                    pub = new_publish(Publish)
+                    pub.topic = topic
+                    pub.payload = buf[pos:end] if is_bytes else bytes(buf[pos:end])  # type: ignore[assignment]
+                    pub.qos = qos
+                    pub.retain = first & 1 == 1
+                    pub.dup = first & 8 == 8
+                    pub.packet_id = packet_id
+                    pub.properties = None
+                    append(pub)
                     off = end
                     continue
                 except (_Slow, UnicodeDecodeError, IndexError):
