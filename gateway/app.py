@@ -21,14 +21,14 @@ from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.listeners import ExtraListeners
 from gateway.protocol import Publish, Will
-from gateway.records import message_properties
+from gateway.records import PublishProperties, message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
 from gateway.server import MqttServerProtocol
 from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
 from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
 from gateway.will import WillScheduler
-from store import MessageStore
+from store import EncodedMessage, MessageStore, PutResult
 from topicmap import Router, Topic, TopicFilter, parent_topic
 
 log = logging.getLogger("lmqtt.gateway")
@@ -63,6 +63,12 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._sys: object | None = None
         self._topics: dict[str, tuple[Topic, str]] = {}  # name -> (Topic, parent topic)
+        # Runs of plain PUBLISHes go to the store in one call (ClientConnection._store_run).
+        # Not while the admin endpoint is on: its latency histogram times store.put_async per
+        # message (gateway/metrics.py), which the batched path does not call.
+        self.batch_ingest = settings.admin_port is None
+        # name -> (parent topic, light queues): valid until the router changes (cleared then).
+        self._routes: dict[str, tuple[str, tuple[str, ...]]] = {}
         # Set by start():
         self.store: MessageStore
         self.retained: RetainedIndex
@@ -84,6 +90,7 @@ class Gateway:
             self._clamp_to_store(session)
             for sub in session.subscriptions.values():
                 self.router.add(sub.topic_filter)
+                self._routes.clear()
                 if sub.share_group is not None:
                     tf = TopicFilter(sub.topic_filter)
                     self.shared.acquire(sub.share_group, tf.filter, sub.queue, resume=True)
@@ -243,14 +250,46 @@ class Gateway:
             self._topics[name] = entry
         return entry
 
+    def publish_route(self, name: str) -> tuple[str, tuple[str, ...]]:
+        """(parent topic, light queues of every matching filter) of a topic name, sorted,
+        cached until a filter is added or removed. TopicError if the name is invalid."""
+        route = self._routes.get(name)
+        if route is None:
+            topic, parent = self._topic_entry(name)
+            route = (parent, tuple(sorted(self.router.route(topic))))
+            if len(self._routes) >= TOPIC_CACHE_SIZE:
+                self._routes.clear()
+            self._routes[name] = route
+        return route
+
+    def append_publishes(self, pubs: list[Publish], blocks: PublishProperties) -> list[PutResult]:
+        """Append a run of non-retained PUBLISHes (topics validated) with one store call.
+
+        Does not wait for the fsync (sync mode: the caller awaits store.wait_durable of the
+        last end offset before acknowledging). StoreError: none of them was stored.
+        """
+        routes = self._routes
+        of = blocks.of
+        messages: list[EncodedMessage] = []
+        add = messages.append
+        props: list[dict[str, str]] = []
+        for pub in pubs:
+            route = routes.get(pub.topic)
+            if route is None:
+                route = self.publish_route(pub.topic)
+            block, p = of(pub)
+            add((route[0], route[1], pub.payload, block))
+            props.append(p)
+        results = self.store.append_encoded(messages)
+        self.recent.add_many(messages, props, results)
+        self.stats.messages_received += len(results)
+        return results
+
     async def store_publish(self, pub: Publish, client_id: str) -> None:
         """Append one PUBLISH to the store (awaits the covering fsync in sync mode). The topic
         name's validation and parent topic come from the same cache `topic()` fills."""
-        entry = self._topics.get(pub.topic)
-        if entry is None:
-            entry = self._topic_entry(pub.topic)
-        name, parent = entry
-        queues = list(self.router.route(name))
+        parent, routed = self._routes.get(pub.topic) or self.publish_route(pub.topic)
+        queues = list(routed)
         if pub.retain:
             queues.append(RetainedIndex.QUEUE)
         props = message_properties(pub, client_id)
@@ -303,6 +342,7 @@ class Gateway:
     def add_subscription(self, session: Session, tf: TopicFilter, qos: int) -> SubscriptionState:
         """Register a new subscription; it starts at the queue's current end."""
         queue = self.router.add(tf)
+        self._routes.clear()
         start = self.store.max_offset(queue)
         sub = SubscriptionState(
             topic_filter=tf.text,
@@ -326,6 +366,7 @@ class Gateway:
     ) -> None:
         session.remove_subscription(sub.topic_filter)
         self.router.remove(sub.topic_filter)
+        self._routes.clear()
         self.stats.subscriptions -= 1
         # Acks for messages in flight on this subscription only free their packet ids now.
         for inf in session.inflight.values():

@@ -40,6 +40,7 @@ from gateway.protocol import (
     Unsubscribe,
     Will,
 )
+from gateway.records import PublishProperties
 from gateway.session import Session, SubscriptionState
 from store import StoreError
 from topicmap import Topic, TopicError, TopicFilter
@@ -83,6 +84,7 @@ class ClientConnection:
     __slots__ = (
         "_abnormal",
         "_ack_chain",
+        "_blocks",
         "_cleaned",
         "_eof",
         "_last_rx",
@@ -132,6 +134,7 @@ class ClientConnection:
         self._pending_puts = 0
         self._ack_chain: asyncio.Task[None] | None = None
         self._put_tasks: set[asyncio.Task[None]] | None = None  # sync flush only
+        self._blocks: PublishProperties | None = None  # made at the first batched PUBLISH
         # Connect timeout and keep-alive are checked by the gateway's once-a-second sweep
         # (check_timeouts), not by a timer per connection.
         self._opened = self._loop.time()
@@ -279,8 +282,16 @@ class ClientConnection:
     # -- the reader task ---------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        """Handle every complete packet buffered (and arriving meanwhile), then end."""
+        """Handle every complete packet buffered (and arriving meanwhile), then end.
+
+        Batched ingest: consecutive plain PUBLISHes (QoS 0/1, not retained, topic and ACL
+        checks passed) are collected in `run` and stored with one store call when anything
+        else comes (another packet kind, a PUBLISH needing the per-message path, the end of
+        the input, the end of the turn), so every other packet sees them stored and their
+        PUBACKs leave in order, before any later reply.
+        """
         handled = 0
+        run: list[Publish] = []
         self._out = []
         try:
             while not self.closed:
@@ -288,6 +299,9 @@ class ClientConnection:
                     # A flooding client must not hold the event loop: let delivery (which then
                     # still finds the messages in RecentMessages) and other clients run.
                     handled = 0
+                    if run:
+                        await self._store_run(run)
+                        run = []
                     self._flush_out()
                     await asyncio.sleep(0)
                     continue
@@ -295,15 +309,27 @@ class ClientConnection:
                 try:
                     ev = self.conn.next_event()
                 except RemoteProtocolError as err:
+                    if run:
+                        await self._store_run(run)
+                        run = []
                     self._protocol_error(err)
                     return
+                kind = type(ev)
+                if kind is Publish:
+                    assert isinstance(ev, Publish)
+                    if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
+                        run.append(ev)
+                        continue
+                if run:
+                    await self._store_run(run)
+                    run = []
                 if ev is NEED_DATA:
                     break
-                if type(ev) is ConnectionClosed:
+                if kind is ConnectionClosed:
                     log.debug("%r: connection closed by peer", self.client_id or self.peer)
                     self.close()
                     return
-                if type(ev) in _COLLECTED:
+                if kind in _COLLECTED:
                     await self._dispatch(ev)
                 else:
                     await self._handle_waiting(ev)
@@ -529,6 +555,81 @@ class ClientConnection:
         self.close()
 
     # -- PUBLISH in --------------------------------------------------------------------------
+
+    def _plain_publish(self, pub: Publish) -> bool:
+        """True if `pub` may join a batched run: connected, a valid topic name this client may
+        publish to. Otherwise _on_publish() handles it (and its refusal) on its own."""
+        if self.session is None or pub.topic.startswith("$") or not self.gw.batch_ingest:
+            return False
+        try:
+            self.gw.topic(pub.topic)
+            self.gw.access.check_publish(self, pub.topic)
+        except TopicError:
+            return False
+        return True
+
+    async def _store_run(self, run: list[Publish]) -> None:
+        """Store a run of plain publishes with one store call, then acknowledge the QoS 1
+        ones in order (sync flush: after the fsync covering the run's last record)."""
+        gw = self.gw
+        blocks = self._blocks
+        if blocks is None:
+            blocks = self._blocks = PublishProperties(self.client_id, gw.store.encode_properties)
+        try:
+            results = gw.append_publishes(run, blocks)
+        except StoreError:
+            # Nothing of the run was stored: one by one, so only the bad message fails, and
+            # exactly as it would have without batching.
+            for pub in run:
+                if self.closed:
+                    return
+                await self._on_publish(pub)
+            return
+        acked = [pub for pub in run if pub.qos]
+        if gw.settings.flush == "sync":
+            if not acked:
+                return
+            self._pending_puts += 1
+            if self._pending_puts >= MAX_PENDING_PUTS:
+                self._pause_reading()
+            task = self._loop.create_task(
+                self._ack_when_durable(results[-1].end_offset, acked, self._ack_chain)
+            )
+            if self._put_tasks is None:
+                self._put_tasks = set()
+            self._put_tasks.add(task)
+            task.add_done_callback(self._put_tasks.discard)
+            self._ack_chain = task
+            return
+        if self.closed:
+            return
+        write = self.write
+        send = self.conn.send
+        for pub in acked:
+            if pub.packet_id is not None:
+                write(send(PubAck(pub.packet_id)))
+
+    async def _ack_when_durable(
+        self, end: int, acked: list[Publish], prev: asyncio.Task[None] | None
+    ) -> None:
+        try:
+            try:
+                await self.gw.store.wait_durable(end)
+                failed: StoreError | None = None
+            except StoreError as e:
+                failed = e
+            if prev is not None:
+                await asyncio.gather(prev, return_exceptions=True)
+            for pub in acked:
+                if self.closed:
+                    return
+                if failed is not None:
+                    self._store_failed(pub, failed)
+                elif pub.packet_id is not None:
+                    self.write(self.conn.send(PubAck(pub.packet_id)))
+        finally:
+            self._pending_puts -= 1
+            self._resume_reading()
 
     async def _on_publish(self, pub: Publish) -> None:
         session = self.session

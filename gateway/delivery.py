@@ -30,13 +30,13 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from gateway.protocol import PreparedPublish, Properties, Publish, PubRel
 from gateway.records import RecordedPublish, read_record
 from gateway.session import Inflight, Session, SubscriptionState
-from store import GetStatus, PutResult, StoredMessage
+from store import EncodedMessage, GetStatus, PutResult, StoredMessage
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmqtt.gateway")
 
 BATCH = 32
+_tuple_new = tuple.__new__  # builds a StoredMessage without NamedTuple's Python __new__
 PREPARED_CACHE_SIZE = 4096
 
 
@@ -147,6 +148,30 @@ class RecentMessages:
                 parent, body, props, off, r.physical_offset, ts, ts, r.queue_offset, queues
             )
         while len(items) > self._size:
+            items.popitem(last=False)  # oldest first, O(1)
+
+    def add_many(
+        self,
+        messages: Sequence[EncodedMessage],
+        props: Sequence[dict[str, str]],
+        results: Sequence[PutResult],
+    ) -> None:
+        """add() for a batch appended with MessageStore.append_encoded."""
+        items = self._items
+        for (parent, _, body, _), p, r in zip(messages, props, results, strict=True):
+            lights = r.light_offsets
+            if not lights:
+                continue
+            queues = tuple(lights)
+            ts = r.store_timestamp
+            phys = r.physical_offset
+            qoff = r.queue_offset
+            for q, off in lights.items():
+                items[(q, off)] = _tuple_new(
+                    StoredMessage, (parent, body, p, off, phys, ts, ts, qoff, queues)
+                )
+        excess = len(items) - self._size
+        for _ in range(excess):
             items.popitem(last=False)  # oldest first, O(1)
 
     def run(self, queue: str, offset: int, limit: int) -> list[StoredMessage]:

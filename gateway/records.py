@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.protocol import Properties, Publish
@@ -41,14 +42,18 @@ def _safe(value: str) -> bool:
     return not any(sep in value for sep in _SEPARATORS)
 
 
-def message_properties(publish: Publish, client_id: str) -> dict[str, str]:
-    """The MQTT facts of an inbound PUBLISH as store properties."""
-    props: dict[str, str] = {
-        "mqtt.topic": publish.topic,
-        "mqtt.qos": str(publish.qos),
-        "mqtt.retain": "1" if publish.retain else "0",
+def _base_properties(topic: str, qos: int, retain: bool, client_id: str) -> dict[str, str]:
+    return {
+        "mqtt.topic": topic,
+        "mqtt.qos": str(qos),
+        "mqtt.retain": "1" if retain else "0",
         "mqtt.client": client_id,
     }
+
+
+def message_properties(publish: Publish, client_id: str) -> dict[str, str]:
+    """The MQTT facts of an inbound PUBLISH as store properties."""
+    props = _base_properties(publish.topic, publish.qos, publish.retain, client_id)
     if publish.qos > 0 and publish.packet_id is not None:
         props["mqtt.pid"] = str(publish.packet_id)
     p = publish.properties
@@ -68,6 +73,50 @@ def message_properties(publish: Publish, client_id: str) -> dict[str, str]:
         # json.dumps escapes control characters, so the separators cannot leak through.
         props["mqtt.up"] = json.dumps([[k, v] for k, v in p.user_properties])
     return props
+
+
+# The per-message part of a block: "mqtt.pid" \x01 <decimal packet id> \x02. Digits cannot
+# contain the store's separators, so it needs no validation beyond the key's (done once here).
+_PID_BLOCK = b"mqtt.pid\x01%d\x02"
+# Distinct (topic, QoS, retain) blocks one publisher keeps (cleared when full).
+PROPERTY_BLOCKS_SIZE = 256
+
+
+class PublishProperties:
+    """The store property blocks of one client's PUBLISHes, encoded once per kind.
+
+    A PUBLISH without MQTT 5 properties differs from the previous one to the same topic only
+    in its packet id: its block is the cached, store-validated block of (topic, QoS, retain)
+    plus the packet id pair, in the order message_properties() writes them. The dict that
+    goes with it (for RecentMessages / delivery) is shared by those messages and has no
+    `mqtt.pid` (delivery never reads it; a record read back from the store has it). Neither
+    may be mutated. A PUBLISH with properties is encoded in full every time.
+    """
+
+    __slots__ = ("_blocks", "_client_id", "_encode")
+
+    def __init__(self, client_id: str, encode: Callable[[dict[str, str]], bytes]) -> None:
+        self._client_id = client_id
+        self._encode = encode
+        self._blocks: dict[tuple[str, int, bool], tuple[bytes, dict[str, str]]] = {}
+
+    def of(self, pub: Publish) -> tuple[bytes, dict[str, str]]:
+        """(encoded block, properties) of `pub`; InvalidPropertyError (a StoreError) if the
+        store refuses them."""
+        if pub.properties is not None:
+            props = message_properties(pub, self._client_id)
+            return self._encode(props), props
+        key = (pub.topic, pub.qos, pub.retain)
+        hit = self._blocks.get(key)
+        if hit is None:
+            props = _base_properties(pub.topic, pub.qos, pub.retain, self._client_id)
+            hit = (self._encode(props), props)
+            if len(self._blocks) >= PROPERTY_BLOCKS_SIZE:
+                self._blocks.clear()
+            self._blocks[key] = hit
+        if pub.qos and pub.packet_id is not None:
+            return hit[0] + _PID_BLOCK % pub.packet_id, hit[1]
+        return hit
 
 
 def dispatch_offsets(props: dict[str, str]) -> dict[str, int]:

@@ -21,11 +21,12 @@ from store.results import (
     PutResult,
     StoredMessage,
 )
-from store.store import MessageStore
+from store.store import EncodedMessage, MessageStore
 
 __all__ = [
     "ArrivalListener",
     "CorruptStoreError",
+    "EncodedMessage",
     "FlushMode",
     "FlushTimeoutError",
     "GetResult",

@@ -184,6 +184,9 @@ class _Route:
 
 #: A validated message waiting for the lock: (route, body, user properties, born timestamp).
 _Prepared = tuple[_Route, bytes, bytes, "int | None"]
+#: One message of :meth:`MessageStore.append_encoded`: (topic, light queues, body, property
+#: block from :meth:`MessageStore.encode_properties`).
+EncodedMessage = tuple[str, tuple[str, ...], bytes, bytes]
 
 
 class MessageStore:
@@ -713,6 +716,69 @@ class MessageStore:
         if results and self._sync and self._flusher is not None:
             await self._flusher.flushed_future(results[-1].end_offset)
         return results
+
+    def encode_properties(self, properties: dict[str, str]) -> bytes:
+        """Validate and encode user properties once, for :meth:`append_encoded`.
+
+        The result is a run of ``key \x01 value \x02`` pairs; the concatenation of several
+        such blocks (with distinct keys) is again one.
+        """
+        return self._encode_props(properties)
+
+    def append_encoded(self, messages: Sequence[EncodedMessage]) -> list[PutResult]:
+        """Append a batch of ``(topic, light queues, body, property block)`` under one lock.
+
+        The hot path of a publisher flood: the property blocks come from
+        :meth:`encode_properties` (validated once per distinct block by the caller, not per
+        message), ``light queues`` is a tuple. Nothing waits for the fsync, in either flush
+        mode: a caller that must (sync mode) awaits :meth:`wait_durable` with the last
+        result's ``end_offset``. Sizes and names are checked before anything is written, so
+        an error (StoreError) means none of the batch was stored. Listeners hear once per
+        queue touched, after the whole batch.
+        """
+        if self._closed or self.read_only:
+            self._check_writable()
+        routes = self._routes
+        max_body = self._max_body
+        batch: list[_Prepared] = []
+        add = batch.append
+        touched: dict[_Route, None] = {}
+        last: _Route | None = None
+        for topic, lights, body, uprops in messages:
+            route = routes.get((topic, lights))
+            if route is None:
+                route = self._new_route((topic, tuple(lights)))
+            blen = len(body)
+            if blen > max_body:
+                raise MessageTooLargeError(blen, max_body)
+            if blen + len(uprops) > route.size_room or len(uprops) > route.props_room:
+                self._check_size(route, blen, len(uprops))
+            if route is not last:
+                touched[route] = None
+                last = route
+            add((route, body, uprops, None))
+        results = self._append(batch)
+        if self._listeners:
+            # Queue ends read after the lock: later puts only move them further, and a
+            # listener is told "ends at least here", once per queue for the whole batch.
+            ends: dict[str, int] = {}
+            for route in touched:
+                ends[route.topic] = route.parent.max_offset
+                for cq in route.cqs:
+                    ends[cq.name] = cq.max_offset
+            for listener in self._listeners:
+                try:
+                    for q, m in ends.items():
+                        listener.on_arrival(q, m)
+                except Exception:
+                    log.exception("arrival listener %r failed", listener)
+        return results
+
+    async def wait_durable(self, end_offset: int) -> None:
+        """Sync flush mode: return once the CommitLog is fsynced up to ``end_offset`` (group
+        commit, the event loop keeps running). Async mode: return at once."""
+        if self._sync and self._flusher is not None:
+            await self._flusher.flushed_future(end_offset)
 
     # =========================================================================================
     # listeners
