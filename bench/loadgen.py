@@ -14,12 +14,21 @@ from stdout (``ready``, ``progress``, ``result``, ``error``). Roles:
 
 Timestamps are ``time.monotonic()``: CLOCK_MONOTONIC is system-wide on Linux, so the orchestrator
 and every worker process share one clock.
+
+Self-check (paced runs): a latency figure is only the broker's if the generator kept its schedule.
+The publisher records how late each message left against its schedule (``send_lag_ms``: the
+process was not woken or not given a core in time) and the PUBACK round trip of each QoS 1
+message (``puback_ms``: one broker hop, no subscriber in the path); every worker reports its own
+garbage-collector pauses (``gc_ms``). The cyclic collector is switched off while measuring: the
+workers build no reference cycles, and a collection walking the sample lists would show up as
+broker latency.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import mmap
 import struct
@@ -193,6 +202,31 @@ async def open_client(
     return client
 
 
+class GcPauses:
+    """Durations of this process's garbage collections, from ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.pauses_ns: list[int] = []
+        self._started = 0
+
+    def install(self) -> None:
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter_ns()
+        elif self._started:
+            self.pauses_ns.append(time.perf_counter_ns() - self._started)
+
+
+def quiet_gc() -> None:
+    """Freeze what setup allocated and stop automatic collections for the measured phase."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    GC_PAUSES.pauses_ns.clear()  # setup's collections are not part of the measured phase
+
+
 def emit(event: str, **fields: Any) -> None:
     sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
     sys.stdout.flush()
@@ -253,6 +287,7 @@ async def run_sub(spec: dict[str, Any], commands: Commands) -> None:
             if any(code == 0x80 for code in granted):
                 raise ConnectionError(f"subscription refused for {conn['id']}")
         clients.append(client)
+    quiet_gc()
     emit("ready")
     while True:
         command = await commands.next()
@@ -269,6 +304,7 @@ async def run_sub(spec: dict[str, Any], commands: Commands) -> None:
         first=deliveries.first,
         last=deliveries.last,
         latency_ms=percentiles_ms(deliveries.latencies_ns),
+        gc_ms=percentiles_ms(GC_PAUSES.pauses_ns),
         seqs=deliveries.seqs if deliveries.track_seqs else None,
     )
 
@@ -292,6 +328,13 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
     inflight: dict[int, int] = {}
     acked_seqs: list[int] = []
     acked = 0
+    # Self-check of paced runs: send time of each in-flight packet id (PUBACK round trip) and
+    # how late each message left against its schedule.
+    paced = rate is not None
+    sent_ns: dict[int, int] = {}
+    puback_ns: list[int] = []
+    send_lag_ns: list[int] = []
+    skip_checks = int(spec.get("skip_checks", 0))
     room = asyncio.Event()
     room.set()
 
@@ -300,21 +343,28 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
         seq = inflight.pop(packet_id, None)
         if seq is None:
             return
+        if paced:
+            sent = sent_ns.pop(packet_id, 0)
+            if sent and seq >= skip_checks:
+                puback_ns.append(monotonic_ns() - sent)
         acked += 1
         if track:
             acked_seqs.append(seq)
         if len(inflight) <= window // 2:
             room.set()
 
+    monotonic_ns = time.monotonic_ns
     client.on_puback = on_puback
     client.on_lost = room.set
+    quiet_gc()
     emit("ready")
     await commands.next()
     start = time.monotonic()
+    start_ns = monotonic_ns()
+    interval_ns = 1e9 / rate if rate else 0.0
     deadline = start + duration
     seq = 0
     batch_max = 64 if rate is None else 1_000_000
-    monotonic_ns = time.monotonic_ns
     while not client.lost.is_set():
         now = time.monotonic()
         if now >= deadline or (count_limit is not None and seq >= count_limit):
@@ -339,7 +389,10 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
         if rate is not None:
             want = int((now - start) * rate) - seq
             if want <= 0:
-                await asyncio.sleep(0.001)
+                # Sleep until the next message is due. uvloop rounds a delay to whole
+                # milliseconds (under 0.5 ms it runs on the next loop pass), so a message can
+                # leave up to ~1 ms after its slot; send_lag_ms shows how late it really was.
+                await asyncio.sleep(start + (seq + 1) / rate - now)
                 continue
         if count_limit is not None:
             want = min(want, count_limit - seq)
@@ -356,8 +409,14 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
             if qos:
                 packet_id = seq % 65535 + 1
                 inflight[packet_id] = seq
+                if paced:
+                    sent_ns[packet_id] = stamp
+            if paced and seq >= skip_checks:
+                send_lag_ns.append(stamp - start_ns - int((seq + 1) * interval_ns))
             packets.append(templates[seq % n_templates].encode(seq, stamp, packet_id))
             seq += 1
+        # The stamp is taken just before this write: uvloop sends at once (no write buffer
+        # while the socket is writable), so it is when the bytes reach the socket.
         client.write(b"".join(packets))
         await asyncio.sleep(0)
     end = time.monotonic()
@@ -379,6 +438,9 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
         acked_end=acked_end,
         lost_connection=lost_connection,
         acked_seqs=acked_seqs if track else None,
+        send_lag_ms=percentiles_ms(send_lag_ns),
+        puback_ms=percentiles_ms(puback_ns),
+        gc_ms=percentiles_ms(GC_PAUSES.pauses_ns),
     )
     with contextlib.suppress(Exception):
         await commands.next()
@@ -422,6 +484,7 @@ async def run_idle(spec: dict[str, Any], commands: Commands) -> None:
     emit("result", connected=len(clients))
 
 
+GC_PAUSES = GcPauses()
 ROLES = {"sub": run_sub, "pub": run_pub, "idle": run_idle}
 
 
@@ -435,6 +498,7 @@ async def main_async(spec: dict[str, Any]) -> None:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    GC_PAUSES.install()
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux
