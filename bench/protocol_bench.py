@@ -12,18 +12,31 @@ Encode is measured two ways, each with the same work on both sides:
   built + encode   `encode(Publish(...), level)` vs `PublishPacket.build(...).to_bytes()`:
                    the packet object is made in the loop on both sides;
   encode only      `encode(publish, level)` vs `packet.to_bytes()` on packet objects built
-                   before the clock starts (one per packet id), on both sides.
+                   before the clock starts: the same pool of POOL objects (ids 1..POOL) on
+                   both sides, cycled until the count is reached. The pool is small enough to
+                   stay in cache, as a just-built event does in the gateway; a pool of 200,000
+                   objects would measure memory latency, not encoding.
 `PreparedPublish.packet(packet_id)` (encoded once, id patched) is compared with amqtt's
-encode-only rate, the stricter of the two.
+encode-only rate, the stricter of the two. Nothing is cached per packet on our side: every
+`encode` call encodes its event, and `packet()` builds a new bytes object per call.
 
-Times are process CPU time (time.process_time), not wall time: the machine is shared, and
-CPU time is what one core spends. Ours and amqtt's runs alternate so load drifts hit both.
+Method: times are process CPU time (time.process_time), not wall time: the machine is shared
+(2 cores), and CPU time is what one core spends on the work. Ours and amqtt's runs alternate
+and each rate is the best of REPEAT runs, so a load burst during one run does not decide the
+result. Setup objects are frozen out of the garbage collector (gc.freeze) so that neither side
+pays for collections that traverse the other side's prebuilt objects. Still, on a loaded host
+the CPU-time rates drop (shared caches, SMT siblings); compare ratios, which are taken within
+one run.
+
+The last lines give a verdict per case against issue #4's targets: >= 10x amqtt, and for
+decode also >= 500,000 PUBLISH/s on one core.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +61,9 @@ from gateway.protocol import (
 TOPIC = "sensors/building-7/floor-3/temperature"
 PAYLOAD = bytes(range(64))
 CHUNK = 65536
+POOL = 2048
+RATIO_TARGET = 10.0
+DECODE_TARGET = 500_000
 
 
 def timed(fn: Callable[[], int]) -> Callable[[], tuple[int, float]]:
@@ -57,6 +73,10 @@ def timed(fn: Callable[[], int]) -> Callable[[], tuple[int, float]]:
         return count, time.process_time() - start
 
     return run
+
+
+def pool_ids(qos: int) -> list[int | None]:
+    return [i + 1 if qos else None for i in range(POOL)]
 
 
 def open_server(level: int) -> Connection:
@@ -142,29 +162,27 @@ def ours_encode(level: int, qos: int, count: int) -> Callable[[], tuple[int, flo
 
 
 def ours_encode_built(level: int, qos: int, count: int) -> Callable[[], tuple[int, float]]:
-    publishes = [
-        Publish(TOPIC, PAYLOAD, qos, packet_id=(i & 0x7FFF) + 1 if qos else None)
-        for i in range(count)
-    ]
+    publishes = [Publish(TOPIC, PAYLOAD, qos, packet_id=pid) for pid in pool_ids(qos)]
+    rounds = count // POOL
 
     def run() -> int:
-        for publish in publishes:
-            encode(publish, level)
-        return count
+        for _ in range(rounds):
+            for publish in publishes:
+                encode(publish, level)
+        return rounds * POOL
 
     return timed(run)
 
 
 def amqtt_encode_built(level: int, qos: int, count: int) -> Callable[[], tuple[int, float]]:
-    packets = [
-        PublishPacket.build(TOPIC, PAYLOAD, (i & 0x7FFF) + 1 if qos else None, False, qos, False)
-        for i in range(count)
-    ]
+    packets = [PublishPacket.build(TOPIC, PAYLOAD, pid, False, qos, False) for pid in pool_ids(qos)]
+    rounds = max(1, count // POOL)
 
     def run() -> int:
-        for packet in packets:
-            packet.to_bytes()
-        return count
+        for _ in range(rounds):
+            for packet in packets:
+                packet.to_bytes()
+        return rounds * POOL
 
     return timed(run)
 
@@ -197,19 +215,31 @@ def amqtt_encode(level: int, qos: int, count: int) -> Callable[[], tuple[int, fl
 
 def interleaved(runs: list[Callable[[], tuple[int, float]]], repeat: int) -> list[float]:
     """Best packets/s of each run; runs alternate so machine load hits them alike."""
-    best = [0.0] * len(runs)
-    for _ in range(repeat):
-        for i, run in enumerate(runs):
-            count, elapsed = run()
-            best[i] = max(best[i], count / elapsed)
-    return best
+    gc.collect()
+    gc.freeze()  # the prebuilt streams and pools are not garbage: keep them out of collections
+    try:
+        best = [0.0] * len(runs)
+        for _ in range(repeat):
+            for i, run in enumerate(runs):
+                count, elapsed = run()
+                best[i] = max(best[i], count / elapsed)
+        return best
+    finally:
+        gc.unfreeze()
+
+
+def verdict(case: str, ours: float, theirs: float, absolute: int | None = None) -> str:
+    ratio = ours / theirs
+    ok = ratio >= RATIO_TARGET and (absolute is None or ours >= absolute)
+    need = f">= {RATIO_TARGET:.0f}x amqtt" + (f", >= {absolute:,}/s" if absolute else "")
+    return f"  {'PASS' if ok else 'MISS'}  {case:<32}{ratio:6.1f}x {ours:>12,.0f}/s   ({need})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
     args = parser.parse_args()
-    ours_n, amqtt_n, repeat = (20_000, 2_000, 2) if args.quick else (200_000, 20_000, 5)
+    ours_n, amqtt_n, repeat = (20_480, 2_048, 2) if args.quick else (204_800, 20_480, 5)
     check = asyncio.run(_amqtt_roundtrip())
     assert check, "amqtt failed to decode our PUBLISH"
     print(f"PUBLISH, topic {len(TOPIC)} B, payload {len(PAYLOAD)} B; packets/s, best of {repeat}")
@@ -217,7 +247,9 @@ def main() -> None:
     print("encode: build+encode = Publish(...) + encode() vs build() + to_bytes();")
     print("        encode only = both encode packet objects built beforehand;")
     print("        prepared = PreparedPublish.packet(id), ratio vs amqtt encode only")
+    print("time: process CPU time, best of the runs, ours and amqtt alternating")
     header = f"{'case':<14}{'ours':>12}{'amqtt':>10}{'ratio':>8}"
+    verdicts: list[str] = []
     for what in ("decode", "encode"):
         if what == "encode":
             extra = f"{'enc. only':>12}{'amqtt':>10}{'ratio':>8}{'prepared':>12}{'ratio':>8}"
@@ -237,6 +269,10 @@ def main() -> None:
                         repeat,
                     )
                     tail = f"{one:>12,.0f}{one / theirs:>7.1f}x"
+                    verdicts.append(verdict(f"decode events() {name}", ours, theirs, DECODE_TARGET))
+                    verdicts.append(
+                        verdict(f"decode next_event() {name}", one, theirs, DECODE_TARGET)
+                    )
                 else:
                     ours, theirs, only, theirs_only, prepared = interleaved(
                         [
@@ -252,8 +288,13 @@ def main() -> None:
                         f"{only:>12,.0f}{theirs_only:>10,.0f}{only / theirs_only:>7.1f}x"
                         f"{prepared:>12,.0f}{prepared / theirs_only:>7.1f}x"
                     )
+                    verdicts.append(verdict(f"encode build+encode {name}", ours, theirs))
+                    verdicts.append(verdict(f"encode only {name}", only, theirs_only))
+                    verdicts.append(verdict(f"prepared packet(id) {name}", prepared, theirs_only))
                 print(f"{name:<14}{ours:>12,.0f}{theirs:>10,.0f}{ours / theirs:>7.1f}x{tail}")
     hostile_input()
+    print("\nverdict per case (issue #4 targets)")
+    print("\n".join(verdicts))
 
 
 def hostile_input() -> None:

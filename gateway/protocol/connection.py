@@ -80,7 +80,7 @@ class _Slow(Exception):
 def _fast_publish_table(qos1_allowed: bool, retain_allowed: bool) -> list[int | None]:
     table: list[int | None] = [None] * 256
     for first, qos in {0x30: 0, 0x31: 0, 0x32: 1, 0x33: 1, 0x3A: 1, 0x3B: 1}.items():
-        if (qos or qos1_allowed) and (not first & 1 or retain_allowed):
+        if (not qos or qos1_allowed) and (not first & 1 or retain_allowed):
             table[first] = qos
     return table
 

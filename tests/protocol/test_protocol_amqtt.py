@@ -181,9 +181,9 @@ async def test_our_encodings_decode_in_amqtt() -> None:
         assert isinstance(packet, cls)
         assert packet.variable_header.packet_id == event.packet_id
 
-    for event, cls in (
+    for bare, cls in (
         (PingReq(), PingReqPacket),
         (PingResp(), PingRespPacket),
         (Disconnect(), DisconnectPacket),
     ):
-        assert isinstance(await amqtt_decode(encode(event, 4)), cls)
+        assert isinstance(await amqtt_decode(encode(bare, 4)), cls)

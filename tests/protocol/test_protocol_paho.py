@@ -107,7 +107,9 @@ class RecordingServer:
 def run_client(protocol: int, server: RecordingServer) -> list[Any]:
     v5 = protocol == paho.MQTTv5
     client = paho.Client(
-        paho.CallbackAPIVersion.VERSION2, client_id="paho-dev-1", protocol=protocol
+        paho.CallbackAPIVersion.VERSION2,
+        client_id="paho-dev-1",
+        protocol=paho.MQTTProtocolVersion(protocol),
     )
     received: list[Any] = []
     got_message = threading.Event()

@@ -10,7 +10,7 @@ from gateway.protocol import LocalProtocolError, Properties, Publish, encode, wr
 from gateway.protocol.readers import read_publish
 
 topics = st.text(
-    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00+#"), max_size=40
+    st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00+#"), max_size=40
 )
 
 
