@@ -212,7 +212,7 @@ def test_sync_flush_batch_acked_only_after_fsync(sync_gateway: GatewayHarness) -
     pub = RawClient(gateway.port, level=4)
     assert pub.connect("durable").reason_code == 0
     watcher = _subscriber(gateway, "dur/#", level=4)
-    flusher._flush_log, flusher._flush_all = gated_log, gated_all  # type: ignore[method-assign]
+    flusher._flush_log, flusher._flush_all = gated_log, gated_all
     try:
         pub.send_bytes(
             _segment(
@@ -230,6 +230,6 @@ def test_sync_flush_batch_acked_only_after_fsync(sync_gateway: GatewayHarness) -
         assert flusher._flushed >= end
     finally:
         gate.set()
-        flusher._flush_log, flusher._flush_all = flush_log, flush_all  # type: ignore[method-assign]
+        flusher._flush_log, flusher._flush_all = flush_log, flush_all
         watcher.close()
         pub.close()
