@@ -66,7 +66,13 @@ from gateway.protocol.readers import (
     read_publish,
 )
 from gateway.protocol.reason_codes import ALLOWED_REASON_CODES
-from gateway.protocol.writers import WRITERS, write_connack, write_disconnect, write_publish
+from gateway.protocol.writers import (
+    _PACKET_ID_BYTES,
+    WRITERS,
+    write_connack,
+    write_disconnect,
+    write_publish,
+)
 
 
 class _Slow(Exception):
@@ -111,6 +117,7 @@ SERVER_SENDS = frozenset(
     | {Disconnect, Auth}
 )
 
+_PUBACK_HEADER = b"\x40\x02"  # PUBACK, remaining length 2: packet id only
 TOPIC_ALIAS_INVALID = 0x94
 PACKET_TOO_LARGE = 0x95
 RETAIN_NOT_SUPPORTED = 0x9A
@@ -743,6 +750,24 @@ class Connection:
                 )
             self._out_publish(event)  # type: ignore[arg-type]
             return data
+        if kind is PubAck and self._connack_sent and not self._sending_closed:
+            # The other hot path: every inbound QoS 1 PUBLISH is answered with a plain PUBACK
+            # (code 0, no properties: the same 4 bytes at every level). Same checks and the
+            # same state change as the general path below; anything else takes that path.
+            ack: PubAck = event  # type: ignore[assignment]
+            packet_id = ack.packet_id
+            if (
+                ack.reason_code == 0
+                and ack.properties is None
+                and type(packet_id) is int
+                and 0 < packet_id < 0x10000
+            ):
+                limit = self.client_max_packet_size
+                if limit is None or limit >= 4:
+                    ids = self._ids
+                    if ids is not None:
+                        ids.inbound_qos1.discard(packet_id)
+                    return _PUBACK_HEADER + _PACKET_ID_BYTES[packet_id]
         if kind not in SERVER_SENDS:
             raise LocalProtocolError(f"a server does not send {kind.__name__}")
         level = self.protocol_level

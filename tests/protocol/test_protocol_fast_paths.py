@@ -14,9 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.protocol import (
+    Connection,
+    Disconnect,
     LocalProtocolError,
     PreparedPublish,
     Properties,
+    PubAck,
     Publish,
     RemoteProtocolError,
     encode,
@@ -24,7 +27,7 @@ from gateway.protocol import (
 from gateway.protocol.readers import decode_packet
 from gateway.protocol.writers import _write_publish_general
 
-from .helpers import drain_one_by_one, feed, open_connection
+from .helpers import connect_packet, drain_one_by_one, feed, open_connection
 
 TOPIC = st.text(
     st.characters(blacklist_characters="+#\x00", blacklist_categories=["Cs"]),
@@ -153,3 +156,36 @@ def test_qos1_packet_id_zero_is_refused_inline() -> None:
     assert feed(conn, data) == [Publish("t", b"a")]
     with pytest.raises(RemoteProtocolError):
         conn.events()
+
+
+@pytest.mark.parametrize("level", [3, 4, 5])
+def test_send_puback_fast_path_equals_writer_and_frees_the_id(level: int) -> None:
+    conn = open_connection(level, connack_properties=Properties(receive_maximum=1))
+    for packet_id in (1, 0x1234, 0xFFFF):
+        feed(conn, encode(Publish("t", b"x", 1, packet_id=packet_id), level))
+        assert conn.send(PubAck(packet_id)) == encode(PubAck(packet_id), level)
+    # The quota of 1 is free again after each PUBACK; a reason code takes the general path.
+    feed(conn, encode(Publish("t", b"x", 1, packet_id=9), level))
+    assert conn.send(PubAck(9, 0x10)) == encode(PubAck(9, 0x10), level)
+    feed(conn, encode(Publish("t", b"x", 1, packet_id=10), level))
+
+
+def test_send_puback_fast_path_keeps_the_checks() -> None:
+    conn = open_connection(5)
+    for bad in (0, -1, 0x10000):
+        with pytest.raises(LocalProtocolError):
+            conn.send(PubAck(bad))
+    with pytest.raises(LocalProtocolError):
+        conn.send(PubAck(1, 0x8C))  # not a PUBACK reason code (3.4.2.1)
+    tiny = open_connection(5)
+    tiny.client_max_packet_size = 3  # as if CONNECT said so (the CONNACK would not fit either)
+    with pytest.raises(LocalProtocolError):
+        tiny.send(PubAck(1))  # 4 bytes exceed the client's maximum of 3
+    before = Connection()
+    before.receive_data(connect_packet(4))
+    before.events()
+    with pytest.raises(LocalProtocolError):
+        before.send(PubAck(1))  # before CONNACK
+    conn.send(Disconnect())
+    with pytest.raises(LocalProtocolError):
+        conn.send(PubAck(1))  # after our DISCONNECT
