@@ -369,7 +369,7 @@ class Connection:
         # Bytes after the topic that a QoS 1 PUBLISH must have: the packet id and, in MQTT 5,
         # a property length the inline path accepts only as 0 (no properties).
         id_size = 3 if v5 else 2
-        new_publish = object.__new__
+        new_publish = object.__new__  # see the Publish built at the end of the inline path
         fast_qos = (
             _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available]
             if fast
@@ -385,7 +385,11 @@ class Connection:
                     if acked:
                         if out_flight is not None:
                             out_flight.pop(acked, None)
-                        append(PubAck(acked))
+                        ack = new_publish(PubAck)  # a bare instance, as for PUBLISH below
+                        ack.packet_id = acked
+                        ack.reason_code = 0
+                        ack.properties = None
+                        append(ack)
                         off += 4
                         continue
             else:

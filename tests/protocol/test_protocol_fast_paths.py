@@ -94,10 +94,16 @@ def test_encode_publish_refuses_unknown_levels(qos: int) -> None:
         _write_publish_general(publish, 6)
 
 
-def test_publish_fields_are_the_ones_the_inline_decoder_sets() -> None:
-    # Connection._batch fills a bare Publish slot by slot; a new field must be added there.
+def test_event_fields_are_the_ones_the_inline_decoder_sets() -> None:
+    # Connection._batch fills bare Publish / PubAck instances slot by slot; a new field must
+    # be set there too.
     names = [field.name for field in dataclasses.fields(Publish)]
     assert names == ["topic", "payload", "qos", "retain", "dup", "packet_id", "properties"]
+    assert [field.name for field in dataclasses.fields(PubAck)] == [
+        "packet_id",
+        "reason_code",
+        "properties",
+    ]
 
 
 @pytest.mark.parametrize("level", [4, 5])
