@@ -19,6 +19,8 @@ from pathlib import Path
 
 import psutil
 
+from bench.realtime import make_realtime
+
 BROKERS = ("lmqtt", "mosquitto", "amqtt")
 
 
@@ -42,10 +44,16 @@ def free_port() -> int:
 class BrokerProcess:
     """One broker process: start, wait until it accepts connections, stop or SIGKILL."""
 
-    def __init__(self, name: str, workdir: Path, options: BrokerOptions) -> None:
+    def __init__(
+        self, name: str, workdir: Path, options: BrokerOptions, *, realtime: bool = False
+    ) -> None:
         self.name = name
         self.workdir = workdir
         self.options = options
+        #: Run the broker (and the scenario's generator processes) under SCHED_FIFO
+        #: (bench.realtime); ``realtime_applied`` says whether the kernel allowed it.
+        self.realtime = realtime
+        self.realtime_applied = False
         self.port = free_port()
         self.process: asyncio.subprocess.Process | None = None
         self.ps: psutil.Process | None = None
@@ -129,6 +137,8 @@ class BrokerProcess:
         )
         log.close()
         self.ps = psutil.Process(self.process.pid)
+        if self.realtime:
+            self.realtime_applied = make_realtime(self.process.pid)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
@@ -142,6 +152,8 @@ class BrokerProcess:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+            if self.realtime_applied:
+                make_realtime(self.process.pid)  # threads started during startup
             return
         await self.stop()
         tail = self.log_tail()

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.brokers import BROKERS, BrokerProcess, BrokerUnavailable
+from bench.brokers import BROKERS, BrokerOptions, BrokerProcess, BrokerUnavailable
 from bench.report import machine_details, render_markdown, write_docs
 from bench.scenarios import SCENARIOS, RunSettings, run_scenario
 from bench.workers import WorkerError, wait_for_quiet_host
@@ -68,17 +68,28 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.scenarios:
             scenario = SCENARIOS[name]
             results[name] = {}
+            realtime = scenario.realtime and args.realtime
+            plan: list[tuple[str, BrokerOptions]] = []
             for broker_name in brokers:
                 options = scenario.options(broker_name)
                 entry: dict[str, Any] = {"runs": [], "notes": []}
                 results[name][broker_name] = entry
                 if options is None:
                     entry["notes"].append("n/a for this broker")
-                    continue
-                repeats = settings.repeat if scenario.repeated else 1
-                for attempt in range(repeats):
+                else:
+                    plan.append((broker_name, options))
+            repeats = settings.repeat if scenario.repeated else 1
+            # Brokers take turns (lmqtt #1, Mosquitto #1, amqtt #1, lmqtt #2, ...) so that a
+            # burst of other load on the shared host falls on every broker alike, not on all
+            # the runs of one of them.
+            skipped: set[str] = set()
+            for attempt in range(repeats):
+                for broker_name, options in plan:
+                    if broker_name in skipped:
+                        continue
+                    entry = results[name][broker_name]
                     workdir = Path(tmp) / f"{name}-{broker_name}-{attempt}"
-                    broker = BrokerProcess(broker_name, workdir, options)
+                    broker = BrokerProcess(broker_name, workdir, options, realtime=realtime)
                     label = f"{name} {broker_name} #{attempt + 1}/{repeats}"
                     busy = await wait_for_quiet_host(args.quiet_wait)
                     print(f"... {label} (host busy {busy:.2f} cores)", file=sys.stderr, flush=True)
@@ -89,7 +100,8 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
                         )
                     except BrokerUnavailable as exc:
                         entry["notes"].append(f"skipped: {exc}")
-                        break
+                        skipped.add(broker_name)
+                        continue
                     except (WorkerError, TimeoutError, OSError) as exc:
                         entry["notes"].append(f"run {attempt + 1} failed: {exc or 'timeout'}")
                         print(f"    failed: {exc}  [{broker.log_tail(3)}]", file=sys.stderr)
@@ -100,8 +112,14 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
                     metrics["host_busy_before"] = round(busy, 2)
                     if any("disconnected" in f or "exited" in f for f in metrics.get("flags", [])):
                         entry["notes"].append(f"run {attempt + 1}: {broker.log_tail(3)}")
+                    if realtime and not broker.realtime_applied:
+                        note = "SCHED_FIFO not permitted (needs CAP_SYS_NICE): normal priority"
+                        if note not in entry["notes"]:
+                            entry["notes"].append(note)
                     entry["runs"].append(metrics)
                     print(f"    {json.dumps(metrics)}", file=sys.stderr, flush=True)
+            for broker_name, _ in plan:
+                entry = results[name][broker_name]
                 if entry["runs"]:
                     entry["median"] = median_metrics(entry["runs"])
     return results
@@ -126,6 +144,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=3.0,
         help="wait up to this many s before each run for the shared host to go idle",
+    )
+    parser.add_argument(
+        "--no-realtime",
+        dest="realtime",
+        action="store_false",
+        help="run the latency scenarios at normal priority instead of SCHED_FIFO "
+        "(see bench/realtime.py: on a shared host the tail is then the scheduler's)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--docs", type=Path, help="also write the table to this Markdown file")

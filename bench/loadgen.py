@@ -389,10 +389,11 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
         if rate is not None:
             want = int((now - start) * rate) - seq
             if want <= 0:
-                # Sleep until the next message is due. uvloop rounds a delay to whole
-                # milliseconds (under 0.5 ms it runs on the next loop pass), so a message can
-                # leave up to ~1 ms after its slot; send_lag_ms shows how late it really was.
-                await asyncio.sleep(start + (seq + 1) / rate - now)
+                # Sleep until the next message is due, at least 1 ms: uvloop rounds a delay
+                # to whole milliseconds and runs one under 0.5 ms on the next loop pass, which
+                # would spin. So a message leaves up to ~1 ms after its slot (the timestamp is
+                # taken at the write, not at the slot); send_lag_ms shows how late it was.
+                await asyncio.sleep(max(start + (seq + 1) / rate - now, 0.001))
                 continue
         if count_limit is not None:
             want = min(want, count_limit - seq)

@@ -61,6 +61,7 @@ class Scenario:
     options: Callable[[str], BrokerOptions | None] = field(default=lambda broker: BrokerOptions())
     repeated: bool = True  # heavy scenarios run once whatever --repeat says
     manages_broker: bool = False  # the scenario restarts the broker itself
+    realtime: bool = False  # broker and generator under SCHED_FIFO (bench.realtime)
 
 
 async def _start_all(workers: list[Worker], timeout: float = 60.0) -> None:
@@ -132,7 +133,8 @@ async def fanout(
                 "board": board,
                 "slots": len(groups),
                 "slot": slot,
-            }
+            },
+            realtime=broker.realtime,
         )
         for slot, group in enumerate(groups)
     ]
@@ -151,7 +153,8 @@ async def fanout(
             "slots": len(groups),
             "per_message": per_message,
             "lead": max(1, LEAD_DELIVERIES // per_message),
-        }
+        },
+        realtime=broker.realtime,
     )
     workers = [*subs, pub]
     try:
@@ -185,6 +188,7 @@ async def fanout(
         **cpu,
     }
     if latency:
+        metrics["sched"] = "fifo" if broker.realtime_applied else "normal"
         metrics.update(_latency_metrics(results[0], published))
         if metrics["send_lag_p99_ms"] > SEND_LAG_LIMIT_MS:
             metrics["flags"].append("generator-late")
@@ -493,13 +497,20 @@ SCENARIOS: dict[str, Scenario] = {
             wildcard,
             THROUGHPUT,
         ),
-        Scenario("latency_async", "latency @1,000 msg/s QoS 1, async flush", latency, LAT_METRICS),
+        Scenario(
+            "latency_async",
+            "latency @1,000 msg/s QoS 1, async flush",
+            latency,
+            LAT_METRICS,
+            realtime=True,
+        ),
         Scenario(
             "latency_sync",
             "latency @1,000 msg/s QoS 1, sync flush",
             latency,
             LAT_METRICS,
             options=_lmqtt_only_sync,
+            realtime=True,
         ),
         Scenario(
             "idle",

@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 
 from bench.brokers import BrokerProcess
+from bench.realtime import make_realtime
 
 # A generator process above this share of one core may have limited the result.
 GENERATOR_SATURATED = 0.85
@@ -28,8 +29,9 @@ class WorkerError(Exception):
 class Worker:
     """One ``python -m bench.loadgen`` process."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], *, realtime: bool = False) -> None:
         self.spec = spec
+        self.realtime = realtime
         self.process: asyncio.subprocess.Process | None = None
         self.ps: psutil.Process | None = None
         self.last_cpu = 0.0
@@ -46,6 +48,8 @@ class Worker:
             limit=1 << 28,
         )
         self.ps = psutil.Process(self.process.pid)
+        if self.realtime:
+            make_realtime(self.process.pid)
 
     def send(self, command: str) -> None:
         assert self.process is not None and self.process.stdin is not None
