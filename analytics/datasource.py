@@ -13,6 +13,9 @@ no Python row objects are ever built. Options:
     skip_compacted  "true": leave those segments out entirely (the report job reads their
                     Parquet natively and unions the two)
     segments        comma-separated segment start offsets to read (default: all)
+    since_ms        only segments that can hold records stored at or after this epoch ms
+    until_ms        only segments that can hold records stored before this epoch ms
+                    (whole segments are pruned, see analytics.pruning; rows are not filtered)
 
 Read-only and lock-free: a live store's active segment is read up to its last complete record.
 """
@@ -36,6 +39,7 @@ from pyspark.sql.types import (
 
 from analytics.compaction import CompactedSegment, compacted_segments
 from analytics.errors import AnalyticsError, DataDirError
+from analytics.pruning import segment_spans, segments_in_window
 from analytics.segments import ARROW_SCHEMA, SegmentFile, SegmentParser, list_segments
 
 SOURCE_NAME = "lmqtt-commitlog"
@@ -95,11 +99,21 @@ class CommitLogReader(DataSourceReader):
         self.skip_compacted = options.get("skip_compacted", "false").lower() == "true"
         wanted = options.get("segments")
         self.wanted = {int(x) for x in wanted.split(",") if x} if wanted else None
+        since, until = options.get("since_ms"), options.get("until_ms")
+        self.since_ms = int(since) if since else None
+        self.until_ms = int(until) if until else None
 
     def partitions(self) -> list[InputPartition]:
         try:
             return list(
-                plan_partitions(self.data_dir, self.compacted_dir, self.skip_compacted, self.wanted)
+                plan_partitions(
+                    self.data_dir,
+                    self.compacted_dir,
+                    self.skip_compacted,
+                    self.wanted,
+                    self.since_ms,
+                    self.until_ms,
+                )
             )
         except AnalyticsError as e:
             raise RuntimeError(e.worker_text()) from None
@@ -122,12 +136,18 @@ def plan_partitions(
     compacted_dir: str | None = None,
     skip_compacted: bool = False,
     wanted: set[int] | None = None,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
 ) -> list[SegmentPartition]:
-    """The partitions of a read: one per segment, each raw or compacted."""
+    """The partitions of a read: one per segment, each raw or compacted; with a time window,
+    only the segments that can hold records stored in [since_ms, until_ms)."""
     compacted: dict[int, CompactedSegment] = {}
     segments = list_segments(data_dir)
     if compacted_dir is not None:
         compacted = compacted_segments(compacted_dir, segments)
+    if since_ms is not None or until_ms is not None:
+        spans = segment_spans(segments, compacted)
+        segments = segments_in_window(spans, since_ms, until_ms)
     out = []
     for seg in segments:
         if wanted is not None and seg.start_offset not in wanted:

@@ -35,7 +35,17 @@ from typing import TYPE_CHECKING
 from analytics.compaction import COMPACTED_DIR, compacted_segments
 from analytics.datasource import SOURCE_NAME, SPARK_SCHEMA
 from analytics.errors import DataDirError
+from analytics.pruning import backlog_segments, segment_spans, segments_in_window
 from analytics.reportfiles import META_FILE, REPORT_DIR, TABLES
+from analytics.scratch import (
+    MESSAGES_DDL,
+    MESSAGES_DIR,
+    PAIRS_DDL,
+    PAIRS_DIR,
+    ScratchInput,
+    ScratchPart,
+    build_scratch,
+)
 from analytics.segments import SegmentFile, list_segments
 from analytics.snapshots import (
     LIGHT_QUEUE_PREFIX,
@@ -79,6 +89,8 @@ class ReportMeta:
     eligible: int
     light_queues: int
     subscribers: int
+    segments_read: int = 0  # scanned: the window's segments and the backlog's tail
+    window_segments: int = 0  # of which can hold messages in [since, until)
     duration_s: float = 0.0
     tables: list[str] = field(default_factory=lambda: list(TABLES))
 
@@ -182,43 +194,43 @@ def run_fanout(
 
     staging = out_dir / f".report-staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    scratch = staging / "_messages"
-    raw = (
-        spark.read.format(SOURCE_NAME)
-        .option("compacted", str(compacted_dir))
-        .option("skip_compacted", "true")
-        .load(str(data_dir))
+    scratch = staging / "_scratch"
+    # Time pruning: only segments that can hold messages of the window, plus (the backlog is
+    # the queues' current state) those from the oldest undelivered message on.
+    windowed = since_ms is not None or until_ms is not None
+    window = (
+        segments_in_window(segment_spans(segments, done), since_ms, until_ms)
+        if windowed
+        else segments
     )
-    # One parse of the raw segments: their narrow rows go to scratch Parquet; compacted
-    # segments are already Parquet. Every table below reads those two natively (no Python
-    # source planning or parsing again).
+    tail = backlog_segments(data_dir, segments, subs, ends) if windowed else []
+    wanted = {s.start_offset for s in window} | {s.start_offset for s in tail}
+    read = [s for s in segments if s.start_offset in wanted]
+    sources = [
+        ScratchInput(s, done[s.start_offset].parquet if s.start_offset in done else None)
+        for s in read
+    ]
+    n_read_compacted = sum(1 for src in sources if src.parquet is not None)
+    # One parse of each segment, straight to narrow Parquet (analytics.scratch); every table
+    # below reads those files natively.
     try:
-        with phase(f"scan {len(segments)} segments ({n_compacted} compacted)"):
-            narrow = _narrow(raw)
-            narrow.write.parquet(str(scratch))
-            all_msgs = spark.read.schema(narrow.schema).parquet(str(scratch))
-            if done:
-                files = [c.parquet for c in done.values()]
-                compacted = spark.read.parquet(*files).select(
-                    [F.col(f.name) for f in SPARK_SCHEMA.fields]
-                )
-                all_msgs = _narrow(compacted).unionByName(all_msgs)
-            span = all_msgs.agg(
-                F.count(F.lit(1)).alias("n"), F.min("ts").alias("lo"), F.max("ts").alias("hi")
-            ).collect()[0]
-        msgs = all_msgs
+        with phase(f"scan {len(read)}/{len(segments)} segments ({n_read_compacted} compacted)"):
+            parts = build_scratch(spark, sources, scratch)
+        all_msgs = _scratch_frame(spark, scratch / MESSAGES_DIR, MESSAGES_DDL, parts)
+        all_pairs = _scratch_frame(spark, scratch / PAIRS_DIR, PAIRS_DDL, parts)
+        msgs, pairs = all_msgs, all_pairs
         if since_ms is not None:
             msgs = msgs.where(F.col("ts") >= F.timestamp_millis(F.lit(since_ms)))
+            pairs = pairs.where(F.col("ts") >= F.timestamp_millis(F.lit(since_ms)))
         if until_ms is not None:
             msgs = msgs.where(F.col("ts") < F.timestamp_millis(F.lit(until_ms)))
+            pairs = pairs.where(F.col("ts") < F.timestamp_millis(F.lit(until_ms)))
         if window_s is None:
-            lo = (
-                since_ms / 1000 if since_ms is not None else (span.lo.timestamp() if span.lo else 0)
-            )
-            hi = (
-                until_ms / 1000 if until_ms is not None else (span.hi.timestamp() if span.hi else 0)
-            )
-            window_s = choose_window(max(0.0, hi - lo))
+            stamps_lo = [p.min_ts_ms for p in parts if p.min_ts_ms is not None]
+            stamps_hi = [p.max_ts_ms for p in parts if p.max_ts_ms is not None]
+            lo_ms = since_ms if since_ms is not None else min(stamps_lo, default=0)
+            hi_ms = until_ms if until_ms is not None else max(stamps_hi, default=0)
+            window_s = choose_window(max(0.0, (hi_ms - lo_ms) / 1000))
 
         subs_df = spark.createDataFrame(
             subscribers_table(subs), schema=_spark_schema(SUBSCRIBERS_SCHEMA)
@@ -251,7 +263,7 @@ def run_fanout(
             .cache()
         )
         reached = (
-            _pairs(keyed, "window_start")
+            pairs.withColumn("window_start", bucket)
             .join(F.broadcast(subs_df), "queue")
             .where(F.col("qoff") >= F.col("start_offset"))
             .select(
@@ -336,7 +348,7 @@ def run_fanout(
             _write(histogram, staging / "fanout_histogram")
 
         with phase("queue_backlog"):
-            backlog = _backlog(all_msgs, subs_df, ends_df, generated_at_ms)
+            backlog = _backlog(all_pairs, subs_df, ends_df, generated_at_ms)
             n_queues = _write(backlog, staging / "queue_backlog")
         cube.unpersist()
         rcube.unpersist()
@@ -360,6 +372,8 @@ def run_fanout(
             window_s=window_s,
             segments=len(segments),
             compacted_segments=n_compacted,
+            segments_read=len(read),
+            window_segments=len(window),
             messages=int(device_totals.messages or 0),
             devices=int(totals),
             topics=int(n_topics),
@@ -378,39 +392,24 @@ def run_fanout(
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _narrow(frame: DataFrame) -> DataFrame:
-    """The columns the report needs, from rows of the data source's schema."""
-    from pyspark.sql import functions as F
-
-    return frame.select(
-        "physical_offset",
-        F.col("store_timestamp").alias("ts"),
-        F.coalesce("client_id", F.lit("")).alias("client_id"),
-        F.coalesce("topic", "parent_topic").alias("topic"),
-        "body_size",
-        "queues",
-        "queue_offsets",
-        F.size(F.filter("queues", lambda q: q.startswith(LIGHT_QUEUE_PREFIX))).alias("fanout"),
-    )
-
-
-def _pairs(frame: DataFrame, *extra: str) -> DataFrame:
-    """One row per (message, light queue): the message's offset in that queue."""
-    from pyspark.sql import functions as F
-
-    cols = ["physical_offset", "ts", "client_id", "topic", "body_size", *extra]
-    return frame.select(
-        *cols, F.explode(F.arrays_zip("queues", "queue_offsets")).alias("z")
-    ).select(*cols, F.col("z.queues").alias("queue"), F.col("z.queue_offsets").alias("qoff"))
+def _scratch_frame(
+    spark: SparkSession, path: Path, ddl: str, parts: list[ScratchPart]
+) -> DataFrame:
+    """A scratch table (an empty one when no segment was read)."""
+    if not parts:
+        return spark.createDataFrame([], ddl)
+    return spark.read.schema(ddl).parquet(str(path))
 
 
 def _backlog(
-    msgs: DataFrame, subs_df: DataFrame, ends_df: DataFrame, generated_at_ms: int
+    pairs: DataFrame, subs_df: DataFrame, ends_df: DataFrame, generated_at_ms: int
 ) -> DataFrame:
     """Per light queue: subscribers, slowest committed offset, backlog messages/bytes/age.
 
     The small queue table (consume-queue ends, subscribers) is built first; then one pass over
-    the (message, queue) pairs finds each queue's end in the log and what waits in it.
+    the (message, queue) pairs finds each queue's end in the log and what waits in it. The
+    pairs may lack old segments (a windowed report reads only the backlog's tail, see
+    analytics.pruning): the consume queues' ends cover those.
     """
     from pyspark.sql import functions as F
 
@@ -434,8 +433,7 @@ def _backlog(
     )
     waiting_from = F.col("qoff") >= F.col("backlog_from")
     in_log = (
-        _pairs(msgs)
-        .where(F.col("queue").startswith(LIGHT_QUEUE_PREFIX))
+        pairs.where(F.col("queue").startswith(LIGHT_QUEUE_PREFIX))
         .join(F.broadcast(known.select("queue", "backlog_from")), "queue", "left")
         .groupBy("queue")
         .agg(

@@ -43,6 +43,7 @@ CONFIG_DIR: Final = _fmt.CONFIG_DIR
 
 segment_start_offset = _fmt.parse_offset_file_name
 decode_queue_dir = _fmt.decode_queue_dir
+encode_queue_dir = _fmt.encode_queue_dir
 parse_properties = _fmt.parse_properties
 decode_record = _fmt.decode_record
 
