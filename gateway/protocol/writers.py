@@ -129,9 +129,6 @@ _ENCODED_TOPICS: dict[str, bytes] = {}
 _ENCODED_TOPICS_NO_PROPS: dict[str, bytes] = {}
 _TOPIC_CACHE_SIZE = 4096
 
-_pack_uint16 = struct.Struct(">H").pack
-# Packet id followed by a zero property length: the MQTT 5 QoS 1/2 case of the general path.
-_pack_id_no_props = struct.Struct(">Hx").pack
 # Fixed header with a two-byte remaining length (128..16383).
 _pack_header3 = struct.Struct(">BBB").pack
 
@@ -230,13 +227,13 @@ def _publish_property_block(props: Properties) -> bytes:
     return write_properties(props, pt.PUBLISH)
 
 
-def _write_publish_general(ev: Publish, level: int) -> bytes:
-    """Every PUBLISH shape, with every check (level, topic, QoS, packet id, properties)."""
+def publish_topic_and_properties(ev: Publish, level: int) -> tuple[bytes, bytes]:
+    """The encoded topic name and property block of a PUBLISH (b"" below MQTT 5), with the
+    checks of level, topic and properties. QoS, DUP and packet id are the caller's."""
     if level not in _LEVELS:
         raise LocalProtocolError(f"unknown protocol level {level}")
     topic = ev.topic
     encoded = _ENCODED_TOPICS.get(topic) or _encoded_topic(topic)
-    qos = ev.qos
     if level == 5:
         props = ev.properties
         if props is None:
@@ -251,6 +248,22 @@ def _write_publish_general(ev: Publish, level: int) -> bytes:
         block = b""
     else:
         raise LocalProtocolError("empty PUBLISH topic")
+    return encoded, block
+
+
+def publish_fixed_header(flags: int, length: int) -> bytes:
+    """Fixed header of a PUBLISH with these flags (DUP, QoS, RETAIN) and remaining length."""
+    if length < 128:
+        return _SHORT_HEADERS[flags][length]
+    if length < 16384:
+        return _pack_header3(0x30 | flags, (length & 0x7F) | 0x80, length >> 7)
+    return bytes((0x30 | flags,)) + varint(length)
+
+
+def _write_publish_general(ev: Publish, level: int) -> bytes:
+    """Every PUBLISH shape, with every check (level, topic, QoS, packet id, properties)."""
+    encoded, block = publish_topic_and_properties(ev, level)
+    qos = ev.qos
     if qos == 0:
         if ev.dup or ev.packet_id is not None:
             raise LocalProtocolError("a QoS 0 PUBLISH has no packet identifier and no DUP")
@@ -261,20 +274,11 @@ def _write_publish_general(ev: Publish, level: int) -> bytes:
         if packet_id is None or not 0 < packet_id < 0x10000:
             raise LocalProtocolError(f"packet identifier must be 1..65535, not {packet_id}")
         flags = qos << 1 | (8 if ev.dup else 0) | (1 if ev.retain else 0)
-        if block is _NO_PROPERTY_BLOCK:
-            middle = _pack_id_no_props(packet_id)
-        else:
-            middle = _pack_uint16(packet_id) + block
+        middle = _PACKET_ID_BYTES[packet_id] + block
     else:
         raise LocalProtocolError(f"QoS must be 0, 1 or 2, not {qos}")
     payload = ev.payload
-    length = len(encoded) + len(middle) + len(payload)
-    if length < 128:
-        header = _SHORT_HEADERS[flags][length]
-    elif length < 16384:
-        header = _pack_header3(0x30 | flags, (length & 0x7F) | 0x80, length >> 7)
-    else:
-        header = bytes((0x30 | flags,)) + varint(length)
+    header = publish_fixed_header(flags, len(encoded) + len(middle) + len(payload))
     return b"".join((header, encoded, middle, payload))
 
 

@@ -195,3 +195,17 @@ def test_send_puback_fast_path_keeps_the_checks() -> None:
     conn.send(Disconnect())
     with pytest.raises(LocalProtocolError):
         conn.send(PubAck(1))  # after our DISCONNECT
+
+
+def test_prepared_takes_any_bytes_like_payload_and_caches_packers_by_shape() -> None:
+    from gateway.protocol import prepared as prepared_module
+
+    expected = encode(Publish("t/v", b"abc", 1, packet_id=3), 5)
+    for payload in (b"abc", bytearray(b"abc"), memoryview(b"xabc")[1:]):
+        prepared = PreparedPublish(5, Publish("t/v", payload, 1))  # type: ignore[arg-type]
+        assert prepared.packet(3) == expected
+    first = PreparedPublish(4, Publish("same/shape", b"1" * 10, 1))
+    second = PreparedPublish(4, Publish("same/shape", b"2" * 10, 1))
+    assert first._pack is second._pack
+    assert second.packet(1) != first.packet(1)
+    assert len(prepared_module._PACKERS) <= prepared_module._PACKERS_SIZE
