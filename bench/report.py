@@ -192,7 +192,39 @@ def render_markdown(document: dict[str, Any]) -> str:
                 f"{_fmt(median.get('gen_cpu'))} | {_fmt(median.get('other_cpu'))} | "
                 f"{', '.join(median.get('flags', []))} | {notes} |"
             )
+    lines += _latency_self_check(results, brokers)
     return "\n".join(lines) + "\n"
+
+
+def _latency_self_check(results: dict[str, Any], brokers: list[str]) -> list[str]:
+    """Latency runs: scheduling, one-hop PUBACK round trip, and whether the generator kept time."""
+    rows = []
+    for name, per_broker in results.items():
+        for broker in brokers:
+            median = (per_broker.get(broker) or {}).get("median") or {}
+            if "send_lag_p99_ms" not in median:
+                continue
+            rows.append(
+                f"| {name} | {NAMES[broker]} | {median.get('sched', '-')} | "
+                f"{_fmt(median.get('puback_p50_ms'))} / {_fmt(median.get('puback_p99_ms'))} | "
+                f"{_fmt(median.get('send_lag_p50_ms'))} / {_fmt(median.get('send_lag_p99_ms'))} | "
+                f"{_fmt(median.get('gen_gc_max_ms'))} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "Latency self-check: scheduling of broker and generator (fifo = SCHED_FIFO, see"
+        " bench/realtime.py), PUBACK round trip (publisher -> broker -> publisher, ms), how late"
+        " the paced publisher sent against its schedule (ms; up to ~1 ms by design, more means"
+        " the generator was not scheduled in time: flag generator-late) and the generator's"
+        " longest GC pause (ms):",
+        "",
+        "| scenario | broker | scheduling | PUBACK p50 / p99 | send lag p50 / p99"
+        " | generator GC max |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
+        *rows,
+    ]
 
 
 DOC_HEAD = """# Benchmarks
