@@ -66,13 +66,8 @@ from gateway.protocol.readers import (
     read_publish,
 )
 from gateway.protocol.reason_codes import ALLOWED_REASON_CODES
-from gateway.protocol.writers import (
-    _PACKET_ID_BYTES,
-    WRITERS,
-    write_connack,
-    write_disconnect,
-    write_publish,
-)
+from gateway.protocol.wire import PACKET_ID_BYTES
+from gateway.protocol.writers import WRITERS, write_connack, write_disconnect, write_publish
 
 
 class _Slow(Exception):
@@ -771,7 +766,7 @@ class Connection:
                     ids = self._ids
                     if ids is not None:
                         ids.inbound_qos1.discard(packet_id)
-                    return _PUBACK_HEADER + _PACKET_ID_BYTES[packet_id]
+                    return _PUBACK_HEADER + PACKET_ID_BYTES[packet_id]
         if kind not in SERVER_SENDS:
             raise LocalProtocolError(f"a server does not send {kind.__name__}")
         level = self.protocol_level
