@@ -15,6 +15,8 @@ running past the end means the remaining length lied, which is also malformed.
 
 from __future__ import annotations
 
+import struct
+
 from gateway.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 MALFORMED = 0x81
@@ -93,8 +95,8 @@ _VARINT_CACHE = [bytes((i,)) for i in range(128)]
 # The two bytes of every packet identifier, index = id (index 0 is never used: ids are 1..65535).
 # A list index is ~15 ns against ~55 ns for a struct pack call per QoS 1/2 PUBLISH. Memory: 65,536
 # two-byte bytes objects (40 B each in pymalloc) plus the list, ~2.86 MB once per process
-# (tracemalloc), built in a few ms at import.
-PACKET_ID_BYTES = [bytes((high, low)) for high in range(256) for low in range(256)]
+# (tracemalloc); building it (a C-level map) takes ~5-15 ms at import.
+PACKET_ID_BYTES: list[bytes] = list(map(struct.Struct(">H").pack, range(0x10000)))
 
 
 def varint(value: int) -> bytes:
