@@ -8,6 +8,7 @@ this module itself put, never over anything read back from the files.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,11 +34,13 @@ class Message:
     store_ms: int
     queues: list[str]
     offsets: list[int]
+    physical_offset: int = -1
 
 
 @dataclass
 class World:
     data_dir: Path
+    segment_size: int = 1 << 30
     messages: list[Message] = field(default_factory=list)
     # (subscriber key, queue) -> (start, committed)
     ranges: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
@@ -100,8 +103,16 @@ SUBS = [
 def build_world(
     data_dir: Path, rounds: int = 20, segment_size: int = 1 << 30, t0_ms: int = 1_700_000_000_000
 ) -> World:
-    """Publish `rounds` rounds of every device's topics; return the model of what happened."""
-    world = World(data_dir)
+    """Publish `rounds` rounds of every device's topics; return the model of what happened.
+
+    The store's clock is set to each message's time (one second apart from t0_ms), so the
+    store timestamps are known exactly and span enough time to prune segments by.
+    """
+    world = World(data_dir, segment_size)
+    store_module = importlib.import_module("store.store")
+    wall_clock = store_module._time
+    clock_s = [t0_ms / 1000]
+    store_module._time = lambda: clock_s[0]
     router = Router()
     store = MessageStore.open(StoreConfig(data_dir=data_dir, segment_size=segment_size))
     subscribed: dict[int, str] = {}  # index in SUBS -> queue
@@ -117,6 +128,7 @@ def build_world(
             queues = sorted(router.route(topic))
             body = bytes(10 + (i % 7))
             ts = t0_ms + i * 1000
+            clock_s[0] = ts / 1000
             r = store.put(
                 topic=topic.split("/", 1)[0],
                 body=body,
@@ -130,8 +142,17 @@ def build_world(
                 born_timestamp=ts,
             )
             world.messages.append(
-                Message(client, topic, len(body), ts, queues, [r.light_offsets[q] for q in queues])
+                Message(
+                    client,
+                    topic,
+                    len(body),
+                    r.store_timestamp,
+                    queues,
+                    [r.light_offsets[q] for q in queues],
+                    r.physical_offset,
+                )
             )
+            assert r.store_timestamp == ts
         sessions: dict[str, dict[str, object]] = {}
         for k, sub in enumerate(SUBS):
             queue = subscribed[k]
@@ -178,4 +199,5 @@ def build_world(
         )
     finally:
         store.close()
+        store_module._time = wall_clock
     return world
