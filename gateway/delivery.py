@@ -2,15 +2,22 @@
 
 Theory of operation. A session's non-shared subscriptions each read their own light queue from
 `next_offset`. One pass of the loop reads a batch from every queue that has something new
-(store.max_offset > next_offset) and sends what the client's receive window allows. A pass
-that made progress schedules the next one (call_soon, so publishers and other sessions run in
-between); a pass that found nothing ends, and the loop sleeps (no task, no timer) until woken by:
-  - the store's arrival notice for any of its queues (ArrivalHub), i.e. long polling;
-  - an acknowledgement freeing window space;
-  - the transport draining below its low-water mark (resume_writing);
-  - a new subscription or retained messages to send.
-The store calls the listener synchronously on the loop thread after dispatch, and a pass runs
-to completion without yielding, so no notice can fall between "found nothing" and "sleep".
+(store.max_offset > next_offset) and sends what the client's receive window allows. The loop
+sleeps (no task, no timer) until woken by:
+  - the store's arrival notice for one of its queues (ArrivalHub), i.e. long polling: that
+    queue is marked ready and the next pass reads only the ready queues (a session with a
+    hundred exact subscriptions must not look at all of them per message);
+  - an acknowledgement freeing window space, the transport draining below its low-water mark
+    (resume_writing), a new subscription or retained messages: the next pass looks at every
+    queue (`wake()`).
+A queue still behind after its read (batch limit) stays ready, and a pass that made progress
+schedules the next one (call_soon, so publishers and other sessions run in between). A queue
+left behind because the window or the transport was full is looked at again by the full pass
+that the next acknowledgement or resume_writing triggers (`_behind`; otherwise an
+acknowledgement only commits offsets, without looking at every queue). The store calls the listener
+synchronously on the loop thread after dispatch, and a pass runs to completion without
+yielding, so no notice can fall between "found nothing" and "sleep". What one pass sends
+leaves with one transport.write().
 
 Overlapping subscriptions. A message matching several filters of one session sits in several of
 its queues. It is delivered once, at the highest QoS of the matching subscriptions and with all
@@ -27,6 +34,7 @@ or `next_offset` when none: the highest contiguously acknowledged position.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections import OrderedDict, deque
@@ -192,7 +200,10 @@ class DeliveryLoop:
 
     __slots__ = (
         "_batch",
+        "_behind",
+        "_full",
         "_loop",
+        "_ready",
         "_scheduled",
         "_stopped",
         "_uncommitted",
@@ -229,7 +240,13 @@ class DeliveryLoop:
         self._loop = asyncio.get_running_loop()
         self._scheduled = False
         self._stopped = False
-        self._watched: set[str] = set()
+        # Next pass: every queue (_full) or only those the store reported (_ready).
+        self._full = False
+        self._ready: set[str] = set()
+        # A pass stopped at a full window or transport: the next acknowledgement looks at all.
+        self._behind = False
+        # Queue -> the callback registered with the ArrivalHub for it.
+        self._watched: dict[str, Callable[[], None]] = {}
         # Packets of the batch being read, written with one transport.write() at its end.
         self._batch: list[bytes] | None = None
         # Subscriptions whose acknowledged position moved since it was last committed: one
@@ -247,8 +264,8 @@ class DeliveryLoop:
     def stop(self) -> None:
         self._stopped = True
         self._commit_acknowledged()
-        for q in self._watched:
-            self.gw.arrivals.unwatch(q, self.wake)
+        for q, notice in self._watched.items():
+            self.gw.arrivals.unwatch(q, notice)
         self._watched.clear()
         for group in list(self.groups):
             group.leave(self)
@@ -256,18 +273,32 @@ class DeliveryLoop:
 
     def watch(self, queue: str) -> None:
         if queue not in self._watched:
-            self._watched.add(queue)
-            self.gw.arrivals.watch(queue, self.wake)
+            notice = self._watched[queue] = functools.partial(self._arrived, queue)
+            self.gw.arrivals.watch(queue, notice)
 
     def unwatch(self, queue: str) -> None:
-        if queue in self._watched:
-            self._watched.discard(queue)
-            self.gw.arrivals.unwatch(queue, self.wake)
+        notice = self._watched.pop(queue, None)
+        if notice is not None:
+            self.gw.arrivals.unwatch(queue, notice)
+            self._ready.discard(queue)
 
     def wake(self) -> None:
+        """Schedule a pass over every queue."""
+        self._full = True
         if not self._scheduled and not self._stopped:
             self._scheduled = True
             self._loop.call_soon(self._step)
+
+    def _schedule(self) -> None:
+        """Schedule a pass over the ready queues (and the offset commits)."""
+        if not self._scheduled and not self._stopped:
+            self._scheduled = True
+            self._loop.call_soon(self._step)
+
+    def _arrived(self, queue: str) -> None:
+        """The store's notice: `queue` grew."""
+        self._ready.add(queue)
+        self._schedule()
 
     def capacity(self) -> int:
         return self.window - len(self.session.inflight)
@@ -283,26 +314,53 @@ class DeliveryLoop:
         try:
             if self._uncommitted:
                 self._commit_acknowledged()
-            if self._pass():
-                self.wake()
+            if self._pass() and (self._ready or self._full or self.retained_backlog):
+                self._scheduled = True
+                self._loop.call_soon(self._step)
         except Exception:
             log.exception("delivery to %r failed; closing the connection", self.session.client_id)
             self.client.abort(0x83)
 
     def _pass(self) -> bool:
         if not self.can_send():
+            self._behind = True
             return False
+        by_queue = self.session.by_queue
+        ready = self._ready
+        if self._full:
+            self._full = False
+            self._behind = False
+            subs = list(by_queue.values())
+            ready.clear()
+        elif ready:
+            self._ready = set()
+            subs = [sub for q in ready if (sub := by_queue.get(q)) is not None]
+        else:
+            subs = []
         progressed = False
-        if self.retained_backlog:
-            progressed = self._send_retained()
-        store = self.gw.store
-        for sub in list(self.session.by_queue.values()):
-            if self.capacity() <= 0 or not self.can_send():
-                break
-            if sub.next_offset >= store.max_offset(sub.queue):
-                continue
-            if self._read(sub):
-                progressed = True
+        batch: list[bytes] = []
+        self._batch = batch
+        try:
+            if self.retained_backlog:
+                progressed = self._send_retained()
+            max_offset = self.gw.store.max_offset
+            for sub in subs:
+                if self.capacity() <= 0 or not self.can_send():
+                    self._behind = True
+                    break
+                end = max_offset(sub.queue)
+                if sub.next_offset >= end:
+                    continue
+                if self._read(sub):
+                    progressed = True
+                    if sub.next_offset < end:
+                        self._ready.add(sub.queue)  # batch limit: the rest in the next pass
+                elif sub.next_offset < end:
+                    self._behind = True
+        finally:
+            self._batch = None
+            if batch:
+                self.client.write(batch[0] if len(batch) == 1 else b"".join(batch))
         return progressed
 
     # -- reading queues ----------------------------------------------------------------------
@@ -330,22 +388,16 @@ class DeliveryLoop:
         return self._deliver_batch(sub, got.messages)
 
     def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
+        """Send what the window allows of `messages` (written at the end of the pass)."""
         moved = False
-        batch: list[bytes] = []
-        self._batch = batch
-        try:
-            for msg in messages:
-                off = msg.queue_offset
-                if off < sub.next_offset:
-                    continue
-                if not self._deliver(sub, off, msg):
-                    break
-                sub.next_offset = off + 1
-                moved = True
-        finally:
-            self._batch = None
-            if batch:
-                self.client.write(b"".join(batch))
+        for msg in messages:
+            off = msg.queue_offset
+            if off < sub.next_offset:
+                continue
+            if not self._deliver(sub, off, msg):
+                break
+            sub.next_offset = off + 1
+            moved = True
         self._commit(sub)
         return moved
 
@@ -508,9 +560,12 @@ class DeliveryLoop:
             sub = self.session.by_queue.get(inf.queue)
             if sub is not None and sub.pending.get(inf.offset) == packet_id:
                 del sub.pending[inf.offset]
-                self._uncommitted[sub.queue] = sub  # committed by the pass wake() schedules
+                self._uncommitted[sub.queue] = sub  # committed by the next pass
         self.gw.sessions.mark_progress()
-        self.wake()
+        if self._behind:
+            self.wake()
+        else:
+            self._schedule()
         for group in self.groups:
             group.schedule_pump()
 

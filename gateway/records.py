@@ -79,7 +79,7 @@ def message_properties(publish: Publish, client_id: str) -> dict[str, str]:
 # contain the store's separators, so it needs no validation beyond the key's (done once here).
 _PID_BLOCK = b"mqtt.pid\x01%d\x02"
 # Distinct (topic, QoS, retain) blocks one publisher keeps (cleared when full).
-PROPERTY_BLOCKS_SIZE = 256
+PROPERTY_BLOCKS_SIZE = 4096
 
 
 class PublishProperties:
