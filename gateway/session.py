@@ -187,6 +187,9 @@ class Session:
     def allocate_packet_id(self) -> int:
         """Next free outbound packet id (1..65535); caller guarantees the window is not full."""
         pid = self._next_packet_id
+        if pid not in self.inflight:  # the common case, without the loop
+            self._next_packet_id = pid % 65535 + 1
+            return pid
         for _ in range(65535):
             if pid not in self.inflight:
                 self._next_packet_id = pid % 65535 + 1
