@@ -257,8 +257,17 @@ How to read the table:
   before `--backlog` messages, growth per 1M messages is extrapolated linearly. "RSS" includes
   the CommitLog segments lmqtt maps into memory (file-backed page cache the kernel can write
   back and drop); "heap (anon)" is RSS minus file-backed and shared pages.
-- Latency is measured from the publisher's send timestamp (CLOCK_MONOTONIC, shared by all
-  processes) to the subscriber's read, the first 200 messages skipped.
+- Latency (`latency_async`, `latency_sync`): the publisher is paced at 1,000 msg/s, QoS 1;
+  latency runs from the publisher's send timestamp (taken just before the write;
+  CLOCK_MONOTONIC, shared by all processes) to the subscriber's read, the first 200 messages
+  skipped. Broker and generator run under SCHED_FIFO, lowest real-time priority
+  (`bench/realtime.py`; `--no-realtime` turns it off; it needs root or CAP_SYS_NICE, else a
+  note says the run was at normal priority): on this shared 2-core host the fair scheduler
+  otherwise adds 3-6 ms at p99 to every broker, Mosquitto included. The self-check table shows
+  the PUBACK round trip (one broker hop) and how late the paced publisher sent; a send-lag p99
+  over 2 ms flags the run `generator-late`: the tail then holds the generator's own delays.
+- Repeats take turns between brokers (lmqtt, Mosquitto, amqtt, lmqtt, ...), so a burst of other
+  load on the host falls on all of them alike.
 
 ## Latest results
 
