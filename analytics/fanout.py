@@ -17,9 +17,12 @@ Tables (Parquet, one directory each under <out>/report/): device_fanout, topic_f
 queue_backlog, timeline, fanout_histogram; plus meta.json. --since/--until restrict the
 messages of every table except queue_backlog, which is always the queues' current state.
 
-Plan: one scan of the segments (raw through the data source, compacted ones natively from
-Parquet) is written once to scratch Parquet; messages are exploded to (message, queue, offset)
-pairs and joined with the small, broadcast subscriber table; the rest is group-bys.
+Plan: one Spark task per segment parses it (or reads its compacted Parquet) and writes the
+narrow messages and (message, queue, offset) pairs tables to scratch Parquet in C++
+(analytics.scratch): no rows cross from Python into the JVM and nothing is exploded there.
+The pairs are joined with the small, broadcast subscriber table; the rest is group-bys.
+With --since/--until only the segments that can hold the window's messages, plus the
+backlog's tail, are read at all (analytics.pruning); rows are then filtered exactly.
 """
 
 from __future__ import annotations
