@@ -60,6 +60,7 @@ RECENT_MESSAGES = 16_384
 RECENT_BYTES = 32 << 20
 RECORDS_CACHED = 4096  # decoded records of fan-outs
 COMPACT_AT = 1024  # a window's list drops its evicted head once it is this long and half
+_MISSING = object()
 _tuple_new = tuple.__new__  # builds a StoredMessage without NamedTuple's Python __new__
 PREPARED_CACHE_SIZE = 4096
 
@@ -160,19 +161,23 @@ class RecentMessages:
         # Decoded records by physical offset (unique within a run of the log), shared by
         # every subscriber of a fan-out; oldest first.
         self._records: dict[int, RecordedPublish | None] = {}
+        self._record_order: deque[int] = deque()
 
     def record(self, msg: StoredMessage) -> RecordedPublish | None:
         """read_record() of `msg`, decoded once for all the subscribers reading it."""
         records = self._records
         phys = msg.physical_offset
-        try:
-            return records[phys]
-        except KeyError:
-            pass
+        rec = records.get(phys, _MISSING)
+        if rec is not _MISSING:
+            return rec  # type: ignore[return-value]
         rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
         records[phys] = rec
-        if len(records) > RECORDS_CACHED:
-            del records[next(iter(records))]
+        # Oldest first from a deque: next(iter(dict)) would walk past every deleted slot at
+        # the front of the dict on each call (quadratic until the dict is resized).
+        order = self._record_order
+        order.append(phys)
+        if len(order) > RECORDS_CACHED:
+            records.pop(order.popleft(), None)
         return rec
 
     def add(self, parent: str, body: bytes, props: dict[str, str], r: PutResult) -> None:
@@ -194,11 +199,13 @@ class RecentMessages:
     ) -> None:
         """add() for a batch appended with MessageStore.append_encoded."""
         runs: dict[str, list[StoredMessage]] = {}
-        for (parent, _, body, _), p, r in zip(messages, props, results, strict=True):
+        for (parent, routed, body, _), p, r in zip(messages, props, results, strict=True):
             lights = r.light_offsets
             if not lights:
                 continue
-            queues = tuple(lights)
+            # The route's tuple is the dispatch order when it has no duplicates (the router's
+            # queue names are distinct): no new tuple per message.
+            queues = routed if len(routed) == len(lights) else tuple(lights)
             ts = r.store_timestamp
             phys = r.physical_offset
             qoff = r.queue_offset
