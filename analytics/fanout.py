@@ -17,10 +17,11 @@ Tables (Parquet, one directory each under <out>/report/): device_fanout, topic_f
 queue_backlog, timeline, fanout_histogram; plus meta.json. --since/--until restrict the
 messages of every table except queue_backlog, which is always the queues' current state.
 
-Plan: one Spark task per segment parses it (or reads its compacted Parquet) and writes the
-narrow messages and (message, queue, offset) pairs tables to scratch Parquet in C++
-(analytics.scratch): no rows cross from Python into the JVM and nothing is exploded there.
-The pairs are joined with the small, broadcast subscriber table; the rest is group-bys.
+Plan: one Spark task per segment parses it (or reads its compacted Parquet) and aggregates it
+on the spot with Arrow kernels into small partials (analytics.scratch: per device, topic,
+second and fan-out; per device, topic, second and subscriber; per queue), written as
+scratch Parquet: no message rows cross from Python into the JVM. Spark rolls those up into
+every table.
 With --since/--until only the segments that can hold the window's messages, plus the
 backlog's tail, are read at all (analytics.pruning); rows are then filtered exactly.
 """
@@ -41,12 +42,15 @@ from analytics.errors import DataDirError
 from analytics.pruning import backlog_segments, segment_spans, segments_in_window
 from analytics.reportfiles import META_FILE, REPORT_DIR, TABLES
 from analytics.scratch import (
-    MESSAGES_DDL,
-    MESSAGES_DIR,
-    PAIRS_DDL,
-    PAIRS_DIR,
+    BACKLOG_DDL,
+    BACKLOG_DIR,
+    CUBE_DDL,
+    CUBE_DIR,
+    REACHED_DDL,
+    REACHED_DIR,
     ScratchInput,
     ScratchPart,
+    ScratchPlan,
     build_scratch,
 )
 from analytics.segments import SegmentFile, list_segments
@@ -214,20 +218,25 @@ def run_fanout(
         for s in read
     ]
     n_read_compacted = sum(1 for src in sources if src.parquet is not None)
-    # One parse of each segment, straight to narrow Parquet (analytics.scratch); every table
-    # below reads those files natively.
+    # Only a subscriber holding several queues can be reached twice by one message.
+    queues_per_subscriber: dict[str, int] = {}
+    for sub in subs:
+        queues_per_subscriber[sub.subscriber] = queues_per_subscriber.get(sub.subscriber, 0) + 1
+    plan = ScratchPlan(
+        since_ms=since_ms,
+        until_ms=until_ms,
+        subscribers=tuple((s.subscriber, s.queue, s.start_offset, s.committed) for s in subs),
+        dedup=any(n > 1 for n in queues_per_subscriber.values()),
+        backlog_from=_backlog_from(subs, ends),
+    )
+    # One parse of each segment, aggregated on the spot into small partials (analytics.scratch);
+    # every table below is a roll-up of those.
     try:
         with phase(f"scan {len(read)}/{len(segments)} segments ({n_read_compacted} compacted)"):
-            parts = build_scratch(spark, sources, scratch)
-        all_msgs = _scratch_frame(spark, scratch / MESSAGES_DIR, MESSAGES_DDL, parts)
-        all_pairs = _scratch_frame(spark, scratch / PAIRS_DIR, PAIRS_DDL, parts)
-        msgs, pairs = all_msgs, all_pairs
-        if since_ms is not None:
-            msgs = msgs.where(F.col("ts") >= F.timestamp_millis(F.lit(since_ms)))
-            pairs = pairs.where(F.col("ts") >= F.timestamp_millis(F.lit(since_ms)))
-        if until_ms is not None:
-            msgs = msgs.where(F.col("ts") < F.timestamp_millis(F.lit(until_ms)))
-            pairs = pairs.where(F.col("ts") < F.timestamp_millis(F.lit(until_ms)))
+            parts = build_scratch(spark, sources, scratch, plan)
+        cube_parts = _scratch_frame(spark, scratch / CUBE_DIR, CUBE_DDL, parts)
+        reached_parts = _scratch_frame(spark, scratch / REACHED_DIR, REACHED_DDL, parts)
+        backlog_parts = _scratch_frame(spark, scratch / BACKLOG_DIR, BACKLOG_DDL, parts)
         if window_s is None:
             stamps_lo = [p.min_ts_ms for p in parts if p.min_ts_ms is not None]
             stamps_hi = [p.max_ts_ms for p in parts if p.max_ts_ms is not None]
@@ -241,50 +250,26 @@ def run_fanout(
         ends_df = spark.createDataFrame(
             queue_ends_table(ends), schema=_spark_schema(QUEUE_ENDS_SCHEMA)
         )
-        # Only a subscriber holding several queues can be reached twice by one message.
-        queues_per_subscriber: dict[str, int] = {}
-        for s in subs:
-            queues_per_subscriber[s.subscriber] = queues_per_subscriber.get(s.subscriber, 0) + 1
-        needs_dedup = any(n > 1 for n in queues_per_subscriber.values())
-
-        bucket = F.timestamp_seconds(
-            F.floor(F.unix_micros("ts") / F.lit(window_s * 1_000_000)) * F.lit(window_s)
-        )
-        keyed = msgs.withColumn("window_start", bucket)
-
-        # Level 1, the only passes over the messages: a small cube of (device, topic, window,
-        # fan-out) counts, and one of (device, topic, window, subscriber) deliveries. Every
-        # table is then a cheap roll-up of those; no count-distinct ever runs on big data.
+        # Whole seconds floored to the window: the same bucket as flooring the timestamp.
+        bucket = F.timestamp_seconds(F.floor(F.col("sec") / F.lit(window_s)) * F.lit(window_s))
+        # Level 1: a small cube of (device, topic, window, fan-out) counts, and one of
+        # (device, topic, window, subscriber) deliveries, rolled up from the tasks' partials.
+        # Every table is then a cheap roll-up of those; no count-distinct runs on big data.
         cube = (
-            keyed.groupBy("client_id", "topic", "window_start", "fanout")
+            cube_parts.withColumn("window_start", bucket)
+            .groupBy("client_id", "topic", "window_start", "fanout")
             .agg(
-                F.count(F.lit(1)).alias("n"),
-                F.sum("body_size").alias("b"),
-                F.min("ts").alias("first"),
-                F.max("ts").alias("last"),
+                F.sum("n").alias("n"),
+                F.sum("b").alias("b"),
+                F.min("first").alias("first"),
+                F.max("last").alias("last"),
             )
             .cache()
         )
-        reached = (
-            pairs.withColumn("window_start", bucket)
-            .join(F.broadcast(subs_df), "queue")
-            .where(F.col("qoff") >= F.col("start_offset"))
-            .select(
-                "physical_offset",
-                "client_id",
-                "topic",
-                "window_start",
-                "subscriber",
-                (F.col("qoff") < F.col("committed")).cast("int").alias("delivered"),
-            )
-        )
-        if needs_dedup:
-            reached = reached.groupBy(
-                "physical_offset", "client_id", "topic", "window_start", "subscriber"
-            ).agg(F.max("delivered").alias("delivered"))
         rcube = (
-            reached.groupBy("client_id", "topic", "window_start", "subscriber")
-            .agg(F.sum("delivered").alias("d"), F.count(F.lit(1)).alias("e"))
+            reached_parts.withColumn("window_start", bucket)
+            .groupBy("client_id", "topic", "window_start", "subscriber")
+            .agg(F.sum("d").alias("d"), F.sum("e").alias("e"))
             .cache()
         )
 
@@ -351,7 +336,7 @@ def run_fanout(
             _write(histogram, staging / "fanout_histogram")
 
         with phase("queue_backlog"):
-            backlog = _backlog(all_pairs, subs_df, ends_df, generated_at_ms)
+            backlog = _backlog(backlog_parts, subs_df, ends_df, generated_at_ms)
             n_queues = _write(backlog, staging / "queue_backlog")
         cube.unpersist()
         rcube.unpersist()
@@ -395,6 +380,16 @@ def run_fanout(
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _backlog_from(subs: list[Subscriber], ends: list[QueueEnd]) -> tuple[tuple[str, int], ...]:
+    """Per subscribed queue, its first undelivered offset: the slowest committed offset, or
+    the queue's first retained one if that is later (as `known` in _backlog computes it)."""
+    min_offset = {q.queue: q.min_offset for q in ends}
+    slowest: dict[str, int] = {}
+    for s in subs:
+        slowest[s.queue] = min(s.committed, slowest.get(s.queue, s.committed))
+    return tuple((q, max(c, min_offset.get(q, 0))) for q, c in sorted(slowest.items()))
+
+
 def _scratch_frame(
     spark: SparkSession, path: Path, ddl: str, parts: list[ScratchPart]
 ) -> DataFrame:
@@ -405,13 +400,13 @@ def _scratch_frame(
 
 
 def _backlog(
-    pairs: DataFrame, subs_df: DataFrame, ends_df: DataFrame, generated_at_ms: int
+    parts: DataFrame, subs_df: DataFrame, ends_df: DataFrame, generated_at_ms: int
 ) -> DataFrame:
     """Per light queue: subscribers, slowest committed offset, backlog messages/bytes/age.
 
-    The small queue table (consume-queue ends, subscribers) is built first; then one pass over
-    the (message, queue) pairs finds each queue's end in the log and what waits in it. The
-    pairs may lack old segments (a windowed report reads only the backlog's tail, see
+    The small queue table (consume-queue ends, subscribers) is built first; the tasks' per-queue
+    partials (end in the log, what waits in it) are rolled up and joined to it. They may lack
+    old segments (a windowed report reads only the backlog's tail, see
     analytics.pruning): the consume queues' ends cover those.
     """
     from pyspark.sql import functions as F
@@ -434,16 +429,11 @@ def _backlog(
             ),
         )
     )
-    waiting_from = F.col("qoff") >= F.col("backlog_from")
-    in_log = (
-        pairs.where(F.col("queue").startswith(LIGHT_QUEUE_PREFIX))
-        .join(F.broadcast(known.select("queue", "backlog_from")), "queue", "left")
-        .groupBy("queue")
-        .agg(
-            (F.max("qoff") + 1).alias("log_end"),
-            F.sum(F.when(waiting_from, F.col("body_size"))).alias("backlog_bytes"),
-            F.min(F.when(waiting_from, F.col("ts"))).alias("oldest_undelivered_at"),
-        )
+    # The tasks aggregated the pairs per queue with the same backlog_from (_backlog_from).
+    in_log = parts.groupBy("queue").agg(
+        (F.max("max_qoff") + 1).alias("log_end"),
+        F.sum("waiting_bytes").alias("backlog_bytes"),
+        F.min("oldest").alias("oldest_undelivered_at"),
     )
     now = F.timestamp_millis(F.lit(generated_at_ms))
     return (

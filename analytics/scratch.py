@@ -1,21 +1,31 @@
-"""The fan-out report's scratch tables: each segment read once, by a Spark task, into Parquet.
+"""The fan-out report's scan: each segment read once, by a Spark task, into small partials.
 
 Why not the data source: rows handed from a Python source to the JVM are converted from Arrow
-into Spark rows, and the report then has to write them out again (to scan them more than once)
-and explode every message's queue list in the JVM twice. Here each task parses its segment
-(or reads its compacted Parquet file) with pyarrow and writes, in C++, the two narrow tables
-every later stage reads natively with Spark's vectorized Parquet reader:
+into Spark rows one by one, then every message's queue list is exploded and joined in the JVM.
+Here each task parses its segment (or reads its compacted Parquet file) with pyarrow, pairs each
+message with its queues, joins the (tiny) subscriber table and aggregates, all in Arrow's C++
+kernels, and writes three small Parquet tables that Spark rolls up into every report table:
 
-    <scratch>/messages/<segment>.parquet   one row per message
-        physical_offset int64, ts timestamp[us, UTC], client_id string ("" if none),
-        topic string (MQTT topic, else the parent topic), body_size int32,
-        fanout int32 (light queues dispatched to)
-    <scratch>/pairs/<segment>.parquet      one row per (message, queue it was dispatched to)
-        physical_offset, ts, client_id, topic, body_size, queue string, qoff int64
+    <scratch>/cube/<segment>.parquet      per (client_id, topic, second, fanout) of the window's
+        messages: n, b (body bytes), first, last (store timestamps)
+    <scratch>/reached/<segment>.parquet   per (client_id, topic, second, subscriber) of the
+        window's messages: d (delivered: committed past it), e (eligible: subscribed before it)
+    <scratch>/backlog/<segment>.parquet   per light queue, whatever the window: max_qoff, and
+        of the messages at or after its first undelivered offset: waiting_bytes, oldest
 
-The task returns the segment's row count and store-timestamp range, so the driver needs no
-extra Spark job to size the timeline. Queue and offset lists of unequal length (damaged
-properties) pair up to the shorter one, as arrays_zip + a join would drop the rest.
+Seconds are floored epoch seconds: every timeline window is a whole number of seconds, so
+flooring a second to the window gives the timestamp's own bucket. Partials are exact: a message
+lives in one batch, so counting a subscriber once per message (a session holding several of its
+queues) is done per batch. In between, a batch is narrowed to one row per message and one per
+(message, queue) pair:
+
+    messages  physical_offset, ts, client_id ("" if none), topic (MQTT topic, else the parent
+              topic), body_size, fanout (light queues dispatched to)
+    pairs     physical_offset, ts, client_id, topic, body_size, queue, qoff
+
+Queue and offset lists of unequal length (damaged properties) pair up to the shorter one, as
+arrays_zip + a join would drop the rest. Each task also returns its row count and store-time
+range, so the driver sizes the timeline without another job.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -59,17 +69,46 @@ PAIRS_SCHEMA = pa.schema(
         ("qoff", pa.int64()),
     ]
 )
+CUBE_SCHEMA = pa.schema(
+    [
+        ("client_id", pa.string()),
+        ("topic", pa.string()),
+        ("sec", pa.int64()),
+        ("fanout", pa.int32()),
+        ("n", pa.int64()),
+        ("b", pa.int64()),
+        ("first", _TS),
+        ("last", _TS),
+    ]
+)
+REACHED_SCHEMA = pa.schema(
+    [
+        ("client_id", pa.string()),
+        ("topic", pa.string()),
+        ("sec", pa.int64()),
+        ("subscriber", pa.string()),
+        ("d", pa.int64()),
+        ("e", pa.int64()),
+    ]
+)
+BACKLOG_SCHEMA = pa.schema(
+    [
+        ("queue", pa.string()),
+        ("max_qoff", pa.int64()),
+        ("waiting_bytes", pa.int64()),
+        ("oldest", _TS),
+    ]
+)
 #: The same columns as Spark DDL, to read the files (or an empty table) with a fixed schema.
-MESSAGES_DDL = (
-    "physical_offset bigint, ts timestamp, client_id string, topic string, body_size int, "
-    "fanout int"
+CUBE_DDL = (
+    "client_id string, topic string, sec bigint, fanout int, n bigint, b bigint, "
+    "first timestamp, last timestamp"
 )
-PAIRS_DDL = (
-    "physical_offset bigint, ts timestamp, client_id string, topic string, body_size int, "
-    "queue string, qoff bigint"
-)
-MESSAGES_DIR = "messages"
-PAIRS_DIR = "pairs"
+REACHED_DDL = "client_id string, topic string, sec bigint, subscriber string, d bigint, e bigint"
+BACKLOG_DDL = "queue string, max_qoff bigint, waiting_bytes bigint, oldest timestamp"
+CUBE_DIR = "cube"
+REACHED_DIR = "reached"
+BACKLOG_DIR = "backlog"
 _BATCH_ROWS = 65_536
 
 
@@ -87,7 +126,6 @@ class ScratchPart:
 
     segment: int
     messages: int
-    pairs: int
     min_ts_ms: int | None
     max_ts_ms: int | None
 
@@ -149,39 +187,166 @@ def _aligned(lists: pa.ListArray, lengths: np.ndarray) -> tuple[pa.Array, np.nda
     return pc.filter(flat, pa.array(keep)), owner[keep]
 
 
-def write_part(source: ScratchInput, scratch_dir: str) -> ScratchPart:
-    """Read one segment and write its messages and pairs files (runs in a Spark worker)."""
+@dataclass(frozen=True, slots=True)
+class ScratchPlan:
+    """What the tasks need to aggregate: the window and the small subscriber table."""
+
+    since_ms: int | None
+    until_ms: int | None
+    # (subscriber, queue, start_offset, committed): one row per subscriber and queue
+    subscribers: tuple[tuple[str, str, int, int], ...]
+    dedup: bool  # some subscriber holds several queues: count it once per message
+    backlog_from: tuple[tuple[str, int], ...]  # per subscribed queue: first undelivered offset
+
+
+def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Table, ...]:
+    """The cube, reached and backlog partial aggregates of one batch (see the module doc)."""
+    messages, pairs = narrow(batch)
+    # Backlog: every pair, whatever the window (it is the queues' current state).
+    light = pairs.filter(pc.starts_with(pairs.column("queue"), pattern=LIGHT_QUEUE_PREFIX))
+    starts = pa.table(
+        [
+            pa.array([q for q, _ in plan.backlog_from], pa.string()),
+            pa.array([f for _, f in plan.backlog_from], pa.int64()),
+        ],
+        names=["queue", "backlog_from"],
+    )
+    joined = light.join(starts, "queue", join_type="left outer", use_threads=False)
+    waiting = pc.fill_null(
+        pc.greater_equal(joined.column("qoff"), joined.column("backlog_from")), False
+    )
+    backlog = (
+        pa.table(
+            {
+                "queue": joined.column("queue"),
+                "qoff": joined.column("qoff"),
+                "waiting_bytes": pc.if_else(
+                    waiting, pc.cast(joined.column("body_size"), pa.int64()), None
+                ),
+                "waiting_ts": pc.if_else(waiting, joined.column("ts"), None),
+            }
+        )
+        .group_by("queue", use_threads=False)
+        .aggregate([("qoff", "max"), ("waiting_bytes", "sum"), ("waiting_ts", "min")])
+        .rename_columns(
+            {
+                "qoff_max": "max_qoff",
+                "waiting_bytes_sum": "waiting_bytes",
+                "waiting_ts_min": "oldest",
+            }
+        )
+        .select(BACKLOG_SCHEMA.names)
+        .cast(BACKLOG_SCHEMA)
+    )
+    messages = messages.filter(_in_window(messages.column("ts"), plan))
+    pairs = pairs.filter(_in_window(pairs.column("ts"), plan))
+    cube = (
+        pa.table(
+            {
+                "client_id": messages.column("client_id"),
+                "topic": messages.column("topic"),
+                "sec": _seconds(messages.column("ts")),
+                "fanout": messages.column("fanout"),
+                "b": pc.cast(messages.column("body_size"), pa.int64()),
+                "ts": messages.column("ts"),
+            }
+        )
+        .group_by(["client_id", "topic", "sec", "fanout"], use_threads=False)
+        .aggregate([("b", "count"), ("b", "sum"), ("ts", "min"), ("ts", "max")])
+        .rename_columns({"b_count": "n", "b_sum": "b", "ts_min": "first", "ts_max": "last"})
+        .select(CUBE_SCHEMA.names)
+        .cast(CUBE_SCHEMA)
+    )
+    subs = pa.table(
+        [pa.array([row[i] for row in plan.subscribers], t) for i, t in enumerate(_SUB_TYPES)],
+        names=["subscriber", "queue", "start_offset", "committed"],
+    )
+    hit = pairs.join(subs, "queue", join_type="inner", use_threads=False)
+    hit = hit.filter(pc.greater_equal(hit.column("qoff"), hit.column("start_offset")))
+    reached = pa.table(
+        {
+            "physical_offset": hit.column("physical_offset"),
+            "client_id": hit.column("client_id"),
+            "topic": hit.column("topic"),
+            "sec": _seconds(hit.column("ts")),
+            "subscriber": hit.column("subscriber"),
+            "d": pc.cast(pc.less(hit.column("qoff"), hit.column("committed")), pa.int64()),
+        }
+    )
+    keys = ["client_id", "topic", "sec", "subscriber"]
+    if plan.dedup:
+        # A message reaches a subscriber once however many of its queues it holds; a
+        # message lives in one batch, so this is exact per batch.
+        reached = (
+            reached.group_by(["physical_offset", *keys], use_threads=False)
+            .aggregate([("d", "max")])
+            .rename_columns({"d_max": "d"})
+        )
+    reached = (
+        reached.group_by(keys, use_threads=False)
+        .aggregate([("d", "sum"), ("d", "count")])
+        .rename_columns({"d_sum": "d", "d_count": "e"})
+        .select(REACHED_SCHEMA.names)
+        .cast(REACHED_SCHEMA)
+    )
+    return cube, reached, backlog
+
+
+_SUB_TYPES = (pa.string(), pa.string(), pa.int64(), pa.int64())
+
+
+def _in_window(ts: pa.ChunkedArray | pa.Array, plan: ScratchPlan) -> pa.Array:
+    micros = pc.cast(ts, pa.int64())
+    keep = pa.array(np.ones(len(ts), dtype=bool))
+    if plan.since_ms is not None:
+        keep = pc.and_(keep, pc.greater_equal(micros, plan.since_ms * 1000))
+    if plan.until_ms is not None:
+        keep = pc.and_(keep, pc.less(micros, plan.until_ms * 1000))
+    return keep
+
+
+def _seconds(ts: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """Whole seconds since the epoch, floored: every timeline window is a multiple of it."""
+    micros = pc.cast(ts, pa.int64())
+    if isinstance(micros, pa.ChunkedArray):
+        micros = micros.combine_chunks()
+    return pa.array(np.floor_divide(micros.to_numpy(zero_copy_only=False), 1_000_000))
+
+
+def write_part(source: ScratchInput, scratch_dir: str, plan: ScratchPlan) -> ScratchPart:
+    """Read one segment and write its partial aggregates (runs in a Spark worker)."""
     import pyarrow.parquet as pq
 
     root = Path(scratch_dir)
     name = f"{source.segment.name}.parquet"
-    (root / MESSAGES_DIR).mkdir(parents=True, exist_ok=True)
-    (root / PAIRS_DIR).mkdir(parents=True, exist_ok=True)
-    n_msgs = n_pairs = 0
+    for d in (CUBE_DIR, REACHED_DIR, BACKLOG_DIR):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    n_msgs = 0
     lo: int | None = None
     hi: int | None = None
-    # Scratch lives for one report: fast compression, big row groups.
-    opts = {"compression": "lz4", "write_statistics": False}
+    # Scratch lives for one report: fast compression.
+    opts: dict[str, Any] = {"compression": "lz4", "write_statistics": False}
     try:
         with (
-            pq.ParquetWriter(root / MESSAGES_DIR / name, MESSAGES_SCHEMA, **opts) as mw,
-            pq.ParquetWriter(root / PAIRS_DIR / name, PAIRS_SCHEMA, **opts) as pw,
+            pq.ParquetWriter(root / CUBE_DIR / name, CUBE_SCHEMA, **opts) as cw,
+            pq.ParquetWriter(root / REACHED_DIR / name, REACHED_SCHEMA, **opts) as rw,
+            pq.ParquetWriter(root / BACKLOG_DIR / name, BACKLOG_SCHEMA, **opts) as bw,
         ):
             for batch in _batches(source):
                 if not batch.num_rows:
                     continue
-                messages, pairs = narrow(batch)
-                mw.write_table(messages, row_group_size=1 << 20)
-                pw.write_table(pairs, row_group_size=1 << 20)
-                n_msgs += messages.num_rows
-                n_pairs += pairs.num_rows
-                span = pc.min_max(messages.column("ts"))
+                cube, reached, backlog = partials(batch, plan)
+                cw.write_table(cube)
+                rw.write_table(reached)
+                bw.write_table(backlog)
+                n_msgs += batch.num_rows
+                span = pc.min_max(batch.column("store_timestamp"))
                 b_lo, b_hi = span["min"].value // 1000, span["max"].value // 1000
                 lo = b_lo if lo is None else min(lo, b_lo)
                 hi = b_hi if hi is None else max(hi, b_hi)
     except AnalyticsError as e:
         raise RuntimeError(e.worker_text()) from None
-    return ScratchPart(source.segment.start_offset, n_msgs, n_pairs, lo, hi)
+    return ScratchPart(source.segment.start_offset, n_msgs, lo, hi)
 
 
 def _batches(source: ScratchInput) -> Iterator[pa.RecordBatch]:
@@ -195,12 +360,12 @@ def _batches(source: ScratchInput) -> Iterator[pa.RecordBatch]:
 
 
 def build_scratch(
-    spark: SparkSession, sources: list[ScratchInput], scratch_dir: str | Path
+    spark: SparkSession, sources: list[ScratchInput], scratch_dir: str | Path, plan: ScratchPlan
 ) -> list[ScratchPart]:
-    """Write the scratch tables of every source, one Spark task per segment."""
+    """Write the partial aggregates of every source, one Spark task per segment."""
     target = str(Path(scratch_dir).resolve())
     os.makedirs(target, exist_ok=True)
     if not sources:
         return []
     rdd = spark.sparkContext.parallelize(sources, len(sources))
-    return list(rdd.map(lambda s: write_part(s, target)).collect())
+    return list(rdd.map(lambda s: write_part(s, target, plan)).collect())
