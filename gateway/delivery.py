@@ -470,14 +470,17 @@ class DeliveryLoop:
 
     def _commit(self, sub: SubscriptionState) -> None:
         self._uncommitted.pop(sub.queue, None)
-        self.gw.store.offsets.commit(self.session.client_id, sub.queue, sub.committed())
+        committed = sub.committed()
+        if committed != sub.last_commit:  # QoS 1 sends behind an unacked one change nothing
+            sub.last_commit = committed
+            self.gw.store.offsets.commit(self.session.client_id, sub.queue, committed)
 
     def _commit_acknowledged(self) -> None:
         uncommitted = self._uncommitted
         while uncommitted:
             _, sub = uncommitted.popitem()
             if self.session.by_queue.get(sub.queue) is sub:  # not unsubscribed meanwhile
-                self.gw.store.offsets.commit(self.session.client_id, sub.queue, sub.committed())
+                self._commit(sub)
 
     def _covering(
         self, sub: SubscriptionState, msg: StoredMessage

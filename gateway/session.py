@@ -75,6 +75,9 @@ class SubscriptionState:
     # acknowledged. Offsets are added in increasing order (the queue is read forwards), so the
     # first key is the smallest.
     pending: dict[int, int] = field(default_factory=dict)
+    # What this run last gave store.offsets (-1: nothing yet): a commit that would not change
+    # it is skipped (not persisted; the store's copy is the truth).
+    last_commit: int = field(default=-1, compare=False, repr=False)
 
     def committed(self) -> int:
         """Highest offset below which everything is acknowledged (O(1): see `pending`)."""
