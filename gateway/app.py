@@ -63,10 +63,6 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._sys: object | None = None
         self._topics: dict[str, tuple[Topic, str]] = {}  # name -> (Topic, parent topic)
-        # Runs of plain PUBLISHes go to the store in one call (ClientConnection._store_run).
-        # Not while the admin endpoint is on: its latency histogram times store.put_async per
-        # message (gateway/metrics.py), which the batched path does not call.
-        self.batch_ingest = settings.admin_port is None
         # name -> (parent topic, light queues): valid until the router changes (cleared then).
         self._routes: dict[str, tuple[str, tuple[str, ...]]] = {}
         # Set by start():

@@ -560,7 +560,7 @@ class ClientConnection:
     def _plain_publish(self, pub: Publish) -> bool:
         """True if `pub` may join a batched run: connected, a valid topic name this client may
         publish to. Otherwise _on_publish() handles it (and its refusal) on its own."""
-        if self.session is None or pub.topic.startswith("$") or not self.gw.batch_ingest:
+        if self.session is None or pub.topic.startswith("$"):
             return False
         try:
             self.gw.topic(pub.topic)
