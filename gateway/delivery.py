@@ -485,22 +485,24 @@ class DeliveryLoop:
     def _covering(
         self, sub: SubscriptionState, msg: StoredMessage
     ) -> list[SubscriptionState] | None:
-        """The session's subscriptions this message is delivered for, or None if another of
-        the session's queues owns the delivery."""
+        """The session's subscriptions this message is delivered for (`sub` first), or None
+        if another of the session's queues owns the delivery: the lowest queue name among
+        those covering it, so overlapping subscriptions deliver a message once."""
         by_queue = self.session.by_queue
         if len(by_queue) == 1 or len(msg.queues) <= 1:
             return [sub]
+        # A plain loop: this runs per delivery for every session with several subscriptions,
+        # and most messages are covered by just one of them.
         phys = msg.physical_offset
-        covering = [
-            s
-            for q in msg.queues
-            if (s := by_queue.get(q)) is not None and (s is sub or phys >= s.start_phys)
-        ]
-        if sub not in covering:
-            covering.append(sub)
-        owner = min(covering, key=lambda s: s.queue)
-        if owner is not sub:
-            return None
+        mine = sub.queue
+        covering = [sub]
+        for q in msg.queues:
+            s = by_queue.get(q)
+            if s is None or s is sub or phys < s.start_phys:
+                continue
+            if q < mine:
+                return None
+            covering.append(s)
         return covering
 
     def _deliver(self, sub: SubscriptionState, off: int, msg: StoredMessage) -> bool:
@@ -516,7 +518,14 @@ class DeliveryLoop:
             return True
         session = self.session
         if len(session.by_queue) == 1 or len(msg.queues) <= 1:
-            # Only `sub` covers it (what _covering() answers here), without the lists.
+            covering = None  # only `sub` covers it (what _covering() answers), without lists
+        else:
+            covering = self._covering(sub, msg)
+            if covering is None:
+                return True
+            if len(covering) == 1:
+                covering = None
+        if covering is None:
             if sub.no_local and rec.client_id == session.client_id:
                 return True
             expiry_left = rec.remaining_expiry()
@@ -529,9 +538,6 @@ class DeliveryLoop:
             sid = sub.subscription_identifier
             sub_ids = [sid] if sid else []
         else:
-            covering = self._covering(sub, msg)
-            if covering is None:
-                return True
             cid = session.client_id
             covering = [s for s in covering if not (s.no_local and rec.client_id == cid)]
             if not covering:
