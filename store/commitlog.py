@@ -173,6 +173,13 @@ class CommitLog:
                 self.fsync_count += 1
         self.flushed_pos = end
 
+    def release_mapped(self, end: int) -> None:
+        """Unmap (RSS only, see Segment.release) every page of the log below ``end``."""
+        for seg in self.segments:
+            if seg.start >= end:
+                break
+            seg.release(end - seg.start)
+
     def truncate(self, offset: int) -> None:
         """Drop everything from ``offset`` on: zero the rest of its segment, delete later ones."""
         while self.segments and self.segments[-1].start > offset:

@@ -12,6 +12,9 @@ import mmap
 import os
 from pathlib import Path
 
+# Not every platform has madvise (it is Linux and BSD): there, release() does nothing.
+_MADV_DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
+
 
 class Segment:
     """A CommitLog segment covering ``[start, start + size)``."""
@@ -43,6 +46,20 @@ class Segment:
 
     def fsync(self) -> None:
         os.fsync(self.fd)
+
+    def release(self, rel_end: int) -> None:
+        """Unmap this process's pages of ``[0, rel_end)`` (rounded down to a page): RSS only.
+
+        MADV_DONTNEED on a shared file mapping drops the page-table entries, nothing else: a
+        dirty page stays dirty in the page cache (the kernel carries the dirty bit over) and is
+        written back as usual, and the next access maps the page again from the page cache or
+        the file. So data is never lost or changed; only the resident set shrinks. Without it
+        every byte written or read through the mapping stays in RSS until the segment closes
+        (1 GiB segments: a backlog of a million messages showed as +350 MB RSS).
+        """
+        end = min(rel_end, self.size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > 0 and _MADV_DONTNEED is not None:
+            self.mm.madvise(_MADV_DONTNEED, 0, end)
 
     def zero_from(self, rel: int) -> None:
         """Make bytes ``[rel, size)`` zero again (drops pages instead of writing zeros)."""

@@ -107,6 +107,10 @@ _MAX_OFFSET = (1 << 63) - 1
 #: flush_interval_ms. Each full flush fsyncs one file per queue written since the last, so
 #: doing it every 200 ms with a thousand busy queues cost more CPU than the appends.
 _FULL_FLUSH_INTERVAL_S = 1.0
+# Each full flush unmaps the CommitLog pages more than this far behind the write position
+# (RSS, not data: Segment.release). Pages near the end stay mapped: the writer is filling
+# them and readers that keep up read them; older ones cost a minor fault if read again.
+MAPPED_TAIL_BYTES = 8 << 20
 _FSYNC_THREADS = 8
 #: QUEUEOFFSET, BORNTIMESTAMP, STORETIMESTAMP, BODYLENGTH of a record header (see format.py).
 _READ_FIELDS = struct.Struct(">20xq12xq8xq20xi").unpack_from
@@ -214,6 +218,7 @@ class MessageStore:
         self._last_store_ts = 0
         self._units_total = 0
         self._lock_wanted = False
+        self._released_to = 0  # CommitLog end at the last Segment.release pass
         self._sync = config.flush == FlushMode.SYNC
         self._max_body = config.max_body_size
         self.commitlog = CommitLog(
@@ -357,7 +362,16 @@ class MessageStore:
         """fsync the CommitLog up to the current write position (no store lock held)."""
         end = self.commitlog.write_pos
         self.commitlog.fsync_to(end)
+        if end - self._released_to >= MAPPED_TAIL_BYTES:
+            self._release_mapped(end)  # a fast writer: do not wait for the full flush
         return end
+
+    def _release_mapped(self, end: int) -> None:
+        """Unmap CommitLog pages more than MAPPED_TAIL_BYTES behind ``end`` (RSS only)."""
+        with self._lock:  # segments are closed (retention, close) only under it
+            if not self._closed:
+                self.commitlog.release_mapped(end - MAPPED_TAIL_BYTES)
+                self._released_to = end
 
     def _flush_all(self) -> int:
         """Consume-queue units, CommitLog, fsyncs, consumer offsets, checkpoint.
@@ -379,6 +393,8 @@ class MessageStore:
             units = self._units_total
             paths = self.queues_table.write_pending()
         self.commitlog.fsync_to(end)
+        # Also lets go of pages readers faulted in (a backlog being drained) since the last one.
+        self._release_mapped(end)
         unique = list(dict.fromkeys(paths))
         if len(unique) > 1:
             # One fsync per queue file written. Issued from several threads at once the file
