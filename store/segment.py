@@ -47,6 +47,20 @@ class Segment:
     def fsync(self) -> None:
         os.fsync(self.fd)
 
+    def write(self, rel: int, data: bytes | bytearray) -> None:
+        """Write ``data`` at ``rel`` through the file descriptor, not the mapping.
+
+        The page cache is one: the mapping sees the bytes at once. A write(2) copies into the
+        page cache in the kernel; storing through the mapping instead takes a page fault (and a
+        file-system block reservation) for every new page and again for each page the flusher
+        has cleaned: twice to three times the CPU for the batches the gateway appends.
+        """
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self.fd, view, rel)
+            view = view[n:]
+            rel += n
+
     def release(self, rel_end: int) -> None:
         """Unmap this process's pages of ``[0, rel_end)`` (rounded down to a page): RSS only.
 

@@ -567,7 +567,7 @@ class MessageStore:
                 size = route.fixed_size + blen + plen
                 if phys + size > limit:
                     # Copy out what is built, let the CommitLog write the filler and roll.
-                    seg.view[base - seg.start : phys - seg.start] = buf
+                    seg.write(base - seg.start, buf)
                     buf = bytearray()
                     commitlog.write_pos = phys
                     seg = commitlog.segment_with_room(size)
@@ -600,7 +600,7 @@ class MessageStore:
                 phys = end
         finally:
             if buf:
-                seg.view[base - seg.start : phys - seg.start] = buf
+                seg.write(base - seg.start, buf)
             commitlog.write_pos = phys
             self._units_total += units
         return results
