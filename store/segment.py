@@ -1,8 +1,10 @@
 """One fixed-size, memory-mapped CommitLog file (RocketMQ's MappedFile).
 
 A segment is created at its full size as a sparse file, so unwritten space reads as zeros
-and TOTALSIZE 0 marks the end of data. Writes go into the shared mapping; ``fsync`` on the
-file descriptor makes them durable (Linux writes back dirty MAP_SHARED pages on fsync).
+and TOTALSIZE 0 marks the end of data. Readers read through the shared mapping; the batched
+appends are written with pwrite(2) (``write``), small fix-ups (the end-of-segment filler) go
+through the mapping. Both land in the one page cache, and ``fsync`` on the file descriptor
+makes either durable. ``release`` drops mapped pages from RSS behind the write position.
 Not thread-safe: the CommitLog serialises writers and keeps readers away from closed segments.
 """
 
