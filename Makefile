@@ -13,11 +13,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(CORE): pyproject.toml | $(PY)
+# setup.py builds the optional C accelerator: a changed .c file re-installs (re-compiles) it.
+SPEEDUPS := setup.py gateway/protocol/_speedups.c
+
+$(CORE): pyproject.toml $(SPEEDUPS) | $(PY)
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
-$(DEV): pyproject.toml | $(PY)
+$(DEV): pyproject.toml $(SPEEDUPS) | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(CORE) $@
 
@@ -45,4 +48,4 @@ bench: $(DEV)
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) lmqtt-data bench/results reports .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build gateway/protocol/*.so lmqtt-data bench/results reports .pytest_cache .mypy_cache .ruff_cache

@@ -58,6 +58,7 @@ from gateway.protocol import (
     PreparedPublish,
     Publish,
     encode,
+    writers,
 )
 
 TOPIC = "sensors/building-7/floor-3/temperature"
@@ -255,6 +256,10 @@ def main() -> None:
     print("        encode only = both encode packet objects built beforehand;")
     print("        prepared = PreparedPublish.packet(id), ratio vs amqtt encode only")
     print("time: process CPU time, best of the runs, ours and amqtt alternating")
+    if writers.SPEEDUPS:
+        print("encoder: C accelerator (_speedups.c); LMQTT_PURE_PYTHON=1 measures the Python one")
+    else:
+        print("encoder: pure Python (the C accelerator is not built or LMQTT_PURE_PYTHON is set)")
     print("host load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     header = f"{'case':<14}{'ours':>12}{'amqtt':>10}{'ratio':>8}"
     verdicts: list[str] = []

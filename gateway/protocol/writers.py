@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -155,8 +156,9 @@ def _encoded_topic(topic: str) -> bytes:
     return encoded
 
 
-def encode(event: Event, level: int) -> bytes:
-    """Encode any event at `level` (3, 4 or 5), regardless of direction.
+def _encode_py(event: Event, level: int) -> bytes:
+    """Encode any event at `level` (3, 4 or 5), regardless of direction: the pure-Python
+    `encode` (see the end of this module for the C one).
 
     PUBLISH in its common shapes (cached topic, no properties, shorter than 16 KiB) is joined
     right here; every other PUBLISH takes `_write_publish_general`, other packets their writer.
@@ -209,10 +211,6 @@ def encode(event: Event, level: int) -> bytes:
                 return _write_publish_general(event, level)
             return b"".join((header, encoded, PACKET_ID_BYTES[packet_id], block, payload))
     return _write_publish_general(event, level)
-
-
-# PUBLISH bytes at a level: `encode` itself, which takes the PUBLISH path first.
-write_publish: Callable[[Publish, int], bytes] = encode
 
 
 def _publish_property_block(props: Properties) -> bytes:
@@ -389,7 +387,7 @@ def write_auth(ev: Auth, level: int) -> bytes:
 WRITERS: dict[type, Callable[[Any, int], bytes]] = {
     Connect: write_connect,
     ConnAck: write_connack,
-    Publish: write_publish,
+    Publish: _encode_py,
     PubAck: write_puback,
     PubRec: write_pubrec,
     PubRel: write_pubrel,
@@ -403,3 +401,26 @@ WRITERS: dict[type, Callable[[Any, int], bytes]] = {
     Disconnect: write_disconnect,
     Auth: write_auth,
 }
+
+
+def _load_speedups() -> Callable[[Event, int], bytes]:
+    """The C `encode` of _speedups.c when it was built and LMQTT_PURE_PYTHON is not set.
+
+    It encodes the fast-path PUBLISH shapes of `_encode_py` byte for byte the same and hands
+    every other call to `_encode_py`, so errors and rare shapes behave as in pure Python.
+    """
+    if os.environ.get("LMQTT_PURE_PYTHON", "") not in ("", "0"):
+        return _encode_py
+    try:
+        from gateway.protocol import _speedups
+    except ImportError:
+        return _encode_py
+    _speedups.configure(Publish, _ENCODED_TOPICS, _encode_py)
+    return _speedups.encode
+
+
+encode: Callable[[Event, int], bytes] = _load_speedups()
+# PUBLISH bytes at a level: `encode` itself, which takes the PUBLISH path first.
+write_publish: Callable[[Publish, int], bytes] = encode
+SPEEDUPS = encode is not _encode_py
+WRITERS[Publish] = write_publish
