@@ -13,8 +13,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# setup.py builds the optional C accelerator: a changed .c file re-installs (re-compiles) it.
-SPEEDUPS := setup.py gateway/protocol/_speedups.c
+# setup.py builds the optional C accelerators: a changed .c file re-installs (re-compiles) it.
+SPEEDUPS := setup.py gateway/protocol/_speedups.c store/_speedups.c
 
 $(CORE): pyproject.toml $(SPEEDUPS) | $(PY)
 	$(PY) -m pip install --quiet -e .
@@ -48,4 +48,4 @@ bench: $(DEV)
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) build gateway/protocol/*.so lmqtt-data bench/results reports .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build gateway/protocol/*.so store/*.so lmqtt-data bench/results reports .pytest_cache .mypy_cache .ruff_cache

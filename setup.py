@@ -1,4 +1,4 @@
-"""Build glue for the optional C accelerator; everything else is in pyproject.toml.
+"""Build glue for the optional C accelerators; everything else is in pyproject.toml.
 
 `optional=True`: without a compiler or Python headers the install still succeeds and
 gateway.protocol runs on its pure-Python writer. The source's SHA-256 is compiled in, so the
@@ -10,17 +10,21 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-SOURCE = "gateway/protocol/_speedups.c"
-DIGEST = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
+SOURCES = {
+    "gateway.protocol._speedups": "gateway/protocol/_speedups.c",
+    "store._speedups": "store/_speedups.c",
+}
 
-setup(
-    ext_modules=[
-        Extension(
-            "gateway.protocol._speedups",
-            [SOURCE],
-            define_macros=[("LMQTT_SOURCE_SHA256", f'"{DIGEST}"')],
-            extra_compile_args=["-O2"],
-            optional=True,
-        )
-    ]
-)
+
+def extension(name: str, source: str) -> Extension:
+    digest = hashlib.sha256((Path(__file__).parent / source).read_bytes()).hexdigest()
+    return Extension(
+        name,
+        [source],
+        define_macros=[("LMQTT_SOURCE_SHA256", f'"{digest}"')],
+        extra_compile_args=["-O2"],
+        optional=True,
+    )
+
+
+setup(ext_modules=[extension(name, source) for name, source in SOURCES.items()])

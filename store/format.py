@@ -302,6 +302,51 @@ def write_record(
     return size
 
 
+def append_record(
+    buf: bytearray,
+    room: int,
+    queue_offset: int,
+    physical_offset: int,
+    born: int,
+    stored: int,
+    body: bytes,
+    topic_field: bytes,
+    user_props: bytes,
+    inner_head: bytes,
+    light_offsets: tuple[int, ...],
+) -> int:
+    """Append one record to ``buf`` and return its size; -1 (nothing appended) if it would
+    take more than ``room`` bytes. The batch writer's step, MessageStore._write_locked.
+
+    ``topic_field`` is TOPICLENGTH + TOPIC; the properties are ``user_props`` then, with light
+    queues, ``inner_head`` (INNER_MULTI_DISPATCH pair and the INNER_MULTI_QUEUE_OFFSET key)
+    followed by the comma-separated ``light_offsets`` and \x02, then the CRC trailer. This
+    is the reference: store/_speedups.c does the same in C and must give the same bytes.
+    """
+    if light_offsets:
+        offsets = b",".join([b"%d" % o for o in light_offsets])
+        props = b"".join((user_props, inner_head, offsets, b"\x02"))
+    else:
+        props = user_props
+    blen = len(body)
+    plen = len(props) + CRC_TRAILER_SIZE
+    size = FIXED_OVERHEAD + blen + len(topic_field) - 1 + plen
+    if size > room:
+        return -1
+    rec = b"".join(
+        (
+            _pack_head(
+                size, MAGIC, _crc32(body) & CRC_MASK, queue_offset, physical_offset, born,
+                stored, blen,
+            ),
+            body, topic_field, _pack_plen(plen), props,
+        )
+    )  # fmt: skip
+    buf += rec
+    buf += CRC_TRAILER_FORMAT % (_crc32(rec) & CRC_MASK)
+    return size
+
+
 def encode_record(
     *,
     topic: str,

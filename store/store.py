@@ -25,8 +25,7 @@ import os
 import struct
 import threading
 import time
-import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,8 +52,6 @@ from store.format import (
     CONSUMEQUEUE_DIR,
     CQ_UNIT,
     CQ_UNIT_SIZE,
-    CRC_MASK,
-    CRC_TRAILER_FORMAT,
     CRC_TRAILER_SIZE,
     DISPATCH_PREFIX,
     END_FILE_MIN_BLANK_LENGTH,
@@ -62,16 +59,14 @@ from store.format import (
     HEADER_SIZE,
     INT64,
     LOCK_FILE,
-    MAGIC,
     MAX_PROPERTIES_BYTES,
     MAX_TOPIC_BYTES,
     MULTI_DISPATCH_SEPARATOR,
     OFF_STORETIMESTAMP,
     PROP_CRC32,
-    PROPS_LEN,
     QOFFSET_PREFIX,
-    RECORD_HEAD,
     RESERVED_PROPERTIES,
+    append_record,
     check_record,
     encode_queue_dir,
 )
@@ -94,10 +89,23 @@ _VALID_CACHE_LIMIT = 200_000
 _RECORD_OVERHEAD = FIXED_OVERHEAD + CRC_TRAILER_SIZE
 _MAX_USER_PROPS = MAX_PROPERTIES_BYTES - CRC_TRAILER_SIZE
 _pack_unit = CQ_UNIT.pack
-_pack_head = RECORD_HEAD.pack
-_pack_plen = PROPS_LEN.pack
-_crc32 = zlib.crc32
 _time = time.time
+
+
+def _load_append_record() -> Callable[..., int]:
+    """store/_speedups.c's append_record when it was built and LMQTT_PURE_PYTHON is not
+    set, else its reference, format.append_record: the same bytes either way."""
+    if os.environ.get("LMQTT_PURE_PYTHON", "") not in ("", "0"):
+        return append_record
+    try:
+        from store import _speedups
+    except ImportError:
+        return append_record
+    return _speedups.append_record
+
+
+_append_record = _load_append_record()
+SPEEDUPS = _append_record is not append_record
 #: Builds PutResult / StoredMessage without the Python-level NamedTuple __new__ (one call
 #: less per message on the hot paths); same type, same fields.
 _tuple_new = tuple.__new__
@@ -153,8 +161,8 @@ class _Route:
     """
 
     __slots__ = (
-        "cqs", "fixed_size", "generation", "lights", "max_inner", "parent", "props_room",
-        "size_room", "template", "topic", "topic_field", "units",
+        "cqs", "fixed_size", "generation", "inner_head", "lights", "max_inner", "parent",
+        "props_room", "size_room", "template", "topic", "topic_field", "units",
     )  # fmt: skip
 
     def __init__(
@@ -168,11 +176,13 @@ class _Route:
         self.fixed_size = _RECORD_OVERHEAD + len(topic_bytes)
         self.units = 1 + len(lights)
         self.template = b""
+        #: The INNER_* properties up to the offsets: DISPATCH \x01 q1,q2 \x02 QOFFSET \x01
+        self.inner_head = b""
         if lights:
-            names = ",".join(lights).encode("utf-8").replace(b"%", b"%%")
+            names = ",".join(lights).encode("utf-8")
+            self.inner_head = b"".join((DISPATCH_PREFIX, names, b"\x02", QOFFSET_PREFIX))
             self.template = b"".join((
-                DISPATCH_PREFIX, names, b"\x02",
-                QOFFSET_PREFIX, b",".join([b"%d"] * len(lights)), b"\x02",
+                self.inner_head.replace(b"%", b"%%"), b",".join([b"%d"] * len(lights)), b"\x02",
             ))  # fmt: skip
         #: Longest the INNER_* pair can get (19-digit offsets): a message whose properties
         #: fit with it always fits, so size errors are raised before anything is written.
@@ -525,8 +535,9 @@ class MessageStore:
         """Assign every offset, append the records and dispatch their units. Lock held.
 
         The store's hot path, so it works on locals. The batch's records are built into one
-        bytearray and copied into the mapped segment once (one slice assignment instead of
-        one per record); ``write_pos`` moves at the end. Units go straight into the states'
+        bytearray by ``_append_record`` (store/_speedups.c, or its Python reference
+        format.append_record: 1.5 vs 2.8 us per message for the whole append) and written
+        to the segment once; ``write_pos`` moves at the end. Units go straight into the states'
         ``pending`` buffers (ConsumeQueueTable.append, inlined). Sizes were checked against
         the worst case when the batch was prepared, so nothing here should fail; should it
         anyway, each record is complete in ``buf`` before its queues move and ``finally``
@@ -554,36 +565,29 @@ class MessageStore:
                 cqs = route.cqs
                 # The light offsets, as PutResult reports them (a queue's name is its key).
                 lo: dict[str, int] = {}
-                if cqs:
-                    for cq in cqs:
-                        lo[cq.name] = cq.max_offset
-                    props = route.template % tuple(lo.values())
-                    if uprops:
-                        props = uprops + props
-                else:
-                    props = uprops
-                plen = len(props)  # within limits: _check_size saw the worst case
-                blen = len(body)
-                size = route.fixed_size + blen + plen
-                if phys + size > limit:
+                for cq in cqs:
+                    lo[cq.name] = cq.max_offset
+                stamp = now if born is None else born
+                size = _append_record(
+                    buf, limit - phys, qoff, phys, stamp, now, body, route.topic_field,
+                    uprops, route.inner_head, tuple(lo.values()),
+                )  # fmt: skip
+                if size < 0:
                     # Copy out what is built, let the CommitLog write the filler and roll.
                     seg.write(base - seg.start, buf)
                     buf = bytearray()
                     commitlog.write_pos = phys
-                    seg = commitlog.segment_with_room(size)
+                    seg = commitlog.segment_with_room(
+                        route.fixed_size + len(body) + len(uprops) + route.max_inner
+                    )
                     limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
                     phys = base = commitlog.write_pos
-                rec = b"".join(
-                    (
-                        _pack_head(
-                            size, MAGIC, _crc32(body) & CRC_MASK, qoff, phys,
-                            now if born is None else born, now, blen,
-                        ),
-                        body, route.topic_field, _pack_plen(plen + CRC_TRAILER_SIZE), props,
-                    )
-                )  # fmt: skip
-                buf += rec
-                buf += CRC_TRAILER_FORMAT % (_crc32(rec) & CRC_MASK)
+                    size = _append_record(
+                        buf, limit - phys, qoff, phys, stamp, now, body, route.topic_field,
+                        uprops, route.inner_head, tuple(lo.values()),
+                    )  # fmt: skip
+                    if size < 0:  # unreachable: _check_size saw the worst case
+                        raise MessageTooLargeError(route.fixed_size + len(body), limit - phys)
                 unit = _pack_unit(phys, size, 0)
                 if not parent.pending:
                     dirty[parent.name] = parent

@@ -1,0 +1,18 @@
+# Stub of the optional C accelerator (_speedups.c), built by setup.py when a compiler exists.
+SOURCE_SHA256: str
+
+def append_record(
+    buf: bytearray,
+    room: int,
+    queue_offset: int,
+    physical_offset: int,
+    born: int,
+    stored: int,
+    body: bytes,
+    topic_field: bytes,
+    user_props: bytes,
+    inner_head: bytes,
+    light_offsets: tuple[int, ...],
+    /,
+) -> int: ...
+def crc32(data: bytes, /) -> int: ...
