@@ -1,0 +1,183 @@
+"""MQTT 3.1.1 behaviours that few clients exercise: redelivery on reconnect (DUP PUBLISH, PUBREL),
+$-topics and wildcards, retained messages and QoS, UNSUBSCRIBE of unknown filters, session
+present. Raw 3.1.1 clients, so every flag and packet id on the wire is checked."""
+
+from __future__ import annotations
+
+from gateway.protocol import (
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    Subscribe,
+    Subscription,
+    UnsubAck,
+    Unsubscribe,
+)
+from tests.gateway.conftest import GatewayHarness, RawClient
+
+
+def _sub(
+    gateway: GatewayHarness, cid: str, subs: list[Subscription], clean: bool = True
+) -> RawClient:
+    c = RawClient(gateway.port, level=4)
+    assert c.connect(cid, clean=clean).reason_code == 0
+    c.send(Subscribe(1, subs))
+    ack = c.recv()
+    assert ack.reason_codes == [s.qos for s in subs]
+    return c
+
+
+def _pub(gateway: GatewayHarness, cid: str = "pub") -> RawClient:
+    p = RawClient(gateway.port, level=4)
+    assert p.connect(cid).reason_code == 0
+    return p
+
+
+def _publish(
+    p: RawClient, topic: str, payload: bytes, qos: int, pid: int, retain: bool = False
+) -> None:
+    """Publish and complete the client-to-server flow."""
+    p.send(Publish(topic, payload, qos=qos, retain=retain, packet_id=pid if qos else None))
+    if qos == 1:
+        assert p.recv() == PubAck(pid)
+    elif qos == 2:
+        assert p.recv() == PubRec(pid)
+        p.send(PubRel(pid))
+        assert p.recv() == PubComp(pid)
+
+
+def test_unacknowledged_qos2_publish_is_resent_with_dup(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "q2dup", [Subscription("q2d/t", 2)], clean=False)
+    p = _pub(gateway)
+    _publish(p, "q2d/t", b"two", 2, 1)
+    first = s.recv()
+    assert (first.payload, first.qos, first.dup) == (b"two", 2, False)
+    s.close()  # no PUBREC: the exchange has not started on the client's side
+    again = RawClient(gateway.port, level=4)
+    assert again.connect("q2dup", clean=False).session_present
+    resent = again.recv()
+    assert (resent.payload, resent.qos, resent.dup) == (b"two", 2, True)
+    assert resent.packet_id == first.packet_id  # the original packet identifier
+    again.send(PubRec(resent.packet_id))
+    assert again.recv() == PubRel(resent.packet_id)
+    again.send(PubComp(resent.packet_id))
+    _publish(p, "q2d/t", b"next", 0, 0)
+    nxt = again.recv()
+    assert nxt.payload == b"next" and not nxt.dup
+    again.close()
+    p.close()
+
+
+def test_pubrel_is_resent_on_reconnect(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "relre", [Subscription("rel/t", 2)], clean=False)
+    p = _pub(gateway)
+    _publish(p, "rel/t", b"once", 2, 1)
+    msg = s.recv()
+    s.send(PubRec(msg.packet_id))
+    assert s.recv() == PubRel(msg.packet_id)
+    s.close()  # PUBCOMP never sent
+    again = RawClient(gateway.port, level=4)
+    assert again.connect("relre", clean=False).session_present
+    assert again.recv() == PubRel(msg.packet_id)  # the release, not the message again
+    again.send(PubComp(msg.packet_id))
+    _publish(p, "rel/t", b"after", 1, 2)
+    nxt = again.recv()
+    assert (nxt.payload, nxt.dup) == (b"after", False)
+    again.close()
+    p.close()
+
+
+def test_dollar_topics_are_not_matched_by_leading_wildcards(gateway: GatewayHarness) -> None:
+    wild = _sub(
+        gateway, "wild", [Subscription("#", 0), Subscription("+/x", 0), Subscription("+/+", 0)]
+    )
+    sys_sub = _sub(gateway, "sys", [Subscription("$SYS/#", 0), Subscription("$other/+", 0)])
+    gateway.run(gateway.gw.publish_internal("$SYS/x", b"sys"))  # type: ignore[union-attr]
+    gateway.run(gateway.gw.publish_internal("$other/x", b"other"))  # type: ignore[union-attr]
+    p = _pub(gateway)
+    _publish(p, "probe/x", b"probe", 1, 1)
+    got = wild.recv()
+    assert (got.topic, got.payload) == ("probe/x", b"probe")  # no $-topic came before it
+    assert [(m.topic, m.payload) for m in (sys_sub.recv(), sys_sub.recv())] == [
+        ("$SYS/x", b"sys"),
+        ("$other/x", b"other"),
+    ]
+    for c in (wild, sys_sub, p):
+        c.close()
+
+
+def test_retained_messages_are_downgraded_to_the_subscription_qos(gateway: GatewayHarness) -> None:
+    p = _pub(gateway)
+    _publish(p, "rq/2", b"r2", 2, 1, retain=True)
+    _publish(p, "rq/1", b"r1", 1, 2, retain=True)
+    _publish(p, "rq/0", b"r0", 0, 0, retain=True)
+    for sub_qos in (0, 1, 2):
+        s = RawClient(gateway.port, level=4)
+        s.connect(f"rq{sub_qos}")
+        s.send(Subscribe(1, [Subscription("rq/+", sub_qos)]))
+        assert s.recv().reason_codes == [sub_qos]
+        msgs = [s.recv() for _ in range(3)]
+        assert all(isinstance(m, Publish) and m.retain for m in msgs)  # sent for the SUBSCRIBE
+        assert {m.topic: m.qos for m in msgs} == {f"rq/{q}": min(q, sub_qos) for q in (0, 1, 2)}
+        for m in msgs:
+            if m.qos == 1:
+                s.send(PubAck(m.packet_id))
+            elif m.qos == 2:
+                s.send(PubRec(m.packet_id))
+                assert s.recv() == PubRel(m.packet_id)
+                s.send(PubComp(m.packet_id))
+        s.close()
+    p.close()
+
+
+def test_unsubscribe_of_unknown_filter_is_acknowledged(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "unsub", [Subscription("u/known", 1)])
+    s.send(Unsubscribe(7, ["u/never-subscribed", "u/+/x"]))
+    ack = s.recv()
+    assert isinstance(ack, UnsubAck) and ack.packet_id == 7
+    # 3.1.1 UNSUBACK is exactly the packet id: no reason codes on the wire.
+    s.send(Unsubscribe(8, ["nope"]))
+    raw = s.sock.recv(16)
+    assert raw == b"\xb0\x02\x00\x08"
+    # The real subscription is untouched.
+    p = _pub(gateway)
+    _publish(p, "u/known", b"still", 1, 1)
+    assert s.recv().payload == b"still"
+    s.close()
+    p.close()
+
+
+def test_resubscribe_replaces_qos_and_resends_retained(gateway: GatewayHarness) -> None:
+    p = _pub(gateway)
+    _publish(p, "rs/t", b"kept", 1, 1, retain=True)
+    s = _sub(gateway, "resub", [Subscription("rs/t", 0)])
+    first = s.recv()
+    assert (first.payload, first.qos, first.retain) == (b"kept", 0, True)
+    s.send(Subscribe(2, [Subscription("rs/t", 1)]))
+    assert s.recv().reason_codes == [1]
+    again = s.recv()  # MQTT-3.8.4-3: retained messages are re-sent
+    assert (again.payload, again.qos, again.retain) == (b"kept", 1, True)
+    s.send(PubAck(again.packet_id))
+    _publish(p, "rs/t", b"live", 1, 2)
+    live = s.recv()
+    assert (live.payload, live.qos, live.retain) == (b"live", 1, False)  # one copy, new QoS
+    s.send(PubAck(live.packet_id))
+    s.close()
+    p.close()
+
+
+def test_session_present_follows_clean_session(gateway: GatewayHarness) -> None:
+    c = RawClient(gateway.port, level=4)
+    assert not c.connect("sp", clean=False).session_present  # nothing to resume yet
+    c.close()
+    c = RawClient(gateway.port, level=4)
+    assert c.connect("sp", clean=False).session_present
+    c.close()
+    c = RawClient(gateway.port, level=4)
+    assert not c.connect("sp", clean=True).session_present  # MQTT-3.2.2-1
+    c.close()
+    c = RawClient(gateway.port, level=4)
+    assert not c.connect("sp", clean=False).session_present  # the clean one discarded it
+    c.close()
