@@ -21,14 +21,14 @@ from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.listeners import ExtraListeners
 from gateway.protocol import Publish, Will
-from gateway.records import PublishProperties, message_properties
+from gateway.records import PublishProperties, RecordedPublish, message_properties, read_record
 from gateway.retained import RetainedIndex, RetainedMessage
 from gateway.server import MqttServerProtocol
 from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
 from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
 from gateway.will import WillScheduler
-from store import EncodedMessage, MessageStore, PutResult
+from store import EncodedMessage, GetStatus, MessageStore, PutResult
 from topicmap import Router, Topic, TopicFilter, parent_topic
 
 log = logging.getLogger("lmqtt.gateway")
@@ -358,8 +358,16 @@ class Gateway:
         return sub
 
     def remove_subscription(
-        self, session: Session, sub: SubscriptionState, loop: DeliveryLoop | None
+        self,
+        session: Session,
+        sub: SubscriptionState,
+        loop: DeliveryLoop | None,
+        *,
+        keep_inflight: bool = True,
     ) -> None:
+        """Drop one subscription. Its QoS 1/2 deliveries already started stay in flight
+        (MQTT-3.10.4-3): each keeps a copy of its message for a resend after a reconnect,
+        unless `keep_inflight` is False (the whole session is ending)."""
         session.remove_subscription(sub.topic_filter)
         self.router.remove(sub.topic_filter)
         self._routes.clear()
@@ -370,7 +378,15 @@ class Gateway:
                 sub.share_group is None and inf.group is None and inf.queue == sub.queue
             ):
                 if inf.group is not None:
-                    inf.group.give_back(inf.offset)
+                    inf.group.give_back(inf.offset)  # another member delivers it
+                elif keep_inflight and not inf.pubrel and inf.queue is not None:
+                    inf.message = self._read_inflight(inf.queue, inf.offset)
+                    inf.retain = bool(
+                        inf.message is not None
+                        and inf.message.retain
+                        and session.protocol_level == 5
+                        and sub.retain_as_published
+                    )
                 inf.queue = None
                 inf.group = None
         if sub.share_group is not None:
@@ -382,10 +398,17 @@ class Gateway:
         else:
             self.store.offsets.remove(session.client_id, sub.queue)
 
+    def _read_inflight(self, queue: str, offset: int) -> RecordedPublish | None:
+        got = self.store.get(queue, offset, 1)
+        if got.status is not GetStatus.FOUND or not got.messages:
+            return None
+        m = got.messages[0]
+        return read_record(m.topic, m.body, m.properties, m.store_timestamp)
+
     def end_session(self, session: Session) -> None:
         """The session is over (clean start, expiry, clean disconnect): drop its state."""
         for sub in list(session.subscriptions.values()):
-            self.remove_subscription(session, sub, None)
+            self.remove_subscription(session, sub, None, keep_inflight=False)
         if self.sessions.get(session.client_id) is session:
             self.sessions.remove(session.client_id)
         self.wills.fire_now(session.client_id)

@@ -619,7 +619,8 @@ class DeliveryLoop:
             sub_ids = [sub.subscription_identifier] if sub.subscription_identifier else []
             pid = self.send(rec, qos, True, sub_ids, expiry_left, None)
             if pid:
-                self.session.inflight[pid] = Inflight(pid, None, 0, qos)
+                # No queue position to re-read a retained copy from: keep it for a resend.
+                self.session.inflight[pid] = Inflight(pid, None, 0, qos, message=rec, retain=True)
             sent = True
         return sent
 
@@ -738,7 +739,20 @@ class DeliveryLoop:
                 self.client.write(self.client.conn.send(PubRel(packet_id=inf.packet_id)))
                 continue
             if inf.queue is None:
-                del self.session.inflight[inf.packet_id]
+                if inf.message is None:
+                    del self.session.inflight[inf.packet_id]
+                    continue
+                copy = inf.message
+                self.send(
+                    copy,
+                    inf.qos,
+                    inf.retain,
+                    [],
+                    copy.remaining_expiry(),
+                    None,
+                    dup=True,
+                    packet_id=inf.packet_id,
+                )
                 continue
             got = store.get(inf.queue, inf.offset, 1)
             sub = self.session.by_queue.get(inf.queue)

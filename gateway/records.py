@@ -22,11 +22,13 @@ the light queues the record was dispatched to and its offset in each.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.protocol import Properties, Publish
 
@@ -147,6 +149,33 @@ class RecordedPublish:
     expiry: int | None
     stored_at_ms: int
     props: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        """sessions.json form (payload base64), for an in-flight copy held by a session."""
+        return {
+            "topic": self.topic,
+            "payload": base64.b64encode(self.payload).decode("ascii"),
+            "qos": self.qos,
+            "retain": self.retain,
+            "client_id": self.client_id,
+            "expiry": self.expiry,
+            "stored_at_ms": self.stored_at_ms,
+            "props": self.props,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RecordedPublish:
+        expiry = d.get("expiry")
+        return cls(
+            topic=str(d["topic"]),
+            payload=base64.b64decode(d["payload"]),
+            qos=int(d["qos"]),
+            retain=bool(d.get("retain", False)),
+            client_id=str(d.get("client_id", "")),
+            expiry=int(expiry) if expiry is not None else None,
+            stored_at_ms=int(d["stored_at_ms"]),
+            props={str(k): str(v) for k, v in (d.get("props") or {}).items()},
+        )
 
     def remaining_expiry(self, now_ms: int | None = None) -> int | None:
         """Seconds left of the message expiry interval; <= 0 means expired; None = never."""

@@ -13,12 +13,17 @@ subscribed light queue past the session's read position, on disk in the store.
                            "retain_handling": 0, "subscription_identifier": null | int,
                            "start_offset": 123, "next_offset": 130, "start_phys": 4096}],
         "qos2_inbound": [packet ids],
-        "inflight": [{"packet_id": 1, "queue": "...", "offset": 5, "qos": 1, "pubrel": false}],
+        "inflight": [{"packet_id": 1, "queue": "..." | null, "offset": 5, "qos": 1, "pubrel": false,
+                      "message": {"topic", "payload" (base64), ...}, "retain": true}],
         "will": null | {"topic", "payload" (base64), "qos", "retain", "properties"},
         "will_due_ms": null | int}}}
 
 `will` is the will of the live connection (kept so a crash still publishes it after restart)
 or, with `will_due_ms`, a delayed will waiting to be published.
+
+An in-flight entry with `"queue": null` has no queue position to read its message back from (a
+retained copy sent on subscribe, or a delivery whose subscription was removed): it carries the
+`message` itself (absent once PUBREL was sent).
 
 `filter` is the filter as subscribed (with a `$share/g/` prefix for shared subscriptions).
 `next_offset` is the read position; everything below it that is not in `inflight` was delivered
@@ -36,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gateway.records import RecordedPublish
 from gateway.will import will_from_json, will_to_json
 
 if TYPE_CHECKING:
@@ -121,21 +127,37 @@ class Inflight:
     """An outbound QoS 1/2 message awaiting PUBACK, PUBREC or PUBCOMP."""
 
     packet_id: int
-    queue: str | None  # None: a retained copy sent on subscribe (not re-sent after restart)
+    # None: no queue position to read the message back from (a retained copy sent on
+    # subscribe, or a delivery whose subscription was removed since): see `message`.
+    queue: str | None
     offset: int
     qos: int
     pubrel: bool = False  # QoS 2: PUBREC received, PUBREL sent, awaiting PUBCOMP
     group: SharedGroup | None = None  # set when delivered for a shared subscription
     topic_filter: str | None = None
+    # The message as sent, kept when `queue` is None: a reconnect must re-send it with DUP
+    # (MQTT-4.4.0-1), also when it was a retained copy or its subscription is gone
+    # (MQTT-3.10.4-3: a QoS 1/2 delivery that has started is completed).
+    message: RecordedPublish | None = None
+    retain: bool = False  # the RETAIN flag `message` was sent with
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "packet_id": self.packet_id,
             "queue": self.queue,
             "offset": self.offset,
             "qos": self.qos,
             "pubrel": self.pubrel,
         }
+        if self.message is not None and not self.pubrel:
+            d["message"] = self.message.to_json()
+            d["retain"] = self.retain
+        return d
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a reconnect can finish this exchange (what sessions.json keeps)."""
+        return self.queue is not None or self.pubrel or self.message is not None
 
 
 class Session:
@@ -212,7 +234,7 @@ class Session:
             "disconnected_at_ms": self.disconnected_at_ms,
             "subscriptions": [s.to_json() for s in self.subscriptions.values()],
             "qos2_inbound": sorted(self.qos2_inbound),
-            "inflight": [i.to_json() for i in self.inflight.values() if i.queue is not None],
+            "inflight": [i.to_json() for i in self.inflight.values() if i.resumable],
             "will": will_to_json(self.will) if self.will is not None else None,
             "will_due_ms": self.will_due_ms,
         }
@@ -235,7 +257,14 @@ class Session:
                 qos=int(i["qos"]),
                 pubrel=bool(i.get("pubrel", False)),
             )
-            sub = s.by_queue.get(inf.queue) if inf.queue is not None else None
+            if inf.queue is None:
+                if i.get("message"):
+                    inf.message = RecordedPublish.from_json(i["message"])
+                    inf.retain = bool(i.get("retain", False))
+                if inf.pubrel or inf.message is not None:
+                    s.inflight[inf.packet_id] = inf
+                continue
+            sub = s.by_queue.get(inf.queue)
             if sub is None:
                 continue  # shared or unsubscribed: nothing to resume it against
             s.inflight[inf.packet_id] = inf

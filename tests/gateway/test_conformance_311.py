@@ -181,3 +181,62 @@ def test_session_present_follows_clean_session(gateway: GatewayHarness) -> None:
     c = RawClient(gateway.port, level=4)
     assert not c.connect("sp", clean=False).session_present  # the clean one discarded it
     c.close()
+
+
+def test_unacknowledged_retained_copy_is_resent_on_reconnect(gateway: GatewayHarness) -> None:
+    p = _pub(gateway)
+    _publish(p, "rr/t", b"retained", 1, 1, retain=True)
+    s = _sub(gateway, "rr", [Subscription("rr/t", 1)], clean=False)
+    first = s.recv()
+    assert (first.payload, first.qos, first.retain, first.dup) == (b"retained", 1, True, False)
+    s.close()  # never acknowledged
+    again = RawClient(gateway.port, level=4)
+    assert again.connect("rr", clean=False).session_present
+    # MQTT-4.4.0-1: unacknowledged PUBLISH packets are re-sent with their packet identifiers.
+    resent = again.recv()
+    assert (resent.payload, resent.retain, resent.dup) == (b"retained", True, True)
+    assert resent.packet_id == first.packet_id
+    again.send(PubAck(resent.packet_id))
+    _publish(p, "rr/t", b"live", 1, 2)
+    live = again.recv()
+    assert (live.payload, live.dup) == (b"live", False)
+    again.close()
+    p.close()
+
+
+def test_message_in_flight_is_completed_after_unsubscribe(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "uif", [Subscription("uif/t", 1)], clean=False)
+    p = _pub(gateway)
+    _publish(p, "uif/t", b"started", 1, 1)
+    first = s.recv()
+    s.send(Unsubscribe(2, ["uif/t"]))
+    assert s.recv() == UnsubAck(2)
+    s.close()  # the delivery that had started was never acknowledged
+    again = RawClient(gateway.port, level=4)
+    assert again.connect("uif", clean=False).session_present
+    # MQTT-3.10.4-3: QoS 1/2 deliveries already started are completed.
+    resent = again.recv()
+    assert (resent.payload, resent.dup, resent.packet_id) == (b"started", True, first.packet_id)
+    again.send(PubAck(resent.packet_id))
+    again.close()
+    p.close()
+
+
+def test_unacknowledged_retained_copy_survives_restart(gateway: GatewayHarness) -> None:
+    p = _pub(gateway)
+    _publish(p, "rk/t", b"kept", 2, 1, retain=True)
+    p.close()
+    s = _sub(gateway, "rk", [Subscription("rk/t", 2)], clean=False)
+    first = s.recv()
+    assert (first.payload, first.qos, first.retain) == (b"kept", 2, True)
+    s.close()  # no PUBREC
+    gateway.restart()
+    again = RawClient(gateway.port, level=4)
+    assert again.connect("rk", clean=False).session_present
+    resent = again.recv()
+    assert (resent.payload, resent.qos, resent.retain, resent.dup) == (b"kept", 2, True, True)
+    assert resent.packet_id == first.packet_id
+    again.send(PubRec(resent.packet_id))
+    assert again.recv() == PubRel(resent.packet_id)
+    again.send(PubComp(resent.packet_id))
+    again.close()
