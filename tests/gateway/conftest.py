@@ -284,7 +284,11 @@ class RawClient:
         while len(self._buf) < n:
             try:
                 chunk = self.sock.recv(65536)
-            except (ConnectionResetError, OSError):
+            except TimeoutError:
+                # Silence is not a close: socket.timeout is an OSError, and treating it as
+                # one made is_closed() true for a server that never closed.
+                raise
+            except OSError:
                 return None
             if not chunk:
                 return None
@@ -293,7 +297,8 @@ class RawClient:
         return out
 
     def recv(self, timeout: float = TIMEOUT) -> Any:
-        """The next packet as an event, or None when the server closed the connection."""
+        """The next packet as an event, or None when the server closed the connection;
+        TimeoutError when nothing came within `timeout`."""
         self.sock.settimeout(timeout)
         first = self._read(1)
         if first is None:

@@ -221,9 +221,10 @@ def test_sync_flush_batch_acked_only_after_fsync(sync_gateway: GatewayHarness) -
         )
         # Routed at once (delivery does not wait for durability, as before batching)...
         assert [p.payload for p in _received(watcher, 20)] == [b"%d" % i for i in range(20)]
-        # ...but acknowledged only once durable (recv gives None when nothing came in time;
-        # the acks that follow show the connection was open).
-        assert pub.recv(timeout=0.3) is None
+        # ...but acknowledged only once durable (nothing comes in time; the acks that follow
+        # show the connection was open).
+        with pytest.raises(TimeoutError):
+            pub.recv(timeout=0.3)
         gate.set()
         assert [pub.recv() for _ in range(20)] == [PubAck(i + 1) for i in range(20)]
         end = gateway.call(lambda: gateway.gw.store.log_max_offset)  # type: ignore[union-attr]
