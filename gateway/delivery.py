@@ -24,7 +24,9 @@ its queues. It is delivered once, at the highest QoS of the matching subscriptio
 their subscription identifiers, from its "owner" queue: the first (by name) of the session's
 queues that contains it at or after that subscription's start. The record's
 INNER_MULTI_DISPATCH / INNER_MULTI_QUEUE_OFFSET tell every queue and offset it sits at, so the
-decision needs no memory and is the same after a restart; the other queues skip it.
+decision needs no memory and is the same after a restart; the other queues skip it, but not
+before the owner has read it (they wait for it like for a full window): were the owner
+unsubscribed first, nothing would deliver it any more.
 
 Offsets. `pending` (per subscription) holds the queue offsets sent at QoS > 0 and not yet
 acknowledged; the committed offset (store.offsets, group = client id) is the smallest of them,
@@ -447,16 +449,18 @@ class DeliveryLoop:
                     got.min_offset,
                 )
                 sub.next_offset = got.min_offset
+                sub.read_phys = None
                 return True
             if got.status is GetStatus.OFFSET_OVERFLOW_BADLY and got.max_offset < sub.next_offset:
                 sub.next_offset = got.max_offset
                 sub.start_offset = min(sub.start_offset, got.max_offset)
+                sub.read_phys = None
             return False
         return self._deliver_batch(sub, got.messages)
 
     def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
         """Send what the window allows of `messages` (written at the end of the pass)."""
-        moved = False
+        moved = None
         for msg in messages:
             off = msg.queue_offset
             if off < sub.next_offset:
@@ -464,9 +468,11 @@ class DeliveryLoop:
             if not self._deliver(sub, off, msg):
                 break
             sub.next_offset = off + 1
-            moved = True
+            moved = msg
+        if moved is not None:
+            sub.read_phys = moved.physical_offset + 1
         self._commit(sub)
-        return moved
+        return moved is not None
 
     def _commit(self, sub: SubscriptionState) -> None:
         self._uncommitted.pop(sub.queue, None)
@@ -505,6 +511,37 @@ class DeliveryLoop:
             covering.append(s)
         return covering
 
+    def _owner_has_read(self, sub: SubscriptionState, msg: StoredMessage) -> bool:
+        """`msg` is delivered for another of the session's subscriptions (the owner, see
+        _covering). `sub` may pass it by only once the owner has read it: were the owner
+        unsubscribed first, nothing would deliver it any more. False: `sub` waits (as for a
+        full window) and is looked at again in the next pass."""
+        by_queue = self.session.by_queue
+        phys = msg.physical_offset
+        owner: SubscriptionState | None = None
+        for q in msg.queues:
+            s = by_queue.get(q)
+            if s is not None and phys >= s.start_phys and (owner is None or q < owner.queue):
+                owner = s
+        if owner is None or owner is sub:
+            return True
+        read = owner.read_phys
+        if read is None:
+            read = owner.read_phys = self._read_position(owner)
+        if read > phys or owner.next_offset >= self.gw.store.max_offset(owner.queue):
+            return True
+        self._ready.add(sub.queue)
+        return False
+
+    def _read_position(self, sub: SubscriptionState) -> int:
+        """`read_phys` of `sub` from the store: just past the message before `next_offset`."""
+        if sub.next_offset <= sub.start_offset:
+            return sub.start_phys  # nothing read since subscribing
+        got = self.gw.store.get(sub.queue, sub.next_offset - 1, 1)
+        if got.status is GetStatus.FOUND and got.messages:
+            return got.messages[0].physical_offset + 1
+        return 1 << 62  # gone (retention): everything before it was read
+
     def _deliver(self, sub: SubscriptionState, off: int, msg: StoredMessage) -> bool:
         """Send one queue message; False when the window is full (retry later)."""
         # A fan-out decodes and encodes each message once for all its subscribers; a message
@@ -522,7 +559,7 @@ class DeliveryLoop:
         else:
             covering = self._covering(sub, msg)
             if covering is None:
-                return True
+                return self._owner_has_read(sub, msg)
             if len(covering) == 1:
                 covering = None
         if covering is None:

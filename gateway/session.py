@@ -84,6 +84,10 @@ class SubscriptionState:
     # What this run last gave store.offsets (-1: nothing yet): a commit that would not change
     # it is skipped (not persisted; the store's copy is the truth).
     last_commit: int = field(default=-1, compare=False, repr=False)
+    # CommitLog position just past the last message read from the queue (delivered or passed
+    # over); None: not known in this run, found from the store when an overlapping
+    # subscription needs it (DeliveryLoop._owner_has_read). Not persisted.
+    read_phys: int | None = field(default=None, compare=False, repr=False)
 
     def committed(self) -> int:
         """Highest offset below which everything is acknowledged (O(1): see `pending`)."""

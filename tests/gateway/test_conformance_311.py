@@ -240,3 +240,43 @@ def test_unacknowledged_retained_copy_survives_restart(gateway: GatewayHarness) 
     assert again.recv() == PubRel(resent.packet_id)
     again.send(PubComp(resent.packet_id))
     again.close()
+
+
+def test_unsubscribing_the_owner_of_overlapping_matches_loses_nothing(
+    gateway: GatewayHarness,
+) -> None:
+    """A message matching two filters of one session is delivered once, by one of them (the
+    owner). The other must not pass it by before the owner has read it: once the owner is
+    unsubscribed, the remaining subscription delivers what the owner had not reached."""
+    gateway.restart(max_inflight=1)  # the owner stops after its first message
+    s = _sub(gateway, "ovu", [Subscription("ovu/+", 1), Subscription("ovu/#", 1)], clean=False)
+    s.close()
+    p = _pub(gateway)
+    for i in range(3):
+        _publish(p, "ovu/t", b"m%d" % i, 1, i + 1)  # queued while offline
+    s = RawClient(gateway.port, level=4)
+    assert s.connect("ovu", clean=False).session_present
+    m0 = s.recv()
+    assert m0.payload == b"m0"
+    # Whichever filter owns the three, dropping either leaves one that matches them all.
+    owner = gateway.call(
+        lambda: (
+            min(
+                gateway.gw.sessions.get("ovu").by_queue.values(), key=lambda x: x.queue
+            ).topic_filter
+        )
+    )  # type: ignore[union-attr]
+    s.send(Unsubscribe(2, [owner]))
+    assert s.recv() == UnsubAck(2)
+    s.send(PubAck(m0.packet_id))
+    # m0 may come once more, for the remaining subscription (3.3.5 allows a copy per matching
+    # subscription): it was in flight for the owner when that was dropped.
+    got: list[bytes] = []
+    while b"m2" not in got:
+        m = s.recv()
+        got.append(m.payload)
+        s.send(PubAck(m.packet_id))
+        assert len(got) <= 3
+    assert [x for x in got if x != b"m0"] == [b"m1", b"m2"]
+    s.close()
+    p.close()
