@@ -5,6 +5,8 @@ present. Raw 3.1.1 clients, so every flag and packet id on the wire is checked."
 from __future__ import annotations
 
 from gateway.protocol import (
+    PingReq,
+    PingResp,
     PubAck,
     PubComp,
     Publish,
@@ -279,4 +281,51 @@ def test_unsubscribing_the_owner_of_overlapping_matches_loses_nothing(
         assert len(got) <= 3
     assert [x for x in got if x != b"m0"] == [b"m1", b"m2"]
     s.close()
+    p.close()
+
+
+def test_takeover_with_clean_session_0_resends_in_flight(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "tko", [Subscription("tko/t", 1)], clean=False)
+    p = _pub(gateway)
+    _publish(p, "tko/t", b"m", 1, 1)
+    first = s.recv()
+    new = RawClient(gateway.port, level=4)  # same client id while the first is connected
+    assert new.connect("tko", clean=False).session_present
+    assert s.recv() is None  # MQTT-3.1.4-2: the old connection is closed
+    resent = new.recv()
+    assert (resent.payload, resent.dup, resent.packet_id) == (b"m", True, first.packet_id)
+    new.send(PubAck(resent.packet_id))
+    new.close()
+    p.close()
+
+
+def test_out_of_order_acks_then_reconnect_and_restart(gateway: GatewayHarness) -> None:
+    s = _sub(gateway, "ooo", [Subscription("ooo/t", 1)], clean=False)
+    p = _pub(gateway)
+    for i in range(4):
+        _publish(p, "ooo/t", b"%d" % i, 1, i + 1)
+    p.close()
+    sent = [s.recv() for _ in range(4)]
+    s.send(PubAck(sent[1].packet_id))  # only the second and the last
+    s.send(PubAck(sent[3].packet_id))
+    s.send(PingReq())
+    assert s.recv() == PingResp()  # the acks were handled
+    s.close()
+    expected = [(b"0", sent[0].packet_id), (b"2", sent[2].packet_id)]
+    again = RawClient(gateway.port, level=4)
+    assert again.connect("ooo", clean=False).session_present
+    assert [(m.payload, m.packet_id) for m in (again.recv(), again.recv())] == expected
+    again.close()  # still unacknowledged: the same two after a restart
+    gateway.restart()
+    again = RawClient(gateway.port, level=4)
+    assert again.connect("ooo", clean=False).session_present
+    resent = [again.recv(), again.recv()]
+    assert [(m.payload, m.packet_id, m.dup) for m in resent] == [(*e, True) for e in expected]
+    for m in resent:
+        again.send(PubAck(m.packet_id))
+    p = _pub(gateway)
+    _publish(p, "ooo/t", b"new", 1, 9)
+    nxt = again.recv()
+    assert (nxt.payload, nxt.dup) == (b"new", False)  # nothing acknowledged came back
+    again.close()
     p.close()
