@@ -57,6 +57,9 @@ MAX_PENDING_PUTS = 256
 EVENTS_PER_TURN = 128
 # Unparsed input beyond which reading pauses until the reader task catches up.
 MAX_UNPARSED = 1 << 20
+# How long a connection the gateway closes stays half-closed, its input read and discarded
+# (see ClientConnection._close_transport).
+LINGER_S = 2.0
 
 # MQTT 5 reason codes used here.
 UNSPECIFIED_ERROR = 0x80
@@ -160,6 +163,9 @@ class ClientConnection:
         self._kick()
 
     def feed_eof(self) -> None:
+        if self.closed:
+            self.transport.close()  # a lingering close: the client has stopped sending too
+            return
         if not self._eof:
             self._eof = True
             try:
@@ -224,9 +230,14 @@ class ClientConnection:
 
     # -- closing -----------------------------------------------------------------------------
 
-    def close(self, reason: int | None = None, *, abnormal: bool = True) -> None:
-        """Close now; MQTT 5 clients get DISCONNECT `reason` first when given."""
+    def close(
+        self, reason: int | None = None, *, abnormal: bool = True, linger: bool = True
+    ) -> None:
+        """Close now; MQTT 5 clients get DISCONNECT `reason` first when given. `linger`: the
+        client has not said it is done (see _close_transport)."""
         if self.closed:
+            if self.gw.stopping:
+                self.transport.close()  # a graceful stop cuts a lingering close short
             return
         self._flush_out()
         self._out = None
@@ -238,9 +249,37 @@ class ClientConnection:
                 pass
         self.closed = True
         self._cleanup()
-        self.transport.close()
+        if linger:
+            self._close_transport()
+        else:
+            self.transport.close()
         if self._reader is not None and asyncio.current_task() is not self._reader:
             self._reader.cancel()
+
+    def _close_transport(self) -> None:
+        """Half-close, then read and discard input for LINGER_S before closing the socket.
+
+        A client does not stop sending the moment we decide to close: it is still answering
+        what we sent before (the PUBRECs ahead of a DISCONNECT 0x93, say). A socket closed
+        outright answers those bytes with a reset, the client's next write fails and it may
+        never read our DISCONNECT or CONNACK. So our side only shuts down writing (the client
+        reads everything we sent, then end of stream) and the socket is closed when the client
+        closes its side or LINGER_S has passed. TLS and WebSocket transports cannot half-close:
+        they close at once.
+        """
+        transport = self.transport
+        try:
+            half_close = transport.can_write_eof() and not self.gw.stopping
+        except NotImplementedError:
+            half_close = False
+        if not half_close:
+            transport.close()
+            return
+        transport.write_eof()
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        self._loop.call_later(LINGER_S, transport.close)
 
     def abort(self, reason: int) -> None:
         self.close(reason)
@@ -328,7 +367,7 @@ class ClientConnection:
                     break
                 if kind is ConnectionClosed:
                     log.debug("%r: connection closed by peer", self.client_id or self.peer)
-                    self.close()
+                    self.close(linger=False)
                     return
                 if kind in _COLLECTED:
                     await self._dispatch(ev)
@@ -859,4 +898,4 @@ class ClientConnection:
                 session.expiry_interval = min(new_expiry, self.gw.settings.max_session_expiry)
         abnormal = ev.reason_code == DISCONNECT_WITH_WILL
         log.info("%r disconnected (0x%02X)", self.client_id, ev.reason_code)
-        self.close(abnormal=abnormal)
+        self.close(abnormal=abnormal, linger=False)

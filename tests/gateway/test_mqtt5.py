@@ -3,16 +3,30 @@ maximum packet size, message expiry, overlapping subscriptions, and `$`-topics."
 
 from __future__ import annotations
 
+import fcntl
+import socket
+import struct
+import sys
+import termios
 import time
+from pathlib import Path
+
+import pytest
 
 from gateway.protocol import (
+    Disconnect,
     Properties,
     PubAck,
     Publish,
+    PubRec,
+    PubRel,
     Subscribe,
     Subscription,
 )
-from tests.gateway.conftest import Client, GatewayHarness, RawClient
+from tests.gateway.conftest import Client, GatewayHarness, RawClient, wait_until
+
+TCP_CLOSE = 7  # Linux tcp_info states
+TCP_CLOSE_WAIT = 8
 
 
 def _sub(
@@ -142,6 +156,45 @@ def test_receive_maximum_limits_inflight(gateway: GatewayHarness) -> None:
     s.send(PubAck(b.packet_id))
     assert s.recv().payload == b"3"
     s.close()
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0])
+
+
+def _unacked_bytes(sock: socket.socket) -> int:
+    """Bytes written to `sock` that the peer has not acknowledged yet (SIOCOUTQ)."""
+    out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
+    return int(struct.unpack("i", out)[0])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads Linux TCP state")
+def test_receive_maximum_exceeded_disconnect_survives_the_clients_acks(tmp_path: Path) -> None:
+    """One QoS 2 PUBLISH beyond our Receive Maximum gets DISCONNECT 0x93 (Paho interop
+    test_flow_control2). The client answers the PUBRECs queued ahead of it with PUBRELs as any
+    client does; the gateway must take those bytes, not reset the connection (a reset fails
+    the client's writes and may drop the DISCONNECT unread), then close when the client does."""
+    h = GatewayHarness(tmp_path / "data", receive_maximum=5).start()
+    try:
+        c = RawClient(h.port, level=5)
+        assert c.connect("flood").reason_code == 0
+        for pid in range(1, 7):
+            c.send(Publish("rm/in", b"x", qos=2, packet_id=pid))
+        events = []
+        while (ev := c.recv()) is not None:  # up to the gateway's end of stream
+            events.append(ev)
+        assert [type(e) for e in events] == [PubRec] * 5 + [Disconnect]
+        assert events[-1].reason_code == 0x93
+        for ev in events[:-1]:
+            c.send(PubRel(ev.packet_id))
+        # Acknowledged, or answered with a reset (the socket closed outright).
+        wait_until(lambda: _tcp_state(c.sock) == TCP_CLOSE or _unacked_bytes(c.sock) == 0)
+        assert _tcp_state(c.sock) == TCP_CLOSE_WAIT
+        c.close()
+        # The client closed its side: the gateway closes at once, not after its linger time.
+        wait_until(lambda: h.call(lambda: len(h.gw.connections)) == 0, timeout=1.0)  # type: ignore[union-attr]
+    finally:
+        h.stop()
 
 
 def test_client_maximum_packet_size_drops_large(gateway: GatewayHarness) -> None:
