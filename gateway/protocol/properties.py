@@ -5,7 +5,9 @@
 
 Rules enforced on read: unknown identifier or one not allowed on the packet -> 0x81 Malformed;
 a property other than User Property (and Subscription Identifier on PUBLISH) present twice ->
-0x82 Protocol Error; out-of-range values (0/1 flags, zero Receive Maximum, ...) -> 0x82.
+0x82 Protocol Error; out-of-range values (0/1 flags, zero Receive Maximum, ...) -> 0x82, except
+Topic Alias 0 -> 0x94 Topic Alias invalid (as for an alias above the maximum; Mosquitto and the
+Paho interoperability tests expect it).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, NamedTuple
 
 from gateway.protocol import packet_types as pt
 from gateway.protocol import wire
-from gateway.protocol.errors import LocalProtocolError
+from gateway.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 # Value types.
 BYTE, UINT16, UINT32, VARINT, UTF8, BINARY, PAIR = range(7)
@@ -68,6 +70,8 @@ class PropertySpec(NamedTuple):
     packets: frozenset[int]
     # Values outside this range are a Protocol Error (None: whole range of the type allowed).
     valid: tuple[int, int] | None = None
+    # The reason code for a value outside `valid`, when not Protocol Error.
+    invalid_code: int = wire.PROTOCOL_ERROR
 
 
 _P = pt
@@ -113,7 +117,7 @@ PROPERTY_SPECS: tuple[PropertySpec, ...] = (
     PropertySpec(0x1F, "reason_string", UTF8, _REASON_STRING_PACKETS),
     PropertySpec(0x21, "receive_maximum", UINT16, frozenset({_P.CONNECT, _P.CONNACK}), (1, 0xFFFF)),
     PropertySpec(0x22, "topic_alias_maximum", UINT16, frozenset({_P.CONNECT, _P.CONNACK})),
-    PropertySpec(0x23, "topic_alias", UINT16, frozenset({_P.PUBLISH}), (1, 0xFFFF)),
+    PropertySpec(0x23, "topic_alias", UINT16, frozenset({_P.PUBLISH}), (1, 0xFFFF), 0x94),
     PropertySpec(0x24, "maximum_qos", BYTE, frozenset({_P.CONNACK}), (0, 1)),
     PropertySpec(0x25, "retain_available", BYTE, frozenset({_P.CONNACK}), (0, 1)),
     PropertySpec(0x26, "user_properties", PAIR, _ALL_PACKETS),
@@ -176,7 +180,9 @@ def read_properties(data: bytes, pos: int, packet: int) -> tuple[Properties, int
         if pos > end:
             raise wire.malformed("property value runs past the property length")
         if spec.valid is not None and not spec.valid[0] <= value <= spec.valid[1]:
-            raise wire.protocol_error(f"property {spec.field} has invalid value {value}")
+            raise RemoteProtocolError(
+                spec.invalid_code, f"property {spec.field} has invalid value {value}"
+            )
         if ident == _USER_PROPERTY:
             if props.user_properties is None:
                 props.user_properties = []

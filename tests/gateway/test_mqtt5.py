@@ -60,6 +60,19 @@ def test_inbound_topic_alias(gateway: GatewayHarness) -> None:
     s.close()
 
 
+def test_inbound_topic_alias_zero_is_topic_alias_invalid(gateway: GatewayHarness) -> None:
+    """Alias 0 is never valid ([MQTT-3.3.2-8]): DISCONNECT 0x94 Topic Alias invalid, as for one
+    above the maximum (Paho interop test_client_topic_alias, Mosquitto)."""
+    p = _pub(gateway)
+    # PUBLISH QoS 1 "t", packet id 1, properties: Topic Alias (0x23) = 0. Raw: our encoder
+    # refuses to write alias 0.
+    p.send_bytes(bytes([0x32, 9, 0, 1]) + b"t" + bytes([0, 1, 3, 0x23, 0, 0]))
+    ev = p.recv()
+    assert isinstance(ev, Disconnect)
+    assert ev.reason_code == 0x94
+    assert p.is_closed()
+
+
 def test_outbound_topic_alias(gateway: GatewayHarness) -> None:
     s = _sub(
         gateway, "s", [Subscription("alias/out/#", 0)], properties=Properties(topic_alias_maximum=2)
