@@ -387,6 +387,8 @@ class Gateway:
                         and session.protocol_level == 5
                         and sub.retain_as_published
                     )
+                    sid = sub.subscription_identifier
+                    inf.sub_ids = [sid] if sid else []
                 inf.queue = None
                 inf.group = None
         if sub.share_group is not None:

@@ -657,7 +657,9 @@ class DeliveryLoop:
             pid = self.send(rec, qos, True, sub_ids, expiry_left, None)
             if pid:
                 # No queue position to re-read a retained copy from: keep it for a resend.
-                self.session.inflight[pid] = Inflight(pid, None, 0, qos, message=rec, retain=True)
+                self.session.inflight[pid] = Inflight(
+                    pid, None, 0, qos, message=rec, retain=True, sub_ids=sub_ids
+                )
             sent = True
         return sent
 
@@ -776,20 +778,7 @@ class DeliveryLoop:
                 self.client.write(self.client.conn.send(PubRel(packet_id=inf.packet_id)))
                 continue
             if inf.queue is None:
-                if inf.message is None:
-                    del self.session.inflight[inf.packet_id]
-                    continue
-                copy = inf.message
-                self.send(
-                    copy,
-                    inf.qos,
-                    inf.retain,
-                    [],
-                    copy.remaining_expiry(),
-                    None,
-                    dup=True,
-                    packet_id=inf.packet_id,
-                )
+                self._resend_copy(inf)
                 continue
             got = store.get(inf.queue, inf.offset, 1)
             sub = self.session.by_queue.get(inf.queue)
@@ -807,7 +796,7 @@ class DeliveryLoop:
             )
             expiry_left = rec.remaining_expiry()
             retain = rec.retain and self.level == 5 and any(s.retain_as_published for s in covering)
-            self.send(
+            sent = self.send(
                 rec,
                 inf.qos,
                 retain,
@@ -817,9 +806,32 @@ class DeliveryLoop:
                 dup=True,
                 packet_id=inf.packet_id,
             )
+            if not sent:
+                # Larger than this connection's Maximum Packet Size, or no longer readable
+                # under the ACL: done as if sent ([MQTT-3.1.2-25]), not held in the window.
+                self._forget(inf)
+
+    def _resend_copy(self, inf: Inflight) -> None:
+        """Re-send a message kept with its in-flight entry (a retained copy sent on SUBSCRIBE,
+        or a delivery whose subscription was removed) as it was sent, with DUP
+        ([MQTT-4.4.0-1]); one that expired meanwhile is done as if sent."""
+        copy = inf.message
+        expiry_left = copy.remaining_expiry() if copy is not None else None
+        if copy is None or (expiry_left is not None and expiry_left <= 0):
+            self._forget(inf)
+            return
+        sent = self.send(
+            copy, inf.qos, inf.retain, inf.sub_ids, expiry_left, None, dup=True,
+            packet_id=inf.packet_id,
+        )  # fmt: skip
+        if not sent:
+            self._forget(inf)
 
     def _forget(self, inf: Inflight) -> None:
+        """Drop an inflight message of a resumed session that will not be re-sent."""
         self.session.inflight.pop(inf.packet_id, None)
+        # restore_outbound() told the codec it is in flight.
+        self.client.conn.forget_outbound(inf.packet_id)
         sub = self.session.by_queue.get(inf.queue) if inf.queue else None
         if sub is not None:
             sub.pending.pop(inf.offset, None)

@@ -14,7 +14,8 @@ subscribed light queue past the session's read position, on disk in the store.
                            "start_offset": 123, "next_offset": 130, "start_phys": 4096}],
         "qos2_inbound": [packet ids],
         "inflight": [{"packet_id": 1, "queue": "..." | null, "offset": 5, "qos": 1, "pubrel": false,
-                      "message": {"topic", "payload" (base64), ...}, "retain": true}],
+                      "message": {"topic", "payload" (base64), ...}, "retain": true,
+                      "sub_ids": [subscription identifiers]}],
         "will": null | {"topic", "payload" (base64), "qos", "retain", "properties"},
         "will_due_ms": null | int}}}
 
@@ -144,6 +145,7 @@ class Inflight:
     # (MQTT-3.10.4-3: a QoS 1/2 delivery that has started is completed).
     message: RecordedPublish | None = None
     retain: bool = False  # the RETAIN flag `message` was sent with
+    sub_ids: list[int] = field(default_factory=list)  # subscription identifiers `message` had
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -156,6 +158,7 @@ class Inflight:
         if self.message is not None and not self.pubrel:
             d["message"] = self.message.to_json()
             d["retain"] = self.retain
+            d["sub_ids"] = self.sub_ids
         return d
 
     @property
@@ -265,6 +268,7 @@ class Session:
                 if i.get("message"):
                     inf.message = RecordedPublish.from_json(i["message"])
                     inf.retain = bool(i.get("retain", False))
+                    inf.sub_ids = [int(x) for x in i.get("sub_ids", [])]
                 if inf.pubrel or inf.message is not None:
                     s.inflight[inf.packet_id] = inf
                 continue

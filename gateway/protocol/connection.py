@@ -242,6 +242,11 @@ class Connection:
         PUBACK/PUBREC) and these PUBREL ids waiting for PUBCOMP."""
         self._packet_ids().restore_outbound(unacknowledged, released)
 
+    def forget_outbound(self, packet_id: int) -> None:
+        """A restored outbound PUBLISH that will not be re-sent (the gateway dropped it): its
+        id no longer counts against the client's Receive Maximum and may be used again."""
+        self._packet_ids().puback_received(packet_id)
+
     # ----------------------------------------------------------------- receiving
 
     def receive_data(self, data: bytes) -> None:

@@ -221,6 +221,81 @@ def test_client_maximum_packet_size_drops_large(gateway: GatewayHarness) -> None
     s.close()
 
 
+def test_resent_publish_too_large_for_the_new_connection_frees_its_window_slot(
+    gateway: GatewayHarness,
+) -> None:
+    """An unacknowledged QoS 1 message is not re-sent to a reconnecting client whose Maximum
+    Packet Size it now exceeds; it is done as if sent ([MQTT-3.1.2-25]), so with Receive
+    Maximum 1 the next message still flows."""
+    s = RawClient(gateway.port, level=5)
+    s.connect("shrink", properties=Properties(session_expiry_interval=60))
+    s.send(Subscribe(1, [Subscription("shrink/t", 1)]))
+    s.recv()
+    p = _pub(gateway)
+    p.send(Publish("shrink/t", b"x" * 200, qos=1, packet_id=1))
+    p.recv()
+    assert s.recv().payload == b"x" * 200  # and never acknowledged
+    s.close()
+    small = Properties(session_expiry_interval=60, maximum_packet_size=100, receive_maximum=1)
+    s = RawClient(gateway.port, level=5)
+    assert s.connect("shrink", clean=False, properties=small).session_present
+    p.send(Publish("shrink/t", b"next", qos=1, packet_id=2))
+    p.recv()
+    got = s.recv()
+    assert got.payload == b"next"
+    s.send(PubAck(got.packet_id))
+    s.close()
+    p.close()
+
+
+def _unacked_retained_copy(gateway: GatewayHarness, cid: str) -> Publish:
+    """`cid` subscribes (session expiry 60) to a topic holding a retained QoS 1 message, gets
+    it and drops the connection without acknowledging it."""
+    p = _pub(gateway, "retainer")
+    p.send(Publish("held/t", b"retained", qos=1, packet_id=1, retain=True))
+    p.recv()
+    p.close()
+    s = RawClient(gateway.port, level=5)
+    s.connect(cid, properties=Properties(session_expiry_interval=60))
+    s.send(Subscribe(1, [Subscription("held/t", 1)], Properties(subscription_identifiers=[7])))
+    s.recv()
+    first = s.recv()
+    assert first.payload == b"retained"
+    s.close()
+    return first  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["live", "after-restart"])
+def test_unacked_retained_copy_is_resent_when_the_session_resumes(
+    gateway: GatewayHarness, restart: bool
+) -> None:
+    """[MQTT-4.4.0-1]: unacknowledged QoS 1 PUBLISH packets are re-sent on resumption, with
+    their packet id, DUP and subscription identifiers, the retained copy sent at SUBSCRIBE
+    included; sessions.json keeps the copy, so also after a restart. Acknowledging it frees
+    the one slot Receive Maximum 1 allows."""
+    first = _unacked_retained_copy(gateway, "held")
+    if restart:
+        gateway.restart()
+    s = RawClient(gateway.port, level=5)
+    one = Properties(session_expiry_interval=60, receive_maximum=1)
+    assert s.connect("held", clean=False, properties=one).session_present
+    again = s.recv()
+    assert (again.payload, again.packet_id, again.dup, again.retain) == (
+        b"retained",
+        first.packet_id,
+        True,
+        True,
+    )
+    assert again.properties.subscription_identifiers == [7]
+    p = _pub(gateway)
+    p.send(Publish("held/t", b"next", qos=1, packet_id=2))
+    p.recv()
+    s.send(PubAck(again.packet_id))  # frees the one slot Receive Maximum 1 allows
+    assert s.recv().payload == b"next"
+    s.close()
+    p.close()
+
+
 def test_message_expiry(gateway: GatewayHarness) -> None:
     s = RawClient(gateway.port, level=5)
     s.connect("exp", properties=Properties(session_expiry_interval=60))
