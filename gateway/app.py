@@ -21,7 +21,7 @@ from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.listeners import ExtraListeners
 from gateway.protocol import Publish, Will
-from gateway.records import PublishProperties, RecordedPublish, message_properties, read_record
+from gateway.records import PublishProperties, RecordedPublish, message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
 from gateway.server import MqttServerProtocol
 from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
@@ -404,8 +404,7 @@ class Gateway:
         got = self.store.get(queue, offset, 1)
         if got.status is not GetStatus.FOUND or not got.messages:
             return None
-        m = got.messages[0]
-        return read_record(m.topic, m.body, m.properties, m.store_timestamp)
+        return self.recent.record(got.messages[0])
 
     def end_session(self, session: Session) -> None:
         """The session is over (clean start, expiry, clean disconnect): drop its state."""

@@ -269,7 +269,7 @@ class Session:
                     inf.message = RecordedPublish.from_json(i["message"])
                     inf.retain = bool(i.get("retain", False))
                     inf.sub_ids = [int(x) for x in i.get("sub_ids", [])]
-                if inf.pubrel or inf.message is not None:
+                if inf.resumable:
                     s.inflight[inf.packet_id] = inf
                 continue
             sub = s.by_queue.get(inf.queue)
