@@ -8,10 +8,11 @@ Dispatch happens inside the append critical section: the parent queue offset, ev
 queue offset and the physical offset are assigned together (rocketmq #7511 lost messages
 when they were not), so a get right after put sees the message.
 
-Hot paths (pure Python, so per-message work is what costs): a put resolves its (topic, light
-queues) pair through a cached ``_Route`` (names validated once, INNER_* template, queue
+Hot paths (Python, so per-message work is what costs): a put resolves its (topic, light
+queues) pair through a cached ``_Route`` (names validated once, INNER_* property head, queue
 states), is validated against worst-case sizes before the lock, and is written by
-``_write_locked``, which builds a whole batch in one buffer. A get decodes records straight
+``_write_locked``, which builds a whole batch in one buffer (the record step in C when
+store/_speedups.c is built). A get decodes records straight
 from the segment mmap without re-checking CRCs (recovery validates; this process wrote the
 rest). Both build their NamedTuple results with ``tuple.__new__``.
 """
@@ -154,15 +155,15 @@ def _parse_user_props(raw: bytes) -> dict[str, str]:
 class _Route:
     """What every put to one (topic, light queues) pair shares, worked out once.
 
-    Names are validated when the route is made. ``template`` is the INNER_* property pair
-    with ``%d`` where the light-queue offsets go (only they vary per message). ``parent`` and
+    Names are validated when the route is made. ``inner_head`` is the INNER_* property pair
+    up to the light-queue offsets (only they vary per message). ``parent`` and
     ``cqs`` are the ConsumeQueue states, resolved under the store lock and re-resolved when
     the table's ``generation`` moved (a state was evicted and may come back as a new object).
     """
 
     __slots__ = (
         "cqs", "fixed_size", "generation", "inner_head", "lights", "max_inner", "parent",
-        "props_room", "size_room", "template", "topic", "topic_field", "units",
+        "props_room", "size_room", "topic", "topic_field", "units",
     )  # fmt: skip
 
     def __init__(
@@ -175,18 +176,17 @@ class _Route:
         #: Record size without body and properties (those vary per message).
         self.fixed_size = _RECORD_OVERHEAD + len(topic_bytes)
         self.units = 1 + len(lights)
-        self.template = b""
-        #: The INNER_* properties up to the offsets: DISPATCH \x01 q1,q2 \x02 QOFFSET \x01
+        #: The INNER_* properties up to the offsets: DISPATCH \x01 q1,q2 \x02 QOFFSET \x01;
+        #: append_record adds "o1,o2" \x02.
         self.inner_head = b""
+        #: Longest the INNER_* pair can get (19-digit offsets, commas, \x02): a message whose
+        #: properties fit with it always fits, so size errors are raised before anything is
+        #: written.
+        self.max_inner = 0
         if lights:
             names = ",".join(lights).encode("utf-8")
             self.inner_head = b"".join((DISPATCH_PREFIX, names, b"\x02", QOFFSET_PREFIX))
-            self.template = b"".join((
-                self.inner_head.replace(b"%", b"%%"), b",".join([b"%d"] * len(lights)), b"\x02",
-            ))  # fmt: skip
-        #: Longest the INNER_* pair can get (19-digit offsets): a message whose properties
-        #: fit with it always fits, so size errors are raised before anything is written.
-        self.max_inner = len(self.template % ((_MAX_OFFSET,) * len(lights)))
+            self.max_inner = len(self.inner_head) + len(lights) * (len(str(_MAX_OFFSET)) + 1)
         #: Room left for user properties, and for body plus user properties, in the worst
         #: case: one comparison each per message; _check_size says what was exceeded.
         self.props_room = _MAX_USER_PROPS - self.max_inner
