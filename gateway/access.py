@@ -32,14 +32,8 @@ from typing import TYPE_CHECKING, Any
 from gateway.acl import AclRules, ClientAccess
 from gateway.auth import PasswordFile, SecurityError
 from gateway.config import GatewaySettings
-from gateway.limits import (
-    CONNECTION_RATE_EXCEEDED,
-    QUOTA_EXCEEDED,
-    ConnectRateLimiter,
-    is_loopback,
-    topic_limit_error,
-)
-from gateway.protocol import Connect
+from gateway.limits import ConnectRateLimiter, is_loopback, topic_limit_error
+from gateway.protocol import Connect, ReasonCode
 from topicmap import TopicError
 
 if TYPE_CHECKING:
@@ -49,10 +43,6 @@ __all__ = ["AccessControl", "certificate_cn"]
 
 log = logging.getLogger("lmqtt.access")
 
-BAD_USER_NAME_OR_PASSWORD = 0x86
-NOT_AUTHORIZED = 0x87
-TOPIC_FILTER_INVALID = 0x8F
-TOPIC_NAME_INVALID = 0x90
 # Source addresses whose loopback-ness is remembered (parsing one with ipaddress costs more
 # than the rest of the connect checks).
 LOOPBACK_CACHE_SIZE = 4096
@@ -141,9 +131,11 @@ class AccessControl:
         rate = self.rate
         exempt = rate.rate <= 0 or (self._exempt_loopback and self._is_loopback(host))
         if not exempt and not rate.allow(host):
-            return self._refused(client, CONNECTION_RATE_EXCEEDED, "connect rate exceeded")
+            return self._refused(
+                client, ReasonCode.CONNECTION_RATE_EXCEEDED, "connect rate exceeded"
+            )
         if connected >= s.max_connections:
-            return self._refused(client, QUOTA_EXCEEDED, "max_connections reached")
+            return self._refused(client, ReasonCode.QUOTA_EXCEEDED, "max_connections reached")
         code, user = await self._authenticate(ev, client)
         if code:
             return code, None
@@ -153,10 +145,10 @@ class AccessControl:
             # there now (Mosquitto 2 refuses such a CONNECT the same way).
             why = topic_limit_error(will.topic, s.max_topic_length, s.max_topic_levels)
             if why is not None:
-                return self._refused(client, TOPIC_NAME_INVALID, f"will topic: {why}")
+                return self._refused(client, ReasonCode.TOPIC_NAME_INVALID, f"will topic: {why}")
             acl = self.client_access(client.client_id, user)
             if acl is not None and not acl.may_write(will.topic):
-                return self._refused(client, NOT_AUTHORIZED, "will topic not authorized")
+                return self._refused(client, ReasonCode.NOT_AUTHORIZED, "will topic not authorized")
         return 0, user
 
     def _is_loopback(self, host: str) -> bool:
@@ -177,7 +169,9 @@ class AccessControl:
         if user is None:
             if self.allow_anonymous:
                 return 0, None
-            return self._refused(client, NOT_AUTHORIZED, "anonymous clients are not allowed")
+            return self._refused(
+                client, ReasonCode.NOT_AUTHORIZED, "anonymous clients are not allowed"
+            )
         passwords = self.passwords
         if passwords is None:
             return 0, user
@@ -187,7 +181,9 @@ class AccessControl:
             None, passwords.verify, user, password
         )
         if not ok:
-            return self._refused(client, BAD_USER_NAME_OR_PASSWORD, f"bad password for {user!r}")
+            return self._refused(
+                client, ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"bad password for {user!r}"
+            )
         return 0, user
 
     def _refused(self, client: ClientConnection, code: int, why: str) -> tuple[int, None]:
@@ -204,14 +200,16 @@ class AccessControl:
             s = self.settings
             why = topic_limit_error(topic, s.max_topic_length, s.max_topic_levels)
             if why is not None:
-                raise TopicError(why, value=topic, reason_code=TOPIC_NAME_INVALID)
+                raise TopicError(why, value=topic, reason_code=ReasonCode.TOPIC_NAME_INVALID)
             if len(self._within_limits) >= TOPIC_CACHE_SIZE:
                 self._within_limits.clear()
             self._within_limits.add(topic)
         acl = client.acl
         if acl is not None and not acl.may_write(topic):
             self.denied_publishes += 1
-            raise TopicError("not authorized by the ACL", value=topic, reason_code=NOT_AUTHORIZED)
+            raise TopicError(
+                "not authorized by the ACL", value=topic, reason_code=ReasonCode.NOT_AUTHORIZED
+            )
 
     def subscribe_refusal(
         self, client: ClientConnection, topic_filter: str, text: str, new: bool, count: int
@@ -223,11 +221,11 @@ class AccessControl:
         why = topic_limit_error(text, s.max_topic_length, s.max_topic_levels)
         code = 0
         if why is not None:
-            code = TOPIC_FILTER_INVALID
+            code = ReasonCode.TOPIC_FILTER_INVALID
         elif new and count >= s.max_subscriptions:
-            why, code = f"more than {s.max_subscriptions} subscriptions", QUOTA_EXCEEDED
+            why, code = f"more than {s.max_subscriptions} subscriptions", ReasonCode.QUOTA_EXCEEDED
         elif client.acl is not None and not client.acl.may_subscribe(topic_filter):
-            why, code = "not authorized", NOT_AUTHORIZED
+            why, code = "not authorized", ReasonCode.NOT_AUTHORIZED
             self.denied_subscriptions += 1
         if code:
             log.info("%r: SUBSCRIBE %r refused (0x%02X): %s", client.client_id, text, code, why)

@@ -20,7 +20,7 @@ from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.listeners import ExtraListeners
-from gateway.protocol import Publish, Will
+from gateway.protocol import Publish, ReasonCode, Will
 from gateway.records import PublishProperties, RecordedPublish, message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
 from gateway.server import MqttServerProtocol
@@ -33,7 +33,6 @@ from topicmap import Router, Topic, TopicFilter, parent_topic
 
 log = logging.getLogger("lmqtt.gateway")
 
-SERVER_SHUTTING_DOWN = 0x8B
 HOUSEKEEPING_INTERVAL_S = 1.0
 TIMEOUT_SWEEP_S = 1.0
 STOP_DRAIN_S = 2.0
@@ -186,7 +185,7 @@ class Gateway:
         if pending:
             await asyncio.wait(pending, timeout=STOP_DRAIN_S)
         for client in list(self.connections):
-            client.close(SERVER_SHUTTING_DOWN, abnormal=False)
+            client.close(ReasonCode.SERVER_SHUTTING_DOWN, abnormal=False)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -33,6 +33,7 @@ from gateway.protocol import (
     Publish,
     PubRec,
     PubRel,
+    ReasonCode,
     RemoteProtocolError,
     SubAck,
     Subscribe,
@@ -60,20 +61,6 @@ MAX_UNPARSED = 1 << 20
 # How long a connection the gateway closes stays half-closed, its input read and discarded
 # (see ClientConnection._close_transport).
 LINGER_S = 2.0
-
-# MQTT 5 reason codes used here.
-UNSPECIFIED_ERROR = 0x80
-NOT_AUTHORIZED = 0x87
-SERVER_SHUTTING_DOWN = 0x8B
-KEEP_ALIVE_TIMEOUT = 0x8D
-SESSION_TAKEN_OVER = 0x8E
-TOPIC_NAME_INVALID = 0x90
-PACKET_ID_NOT_FOUND = 0x92
-NO_SUBSCRIPTION_EXISTED = 0x11
-IMPLEMENTATION_SPECIFIC = 0x83
-PROTOCOL_ERROR = 0x82
-SHARED_NOT_SUPPORTED = 0x9E
-DISCONNECT_WITH_WILL = 0x04
 
 # Packets whose handling never waits (in async flush mode the store append does not either):
 # their replies are collected and written once per run of input (see ClientConnection._out).
@@ -317,7 +304,7 @@ class ClientConnection:
             idle = now - self._last_rx
             if idle >= keep_alive:
                 log.info("%r: keep-alive timeout (%.1f s idle); closing", self.client_id, idle)
-                self.close(KEEP_ALIVE_TIMEOUT)
+                self.close(ReasonCode.KEEP_ALIVE_TIMEOUT)
 
     # -- the reader task ---------------------------------------------------------------------
 
@@ -379,7 +366,7 @@ class ClientConnection:
             raise
         except Exception:
             log.exception("%r: internal error handling a packet", self.client_id or self.peer)
-            self.close(IMPLEMENTATION_SPECIFIC)
+            self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
         finally:
             self._flush_out()
             self._out = None
@@ -446,7 +433,9 @@ class ClientConnection:
             assert isinstance(ev, Disconnect)
             self._on_disconnect(ev)
         elif kind is Auth:
-            self._fail(0x8C, "enhanced authentication is not supported")
+            self._fail(
+                ReasonCode.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not supported"
+            )
 
     # -- CONNECT -----------------------------------------------------------------------------
 
@@ -473,7 +462,7 @@ class ClientConnection:
                 self._refuse(code)
                 return
         if gw.stopping:
-            self._refuse(0x89 if level == 5 else 0x88)  # server busy / unavailable
+            self._refuse(ReasonCode.SERVER_BUSY if level == 5 else ReasonCode.SERVER_UNAVAILABLE)
             return
         code, self.username = await gw.access.check_connect(ev, self, gw.stats.clients_connected)
         if self.closed:
@@ -485,7 +474,7 @@ class ClientConnection:
         old = gw.sessions.get(cid)
         if old is not None and old.connection is not None:
             log.info("%r: session taken over by a new connection from %s", cid, self.peer)
-            old.connection.close(SESSION_TAKEN_OVER)
+            old.connection.close(ReasonCode.SESSION_TAKEN_OVER)
         session = gw.sessions.get(cid)  # the old connection may have ended it
         present = False
         if session is not None and ev.clean_start:
@@ -576,13 +565,13 @@ class ClientConnection:
         try:
             Topic(will.topic)
         except TopicError:
-            return TOPIC_NAME_INVALID
+            return ReasonCode.TOPIC_NAME_INVALID
         if will.topic.startswith("$"):
-            return TOPIC_NAME_INVALID
+            return ReasonCode.TOPIC_NAME_INVALID
         if will.qos > s.max_qos:
-            return 0x9B
+            return ReasonCode.QOS_NOT_SUPPORTED
         if will.retain and not s.retain_available:
-            return 0x9A
+            return ReasonCode.RETAIN_NOT_SUPPORTED
         return 0
 
     def _refuse(self, code: int) -> None:
@@ -679,17 +668,19 @@ class ClientConnection:
         pid = pub.packet_id
         try:
             if pub.topic.startswith("$"):
-                raise TopicError("clients cannot publish to $-topics", reason_code=NOT_AUTHORIZED)
+                raise TopicError(
+                    "clients cannot publish to $-topics", reason_code=ReasonCode.NOT_AUTHORIZED
+                )
             gw.topic(pub.topic)  # validates (TopicError); store_publish reuses the cached entry
             gw.access.check_publish(self, pub.topic)  # limits (0x90) and ACL (0x87)
         except TopicError as e:
-            if e.reason_code != NOT_AUTHORIZED:
-                self._fail(TOPIC_NAME_INVALID, f"invalid topic {pub.topic!r}: {e}")
+            if e.reason_code != ReasonCode.NOT_AUTHORIZED:
+                self._fail(ReasonCode.TOPIC_NAME_INVALID, f"invalid topic {pub.topic!r}: {e}")
                 return
             # Denied, not malformed: acknowledge (3.1.1 has no negative ack) and drop.
             log.info("%r: PUBLISH to %r denied: %s", self.client_id, pub.topic, e)
             gw.stats.publish_dropped += 1
-            code = NOT_AUTHORIZED if level == 5 else 0
+            code = ReasonCode.NOT_AUTHORIZED if level == 5 else 0
             if pub.qos == 1 and pid is not None:
                 self.write(self.conn.send(PubAck(pid, code)))
             elif pub.qos == 2 and pid is not None:
@@ -775,7 +766,7 @@ class ClientConnection:
             return
         if self.conn.protocol_level == 5:
             ack = PubAck if pub.qos == 1 else PubRec
-            self.write(self.conn.send(ack(pub.packet_id, UNSPECIFIED_ERROR)))
+            self.write(self.conn.send(ack(pub.packet_id, ReasonCode.UNSPECIFIED_ERROR)))
         else:
             self.close()
 
@@ -788,7 +779,9 @@ class ClientConnection:
         known = ev.packet_id in session.qos2_inbound
         session.qos2_inbound.discard(ev.packet_id)
         self.gw.sessions.touch(session)
-        code = 0 if known or self.conn.protocol_level != 5 else PACKET_ID_NOT_FOUND
+        code = (
+            0 if known or self.conn.protocol_level != 5 else ReasonCode.PACKET_IDENTIFIER_NOT_FOUND
+        )
         if not self.closed:
             self.write(self.conn.send(PubComp(ev.packet_id, code)))
 
@@ -796,10 +789,12 @@ class ClientConnection:
         if self.session is None:
             return
         delivery = self.delivery
-        if delivery is not None and delivery.on_pubrec(ev.packet_id, ev.reason_code >= 0x80):
+        if delivery is not None and delivery.on_pubrec(
+            ev.packet_id, ev.reason_code >= ReasonCode.UNSPECIFIED_ERROR
+        ):
             self.write(self.conn.send(PubRel(ev.packet_id)))
-        elif ev.reason_code < 0x80:
-            code = PACKET_ID_NOT_FOUND if self.conn.protocol_level == 5 else 0
+        elif ev.reason_code < ReasonCode.UNSPECIFIED_ERROR:
+            code = ReasonCode.PACKET_IDENTIFIER_NOT_FOUND if self.conn.protocol_level == 5 else 0
             self.write(self.conn.send(PubRel(ev.packet_id, code)))
 
     # -- SUBSCRIBE / UNSUBSCRIBE -------------------------------------------------------------
@@ -820,16 +815,18 @@ class ClientConnection:
                 tf = TopicFilter(req.topic_filter)
             except TopicError as e:
                 log.info("%r: SUBSCRIBE %r refused: %s", self.client_id, req.topic_filter, e)
-                codes.append(0x8F if level == 5 else 0x80)
+                codes.append(
+                    ReasonCode.TOPIC_FILTER_INVALID if level == 5 else ReasonCode.UNSPECIFIED_ERROR
+                )
                 continue
             if tf.is_shared and req.no_local:
-                self._fail(PROTOCOL_ERROR, "no-local on a shared subscription")
+                self._fail(ReasonCode.PROTOCOL_ERROR, "no-local on a shared subscription")
                 return
             new = tf.text not in session.subscriptions
             n = len(session.subscriptions)
             refusal = gw.access.subscribe_refusal(self, tf.filter, tf.text, new, n)
             if refusal:
-                codes.append(refusal if level == 5 else 0x80)
+                codes.append(refusal if level == 5 else ReasonCode.UNSPECIFIED_ERROR)
                 continue
             qos = min(req.qos, gw.settings.max_qos)
             existing = session.subscriptions.get(tf.text)
@@ -879,7 +876,7 @@ class ClientConnection:
         for text in ev.topic_filters:
             sub = session.subscriptions.get(text)
             if sub is None:
-                codes.append(NO_SUBSCRIPTION_EXISTED)
+                codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
                 continue
             if sub.share_group is None and self.delivery is not None:
                 self.delivery.unwatch(sub.queue)
@@ -896,6 +893,6 @@ class ClientConnection:
             new_expiry = ev.properties.session_expiry_interval
             if new_expiry is not None:
                 session.expiry_interval = min(new_expiry, self.gw.settings.max_session_expiry)
-        abnormal = ev.reason_code == DISCONNECT_WITH_WILL
+        abnormal = ev.reason_code == ReasonCode.DISCONNECT_WITH_WILL_MESSAGE
         log.info("%r disconnected (0x%02X)", self.client_id, ev.reason_code)
         self.close(abnormal=abnormal, linger=False)

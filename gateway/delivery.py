@@ -43,7 +43,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from gateway.protocol import PreparedPublish, Properties, Publish, PubRel
+from gateway.protocol import PreparedPublish, Properties, Publish, PubRel, ReasonCode
 from gateway.records import RecordedPublish, read_record
 from gateway.session import Inflight, Session, SubscriptionState
 from store import EncodedMessage, GetStatus, PutResult, StoredMessage
@@ -388,7 +388,7 @@ class DeliveryLoop:
                 self._loop.call_soon(self._step)
         except Exception:
             log.exception("delivery to %r failed; closing the connection", self.session.client_id)
-            self.client.abort(0x83)
+            self.client.abort(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
 
     def _pass(self) -> bool:
         if not self.can_send():

@@ -27,8 +27,6 @@ from collections import OrderedDict
 
 __all__ = ["ConnectRateLimiter", "is_loopback", "socket_limit", "topic_limit_error"]
 
-QUOTA_EXCEEDED = 0x97
-CONNECTION_RATE_EXCEEDED = 0x9F
 MAX_TRACKED_ADDRESSES = 65_536
 
 

@@ -65,7 +65,7 @@ from gateway.protocol.readers import (
     read_connect,
     read_publish,
 )
-from gateway.protocol.reason_codes import ALLOWED_REASON_CODES
+from gateway.protocol.reason_codes import ALLOWED_REASON_CODES, ReasonCode
 from gateway.protocol.wire import PACKET_ID_BYTES
 from gateway.protocol.writers import WRITERS, write_connack, write_disconnect, write_publish
 
@@ -100,7 +100,31 @@ class Sentinel(enum.Enum):
 
 NEED_DATA: Literal[Sentinel.NEED_DATA] = Sentinel.NEED_DATA
 
-AWAIT_CONNECT, CONNECTED, CLOSED, ERROR = range(4)
+
+class Phase(enum.Enum):
+    """The receiving side's state: what the client may send next."""
+
+    AWAIT_CONNECT = "await-connect"  # only CONNECT
+    CONNECTED = "connected"  # anything a server receives, but a second CONNECT
+    CLOSED = "closed"  # nothing: DISCONNECT or EOF came
+    ERROR = "error"  # nothing: a RemoteProtocolError was raised
+
+
+AWAIT_CONNECT, CONNECTED, CLOSED, ERROR = Phase
+
+# Every change of phase the state machine makes, with its cause. `_enter` refuses any other, so
+# a new code path that moves the phase must be added here, where the whole machine is visible.
+TRANSITIONS: dict[tuple[Phase, Phase], str] = {
+    (AWAIT_CONNECT, CONNECTED): "CONNECT",
+    (AWAIT_CONNECT, CLOSED): "EOF before CONNECT",
+    (AWAIT_CONNECT, ERROR): "malformed or refused CONNECT",
+    (CONNECTED, CLOSED): "DISCONNECT or EOF",
+    (CONNECTED, ERROR): "protocol error",
+    (CLOSED, CLOSED): "EOF after DISCONNECT",
+    (CLOSED, ERROR): "bytes after DISCONNECT",
+    (ERROR, ERROR): "a second error while failing",
+    (ERROR, CLOSED): "EOF after an error",
+}
 
 # Packet types a server may receive; the others (CONNACK, SUBACK, ...) are a Protocol Error.
 SERVER_RECEIVES = frozenset(
@@ -113,11 +137,16 @@ SERVER_SENDS = frozenset(
 )
 
 _PUBACK_HEADER = b"\x40\x02"  # PUBACK, remaining length 2: packet id only
-TOPIC_ALIAS_INVALID = 0x94
-PACKET_TOO_LARGE = 0x95
-RETAIN_NOT_SUPPORTED = 0x9A
-QOS_NOT_SUPPORTED = 0x9B
-SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED = 0xA1
+TOPIC_ALIAS_INVALID = ReasonCode.TOPIC_ALIAS_INVALID
+PACKET_TOO_LARGE = ReasonCode.PACKET_TOO_LARGE
+RETAIN_NOT_SUPPORTED = ReasonCode.RETAIN_NOT_SUPPORTED
+QOS_NOT_SUPPORTED = ReasonCode.QOS_NOT_SUPPORTED
+SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED = ReasonCode.SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED
+# The only refusals a 3.1.1 CONNACK can carry (MQTT-3.2.2-5), as return codes 1 and 2.
+_CONNACK_311_CODES = (
+    ReasonCode.UNSUPPORTED_PROTOCOL_VERSION,
+    ReasonCode.CLIENT_IDENTIFIER_NOT_VALID,
+)
 # Packets that must not carry a Reason String or User Properties when the client set
 # Request Problem Information to 0 (MQTT-3.1.2-29).
 _PROBLEM_INFORMATION_PACKETS = frozenset({PubAck, PubRec, PubRel, PubComp, SubAck, UnsubAck, Auth})
@@ -166,7 +195,7 @@ class Connection:
         self._buf: bytes | bytearray = b""
         self._off = 0
         self._eof = False
-        self._phase = AWAIT_CONNECT  # the receiving side (their state)
+        self._phase = AWAIT_CONNECT  # the receiving side (their state): see TRANSITIONS
         self._sending_closed = False  # we sent DISCONNECT, a refusing CONNACK or an error answer
         self._pending_error: RemoteProtocolError | None = None
         self._queue: deque[Event] | None = None  # decoded, not yet returned by next_event
@@ -324,7 +353,7 @@ class Connection:
             err, self._pending_error = self._pending_error, None
             raise err
         if self._phase == ERROR:
-            raise RemoteProtocolError(0x82, "connection already failed")
+            raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, "connection already failed")
         try:
             return self._next()
         except RemoteProtocolError as err:
@@ -588,9 +617,16 @@ class Connection:
         if not self._eof:
             return NEED_DATA
         if avail:
-            raise RemoteProtocolError(0x81, f"connection closed inside a packet ({avail} bytes)")
-        self._phase = CLOSED
+            raise RemoteProtocolError(
+                ReasonCode.MALFORMED_PACKET, f"connection closed inside a packet ({avail} bytes)"
+            )
+        self._enter(CLOSED)
         return ConnectionClosed()
+
+    def _enter(self, phase: Phase) -> None:
+        if (self._phase, phase) not in TRANSITIONS:
+            raise LocalProtocolError(f"no transition {self._phase.value} -> {phase.value}")
+        self._phase = phase
 
     def _fail(self, err: RemoteProtocolError) -> None:
         """Record the error and decide what may be sent before closing."""
@@ -602,8 +638,8 @@ class Connection:
             err.send_connack = True
         else:
             # 3.1.1 answers only a bad protocol level or client identifier (MQTT-3.2.2-5).
-            err.send_connack = level is not None and err.reason_code in (0x84, 0x85)
-        self._phase = ERROR
+            err.send_connack = level is not None and err.reason_code in _CONNACK_311_CODES
+        self._enter(ERROR)
 
     def _on_packet(self, ptype: int, flags: int, body: bytes) -> Event:
         phase = self._phase
@@ -646,7 +682,7 @@ class Connection:
         self._connect_session_expiry = props.session_expiry_interval or 0
         self._problem_information = props.request_problem_information != 0
         self._auth_method = props.authentication_method
-        self._phase = CONNECTED
+        self._enter(CONNECTED)
         return event
 
     def _on_publish(self, event: Publish) -> Publish:
@@ -724,13 +760,16 @@ class Connection:
         if props is not None and props.session_expiry_interval and not self._connect_session_expiry:
             # MQTT-3.14.2-2: zero session expiry in CONNECT cannot be raised at DISCONNECT.
             raise wire.protocol_error("DISCONNECT sets a session expiry after CONNECT had 0")
-        self._phase = CLOSED
+        self._enter(CLOSED)
 
     def _in_auth(self, event: Event) -> None:
         assert isinstance(event, Auth)
         if self._auth_method is None:
             raise wire.protocol_error("AUTH without an authentication method in CONNECT")
-        if event.reason_code not in (0x18, 0x19):
+        if event.reason_code not in (
+            ReasonCode.CONTINUE_AUTHENTICATION,
+            ReasonCode.RE_AUTHENTICATE,
+        ):
             raise wire.protocol_error(f"a client AUTH must not carry 0x{event.reason_code:02X}")
         method = event.properties.authentication_method if event.properties else None
         if method != self._auth_method:
@@ -897,16 +936,16 @@ class Connection:
             self._connack_sent = True
             code = err.reason_code
             if code not in ALLOWED_REASON_CODES[pt.CONNACK]:
-                code = 0x82
+                code = ReasonCode.PROTOCOL_ERROR
             if level == 5:
                 return write_connack(ConnAck(False, code), 5)
-            if code in (0x84, 0x85):
+            if code in _CONNACK_311_CODES:
                 return write_connack(ConnAck(False, code), 4)
             return b""
         if (err.send_connack or err.send_disconnect) and level == 5:
             code = err.reason_code
             if code not in ALLOWED_REASON_CODES[pt.DISCONNECT]:
-                code = 0x82
+                code = ReasonCode.PROTOCOL_ERROR
             return write_disconnect(Disconnect(code), 5)
         return b""
 
