@@ -19,6 +19,7 @@ from gateway.access import AccessControl
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
+from gateway.ingest import IngestBatch
 from gateway.listeners import ExtraListeners
 from gateway.protocol import Publish, ReasonCode, Will
 from gateway.records import PublishProperties, RecordedPublish, message_properties
@@ -69,6 +70,7 @@ class Gateway:
         self.retained: RetainedIndex
         self.sessions: SessionRegistry
         self.arrivals: ArrivalHub
+        self.ingest: IngestBatch | None  # None in sync flush mode (see gateway/ingest.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -78,6 +80,7 @@ class Gateway:
         s.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = MessageStore.open(s.store_config())
         self.arrivals = ArrivalHub(loop)
+        self.ingest = IngestBatch(loop, self.append_publishes) if s.flush == "async" else None
         self.store.add_listener(self.arrivals)
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
@@ -181,6 +184,8 @@ class Gateway:
             assert isinstance(self._sys, SysPublisher)
             await self._sys.stop()
         # Publishes already read get stored and acknowledged before the DISCONNECT.
+        if self.ingest is not None:
+            self.ingest.flush()
         pending = [t for c in self.connections for t in c.pending_puts()]
         if pending:
             await asyncio.wait(pending, timeout=STOP_DRAIN_S)
@@ -257,22 +262,24 @@ class Gateway:
             self._routes[name] = route
         return route
 
-    def append_publishes(self, pubs: list[Publish], blocks: PublishProperties) -> list[PutResult]:
-        """Append a run of non-retained PUBLISHes (topics validated) with one store call.
+    def append_publishes(
+        self, pubs: list[Publish], blocks: list[PublishProperties]
+    ) -> list[PutResult]:
+        """Append non-retained PUBLISHes (topics validated) with one store call; `blocks[i]`
+        encodes the properties of `pubs[i]` (its publisher's cache).
 
         Does not wait for the fsync (sync mode: the caller awaits store.wait_durable of the
         last end offset before acknowledging). StoreError: none of them was stored.
         """
         routes = self._routes
-        of = blocks.of
         messages: list[EncodedMessage] = []
         add = messages.append
         props: list[dict[str, str]] = []
-        for pub in pubs:
+        for pub, publisher in zip(pubs, blocks, strict=True):
             route = routes.get(pub.topic)
             if route is None:
                 route = self.publish_route(pub.topic)
-            block, p = of(pub)
+            block, p = publisher.of(pub)
             add((route[0], route[1], pub.payload, block))
             props.append(p)
         results = self.store.append_encoded(messages)

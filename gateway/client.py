@@ -1,7 +1,10 @@
 """ClientConnection: one MQTT network connection, between the transport and the session.
 
 The asyncio Protocol (server.py) only moves bytes: it feeds `feed()` and reports flow control.
-Here a reader task pulls events out of the sans-IO `Connection` and handles them in order;
+A connected client's plain PUBLISHes and PUBACKs are handled right in that callback, with no
+task: the publishes join the turn's ingest batch (gateway/ingest.py), stored with one append for
+every connection. Anything else starts a reader task that pulls events out of the sans-IO
+`Connection` and handles them in order;
 packets that must wait for the store (QoS 1/2 publishes in `sync` flush mode) are pipelined:
 each gets a task that awaits its fsync and then the previous acknowledgement, so PUBACKs leave in
 the order the PUBLISH packets arrived while many share one group commit.
@@ -48,6 +51,7 @@ from topicmap import Topic, TopicError, TopicFilter
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.ingest import IngestBatch
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -78,6 +82,7 @@ class ClientConnection:
         "_blocks",
         "_cleaned",
         "_eof",
+        "_ingest",
         "_last_rx",
         "_loop",
         "_opened",
@@ -126,6 +131,8 @@ class ClientConnection:
         self._ack_chain: asyncio.Task[None] | None = None
         self._put_tasks: set[asyncio.Task[None]] | None = None  # sync flush only
         self._blocks: PublishProperties | None = None  # made at the first batched PUBLISH
+        # Where plain publishes read in a transport callback go (async flush mode only).
+        self._ingest = gateway.ingest
         # Connect timeout and keep-alive are checked by the gateway's once-a-second sweep
         # (check_timeouts), not by a timer per connection.
         self._opened = self._loop.time()
@@ -147,7 +154,10 @@ class ClientConnection:
         self._unparsed += len(data)
         if self._unparsed > MAX_UNPARSED + self.gw.settings.max_packet_size:
             self._pause_reading()
-        self._kick()
+        if self._reader is None and self._ingest is not None and self.session is not None:
+            self._read_inline(self._ingest)
+        else:
+            self._kick()
 
     def feed_eof(self) -> None:
         if self.closed:
@@ -165,9 +175,58 @@ class ClientConnection:
         """Publishes still waiting for their fsync (sync flush), for a graceful stop."""
         return list(self._put_tasks) if self._put_tasks else []
 
-    def _kick(self) -> None:
+    def _kick(self, first: object = None) -> None:
+        """Start the reader task (it handles `first`, then what is buffered) unless it runs."""
         if self._reader is None and not self.closed:
-            self._reader = self._loop.create_task(self._read_loop())
+            self._reader = self._loop.create_task(self._read_loop(first))
+
+    def _read_inline(self, ingest: IngestBatch) -> None:
+        """The common case of a connected client, handled in the transport's callback with no
+        task: plain PUBLISHes go to the turn's ingest batch (gateway/ingest.py), PUBACKs free
+        window slots. The first packet that needs anything else, and whatever follows it,
+        goes to the reader task, which runs after the batch is stored."""
+        conn = self.conn
+        for _ in range(EVENTS_PER_TURN):
+            try:
+                ev = conn.next_event()
+            except RemoteProtocolError as err:
+                ingest.flush()  # what came before the bad packet is stored and acknowledged
+                self._protocol_error(err)
+                return
+            kind = type(ev)
+            if kind is Publish:
+                assert isinstance(ev, Publish)
+                if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
+                    ingest.add(self, ev)
+                    continue
+            elif ev is NEED_DATA:
+                self._unparsed = 0
+                self._resume_reading()
+                return
+            elif kind is PubAck:
+                assert isinstance(ev, PubAck)
+                if self.delivery is not None:
+                    self.delivery.on_puback(ev.packet_id)
+                continue
+            self._kick(ev)
+            return
+        self._kick()  # a flood: the reader task goes on after the turn
+
+    # -- the ingest batch's side (gateway/ingest.py) -----------------------------------------
+
+    def publish_blocks(self) -> PublishProperties:
+        blocks = self._blocks
+        if blocks is None:
+            blocks = self._blocks = PublishProperties(
+                self.client_id, self.gw.store.encode_properties
+            )
+        return blocks
+
+    def acknowledge_stored(self, packet_ids: list[int]) -> None:
+        self.write(self.conn.pubacks(packet_ids))
+
+    def store_failed(self, pub: Publish, err: StoreError) -> None:
+        self._store_failed(pub, err)
 
     def write(self, data: bytes) -> None:
         if data and not self.closed:
@@ -308,7 +367,7 @@ class ClientConnection:
 
     # -- the reader task ---------------------------------------------------------------------
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, first: object = None) -> None:
         """Handle every complete packet buffered (and arriving meanwhile), then end.
 
         Batched ingest: consecutive plain PUBLISHes (QoS 0/1, not retained, topic and ACL
@@ -334,7 +393,10 @@ class ClientConnection:
                     continue
                 handled += 1
                 try:
-                    ev = self.conn.next_event()
+                    if first is not None:
+                        ev, first = first, None
+                    else:
+                        ev = self.conn.next_event()
                 except RemoteProtocolError as err:
                     if run:
                         await self._store_run(run)
@@ -601,11 +663,8 @@ class ClientConnection:
         """Store a run of plain publishes with one store call, then acknowledge the QoS 1
         ones in order (sync flush: after the fsync covering the run's last record)."""
         gw = self.gw
-        blocks = self._blocks
-        if blocks is None:
-            blocks = self._blocks = PublishProperties(self.client_id, gw.store.encode_properties)
         try:
-            results = gw.append_publishes(run, blocks)
+            results = gw.append_publishes(run, [self.publish_blocks()] * len(run))
         except StoreError:
             # Nothing of the run was stored: one by one, so only the bad message fails, and
             # exactly as it would have without batching.

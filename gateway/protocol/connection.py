@@ -840,6 +840,20 @@ class Connection:
             handler(self, event)
         return data
 
+    def pubacks(self, packet_ids: list[int]) -> bytes:
+        """PUBACK (code 0, no properties) for each inbound QoS 1 id, in order: the batch form
+        of `send(PubAck(id))` for a run of stored publishes, with one check for the run."""
+        limit = self.client_max_packet_size
+        if self._connack_sent and not self._sending_closed and (limit is None or limit >= 4):
+            ids = self._ids
+            if ids is not None and ids.inbound_qos1:
+                discard = ids.inbound_qos1.discard
+                for packet_id in packet_ids:
+                    discard(packet_id)
+            # Ids come from decoded PUBLISH packets: ints in 1..65535 (the readers check).
+            return b"".join([_PUBACK_HEADER + PACKET_ID_BYTES[i] for i in packet_ids])
+        return b"".join([self.send(PubAck(i)) for i in packet_ids])
+
     def send_prepared(
         self, prepared: PreparedPublish, packet_id: int | None = None, dup: bool = False
     ) -> bytes:

@@ -234,3 +234,47 @@ def test_sync_flush_batch_acked_only_after_fsync(sync_gateway: GatewayHarness) -
         flusher._flush_log, flusher._flush_all = flush_log, flush_all
         watcher.close()
         pub.close()
+
+
+def test_publishes_of_many_connections_in_one_turn_share_one_append(tmp_path: Path) -> None:
+    """A fleet: one PUBLISH per connection per write. Whatever the gateway reads in one turn
+    of its loop is stored with one append; every device still gets its own PUBACK, and each
+    subscriber gets every message, each once."""
+    from tests.gateway.test_metrics import scrape
+
+    h = GatewayHarness(tmp_path / "data", admin_port=0).start()
+    devices: list[RawClient] = []
+    try:
+        watcher = _subscriber(h, "fleet/#")
+        for d in range(100):
+            dev = RawClient(h.port, level=4)
+            assert dev.connect(f"dev-{d}").reason_code == 0
+            devices.append(dev)
+        before = scrape(h)
+        # Hold the gateway's loop while every device writes, so that one turn reads them all.
+        assert h.loop is not None
+        release = threading.Event()
+        h.loop.call_soon_threadsafe(release.wait, 10)
+        for d, dev in enumerate(devices):
+            dev.send(Publish(f"fleet/{d}", str(d).encode(), qos=1, packet_id=d + 1))
+        release.set()
+        for d, dev in enumerate(devices):
+            assert dev.recv() == PubAck(d + 1)
+        got = _received(watcher, 100)
+        assert sorted(int(p.payload) for p in got) == list(range(100))
+        after = scrape(h)
+        stored = (
+            after["lmqtt_store_appended_messages_total"]
+            - before["lmqtt_store_appended_messages_total"]
+        )
+        appends = (
+            after["lmqtt_store_append_seconds_count"] - before["lmqtt_store_append_seconds_count"]
+        )
+        assert stored == 100
+        assert appends <= 3, f"{appends:.0f} appends for 100 messages read in one turn"
+        with pytest.raises(TimeoutError):  # and nothing twice
+            watcher.recv(0.3)
+    finally:
+        for dev in devices:
+            dev.close()
+        h.stop()
