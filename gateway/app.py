@@ -21,6 +21,7 @@ from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.ingest import IngestBatch
 from gateway.listeners import ExtraListeners
+from gateway.overload import OverloadGuard
 from gateway.protocol import Publish, ReasonCode, Will
 from gateway.records import PublishProperties, RecordedPublish, message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
@@ -71,6 +72,7 @@ class Gateway:
         self.sessions: SessionRegistry
         self.arrivals: ArrivalHub
         self.ingest: IngestBatch | None  # None in sync flush mode (see gateway/ingest.py)
+        self.overload: OverloadGuard
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -81,6 +83,7 @@ class Gateway:
         self.store = MessageStore.open(s.store_config())
         self.arrivals = ArrivalHub(loop)
         self.ingest = IngestBatch(loop, self.append_publishes) if s.flush == "async" else None
+        self.overload = OverloadGuard(loop)
         self.store.add_listener(self.arrivals)
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
@@ -101,6 +104,7 @@ class Gateway:
             lambda: MqttServerProtocol(self), s.host, port, reuse_address=True
         )
         await self.listeners.start()
+        self.overload.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
         self._tasks.append(loop.create_task(self._sweep_timeouts()))
         self._tasks.append(
@@ -189,6 +193,7 @@ class Gateway:
         pending = [t for c in self.connections for t in c.pending_puts()]
         if pending:
             await asyncio.wait(pending, timeout=STOP_DRAIN_S)
+        self.overload.stop()
         for client in list(self.connections):
             client.close(ReasonCode.SERVER_SHUTTING_DOWN, abnormal=False)
         for task in self._tasks:

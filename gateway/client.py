@@ -82,6 +82,7 @@ class ClientConnection:
         "_blocks",
         "_cleaned",
         "_eof",
+        "_held",
         "_ingest",
         "_last_rx",
         "_loop",
@@ -133,6 +134,7 @@ class ClientConnection:
         self._blocks: PublishProperties | None = None  # made at the first batched PUBLISH
         # Where plain publishes read in a transport callback go (async flush mode only).
         self._ingest = gateway.ingest
+        self._held = False  # reading stopped by the overload guard (gateway/overload.py)
         # Connect timeout and keep-alive are checked by the gateway's once-a-second sweep
         # (check_timeouts), not by a timer per connection.
         self._opened = self._loop.time()
@@ -186,31 +188,36 @@ class ClientConnection:
         window slots. The first packet that needs anything else, and whatever follows it,
         goes to the reader task, which runs after the batch is stored."""
         conn = self.conn
-        for _ in range(EVENTS_PER_TURN):
-            try:
-                ev = conn.next_event()
-            except RemoteProtocolError as err:
-                ingest.flush()  # what came before the bad packet is stored and acknowledged
-                self._protocol_error(err)
-                return
-            kind = type(ev)
-            if kind is Publish:
-                assert isinstance(ev, Publish)
-                if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
-                    ingest.add(self, ev)
+        taken = len(ingest)
+        try:
+            for _ in range(EVENTS_PER_TURN):
+                try:
+                    ev = conn.next_event()
+                except RemoteProtocolError as err:
+                    ingest.flush()  # what came before the bad packet is stored and acknowledged
+                    self._protocol_error(err)
+                    return
+                kind = type(ev)
+                if kind is Publish:
+                    assert isinstance(ev, Publish)
+                    if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
+                        ingest.add(self, ev)
+                        continue
+                elif ev is NEED_DATA:
+                    self._unparsed = 0
+                    self._resume_reading()
+                    return
+                elif kind is PubAck:
+                    assert isinstance(ev, PubAck)
+                    if self.delivery is not None:
+                        self.delivery.on_puback(ev.packet_id)
                     continue
-            elif ev is NEED_DATA:
-                self._unparsed = 0
-                self._resume_reading()
+                self._kick(ev)
                 return
-            elif kind is PubAck:
-                assert isinstance(ev, PubAck)
-                if self.delivery is not None:
-                    self.delivery.on_puback(ev.packet_id)
-                continue
-            self._kick(ev)
-            return
-        self._kick()  # a flood: the reader task goes on after the turn
+            self._kick()  # a flood: the reader task goes on after the turn
+        finally:
+            if len(ingest) > taken and self.gw.overload.overloaded and not self._held:
+                self.gw.overload.hold(self)
 
     # -- the ingest batch's side (gateway/ingest.py) -----------------------------------------
 
@@ -221,6 +228,14 @@ class ClientConnection:
                 self.client_id, self.gw.store.encode_properties
             )
         return blocks
+
+    def hold_reading(self) -> None:
+        self._held = True
+        self._pause_reading()
+
+    def release_reading(self) -> None:
+        self._held = False
+        self._resume_reading()
 
     def acknowledge_stored(self, packet_ids: list[int]) -> None:
         self.write(self.conn.pubacks(packet_ids))
@@ -267,6 +282,7 @@ class ClientConnection:
     def _resume_reading(self) -> None:
         if (
             self._reading_paused
+            and not self._held
             and not self.closed
             and self._pending_puts < MAX_PENDING_PUTS // 2
             and self._unparsed <= MAX_UNPARSED
@@ -673,6 +689,8 @@ class ClientConnection:
                     return
                 await self._on_publish(pub)
             return
+        if gw.overload.overloaded and not self._held and not self.closed:
+            gw.overload.hold(self)
         acked = [pub for pub in run if pub.qos]
         if gw.settings.flush == "sync":
             if not acked:

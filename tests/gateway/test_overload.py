@@ -1,0 +1,105 @@
+"""Overload: when the event loop falls behind, publishers are held, subscribers are not, and
+nothing that was sent is lost once the gateway catches up (gateway/overload.py).
+
+Overload is made real, not simulated: a callback on the gateway's own loop burns 60 ms of every
+turn, so every timer fires late exactly as on a saturated machine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from gateway.client import ClientConnection
+from gateway.protocol import PubAck, Publish, SubAck, Subscribe, Subscription, encode
+from tests.gateway.conftest import GatewayHarness, RawClient, wait_until
+
+
+def _connection(h: GatewayHarness, client_id: str) -> ClientConnection:
+    def find() -> ClientConnection:
+        assert h.gw is not None
+        session = h.gw.sessions.get(client_id)
+        assert session is not None and session.connection is not None
+        return session.connection
+
+    return h.call(find)
+
+
+class _Burner:
+    """Keeps the gateway's loop busy: 60 ms of every turn, until stopped."""
+
+    def __init__(self, h: GatewayHarness) -> None:
+        assert h.loop is not None
+        self.loop = h.loop
+        self.running = True
+        self.loop.call_soon_threadsafe(self._burn)
+
+    def _burn(self) -> None:
+        if self.running:
+            time.sleep(0.06)
+            self.loop.call_soon(self._burn)
+
+    def stop(self) -> None:
+        self.running = False
+
+
+def test_publishers_are_held_while_the_loop_lags_and_nothing_is_lost(
+    gateway: GatewayHarness,
+) -> None:
+    sub = RawClient(gateway.port, level=5)
+    assert sub.connect("ov-sub").reason_code == 0
+    sub.send(Subscribe(1, [Subscription("ov/#", 1)]))
+    assert isinstance(sub.recv(), SubAck)
+    pub = RawClient(gateway.port, level=4)
+    assert pub.connect("ov-pub").reason_code == 0
+
+    sent = 0
+    stop = threading.Event()
+
+    def flood() -> None:
+        nonlocal sent
+        while not stop.is_set():
+            packet = Publish("ov/t", b"%d" % sent, qos=1, packet_id=sent % 65535 + 1)
+            pub.send_bytes(encode(packet, 4))  # PUBACKs are left unread: the kernel keeps them
+            sent += 1
+            time.sleep(0.0005)
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    received: list[int] = []
+
+    def drain(until: float) -> None:
+        while time.monotonic() < until:
+            try:
+                ev = sub.recv(0.05)
+            except TimeoutError:
+                continue
+            assert ev is not None, "the subscriber was disconnected"
+            if isinstance(ev, Publish):
+                received.append(int(ev.payload))
+                if ev.qos == 1 and ev.packet_id is not None:
+                    sub.send(PubAck(ev.packet_id))
+
+    burner = _Burner(gateway)
+    try:
+        deadline = time.monotonic() + 10
+        while gateway.call(lambda: gateway.gw.overload.holds) == 0:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the publisher was never held"
+            drain(time.monotonic() + 0.05)
+        assert _connection(gateway, "ov-pub")._held
+        # The subscriber acknowledges deliveries all along: it is never held.
+        drain(time.monotonic() + 0.5)
+        assert not _connection(gateway, "ov-sub")._held
+    finally:
+        burner.stop()
+        stop.set()
+        flooder.join()
+    wait_until(lambda: not _connection(gateway, "ov-pub")._held, what="the publisher released")
+    # Everything the publisher wrote arrives, in order, once the gateway has caught up.
+    deadline = time.monotonic() + 20
+    while len(received) < sent and time.monotonic() < deadline:
+        drain(time.monotonic() + 0.2)
+    assert received == list(range(sent))
+    assert gateway.call(lambda: gateway.gw.overload.held) == 0  # type: ignore[union-attr]
+    pub.close()
+    sub.close()
