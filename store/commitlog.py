@@ -23,7 +23,7 @@ from store.format import (
     parse_offset_file_name,
     write_record,
 )
-from store.segment import Segment
+from store.segment import Segment, fsync_dir
 
 log = logging.getLogger("lmqtt.store.commitlog")
 
@@ -61,7 +61,13 @@ class CommitLog:
         starts.sort()
         if not starts:
             return
-        size = os.path.getsize(self.dir / offset_file_name(starts[0]))
+        sizes = [os.path.getsize(self.dir / offset_file_name(s)) for s in starts]
+        # Every segment but the last was fsynced at its full size before the next one was
+        # created, so they tell the size. The last one may be short: a power cut soon after
+        # its creation leaves it 0 bytes (the growth to full size not yet synced) or holding
+        # only what was written into it. Taking its size would make a 0-byte or 4 KiB segment
+        # the segment size; it is grown back to the full size instead.
+        size = sizes[0] if len(starts) > 1 else max(sizes[0], self.segment_size)
         if size != self.segment_size:
             log.warning(
                 "segments are %d bytes, not the configured %d: keeping %d",
@@ -74,12 +80,17 @@ class CommitLog:
                 raise CorruptStoreError(str(path), "start offset is not a multiple of the size")
             if i and start != starts[i - 1] + self.segment_size:
                 raise CorruptStoreError(str(path), "gap before this segment")
-            fsize = os.path.getsize(path)
+            fsize = sizes[i]
             if fsize != self.segment_size:
                 if i == len(starts) - 1 and not self.read_only and fsize < self.segment_size:
                     # A crash while creating the last segment: finish creating it.
+                    log.warning(
+                        "segment %s is %d bytes, not %d (cut while being created): growing it",
+                        path, fsize, self.segment_size,
+                    )  # fmt: skip
                     with open(path, "r+b") as f:
                         f.truncate(self.segment_size)
+                        os.fsync(f.fileno())
                 else:
                     raise CorruptStoreError(str(path), f"size {fsize} != {self.segment_size}")
             self.segments.append(
@@ -109,6 +120,10 @@ class CommitLog:
             self.dir / offset_file_name(start), start, self.segment_size,
             create=True, read_only=False,
         )  # fmt: skip
+        # The new file's name must be durable before any record in it is acknowledged: an
+        # fsync of the file alone does not promise its directory entry (ext4's default
+        # ordering happens to save it, other file systems need not).
+        fsync_dir(self.dir)
         self.segments.append(seg)
         self.write_pos = start
         return seg

@@ -210,7 +210,12 @@ class ConsumeQueueTable:
         cq.max_offset += 1
 
     def _write(self, cq: ConsumeQueue) -> list[str]:
-        """Write ``cq.pending`` to its files; returns the paths written."""
+        """Write ``cq.pending`` to its files; returns the paths written (to fsync).
+
+        The paths include every directory that gained an entry (a new queue's directories, a
+        new file's directory): an fsync of a new file does not promise its name, so the
+        checkpoint that counts its units must come after the directory's fsync too.
+        """
         data = memoryview(bytes(cq.pending))
         unit = cq.flushed
         written = []
@@ -219,8 +224,10 @@ class ConsumeQueueTable:
             room = self.upf - unit % self.upf
             chunk = data[: room * CQ_UNIT_SIZE]
             if not cq.dir_ready:
-                os.makedirs(cq.dir, exist_ok=True)
+                written += self._make_dirs(cq.dir)
                 cq.dir_ready = True
+            if unit % self.upf == 0:
+                written.append(cq.dir)  # the file is created by this write
             self.files.pwrite(path, chunk, (unit % self.upf) * CQ_UNIT_SIZE)
             written.append(path)
             unit += len(chunk) // CQ_UNIT_SIZE
@@ -228,6 +235,18 @@ class ConsumeQueueTable:
         cq.flushed = unit
         cq.pending = bytearray()
         return written
+
+    def _make_dirs(self, directory: str) -> list[str]:
+        """Create ``directory`` and missing parents; returns the parents that gained an entry."""
+        if os.path.isdir(directory):
+            return []
+        parent = os.path.dirname(directory)
+        changed = self._make_dirs(parent) if parent != str(self.root) else []
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            return changed
+        return [*changed, parent]
 
     def write_pending(self) -> list[str]:
         """Write every queue's buffered units; returns the files written (to fsync)."""

@@ -453,10 +453,11 @@ def test_acknowledged_retained_publish_survives_sigkill(tmp_path: Path) -> None:
     proc, port = _serve(data)
     try:
         got: dict[str, bytes] = {}
+        flags: list[bool] = []  # checked here, not in paho's thread (which would swallow it)
         done = threading.Event()
 
         def on_message(_c: object, _u: object, msg: mqtt.MQTTMessage) -> None:
-            assert msg.retain
+            flags.append(bool(msg.retain))
             got[msg.topic] = msg.payload
             if len(got) == 2:
                 done.set()
@@ -470,6 +471,7 @@ def test_acknowledged_retained_publish_survives_sigkill(tmp_path: Path) -> None:
         sub.disconnect()
         sub.loop_stop()
         assert got == {"crash/a": b"kept", "crash/b": b"\x00bin"}
+        assert flags == [True, True], "retained copies must carry the RETAIN flag"
     finally:
         proc.terminate()
         proc.wait(15)

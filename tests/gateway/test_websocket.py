@@ -144,11 +144,13 @@ def _frame(opcode: int, payload: bytes) -> bytes:
 
 
 def _read_all(sock: socket.socket) -> bytes:
+    """Everything until the server closes the connection. A server that stays silent past the
+    socket's timeout raises TimeoutError: silence is not a close."""
     data = b""
     try:
         while chunk := sock.recv(4096):
             data += chunk
-    except (ConnectionResetError, TimeoutError):
+    except ConnectionResetError:
         pass
     return data
 
