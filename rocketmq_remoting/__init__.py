@@ -8,6 +8,7 @@ from rocketmq_remoting.client import PullResult, RemotingClient, SendResult
 from rocketmq_remoting.codes import RequestCode, ResponseCode
 from rocketmq_remoting.command import RemotingCommand, decode_frame
 from rocketmq_remoting.errors import (
+    BrokerBusyError,
     BrokerError,
     OffsetMovedError,
     ProtocolError,
@@ -21,6 +22,7 @@ from rocketmq_remoting.message import MessageRecord, decode_records
 from rocketmq_remoting.route import ClusterInfo, TopicRoute
 
 __all__ = [
+    "BrokerBusyError",
     "BrokerError",
     "ClusterInfo",
     "MessageRecord",

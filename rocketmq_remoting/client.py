@@ -35,6 +35,7 @@ from rocketmq_remoting.codes import (
 from rocketmq_remoting.command import RemotingCommand
 from rocketmq_remoting.connection import Connection
 from rocketmq_remoting.errors import (
+    BrokerBusyError,
     BrokerError,
     OffsetMovedError,
     RemotingConnectError,
@@ -60,6 +61,8 @@ def raise_for(cmd: RemotingCommand, addr: str, ok: Iterable[int] = (ResponseCode
         return
     if cmd.code == ResponseCode.TOPIC_NOT_EXIST:
         raise TopicNotExistError(cmd.code, cmd.remark, addr)
+    if cmd.code in (ResponseCode.SYSTEM_BUSY, ResponseCode.FLOW_CONTROL):
+        raise BrokerBusyError(cmd.code, cmd.remark, addr)
     raise BrokerError(cmd.code, cmd.remark, addr)
 
 

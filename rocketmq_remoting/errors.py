@@ -51,6 +51,15 @@ class TopicNotExistError(BrokerError):
     """TOPIC_NOT_EXIST (17): the topic is unknown and was not (or may not be) auto-created."""
 
 
+class BrokerBusyError(BrokerError):
+    """SYSTEM_BUSY (2) or FLOW_CONTROL (215): the broker shed the request before handling it.
+
+    Its fast-failure check answers this for requests that waited in its queue longer than
+    ``waitTimeMillsInSendQueue`` (``[TIMEOUT_CLEAN_QUEUE]broker busy``) or when the page cache
+    is busy (``[PCBUSY_CLEAN_QUEUE]``): nothing was stored, so the request may be retried.
+    """
+
+
 class OffsetMovedError(BrokerError):
     """PULL_OFFSET_MOVED (21): the requested offset is outside the queue; restart elsewhere.
 
