@@ -39,9 +39,10 @@ STAMP = LIB / ".pom-sha256"
 ROCKETMQ_VERSION = "5.3.3"
 REQUIRE_ENV = "LMQTT_REQUIRE_ROCKETMQ"
 CLUSTER_NAME = "lmqtt-test"
-#: broker-a auto-creates topics on first send; broker-b does not (production-like), so the
-#: tests can see TOPIC_NOT_EXIST.
-BROKERS = {"broker-a": True, "broker-b": False}
+#: broker name -> (autoCreateTopicEnable, flushDiskType). broker-a auto-creates topics on first
+#: send and flushes asynchronously; broker-b is configured like production for lmqtt's sync mode:
+#: no auto-creation (so the tests see TOPIC_NOT_EXIST) and SYNC_FLUSH (SEND_OK after the flush).
+BROKERS = {"broker-a": (True, "ASYNC_FLUSH"), "broker-b": (False, "SYNC_FLUSH")}
 
 JVM_OPTS = [
     "-XX:+UseSerialGC",
@@ -167,7 +168,7 @@ class RocketMQCluster:
             f"kvConfigPath={self.root / 'namesrv' / 'kvConfig.json'}\n"
         )
         self._spawn("namesrv", "org.apache.rocketmq.namesrv.NamesrvStartup", NAMESRV_HEAP, conf)
-        for name, auto_create in BROKERS.items():
+        for name, (auto_create, flush) in BROKERS.items():
             port = broker_port()
             store = self.root / name / "store"
             conf = self.root / f"{name}.conf"
@@ -178,7 +179,7 @@ class RocketMQCluster:
                         f"brokerName={name}",
                         "brokerId=0",
                         "brokerRole=ASYNC_MASTER",
-                        "flushDiskType=ASYNC_FLUSH",
+                        f"flushDiskType={flush}",
                         f"namesrvAddr={self.namesrv_addr}",
                         "brokerIP1=127.0.0.1",
                         "brokerIP2=127.0.0.1",

@@ -52,6 +52,20 @@ async def _eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15.
         await asyncio.sleep(0.05)
 
 
+async def _dispatched(client: RemotingClient, broker: str, queue: str, count: int) -> None:
+    """Wait until the broker's dispatch thread has indexed ``count`` messages in ``queue``.
+
+    A send is answered once the CommitLog append is done; the consume-queue units (the light
+    queues' included) are written by a separate thread right after, so a pull issued at once
+    may not see the message yet.
+    """
+
+    async def reached() -> bool:
+        return await client.get_max_offset(broker, queue) >= count
+
+    await _eventually(reached)
+
+
 async def _parent(client: RemotingClient, broker: str) -> str:
     topic = _name("lmqtt-parent-")
     await client.create_topic(broker, topic, queues=1)
@@ -146,10 +160,9 @@ async def test_send_dispatches_to_light_queues_at_recorded_offsets(
         sent.append(result)
     assert [r.queue_offset for r in sent] == [2, 3, 4]  # offsets in the parent queue
 
-    async def dispatched() -> bool:
-        return await client.get_max_offset(broker_a, lmq_x) == 3
-
-    await _eventually(dispatched)
+    await _dispatched(client, broker_a, lmq_x, 3)
+    await _dispatched(client, broker_a, lmq_y, 5)
+    assert await client.get_max_offset(broker_a, lmq_x) == 3
     assert await client.get_max_offset(broker_a, lmq_y) == 5
     assert await client.get_min_offset(broker_a, lmq_x) == 0
 
@@ -220,6 +233,7 @@ async def test_search_offset_by_timestamp(client: RemotingClient, broker_a: str)
     for i in range(3):
         await client.send_message(broker_a, parent, f"t{i}".encode(), light_queues=[lmq])
         await asyncio.sleep(0.05)  # distinct store timestamps (milliseconds)
+    await _dispatched(client, broker_a, lmq, 3)
     got = await client.pull(broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX))
     stamps = [m.store_timestamp for m in got.messages]
     assert len(stamps) == 3 and stamps == sorted(stamps) and len(set(stamps)) == 3
@@ -248,10 +262,7 @@ async def test_errors_carry_the_brokers_code_and_remark(
     for i in range(2):
         await client.send_message(broker_a, parent, f"m{i}".encode(), light_queues=[lmq])
 
-    async def dispatched() -> bool:
-        return await client.get_max_offset(broker_a, lmq) == 2
-
-    await _eventually(dispatched)
+    await _dispatched(client, broker_a, lmq, 2)
     with pytest.raises(OffsetMovedError) as moved:
         await client.pull(broker_a, lmq, 100, consumer_group=_name(GROUP_PREFIX))
     assert moved.value.code == ResponseCode.PULL_OFFSET_MOVED == 21
@@ -275,10 +286,7 @@ async def test_pipelined_sends_on_one_connection(client: RemotingClient, broker_
     assert len({id(c) for c in client._conns.values()}) == len(client._conns)
     assert (await client.connection(broker_a)).in_flight == 0
 
-    async def dispatched() -> bool:
-        return await client.get_max_offset(broker_a, lmq) == 200
-
-    await _eventually(dispatched)
+    await _dispatched(client, broker_a, lmq, 200)
 
 
 async def test_timeout_leaves_the_connection_usable(client: RemotingClient, broker_a: str) -> None:
@@ -311,8 +319,27 @@ async def test_reconnect_after_the_connection_drops(client: RemotingClient, brok
     assert result.ok
     second = await client.connection(broker_a)
     assert second is not first and not second.closed
+    await _dispatched(client, broker_a, lmq, 1)
     got = await client.pull(broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX))
     assert [m.body for m in got.messages] == [b"after reconnect"]
+
+
+async def test_sync_flush_broker_acknowledges_after_the_flush(
+    client: RemotingClient, rocketmq: RocketMQCluster
+) -> None:
+    broker_b = rocketmq.brokers["broker-b"]  # flushDiskType=SYNC_FLUSH
+    parent = await _parent(client, broker_b)
+    lmq = _name("%LMQ%sync-")
+    results = await asyncio.gather(
+        *(
+            client.send_message(broker_b, parent, f"s{i}".encode(), light_queues=[lmq])
+            for i in range(20)
+        )
+    )
+    assert all(r.code == ResponseCode.SUCCESS for r in results)  # not FLUSH_DISK_TIMEOUT
+    await _dispatched(client, broker_b, lmq, 20)
+    got = await client.pull(broker_b, lmq, 0, consumer_group=_name(GROUP_PREFIX))
+    assert sorted(m.body for m in got.messages) == sorted(f"s{i}".encode() for i in range(20))
 
 
 async def test_heartbeat_is_accepted(client: RemotingClient, rocketmq: RocketMQCluster) -> None:
