@@ -1,0 +1,498 @@
+"""An asyncio RocketMQ remoting client: name-server routes and the broker calls lmqtt needs.
+
+One :class:`RemotingClient` holds at most one pipelined connection per address, opened on first
+use and re-opened on the next request after it dropped (reconnect). While it has broker
+connections it sends them a HEART_BEAT every ``heartbeat_interval`` seconds, which registers the
+producer group and keeps the broker from closing the channel as idle (120 s by default).
+
+Broker answers other than the success codes a call expects raise :class:`BrokerError` (or a
+subclass) carrying the broker's own ``code`` and ``remark``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from rocketmq_remoting import headers
+from rocketmq_remoting.codes import (
+    LMQ_QUEUE_ID,
+    PERM_READ,
+    PERM_WRITE,
+    PULL_COMMIT_OFFSET,
+    PULL_SUBSCRIPTION,
+    PULL_SUSPEND,
+    RequestCode,
+    ResponseCode,
+)
+from rocketmq_remoting.command import RemotingCommand
+from rocketmq_remoting.connection import Connection
+from rocketmq_remoting.errors import (
+    BrokerBusyError,
+    BrokerError,
+    OffsetMovedError,
+    RemotingConnectError,
+    RemotingError,
+    TopicNotExistError,
+)
+from rocketmq_remoting.message import (
+    PROPERTY_INNER_MULTI_DISPATCH,
+    PROPERTY_WAIT_STORE_MSG_OK,
+    MessageRecord,
+    decode_records,
+    dispatch_property,
+    encode_properties,
+)
+from rocketmq_remoting.route import ClusterInfo, TopicRoute
+
+log = logging.getLogger(__name__)
+
+
+def raise_for(cmd: RemotingCommand, addr: str, ok: Iterable[int] = (ResponseCode.SUCCESS,)) -> None:
+    """Raise the typed error for an answer whose code is not in ``ok``."""
+    if cmd.code in ok:
+        return
+    if cmd.code == ResponseCode.TOPIC_NOT_EXIST:
+        raise TopicNotExistError(cmd.code, cmd.remark, addr)
+    if cmd.code in (ResponseCode.SYSTEM_BUSY, ResponseCode.FLOW_CONTROL):
+        raise BrokerBusyError(cmd.code, cmd.remark, addr)
+    raise BrokerError(cmd.code, cmd.remark, addr)
+
+
+@dataclass(slots=True)
+class SendResult:
+    """SEND_MESSAGE_V2's answer (``SendMessageResponseHeader``).
+
+    The broker does not return the light-queue offsets it assigned: they are stored with the
+    message (INNER_MULTI_QUEUE_OFFSET) and come back with it on a pull.
+    """
+
+    code: int  # SUCCESS, or FLUSH_DISK_TIMEOUT / FLUSH_SLAVE_TIMEOUT / SLAVE_NOT_AVAILABLE
+    msg_id: str
+    queue_id: int
+    queue_offset: int
+    transaction_id: str | None
+    region: str | None
+
+    @property
+    def ok(self) -> bool:
+        """SEND_OK: stored (and, on a SYNC_FLUSH broker, flushed) before the answer."""
+        return self.code == ResponseCode.SUCCESS
+
+
+@dataclass(slots=True)
+class PullResult:
+    """PULL_MESSAGE's answer when the offset is valid (FOUND, NOT_FOUND or RETRY)."""
+
+    code: int
+    next_begin_offset: int
+    min_offset: int
+    max_offset: int
+    messages: list[MessageRecord] = field(default_factory=list)
+
+    @property
+    def found(self) -> bool:
+        return self.code == ResponseCode.SUCCESS
+
+
+def _int(cmd: RemotingCommand, name: str, default: int = 0) -> int:
+    value = cmd.ext_fields.get(name)
+    return int(value) if value not in (None, "", "null") else default
+
+
+class RemotingClient:
+    """Talks to the name servers in ``namesrv_addrs`` and to any broker address."""
+
+    def __init__(
+        self,
+        namesrv_addrs: Iterable[str] = (),
+        *,
+        client_id: str | None = None,
+        producer_group: str = "lmqtt-producer",
+        request_timeout: float = 3.0,
+        connect_timeout: float = 3.0,
+        heartbeat_interval: float = 30.0,
+    ) -> None:
+        self.namesrv_addrs = list(namesrv_addrs)
+        self.client_id = client_id or f"{socket.gethostname()}@{os.getpid()}@lmqtt"
+        self.producer_group = producer_group
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self._conns: dict[str, Connection] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._brokers: set[str] = set()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- connections ------------------------------------------------------------------------
+
+    async def connection(self, addr: str) -> Connection:
+        """The open connection to ``addr``, (re)connecting if there is none."""
+        conn = self._conns.get(addr)
+        if conn is not None and not conn.closed:
+            return conn
+        if self._closed:
+            raise RemotingError("client closed")
+        lock = self._connecting.setdefault(addr, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(addr)
+            if conn is None or conn.closed:
+                if conn is not None:
+                    log.info("rocketmq %s: reconnecting", addr)
+                conn = await Connection.open(addr, self.connect_timeout)
+                self._conns[addr] = conn
+        return conn
+
+    async def invoke(
+        self,
+        addr: str,
+        code: int,
+        ext_fields: Mapping[str, str] | None = None,
+        body: bytes = b"",
+        timeout: float | None = None,
+    ) -> RemotingCommand:
+        """Send one request to ``addr`` and return the answer, whatever its code."""
+        conn = await self.connection(addr)
+        cmd = RemotingCommand(code=code, ext_fields=dict(ext_fields or {}), body=body)
+        return await conn.request(cmd, self.request_timeout if timeout is None else timeout)
+
+    async def invoke_oneway(
+        self, addr: str, code: int, ext_fields: Mapping[str, str] | None = None, body: bytes = b""
+    ) -> None:
+        conn = await self.connection(addr)
+        await conn.oneway(RemotingCommand(code=code, ext_fields=dict(ext_fields or {}), body=body))
+
+    async def _invoke_broker(
+        self,
+        addr: str,
+        code: int,
+        ext_fields: Mapping[str, str] | None = None,
+        body: bytes = b"",
+        timeout: float | None = None,
+    ) -> RemotingCommand:
+        if addr not in self._brokers:
+            self._brokers.add(addr)
+            self._start_heartbeats()
+        return await self.invoke(addr, code, ext_fields, body, timeout)
+
+    async def _invoke_namesrv(
+        self, code: int, ext_fields: Mapping[str, str]
+    ) -> tuple[str, RemotingCommand]:
+        """Ask the name servers in turn until one answers (any code)."""
+        if not self.namesrv_addrs:
+            raise RemotingError("no name server address configured")
+        last: RemotingError | None = None
+        for addr in list(self.namesrv_addrs):
+            try:
+                return addr, await self.invoke(addr, code, ext_fields)
+            except RemotingError as exc:
+                last = exc
+                # Try the next one first next time.
+                self.namesrv_addrs.remove(addr)
+                self.namesrv_addrs.append(addr)
+        assert last is not None
+        raise last
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            await conn.close()
+
+    async def __aenter__(self) -> RemotingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- heartbeats ---------------------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        if self._heartbeat_task is None or self._heartbeat_task.done():
+            self._heartbeat_task = asyncio.get_running_loop().create_task(
+                self._heartbeat_loop(), name="rocketmq-remoting-heartbeat"
+            )
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            for addr in list(self._brokers):
+                try:
+                    await self.heartbeat(addr)
+                except RemotingError as exc:
+                    log.warning("rocketmq %s: heartbeat failed: %s", addr, exc)
+
+    async def heartbeat(self, broker_addr: str) -> None:
+        """HEART_BEAT (34): ``HeartbeatData`` JSON naming this client and its producer group."""
+        body = json.dumps(
+            {
+                "clientID": self.client_id,
+                "producerDataSet": [{"groupName": self.producer_group}],
+                "consumerDataSet": [],
+            },
+            separators=(",", ":"),
+        ).encode()
+        answer = await self.invoke(broker_addr, RequestCode.HEART_BEAT, {}, body)
+        raise_for(answer, broker_addr)
+
+    # -- name server --------------------------------------------------------------------------
+
+    async def get_route(self, topic: str) -> TopicRoute:
+        """GET_ROUTEINFO_BY_TOPIC (105); TopicNotExistError when no broker serves the topic."""
+        addr, answer = await self._invoke_namesrv(
+            RequestCode.GET_ROUTEINFO_BY_TOPIC, headers.get_route_info(topic)
+        )
+        raise_for(answer, addr)
+        return TopicRoute.from_body(answer.body)
+
+    async def get_cluster_info(self) -> ClusterInfo:
+        """GET_BROKER_CLUSTER_INFO (106): the brokers registered with the name server."""
+        addr, answer = await self._invoke_namesrv(RequestCode.GET_BROKER_CLUSTER_INFO, {})
+        raise_for(answer, addr)
+        return ClusterInfo.from_body(answer.body)
+
+    # -- broker: messages ---------------------------------------------------------------------
+
+    async def send_message(
+        self,
+        broker_addr: str,
+        topic: str,
+        body: bytes,
+        *,
+        queue_id: int = 0,
+        light_queues: list[str] | None = None,
+        properties: Mapping[str, str] | None = None,
+        wait_store: bool = True,
+        flag: int = 0,
+        timeout: float | None = None,
+    ) -> SendResult:
+        """SEND_MESSAGE_V2 (310) to ``topic``/``queue_id``, also indexed in ``light_queues``.
+
+        ``light_queues`` become INNER_MULTI_DISPATCH; the broker appends the message once and
+        indexes it in the parent queue and in each light queue. ``wait_store`` sets WAIT=true:
+        on a SYNC_FLUSH broker the answer then comes after the flush (FLUSH_DISK_TIMEOUT if it
+        did not complete in time, returned here as ``code`` rather than raised: the message is
+        stored, only its durability is in doubt).
+        """
+        props: dict[str, str] = {}
+        if light_queues:
+            props[PROPERTY_INNER_MULTI_DISPATCH] = dispatch_property(light_queues)
+        if properties:
+            props.update(properties)
+        props[PROPERTY_WAIT_STORE_MSG_OK] = "true" if wait_store else "false"
+        fields = headers.send_message_v2(
+            producer_group=self.producer_group,
+            topic=topic,
+            queue_id=queue_id,
+            born_timestamp=int(time.time() * 1000),
+            properties=encode_properties(props),
+            flag=flag,
+        )
+        answer = await self._invoke_broker(
+            broker_addr, RequestCode.SEND_MESSAGE_V2, fields, body, timeout
+        )
+        raise_for(
+            answer,
+            broker_addr,
+            ok=(
+                ResponseCode.SUCCESS,
+                ResponseCode.FLUSH_DISK_TIMEOUT,
+                ResponseCode.FLUSH_SLAVE_TIMEOUT,
+                ResponseCode.SLAVE_NOT_AVAILABLE,
+            ),
+        )
+        return SendResult(
+            code=answer.code,
+            msg_id=answer.ext_fields.get("msgId", ""),
+            queue_id=_int(answer, "queueId"),
+            queue_offset=_int(answer, "queueOffset"),
+            transaction_id=answer.ext_fields.get("transactionId"),
+            region=answer.ext_fields.get("MSG_REGION"),
+        )
+
+    async def pull(
+        self,
+        broker_addr: str,
+        topic: str,
+        offset: int,
+        *,
+        consumer_group: str,
+        queue_id: int = LMQ_QUEUE_ID,
+        max_messages: int = 32,
+        suspend_timeout: float | None = None,
+        commit_offset: int | None = None,
+        check_crc: bool = True,
+        timeout: float | None = None,
+    ) -> PullResult:
+        """PULL_MESSAGE (11) from ``offset``; with ``suspend_timeout`` a long poll.
+
+        The subscription (``*``, TAG) travels with the request (PULL_SUBSCRIPTION), so the broker
+        needs no consumer registration. With ``suspend_timeout`` the broker holds a pull that
+        finds nothing until a message arrives in the queue (light queues included:
+        ``LmqPullRequestHoldService``) or the timeout passes, then answers NOT_FOUND.
+        ``commit_offset`` also commits the group's offset (PULL_COMMIT_OFFSET).
+        Raises :class:`OffsetMovedError` when the offset is outside the queue.
+        """
+        sys_flag = PULL_SUBSCRIPTION
+        if suspend_timeout is not None:
+            sys_flag |= PULL_SUSPEND
+        if commit_offset is not None:
+            sys_flag |= PULL_COMMIT_OFFSET
+        suspend_ms = int((suspend_timeout or 0) * 1000)
+        fields = headers.pull_message(
+            consumer_group=consumer_group,
+            topic=topic,
+            queue_id=queue_id,
+            queue_offset=offset,
+            max_msg_nums=max_messages,
+            sys_flag=sys_flag,
+            commit_offset=commit_offset or 0,
+            suspend_timeout_millis=suspend_ms,
+            subscription="*",
+        )
+        if timeout is None:
+            timeout = self.request_timeout + (suspend_timeout or 0)
+        answer = await self._invoke_broker(
+            broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
+        )
+        next_begin = _int(answer, "nextBeginOffset")
+        min_offset = _int(answer, "minOffset")
+        max_offset = _int(answer, "maxOffset")
+        if answer.code == ResponseCode.PULL_OFFSET_MOVED:
+            raise OffsetMovedError(
+                answer.code, answer.remark, broker_addr, next_begin, min_offset, max_offset
+            )
+        raise_for(
+            answer,
+            broker_addr,
+            ok=(
+                ResponseCode.SUCCESS,
+                ResponseCode.PULL_NOT_FOUND,
+                ResponseCode.PULL_RETRY_IMMEDIATELY,
+            ),
+        )
+        messages = (
+            list(decode_records(answer.body, check_crc))
+            if answer.code == ResponseCode.SUCCESS
+            else []
+        )
+        return PullResult(answer.code, next_begin, min_offset, max_offset, messages)
+
+    # -- broker: offsets ----------------------------------------------------------------------
+
+    async def query_consumer_offset(
+        self, broker_addr: str, consumer_group: str, topic: str, queue_id: int = LMQ_QUEUE_ID
+    ) -> int | None:
+        """QUERY_CONSUMER_OFFSET (14): the group's committed offset, None if it has none."""
+        answer = await self._invoke_broker(
+            broker_addr,
+            RequestCode.QUERY_CONSUMER_OFFSET,
+            headers.query_consumer_offset(consumer_group, topic, queue_id, False),
+        )
+        if answer.code == ResponseCode.QUERY_NOT_FOUND:
+            return None
+        raise_for(answer, broker_addr)
+        return _int(answer, "offset")
+
+    async def update_consumer_offset(
+        self,
+        broker_addr: str,
+        consumer_group: str,
+        topic: str,
+        offset: int,
+        queue_id: int = LMQ_QUEUE_ID,
+        *,
+        oneway: bool = False,
+    ) -> None:
+        """UPDATE_CONSUMER_OFFSET (15); ``oneway`` sends it without waiting (as Java clients do)."""
+        fields = headers.update_consumer_offset(consumer_group, topic, queue_id, offset)
+        if oneway:
+            await self.invoke_oneway(broker_addr, RequestCode.UPDATE_CONSUMER_OFFSET, fields)
+            return
+        answer = await self._invoke_broker(broker_addr, RequestCode.UPDATE_CONSUMER_OFFSET, fields)
+        raise_for(answer, broker_addr)
+
+    async def search_offset(
+        self,
+        broker_addr: str,
+        topic: str,
+        timestamp_ms: int,
+        queue_id: int = LMQ_QUEUE_ID,
+        boundary: str = "lower",
+    ) -> int:
+        """SEARCH_OFFSET_BY_TIMESTAMP (29): the queue offset of the first message stored at or
+        after ``timestamp_ms`` (``lower``) or the last at or before it (``upper``)."""
+        answer = await self._invoke_broker(
+            broker_addr,
+            RequestCode.SEARCH_OFFSET_BY_TIMESTAMP,
+            headers.search_offset(topic, queue_id, timestamp_ms, boundary),
+        )
+        raise_for(answer, broker_addr)
+        return _int(answer, "offset")
+
+    async def get_max_offset(
+        self, broker_addr: str, topic: str, queue_id: int = LMQ_QUEUE_ID
+    ) -> int:
+        """GET_MAX_OFFSET (30): the offset the next message in the queue will get."""
+        answer = await self._invoke_broker(
+            broker_addr, RequestCode.GET_MAX_OFFSET, headers.get_max_offset(topic, queue_id)
+        )
+        raise_for(answer, broker_addr)
+        return _int(answer, "offset")
+
+    async def get_min_offset(
+        self, broker_addr: str, topic: str, queue_id: int = LMQ_QUEUE_ID
+    ) -> int:
+        """GET_MIN_OFFSET (31): the oldest offset the queue still holds."""
+        answer = await self._invoke_broker(
+            broker_addr, RequestCode.GET_MIN_OFFSET, headers.get_min_offset(topic, queue_id)
+        )
+        raise_for(answer, broker_addr)
+        return _int(answer, "offset")
+
+    # -- broker: admin ------------------------------------------------------------------------
+
+    async def create_topic(
+        self, broker_addr: str, topic: str, *, queues: int = 1, perm: int | None = None
+    ) -> None:
+        """UPDATE_AND_CREATE_TOPIC (17) on one broker, which registers it at the name server."""
+        fields = headers.create_topic(
+            topic,
+            read_queue_nums=queues,
+            write_queue_nums=queues,
+            perm=PERM_READ | PERM_WRITE if perm is None else perm,
+        )
+        answer = await self._invoke_broker(broker_addr, RequestCode.UPDATE_AND_CREATE_TOPIC, fields)
+        raise_for(answer, broker_addr)
+
+    async def wait_for_brokers(
+        self, cluster: str, broker_names: Iterable[str], timeout: float
+    ) -> ClusterInfo:
+        """Poll GET_BROKER_CLUSTER_INFO until every named broker has a master registered."""
+        wanted = set(broker_names)
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while True:
+            try:
+                info = await self.get_cluster_info()
+                members = set(info.clusters.get(cluster, []))
+                if wanted <= members and all(info.brokers[n].master_addr for n in wanted):
+                    return info
+                last = RemotingError(f"registered so far: {sorted(members)}")
+            except (RemotingError, RemotingConnectError) as exc:
+                last = exc
+            if time.monotonic() > deadline:
+                raise RemotingError(f"brokers {sorted(wanted)} not registered in time: {last}")
+            await asyncio.sleep(0.2)

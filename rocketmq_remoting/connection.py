@@ -1,0 +1,170 @@
+"""One TCP connection to a name server or broker: requests pipelined, answers matched by opaque.
+
+Any number of requests may be in flight on a connection: each gets a fresh ``opaque``, its frame
+is written at once, and the reader task completes the waiting future whose opaque the answer
+carries, in whatever order the server answers (a long-polling pull held for seconds does not
+hold up the sends behind it). A one-way request (flag bit 1) gets no answer. Requests the server
+sends us (it may ask a client for its running info, or notify it) are answered with
+REQUEST_CODE_NOT_SUPPORTED unless they are one-way, so the server never waits on us.
+
+When the connection drops, every waiting request fails with :class:`RemotingClosedError`; the
+client above opens a new connection for the next request (nothing is retried blindly: a send
+may or may not have been stored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from typing import Final
+
+from rocketmq_remoting.codes import FLAG_ONEWAY, FLAG_RESPONSE, ResponseCode
+from rocketmq_remoting.command import FRAME_MAX, RemotingCommand, decode_frame
+from rocketmq_remoting.errors import (
+    ProtocolError,
+    RemotingClosedError,
+    RemotingConnectError,
+    RemotingTimeoutError,
+)
+
+log = logging.getLogger(__name__)
+_LEN: Final = struct.Struct(">i")
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address must be host:port, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+class Connection:
+    """A connected, pipelined remoting channel. Create with :meth:`open`."""
+
+    def __init__(
+        self, addr: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.addr = addr
+        self._reader = reader
+        self._writer = writer
+        self._pending: dict[int, asyncio.Future[RemotingCommand]] = {}
+        self._opaque = 0
+        self._closed = False
+        self._close_reason = "connection closed"
+        self._read_task = asyncio.get_running_loop().create_task(
+            self._read_loop(), name=f"rocketmq-remoting-read-{addr}"
+        )
+
+    @classmethod
+    async def open(cls, addr: str, timeout: float) -> Connection:
+        host, port = split_addr(addr)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        except (OSError, TimeoutError) as exc:
+            raise RemotingConnectError(addr, exc or "timeout") from exc
+        return cls(addr, reader, writer)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def _next_opaque(self) -> int:
+        self._opaque = (self._opaque + 1) & 0x7FFFFFFF
+        return self._opaque
+
+    async def request(self, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
+        """Send ``cmd`` and wait for its answer (any code: the caller interprets it)."""
+        if self._closed:
+            raise RemotingClosedError(self.addr, self._close_reason)
+        cmd.opaque = self._next_opaque()
+        cmd.flag &= ~(FLAG_RESPONSE | FLAG_ONEWAY)
+        future: asyncio.Future[RemotingCommand] = asyncio.get_running_loop().create_future()
+        self._pending[cmd.opaque] = future
+        try:
+            self._writer.write(cmd.encode())
+            await self._writer.drain()
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            raise RemotingTimeoutError(self.addr, cmd.code, timeout) from None
+        except (ConnectionError, OSError) as exc:
+            self._abort(f"write failed: {exc}")
+            raise RemotingClosedError(self.addr, self._close_reason) from exc
+        finally:
+            self._pending.pop(cmd.opaque, None)
+            if not future.done():
+                future.cancel()
+
+    async def oneway(self, cmd: RemotingCommand) -> None:
+        """Send ``cmd`` flagged one-way: the server executes it and answers nothing."""
+        if self._closed:
+            raise RemotingClosedError(self.addr, self._close_reason)
+        cmd.opaque = self._next_opaque()
+        cmd.flag = (cmd.flag | FLAG_ONEWAY) & ~FLAG_RESPONSE
+        try:
+            self._writer.write(cmd.encode())
+            await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            self._abort(f"write failed: {exc}")
+            raise RemotingClosedError(self.addr, self._close_reason) from exc
+
+    async def _read_loop(self) -> None:
+        reason = "closed by peer"
+        try:
+            while True:
+                (length,) = _LEN.unpack(await self._reader.readexactly(4))
+                if length < 4 or length > FRAME_MAX:
+                    raise ProtocolError(f"frame length {length} out of range")
+                cmd = decode_frame(await self._reader.readexactly(length))
+                if cmd.is_response:
+                    future = self._pending.get(cmd.opaque)
+                    if future is not None and not future.done():
+                        future.set_result(cmd)
+                elif not cmd.is_oneway:
+                    self._answer_unsupported(cmd)
+        except asyncio.IncompleteReadError:
+            reason = "closed by peer"
+        except (ConnectionError, OSError) as exc:
+            reason = f"connection lost: {exc}"
+        except ProtocolError as exc:
+            log.warning("rocketmq %s: %s; dropping the connection", self.addr, exc)
+            reason = str(exc)
+        except asyncio.CancelledError:
+            reason = "closed"
+            raise
+        finally:
+            self._abort(reason)
+
+    def _answer_unsupported(self, request: RemotingCommand) -> None:
+        answer = RemotingCommand(
+            code=ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
+            opaque=request.opaque,
+            flag=FLAG_RESPONSE,
+            remark=f"request code {request.code} not supported by this client",
+        )
+        with contextlib.suppress(ConnectionError, OSError):
+            self._writer.write(answer.encode())
+
+    def _abort(self, reason: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close_reason = reason
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(RemotingClosedError(self.addr, reason))
+        self._pending.clear()
+        self._writer.close()
+
+    async def close(self) -> None:
+        self._abort("closed")
+        self._read_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError):
+            await self._read_task
+        with contextlib.suppress(ConnectionError, OSError):
+            await self._writer.wait_closed()

@@ -1,0 +1,217 @@
+"""Messages on a RocketMQ broker: properties, the stored record a pull returns, message ids.
+
+A PULL_MESSAGE answer's body is the broker's CommitLog records back to back, exactly as stored
+(``MessageDecoder.decode``; ``transferMsgByHeap`` copies them)::
+
+    offset size field
+       0    4  TOTALSIZE                  whole record, this field included
+       4    4  MAGICCODE                  0xDAA320A7 (v1) or 0xDAA320AB (v2: 2-byte topic length)
+       8    4  BODYCRC                    crc32(body) & 0x7FFFFFFF
+      12    4  QUEUEID                    queue in the parent topic (not the light queue)
+      16    4  FLAG                       producer's flag
+      20    8  QUEUEOFFSET                offset in the parent topic's queue
+      28    8  PHYSICALOFFSET             offset of this record in the broker's CommitLog
+      36    4  SYSFLAG                    0x1 compressed, 0x10 born host v6, 0x20 store host v6
+      40    8  BORNTIMESTAMP              ms, producer's clock
+      48  8|20 BORNHOST                   IPv4 4 + port 4, or IPv6 16 + port 4
+       .    8  STORETIMESTAMP             ms, broker's clock
+       .  8|20 STOREHOST
+       .    4  RECONSUMETIMES
+       .    8  PREPAREDTRANSACTIONOFFSET
+       .    4  BODYLENGTH + BODY
+       .  1|2  TOPICLENGTH + TOPIC        2 bytes in v2
+       .    2  PROPERTIESLENGTH + PROPERTIES   k \\x01 v \\x02 ...
+
+This package reads the records itself instead of using lmqtt's ``store.format``: the store's
+reader accepts only the records lmqtt writes (v1 magic, IPv4 zero hosts, a ``__CRC32#`` trailer
+always present), while a broker hands back whatever its producers sent (v2 magic for long topic
+names, IPv6 hosts, no CRC trailer unless ``enabledAppendPropCRC``), and the import contracts keep
+this package free of the project's packages so it can be used (and tested) on its own.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+from rocketmq_remoting.codes import LMQ_DISPATCH_SEPARATOR
+from rocketmq_remoting.errors import ProtocolError
+
+MAGIC_V1: Final = 0xDAA320A7  # MessageDecoder.MESSAGE_MAGIC_CODE = -626843481
+MAGIC_V2: Final = 0xDAA320AB  # MESSAGE_MAGIC_CODE_V2 = -626843477
+BLANK_MAGIC: Final = 0xCBD43194  # BLANK_MAGIC_CODE = -875286124
+
+SYSFLAG_COMPRESSED: Final = 0x1
+SYSFLAG_BORNHOST_V6: Final = 0x1 << 4
+SYSFLAG_STOREHOST_V6: Final = 0x1 << 5
+
+NAME_VALUE_SEPARATOR: Final = "\x01"
+PROPERTY_SEPARATOR: Final = "\x02"
+
+#: ``MessageConst.java`` property names this package reads or writes.
+PROPERTY_INNER_MULTI_DISPATCH: Final = "INNER_MULTI_DISPATCH"
+PROPERTY_INNER_MULTI_QUEUE_OFFSET: Final = "INNER_MULTI_QUEUE_OFFSET"
+PROPERTY_WAIT_STORE_MSG_OK: Final = "WAIT"
+PROPERTY_KEYS: Final = "KEYS"
+PROPERTY_TAGS: Final = "TAGS"
+PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX: Final = "UNIQ_KEY"
+PROPERTY_CRC32: Final = "__CRC32#"
+#: The broker refuses a record whose properties exceed ``Short.MAX_VALUE`` bytes
+#: (``CommitLog.handlePropertiesForLmqMsg``: PROPERTIES_SIZE_EXCEEDED -> MESSAGE_ILLEGAL), and
+#: the light-queue offsets it adds count too: this caps the fan-out of one message.
+MAX_PROPERTIES_BYTES: Final = 32767
+
+_FIXED_HEAD: Final = struct.Struct(">iIIiiqqiq")  # up to BORNTIMESTAMP, 48 bytes
+
+
+def encode_properties(properties: Mapping[str, str]) -> str:
+    """``MessageDecoder.messageProperties2String``: ``k\\x01v\\x02`` per entry."""
+    return "".join(
+        f"{k}{NAME_VALUE_SEPARATOR}{v}{PROPERTY_SEPARATOR}" for k, v in properties.items()
+    )
+
+
+def decode_properties(raw: str) -> dict[str, str]:
+    """``MessageDecoder.string2messageProperties``."""
+    out: dict[str, str] = {}
+    for item in raw.split(PROPERTY_SEPARATOR):
+        name, sep, value = item.partition(NAME_VALUE_SEPARATOR)
+        if sep and name:
+            out[name] = value
+    return out
+
+
+def dispatch_property(queues: list[str]) -> str:
+    """The INNER_MULTI_DISPATCH value naming the light queues a message is also indexed in.
+
+    The broker (``LmqDispatch.wrapLmqDispatch``) splits it on ``,``, looks up the next offset of
+    each ``%LMQ%`` name and stores them, same order, in INNER_MULTI_QUEUE_OFFSET; names that do
+    not start with ``%LMQ%`` get the offset ``null``, and names containing ``/`` are skipped by
+    the consume-queue dispatch (``ConsumeQueue.multiDispatchLmqQueue``). So both are refused
+    here rather than silently lost.
+    """
+    for q in queues:
+        if not q.startswith("%LMQ%") or "/" in q or LMQ_DISPATCH_SEPARATOR in q:
+            raise ValueError(f"not a usable light queue name: {q!r}")
+    return LMQ_DISPATCH_SEPARATOR.join(queues)
+
+
+@dataclass(slots=True)
+class MessageRecord:
+    """One stored message as a pull returns it."""
+
+    topic: str
+    body: bytes
+    queue_id: int
+    queue_offset: int
+    commitlog_offset: int
+    sys_flag: int
+    flag: int
+    born_timestamp: int
+    store_timestamp: int
+    born_host: tuple[str, int]
+    store_host: tuple[str, int]
+    reconsume_times: int
+    properties: dict[str, str] = field(default_factory=dict)
+    store_size: int = 0
+
+    def light_queue_offsets(self) -> dict[str, int]:
+        """Light queue name -> this message's offset in it (INNER_MULTI_DISPATCH/QUEUE_OFFSET)."""
+        names = self.properties.get(PROPERTY_INNER_MULTI_DISPATCH)
+        offsets = self.properties.get(PROPERTY_INNER_MULTI_QUEUE_OFFSET)
+        if not names or not offsets:
+            return {}
+        out: dict[str, int] = {}
+        for name, off in zip(
+            names.split(LMQ_DISPATCH_SEPARATOR), offsets.split(LMQ_DISPATCH_SEPARATOR), strict=False
+        ):
+            if off.lstrip("-").isdigit():
+                out[name] = int(off)
+        return out
+
+    @property
+    def msg_id(self) -> str:
+        """The broker's offset message id (``MessageDecoder.createMessageId``)."""
+        return encode_message_id(self.store_host, self.commitlog_offset)
+
+
+def _host(buf: bytes | memoryview, pos: int, v6: bool) -> tuple[tuple[str, int], int]:
+    n = 16 if v6 else 4
+    addr = str(ipaddress.ip_address(bytes(buf[pos : pos + n])))
+    (port,) = struct.unpack_from(">i", buf, pos + n)
+    return (addr, port), pos + n + 4
+
+
+def decode_records(body: bytes | memoryview, check_crc: bool = True) -> Iterator[MessageRecord]:
+    """The records of a pull answer's body, in order."""
+    buf = memoryview(body)
+    pos = 0
+    end = len(buf)
+    while pos < end:
+        if end - pos < _FIXED_HEAD.size:
+            raise ProtocolError(f"truncated record at {pos}")
+        (size, magic, body_crc, queue_id, flag, queue_offset, phys, sys_flag, born_ts) = (
+            _FIXED_HEAD.unpack_from(buf, pos)
+        )
+        if magic == BLANK_MAGIC:
+            return
+        if magic not in (MAGIC_V1, MAGIC_V2) or size <= 0 or pos + size > end:
+            raise ProtocolError(f"bad record at {pos}: magic {magic:#x}, size {size}")
+        p = pos + _FIXED_HEAD.size
+        born_host, p = _host(buf, p, bool(sys_flag & SYSFLAG_BORNHOST_V6))
+        (store_ts,) = struct.unpack_from(">q", buf, p)
+        store_host, p = _host(buf, p + 8, bool(sys_flag & SYSFLAG_STOREHOST_V6))
+        reconsume, _prepared, body_len = struct.unpack_from(">iqi", buf, p)
+        p += 16
+        payload = bytes(buf[p : p + body_len])
+        p += body_len
+        if check_crc and zlib.crc32(payload) & 0x7FFFFFFF != body_crc:
+            raise ProtocolError(f"body CRC mismatch in record at commitlog offset {phys}")
+        if magic == MAGIC_V2:
+            (topic_len,) = struct.unpack_from(">h", buf, p)
+            p += 2
+        else:
+            topic_len = buf[p]
+            p += 1
+        topic = bytes(buf[p : p + topic_len]).decode()
+        p += topic_len
+        (props_len,) = struct.unpack_from(">h", buf, p)
+        p += 2
+        props = decode_properties(bytes(buf[p : p + props_len]).decode()) if props_len > 0 else {}
+        yield MessageRecord(
+            topic=topic,
+            body=payload,
+            queue_id=queue_id,
+            queue_offset=queue_offset,
+            commitlog_offset=phys,
+            sys_flag=sys_flag,
+            flag=flag,
+            born_timestamp=born_ts,
+            store_timestamp=store_ts,
+            born_host=born_host,
+            store_host=store_host,
+            reconsume_times=reconsume,
+            properties=props,
+            store_size=size,
+        )
+        pos += size
+
+
+def encode_message_id(store_host: tuple[str, int], commitlog_offset: int) -> str:
+    """Host address, port and CommitLog offset in hex (``MessageDecoder.createMessageId``)."""
+    packed = ipaddress.ip_address(store_host[0]).packed
+    return (packed + struct.pack(">iq", store_host[1], commitlog_offset)).hex().upper()
+
+
+def decode_message_id(msg_id: str) -> tuple[tuple[str, int], int]:
+    """The inverse of :func:`encode_message_id`: ``((host, port), commitlog_offset)``."""
+    raw = bytes.fromhex(msg_id)
+    n = len(raw) - 12
+    if n not in (4, 16):
+        raise ValueError(f"not an offset message id: {msg_id!r}")
+    port, offset = struct.unpack_from(">iq", raw, n)
+    return (str(ipaddress.ip_address(raw[:n])), port), offset

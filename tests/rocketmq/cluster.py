@@ -1,0 +1,256 @@
+"""A real Apache RocketMQ cluster on loopback for the tests: one name server, two brokers.
+
+The jars come from Maven Central through ``pom.xml`` beside this file (``mvn -q
+dependency:copy-dependencies`` into ``lib/``, git-ignored), fetched once and reused while the
+pom is unchanged. Each JVM runs with a small heap, the serial collector, the C1 compiler only and
+one visible processor, so three JVMs stay light on a shared 2-core machine.
+
+Everything a process writes (stores, configs, logs: ``user.home`` and ``ROCKETMQ_HOME`` point
+into the temporary directory) lives under one temporary directory. Every listener binds
+127.0.0.1 except the brokers' HA listener (``DefaultHAService`` binds the wildcard address and
+has no setting for it; nothing connects to it without slaves). Nothing is fetched or contacted
+outside loopback: ``fetchNamesrvAddrByAddressServer`` stays off (default), metrics export stays
+DISABLE (default), ``brokerIP1``/``brokerIP2`` are 127.0.0.1 instead of the first LAN address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rocketmq_remoting import RemotingClient
+
+HERE = Path(__file__).resolve().parent
+POM = HERE / "pom.xml"
+LIB = HERE / "lib"
+STAMP = LIB / ".pom-sha256"
+#: The version pinned in pom.xml (the one these tests were written and run against).
+ROCKETMQ_VERSION = "5.3.3"
+REQUIRE_ENV = "LMQTT_REQUIRE_ROCKETMQ"
+CLUSTER_NAME = "lmqtt-test"
+#: broker name -> (autoCreateTopicEnable, flushDiskType). broker-a auto-creates topics on first
+#: send and flushes asynchronously; broker-b is configured like production for lmqtt's sync mode:
+#: no auto-creation (so the tests see TOPIC_NOT_EXIST) and SYNC_FLUSH (SEND_OK after the flush).
+BROKERS = {"broker-a": (True, "ASYNC_FLUSH"), "broker-b": (False, "SYNC_FLUSH")}
+
+JVM_OPTS = [
+    "-XX:+UseSerialGC",
+    "-XX:TieredStopAtLevel=1",
+    "-XX:ActiveProcessorCount=1",
+    "-XX:-UsePerfData",
+    "-Djava.net.preferIPv4Stack=true",
+    "--add-opens=java.base/java.nio=ALL-UNNAMED",
+    "--add-opens=java.base/sun.nio.ch=ALL-UNNAMED",
+    "--add-exports=java.base/sun.nio.ch=ALL-UNNAMED",
+]
+NAMESRV_HEAP = ["-Xms256m", "-Xmx256m"]
+BROKER_HEAP = ["-Xms384m", "-Xmx384m", "-XX:MaxDirectMemorySize=256m"]
+
+
+class ClusterUnavailable(Exception):
+    """Java, Maven or the jars are missing: the RocketMQ tests cannot run here."""
+
+
+def ensure_jars(timeout: float = 900.0) -> None:
+    """Fetch the name server and broker jars once (re-fetch when pom.xml changes)."""
+    digest = hashlib.sha256(POM.read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text().strip() == digest:
+        return
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise ClusterUnavailable("Maven (mvn) is not installed: cannot fetch RocketMQ's jars")
+    try:
+        subprocess.run(
+            [mvn, "-q", "-B", "-f", str(POM), "dependency:copy-dependencies"],
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+            text=True,
+        )
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stdout + exc.stderr).strip().splitlines()[-5:]
+        msg = "mvn dependency:copy-dependencies failed: " + " | ".join(tail)
+        raise ClusterUnavailable(msg) from exc
+    except subprocess.TimeoutExpired as exc:
+        raise ClusterUnavailable(f"mvn did not finish within {timeout:.0f}s") from exc
+    STAMP.write_text(digest)
+
+
+def _bindable(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+#: Ports are drawn below the kernel's ephemeral range (32768-60999 by default): a port taken
+#: from bind(0) is free on 127.0.0.1 only, and the brokers' HA listener binds the wildcard
+#: address, which then collides with any connection (or TIME_WAIT) on another loopback address
+#: that happens to use that port, as the busy shared host showed.
+_PORTS = random.Random(os.getpid() ^ time.time_ns())
+
+
+def _pick(ports_ok: Callable[[int], bool]) -> int:
+    for _ in range(500):
+        port = _PORTS.randrange(20000, 32000)
+        if ports_ok(port):
+            return port
+    raise RuntimeError("no free ports for RocketMQ")
+
+
+def namesrv_port() -> int:
+    return _pick(_bindable)
+
+
+def broker_port() -> int:
+    """A port P with P-2 (the second, "fast" remoting server) and P+1 (HA, wildcard) free."""
+    return _pick(lambda p: _bindable(p) and _bindable(p - 2) and _bindable(p + 1, "0.0.0.0"))
+
+
+@dataclass
+class RocketMQCluster:
+    """Processes and addresses of the running cluster."""
+
+    root: Path
+    namesrv_addr: str = ""
+    brokers: dict[str, str] = field(default_factory=dict)  # broker name -> host:port
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def cluster_name(self) -> str:
+        return CLUSTER_NAME
+
+    def client(self, **kwargs: object) -> RemotingClient:
+        return RemotingClient([self.namesrv_addr], **kwargs)  # type: ignore[arg-type]
+
+    def _spawn(self, name: str, main: str, heap: list[str], conf: Path) -> None:
+        java = shutil.which("java")
+        assert java is not None
+        home = self.root / name
+        home.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "ROCKETMQ_HOME": str(home)}
+        log = (self.root / f"{name}.out").open("wb")
+        cmd = [
+            java,
+            *heap,
+            *JVM_OPTS,
+            f"-Duser.home={home}",
+            "-cp",
+            f"{LIB}/*",
+            main,
+            "-c",
+            str(conf),
+        ]
+        self.procs[name] = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+
+    def start(self, ready_timeout: float = 180.0) -> None:
+        port = namesrv_port()
+        self.namesrv_addr = f"127.0.0.1:{port}"
+        conf = self.root / "namesrv.conf"
+        conf.write_text(
+            f"listenPort={port}\nbindAddress=127.0.0.1\n"
+            f"kvConfigPath={self.root / 'namesrv' / 'kvConfig.json'}\n"
+        )
+        self._spawn("namesrv", "org.apache.rocketmq.namesrv.NamesrvStartup", NAMESRV_HEAP, conf)
+        for name, (auto_create, flush) in BROKERS.items():
+            port = broker_port()
+            store = self.root / name / "store"
+            conf = self.root / f"{name}.conf"
+            conf.write_text(
+                "\n".join(
+                    [
+                        f"brokerClusterName={CLUSTER_NAME}",
+                        f"brokerName={name}",
+                        "brokerId=0",
+                        "brokerRole=ASYNC_MASTER",
+                        f"flushDiskType={flush}",
+                        f"namesrvAddr={self.namesrv_addr}",
+                        "brokerIP1=127.0.0.1",
+                        "brokerIP2=127.0.0.1",
+                        "bindAddress=127.0.0.1",
+                        f"listenPort={port}",
+                        f"haListenPort={port + 1}",
+                        f"storePathRootDir={store}",
+                        f"storePathCommitLog={store / 'commitlog'}",
+                        "enableLmq=true",
+                        "enableMultiDispatch=true",
+                        f"autoCreateTopicEnable={'true' if auto_create else 'false'}",
+                        "autoCreateSubscriptionGroup=true",
+                        "mappedFileSizeCommitLog=33554432",
+                        "mappedFileSizeConsumeQueue=60000",
+                        "timerWheelEnable=false",
+                        "fetchNamesrvAddrByAddressServer=false",
+                        "metricsExporterType=DISABLE",
+                        # The default 200 ms suits a dedicated broker; on a shared 2-core host a
+                        # burst of pipelined sends would be shed as SYSTEM_BUSY
+                        # ([TIMEOUT_CLEAN_QUEUE]), which the client reports as BrokerBusyError.
+                        "waitTimeMillsInSendQueue=3000",
+                        "",
+                    ]
+                )
+            )
+            self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
+            self.brokers[name] = f"127.0.0.1:{port}"
+        asyncio.run(self._wait_ready(ready_timeout))
+
+    async def _wait_ready(self, timeout: float) -> None:
+        """Ready = the name server lists both brokers of the cluster with a master address."""
+        deadline = time.monotonic() + timeout
+        async with self.client(connect_timeout=1.0, request_timeout=2.0) as client:
+            while True:
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        raise RuntimeError(
+                            f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}"
+                        )
+                try:
+                    info = await client.wait_for_brokers(CLUSTER_NAME, BROKERS, timeout=1.0)
+                except Exception as exc:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"cluster not ready in {timeout:.0f}s ({exc}); logs:\n"
+                            + "\n".join(self.log_tail(n) for n in self.procs)
+                        ) from exc
+                    continue
+                for name, addr in self.brokers.items():
+                    registered = info.brokers[name].master_addr
+                    assert registered == addr, f"{name} registered {registered}, expected {addr}"
+                return
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.root / f"{name}.out"
+        if not path.exists():
+            return f"[{name}: no output]"
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+        return f"[{name}]\n" + "\n".join(text)
+
+    def stop(self) -> None:
+        """SIGTERM every process (whole process group), SIGKILL what is left after 20 s."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20.0
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)

@@ -1,0 +1,66 @@
+"""The session's RocketMQ cluster (see cluster.py): started once, stopped at the end.
+
+Without Java or Maven the tests here skip with the reason; with LMQTT_REQUIRE_ROCKETMQ=1 (set by
+.ci/run) that skip is a failure instead, so CI cannot pass without running them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.rocketmq.cluster import (
+    HERE,
+    REQUIRE_ENV,
+    ClusterUnavailable,
+    RocketMQCluster,
+    ensure_jars,
+)
+
+#: Why the jars are not there (None: they are, or nothing here was selected).
+_jars_problem: str | None = None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fetch the jars once, after collection, outside any test's timeout.
+
+    A fresh machine downloads ~85 MB from Maven Central here (a minute or more), which would
+    not fit in the per-test timeout if the session fixture did it during the first test.
+    """
+    global _jars_problem
+    if shutil.which("java") is None:
+        return
+    if not any(Path(str(item.path)).is_relative_to(HERE) for item in items):
+        return
+    try:
+        ensure_jars()
+    except ClusterUnavailable as exc:
+        _jars_problem = str(exc)
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"RocketMQ tests are required ({REQUIRE_ENV}=1) but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def rocketmq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RocketMQCluster]:
+    if shutil.which("java") is None:
+        _unavailable("Java is not installed: cannot run RocketMQ's name server and brokers")
+    if _jars_problem is not None:
+        _unavailable(_jars_problem)
+    try:
+        ensure_jars()  # already done after collection; cheap (a hash) when up to date
+    except ClusterUnavailable as exc:
+        _unavailable(str(exc))
+    cluster = RocketMQCluster(Path(tmp_path_factory.mktemp("rocketmq")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

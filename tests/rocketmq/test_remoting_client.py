@@ -1,0 +1,357 @@
+"""rocketmq_remoting against a real RocketMQ 5.3.3 cluster (name server + two brokers).
+
+The cluster is the session fixture ``rocketmq`` (conftest.py); every test opens its own client
+and uses queue names of its own, so the tests share one cluster without seeing each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from rocketmq_remoting import (
+    OffsetMovedError,
+    RemotingClient,
+    RemotingClosedError,
+    RemotingTimeoutError,
+    ResponseCode,
+    TopicNotExistError,
+)
+from rocketmq_remoting.codes import RequestCode
+from rocketmq_remoting.command import RemotingCommand
+from tests.rocketmq.cluster import CLUSTER_NAME, RocketMQCluster
+
+pytestmark = pytest.mark.slow
+
+GROUP_PREFIX = "%LMQ%"
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def client(rocketmq: RocketMQCluster) -> AsyncIterator[RemotingClient]:
+    async with rocketmq.client(request_timeout=5.0) as c:
+        yield c
+
+
+@pytest.fixture
+def broker_a(rocketmq: RocketMQCluster) -> str:
+    return rocketmq.brokers["broker-a"]
+
+
+async def _eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def _dispatched(client: RemotingClient, broker: str, queue: str, count: int) -> None:
+    """Wait until the broker's dispatch thread has indexed ``count`` messages in ``queue``.
+
+    A send is answered once the CommitLog append is done; the consume-queue units (the light
+    queues' included) are written by a separate thread right after, so a pull issued at once
+    may not see the message yet.
+    """
+
+    async def reached() -> bool:
+        return await client.get_max_offset(broker, queue) >= count
+
+    await _eventually(reached)
+
+
+async def _parent(client: RemotingClient, broker: str) -> str:
+    topic = _name("lmqtt-parent-")
+    await client.create_topic(broker, topic, queues=1)
+    return topic
+
+
+async def test_cluster_info_and_route_lookup(
+    client: RemotingClient, rocketmq: RocketMQCluster
+) -> None:
+    info = await client.get_cluster_info()
+    assert info.clusters[CLUSTER_NAME] == ["broker-a", "broker-b"]
+    for name, addr in rocketmq.brokers.items():
+        assert info.brokers[name].master_addr == addr
+
+    topic = _name("lmqtt-route-")
+    for addr in rocketmq.brokers.values():
+        await client.create_topic(addr, topic, queues=2)
+
+    async def both_brokers_listed() -> bool:
+        try:
+            route = await client.get_route(topic)
+        except TopicNotExistError:
+            return False
+        return len(route.master_addrs()) == 2
+
+    await _eventually(both_brokers_listed)
+    route = await client.get_route(topic)
+    assert route.master_addrs() == rocketmq.brokers
+    assert sorted((q.broker_name, q.read_queue_nums, q.write_queue_nums) for q in route.queues) == [
+        ("broker-a", 2, 2),
+        ("broker-b", 2, 2),
+    ]
+
+    with pytest.raises(TopicNotExistError) as missing:
+        await client.get_route(_name("lmqtt-nowhere-"))
+    assert missing.value.code == ResponseCode.TOPIC_NOT_EXIST
+    assert missing.value.remark and "No topic route info" in missing.value.remark
+
+
+async def test_name_server_json_quirk_integer_keys(
+    client: RemotingClient, rocketmq: RocketMQCluster, broker_a: str
+) -> None:
+    """Without acceptStandardJsonOnly and with an old version, brokerAddrs keys are bare ints."""
+    topic = await _parent(client, broker_a)
+
+    async def routed() -> bool:
+        try:
+            await client.get_route(topic)
+        except TopicNotExistError:
+            return False
+        return True
+
+    await _eventually(routed)
+    conn = await client.connection(rocketmq.namesrv_addr)
+    old = await conn.request(
+        RemotingCommand(
+            code=RequestCode.GET_ROUTEINFO_BY_TOPIC, ext_fields={"topic": topic}, version=400
+        ),
+        5.0,
+    )
+    assert old.code == ResponseCode.SUCCESS
+    assert b'"brokerAddrs":{0:"' in old.body
+    standard = await conn.request(
+        RemotingCommand(
+            code=RequestCode.GET_ROUTEINFO_BY_TOPIC,
+            ext_fields={"topic": topic, "acceptStandardJsonOnly": "true"},
+            version=400,
+        ),
+        5.0,
+    )
+    assert b'"brokerAddrs":{"0":"' in standard.body
+    cluster = await conn.request(RemotingCommand(code=RequestCode.GET_BROKER_CLUSTER_INFO), 5.0)
+    assert b'"brokerAddrs":{0:"' in cluster.body  # no opt-out here: parsed leniently
+
+
+async def test_send_dispatches_to_light_queues_at_recorded_offsets(
+    client: RemotingClient, broker_a: str
+) -> None:
+    parent = await _parent(client, broker_a)
+    lmq_x, lmq_y = _name("%LMQ%x-"), _name("%LMQ%y-")
+    assert await client.get_max_offset(broker_a, lmq_x) == 0
+
+    # y already holds two messages, so the same message sits at different offsets in x and y.
+    for i in range(2):
+        await client.send_message(broker_a, parent, f"y-only {i}".encode(), light_queues=[lmq_y])
+    sent = []
+    for i in range(3):
+        result = await client.send_message(
+            broker_a, parent, f"both {i}".encode(), light_queues=[lmq_x, lmq_y]
+        )
+        assert result.ok and result.queue_id == 0
+        sent.append(result)
+    assert [r.queue_offset for r in sent] == [2, 3, 4]  # offsets in the parent queue
+
+    await _dispatched(client, broker_a, lmq_x, 3)
+    await _dispatched(client, broker_a, lmq_y, 5)
+    assert await client.get_max_offset(broker_a, lmq_x) == 3
+    assert await client.get_max_offset(broker_a, lmq_y) == 5
+    assert await client.get_min_offset(broker_a, lmq_x) == 0
+
+    got_x = await client.pull(broker_a, lmq_x, 0, consumer_group=_name(GROUP_PREFIX))
+    assert got_x.found and got_x.next_begin_offset == 3 and got_x.max_offset == 3
+    assert [m.body for m in got_x.messages] == [b"both 0", b"both 1", b"both 2"]
+    assert [m.msg_id for m in got_x.messages] == [r.msg_id for r in sent]
+    got_y = await client.pull(broker_a, lmq_y, 2, consumer_group=_name(GROUP_PREFIX))
+    assert [m.body for m in got_y.messages] == [b"both 0", b"both 1", b"both 2"]
+    for i, (mx, my) in enumerate(zip(got_x.messages, got_y.messages, strict=True)):
+        # One stored record, indexed twice: the offsets the broker recorded at append.
+        assert mx.commitlog_offset == my.commitlog_offset
+        assert mx.topic == parent and mx.queue_offset == 2 + i
+        assert mx.light_queue_offsets() == {lmq_x: i, lmq_y: 2 + i}
+        assert mx.properties["INNER_MULTI_DISPATCH"] == f"{lmq_x},{lmq_y}"
+
+
+async def test_suspended_pull_is_woken_by_a_send(client: RemotingClient, broker_a: str) -> None:
+    parent = await _parent(client, broker_a)
+    lmq = _name("%LMQ%poll-")
+    suspend = 20.0
+    pull = asyncio.create_task(
+        client.pull(broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX), suspend_timeout=suspend)
+    )
+    # The broker holds the pull: after a moment it is still unanswered (NOT_FOUND would have
+    # come back at once without the suspend flag).
+    await asyncio.sleep(0.5)
+    assert not pull.done()
+    sent_at = time.monotonic()
+    # Same client, same connection: the held pull does not block the send behind it.
+    await client.send_message(broker_a, parent, b"wake up", light_queues=[lmq])
+    result = await asyncio.wait_for(pull, suspend)
+    woke_after = time.monotonic() - sent_at
+    assert result.found and [m.body for m in result.messages] == [b"wake up"]
+    assert woke_after < 2.0, f"long poll answered {woke_after:.3f}s after the send"
+
+
+async def test_suspended_pull_without_arrival_answers_not_found_at_timeout(
+    client: RemotingClient, broker_a: str
+) -> None:
+    lmq = _name("%LMQ%idle-")
+    started = time.monotonic()
+    result = await client.pull(
+        broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX), suspend_timeout=1.0
+    )
+    assert result.code == ResponseCode.PULL_NOT_FOUND and result.messages == []
+    assert time.monotonic() - started >= 0.9
+
+
+async def test_consumer_offsets_per_lmq_group(client: RemotingClient, broker_a: str) -> None:
+    lmq = _name("%LMQ%offsets-")
+    group, other = _name(GROUP_PREFIX), _name(GROUP_PREFIX)
+    assert await client.query_consumer_offset(broker_a, group, lmq) is None
+    await client.update_consumer_offset(broker_a, group, lmq, 5)
+    assert await client.query_consumer_offset(broker_a, group, lmq) == 5
+    assert await client.query_consumer_offset(broker_a, other, lmq) is None
+    await client.update_consumer_offset(broker_a, group, lmq, 7, oneway=True)
+
+    async def committed() -> bool:
+        return await client.query_consumer_offset(broker_a, group, lmq) == 7
+
+    await _eventually(committed)
+
+
+async def test_search_offset_by_timestamp(client: RemotingClient, broker_a: str) -> None:
+    parent = await _parent(client, broker_a)
+    lmq = _name("%LMQ%time-")
+    for i in range(3):
+        await client.send_message(broker_a, parent, f"t{i}".encode(), light_queues=[lmq])
+        await asyncio.sleep(0.05)  # distinct store timestamps (milliseconds)
+    await _dispatched(client, broker_a, lmq, 3)
+    got = await client.pull(broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX))
+    stamps = [m.store_timestamp for m in got.messages]
+    assert len(stamps) == 3 and stamps == sorted(stamps) and len(set(stamps)) == 3
+    assert await client.search_offset(broker_a, lmq, stamps[1]) == 1
+    assert await client.search_offset(broker_a, lmq, stamps[1] + 1) == 2
+    assert await client.search_offset(broker_a, lmq, stamps[0] - 60_000) == 0
+    assert await client.search_offset(broker_a, lmq, stamps[2], boundary="upper") == 2
+
+
+async def test_errors_carry_the_brokers_code_and_remark(
+    client: RemotingClient, rocketmq: RocketMQCluster, broker_a: str
+) -> None:
+    broker_b = rocketmq.brokers["broker-b"]  # autoCreateTopicEnable=false
+    missing = _name("lmqtt-missing-")
+    with pytest.raises(TopicNotExistError) as sent:
+        await client.send_message(broker_b, missing, b"x", light_queues=[_name("%LMQ%e-")])
+    assert sent.value.code == ResponseCode.TOPIC_NOT_EXIST == 17
+    assert sent.value.remark and missing in sent.value.remark
+
+    with pytest.raises(TopicNotExistError) as pulled:
+        await client.pull(broker_a, missing, 0, consumer_group=_name(GROUP_PREFIX))
+    assert pulled.value.remark and missing in pulled.value.remark
+
+    parent = await _parent(client, broker_a)
+    lmq = _name("%LMQ%moved-")
+    for i in range(2):
+        await client.send_message(broker_a, parent, f"m{i}".encode(), light_queues=[lmq])
+
+    await _dispatched(client, broker_a, lmq, 2)
+    with pytest.raises(OffsetMovedError) as moved:
+        await client.pull(broker_a, lmq, 100, consumer_group=_name(GROUP_PREFIX))
+    assert moved.value.code == ResponseCode.PULL_OFFSET_MOVED == 21
+    assert moved.value.remark == "OFFSET_OVERFLOW_BADLY"
+    assert (moved.value.min_offset, moved.value.max_offset) == (0, 2)
+    # The offset just past the end is not "moved": it is where the next message will go.
+    at_end = await client.pull(broker_a, lmq, 2, consumer_group=_name(GROUP_PREFIX))
+    assert at_end.code == ResponseCode.PULL_NOT_FOUND and at_end.next_begin_offset == 2
+
+
+async def test_pipelined_sends_on_one_connection(client: RemotingClient, broker_a: str) -> None:
+    parent = await _parent(client, broker_a)
+    lmq = _name("%LMQ%pipe-")
+    results = await asyncio.gather(
+        *(
+            client.send_message(broker_a, parent, f"p{i}".encode(), light_queues=[lmq])
+            for i in range(200)
+        )
+    )
+    assert sorted(r.queue_offset for r in results) == list(range(200))
+    assert len({id(c) for c in client._conns.values()}) == len(client._conns)
+    assert (await client.connection(broker_a)).in_flight == 0
+
+    await _dispatched(client, broker_a, lmq, 200)
+
+
+async def test_timeout_leaves_the_connection_usable(client: RemotingClient, broker_a: str) -> None:
+    lmq = _name("%LMQ%slow-")
+    conn = await client.connection(broker_a)
+    with pytest.raises(RemotingTimeoutError):
+        await client.pull(
+            broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX), suspend_timeout=3.0, timeout=0.3
+        )
+    assert not conn.closed
+    assert await client.get_max_offset(broker_a, lmq) == 0
+    assert await client.connection(broker_a) is conn
+
+
+async def test_reconnect_after_the_connection_drops(client: RemotingClient, broker_a: str) -> None:
+    parent = await _parent(client, broker_a)
+    lmq = _name("%LMQ%drop-")
+    first = await client.connection(broker_a)
+    held = asyncio.create_task(
+        client.pull(broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX), suspend_timeout=20.0)
+    )
+    await asyncio.sleep(0.3)
+    assert not held.done()
+    first._writer.transport.abort()  # the TCP connection is reset under the in-flight pull
+    with pytest.raises(RemotingClosedError):
+        await asyncio.wait_for(held, 5.0)
+    assert first.closed
+
+    result = await client.send_message(broker_a, parent, b"after reconnect", light_queues=[lmq])
+    assert result.ok
+    second = await client.connection(broker_a)
+    assert second is not first and not second.closed
+    await _dispatched(client, broker_a, lmq, 1)
+    got = await client.pull(broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX))
+    assert [m.body for m in got.messages] == [b"after reconnect"]
+
+
+async def test_sync_flush_broker_acknowledges_after_the_flush(
+    client: RemotingClient, rocketmq: RocketMQCluster
+) -> None:
+    broker_b = rocketmq.brokers["broker-b"]  # flushDiskType=SYNC_FLUSH
+    parent = await _parent(client, broker_b)
+    lmq = _name("%LMQ%sync-")
+    results = await asyncio.gather(
+        *(
+            client.send_message(broker_b, parent, f"s{i}".encode(), light_queues=[lmq])
+            for i in range(20)
+        )
+    )
+    assert all(r.code == ResponseCode.SUCCESS for r in results)  # not FLUSH_DISK_TIMEOUT
+    await _dispatched(client, broker_b, lmq, 20)
+    got = await client.pull(broker_b, lmq, 0, consumer_group=_name(GROUP_PREFIX))
+    assert sorted(m.body for m in got.messages) == sorted(f"s{i}".encode() for i in range(20))
+
+
+async def test_heartbeat_is_accepted(client: RemotingClient, rocketmq: RocketMQCluster) -> None:
+    for addr in rocketmq.brokers.values():
+        await client.heartbeat(addr)
+
+
+async def test_connect_error_names_the_address() -> None:
+    from rocketmq_remoting import RemotingConnectError
+    from tests.rocketmq.cluster import namesrv_port
+
+    addr = f"127.0.0.1:{namesrv_port()}"
+    async with RemotingClient([addr], connect_timeout=1.0) as c:
+        with pytest.raises(RemotingConnectError, match=addr):
+            await c.get_cluster_info()
