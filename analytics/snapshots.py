@@ -2,8 +2,9 @@
 
 Three small inputs, read without Spark and without opening the store:
 
-    config/sessions.json          the gateway's sessions and subscriptions (filter, queue,
-                                  share group, start_offset: the queue end when subscribed)
+    state/ (the state log)        the gateway's session records: subscriptions (filter, queue,
+                                  share group, start_offset: the queue end when subscribed),
+                                  read with the store's reader (store/statelog.py)
     config/consumer_offsets.json  {"version": 1, "offsets": {group: {queue: next offset}}};
                                   group = client id, or "$share/<group>" for a shared group
     consumequeue/<queue>/0/<20-digit start byte>
@@ -29,13 +30,16 @@ from analytics.storeformat import (
     CONFIG_DIR,
     CQ_UNIT_SIZE,
     QUEUE_ID,
+    SESSION_KEY_PREFIX,
     consumequeue_dir,
     decode_queue_dir,
     segment_start_offset,
 )
+from store.errors import StoreError
+from store.statelog import STATE_DIR, read_state
 from topicmap import LMQ_PREFIX, filter_of
 
-SESSIONS_FILE = "sessions.json"
+SESSIONS_FILE = "sessions.json"  # before the state log
 OFFSETS_FILE = "consumer_offsets.json"
 SHARE_PREFIX = "$share/"
 LIGHT_QUEUE_PREFIX = LMQ_PREFIX
@@ -77,17 +81,27 @@ class QueueEnd:
 
 
 def read_subscriptions(data_dir: str | Path) -> list[Subscription]:
-    """Every saved subscription; a store without sessions.json has none."""
-    path = Path(data_dir) / CONFIG_DIR / SESSIONS_FILE
+    """Every saved subscription (the gateway's session records in the state log, read with
+    the store's reader; the config/sessions.json of an older data directory otherwise)."""
+    path = Path(data_dir) / STATE_DIR
     try:
-        doc = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError) as e:
-        raise SnapshotError(f"cannot read {path}: {e}") from None
+        raw = read_state(path, SESSION_KEY_PREFIX)
+    except (OSError, StoreError) as e:
+        raise SnapshotError(f"cannot read the state log {path}: {e}") from None
+    sessions: dict[str, object]
+    source = path
+    if raw or any(path.glob("*.snapshot")) or any(path.glob("*.log")):
+        try:
+            sessions = {cid: json.loads(value) for cid, value in raw.items()}
+        except ValueError as e:
+            raise SnapshotError(f"{path}: unreadable session record: {e}") from None
+    else:
+        source = Path(data_dir) / CONFIG_DIR / SESSIONS_FILE
+        sessions = _read_sessions_json(source)
     out: list[Subscription] = []
     try:
-        for client_id, session in doc["sessions"].items():
+        for client_id, session in sessions.items():
+            assert isinstance(session, dict)
             online = session.get("disconnected_at_ms") is None
             for sub in session.get("subscriptions", []):
                 group = sub.get("share_group")
@@ -106,9 +120,22 @@ def read_subscriptions(data_dir: str | Path) -> list[Subscription]:
                         online=online,
                     )
                 )
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise SnapshotError(f"{path} is not in the gateway's sessions format: {e!r}") from None
+    except (KeyError, TypeError, AttributeError, ValueError, AssertionError) as e:
+        raise SnapshotError(f"{source} is not in the gateway's sessions format: {e!r}") from None
     return out
+
+
+def _read_sessions_json(path: Path) -> dict[str, object]:
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"cannot read {path}: {e}") from None
+    sessions = doc.get("sessions") if isinstance(doc, dict) else None
+    if not isinstance(sessions, dict):
+        raise SnapshotError(f"{path} is not in the gateway's sessions format: no sessions")
+    return sessions
 
 
 def read_committed(data_dir: str | Path) -> dict[tuple[str, str], int]:

@@ -182,14 +182,23 @@ def read_state_records(directory: Path) -> Iterator[StateRecord]:
             yield rec
 
 
-def read_state(directory: Path) -> dict[str, bytes]:
-    """The live state: key -> newest value (deleted keys absent)."""
+def read_state(directory: Path, prefix: str = "") -> dict[str, bytes]:
+    """The live state: key -> newest value (deleted keys absent). With `prefix`, only the
+    keys that start with it, the prefix cut off (one kind of record)."""
+    return fold_records(read_state_records(directory), prefix)
+
+
+def fold_records(records: Iterable[StateRecord], prefix: str = "") -> dict[str, bytes]:
+    """Newest value per key of a record stream (see read_state)."""
     state: dict[str, bytes] = {}
-    for key, value in read_state_records(directory):
+    n = len(prefix)
+    for key, value in records:
+        if not key.startswith(prefix):
+            continue
         if value is None:
-            state.pop(key, None)
+            state.pop(key[n:], None)
         else:
-            state[key] = value
+            state[key[n:]] = value
     return state
 
 
