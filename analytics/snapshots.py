@@ -5,7 +5,7 @@ Three small inputs, read without Spark and without opening the store:
     state/ (the state log)        the gateway's session records: subscriptions (filter, queue,
                                   share group, start_offset: the queue end when subscribed),
                                   read with the store's reader (store/statelog.py)
-    config/consumer_offsets.json  {"version": 1, "offsets": {group: {queue: next offset}}};
+    offsets/ (a state log)        the store's committed offsets: (group, queue) -> next offset;
                                   group = client id, or "$share/<group>" for a shared group
     consumequeue/<queue>/0/<20-digit start byte>
                                   20-byte units; a queue ends at the last file's start unit
@@ -36,11 +36,11 @@ from analytics.storeformat import (
     segment_start_offset,
 )
 from store.errors import StoreError
+from store.offsets import read_committed_offsets
 from store.statelog import STATE_DIR, read_state
 from topicmap import LMQ_PREFIX, filter_of
 
 SESSIONS_FILE = "sessions.json"  # before the state log
-OFFSETS_FILE = "consumer_offsets.json"
 SHARE_PREFIX = "$share/"
 LIGHT_QUEUE_PREFIX = LMQ_PREFIX
 
@@ -139,22 +139,11 @@ def _read_sessions_json(path: Path) -> dict[str, object]:
 
 
 def read_committed(data_dir: str | Path) -> dict[tuple[str, str], int]:
-    """Committed offsets by (group, queue); a store without the file has none."""
-    path = Path(data_dir) / CONFIG_DIR / OFFSETS_FILE
+    """Committed offsets by (group, queue), read with the store's reader; none if absent."""
     try:
-        doc = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise SnapshotError(f"cannot read {path}: {e}") from None
-    out: dict[tuple[str, str], int] = {}
-    try:
-        for group, queues in doc["offsets"].items():
-            for queue, offset in queues.items():
-                out[(str(group), str(queue))] = int(offset)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise SnapshotError(f"{path} is not in the store's offsets format: {e!r}") from None
-    return out
+        return read_committed_offsets(Path(data_dir))
+    except (OSError, StoreError) as e:
+        raise SnapshotError(f"cannot read the committed offsets: {e}") from None
 
 
 def subscribers(

@@ -71,7 +71,7 @@ from store.format import (
     check_record,
     encode_queue_dir,
 )
-from store.offsets import OFFSETS_FILE, ConsumerOffsets
+from store.offsets import OFFSETS_DIR, OFFSETS_FILE, ConsumerOffsets
 from store.recovery import RecoveryReport, recover, scan_log
 from store.results import (
     ArrivalListener,
@@ -242,7 +242,9 @@ class MessageStore:
             max_cached_queues=config.max_cached_queues,
             read_only=config.read_only,
         )
-        self.offsets = ConsumerOffsets(self.config_dir / OFFSETS_FILE, read_only=config.read_only)
+        self.offsets = ConsumerOffsets(
+            self.data_dir / OFFSETS_DIR, self.config_dir / OFFSETS_FILE, read_only=config.read_only
+        )
         self.recovery = RecoveryReport(abnormal=False)
         self._flusher: Flusher | None = None
         # The users' durable state (statelog.py): its own directory, beyond CommitLog retention.
@@ -276,6 +278,7 @@ class MessageStore:
         if not self.read_only:
             self._take_lock()
             self.state = StateLog.open(self.state_dir)
+        self.offsets.load()
         self.commitlog.load()
         self.queues_table.log_min_offset = self.commitlog.min_offset
         abort = self.data_dir / ABORT_FILE
@@ -329,6 +332,7 @@ class MessageStore:
         self.queues_table.close()
         if self.state is not None:
             self.state.close()
+        self.offsets.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
