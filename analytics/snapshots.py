@@ -2,9 +2,10 @@
 
 Three small inputs, read without Spark and without opening the store:
 
-    config/sessions.json          the gateway's sessions and subscriptions (filter, queue,
-                                  share group, start_offset: the queue end when subscribed)
-    config/consumer_offsets.json  {"version": 1, "offsets": {group: {queue: next offset}}};
+    state/ (the state log)        the gateway's session records: subscriptions (filter, queue,
+                                  share group, start_offset: the queue end when subscribed),
+                                  read with the store's reader (store/statelog.py)
+    offsets/ (a state log)        the store's committed offsets: (group, queue) -> next offset;
                                   group = client id, or "$share/<group>" for a shared group
     consumequeue/<queue>/0/<20-digit start byte>
                                   20-byte units; a queue ends at the last file's start unit
@@ -29,14 +30,17 @@ from analytics.storeformat import (
     CONFIG_DIR,
     CQ_UNIT_SIZE,
     QUEUE_ID,
+    SESSION_KEY_PREFIX,
     consumequeue_dir,
     decode_queue_dir,
     segment_start_offset,
 )
+from store.errors import StoreError
+from store.offsets import read_committed_offsets
+from store.statelog import STATE_DIR, read_state
 from topicmap import LMQ_PREFIX, filter_of
 
-SESSIONS_FILE = "sessions.json"
-OFFSETS_FILE = "consumer_offsets.json"
+SESSIONS_FILE = "sessions.json"  # before the state log
 SHARE_PREFIX = "$share/"
 LIGHT_QUEUE_PREFIX = LMQ_PREFIX
 
@@ -77,17 +81,27 @@ class QueueEnd:
 
 
 def read_subscriptions(data_dir: str | Path) -> list[Subscription]:
-    """Every saved subscription; a store without sessions.json has none."""
-    path = Path(data_dir) / CONFIG_DIR / SESSIONS_FILE
+    """Every saved subscription (the gateway's session records in the state log, read with
+    the store's reader; the config/sessions.json of an older data directory otherwise)."""
+    path = Path(data_dir) / STATE_DIR
     try:
-        doc = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError) as e:
-        raise SnapshotError(f"cannot read {path}: {e}") from None
+        raw = read_state(path, SESSION_KEY_PREFIX)
+    except (OSError, StoreError) as e:
+        raise SnapshotError(f"cannot read the state log {path}: {e}") from None
+    sessions: dict[str, object]
+    source = path
+    if raw or any(path.glob("*.snapshot")) or any(path.glob("*.log")):
+        try:
+            sessions = {cid: json.loads(value) for cid, value in raw.items()}
+        except ValueError as e:
+            raise SnapshotError(f"{path}: unreadable session record: {e}") from None
+    else:
+        source = Path(data_dir) / CONFIG_DIR / SESSIONS_FILE
+        sessions = _read_sessions_json(source)
     out: list[Subscription] = []
     try:
-        for client_id, session in doc["sessions"].items():
+        for client_id, session in sessions.items():
+            assert isinstance(session, dict)
             online = session.get("disconnected_at_ms") is None
             for sub in session.get("subscriptions", []):
                 group = sub.get("share_group")
@@ -106,28 +120,30 @@ def read_subscriptions(data_dir: str | Path) -> list[Subscription]:
                         online=online,
                     )
                 )
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise SnapshotError(f"{path} is not in the gateway's sessions format: {e!r}") from None
+    except (KeyError, TypeError, AttributeError, ValueError, AssertionError) as e:
+        raise SnapshotError(f"{source} is not in the gateway's sessions format: {e!r}") from None
     return out
 
 
-def read_committed(data_dir: str | Path) -> dict[tuple[str, str], int]:
-    """Committed offsets by (group, queue); a store without the file has none."""
-    path = Path(data_dir) / CONFIG_DIR / OFFSETS_FILE
+def _read_sessions_json(path: Path) -> dict[str, object]:
     try:
         doc = json.loads(path.read_bytes())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
         raise SnapshotError(f"cannot read {path}: {e}") from None
-    out: dict[tuple[str, str], int] = {}
+    sessions = doc.get("sessions") if isinstance(doc, dict) else None
+    if not isinstance(sessions, dict):
+        raise SnapshotError(f"{path} is not in the gateway's sessions format: no sessions")
+    return sessions
+
+
+def read_committed(data_dir: str | Path) -> dict[tuple[str, str], int]:
+    """Committed offsets by (group, queue), read with the store's reader; none if absent."""
     try:
-        for group, queues in doc["offsets"].items():
-            for queue, offset in queues.items():
-                out[(str(group), str(queue))] = int(offset)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise SnapshotError(f"{path} is not in the store's offsets format: {e!r}") from None
-    return out
+        return read_committed_offsets(Path(data_dir))
+    except (OSError, StoreError) as e:
+        raise SnapshotError(f"cannot read the committed offsets: {e}") from None
 
 
 def subscribers(

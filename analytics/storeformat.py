@@ -19,6 +19,10 @@ QUEUE_SEPARATOR: Final = _fmt.MULTI_DISPATCH_SEPARATOR
 KEY_DISPATCH: Final = _fmt.PROP_MULTI_DISPATCH
 KEY_QUEUE_OFFSETS: Final = _fmt.PROP_MULTI_QUEUE_OFFSET
 
+# The gateway's session records in the state log (store/statelog.py): key prefix + client id,
+# value the session as JSON (gateway/session.py; analytics never imports it).
+SESSION_KEY_PREFIX: Final = "session/"
+
 # MQTT facts the gateway stores as properties (gateway contract; analytics never imports it).
 KEY_TOPIC: Final = "mqtt.topic"
 KEY_CLIENT: Final = "mqtt.client"

@@ -19,6 +19,7 @@ from gateway.access import AccessControl
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
+from gateway.embedded import open_storage
 from gateway.ingest import IngestBatch
 from gateway.listeners import ExtraListeners
 from gateway.overload import OverloadGuard
@@ -29,8 +30,8 @@ from gateway.server import MqttServerProtocol
 from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
 from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
+from gateway.storage import EncodedMessage, GetStatus, PutResult, Storage
 from gateway.will import WillScheduler
-from store import EncodedMessage, GetStatus, MessageStore, PutResult
 from topicmap import Router, Topic, TopicFilter, parent_topic
 
 log = logging.getLogger("lmqtt.gateway")
@@ -67,7 +68,7 @@ class Gateway:
         # name -> (parent topic, light queues): valid until the router changes (cleared then).
         self._routes: dict[str, tuple[str, tuple[str, ...]]] = {}
         # Set by start():
-        self.store: MessageStore
+        self.store: Storage
         self.retained: RetainedIndex
         self.sessions: SessionRegistry
         self.arrivals: ArrivalHub
@@ -80,7 +81,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = MessageStore.open(s.store_config())
+        self.store = open_storage(s)
         self.arrivals = ArrivalHub(loop)
         self.ingest = IngestBatch(loop, self.append_publishes) if s.flush == "async" else None
         self.overload = OverloadGuard(loop)
@@ -146,7 +147,7 @@ class Gateway:
             self.wills.schedule(session.client_id, will, max(0, due - now) / 1000)
 
     def _clamp_to_store(self, session: Session) -> None:
-        """After an async-flush crash the log may end before positions sessions.json saved:
+        """After an async-flush crash the log may end before positions the session record saved:
         read again from the queue's real end, or new messages would land below the cursor."""
         for sub in session.subscriptions.values():
             end = self.store.max_offset(sub.queue)
@@ -332,7 +333,7 @@ class Gateway:
         if session is not None and session.will is will:
             session.will = None
             session.will_due_ms = None
-            self.sessions.mark_dirty()
+            self.sessions.mark_dirty(session)
         log.info("publishing the will of %r to %r", client_id, will.topic)
         props = will.properties
         pub = Publish(

@@ -298,7 +298,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _err(str(exc))
         return EXIT_USAGE
     except Exception as exc:
-        from store import StoreError, StoreLockedError
+        from gateway.storage import StoreError, StoreLockedError
 
         if isinstance(exc, StoreLockedError):
             _err(f"{exc} (is another 'lmqtt serve' using {_shown_dir(settings.data_dir)}?)")

@@ -46,7 +46,7 @@ from gateway.protocol import (
 )
 from gateway.records import PublishProperties
 from gateway.session import Session, SubscriptionState
-from store import StoreError
+from gateway.storage import StoreError
 from topicmap import Topic, TopicError, TopicFilter
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ import os
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -32,9 +32,6 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
-
-if TYPE_CHECKING:
-    from store import StoreConfig
 
 __all__ = ["DEFAULT_PORT", "ENV_PREFIX", "GatewaySettings", "SettingsError", "load_settings"]
 
@@ -214,23 +211,6 @@ class GatewaySettings(BaseSettings):
                 f"max_session_expiry ({self.max_session_expiry})"
             )
         return self
-
-    def store_config(self, **extra: Any) -> StoreConfig:
-        """The StoreConfig these settings imply (`extra` adds/overrides store-only fields)."""
-        from store import StoreConfig
-
-        fields: dict[str, Any] = {
-            "data_dir": self.data_dir,
-            "flush": self.flush,
-            "flush_interval_ms": self.flush_interval_ms,
-            "segment_size": self.segment_size,
-            # A message body can never be larger than the packet that carried it.
-            "max_body_size": self.max_packet_size,
-            "retention_hours": self.retention_hours,
-            "retention_bytes": self.retention_bytes,
-        }
-        fields.update(extra)
-        return StoreConfig(**fields)
 
     @property
     def port_explicit(self) -> bool:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from gateway.protocol import PreparedPublish, Properties, Publish, PubRel, ReasonCode
 from gateway.records import RecordedPublish, read_record
 from gateway.session import Inflight, Session, SubscriptionState
-from store import EncodedMessage, GetStatus, PutResult, StoredMessage
+from gateway.storage import EncodedMessage, GetStatus, PutResult, StoredMessage
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

@@ -30,7 +30,7 @@ from typing import Protocol
 
 from gateway.protocol import Publish
 from gateway.records import PublishProperties
-from store import PutResult, StoreError
+from gateway.storage import PutResult, StoreError
 
 __all__ = ["IngestBatch", "Publisher"]
 

@@ -9,7 +9,7 @@ What it reports:
 
     queues         every store queue: kind (parent / light / retained), MQTT filter of light
                    queues, min and max offset (max = next offset to be written), messages held
-    sessions       config/sessions.json: protocol level, expiry, connected or since when
+    sessions       the state log's session records: protocol level, expiry, connected or since when
     subscriptions  per session: filter, queue, QoS, committed offset (store.offsets, group =
                    client id or "$share/<group>") and backlog = max offset - max(committed, min)
     offsets        every committed consumer offset, including groups without a session
@@ -23,14 +23,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
 
+if TYPE_CHECKING:
+    from gateway.storage import Storage
+
 __all__ = ["InspectError", "StoreReport", "inspect_data_dir", "render_json", "render_text"]
 
-SESSIONS_FILE = "sessions.json"
+SESSIONS_FILE = "sessions.json"  # written by versions before the state log
 _Row = TypeVar("_Row")
 
 
@@ -116,7 +119,26 @@ def _check_data_dir(data_dir: Path) -> None:
         )
 
 
-def _read_sessions(config_dir: Path, warnings: list[str]) -> dict[str, Any]:
+def _read_sessions(store: Storage, config_dir: Path, warnings: list[str]) -> dict[str, Any]:
+    """Client id -> session JSON, from the state log (through the gateway's own reader), or
+    from the config/sessions.json of a data directory an older version wrote."""
+    from gateway.session import read_session_records
+    from gateway.storage import StoreError
+
+    meta: dict[str, bytes] = {}
+    try:
+        raw = read_session_records(store.state_records(), meta)
+    except StoreError as exc:
+        warnings.append(f"state log unreadable ({exc}); sessions not shown")
+        return {}
+    if raw or meta:
+        sessions: dict[str, Any] = {}
+        for cid, value in raw.items():
+            try:
+                sessions[cid] = json.loads(value)
+            except ValueError as exc:
+                warnings.append(f"session {cid!r}: unreadable record ({exc})")
+        return sessions
     path = config_dir / SESSIONS_FILE
     try:
         doc = json.loads(path.read_bytes())
@@ -125,11 +147,11 @@ def _read_sessions(config_dir: Path, warnings: list[str]) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         warnings.append(f"{path}: unreadable ({exc}); sessions not shown")
         return {}
-    sessions = doc.get("sessions") if isinstance(doc, dict) else None
-    if not isinstance(sessions, dict):
+    old = doc.get("sessions") if isinstance(doc, dict) else None
+    if not isinstance(old, dict):
         warnings.append(f"{path}: no 'sessions' object; sessions not shown")
         return {}
-    return sessions
+    return old
 
 
 def _int_or_none(value: object) -> int | None:
@@ -141,17 +163,18 @@ def inspect_data_dir(data_dir: Path) -> StoreReport:
     data_dir = Path(data_dir)
     _check_data_dir(data_dir)
 
+    from gateway.embedded import open_read_only
     from gateway.retained import RetainedIndex
-    from store import MessageStore, StoreConfig, StoreError
+    from gateway.storage import StoreError
     from topicmap import TopicError, filter_of
 
     try:
-        store = MessageStore.open(StoreConfig(data_dir=data_dir, read_only=True))
+        store = open_read_only(data_dir)
     except StoreError as exc:
         raise InspectError(f"{data_dir}: cannot open the store read-only: {exc}") from None
     report = StoreReport(data_dir=str(data_dir))
     try:
-        sessions = _read_sessions(Path(store.config_dir), report.warnings)
+        sessions = _read_sessions(store, data_dir / "config", report.warnings)
         # Filters known from sessions resolve hash-based queue names filter_of cannot decode.
         known_filters: dict[str, str] = {}
         for sess in sessions.values():

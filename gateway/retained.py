@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from store import MessageStore, StoredMessage
+    from gateway.storage import Storage as MessageStore
+    from gateway.storage import StoredMessage
 
 __all__ = ["RetainedIndex", "RetainedMessage", "RetainedTrie"]
 
@@ -400,7 +401,7 @@ class RetainedIndex:
 
     def _catch_up(self, confirmable: bool) -> int:
         """Apply %RETAIN% records from _next_offset to the queue's end; returns how many."""
-        from store import GetStatus  # the store is optional for a detached index
+        from gateway.storage import GetStatus  # the store is optional for a detached index
 
         store = self._store
         if store is None:
@@ -467,10 +468,9 @@ class RetainedIndex:
     def _read_snapshot(self) -> dict[str, Any] | None:
         store = self._store
         assert store is not None
-        path = store.config_dir / SNAPSHOT_NAME
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
+        path = f"config/{SNAPSHOT_NAME}"
+        raw = store.read_config(SNAPSHOT_NAME)
+        if raw is None:
             return None
         try:
             doc = json.loads(raw)

@@ -4,9 +4,12 @@ A Session holds the subscriptions (with read positions), the outbound in-flight 
 inbound QoS 2 ids awaiting PUBREL. The offline backlog is NOT here: it is the part of each
 subscribed light queue past the session's read position, on disk in the store.
 
-`config/sessions.json` (written atomically through store.write_config):
+Persistence: one state record per session in the store's state log (gateway/storage.py,
+store/statelog.py), key "session/<client id>", value the session as UTF-8 JSON; a DELETE
+record ends the session. Earlier versions kept them all in `config/sessions.json`
+({"version": 1, "sessions": {"<client id>": <the same JSON>}}), imported once at start.
 
-    {"version": 1, "sessions": {"<client id>": {
+    "session/<client id>" -> {
         "protocol_level": 5, "expiry_interval": 3600, "disconnected_at_ms": null | int,
         "subscriptions": [{"filter": "site/+/t", "queue": "%LMQ%...", "share_group": null | "g",
                            "qos": 1, "no_local": false, "retain_as_published": false,
@@ -17,7 +20,7 @@ subscribed light queue past the session's read position, on disk in the store.
                       "message": {"topic", "payload" (base64), ...}, "retain": true,
                       "sub_ids": [subscription identifiers]}],
         "will": null | {"topic", "payload" (base64), "qos", "retain", "properties"},
-        "will_due_ms": null | int}}}
+        "will_due_ms": null | int}
 
 `will` is the will of the live connection (kept so a crash still publishes it after restart)
 or, with `will_due_ms`, a delayed will waiting to be published.
@@ -28,8 +31,8 @@ retained copy sent on subscribe, or a delivery whose subscription was removed): 
 
 `filter` is the filter as subscribed (with a `$share/g/` prefix for shared subscriptions).
 `next_offset` is the read position; everything below it that is not in `inflight` was delivered
-and acknowledged, so sessions.json alone is a consistent resume point (store.offsets also gets the
-committed offsets, for inspect and analytics).
+and acknowledged, so the session record alone is a consistent resume point (store.offsets also
+gets the committed offsets, for inspect and analytics).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,12 +52,16 @@ if TYPE_CHECKING:
     from gateway.client import ClientConnection
     from gateway.protocol import Will
     from gateway.shared import SharedGroup
-    from store import MessageStore
+    from gateway.storage import StateRecord, Storage
 
 log = logging.getLogger("lmqtt.gateway")
 
-SESSIONS_FILE = "sessions.json"
-SESSIONS_VERSION = 1
+# State record key of a session (gateway/storage.py: StateRecord); the value is the session's
+# JSON (Session.to_json), a DELETE record ends it.
+SESSION_KEY_PREFIX = "session/"
+SESSIONS_FILE = "sessions.json"  # the file of earlier versions, imported once
+META_KEY_PREFIX = "meta/"
+IMPORTED_KEY = "meta/sessions.json-imported"  # present: SESSIONS_FILE was imported (or absent)
 NEVER_EXPIRES = 0xFFFFFFFF
 PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
 
@@ -163,7 +170,7 @@ class Inflight:
 
     @property
     def resumable(self) -> bool:
-        """Whether a reconnect can finish this exchange (what sessions.json keeps)."""
+        """Whether a reconnect can finish this exchange (what the session record keeps)."""
         return self.queue is not None or self.pubrel or self.message is not None
 
 
@@ -284,21 +291,29 @@ class Session:
 
 
 class SessionRegistry:
-    """All sessions by client id, their expiry timers and their persistence."""
+    """All sessions by client id, their expiry timers and their persistence.
 
-    def __init__(self, store: MessageStore, on_expire: Callable[[Session], None]) -> None:
+    Each session is one state record (key `SESSION_KEY_PREFIX + client id`, see the module
+    docstring), appended when it changes: a change costs one small append, whatever the
+    number of sessions. Changes that must survive a crash before they are acknowledged
+    (`save()`: SUBACK, PUBREC) are appended at once and awaited durable (group commit);
+    the others are appended by the next housekeeping pass.
+    """
+
+    def __init__(self, store: Storage, on_expire: Callable[[Session], None]) -> None:
         self._store = store
         self._on_expire = on_expire
         self.sessions: dict[str, Session] = {}
         # Wills of clean sessions cut off by a crash: published once at start.
         self.orphan_wills: list[tuple[str, Will]] = []
-        self._dirty = False
-        self._progress = False
+        self._dirty: set[str] = set()  # client ids whose record must be appended soon
+        self._progress: set[str] = set()  # ... at the slower progress pace
+        # Connected sessions: their QoS 0 read positions move without anyone telling us, so
+        # each progress pass rewrites them (and forgets those that have disconnected since).
+        self._live: set[str] = set()
+        self._progress_all = False
         self._last_save = time.monotonic()
-        self._lock = asyncio.Lock()
-        self._writing: asyncio.Future[None] | None = None
-        self._requested = 0
-        self._saved = 0
+        self._meta: dict[str, bytes] = {}  # the registry's other state records (IMPORTED_KEY)
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -320,20 +335,26 @@ class SessionRegistry:
     def touch(self, session: Session) -> None:
         """`session` changed: persistent ones must reach disk soon; clean sessions are listed
         only for inspect and analytics, so they ride along with the slower progress saves."""
+        cid = session.client_id
+        if session.connection is not None:
+            self._live.add(cid)
         if session.persistent:
-            self._dirty = True
+            self._dirty.add(cid)
         else:
-            self._progress = True
+            self._progress.add(cid)
 
-    def mark_dirty(self) -> None:
+    def mark_dirty(self, session: Session) -> None:
         """A change that must reach disk soon (sessions, subscriptions, wills, QoS 2 state)."""
-        self._dirty = True
+        self._dirty.add(session.client_id)
 
-    def mark_progress(self) -> None:
-        """Read positions and acknowledgements moved. Losing these in a crash only re-sends
-        messages (at least once), so they are saved at a slower pace: under steady traffic the
-        whole file would otherwise be rewritten every second."""
-        self._progress = True
+    def mark_progress(self, session: Session | None = None) -> None:
+        """Read positions and acknowledgements moved (of `session`; None: of any connected
+        session). Losing these in a crash only re-sends messages (at least once), so they are
+        saved at a slower pace."""
+        if session is None:
+            self._progress_all = True
+        else:
+            self._progress.add(session.client_id)
 
     # -- expiry ------------------------------------------------------------------------------
 
@@ -360,87 +381,126 @@ class SessionRegistry:
     # -- persistence -------------------------------------------------------------------------
 
     def load(self) -> list[Session]:
-        """Read sessions.json; sessions that ended with the previous run are dropped."""
-        try:
-            raw = self._store.read_config(SESSIONS_FILE)
-        except (FileNotFoundError, OSError):
-            return []
-        if raw is None:
-            return []
-        try:
-            doc = json.loads(raw)
-            entries = doc.get("sessions", {})
-        except (ValueError, AttributeError):
-            log.error("config/%s unreadable; starting without sessions", SESSIONS_FILE)
-            return []
+        """Rebuild the sessions from the state log (a sessions.json of an older version is
+        imported once); sessions that ended with the previous run are dropped."""
+        raw = read_session_records(self._store.state_records(), self._meta)
+        imported = False
+        if IMPORTED_KEY not in self._meta:
+            raw.update(self._import_sessions_json())
+            imported = True
         loaded = []
         now = now_ms()
-        for cid, d in entries.items():
+        while raw:
+            # popitem: the raw records' memory is reused by the sessions built from them.
+            cid, value = raw.popitem()
             try:
-                s = Session.from_json(cid, d)
-            except (KeyError, TypeError, ValueError) as e:
-                log.error("session %r in %s unreadable (%s); dropped", cid, SESSIONS_FILE, e)
+                s = Session.from_json(cid, json.loads(value))
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                log.error("session %r in the state log unreadable (%s); dropped", cid, e)
+                self._dirty.add(cid)
                 continue
             crashed = s.disconnected_at_ms is None  # connected when the previous run ended
             if crashed:
                 s.disconnected_at_ms = now
+                self._dirty.add(cid)
             if not s.persistent:
                 if crashed and s.will is not None:
                     self.orphan_wills.append((cid, s.will))
+                self._dirty.add(cid)  # its record goes
                 continue
             self.sessions[cid] = s
             loaded.append(s)
-        self._dirty = True
+        if imported:
+            # Written at once, marked done: the old file is never read again.
+            self._dirty.update(self.sessions)
+            self._store.append_state([*self._records(self._dirty), (IMPORTED_KEY, b"1")])
+            self._dirty.clear()
         return loaded
 
-    def _serialize(self) -> bytes:
-        doc = {
-            "version": SESSIONS_VERSION,
-            # Clean sessions are listed while connected (inspect, analytics), not after.
-            "sessions": {
-                cid: s.to_json()
-                for cid, s in self.sessions.items()
-                if s.persistent or s.connection is not None
-            },
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
+    def _import_sessions_json(self) -> dict[str, bytes]:
+        try:
+            doc = self._store.read_config(SESSIONS_FILE)
+        except OSError:
+            return {}
+        if doc is None:
+            return {}
+        try:
+            entries = json.loads(doc).get("sessions", {})
+            out = {str(cid): json.dumps(d).encode() for cid, d in entries.items()}
+        except (ValueError, AttributeError):
+            log.error("config/%s unreadable; not imported", SESSIONS_FILE)
+            return {}
+        log.info("importing %d session(s) from config/%s", len(out), SESSIONS_FILE)
+        return out
 
-    def save_now(self) -> None:
-        """Synchronous save (shutdown)."""
-        self._dirty = False
-        self._store.write_config(SESSIONS_FILE, self._serialize())
+    def _records(self, cids: set[str]) -> list[StateRecord]:
+        out: list[StateRecord] = []
+        dumps = _dumps
+        for cid in cids:
+            s = self.sessions.get(cid)
+            # Clean sessions are listed while connected (inspect, analytics), not after.
+            if s is not None and (s.persistent or s.connection is not None):
+                out.append((SESSION_KEY_PREFIX + cid, dumps(s.to_json()).encode()))
+            else:
+                out.append((SESSION_KEY_PREFIX + cid, None))
+        return out
+
+    def _write(self, progress: bool) -> int:
+        """Append the records of every changed session (and with `progress`, of the slower
+        kind too); returns the state log position to wait for (0: nothing written)."""
+        cids = self._dirty
+        self._dirty = set()
+        if progress:
+            live = {c for c in self._live if (s := self.sessions.get(c)) and s.connection}
+            cids |= self._progress | self._live
+            self._live = live
+            self._progress = set()
+            self._progress_all = False
+            self._last_save = time.monotonic()
+        if not cids:
+            return 0
+        return self._store.append_state(self._records(cids))
 
     async def save(self) -> None:
-        """Durable save that coalesces concurrent callers into as few writes as possible.
+        """Append every pending change and wait until it is durable (group commit: callers
+        waiting at the same time share one fsync)."""
+        position = self._write(progress=True)
+        if position:
+            await self._store.wait_state_durable(position)
 
-        Each caller takes a ticket; a write serializes the state after every ticket issued so
-        far, so callers whose ticket it covers return without writing again.
-        """
-        self._requested += 1
-        ticket = self._requested
-        async with self._lock:
-            if self._saved >= ticket:
-                return
-            covered = self._requested
-            self._dirty = False
-            self._progress = False
-            self._last_save = time.monotonic()
-            data = self._serialize()
-            loop = asyncio.get_running_loop()
-            self._writing = loop.run_in_executor(
-                None, self._store.write_config, SESSIONS_FILE, data
-            )
-            # Shielded: a cancelled caller must not release the lock while the thread writes.
-            await asyncio.shield(self._writing)
-            self._saved = covered
+    def save_now(self) -> None:
+        """Append every pending change (shutdown: the store's close fsyncs it)."""
+        self._write(progress=True)
 
     async def close(self) -> None:
-        """Final synchronous save, after any write still running in the executor."""
-        while self._writing is not None and not self._writing.done():
-            await asyncio.wait([self._writing])
+        """Final save of every session that changed or was connected in this run."""
         self.save_now()
 
     async def save_if_dirty(self, progress_interval_s: float = PROGRESS_SAVE_S) -> None:
-        now = time.monotonic()
-        if self._dirty or (self._progress and now - self._last_save >= progress_interval_s):
-            await self.save()
+        """Housekeeping: append pending changes; compact the state log when due."""
+        progress = time.monotonic() - self._last_save >= progress_interval_s
+        self._write(progress=progress)
+        await self._store.compact_state()
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def read_session_records(
+    records: Iterable[StateRecord], meta: dict[str, bytes] | None = None
+) -> dict[str, bytes]:
+    """Client id -> the newest session record (JSON bytes) of a stream of state records;
+    `meta` gets the registry's own other records."""
+    out: dict[str, bytes] = {}
+    n = len(SESSION_KEY_PREFIX)
+    for key, value in records:
+        if not key.startswith(SESSION_KEY_PREFIX):
+            if meta is not None and key.startswith(META_KEY_PREFIX) and value is not None:
+                meta[key] = value
+            continue
+        if value is None:
+            out.pop(key[n:], None)
+        else:
+            out[key[n:]] = value
+    return out

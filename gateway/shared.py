@@ -16,7 +16,7 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from store import GetStatus, StoredMessage
+from gateway.storage import GetStatus, StoredMessage
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

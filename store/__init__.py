@@ -21,9 +21,17 @@ from store.results import (
     PutResult,
     StoredMessage,
 )
+from store.statelog import (
+    STATE_DIR,
+    StateLog,
+    StateRecord,
+    read_state,
+    read_state_records,
+)
 from store.store import EncodedMessage, MessageStore
 
 __all__ = [
+    "STATE_DIR",
     "ArrivalListener",
     "CorruptStoreError",
     "EncodedMessage",
@@ -39,9 +47,13 @@ __all__ = [
     "PutResult",
     "ReadOnlyStoreError",
     "RecoveryReport",
+    "StateLog",
+    "StateRecord",
     "StoreClosedError",
     "StoreConfig",
     "StoreError",
     "StoreLockedError",
     "StoredMessage",
+    "read_state",
+    "read_state_records",
 ]

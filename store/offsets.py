@@ -1,28 +1,47 @@
-"""Consumer offsets: ``(group, queue) -> next offset to consume``, persisted atomically.
+"""Consumer offsets: ``(group, queue) -> next offset to consume``, kept in a compacted log.
 
-File ``config/consumer_offsets.json`` (UTF-8 JSON, replaced atomically)::
+Directory ``offsets/`` of the data dir: a state log (store/statelog.py) of its own, one
+record per (group, queue), so a commit costs one small append however many there are::
+
+    key    <group> \\x00 <queue>          (UTF-8; neither may contain NUL)
+    value  u64 big-endian next offset     (a DELETE record: the offset was removed)
+
+:meth:`ConsumerOffsets.persist` (the store calls it on every full flush and at close) appends
+the entries changed since the last call, with one write and one fsync, and compacts the log in
+a background thread when its history outweighs the live table.
+
+Earlier versions rewrote ``config/consumer_offsets.json`` whole (UTF-8 JSON)::
 
     {"version": 1, "offsets": {"<group>": {"<queue>": <offset>, ...}, ...}}
 
-Analytics may read it with :func:`read_offsets_file`. Thread-safe (one lock).
+It is imported once (then renamed ``consumer_offsets.json.imported``) when the log is empty.
+Readers (inspect, analytics): :func:`read_committed_offsets`. Thread-safe (one lock).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import struct
 import threading
 from pathlib import Path
 from typing import Final
 
-from store.atomicfile import write_atomic
 from store.errors import CorruptStoreError
+from store.statelog import LOG_SUFFIX, SNAPSHOT_SUFFIX, StateLog, StateRecord, read_state
+
+log = logging.getLogger("lmqtt.store")
 
 OFFSETS_FILE: Final = "consumer_offsets.json"
 OFFSETS_VERSION: Final = 1
+OFFSETS_DIR: Final = "offsets"
+_SEP: Final = "\x00"
+_VALUE = struct.Struct(">Q")
 
 
 def read_offsets_file(path: Path) -> dict[tuple[str, str], int]:
-    """Parse a consumer-offsets file; a missing file is empty, a damaged one an error."""
+    """Parse a consumer-offsets JSON file (older versions); missing is empty, damaged an error."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -40,57 +59,125 @@ def read_offsets_file(path: Path) -> dict[tuple[str, str], int]:
         raise CorruptStoreError(str(path), f"unreadable consumer offsets: {e}") from e
 
 
-def encode_offsets(offsets: dict[tuple[str, str], int]) -> bytes:
-    doc: dict[str, dict[str, int]] = {}
-    for (group, queue), off in sorted(offsets.items()):
-        doc.setdefault(group, {})[queue] = off
-    return json.dumps({"version": OFFSETS_VERSION, "offsets": doc}, indent=1).encode()
+def _has_log(directory: Path) -> bool:
+    try:
+        return any(n.endswith((LOG_SUFFIX, SNAPSHOT_SUFFIX)) for n in os.listdir(directory))
+    except FileNotFoundError:
+        return False
+
+
+def read_offsets_log(directory: Path) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for key, value in read_state(directory).items():
+        group, sep, queue = key.partition(_SEP)
+        if not sep or len(value) != _VALUE.size:
+            raise CorruptStoreError(str(directory), f"bad consumer offset record {key!r}")
+        out[(group, queue)] = _VALUE.unpack(value)[0]
+    return out
+
+
+def read_committed_offsets(data_dir: Path) -> dict[tuple[str, str], int]:
+    """Every committed offset of a data directory (the log, else an older version's JSON)."""
+    directory = Path(data_dir) / OFFSETS_DIR
+    if _has_log(directory):
+        return read_offsets_log(directory)
+    return read_offsets_file(Path(data_dir) / "config" / OFFSETS_FILE)
 
 
 class ConsumerOffsets:
-    """In-memory table, written on :meth:`persist` (the store calls it on flush and close)."""
+    """In-memory table; changes reach the log on :meth:`persist`."""
 
-    def __init__(self, path: Path, *, read_only: bool = False) -> None:
-        self.path = path
+    def __init__(self, directory: Path, legacy_path: Path, *, read_only: bool = False) -> None:
+        self.directory = directory
+        self.path = legacy_path
         self.read_only = read_only
         self._lock = threading.Lock()
-        self._offsets = read_offsets_file(path)
-        self._dirty = False
+        self._offsets: dict[tuple[str, str], int] = {}
+        self._changed: dict[tuple[str, str], int | None] = {}
+        self._log: StateLog | None = None
+        self._compaction: threading.Thread | None = None
+        self._imported = False
+
+    def load(self) -> None:
+        """Read the table (a writable store: after taking its lock, recovering the log)."""
+        had_log = _has_log(self.directory)
+        if not self.read_only:
+            self._log = StateLog.open(self.directory)
+        self._offsets = read_offsets_log(self.directory) if had_log else {}
+        # An older version's file, until its import has been persisted (then it is renamed).
+        legacy = read_offsets_file(self.path)
+        if legacy and not self.read_only:
+            self._imported = True
+            self._changed = {k: v for k, v in legacy.items() if k not in self._offsets}
+        self._offsets = legacy | self._offsets
 
     def commit(self, group: str, queue: str, offset: int) -> None:
         if offset < 0:
             raise ValueError("offset must be >= 0")
+        key = (group, queue)
         with self._lock:
-            if self._offsets.get((group, queue)) != offset:
-                self._offsets[(group, queue)] = offset
-                self._dirty = True
+            if self._offsets.get(key) != offset:
+                self._offsets[key] = offset
+                self._changed[key] = offset
 
     def get(self, group: str, queue: str) -> int | None:
         with self._lock:
             return self._offsets.get((group, queue))
 
     def remove(self, group: str, queue: str) -> None:
+        key = (group, queue)
         with self._lock:
-            if self._offsets.pop((group, queue), None) is not None:
-                self._dirty = True
+            if self._offsets.pop(key, None) is not None:
+                self._changed[key] = None
 
     def all(self) -> dict[tuple[str, str], int]:
         with self._lock:
             return dict(self._offsets)
 
     def persist(self) -> bool:
-        """Write the table if it changed; returns whether it wrote."""
-        if self.read_only:
+        """Append the changed entries and fsync them; returns whether it wrote."""
+        if self.read_only or self._log is None:
             return False
         with self._lock:
-            if not self._dirty:
-                return False
-            data = encode_offsets(self._offsets)
-            self._dirty = False
+            changed, self._changed = self._changed, {}
+        if not changed:
+            if self._imported:
+                self._imported = False
+                os.replace(self.path, self.path.with_name(self.path.name + ".imported"))
+            return False
+        records: list[StateRecord] = [
+            (g + _SEP + q, None if off is None else _VALUE.pack(off))
+            for (g, q), off in changed.items()
+        ]
         try:
-            write_atomic(self.path, data)
+            self._log.append(records)
+            self._log.sync()
         except BaseException:
             with self._lock:
-                self._dirty = True
+                self._changed = changed | self._changed  # newer changes win
             raise
+        if self._imported:
+            self._imported = False
+            os.replace(self.path, self.path.with_name(self.path.name + ".imported"))
+        if self._log.needs_compaction() and (
+            self._compaction is None or not self._compaction.is_alive()
+        ):
+            # Not in the caller's thread: it is the store's flusher.
+            self._compaction = threading.Thread(
+                target=self._compact, name="lmqtt-offsets-compaction", daemon=True
+            )
+            self._compaction.start()
         return True
+
+    def _compact(self) -> None:
+        assert self._log is not None
+        try:
+            self._log.compact()
+        except Exception:
+            log.exception("compacting the consumer offsets log failed (it keeps growing)")
+
+    def close(self) -> None:
+        if self._compaction is not None:
+            self._compaction.join()
+        if self._log is not None:
+            self._log.close()

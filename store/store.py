@@ -71,7 +71,7 @@ from store.format import (
     check_record,
     encode_queue_dir,
 )
-from store.offsets import OFFSETS_FILE, ConsumerOffsets
+from store.offsets import OFFSETS_DIR, OFFSETS_FILE, ConsumerOffsets
 from store.recovery import RecoveryReport, recover, scan_log
 from store.results import (
     ArrivalListener,
@@ -82,6 +82,7 @@ from store.results import (
     StoredMessage,
 )
 from store.retention import apply_retention
+from store.statelog import STATE_DIR, StateLog, StateRecord, read_state_records
 
 log = logging.getLogger("lmqtt.store")
 
@@ -241,9 +242,14 @@ class MessageStore:
             max_cached_queues=config.max_cached_queues,
             read_only=config.read_only,
         )
-        self.offsets = ConsumerOffsets(self.config_dir / OFFSETS_FILE, read_only=config.read_only)
+        self.offsets = ConsumerOffsets(
+            self.data_dir / OFFSETS_DIR, self.config_dir / OFFSETS_FILE, read_only=config.read_only
+        )
         self.recovery = RecoveryReport(abnormal=False)
         self._flusher: Flusher | None = None
+        # The users' durable state (statelog.py): its own directory, beyond CommitLog retention.
+        self.state_dir = self.data_dir / STATE_DIR
+        self.state: StateLog | None = None
 
     # =========================================================================================
     # open / close
@@ -271,6 +277,8 @@ class MessageStore:
     def _open(self) -> None:
         if not self.read_only:
             self._take_lock()
+            self.state = StateLog.open(self.state_dir)
+        self.offsets.load()
         self.commitlog.load()
         self.queues_table.log_min_offset = self.commitlog.min_offset
         abort = self.data_dir / ABORT_FILE
@@ -322,6 +330,9 @@ class MessageStore:
             self._fsync_pool = None
         self.commitlog.close()
         self.queues_table.close()
+        if self.state is not None:
+            self.state.close()
+        self.offsets.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -403,6 +414,8 @@ class MessageStore:
             units = self._units_total
             paths = self.queues_table.write_pending()
         self.commitlog.fsync_to(end)
+        if self.state is not None:
+            self.state.sync()  # async flush mode's bound on state changes lost to a power cut
         # Also lets go of pages readers faulted in (a backlog being drained) since the last one.
         self._release_mapped(end)
         unique = list(dict.fromkeys(paths))
@@ -1011,6 +1024,33 @@ class MessageStore:
                     if fresh is not None:
                         cq.flushed = cq.max_offset = fresh.flushed
             return self.commitlog.write_pos
+
+    # =========================================================================================
+    # state log (statelog.py)
+    # =========================================================================================
+    def state_records(self) -> Iterable[StateRecord]:
+        """Every state record in log order (the newest of a key wins); works read-only."""
+        return read_state_records(self.state_dir)
+
+    def _state_log(self) -> StateLog:
+        self._check_writable()
+        assert self.state is not None
+        return self.state
+
+    def append_state(self, records: Iterable[StateRecord]) -> int:
+        """Append state changes with one write; returns the position for sync_state()."""
+        return self._state_log().append(records)
+
+    def sync_state(self, position: int | None = None) -> None:
+        """Block until the state log is on disk up to `position` (group commit)."""
+        self._state_log().sync(position)
+
+    def state_needs_compaction(self) -> bool:
+        return self.state is not None and self.state.needs_compaction()
+
+    def rewrite_state(self) -> None:
+        """Compact the state log into a snapshot (blocking: run it in a thread)."""
+        self._state_log().compact()
 
     # =========================================================================================
     # config files

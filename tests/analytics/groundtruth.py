@@ -1,6 +1,6 @@
 """A store with known traffic, written through the real store API, and its expected report.
 
-Subscriptions are saved in the gateway's config/sessions.json format (with start_offset) and
+Subscriptions are saved as the gateway's session records in the state log (with start_offset) and
 committed offsets through store.offsets, exactly as the gateway does. The expected numbers come
 from a plain-Python model of the definitions in analytics.fanout, evaluated over the messages
 this module itself put, never over anything read back from the files.
@@ -194,8 +194,9 @@ def build_world(
                 }
             )
             world.ends[queue] = end
-        store.write_config(
-            "sessions.json", json.dumps({"version": 1, "sessions": sessions}).encode()
+        # As the gateway keeps them: one state record per session (gateway/session.py).
+        store.append_state(
+            (f"session/{cid}", json.dumps(doc).encode()) for cid, doc in sessions.items()
         )
     finally:
         store.close()

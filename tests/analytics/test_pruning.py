@@ -3,7 +3,6 @@ tail) can touch, and gives exactly the numbers of filtering every message."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from analytics.datasource import plan_partitions
 from analytics.fanout import ReportMeta
 from analytics.pruning import segment_spans, segments_in_window
 from analytics.segments import list_segments
+from store import MessageStore, StoreConfig
 from tests.analytics.groundtruth import World, build_world
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
@@ -137,12 +137,10 @@ def caught_up(small: World, tmp_path_factory: pytest.TempPathFactory) -> World:
         (key, queue): (start, max(committed, small.ends[queue] - 3))
         for (key, queue), (start, committed) in small.ranges.items()
     }
-    offsets: dict[str, dict[str, int]] = {}
+    store = MessageStore.open(StoreConfig(data_dir=data))
     for (key, queue), (_, committed) in ranges.items():
-        offsets.setdefault(key, {})[queue] = committed
-    (data / "config" / "consumer_offsets.json").write_text(
-        json.dumps({"version": 1, "offsets": offsets})
-    )
+        store.offsets.commit(key, queue, committed)
+    store.close()
     return World(data, small.segment_size, list(small.messages), ranges, dict(small.ends))
 
 

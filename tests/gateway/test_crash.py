@@ -94,3 +94,39 @@ def test_sigkill_with_sync_flush_loses_no_acknowledged_message(tmp_path: Path) -
         sub.close()
     finally:
         h.stop()
+
+
+def test_sigkill_loses_no_subscribed_persistent_session(tmp_path: Path) -> None:
+    """A SUBACK means the session's state record is in the log: a kill right after it loses
+    none of them (the state log's tail is recovered, a torn record cut off)."""
+    data = tmp_path / "data"
+    proc, port = _spawn(data)
+    try:
+        for i in range(40):
+            c = RawClient(port, level=4)
+            assert c.connect(f"dev-{i}", clean=False).reason_code == 0
+            c.send(Subscribe(1, [Subscription(f"dev/{i}/cmd", 1)]))
+            assert c.recv().reason_codes == [1]
+            c.close()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    h = GatewayHarness(data, flush="sync", segment_size=SEGMENT).start()
+    try:
+        pub = RawClient(h.port, level=4)
+        pub.connect("pub")
+        for i in range(40):
+            pub.send(Publish(f"dev/{i}/cmd", f"to-{i}".encode(), qos=1, packet_id=i + 1))
+            assert isinstance(pub.recv(), PubAck)
+        pub.close()
+        for i in range(40):
+            c = RawClient(h.port, level=4)
+            assert c.connect(f"dev-{i}", clean=False).session_present
+            msg = c.recv()
+            assert isinstance(msg, Publish) and msg.payload == f"to-{i}".encode()
+            c.close()
+    finally:
+        h.stop()

@@ -13,6 +13,7 @@ from gateway.protocol import (
     Subscribe,
     Subscription,
 )
+from store import read_state
 from tests.gateway.conftest import Client, GatewayHarness, RawClient, wait_until
 
 
@@ -113,8 +114,8 @@ def test_persistent_session_survives_gateway_restart(
         pub.publish("r/1/t", f"before-{i}".encode(), qos=1)
     pub.disconnect()
     gateway.restart()
-    doc = json.loads((gateway.data_dir / "config" / "sessions.json").read_bytes())
-    entry = doc["sessions"]["dev-1"]
+    # The session is one record of the state log, read back through the store's reader.
+    entry = json.loads(read_state(gateway.data_dir / "state")["session/dev-1"])
     assert entry["expiry_interval"] == 3600
     assert entry["subscriptions"][0]["filter"] == "r/+/t"
     # Publishing after the restart still reaches the offline session (router restored).

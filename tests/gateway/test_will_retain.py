@@ -212,12 +212,15 @@ def test_wills_of_connections_cut_by_a_crash_are_published(gateway: GatewayHarne
     persistent.connect("crash-p", clean=False, will=Will("will/crash/p", b"p", 1, False))
     clean = RawClient(gateway.port, level=4)
     clean.connect("crash-c", clean=True, will=Will("will/crash/c", b"c", 1, False))
-    # A crash: sessions.json as saved while both were connected, and no graceful stop.
+    # A crash: the state log as saved while both were connected, and no graceful stop.
     gateway.run(gw.sessions.save())
-    path = gateway.data_dir / "config" / "sessions.json"
-    saved = path.read_bytes()
+    state = gateway.data_dir / "state"
+    saved = {p.name: p.read_bytes() for p in state.iterdir()}
     gateway.stop()
-    path.write_bytes(saved)
+    for p in state.iterdir():
+        p.unlink()
+    for name, data in saved.items():
+        (state / name).write_bytes(data)
     persistent.close()
     clean.close()
     gateway.start()

@@ -1,0 +1,170 @@
+"""The storage port: everything the gateway knows of storage, in one typed interface.
+
+The gateway stores every PUBLISH once (one record, dispatched to the light queues of the
+filters it matches), reads each subscription's light queue from the subscriber's offset, and
+keeps its own durable state (sessions with their subscriptions and wills) as key/value
+records in a compacted state log. `Storage` names exactly those operations. The embedded
+store (`store.MessageStore`, through gateway/embedded.py) implements it; an Apache RocketMQ
+implementation maps it onto the remoting protocol (docs/architecture.md). Only app.py (the
+composition root) and embedded.py import `store`; an import-linter contract keeps it so.
+
+Why synchronous reads: on the hot path a read must cost no more than a dict lookup and a
+slice when the data is local. `get` is a *try-read*: it answers from what is at hand (the
+embedded store: the page cache; a network client: the messages its pipelined pulls have
+brought in) and never blocks; a reader that finds nothing waits for an arrival notice
+(`add_listener`, long polling: RocketMQ's PullMessage with the suspend flag). Writes return
+their positions at once (`append_encoded`: the embedded store appends in the caller's
+thread; a network client sends asynchronously and pipelined), and durability is a separate
+await (`wait_durable`, `wait_state_durable`), so acknowledgements can be batched behind one
+fsync (group commit) or one broker round trip.
+
+The value types are the store's own (re-exported here as the port's vocabulary), so the
+embedded store needs no conversion per message:
+
+    GetStatus    FOUND | NO_MESSAGE_IN_QUEUE | OFFSET_TOO_SMALL | OFFSET_OVERFLOW_ONE |
+                 OFFSET_OVERFLOW_BADLY | NO_MATCHED_LOGIC_QUEUE (RocketMQ's GetMessageStatus)
+    GetResult    status, messages, next_offset (read on from here), min_offset, max_offset
+    PutResult    physical_offset, queue_offset, light_offsets {queue: offset}, end_offset,
+                 store_timestamp
+    StoredMessage  topic, body, properties, queue_offset, physical_offset, timestamps, queues
+    EncodedMessage (parent topic, light queues, body, property block from encode_properties)
+    StateRecord  (key, value bytes) puts, (key, None) deletes: newest per key wins
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from store import (
+    ArrivalListener,
+    EncodedMessage,
+    GetResult,
+    GetStatus,
+    PutResult,
+    StateRecord,
+    StoredMessage,
+    StoreError,
+    StoreLockedError,
+)
+
+__all__ = [
+    "ArrivalListener",
+    "CommittedOffsets",
+    "EncodedMessage",
+    "GetResult",
+    "GetStatus",
+    "PutResult",
+    "StateRecord",
+    "Storage",
+    "StoreError",
+    "StoreLockedError",
+    "StoredMessage",
+]
+
+
+class CommittedOffsets(Protocol):
+    """Consumer offsets by (group, queue): the next offset a consumer group will read.
+
+    RocketMQ: UpdateConsumerOffset / QueryConsumerOffset. The gateway uses the client id as
+    the group of a subscriber's own queue and "$share/<group>" for a shared subscription.
+    """
+
+    def commit(self, group: str, queue: str, offset: int) -> None: ...
+
+    def get(self, group: str, queue: str) -> int | None: ...
+
+    def remove(self, group: str, queue: str) -> None: ...
+
+    def all(self) -> dict[tuple[str, str], int]: ...
+
+
+class Storage(Protocol):
+    """What the gateway needs of storage (see the module docstring)."""
+
+    @property
+    def offsets(self) -> CommittedOffsets: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    # -- messages: append ---------------------------------------------------------------------
+
+    def encode_properties(self, properties: dict[str, str]) -> bytes:
+        """The property block of `append_encoded` (validated; InvalidPropertyError)."""
+        ...
+
+    def append_encoded(self, messages: Sequence[EncodedMessage]) -> list[PutResult]:
+        """Append a batch, each message with its light queues; the results carry the offsets.
+        Does not wait for durability (await wait_durable(last end_offset) for that)."""
+        ...
+
+    async def put_async(
+        self,
+        topic: str,
+        body: bytes,
+        queues: Sequence[str] = (),
+        properties: dict[str, str] | None = None,
+        born_timestamp: int | None = None,
+    ) -> PutResult:
+        """Append one message and wait for its durability (sync flush mode)."""
+        ...
+
+    async def wait_durable(self, end_offset: int) -> None:
+        """Return once everything up to `end_offset` is durable (sync flush: fsynced)."""
+        ...
+
+    # -- messages: read -----------------------------------------------------------------------
+
+    def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
+        """Try-read up to `max_messages` of `queue` from `offset` (never blocks)."""
+        ...
+
+    def min_offset(self, queue: str) -> int: ...
+
+    def max_offset(self, queue: str) -> int:
+        """The queue's next free offset (0 for an unknown queue)."""
+        ...
+
+    def offset_by_time(self, queue: str, timestamp_ms: int) -> int: ...
+
+    def queues(self) -> list[str]: ...
+
+    @property
+    def log_min_offset(self) -> int: ...
+
+    @property
+    def log_max_offset(self) -> int:
+        """The log's end position: ordering across queues (a subscription's start)."""
+        ...
+
+    def add_listener(self, listener: ArrivalListener) -> None:
+        """Arrival notices: `listener.on_arrival(queue, max_offset)` after each append."""
+        ...
+
+    # -- durable gateway state ----------------------------------------------------------------
+
+    def state_records(self) -> Iterable[StateRecord]:
+        """Every state record, oldest first (the newest of a key wins); for recovery."""
+        ...
+
+    def append_state(self, records: Iterable[StateRecord]) -> int:
+        """Append state changes as one batch; returns the position for wait_state_durable."""
+        ...
+
+    async def wait_state_durable(self, position: int) -> None:
+        """Return once the state log is durable up to `position` (group commit)."""
+        ...
+
+    async def compact_state(self) -> None:
+        """Rewrite the state log when its history outweighs its live state (bounds restart
+        time); a no-op when not needed."""
+        ...
+
+    # -- small config documents (the retained snapshot) ---------------------------------------
+
+    def read_config(self, name: str) -> bytes | None: ...
+
+    def write_config(self, name: str, data: bytes) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,141 @@
+"""Sessions as records of the state log: one append per change, rebuilt at restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from gateway.protocol import Disconnect, PubAck, Publish, Subscribe, Subscription
+from store import read_state, read_state_records
+from tests.gateway.conftest import GatewayHarness, RawClient, wait_until
+
+
+def _records(data_dir: Path) -> list[tuple[str, bytes | None]]:
+    return list(read_state_records(data_dir / "state"))
+
+
+def _sessions(data_dir: Path) -> dict[str, dict[str, object]]:
+    return {k: json.loads(v) for k, v in read_state(data_dir / "state", "session/").items()}
+
+
+def _persistent_device(port: int, cid: str, topic: str) -> None:
+    c = RawClient(port, level=4)
+    assert c.connect(cid, clean=False).reason_code == 0
+    c.send(Subscribe(1, [Subscription(topic, 1)]))
+    assert c.recv().reason_codes == [1]
+    c.send(Disconnect())
+    c.close()
+
+
+def test_a_subscribe_appends_one_record_whatever_the_number_of_sessions(
+    gateway: GatewayHarness,
+) -> None:
+    for i in range(30):
+        _persistent_device(gateway.port, f"dev-{i}", f"dev/{i}/cmd")
+    gw = gateway.gw
+    assert gw is not None
+    wait_until(
+        lambda: gateway.call(
+            lambda: all(s.connection is None for s in gw.sessions.sessions.values())
+        )
+    )
+    gateway.call(gw.sessions.save_now)  # the last DISCONNECTs' changes
+    before = len(_records(gateway.data_dir))
+    c = RawClient(gateway.port, level=4)
+    assert c.connect("dev-0", clean=False).session_present
+    c.send(Subscribe(2, [Subscription("dev/0/extra", 0)]))
+    assert c.recv().reason_codes == [0]
+    # The SUBACK came after the record reached the log: it is there now, and only its own.
+    new = _records(gateway.data_dir)[before:]
+    assert [k for k, _ in new] == ["session/dev-0"]
+    assert new[-1][1] is not None
+    subs = json.loads(new[-1][1])["subscriptions"]
+    assert sorted(s["filter"] for s in subs) == ["dev/0/cmd", "dev/0/extra"]
+    c.close()
+
+
+def test_sessions_are_rebuilt_from_the_log_at_restart(gateway: GatewayHarness) -> None:
+    for i in range(20):
+        _persistent_device(gateway.port, f"dev-{i}", f"dev/{i}/cmd")
+    gateway.restart()
+    gw = gateway.gw
+    assert gw is not None
+    assert gateway.call(lambda: sorted(gw.sessions.sessions)) == sorted(
+        f"dev-{i}" for i in range(20)
+    )
+    # The router is back too: a publish reaches the offline session's queue.
+    pub = RawClient(gateway.port, level=4)
+    pub.connect("pub")
+    pub.send(Publish("dev/7/cmd", b"hello", qos=1, packet_id=1))
+    assert isinstance(pub.recv(), PubAck)
+    pub.close()
+    c = RawClient(gateway.port, level=4)
+    assert c.connect("dev-7", clean=False).session_present
+    msg = c.recv()
+    assert isinstance(msg, Publish) and msg.payload == b"hello"
+    c.close()
+
+
+def test_an_ended_session_leaves_a_delete_record(gateway: GatewayHarness) -> None:
+    _persistent_device(gateway.port, "gone", "g/1")
+    assert "gone" in _sessions(gateway.data_dir)
+    c = RawClient(gateway.port, level=4)
+    assert not c.connect("gone", clean=True).session_present  # clean start ends the session
+    c.send(Disconnect())
+    c.close()
+    gateway.restart()
+    assert ("session/gone", None) in _records(gateway.data_dir)
+    assert "gone" not in _sessions(gateway.data_dir)
+    c = RawClient(gateway.port, level=4)
+    assert not c.connect("gone", clean=False).session_present
+    c.close()
+
+
+def test_a_compaction_keeps_every_session(gateway: GatewayHarness) -> None:
+    for i in range(10):
+        _persistent_device(gateway.port, f"dev-{i}", f"dev/{i}/cmd")
+    gw = gateway.gw
+    assert gw is not None
+    gateway.call(lambda: gw.sessions.save_now())
+    store = gw.store
+    gateway.run(asyncio.to_thread(store.rewrite_state))  # type: ignore[attr-defined]
+    state = gateway.data_dir / "state"
+    assert len(list(state.glob("*.snapshot"))) == 1
+    snapshot_keys = {k for k, _ in _records(gateway.data_dir)}
+    assert {f"session/dev-{i}" for i in range(10)} <= snapshot_keys
+    _persistent_device(gateway.port, "dev-after", "dev/after/cmd")
+    gateway.restart()
+    gw2 = gateway.gw
+    assert gw2 is not None
+    assert gateway.call(lambda: sorted(gw2.sessions.sessions)) == sorted(
+        [f"dev-{i}" for i in range(10)] + ["dev-after"]
+    )
+
+
+def test_sessions_json_of_an_older_version_is_imported_once(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "config").mkdir(parents=True)
+    sub = {"filter": "old/t", "queue": "%LMQ%old.t", "share_group": None, "qos": 1}
+    doc = {
+        "version": 1,
+        "sessions": {
+            "old-dev": {"protocol_level": 4, "expiry_interval": 0xFFFFFFFF,
+                        "disconnected_at_ms": 1, "subscriptions": [sub]},
+        },
+    }  # fmt: skip
+    (data / "config" / "sessions.json").write_text(json.dumps(doc))
+    h = GatewayHarness(data).start()
+    try:
+        assert "old-dev" in _sessions(data)  # now a record of the state log
+        c = RawClient(h.port, level=4)
+        assert c.connect("old-dev", clean=True).reason_code == 0  # ends it
+        c.send(Disconnect())
+        c.close()
+        h.restart()
+        # The old file is not read again: the ended session stays ended.
+        gw = h.gw
+        assert gw is not None
+        assert h.call(lambda: gw.sessions.get("old-dev")) is None
+    finally:
+        h.stop()

@@ -1,0 +1,218 @@
+"""The state log (store/statelog.py): newest record per key, torn tails, atomic compaction."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from store import CorruptStoreError, StateLog, read_state, read_state_records
+from store.statelog import (
+    COMPACT_MAX_LOGS,
+    HEAD_SIZE,
+    STATE_MAGIC,
+    encode_record,
+)
+from tests.store.conftest import OpenStore
+
+
+def _logs(d: Path) -> list[Path]:
+    return sorted(d.glob("*.log"))
+
+
+def test_newest_record_per_key_wins_and_deletes_remove(tmp_path: Path) -> None:
+    log = StateLog.open(tmp_path / "s")
+    log.append([("a", b"1"), ("b", b"2")])
+    log.append([("a", b"3"), ("b", None), ("c", b"")])
+    assert read_state(tmp_path / "s") == {"a": b"3", "c": b""}
+    assert list(read_state_records(tmp_path / "s")) == [
+        ("a", b"1"),
+        ("b", b"2"),
+        ("a", b"3"),
+        ("b", None),
+        ("c", b""),
+    ]
+    log.close()
+    # Reopened: the same state, and appends go on in a new generation.
+    log = StateLog.open(tmp_path / "s")
+    assert log.recovered_records == 5 and log.truncated_bytes == 0
+    log.append([("d", b"4")])
+    log.close()
+    assert read_state(tmp_path / "s") == {"a": b"3", "c": b"", "d": b"4"}
+    assert read_state(tmp_path / "s", prefix="a") == {"": b"3"}
+
+
+def test_a_torn_tail_record_is_truncated_at_recovery(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    log.append([("keep", b"x" * 100)])
+    log.sync()
+    # A crash in the middle of the next write: only part of the record reached the file.
+    (last,) = _logs(d)
+    whole = encode_record("lost", b"y" * 100)
+    with open(last, "ab") as f:
+        f.write(whole[: len(whole) // 2])
+    size_before = last.stat().st_size
+    # A reader (inspect, analytics) next to the writer stops at the partial record.
+    assert read_state(d) == {"keep": b"x" * 100}
+    log = StateLog.open(d)  # the previous writer "crashed": no close()
+    assert log.truncated_bytes == len(whole) // 2
+    assert last.stat().st_size == size_before - len(whole) // 2
+    log.append([("after", b"z")])
+    log.close()
+    assert read_state(d) == {"keep": b"x" * 100, "after": b"z"}
+
+
+def test_a_tail_record_with_a_bad_crc_is_truncated(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    log.append([("a", b"1")])
+    log.append([("b", b"2")])
+    log.close()
+    (last,) = _logs(d)
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF  # the last byte of record "b"'s value
+    last.write_bytes(bytes(data))
+    log = StateLog.open(d)
+    assert log.truncated_bytes == HEAD_SIZE + 2
+    log.close()
+    assert read_state(d) == {"a": b"1"}
+
+
+def test_damage_in_a_sealed_log_is_an_error_not_a_silent_loss(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    log.append([("a", b"1"), ("b", b"2")])
+    log.close()
+    StateLog.open(d).close()  # a second generation: the first is sealed
+    first = _logs(d)[0]
+    data = bytearray(first.read_bytes())
+    data[len(STATE_MAGIC) + HEAD_SIZE] ^= 0xFF  # inside record "a"
+    first.write_bytes(bytes(data))
+    with pytest.raises(CorruptStoreError, match="bad record"):
+        StateLog.open(d)
+    with pytest.raises(CorruptStoreError):
+        read_state(d)
+
+
+def test_compaction_keeps_the_live_state_and_drops_history(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    for i in range(1000):
+        log.append([(f"k{i % 10}", str(i).encode()), (f"gone{i}", b"x")])
+        log.append([(f"gone{i}", None)])
+    before = sum(p.stat().st_size for p in d.iterdir())
+    log.compact()
+    log.append([("k0", b"new")])
+    files = sorted(p.name for p in d.iterdir())
+    assert [f.split(".", 1)[1] for f in files] == ["log", "snapshot"]
+    assert sum(p.stat().st_size for p in d.iterdir()) < before / 10
+    expected = {f"k{i}": str(990 + i).encode() for i in range(10)} | {"k0": b"new"}
+    assert read_state(d) == expected
+    log.close()
+    log = StateLog.open(d)
+    log.close()
+    assert read_state(d) == expected
+
+
+def test_compaction_cut_short_before_its_rename_changes_nothing(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    log.append([("a", b"1"), ("b", b"2")])
+    log.close()
+    # A crash while the snapshot was being written: a partial .tmp file is all it left.
+    (d / f"{99:020d}.snapshot.tmp").write_bytes(STATE_MAGIC + b"\x00\x01")
+    log = StateLog.open(d)
+    assert not list(d.glob("*.tmp"))
+    log.close()
+    assert read_state(d) == {"a": b"1", "b": b"2"}
+
+
+def test_compaction_crashed_after_its_rename_leaves_the_snapshot_authoritative(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    log.append([("a", b"1"), ("b", b"2")])
+    old = {p.name: p.read_bytes() for p in d.iterdir()}
+    log.append([("b", None), ("c", b"3")])
+    log.compact()
+    log.close()
+    # The crash came before the covered files were deleted: put an older one back.
+    for name, data in old.items():
+        (d / name).write_bytes(data)
+    assert read_state(d) == {"a": b"1", "c": b"3"}  # readers skip it already
+    StateLog.open(d).close()
+    assert not (d / next(iter(old))).exists()
+    assert read_state(d) == {"a": b"1", "c": b"3"}
+
+
+def test_appends_during_a_compaction_are_kept(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    for i in range(20_000):
+        log.append([(f"k{i % 5000}", f"v{i}".encode())])
+    errors: list[BaseException] = []
+
+    def compact() -> None:
+        try:
+            log.compact()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=compact)
+    t.start()
+    for i in range(20_000, 30_000):
+        log.append([(f"k{i % 5000}", f"v{i}".encode())])
+        log.sync()  # sync and compaction switch files concurrently
+    t.join(60)
+    assert not errors
+    log.close()
+    assert read_state(d) == {f"k{i % 5000}": f"v{i}".encode() for i in range(25_000, 30_000)}
+
+
+def test_needs_compaction_after_many_reopenings(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    for _ in range(COMPACT_MAX_LOGS + 1):
+        log = StateLog.open(d)
+        log.append([("k", b"v")])
+        log.close()
+    log = StateLog.open(d)
+    assert log.needs_compaction()
+    log.compact()
+    assert not log.needs_compaction()
+    log.close()
+    assert len(list(d.iterdir())) == 2
+
+
+def test_sync_is_shared_by_concurrent_callers(tmp_path: Path) -> None:
+    log = StateLog.open(tmp_path / "s")
+    positions = [log.append([(f"k{i}", b"v")]) for i in range(10)]
+    log.sync(positions[-1])
+    assert log.synced == positions[-1]
+    log.sync(positions[3])  # covered by the fsync above: returns at once
+    assert log.synced == positions[-1]
+    log.close()
+
+
+def test_the_store_keeps_the_state_log_out_of_commitlog_retention(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    s = open_store(segment_size=4096, retention_bytes=8192)
+    s.append_state([("session/a", b"{}")])
+    for _i in range(200):
+        s.put("t", b"x" * 200, queues=["q"])
+    s.delete_expired()
+    assert s.min_offset("q") > 0  # retention deleted messages
+    s.close()
+    s = open_store(read_only=True)
+    assert dict((k, v) for k, v in s.state_records() if v is not None) == {"session/a": b"{}"}
+    assert (tmp_path / "data" / "state").is_dir()
+
+
+def test_a_read_only_store_cannot_append_state(open_store: OpenStore) -> None:
+    open_store().close()
+    s = open_store(read_only=True)
+    with pytest.raises(Exception, match="read-only"):
+        s.append_state([("k", b"v")])
