@@ -38,7 +38,6 @@ from rocketmq_remoting.errors import (
     BrokerBusyError,
     BrokerError,
     OffsetMovedError,
-    RemotingConnectError,
     RemotingError,
     TopicNotExistError,
 )
@@ -488,10 +487,11 @@ class RemotingClient:
             try:
                 info = await self.get_cluster_info()
                 members = set(info.clusters.get(cluster, []))
-                if wanted <= members and all(info.brokers[n].master_addr for n in wanted):
+                known = [info.brokers.get(n) for n in wanted]
+                if wanted <= members and all(b is not None and b.master_addr for b in known):
                     return info
                 last = RemotingError(f"registered so far: {sorted(members)}")
-            except (RemotingError, RemotingConnectError) as exc:
+            except RemotingError as exc:
                 last = exc
             if time.monotonic() > deadline:
                 raise RemotingError(f"brokers {sorted(wanted)} not registered in time: {last}")

@@ -25,7 +25,9 @@ from rocketmq_remoting.codes import RequestCode
 from rocketmq_remoting.command import RemotingCommand
 from tests.rocketmq.cluster import CLUSTER_NAME, RocketMQCluster
 
-pytestmark = pytest.mark.slow
+# The first test also waits for the cluster to start (20-30 s on a loaded host; more on a cold
+# one), so the per-test limit is raised for this module.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 GROUP_PREFIX = "%LMQ%"
 
@@ -225,6 +227,10 @@ async def test_consumer_offsets_per_lmq_group(client: RemotingClient, broker_a: 
         return await client.query_consumer_offset(broker_a, group, lmq) == 7
 
     await _eventually(committed)
+
+    # A pull can commit the group's offset on the way (PULL_COMMIT_OFFSET).
+    await client.pull(broker_a, lmq, 0, consumer_group=group, commit_offset=9)
+    assert await client.query_consumer_offset(broker_a, group, lmq) == 9
 
 
 async def test_search_offset_by_timestamp(client: RemotingClient, broker_a: str) -> None:

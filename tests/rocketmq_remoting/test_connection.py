@@ -1,0 +1,184 @@
+"""The pipelined connection and the client's reconnect/failover, against a scripted TCP peer.
+
+The peer is a real asyncio server on 127.0.0.1 port 0 speaking the remoting frame format; each
+test scripts what it answers and when, which a real broker cannot be made to do (answer out of
+order on demand, stay silent, send garbage). Behaviour against real RocketMQ is in
+tests/rocketmq/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from rocketmq_remoting import (
+    RemotingClient,
+    RemotingClosedError,
+    RemotingCommand,
+    RemotingTimeoutError,
+    decode_frame,
+)
+from rocketmq_remoting.codes import FLAG_ONEWAY, FLAG_RESPONSE, RequestCode, ResponseCode
+from rocketmq_remoting.connection import Connection
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Serve = Callable[[Handler], Awaitable[str]]
+
+
+async def read_cmd(reader: asyncio.StreamReader) -> RemotingCommand:
+    (length,) = struct.unpack(">i", await reader.readexactly(4))
+    return decode_frame(await reader.readexactly(length))
+
+
+def answer(request: RemotingCommand, code: int = 0, remark: str | None = None) -> bytes:
+    return RemotingCommand(
+        code=code,
+        opaque=request.opaque,
+        flag=FLAG_RESPONSE,
+        remark=remark,
+        ext_fields={"echo": str(request.code)},
+        language="JAVA",
+    ).encode()
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    servers: list[asyncio.Server] = []
+
+    async def start(handler: Handler) -> str:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        servers.append(server)
+        return f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_answers_out_of_order_reach_their_requests(serve: Serve) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests = [await read_cmd(reader) for _ in range(3)]
+        for req in reversed(requests):
+            writer.write(answer(req, remark=f"for {req.code}"))
+        await writer.drain()
+        await reader.read()  # until the client closes
+
+    addr = await serve(handler)
+    conn = await Connection.open(addr, 1.0)
+    try:
+        results = await asyncio.gather(
+            *(conn.request(RemotingCommand(code=c), 2.0) for c in (30, 31, 14))
+        )
+        assert [r.remark for r in results] == ["for 30", "for 31", "for 14"]
+        assert [r.ext_fields["echo"] for r in results] == ["30", "31", "14"]
+        assert len({r.opaque for r in results}) == 3 and conn.in_flight == 0
+    finally:
+        await conn.close()
+
+
+async def test_server_request_is_refused_and_oneway_needs_no_answer(serve: Serve) -> None:
+    seen: asyncio.Queue[RemotingCommand] = asyncio.Queue()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # The server asks the client something (as a broker asks for consumer running info).
+        writer.write(RemotingCommand(code=307, opaque=77, language="JAVA").encode())
+        await writer.drain()
+        await seen.put(await read_cmd(reader))  # the client's refusal
+        await seen.put(await read_cmd(reader))  # the client's one-way request
+        await reader.read()
+
+    addr = await serve(handler)
+    conn = await Connection.open(addr, 1.0)
+    try:
+        refusal = await asyncio.wait_for(seen.get(), 2.0)
+        assert refusal.is_response and refusal.opaque == 77
+        assert refusal.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED
+        await conn.oneway(RemotingCommand(code=RequestCode.UPDATE_CONSUMER_OFFSET))
+        oneway = await asyncio.wait_for(seen.get(), 2.0)
+        assert oneway.flag & FLAG_ONEWAY and oneway.code == RequestCode.UPDATE_CONSUMER_OFFSET
+        assert conn.in_flight == 0
+    finally:
+        await conn.close()
+
+
+async def test_timeout_then_late_answer_is_dropped(serve: Serve) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        slow = await read_cmd(reader)
+        fast = await read_cmd(reader)
+        writer.write(answer(slow, remark="late"))  # after the client gave up on it
+        writer.write(answer(fast, remark="fast"))
+        await writer.drain()
+        await reader.read()
+
+    addr = await serve(handler)
+    conn = await Connection.open(addr, 1.0)
+    try:
+        with pytest.raises(RemotingTimeoutError, match="code 30"):
+            await conn.request(RemotingCommand(code=30), 0.2)
+        result = await conn.request(RemotingCommand(code=31), 2.0)
+        assert result.remark == "fast" and not conn.closed
+    finally:
+        await conn.close()
+
+
+async def test_peer_close_fails_waiters_and_client_reconnects(serve: Serve) -> None:
+    accepted = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        req = await read_cmd(reader)
+        if accepted == 1:
+            writer.close()  # drop the first connection with the request unanswered
+            return
+        writer.write(answer(req, remark="second connection"))
+        await writer.drain()
+        await reader.read()
+
+    addr = await serve(handler)
+    async with RemotingClient([addr], request_timeout=2.0) as client:
+        with pytest.raises(RemotingClosedError):
+            await client.invoke(addr, 30)
+        result = await client.invoke(addr, 30)
+        assert result.remark == "second connection" and accepted == 2
+
+
+async def test_garbage_frame_drops_the_connection(serve: Serve) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_cmd(reader)
+        writer.write(struct.pack(">i", 64 * 1024 * 1024))  # over the 16 MiB frame cap
+        await writer.drain()
+        await reader.read()
+
+    addr = await serve(handler)
+    conn = await Connection.open(addr, 1.0)
+    with pytest.raises(RemotingClosedError, match="out of range"):
+        await conn.request(RemotingCommand(code=30), 2.0)
+    assert conn.closed
+    await conn.close()
+
+
+async def test_name_servers_are_tried_in_turn(serve: Serve) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        req = await read_cmd(reader)
+        writer.close()  # this name server accepts and hangs up
+        del req
+
+    async def good(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        req = await read_cmd(reader)
+        body = b'{"brokerAddrTable":{},"clusterAddrTable":{"c":[]}}'
+        frame = RemotingCommand(code=0, opaque=req.opaque, flag=FLAG_RESPONSE, body=body)
+        writer.write(frame.encode())
+        await writer.drain()
+        await reader.read()
+
+    bad_addr = await serve(handler)
+    good_addr = await serve(good)
+    async with RemotingClient([bad_addr, good_addr], request_timeout=2.0) as client:
+        info = await client.get_cluster_info()
+        assert info.clusters == {"c": []}
+        assert client.namesrv_addrs == [good_addr, bad_addr]  # the failing one goes last
