@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmqtt.gateway")
 
 BATCH = 32
+REPLAY_STEP = 256  # replayed records looked at per pass (gateway/replay.py)
 # RecentMessages bounds: entries and body bytes.
 RECENT_MESSAGES = 16_384
 RECENT_BYTES = 32 << 20
@@ -417,6 +418,15 @@ class DeliveryLoop:
                 if self.capacity() <= 0 or not self.can_send():
                     self._behind = True
                     break
+                if sub.replay is not None:  # history first: the light queue waits (replay.py)
+                    moved = self._replay(sub)
+                    progressed = progressed or moved
+                    if sub.replay is not None:
+                        if moved:
+                            self._ready.add(sub.queue)
+                        else:
+                            self._behind = True
+                        continue
                 end = max_offset(sub.queue)
                 if sub.next_offset >= end:
                     continue
@@ -457,6 +467,43 @@ class DeliveryLoop:
                 sub.read_phys = None
             return False
         return self._deliver_batch(sub, got.messages)
+
+    def _replay(self, sub: SubscriptionState) -> bool:
+        """Hand `sub`'s replayed messages over within the window (at most REPLAY_STEP looked
+        at per pass, so other sessions run in between); when it is done the light queue takes
+        over. Sent QoS 1/2 messages are in flight as copies: their parent-queue position is
+        not one the session reads."""
+        replay = sub.replay
+        assert replay is not None
+        store = self.gw.store
+        session = self.session
+        moved = False
+        for _ in range(REPLAY_STEP):
+            msg = replay.peek(store)
+            if msg is None:
+                sub.replay = None
+                log.info("%r: replay of %r done, live now", session.client_id, sub.topic_filter)
+                self.gw.sessions.touch(session)
+                return True
+            rec = replay.record(msg)
+            if rec is not None and not (sub.no_local and rec.client_id == session.client_id):
+                expiry_left = rec.remaining_expiry()
+                if expiry_left is None or expiry_left > 0:
+                    qos = rec.qos if rec.qos < sub.qos else sub.qos
+                    if (qos > 0 and self.capacity() <= 0) or not self.can_send():
+                        break
+                    sid = sub.subscription_identifier
+                    sub_ids = [sid] if sid else []
+                    pid = self.send(rec, qos, False, sub_ids, expiry_left, None)
+                    if pid:
+                        session.inflight[pid] = Inflight(
+                            pid, None, 0, qos, message=rec, retain=False, sub_ids=sub_ids
+                        )
+            replay.advance()
+            moved = True
+        if moved:
+            self.gw.sessions.mark_progress()
+        return moved
 
     def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
         """Send what the window allows of `messages` (written at the end of the pass)."""
