@@ -125,17 +125,23 @@ def test_seam_under_concurrent_publishing(
         sub = Client(gateway.port, "sub", v5=v5)
         clients.append(sub)
         _subscribe(sub, "seam/+", 1, "earliest")
-        time.sleep(0.3)  # publishing goes on across the seam
+        at_seam = gateway.call(lambda: gateway.gw.store.max_offset("seam"))
+        # Publishing goes on across the seam.
+        wait_until(
+            lambda: gateway.call(lambda: gateway.gw.store.max_offset("seam")) > at_seam + 300
+        )
     finally:
         stop.set()
         for t in threads:
             t.join()
     total = sum(sent)
     sub.wait_messages(total, timeout=30)
-    time.sleep(0.2)
+    pubs[0].publish("seam/end", b"seam/end:0", 1)  # live, after anything a duplicate could be
+    msgs = sub.wait_messages(total + 1)
+    assert msgs[-1].topic == "seam/end"
     per: dict[str, list[int]] = {"seam/0": [], "seam/1": []}
     with sub.lock:
-        for m in sub.messages:
+        for m in sub.messages[:-1]:
             per[m.topic].append(int(bytes(m.payload).split(b":")[-1]))
     assert per["seam/0"] == list(range(sent[0]))
     assert per["seam/1"] == list(range(sent[1]))
