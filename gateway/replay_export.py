@@ -37,7 +37,7 @@ from store import MessageStore, StoreConfig, StoredMessage
 from topicmap import TopicFilter
 
 ROW_GROUP = 10_000
-_BASE_PROPS = frozenset({"mqtt.topic", "mqtt.qos", "mqtt.retain", "mqtt.client"})
+_BASE_PROPS = frozenset({"mqtt.topic", "mqtt.qos", "mqtt.retain", "mqtt.client", "mqtt.pid"})
 
 
 def _row(msg: StoredMessage, rec: RecordedPublish) -> dict[str, Any]:
