@@ -10,13 +10,14 @@
    send timestamp in each payload; p50/p99 and the gateway's CPU over the window.
 3. Fleet with a replay: a subscriber asks for `$replay/earliest/hist/#` (the whole history, QoS
    1, acknowledging as fast as it reads), then the same fleet measurement runs while the replay
-   is delivering. The replay's own progress (messages, msg/s) is reported, and whether it was
-   still running when the window ended (if it finished early, part of the window ran without it:
-   raise --messages or lower --duration).
+   is delivering; the replayer disconnects after the window. The replay's own progress
+   (messages, msg/s) is reported, and whether it was still running when the window ended (if it
+   finished early, part of the window ran without it: raise --messages or lower --duration).
 
-Prints both measurements and the with/without ratios. On a shared host the absolute figures
-move with the neighbours' load; the ratio of two windows taken one after the other is what to
-compare.
+Steps 2 and 3 repeat `--repeat` times (a new replayer each time, from the start of the
+history); the medians and the with/without ratios of the medians are printed. On a shared host
+the absolute figures move with the neighbours' load; compare the ratios, and look at the
+generator's own send lag (a late generator's figures are the host's, not the gateway's).
 """
 
 from __future__ import annotations
@@ -82,56 +83,83 @@ async def fleet(
     )
 
 
+async def _replayer(broker: BrokerProcess, n: int) -> Worker:
+    """A subscriber replaying the whole history (a new client id: each starts at the start)."""
+    worker = Worker(
+        {
+            "role": "sub",
+            "host": "127.0.0.1",
+            "port": broker.port,
+            "qos": 1,
+            "connections": [{"id": f"replayer-{n}", "filters": ["$replay/earliest/hist/#"]}],
+        }
+    )
+    await worker.start()
+    await worker.expect("ready", 60)
+    return worker
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """`--repeat` pairs of windows, each pair: fleet alone, then fleet beside a fresh replay
+    (stopped after its window), so both sides of a pair see about the same neighbours."""
     with tempfile.TemporaryDirectory(prefix="lmqtt-replay-bench-") as tmp:
         broker = BrokerProcess("lmqtt", Path(tmp), BrokerOptions())
         await broker.start()
-        replay: Worker | None = None
         try:
             loaded = await preload(broker, args.messages, args.payload)
             print(f"preloaded {loaded['acked']:,} messages in {loaded['seconds']} s", flush=True)
-            without = await fleet(broker, args.duration, args.rate, args.payload)
-            print("fleet without replay:", _line(without), flush=True)
-            replay = Worker(
-                {
-                    "role": "sub",
-                    "host": "127.0.0.1",
-                    "port": broker.port,
-                    "qos": 1,
-                    "connections": [{"id": "replayer", "filters": ["$replay/earliest/hist/#"]}],
-                }
-            )
-            await replay.start()
-            await replay.expect("ready", 60)
-            t0 = time.monotonic()
-            first = await replay.request("report", "progress", 10)
-            beside = await fleet(broker, args.duration, args.rate, args.payload)
-            progress = await replay.request("report", "progress", 10)
-            elapsed = time.monotonic() - t0
-            print("fleet with replay:   ", _line(beside), flush=True)
-            replayed = int(progress["count"])
-            still_running = replayed < loaded["acked"]
-            result: dict[str, Any] = {
-                "messages": loaded["acked"],
-                "rate": args.rate,
-                "duration_s": args.duration,
-                "without": _summary(without),
-                "with_replay": _summary(beside),
-                "replay": {
-                    "delivered_at_window_start": int(first["count"]),
-                    "delivered": replayed,
-                    "msg_per_s": round(replayed / max(elapsed, 1e-6)),
-                    "still_running_at_window_end": still_running,
-                },
-                "ratio_p50": _ratio(beside["p50_ms"], without["p50_ms"]),
-                "ratio_p99": _ratio(beside["p99_ms"], without["p99_ms"]),
-                "ratio_broker_cpu": _ratio(beside["broker_cpu"], without["broker_cpu"]),
-            }
-            return result
+            pairs = []
+            for n in range(args.repeat):
+                without = await fleet(broker, args.duration, args.rate, args.payload)
+                print(f"[{n}] fleet without replay:", _line(without), flush=True)
+                replay = await _replayer(broker, n)
+                try:
+                    t0 = time.monotonic()
+                    beside = await fleet(broker, args.duration, args.rate, args.payload)
+                    progress = await replay.request("report", "progress", 10)
+                    elapsed = time.monotonic() - t0
+                finally:
+                    await replay.close()
+                replayed = int(progress["count"])
+                print(f"[{n}] fleet with replay:   ", _line(beside), flush=True)
+                print(
+                    f"[{n}] replay: {replayed:,} of {loaded['acked']:,} delivered in the window "
+                    f"({replayed / max(elapsed, 1e-6):,.0f} msg/s), "
+                    f"still running: {replayed < loaded['acked']}",
+                    flush=True,
+                )
+                pairs.append(
+                    {
+                        "without": _summary(without),
+                        "with_replay": _summary(beside),
+                        "replayed": replayed,
+                        "replay_msg_per_s": round(replayed / max(elapsed, 1e-6)),
+                        "replay_still_running": replayed < loaded["acked"],
+                    }
+                )
         finally:
-            if replay is not None:
-                await replay.close()
             await broker.stop()
+    med = {
+        side: {k: _median([p[side][k] for p in pairs]) for k in ("p50_ms", "p99_ms", "broker_cpu")}
+        for side in ("without", "with_replay")
+    }
+    return {
+        "messages": loaded["acked"],
+        "preload_s": loaded["seconds"],
+        "rate": args.rate,
+        "duration_s": args.duration,
+        "pairs": pairs,
+        "median": med,
+        "replay_msg_per_s": _median([p["replay_msg_per_s"] for p in pairs]),
+        "ratio_p50": _ratio(med["with_replay"]["p50_ms"], med["without"]["p50_ms"]),
+        "ratio_p99": _ratio(med["with_replay"]["p99_ms"], med["without"]["p99_ms"]),
+        "ratio_broker_cpu": _ratio(med["with_replay"]["broker_cpu"], med["without"]["broker_cpu"]),
+    }
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def _summary(m: dict[str, Any]) -> dict[str, Any]:
@@ -158,16 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="each fleet window, s")
     parser.add_argument("--rate", type=float, default=1000.0, help="fleet publishes per second")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes")
+    parser.add_argument("--repeat", type=int, default=3, help="window pairs (medians shown)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON only")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
     if args.json:
         print(json.dumps(result))
         return 0
-    rep = result["replay"]
+    w, b = result["median"]["without"], result["median"]["with_replay"]
     print(
-        f"replay of {result['messages']:,}: {rep['delivered']:,} delivered by the window's end "
-        f"({rep['msg_per_s']:,} msg/s), still running: {rep['still_running_at_window_end']}"
+        f"median of {len(result['pairs'])} pairs: without p50 {w['p50_ms']:.2f} ms p99 "
+        f"{w['p99_ms']:.2f} ms CPU {w['broker_cpu']:.2f}; with replay p50 {b['p50_ms']:.2f} ms "
+        f"p99 {b['p99_ms']:.2f} ms CPU {b['broker_cpu']:.2f}; replay "
+        f"{result['replay_msg_per_s']:,} msg/s"
     )
     print(
         f"with/without: p50 x{result['ratio_p50']}, p99 x{result['ratio_p99']}, "

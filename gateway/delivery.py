@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmqtt.gateway")
 
 BATCH = 32
-REPLAY_STEP = 256  # replayed records looked at per pass (gateway/replay.py)
+REPLAY_STEP = 64  # replayed records looked at per pass (gateway/replay.py)
 # RecentMessages bounds: entries and body bytes.
 RECENT_MESSAGES = 16_384
 RECENT_BYTES = 32 << 20
