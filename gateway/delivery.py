@@ -39,12 +39,14 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from gateway.protocol import PreparedPublish, Properties, Publish, PubRel
 from gateway.records import RecordedPublish, read_record
+from gateway.replay import Replay
 from gateway.session import Inflight, Session, SubscriptionState
 from store import EncodedMessage, GetStatus, PutResult, StoredMessage
 
@@ -274,6 +276,7 @@ class DeliveryLoop:
         "_full",
         "_loop",
         "_ready",
+        "_replay_timer",
         "_scheduled",
         "_stopped",
         "_uncommitted",
@@ -322,6 +325,8 @@ class DeliveryLoop:
         # Subscriptions whose acknowledged position moved since it was last committed: one
         # store commit per pass instead of one per PUBACK.
         self._uncommitted: dict[str, SubscriptionState] = {}
+        # Set while a replay waits for its share of the loop (gateway/replay.py ReplayPacer).
+        self._replay_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -333,6 +338,9 @@ class DeliveryLoop:
 
     def stop(self) -> None:
         self._stopped = True
+        if self._replay_timer is not None:
+            self._replay_timer.cancel()
+            self._replay_timer = None
         self._commit_acknowledged()
         for q, notice in self._watched.items():
             self.gw.arrivals.unwatch(q, notice)
@@ -422,9 +430,7 @@ class DeliveryLoop:
                     moved = self._replay(sub)
                     progressed = progressed or moved
                     if sub.replay is not None:
-                        if moved:
-                            self._ready.add(sub.queue)
-                        else:
+                        if not moved and self._replay_timer is None:
                             self._behind = True
                         continue
                 end = max_offset(sub.queue)
@@ -475,6 +481,23 @@ class DeliveryLoop:
         not one the session reads."""
         replay = sub.replay
         assert replay is not None
+        pacer = self.gw.replay_pacer
+        wait = pacer.wait()
+        if wait > 0:  # live traffic first: come back when the replays' share allows
+            if self._replay_timer is None:
+                self._replay_timer = self._loop.call_later(wait, self._replay_due)
+            return False
+        started = time.monotonic()
+        try:
+            return self._replay_some(sub, replay)
+        finally:
+            pacer.spent(started)
+
+    def _replay_due(self) -> None:
+        self._replay_timer = None
+        self.wake()
+
+    def _replay_some(self, sub: SubscriptionState, replay: Replay) -> bool:
         store = self.gw.store
         session = self.session
         moved = False
@@ -503,6 +526,7 @@ class DeliveryLoop:
             moved = True
         if moved:
             self.gw.sessions.mark_progress()
+            self._ready.add(sub.queue)  # more to replay (paced: see _replay)
         return moved
 
     def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ log = logging.getLogger("lmqtt.gateway")
 # per parent so the read-ahead stays bounded).
 HEAD_SIZE = 32
 HEADS_TOTAL = 2048
+# Share of the event loop's wall-clock time all replays together may use (ReplayPacer).
+REPLAY_SHARE = 0.5
 
 
 def iso_ms(ms: int) -> str:
@@ -58,6 +61,33 @@ def iso_ms(ms: int) -> str:
         .isoformat(timespec="milliseconds")
         .replace("+00:00", "Z")
     )
+
+
+class ReplayPacer:
+    """Keeps replays to a share of the gateway's event loop, so live traffic is not delayed.
+
+    A replay always has more to send while its subscriber keeps acknowledging: left alone it
+    would keep the loop busy all the time, and on a host short of CPU every live message would
+    wait behind replay passes. After replay work that took `d` seconds of wall-clock time, no
+    replay runs for `d * (1 - share) / share` seconds (shared by every session), so the loop is
+    idle, or serving live messages, at least `1 - share` of the time. Wall-clock time, not CPU
+    time: when the host starves the gateway, passes take longer and replays back off further.
+    """
+
+    __slots__ = ("_factor", "_resume_at")
+
+    def __init__(self, share: float = REPLAY_SHARE) -> None:
+        self._factor = (1.0 - share) / share
+        self._resume_at = 0.0
+
+    def wait(self) -> float:
+        """Seconds until replays may run again (0: now)."""
+        return max(0.0, self._resume_at - time.monotonic())
+
+    def spent(self, started: float) -> None:
+        """Replay work ran from `started` (time.monotonic()) until now."""
+        now = time.monotonic()
+        self._resume_at = max(self._resume_at, now) + (now - started) * self._factor
 
 
 @dataclass(slots=True)
