@@ -163,15 +163,16 @@ def _median(values: list[float]) -> float:
 
 
 def _summary(m: dict[str, Any]) -> dict[str, Any]:
-    keys = ("p50_ms", "p99_ms", "p999_ms", "max_ms", "send_lag_p99_ms", "broker_cpu",
-            "other_cpu", "delivered", "loss_pct", "flags")  # fmt: skip
+    keys = ("p50_ms", "p99_ms", "p999_ms", "max_ms", "puback_p99_ms", "send_lag_p99_ms",
+            "broker_cpu", "other_cpu", "delivered", "loss_pct", "flags")  # fmt: skip
     return {k: m.get(k) for k in keys}
 
 
 def _line(m: dict[str, Any]) -> str:
     return (
         f"p50 {m['p50_ms']:.2f} ms, p99 {m['p99_ms']:.2f} ms, p99.9 {m['p999_ms']:.2f} ms, "
-        f"gateway CPU {m['broker_cpu']:.2f} cores, send lag p99 {m['send_lag_p99_ms']:.2f} ms, "
+        f"gateway CPU {m['broker_cpu']:.2f} cores, PUBACK p99 {m['puback_p99_ms']:.2f} ms, "
+        f"send lag p99 {m['send_lag_p99_ms']:.2f} ms, "
         f"loss {m['loss_pct']} %, flags {m['flags'] or '-'}"
     )
 

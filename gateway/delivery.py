@@ -59,7 +59,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmqtt.gateway")
 
 BATCH = 32
-REPLAY_STEP = 64  # replayed records looked at per pass (gateway/replay.py)
+# A replay pass (gateway/replay.py) looks at up to REPLAY_STEP records and stops after
+# REPLAY_SLICE_S of wall-clock time: a live message waits at most about one slice behind it.
+REPLAY_STEP = 256
+REPLAY_SLICE_S = 0.0005
 # RecentMessages bounds: entries and body bytes.
 RECENT_MESSAGES = 16_384
 RECENT_BYTES = 32 << 20
@@ -475,10 +478,10 @@ class DeliveryLoop:
         return self._deliver_batch(sub, got.messages)
 
     def _replay(self, sub: SubscriptionState) -> bool:
-        """Hand `sub`'s replayed messages over within the window (at most REPLAY_STEP looked
-        at per pass, so other sessions run in between); when it is done the light queue takes
-        over. Sent QoS 1/2 messages are in flight as copies: their parent-queue position is
-        not one the session reads."""
+        """Hand `sub`'s replayed messages over within the window (a short slice per pass, and
+        only within the replays' share of the loop, so live traffic runs in between); when it
+        is done the light queue takes over. Sent QoS 1/2 messages are in flight as copies:
+        their parent-queue position is not one the session reads."""
         replay = sub.replay
         assert replay is not None
         pacer = self.gw.replay_pacer
@@ -489,7 +492,7 @@ class DeliveryLoop:
             return False
         started = time.monotonic()
         try:
-            return self._replay_some(sub, replay)
+            return self._replay_some(sub, replay, started + REPLAY_SLICE_S)
         finally:
             pacer.spent(started)
 
@@ -497,11 +500,13 @@ class DeliveryLoop:
         self._replay_timer = None
         self.wake()
 
-    def _replay_some(self, sub: SubscriptionState, replay: Replay) -> bool:
+    def _replay_some(self, sub: SubscriptionState, replay: Replay, until: float) -> bool:
         store = self.gw.store
         session = self.session
         moved = False
-        for _ in range(REPLAY_STEP):
+        for i in range(REPLAY_STEP):
+            if i & 7 == 7 and time.monotonic() > until:
+                break
             msg = replay.peek(store)
             if msg is None:
                 sub.replay = None
