@@ -3,6 +3,7 @@ bounded read-ahead, the persisted position, retention underneath."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from gateway.protocol import Publish
 from gateway.records import message_properties
-from gateway.replay import HEADS_TOTAL, Replay, start_replay
+from gateway.replay import HEADS_TOTAL, Replay, ReplayPacer, start_replay
 from gateway.session import SubscriptionState
 from store import MessageStore, StoreConfig
 from topicmap import TopicFilter, parent_topic
@@ -96,3 +97,12 @@ def test_until_bounds_the_export(store: MessageStore) -> None:
     assert Replay.from_json({"filter": "u/t", "since_ms": 0, "todo": {}}).done
     replay, _ = start_replay(store, TopicFilter("u/t"), 0, "earliest", until_ms=0)
     assert replay.done and list(replay.messages(store)) == []
+
+
+def test_pacer_leaves_the_loop_its_share() -> None:
+    pacer = ReplayPacer(share=0.25)
+    assert pacer.wait() == 0.0
+    started = time.monotonic() - 0.010
+    pacer.spent(started)  # 10 ms of replay work just ended
+    wait = pacer.wait()
+    assert 0.025 < wait <= 3 * (time.monotonic() - started)  # 3 times as long without replays
