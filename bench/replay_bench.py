@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -83,8 +84,10 @@ async def fleet(
     )
 
 
-async def _replayer(broker: BrokerProcess, n: int) -> Worker:
-    """A subscriber replaying the whole history (a new client id: each starts at the start)."""
+async def _replayer(broker: BrokerProcess, n: int, nice: int) -> Worker:
+    """A subscriber replaying the whole history (a new client id: each starts at the start).
+    `nice` > 0 lowers its OS priority: it is a client process that competes for the host's
+    cores with the fleet's generator, which says whether a latency rise is the gateway's."""
     worker = Worker(
         {
             "role": "sub",
@@ -95,6 +98,8 @@ async def _replayer(broker: BrokerProcess, n: int) -> Worker:
         }
     )
     await worker.start()
+    if nice and worker.process is not None:
+        os.setpriority(os.PRIO_PROCESS, worker.process.pid, nice)
     await worker.expect("ready", 60)
     return worker
 
@@ -112,7 +117,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for n in range(args.repeat):
                 without = await fleet(broker, args.duration, args.rate, args.payload)
                 print(f"[{n}] fleet without replay:", _line(without), flush=True)
-                replay = await _replayer(broker, n)
+                replay = await _replayer(broker, n, args.nice_replayer)
                 try:
                     t0 = time.monotonic()
                     beside = await fleet(broker, args.duration, args.rate, args.payload)
@@ -188,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=1000.0, help="fleet publishes per second")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes")
     parser.add_argument("--repeat", type=int, default=3, help="window pairs (medians shown)")
+    parser.add_argument(
+        "--nice-replayer",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the replaying client at nice N",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON only")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))

@@ -24,9 +24,20 @@ message is handed to the delivery loop (sent, or passed over as not matching) an
 the subscription, so a persistent session resumes there after a reconnect or a restart. Sent
 QoS 1/2 replayed messages are in flight as copies (Inflight.message), like retained copies.
 
-The only storage calls are `max_offset`, `min_offset`, `offset_by_time` and `get` (read a queue
-from an offset): what a RocketMQ backend offers as GET_MAX_OFFSET, GET_MIN_OFFSET,
-SEARCH_OFFSET_BY_TIMESTAMP and PULL_MESSAGE.
+Re-subscribing to a filter the session already has, with a replay, moves its light-queue
+position to the current end in that same step (the replay covers what lay before it).
+
+Replays must not slow live traffic down: a delivery pass replays for a short slice only, and
+ReplayPacer keeps all replays together to a share of the event loop's time. While a replay runs,
+another of the session's subscriptions that overlaps it may wait for messages this one owns
+(DeliveryLoop._owner_has_read) until the replay reaches the live queue.
+
+The only storage calls are `queues`, `max_offset`, `min_offset`, `offset_by_time` and `get`
+(read a queue from an offset): what a RocketMQ backend offers as the topic list,
+GET_MAX_OFFSET, GET_MIN_OFFSET, SEARCH_OFFSET_BY_TIMESTAMP and PULL_MESSAGE. The seam above
+relies on appends and the pin not interleaving; a backend whose appends come from other gateway
+nodes needs the seam pinned by store position instead (each parent's and the light queue's
+offset for one CommitLog position), which such a backend does not offer yet.
 """
 
 from __future__ import annotations
