@@ -297,3 +297,22 @@ def test_unsubscribe_by_the_replay_filter(gateway: GatewayHarness, clients: list
     pub.publish("other", b"other:1", 1)
     sub.wait_messages(1)
     assert sub.payloads() == [b"other:1"]
+
+
+def test_replay_at_qos2_with_a_subscription_identifier(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    pub = Client(gateway.port, "pub", v5=True)
+    clients.append(pub)
+    _publish_seq(pub, "q/t", 0, 5, qos=2)
+    sub = Client(gateway.port, "sub", v5=True)
+    clients.append(sub)
+    props = _replay_props("earliest")
+    props.SubscriptionIdentifier = 7
+    assert sub.subscribe("q/#", options=SubscribeOptions(qos=2), properties=props) == [2]
+    msgs = sub.wait_messages(5)
+    assert _seqs(sub) == [0, 1, 2, 3, 4]
+    assert {m.qos for m in msgs} == {2}
+    assert all(m.properties.SubscriptionIdentifier == [7] for m in msgs)
+    # Every QoS 2 exchange completed: nothing left in flight.
+    wait_until(lambda: gateway.call(lambda: not gateway.gw.sessions.get("sub").inflight))
