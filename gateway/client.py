@@ -41,7 +41,7 @@ from gateway.protocol import (
     Will,
 )
 from gateway.records import PublishProperties
-from gateway.replay import iso_ms, start_replay
+from gateway.replay import REPLAYING, iso_ms, start_replay
 from gateway.session import Session, SubscriptionState
 from store import StoreError
 from topicmap import (
@@ -884,6 +884,7 @@ class ClientConnection:
                     sub.next_offset = gw.store.max_offset(sub.queue)
                     sub.read_phys = None
                 sub.replay, cutoff = start_replay(gw.store, tf, since, start)
+                sub.start_phys = REPLAYING
                 log.info(
                     "%r: replay of %r from %s (%s): %d parent topic(s)",
                     self.client_id, tf.filter, start, iso_ms(since), len(sub.replay.todo),

@@ -510,6 +510,7 @@ class DeliveryLoop:
             msg = replay.peek(store)
             if msg is None:
                 sub.replay = None
+                sub.start_phys = store.log_max_offset  # covers from here (see _covering)
                 log.info("%r: replay of %r done, live now", session.client_id, sub.topic_filter)
                 self.gw.sessions.touch(session)
                 return True
@@ -577,12 +578,14 @@ class DeliveryLoop:
         # and most messages are covered by just one of them.
         phys = msg.physical_offset
         mine = sub.queue
+        # Stored while `sub` was replaying (see gateway/replay.py): the others delivered it.
+        late = phys < sub.start_phys
         covering = [sub]
         for q in msg.queues:
             s = by_queue.get(q)
             if s is None or s is sub or phys < s.start_phys:
                 continue
-            if q < mine:
+            if q < mine or late:
                 return None
             covering.append(s)
         return covering

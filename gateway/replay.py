@@ -29,8 +29,9 @@ position to the current end in that same step (the replay covers what lay before
 
 Replays must not slow live traffic down: a delivery pass replays for a short slice only, and
 ReplayPacer keeps all replays together to a share of the event loop's time. While a replay runs,
-another of the session's subscriptions that overlaps it may wait for messages this one owns
-(DeliveryLoop._owner_has_read) until the replay reaches the live queue.
+the subscription's `start_phys` is REPLAYING: a live message it shares with another of the
+session's subscriptions is delivered by that one at once (not held until the replay ends), and
+skipped when the light queue is read after the replay (DeliveryLoop._covering).
 
 The only storage calls are `queues`, `max_offset`, `min_offset`, `offset_by_time` and `get`
 (read a queue from an offset): what a RocketMQ backend offers as the topic list,
@@ -63,6 +64,10 @@ HEAD_SIZE = 32
 HEADS_TOTAL = 2048
 # Share of the event loop's wall-clock time all replays together may use (ReplayPacer).
 REPLAY_SHARE = 0.5
+# SubscriptionState.start_phys while the replay runs: the subscription covers no live message
+# yet, so the session's other subscriptions deliver the ones they share with it instead of
+# waiting for the replay to end; when it ends, start_phys becomes the log's end then.
+REPLAYING = 1 << 62
 
 
 def iso_ms(ms: int) -> str:

@@ -316,3 +316,39 @@ def test_replay_at_qos2_with_a_subscription_identifier(
     assert all(m.properties.SubscriptionIdentifier == [7] for m in msgs)
     # Every QoS 2 exchange completed: nothing left in flight.
     wait_until(lambda: gateway.call(lambda: not gateway.gw.sessions.get("sub").inflight))
+
+
+def test_overlapping_live_subscription_is_not_held_by_a_replay(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    """`ov/#` replays (held: the client does not acknowledge, its window is full) while the
+    same session's `ov/live` keeps receiving live messages; after the replay nothing comes
+    twice."""
+    pub = Client(gateway.port, "pub")
+    clients.append(pub)
+    _publish_seq(pub, "ov/old", 0, 30)
+    props = Properties(PacketTypes.CONNECT)
+    props.ReceiveMaximum = 5
+    sub = Client(gateway.port, "sub", v5=True, auto_ack=False, connect_props=props)
+    clients.append(sub)
+    assert sub.subscribe("ov/live", options=SubscribeOptions(qos=0)) == [0]
+    _subscribe(sub, "ov/#", 1, "earliest")
+    held = sub.wait_messages(5)  # the window is full: the replay waits
+    pub.publish("ov/live", b"ov/live:100", 0)
+    wait_until(lambda: gateway.call(lambda: gateway.gw.store.max_offset("ov")) == 31)
+    sub.c.ack(held[0].mid, 1)  # room for one more: the pass serves `ov/live` too
+    msgs = sub.wait_messages(7)
+    assert ("ov/live", b"ov/live:100") in [(m.topic, bytes(m.payload)) for m in msgs]
+    assert len(msgs) == 7  # the replay is still far from done
+    done = 1  # messages[0] acknowledged; acknowledge the rest as it comes
+    while done < 31:
+        msgs = sub.wait_messages(done + 1)
+        for m in msgs[done:]:
+            if m.qos:
+                sub.c.ack(m.mid, m.qos)
+        done = len(msgs)
+    pub.publish("ov/live", b"ov/live:101", 1)  # live for both filters: delivered once
+    msgs = sub.wait_messages(32)
+    seqs = [(m.topic, int(bytes(m.payload).split(b":")[-1])) for m in msgs]
+    assert [s for s in seqs if s[0] == "ov/old"] == [("ov/old", i) for i in range(30)]
+    assert [s for s in seqs if s[0] == "ov/live"] == [("ov/live", 100), ("ov/live", 101)]
