@@ -63,7 +63,7 @@ log = logging.getLogger("lmqtt.gateway")
 HEAD_SIZE = 32
 HEADS_TOTAL = 2048
 # Share of the event loop's wall-clock time all replays together may use (ReplayPacer).
-REPLAY_SHARE = 0.5
+REPLAY_SHARE = 0.25
 # SubscriptionState.start_phys while the replay runs: the subscription covers no live message
 # yet, so the session's other subscriptions deliver the ones they share with it instead of
 # waiting for the replay to end; when it ends, start_phys becomes the log's end then.
