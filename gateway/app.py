@@ -25,6 +25,7 @@ from gateway.listeners import ExtraListeners
 from gateway.overload import OverloadGuard
 from gateway.protocol import Publish, ReasonCode, Will
 from gateway.records import PublishProperties, RecordedPublish, message_properties
+from gateway.replay import ReplayPacer
 from gateway.retained import RetainedIndex, RetainedMessage
 from gateway.server import MqttServerProtocol
 from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
@@ -54,6 +55,7 @@ class Gateway:
         self.connections: set[ClientConnection] = set()
         self.prepared = PreparedCache()
         self.recent = RecentMessages()
+        self.replay_pacer = ReplayPacer()  # the loop share replays may use (gateway/replay.py)
         self.shared = SharedSubscriptions(self)
         self.wills = WillScheduler(self._publish_will)
         self.stopping = False

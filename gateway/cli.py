@@ -1,4 +1,4 @@
-"""The `lmqtt` command: serve, inspect, passwd, report, sim.
+"""The `lmqtt` command: serve, inspect, passwd, replay, report, sim.
 
 Exit codes::
 
@@ -121,6 +121,22 @@ def _parser() -> argparse.ArgumentParser:
     passwd.add_argument("user", metavar="USER")
     passwd.add_argument("-b", dest="password", metavar="PASSWORD", help="password (batch mode)")
     passwd.add_argument("-D", dest="delete", action="store_true", help="delete USER")
+
+    replay = sub.add_parser(
+        "replay",
+        help="export stored messages matching a filter from a time (offline, read-only)",
+        description="Write the messages a replay subscription would deliver: those matching "
+        "FILTER stored from --since (up to --until), in store order, read-only and without a "
+        "running gateway. Times: 'earliest', epoch milliseconds or RFC 3339.",
+    )
+    replay.add_argument("--data-dir", type=Path, metavar="DIR", default=Path("lmqtt-data"))
+    replay.add_argument("--filter", required=True, metavar="FILTER", help="MQTT topic filter")
+    replay.add_argument("--since", required=True, metavar="T", help="first store time")
+    replay.add_argument("--until", metavar="T", help="stop before this store time")
+    replay.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    replay.add_argument(
+        "-o", "--output", type=Path, metavar="FILE", help="default stdout (jsonl only)"
+    )
 
     for name, (module, _) in SUBTOOLS.items():
         # Listed for --help only: main() hands their arguments over untouched.
@@ -387,6 +403,62 @@ def _cmd_passwd(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------- replay
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from gateway.protocol import ReasonCode
+    from gateway.replay_export import open_store, replay_rows, write_jsonl, write_parquet
+    from gateway.storage import StoreError
+    from topicmap import TopicError, TopicFilter, parse_replay_from
+
+    try:
+        tf = TopicFilter(args.filter)
+        if tf.is_shared:
+            raise TopicError(
+                "a shared subscription cannot be replayed",
+                reason_code=ReasonCode.TOPIC_FILTER_INVALID,
+            )
+        since = parse_replay_from(args.since)
+        until = parse_replay_from(args.until) if args.until is not None else None
+    except TopicError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    if args.format == "parquet" and args.output is None:
+        _err("--format parquet needs --output FILE")
+        return EXIT_USAGE
+    if not (args.data_dir / "commitlog").is_dir():
+        _err(f"{_shown_dir(args.data_dir)} is not an lmqtt data directory (no commitlog/)")
+        return EXIT_FAILURE
+    try:
+        store = open_store(args.data_dir)
+    except StoreError as exc:
+        _err(f"data directory {_shown_dir(args.data_dir)}: {exc}")
+        return EXIT_FAILURE
+    try:
+        rows, note = replay_rows(store, tf, since, until, args.since)
+        if note is not None:
+            _err(f"note: {note}")
+        if args.format == "parquet":
+            n = write_parquet(rows, args.output)
+        elif args.output is None:
+            n = write_jsonl(rows, sys.stdout)
+            sys.stdout.flush()
+        else:
+            with args.output.open("w", encoding="utf-8") as out:
+                n = write_jsonl(rows, out)
+    except ModuleNotFoundError as exc:
+        _err(f"--format parquet needs {exc.name}: pip install 'lmqtt[analytics]'")
+        return EXIT_FAILURE
+    except OSError as exc:
+        _err(f"cannot write {args.output}: {exc.strerror or exc}")
+        return EXIT_FAILURE
+    finally:
+        store.close()
+    print(f"lmqtt: {n} messages exported", file=sys.stderr, flush=True)
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------- sub-tools
 
 
@@ -420,4 +492,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_inspect(args)
     if args.command == "passwd":
         return _cmd_passwd(args)
+    if args.command == "replay":
+        return _cmd_replay(args)
     return EXIT_USAGE  # pragma: no cover - argparse requires a known command

@@ -45,9 +45,17 @@ from gateway.protocol import (
     Will,
 )
 from gateway.records import PublishProperties
+from gateway.replay import REPLAYING, iso_ms, start_replay
 from gateway.session import Session, SubscriptionState
 from gateway.storage import StoreError
-from topicmap import Topic, TopicError, TopicFilter
+from topicmap import (
+    REPLAY_PROPERTY,
+    Topic,
+    TopicError,
+    TopicFilter,
+    parse_replay_from,
+    split_replay,
+)
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -887,14 +895,31 @@ class ClientConnection:
             sub_id = ev.properties.subscription_identifiers[0]
         codes: list[int] = []
         retained_for: list[tuple[SubscriptionState, TopicFilter]] = []
+        notes: list[str] = []  # MQTT 5 SUBACK reason string (replay cut off by retention)
+        prop_from: str | None = None
+        if ev.properties is not None and ev.properties.user_properties:
+            prop_from = next(
+                (v for k, v in ev.properties.user_properties if k == REPLAY_PROPERTY), None
+            )
         for req in ev.subscriptions:
             try:
-                tf = TopicFilter(req.topic_filter)
+                # `$replay/{from}/{filter}` or the replay-from property: a replay of `filter`.
+                replay = split_replay(req.topic_filter)
+                tf = replay.filter if replay is not None else TopicFilter(req.topic_filter)
+                start = replay.start if replay is not None else prop_from
+                since = parse_replay_from(start) if start is not None else None
+                if since is not None and tf.is_shared:
+                    raise TopicError(
+                        "a shared subscription cannot replay",
+                        reason_code=ReasonCode.TOPIC_FILTER_INVALID,
+                    )
             except TopicError as e:
                 log.info("%r: SUBSCRIBE %r refused: %s", self.client_id, req.topic_filter, e)
                 codes.append(
                     ReasonCode.TOPIC_FILTER_INVALID if level == 5 else ReasonCode.UNSPECIFIED_ERROR
                 )
+                if level == 5:
+                    notes.append(str(e))
                 continue
             if tf.is_shared and req.no_local:
                 self._fail(ReasonCode.PROTOCOL_ERROR, "no-local on a shared subscription")
@@ -929,6 +954,22 @@ class ClientConnection:
                     if group is not None:
                         group.join(delivery)
             codes.append(qos)
+            if since is not None and start is not None:
+                # In this event-loop step, right after the filter was registered: see the seam
+                # in gateway/replay.py. Re-subscribing restarts the live side at the seam too.
+                if not is_new:
+                    sub.next_offset = gw.store.max_offset(sub.queue)
+                    sub.read_phys = None
+                sub.replay, cutoff = start_replay(gw.store, tf, since, start)
+                sub.start_phys = REPLAYING
+                log.info(
+                    "%r: replay of %r from %s (%s): %d parent topic(s)",
+                    self.client_id, tf.filter, start, iso_ms(since), len(sub.replay.todo),
+                )  # fmt: skip
+                if cutoff is not None:
+                    log.warning("%r: %s", self.client_id, cutoff.text(tf.filter))
+                    notes.append(cutoff.text(tf.filter))
+                continue  # retained messages are part of the history replayed
             if not tf.is_shared and (
                 req.retain_handling == 0 or (req.retain_handling == 1 and is_new)
             ):
@@ -939,7 +980,8 @@ class ClientConnection:
             gw.sessions.touch(session)
         if self.closed:
             return
-        self.write(self.conn.send(SubAck(ev.packet_id, codes)))
+        props = Properties(reason_string="; ".join(notes)) if notes and level == 5 else None
+        self.write(self.conn.send(SubAck(ev.packet_id, codes, props)))
         for sub, tf in retained_for:
             matches = gw.retained.match(tf.filter)
             if matches:
@@ -951,7 +993,11 @@ class ClientConnection:
         assert session is not None
         codes: list[int] = []
         for text in ev.topic_filters:
-            sub = session.subscriptions.get(text)
+            try:
+                replay = split_replay(text)  # `$replay/{from}/f` is the subscription to `f`
+            except TopicError:
+                replay = None
+            sub = session.subscriptions.get(replay.filter.text if replay else text)
             if sub is None:
                 codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
                 continue

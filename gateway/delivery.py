@@ -39,12 +39,14 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from gateway.protocol import PreparedPublish, Properties, Publish, PubRel, ReasonCode
 from gateway.records import RecordedPublish, read_record
+from gateway.replay import Replay
 from gateway.session import Inflight, Session, SubscriptionState
 from gateway.storage import EncodedMessage, GetStatus, PutResult, StoredMessage
 
@@ -57,6 +59,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmqtt.gateway")
 
 BATCH = 32
+# A replay pass (gateway/replay.py) looks at up to REPLAY_STEP records and stops after
+# REPLAY_SLICE_S of wall-clock time: a live message waits at most about one slice behind it.
+REPLAY_STEP = 256
+REPLAY_SLICE_S = 0.0005
 # RecentMessages bounds: entries and body bytes.
 RECENT_MESSAGES = 16_384
 RECENT_BYTES = 32 << 20
@@ -273,6 +279,7 @@ class DeliveryLoop:
         "_full",
         "_loop",
         "_ready",
+        "_replay_timer",
         "_scheduled",
         "_stopped",
         "_uncommitted",
@@ -321,6 +328,8 @@ class DeliveryLoop:
         # Subscriptions whose acknowledged position moved since it was last committed: one
         # store commit per pass instead of one per PUBACK.
         self._uncommitted: dict[str, SubscriptionState] = {}
+        # Set while a replay waits for its share of the loop (gateway/replay.py ReplayPacer).
+        self._replay_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -332,6 +341,9 @@ class DeliveryLoop:
 
     def stop(self) -> None:
         self._stopped = True
+        if self._replay_timer is not None:
+            self._replay_timer.cancel()
+            self._replay_timer = None
         self._commit_acknowledged()
         for q, notice in self._watched.items():
             self.gw.arrivals.unwatch(q, notice)
@@ -417,6 +429,13 @@ class DeliveryLoop:
                 if self.capacity() <= 0 or not self.can_send():
                     self._behind = True
                     break
+                if sub.replay is not None:  # history first: the light queue waits (replay.py)
+                    moved = self._replay(sub)
+                    progressed = progressed or moved
+                    if sub.replay is not None:
+                        if not moved and self._replay_timer is None:
+                            self._behind = True
+                        continue
                 end = max_offset(sub.queue)
                 if sub.next_offset >= end:
                     continue
@@ -457,6 +476,62 @@ class DeliveryLoop:
                 sub.read_phys = None
             return False
         return self._deliver_batch(sub, got.messages)
+
+    def _replay(self, sub: SubscriptionState) -> bool:
+        """Hand `sub`'s replayed messages over within the window (a short slice per pass, and
+        only within the replays' share of the loop, so live traffic runs in between); when it
+        is done the light queue takes over. Sent QoS 1/2 messages are in flight as copies:
+        their parent-queue position is not one the session reads."""
+        replay = sub.replay
+        assert replay is not None
+        pacer = self.gw.replay_pacer
+        wait = pacer.wait()
+        if wait > 0:  # live traffic first: come back when the replays' share allows
+            if self._replay_timer is None:
+                self._replay_timer = self._loop.call_later(wait, self._replay_due)
+            return False
+        started = time.monotonic()
+        try:
+            return self._replay_some(sub, replay, started + REPLAY_SLICE_S)
+        finally:
+            pacer.spent(started)
+
+    def _replay_due(self) -> None:
+        self._replay_timer = None
+        self.wake()
+
+    def _replay_some(self, sub: SubscriptionState, replay: Replay, until: float) -> bool:
+        store = self.gw.store
+        session = self.session
+        moved = False
+        for i in range(REPLAY_STEP):
+            if i & 7 == 7 and time.monotonic() > until:
+                break
+            msg = replay.peek(store)
+            if msg is None:
+                sub.replay = None
+                sub.start_phys = store.log_max_offset  # covers from here (see _covering)
+                log.info("%r: replay of %r done, live now", session.client_id, sub.topic_filter)
+                self.gw.sessions.touch(session)
+                return True
+            rec = replay.record(msg)
+            out = decide(rec, (sub,), session.client_id, self.level) if rec is not None else None
+            if rec is not None and out is not None:
+                qos = out.qos
+                if (qos > 0 and self.capacity() <= 0) or not self.can_send():
+                    break
+                # History is not a retained message: RETAIN 0 whatever the subscription says.
+                pid = self.send(rec, qos, False, out.sub_ids, out.expiry_left, None)
+                if pid:
+                    session.inflight[pid] = Inflight(
+                        pid, None, 0, qos, message=rec, retain=False, sub_ids=out.sub_ids
+                    )
+            replay.advance()
+            moved = True
+        if moved:
+            self.gw.sessions.mark_progress()
+            self._ready.add(sub.queue)  # more to replay (paced: see _replay)
+        return moved
 
     def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
         """Send what the window allows of `messages` (written at the end of the pass)."""
@@ -501,12 +576,14 @@ class DeliveryLoop:
         # and most messages are covered by just one of them.
         phys = msg.physical_offset
         mine = sub.queue
+        # Stored while `sub` was replaying (see gateway/replay.py): the others delivered it.
+        late = phys < sub.start_phys
         covering = [sub]
         for q in msg.queues:
             s = by_queue.get(q)
             if s is None or s is sub or phys < s.start_phys:
                 continue
-            if q < mine:
+            if q < mine or late:
                 return None
             covering.append(s)
         return covering

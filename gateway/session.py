@@ -14,7 +14,9 @@ record ends the session. Earlier versions kept them all in `config/sessions.json
         "subscriptions": [{"filter": "site/+/t", "queue": "%LMQ%...", "share_group": null | "g",
                            "qos": 1, "no_local": false, "retain_as_published": false,
                            "retain_handling": 0, "subscription_identifier": null | int,
-                           "start_offset": 123, "next_offset": 130, "start_phys": 4096}],
+                           "start_offset": 123, "next_offset": 130, "start_phys": 4096,
+                           "replay": absent | {"filter", "since_ms", "start",
+                                               "todo": {"<parent>": [next, end]}}}],
         "qos2_inbound": [packet ids],
         "inflight": [{"packet_id": 1, "queue": "..." | null, "offset": 5, "qos": 1, "pubrel": false,
                       "message": {"topic", "payload" (base64), ...}, "retain": true,
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.records import RecordedPublish
+from gateway.replay import Replay
 from gateway.will import will_from_json, will_to_json
 
 if TYPE_CHECKING:
@@ -96,13 +99,15 @@ class SubscriptionState:
     # over); None: not known in this run, found from the store when an overlapping
     # subscription needs it (DeliveryLoop._owner_has_read). Not persisted.
     read_phys: int | None = field(default=None, compare=False, repr=False)
+    # A replay still running before the light queue is read (gateway/replay.py); persisted.
+    replay: Replay | None = field(default=None, compare=False)
 
     def committed(self) -> int:
         """Highest offset below which everything is acknowledged (O(1): see `pending`)."""
         return next(iter(self.pending)) if self.pending else self.next_offset
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "filter": self.topic_filter,
             "queue": self.queue,
             "share_group": self.share_group,
@@ -115,6 +120,9 @@ class SubscriptionState:
             "next_offset": self.next_offset,
             "start_phys": self.start_phys,
         }
+        if self.replay is not None:
+            d["replay"] = self.replay.to_json()
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SubscriptionState:
@@ -131,6 +139,7 @@ class SubscriptionState:
             start_offset=start,
             next_offset=int(d.get("next_offset", start)),
             start_phys=int(d.get("start_phys", 0)),
+            replay=Replay.from_json(d["replay"]) if d.get("replay") else None,
         )
 
 

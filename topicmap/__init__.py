@@ -11,6 +11,15 @@ from topicmap.naming import (
     parent_topic,
     queue_name,
 )
+from topicmap.replay import (
+    REPLAY_PREFIX,
+    REPLAY_PROPERTY,
+    ReplayFilter,
+    is_parent_name,
+    parse_replay_from,
+    replay_parents,
+    split_replay,
+)
 from topicmap.router import Router
 from topicmap.topic import MAX_TOPIC_BYTES, Topic, TopicFilter, matches_levels
 
@@ -19,14 +28,21 @@ __all__ = [
     "LMQ_PREFIX",
     "MAX_STORE_NAME_LENGTH",
     "MAX_TOPIC_BYTES",
+    "REPLAY_PREFIX",
+    "REPLAY_PROPERTY",
     "NameTable",
+    "ReplayFilter",
     "Router",
     "Topic",
     "TopicError",
     "TopicFilter",
     "filter_of",
+    "is_parent_name",
     "is_store_name",
     "matches_levels",
     "parent_topic",
+    "parse_replay_from",
     "queue_name",
+    "replay_parents",
+    "split_replay",
 ]
