@@ -22,6 +22,7 @@ from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMess
 from gateway.embedded import open_storage
 from gateway.ingest import IngestBatch
 from gateway.listeners import ExtraListeners
+from gateway.outbound import identifiers, retain_flag
 from gateway.overload import OverloadGuard
 from gateway.protocol import Publish, ReasonCode, Will
 from gateway.records import PublishProperties, RecordedPublish, message_properties
@@ -394,15 +395,10 @@ class Gateway:
                 if inf.group is not None:
                     inf.group.give_back(inf.offset)  # another member delivers it
                 elif keep_inflight and not inf.pubrel and inf.queue is not None:
-                    inf.message = self._read_inflight(inf.queue, inf.offset)
-                    inf.retain = bool(
-                        inf.message is not None
-                        and inf.message.retain
-                        and session.protocol_level == 5
-                        and sub.retain_as_published
-                    )
-                    sid = sub.subscription_identifier
-                    inf.sub_ids = [sid] if sid else []
+                    copy = inf.message = self._read_inflight(inf.queue, inf.offset)
+                    level = session.protocol_level
+                    inf.retain = copy is not None and retain_flag(copy, (sub,), level)
+                    inf.sub_ids = identifiers((sub,))
                 inf.queue = None
                 inf.group = None
         if sub.share_group is not None:

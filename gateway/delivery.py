@@ -44,6 +44,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from gateway.outbound import decide, identifiers, retain_flag
 from gateway.protocol import PreparedPublish, Properties, Publish, PubRel, ReasonCode
 from gateway.records import RecordedPublish, read_record
 from gateway.replay import Replay
@@ -632,45 +633,28 @@ class DeliveryLoop:
             return True
         session = self.session
         if len(session.by_queue) == 1 or len(msg.queues) <= 1:
-            covering = None  # only `sub` covers it (what _covering() answers), without lists
+            covering: Sequence[SubscriptionState] = (sub,)  # what _covering() answers, cheaply
         else:
-            covering = self._covering(sub, msg)
-            if covering is None:
+            found = self._covering(sub, msg)
+            if found is None:
                 return self._owner_has_read(sub, msg)
-            if len(covering) == 1:
-                covering = None
-        if covering is None:
-            if sub.no_local and rec.client_id == session.client_id:
-                return True
-            expiry_left = rec.remaining_expiry()
-            if expiry_left is not None and expiry_left <= 0:
-                return True
-            qos = rec.qos if rec.qos < sub.qos else sub.qos
-            if qos > 0 and self.window - len(session.inflight) <= 0:
-                return False
-            retain = rec.retain and self.level == 5 and sub.retain_as_published
-            sid = sub.subscription_identifier
-            sub_ids = [sid] if sid else []
-        else:
-            cid = session.client_id
-            covering = [s for s in covering if not (s.no_local and rec.client_id == cid)]
-            if not covering:
-                return True
-            expiry_left = rec.remaining_expiry()
-            if expiry_left is not None and expiry_left <= 0:
-                return True
-            qos = min(rec.qos, max(s.qos for s in covering))
-            if qos > 0 and self.capacity() <= 0:
-                return False
-            retain = rec.retain and self.level == 5 and any(s.retain_as_published for s in covering)
-            sub_ids = sorted(
-                {s.subscription_identifier for s in covering if s.subscription_identifier}
-            )
+            covering = found
+        out = decide(rec, covering, session.client_id, self.level)
+        if out is None:
+            return True
+        qos = out.qos
+        if qos > 0 and self.window - len(session.inflight) <= 0:
+            return False
         pid = self.send(
-            rec, qos, retain, sub_ids, expiry_left, msg.physical_offset if fanout else None
+            rec,
+            qos,
+            out.retain,
+            out.sub_ids,
+            out.expiry_left,
+            msg.physical_offset if fanout else None,
         )
         if pid:
-            self.session.inflight[pid] = Inflight(pid, sub.queue, off, qos)
+            session.inflight[pid] = Inflight(pid, sub.queue, off, qos)
             sub.pending[off] = pid
         return True
 
@@ -684,15 +668,13 @@ class DeliveryLoop:
         rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
         if rec is None:
             return "done"
-        expiry_left = rec.remaining_expiry()
-        if expiry_left is not None and expiry_left <= 0:
+        out = decide(rec, (sub,), self.session.client_id, self.level)
+        if out is None:
             return "done"
-        qos = min(rec.qos, sub.qos)
+        qos = out.qos
         if (qos > 0 and self.capacity() <= 0) or not self.can_send():
             return "full"
-        retain = rec.retain and self.level == 5 and sub.retain_as_published
-        sub_ids = [sub.subscription_identifier] if sub.subscription_identifier else []
-        pid = self.send(rec, qos, retain, sub_ids, expiry_left, msg.physical_offset)
+        pid = self.send(rec, qos, out.retain, out.sub_ids, out.expiry_left, msg.physical_offset)
         if pid:
             inf = Inflight(pid, sub.queue, off, qos, group=group, topic_filter=sub.topic_filter)
             self.session.inflight[pid] = inf
@@ -713,8 +695,7 @@ class DeliveryLoop:
         backlog = self.retained_backlog
         while backlog and self.can_send():
             m, sub = backlog[0]
-            qos = min(m.qos, sub.qos)
-            if qos > 0 and self.capacity() <= 0:
+            if min(m.qos, sub.qos) > 0 and self.capacity() <= 0:
                 break
             backlog.popleft()
             rec = RecordedPublish(
@@ -722,20 +703,19 @@ class DeliveryLoop:
                 payload=m.payload,
                 qos=m.qos,
                 retain=True,
-                client_id="",
+                client_id="",  # not a publisher's message: no-local does not apply
                 expiry=m.expiry_interval_s,
                 stored_at_ms=m.stored_at_ms,
                 props=m.properties,
             )
-            expiry_left = rec.remaining_expiry()
-            if expiry_left is not None and expiry_left <= 0:
+            out = decide(rec, (sub,), self.session.client_id, self.level, on_subscribe=True)
+            if out is None:
                 continue
-            sub_ids = [sub.subscription_identifier] if sub.subscription_identifier else []
-            pid = self.send(rec, qos, True, sub_ids, expiry_left, None)
+            pid = self.send(rec, out.qos, True, out.sub_ids, out.expiry_left, None)
             if pid:
                 # No queue position to re-read a retained copy from: keep it for a resend.
                 self.session.inflight[pid] = Inflight(
-                    pid, None, 0, qos, message=rec, retain=True, sub_ids=sub_ids
+                    pid, None, 0, out.qos, message=rec, retain=True, sub_ids=out.sub_ids
                 )
             sent = True
         return sent
@@ -867,18 +847,14 @@ class DeliveryLoop:
             if rec is None:
                 self._forget(inf)
                 continue
+            # The QoS decided when it was first sent; the flags as decide() makes them.
             covering = self._covering(sub, msg) or [sub]
-            sub_ids = sorted(
-                {s.subscription_identifier for s in covering if s.subscription_identifier}
-            )
-            expiry_left = rec.remaining_expiry()
-            retain = rec.retain and self.level == 5 and any(s.retain_as_published for s in covering)
             sent = self.send(
                 rec,
                 inf.qos,
-                retain,
-                sub_ids,
-                expiry_left,
+                retain_flag(rec, covering, self.level),
+                identifiers(covering),
+                rec.remaining_expiry(),
                 None,
                 dup=True,
                 packet_id=inf.packet_id,

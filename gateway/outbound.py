@@ -1,0 +1,79 @@
+"""What a subscriber receives for a stored message: MQTT's delivery rules, in one place.
+
+Every path that sends a message to a subscriber asks `decide()`: its own light queue, a shared
+group, a replay, a retained message sent on SUBSCRIBE. A re-send after a reconnect repeats what
+was decided when the message was first sent (same QoS, MQTT-4.4.0-1), so it takes only the
+flags from `retain_flag()` and `identifiers()`.
+
+    rule                  spec               when several subscriptions of one session match
+    no local              MQTT-3.8.3-3       those with no-local drop out
+    expiry                MQTT-3.3.2-5       not sent once expired; sent with what is left
+    QoS                   MQTT-3.8.4-8       min(message QoS, the highest granted QoS)
+    retain flag           MQTT-3.3.1-12/13   1 on SUBSCRIBE; else the message's, with any
+                                             retain-as-published subscription (MQTT 5)
+    subscription ids      MQTT-3.3.4-3       every matching subscription's, sorted
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from gateway.records import RecordedPublish
+from gateway.session import SubscriptionState
+
+__all__ = ["Outbound", "decide", "identifiers", "retain_flag"]
+
+
+class Outbound(NamedTuple):
+    qos: int
+    retain: bool
+    sub_ids: list[int]
+    expiry_left: int | None  # seconds left of the Message Expiry Interval, None: no expiry
+
+
+def decide(
+    rec: RecordedPublish,
+    subs: Sequence[SubscriptionState],
+    receiver: str,
+    level: int,
+    *,
+    on_subscribe: bool = False,
+) -> Outbound | None:
+    """How `rec` goes to the session `receiver` (its client id; protocol `level`) through the
+    subscriptions `subs` that match it, or None when it must not be sent at all."""
+    if len(subs) == 1:  # the common case, without lists
+        sub = subs[0]
+        if sub.no_local and rec.client_id == receiver:
+            return None
+        expiry_left = rec.remaining_expiry()
+        if expiry_left is not None and expiry_left <= 0:
+            return None
+        sid = sub.subscription_identifier
+        return Outbound(
+            rec.qos if rec.qos < sub.qos else sub.qos,
+            on_subscribe or (rec.retain and level == 5 and sub.retain_as_published),
+            [sid] if sid else [],
+            expiry_left,
+        )
+    subs = [s for s in subs if not (s.no_local and rec.client_id == receiver)]
+    if not subs:
+        return None
+    expiry_left = rec.remaining_expiry()
+    if expiry_left is not None and expiry_left <= 0:
+        return None
+    return Outbound(
+        min(rec.qos, max(s.qos for s in subs)),
+        on_subscribe or retain_flag(rec, subs, level),
+        identifiers(subs),
+        expiry_left,
+    )
+
+
+def retain_flag(rec: RecordedPublish, subs: Sequence[SubscriptionState], level: int) -> bool:
+    """RETAIN of a message delivered because it was published (not sent on SUBSCRIBE)."""
+    return rec.retain and level == 5 and any(s.retain_as_published for s in subs)
+
+
+def identifiers(subs: Sequence[SubscriptionState]) -> list[int]:
+    return sorted({s.subscription_identifier for s in subs if s.subscription_identifier})
