@@ -38,12 +38,13 @@ gets the committed offsets, for inspect and analytics).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gateway.records import RecordedPublish
 from gateway.will import will_from_json, will_to_json
@@ -314,18 +315,26 @@ class SessionRegistry:
         self._progress_all = False
         self._last_save = time.monotonic()
         self._meta: dict[str, bytes] = {}  # the registry's other state records (IMPORTED_KEY)
+        # Dormant sessions (see load): client id -> its record; their expiry deadlines.
+        self._dormant: dict[str, bytes] = {}
+        self._dormant_expiry: list[tuple[int, str]] = []  # a heap of (expires at ms, id)
+        self._dormant_timer: asyncio.TimerHandle | None = None
 
     def __len__(self) -> int:
-        return len(self.sessions)
+        return len(self.sessions) + len(self._dormant)
 
     def get(self, client_id: str) -> Session | None:
-        return self.sessions.get(client_id)
+        s = self.sessions.get(client_id)
+        if s is None and self._dormant:
+            s = self._wake(client_id)
+        return s
 
     def add(self, session: Session) -> None:
         self.sessions[session.client_id] = session
         self.touch(session)
 
     def remove(self, client_id: str) -> Session | None:
+        self.get(client_id)  # a dormant one is built, to be ended like any other
         s = self.sessions.pop(client_id, None)
         if s is not None:
             self.cancel_expiry(s)
@@ -380,26 +389,51 @@ class SessionRegistry:
 
     # -- persistence -------------------------------------------------------------------------
 
-    def load(self) -> list[Session]:
+    def load(
+        self, *, materialize_all: bool = False
+    ) -> Iterator[tuple[Session | None, Sequence[SubscriptionEntry | SubscriptionState]]]:
         """Rebuild the sessions from the state log (a sessions.json of an older version is
-        imported once); sessions that ended with the previous run are dropped."""
+        imported once); sessions that ended with the previous run are dropped.
+
+        Yields (session, its subscriptions) for every restored session, to register the
+        subscriptions. An offline session that needs nothing from us until its client comes
+        back (no will; its expiry is kept in one heap) stays *dormant*: its record is kept as
+        bytes, the session is None here, and get() builds it when asked. A fleet of offline
+        devices then costs its records, not its objects. `materialize_all`: build them all
+        (the caller must check every position against the store).
+        """
         raw = read_session_records(self._store.state_records(), self._meta)
         imported = False
         if IMPORTED_KEY not in self._meta:
-            raw.update(self._import_sessions_json())
-            imported = True
-        loaded = []
+            old = self._import_sessions_json()
+            imported = old is not None
+            raw.update(old or {})
         now = now_ms()
+        loads = json.loads
+        dormant = self._dormant
+        heap = self._dormant_expiry
         while raw:
             # popitem: the raw records' memory is reused by the sessions built from them.
             cid, value = raw.popitem()
             try:
-                s = Session.from_json(cid, json.loads(value))
+                d = loads(value)
+                crashed = d.get("disconnected_at_ms") is None  # connected when the run ended
+                if not (materialize_all or crashed or imported or d.get("will")) and int(
+                    d.get("expiry_interval", 0)
+                ):
+                    subs = [_entry(sd) for sd in d.get("subscriptions", [])]
+                    dormant[cid] = value
+                    if int(d["expiry_interval"]) < NEVER_EXPIRES:
+                        at = int(d["disconnected_at_ms"]) + int(d["expiry_interval"]) * 1000
+                        heap.append((at, cid))
+                    yield None, subs
+                    continue
+                s = Session.from_json(cid, d)
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 log.error("session %r in the state log unreadable (%s); dropped", cid, e)
+                dormant.pop(cid, None)
                 self._dirty.add(cid)
                 continue
-            crashed = s.disconnected_at_ms is None  # connected when the previous run ended
             if crashed:
                 s.disconnected_at_ms = now
                 self._dirty.add(cid)
@@ -409,21 +443,67 @@ class SessionRegistry:
                 self._dirty.add(cid)  # its record goes
                 continue
             self.sessions[cid] = s
-            loaded.append(s)
+            yield s, list(s.subscriptions.values())
+        heapq.heapify(heap)
+        self._arm_dormant_expiry()
         if imported:
             # Written at once, marked done: the old file is never read again.
             self._dirty.update(self.sessions)
             self._store.append_state([*self._records(self._dirty), (IMPORTED_KEY, b"1")])
             self._dirty.clear()
-        return loaded
 
-    def _import_sessions_json(self) -> dict[str, bytes]:
+    def client_ids(self) -> list[str]:
+        """Every session's client id, dormant ones included."""
+        return [*self.sessions, *self._dormant]
+
+    def positions(self) -> Iterator[tuple[str, int]]:
+        """(queue, read position) of every subscription, dormant sessions' included (metrics)."""
+        for session in self.sessions.values():
+            for sub in session.subscriptions.values():
+                yield sub.queue, sub.next_offset
+        for value in list(self._dormant.values()):
+            for sd in json.loads(value).get("subscriptions", []):
+                yield str(sd["queue"]), int(sd.get("next_offset", sd.get("start_offset", 0)))
+
+    def _wake(self, client_id: str) -> Session | None:
+        """Build a dormant session (it becomes an ordinary one)."""
+        value = self._dormant.pop(client_id, None)
+        if value is None:
+            return None
+        s = Session.from_json(client_id, json.loads(value))
+        self.sessions[client_id] = s
+        return s
+
+    def _arm_dormant_expiry(self) -> None:
+        if self._dormant_timer is not None:
+            self._dormant_timer.cancel()
+            self._dormant_timer = None
+        if self._dormant_expiry:
+            delay = max(0.0, (self._dormant_expiry[0][0] - now_ms()) / 1000)
+            loop = asyncio.get_running_loop()
+            self._dormant_timer = loop.call_later(delay, self._expire_dormant)
+
+    def _expire_dormant(self) -> None:
+        """Expire the dormant sessions that are due (one timer for all of them)."""
+        self._dormant_timer = None
+        now = now_ms()
+        heap = self._dormant_expiry
+        while heap and heap[0][0] <= now:
+            _, cid = heapq.heappop(heap)
+            session = self._wake(cid)  # None: woken since (it has its own timer now)
+            if session is not None:
+                log.info("session %r expired", cid)
+                self._on_expire(session)
+        self._arm_dormant_expiry()
+
+    def _import_sessions_json(self) -> dict[str, bytes] | None:
+        """The sessions of an older version's file; None: there is no such file."""
         try:
             doc = self._store.read_config(SESSIONS_FILE)
         except OSError:
-            return {}
+            return None
         if doc is None:
-            return {}
+            return None
         try:
             entries = json.loads(doc).get("sessions", {})
             out = {str(cid): json.dumps(d).encode() for cid, d in entries.items()}
@@ -437,6 +517,8 @@ class SessionRegistry:
         out: list[StateRecord] = []
         dumps = _dumps
         for cid in cids:
+            if cid in self._dormant:
+                continue  # unchanged since its record was read
             s = self.sessions.get(cid)
             # Clean sessions are listed while connected (inspect, analytics), not after.
             if s is not None and (s.persistent or s.connection is not None):
@@ -474,6 +556,9 @@ class SessionRegistry:
 
     async def close(self) -> None:
         """Final save of every session that changed or was connected in this run."""
+        if self._dormant_timer is not None:
+            self._dormant_timer.cancel()
+            self._dormant_timer = None
         self.save_now()
 
     async def save_if_dirty(self, progress_interval_s: float = PROGRESS_SAVE_S) -> None:
@@ -483,8 +568,22 @@ class SessionRegistry:
         await self._store.compact_state()
 
 
-def _dumps(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, separators=(",", ":"))
+# One encoder for every record: json.dumps with options builds a new one per call.
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+class SubscriptionEntry(NamedTuple):
+    """What registering a dormant session's subscription needs (SubscriptionState has the
+    same attributes)."""
+
+    topic_filter: str
+    share_group: str | None
+    queue: str
+
+
+def _entry(d: dict[str, Any]) -> SubscriptionEntry:
+    group = d.get("share_group")
+    return SubscriptionEntry(str(d["filter"]), None if group is None else str(group), d["queue"])
 
 
 def read_session_records(
