@@ -169,9 +169,12 @@ async def _first_connack(port: int, deadline: float) -> None:
     raise TimeoutError("no CONNACK")
 
 
-async def restart(sessions: int, workdir: Path) -> dict[str, object]:
-    data = workdir / "data"
-    write_s = write_sessions(data, sessions)
+async def restart(sessions: int, workdir: Path, data: Path | None = None) -> dict[str, object]:
+    """`data`: a data directory this command wrote before (kept with --keep), reused as is."""
+    write_s = 0.0
+    if data is None:
+        data = workdir / "data"
+        write_s = write_sessions(data, sessions)
     state_bytes = sum(p.stat().st_size for p in (data / "state").iterdir())
     port = free_port()
     exe = Path(sys.executable).parent / "lmqtt"
@@ -210,6 +213,7 @@ def main() -> None:
     c.add_argument("--mosquitto-memory", action="store_true", help="Mosquitto without persistence")
     r = sub.add_parser("restart")
     r.add_argument("--sessions", type=int, default=1_000_000)
+    r.add_argument("--data", type=Path, default=None, help="reuse this written data directory")
     for p in (c, r):
         p.add_argument("--dir", type=Path, default=None, help="work directory (default: temp)")
     args = ap.parse_args()
@@ -224,7 +228,7 @@ def main() -> None:
                 a, b = (float(str(x["rate_per_s"])) for x in results)
                 print(f"rate {results[0]['broker']} / {results[1]['broker']}: {a / b:.2f}")
         else:
-            print(json.dumps(asyncio.run(restart(args.sessions, workdir))))
+            print(json.dumps(asyncio.run(restart(args.sessions, workdir, args.data))))
     finally:
         if os.environ.get("KEEP_BENCH_DIR") is None:
             shutil.rmtree(workdir, ignore_errors=True)
