@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pydantic_core import from_json, to_json
+
 from gateway.records import RecordedPublish
 from gateway.will import will_from_json, will_to_json
 
@@ -409,7 +411,7 @@ class SessionRegistry:
             imported = old is not None
             raw.update(old or {})
         now = now_ms()
-        loads = json.loads
+        loads = from_json
         # The records read become the dormant table itself: the ones that are not dormant are
         # taken out of it (a second table of a million entries would cost ~50 MB more).
         dormant = self._dormant = raw
@@ -463,7 +465,7 @@ class SessionRegistry:
             for sub in session.subscriptions.values():
                 yield sub.queue, sub.next_offset
         for value in list(self._dormant.values()):
-            for sd in json.loads(value).get("subscriptions", []):
+            for sd in from_json(value).get("subscriptions", []):
                 yield str(sd["queue"]), int(sd.get("next_offset", sd.get("start_offset", 0)))
 
     def _wake(self, client_id: str) -> Session | None:
@@ -471,7 +473,7 @@ class SessionRegistry:
         value = self._dormant.pop(client_id, None)
         if value is None:
             return None
-        s = Session.from_json(client_id, json.loads(value))
+        s = Session.from_json(client_id, from_json(value))
         self.sessions[client_id] = s
         return s
 
@@ -523,7 +525,7 @@ class SessionRegistry:
             s = self.sessions.get(cid)
             # Clean sessions are listed while connected (inspect, analytics), not after.
             if s is not None and (s.persistent or s.connection is not None):
-                out.append((SESSION_KEY_PREFIX + cid, dumps(s.to_json()).encode()))
+                out.append((SESSION_KEY_PREFIX + cid, dumps(s.to_json())))
             else:
                 out.append((SESSION_KEY_PREFIX + cid, None))
         return out
@@ -569,8 +571,10 @@ class SessionRegistry:
         await self._store.compact_state()
 
 
-# One encoder for every record: json.dumps with options builds a new one per call.
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
+def _dumps(doc: dict[str, Any]) -> bytes:
+    """A session record's JSON (compact), by pydantic's JSON core: several times faster than
+    the json module, and a fleet's restart decodes a million of them."""
+    return to_json(doc)
 
 
 class SubscriptionEntry(NamedTuple):
