@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import psutil  # noqa: E402
+
 from bench import wire  # noqa: E402
 from bench.brokers import BrokerOptions, BrokerProcess, free_port  # noqa: E402
 
@@ -141,11 +143,11 @@ def write_sessions(data_dir: Path, sessions: int) -> float:
     return time.perf_counter() - t0
 
 
-def _vm_hwm(pid: int) -> int:
-    """Peak RSS (VmHWM) of a process, bytes."""
+def _vm(pid: int, field: str) -> int:
+    """A /proc/<pid>/status memory figure in bytes: VmHWM (peak RSS), VmRSS."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -186,7 +188,9 @@ async def restart(sessions: int, workdir: Path, data: Path | None = None) -> dic
     try:
         await _first_connack(port, t0 + 600)
         serving_s = time.perf_counter() - t0
-        peak = _vm_hwm(p.pid)
+        peak, now_rss = _vm(p.pid, "VmHWM"), _vm(p.pid, "VmRSS")
+        times = psutil.Process(p.pid).cpu_times()
+        cpu_s = times.user + times.system  # what a loaded host's wall time distorts least
     finally:
         p.terminate()
         try:
@@ -200,7 +204,9 @@ async def restart(sessions: int, workdir: Path, data: Path | None = None) -> dic
         "state_log_mb": round(state_bytes / 1e6, 1),
         "records_written_s": round(write_s, 1),
         "start_to_first_connack_s": round(serving_s, 2),
+        "cpu_s_to_first_connack": round(cpu_s, 2),
         "peak_rss_mb": round(peak / 1e6, 1),
+        "rss_serving_mb": round(now_rss / 1e6, 1),
     }
 
 

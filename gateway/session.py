@@ -38,10 +38,10 @@ gets the committed offsets, for inspect and analytics).
 from __future__ import annotations
 
 import asyncio
-import heapq
 import json
 import logging
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -67,6 +67,8 @@ META_KEY_PREFIX = "meta/"
 IMPORTED_KEY = "meta/sessions.json-imported"  # present: SESSIONS_FILE was imported (or absent)
 NEVER_EXPIRES = 0xFFFFFFFF
 PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
+_ID_BITS = 31  # dormant expiry: (due second << _ID_BITS | index); seconds fit 33 bits
+_ID_MASK = (1 << _ID_BITS) - 1
 
 
 def now_ms() -> int:
@@ -319,7 +321,12 @@ class SessionRegistry:
         self._meta: dict[str, bytes] = {}  # the registry's other state records (IMPORTED_KEY)
         # Dormant sessions (see load): client id -> its record; their expiry deadlines.
         self._dormant: dict[str, bytes] = {}
-        self._dormant_expiry: list[tuple[int, str]] = []  # a heap of (expires at ms, id)
+        # Their expiry, static once loaded: a sorted array of (due second << _ID_BITS | index
+        # into _dormant_ids), walked by one timer: 16 bytes per session instead of ~115 for
+        # a heap of (deadline, id) tuples.
+        self._dormant_ids: list[str] = []
+        self._dormant_due = array("Q")
+        self._dormant_next = 0
         self._dormant_timer: asyncio.TimerHandle | None = None
 
     def __len__(self) -> int:
@@ -399,8 +406,8 @@ class SessionRegistry:
 
         Yields (session, its subscriptions) for every restored session, to register the
         subscriptions. An offline session that needs nothing from us until its client comes
-        back (no will; its expiry is kept in one heap) stays *dormant*: its record is kept as
-        bytes, the session is None here, and get() builds it when asked. A fleet of offline
+        back (no will; its expiry is kept in one sorted array) stays *dormant*: its record is
+        kept as bytes, the session is None here, and get() builds it when asked. A fleet of offline
         devices then costs its records, not its objects. `materialize_all`: build them all
         (the caller must check every position against the store).
         """
@@ -415,7 +422,8 @@ class SessionRegistry:
         # The records read become the dormant table itself: the ones that are not dormant are
         # taken out of it (a second table of a million entries would cost ~50 MB more).
         dormant = self._dormant = raw
-        heap = self._dormant_expiry
+        ids = self._dormant_ids
+        due = array("Q")
         for cid in list(raw):
             value = raw[cid]
             try:
@@ -427,7 +435,8 @@ class SessionRegistry:
                     subs = [_entry(sd) for sd in d.get("subscriptions", [])]
                     if int(d["expiry_interval"]) < NEVER_EXPIRES:
                         at = int(d["disconnected_at_ms"]) + int(d["expiry_interval"]) * 1000
-                        heap.append((at, cid))
+                        due.append(-(-at // 1000) << _ID_BITS | len(ids))
+                        ids.append(cid)
                     yield None, subs
                     continue
                 del dormant[cid]
@@ -447,7 +456,8 @@ class SessionRegistry:
                 continue
             self.sessions[cid] = s
             yield s, list(s.subscriptions.values())
-        heapq.heapify(heap)
+        self._dormant_due = array("Q", sorted(due))
+        del due
         self._arm_dormant_expiry()
         if imported:
             # Written at once, marked done: the old file is never read again.
@@ -481,8 +491,9 @@ class SessionRegistry:
         if self._dormant_timer is not None:
             self._dormant_timer.cancel()
             self._dormant_timer = None
-        if self._dormant_expiry:
-            delay = max(0.0, (self._dormant_expiry[0][0] - now_ms()) / 1000)
+        if self._dormant_next < len(self._dormant_due):
+            due_s = self._dormant_due[self._dormant_next] >> _ID_BITS
+            delay = max(0.0, due_s - now_ms() / 1000)
             loop = asyncio.get_running_loop()
             self._dormant_timer = loop.call_later(delay, self._expire_dormant)
 
@@ -490,9 +501,10 @@ class SessionRegistry:
         """Expire the dormant sessions that are due (one timer for all of them)."""
         self._dormant_timer = None
         now = now_ms()
-        heap = self._dormant_expiry
-        while heap and heap[0][0] <= now:
-            _, cid = heapq.heappop(heap)
+        due, ids = self._dormant_due, self._dormant_ids
+        while self._dormant_next < len(due) and (due[self._dormant_next] >> _ID_BITS) * 1000 <= now:
+            cid = ids[due[self._dormant_next] & _ID_MASK]
+            self._dormant_next += 1
             session = self._wake(cid)  # None: woken since (it has its own timer now)
             if session is not None:
                 log.info("session %r expired", cid)
