@@ -485,6 +485,9 @@ class SessionRegistry:
             return None
         s = Session.from_json(client_id, from_json(value))
         self.sessions[client_id] = s
+        # Its own timer from now on (a connecting client cancels it; its entry in the dormant
+        # expiry array is skipped when due).
+        self.schedule_expiry(s)
         return s
 
     def _arm_dormant_expiry(self) -> None:

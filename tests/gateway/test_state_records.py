@@ -181,3 +181,18 @@ def test_a_dormant_session_expires_on_time(gateway: GatewayHarness) -> None:
     assert gateway.call(lambda: gw.stats.subscriptions) == 0  # its subscription went too
     gateway.call(gw.sessions.save_now)
     assert "short" not in _sessions(gateway.data_dir)
+
+
+def test_a_dormant_session_built_without_its_client_still_expires(gateway: GatewayHarness) -> None:
+    from gateway.protocol import Properties
+
+    c = RawClient(gateway.port, level=5)
+    c.connect("peeked", clean=True, properties=Properties(session_expiry_interval=2))
+    c.send(Disconnect())
+    c.close()
+    gateway.restart()
+    gw = gateway.gw
+    assert gw is not None
+    # Something looks the session up (it is built from its record), its client stays away.
+    assert gateway.call(lambda: gw.sessions.get("peeked") is not None)
+    wait_until(lambda: gateway.call(lambda: len(gw.sessions)) == 0, 10, "expiry")
