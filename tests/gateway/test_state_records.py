@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from gateway.protocol import Disconnect, PubAck, Publish, Subscribe, Subscription
-from store import read_state, read_state_records
+from store import MessageStore, StoreConfig, read_state, read_state_records
 from tests.gateway.conftest import GatewayHarness, RawClient, wait_until
 
 
@@ -196,3 +196,38 @@ def test_a_dormant_session_built_without_its_client_still_expires(gateway: Gatew
     # Something looks the session up (it is built from its record), its client stays away.
     assert gateway.call(lambda: gw.sessions.get("peeked") is not None)
     wait_until(lambda: gateway.call(lambda: len(gw.sessions)) == 0, 10, "expiry")
+
+
+def test_after_a_crash_positions_past_a_queue_end_are_pulled_back(
+    gateway: GatewayHarness,
+) -> None:
+    """An async-flush crash can lose the log's tail that a saved position already covers;
+    the restart after it (abort marker left) reads on from the queue's real end."""
+    _persistent_device(gateway.port, "lagger", "lag/t")
+    pub = RawClient(gateway.port, level=4)
+    pub.connect("pub")
+    for i in range(3):
+        pub.send(Publish("lag/t", f"m{i}".encode(), qos=1, packet_id=i + 1))
+        assert isinstance(pub.recv(), PubAck)
+    pub.close()
+    gateway.stop()
+    # What a crash that lost the tail leaves: a record whose position is past the queue end
+    # (appended as the gateway would), and the store's abort marker.
+    data = gateway.data_dir
+    record = json.loads(read_state(data / "state", "session/")["lagger"])
+    record["subscriptions"][0]["next_offset"] = 50
+    s = MessageStore.open(StoreConfig(data_dir=data))
+    s.append_state([("session/lagger", json.dumps(record).encode())])
+    s.close()
+    (data / "abort").touch()
+    gateway.start()
+    c = RawClient(gateway.port, level=4)
+    assert c.connect("lagger", clean=False).session_present
+    pub = RawClient(gateway.port, level=4)
+    pub.connect("pub")
+    pub.send(Publish("lag/t", b"after", qos=1, packet_id=9))
+    assert isinstance(pub.recv(), PubAck)
+    pub.close()
+    # Delivered: the position came back to the queue's end (3), below the new message.
+    assert c.recv().payload == b"after"
+    c.close()
