@@ -5,9 +5,10 @@
 
 ``create``: devices connect one after another over MQTT 3.1.1 with clean session 0, each
 subscribes to its own ``dev/<n>/cmd`` (QoS 1), waits for the SUBACK, disconnects. The rate is
-reported per window of 1,000 devices (0-1k, 1k-2k, ...), so a broker that slows down as its
-sessions accumulate shows it. Brokers run one after the other on the same host (Mosquitto with
-persistence on, autosave every second: the closest to lmqtt, which always stores).
+reported per window of 1,000 devices (0-1k, 1k-2k, ...), with the broker's CPU time per
+session in each window, so a broker that slows down as its sessions accumulate shows it.
+Brokers run one after the other on the same host (Mosquitto with persistence on, autosave
+every second, the closest to lmqtt, which always stores; or without it: --mosquitto-memory).
 
 ``restart``: N persistent sessions with one subscription each are written straight into a
 data directory's state log (the records the gateway itself writes, through the store's
@@ -33,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
 
 from bench import wire  # noqa: E402
 from bench.brokers import BrokerOptions, BrokerProcess, free_port  # noqa: E402
@@ -73,28 +76,37 @@ async def one_device(port: int, n: int) -> None:
             pass
 
 
-async def create(broker: str, sessions: int, workdir: Path) -> dict[str, object]:
-    proc = BrokerProcess(broker, workdir / broker, BrokerOptions(persistence=True))
+async def create(
+    broker: str, sessions: int, workdir: Path, persistence: bool = True
+) -> dict[str, object]:
+    proc = BrokerProcess(broker, workdir / broker, BrokerOptions(persistence=persistence))
     await proc.start()
     rates: list[float] = []
+    cpu_ms: list[float] = []  # broker CPU per session: what the host's load does not distort
     try:
         t0 = time.perf_counter()
         window_start = t0
+        cpu_start = proc.cpu_seconds()
         for n in range(sessions):
             await one_device(proc.port, n)
             if (n + 1) % WINDOW == 0:
                 now = time.perf_counter()
                 rates.append(WINDOW / (now - window_start))
                 window_start = now
+                cpu = proc.cpu_seconds()
+                cpu_ms.append((cpu - cpu_start) * 1000 / WINDOW)
+                cpu_start = cpu
         total = time.perf_counter() - t0
         rss = proc.rss()
     finally:
         await proc.stop()
     return {
         "broker": broker,
+        "persistence": persistence if broker == "mosquitto" else True,
         "sessions": sessions,
         "rate_per_s": sessions / total,
         "window_rates": [round(r) for r in rates],
+        "window_cpu_ms_per_session": [round(c, 2) for c in cpu_ms],
         "rss_mb": round(rss / 1e6, 1),
     }
 
@@ -113,7 +125,8 @@ def write_sessions(data_dir: Path, sessions: int) -> float:
         now = int(time.time() * 1000)
         for n in range(sessions):
             cid = f"dev-{n}"
-            s = Session(cid, 4, 0xFFFFFFFF)  # MQTT 3.1.1, clean session 0: never expires
+            # MQTT 3.1.1, clean session 0: the default session expiry (7 days)
+            s = Session(cid, 4, 7 * 24 * 3600)
             s.disconnected_at_ms = now
             text = f"dev/{n}/cmd"
             queue = router.add(TopicFilter(text))
@@ -130,11 +143,11 @@ def write_sessions(data_dir: Path, sessions: int) -> float:
     return time.perf_counter() - t0
 
 
-def _vm_hwm(pid: int) -> int:
-    """Peak RSS (VmHWM) of a process, bytes."""
+def _vm(pid: int, field: str) -> int:
+    """A /proc/<pid>/status memory figure in bytes: VmHWM (peak RSS), VmRSS."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -158,9 +171,12 @@ async def _first_connack(port: int, deadline: float) -> None:
     raise TimeoutError("no CONNACK")
 
 
-async def restart(sessions: int, workdir: Path) -> dict[str, object]:
-    data = workdir / "data"
-    write_s = write_sessions(data, sessions)
+async def restart(sessions: int, workdir: Path, data: Path | None = None) -> dict[str, object]:
+    """`data`: a data directory this command wrote before (kept with --keep), reused as is."""
+    write_s = 0.0
+    if data is None:
+        data = workdir / "data"
+        write_s = write_sessions(data, sessions)
     state_bytes = sum(p.stat().st_size for p in (data / "state").iterdir())
     port = free_port()
     exe = Path(sys.executable).parent / "lmqtt"
@@ -172,7 +188,9 @@ async def restart(sessions: int, workdir: Path) -> dict[str, object]:
     try:
         await _first_connack(port, t0 + 600)
         serving_s = time.perf_counter() - t0
-        peak = _vm_hwm(p.pid)
+        peak, now_rss = _vm(p.pid, "VmHWM"), _vm(p.pid, "VmRSS")
+        times = psutil.Process(p.pid).cpu_times()
+        cpu_s = times.user + times.system  # what a loaded host's wall time distorts least
     finally:
         p.terminate()
         try:
@@ -186,7 +204,9 @@ async def restart(sessions: int, workdir: Path) -> dict[str, object]:
         "state_log_mb": round(state_bytes / 1e6, 1),
         "records_written_s": round(write_s, 1),
         "start_to_first_connack_s": round(serving_s, 2),
+        "cpu_s_to_first_connack": round(cpu_s, 2),
         "peak_rss_mb": round(peak / 1e6, 1),
+        "rss_serving_mb": round(now_rss / 1e6, 1),
     }
 
 
@@ -196,22 +216,25 @@ def main() -> None:
     c = sub.add_parser("create")
     c.add_argument("--sessions", type=int, default=10_000)
     c.add_argument("--brokers", nargs="+", default=["lmqtt", "mosquitto"])
+    c.add_argument("--mosquitto-memory", action="store_true", help="Mosquitto without persistence")
     r = sub.add_parser("restart")
     r.add_argument("--sessions", type=int, default=1_000_000)
+    r.add_argument("--data", type=Path, default=None, help="reuse this written data directory")
     for p in (c, r):
         p.add_argument("--dir", type=Path, default=None, help="work directory (default: temp)")
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="lmqtt-sessions-", dir=args.dir))
     try:
         if args.what == "create":
-            results = [asyncio.run(create(b, args.sessions, workdir)) for b in args.brokers]
+            keep = not args.mosquitto_memory
+            results = [asyncio.run(create(b, args.sessions, workdir, keep)) for b in args.brokers]
             for res in results:
                 print(json.dumps(res))
             if len(results) == 2:
                 a, b = (float(str(x["rate_per_s"])) for x in results)
                 print(f"rate {results[0]['broker']} / {results[1]['broker']}: {a / b:.2f}")
         else:
-            print(json.dumps(asyncio.run(restart(args.sessions, workdir))))
+            print(json.dumps(asyncio.run(restart(args.sessions, workdir, args.data))))
     finally:
         if os.environ.get("KEEP_BENCH_DIR") is None:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -91,16 +91,19 @@ class Gateway:
         self.store.add_listener(self.arrivals)
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
-        for session in self.sessions.load():
-            self._clamp_to_store(session)
-            for sub in session.subscriptions.values():
+        clamp = self.store.tail_may_be_lost  # a clean stop saved no position past a queue end
+        for session, subs in self.sessions.load(materialize_all=clamp):
+            if session is not None and clamp:
+                self._clamp_to_store(session)
+            for sub in subs:
                 self.router.add(sub.topic_filter)
-                self._routes.clear()
                 if sub.share_group is not None:
                     tf = TopicFilter(sub.topic_filter)
                     self.shared.acquire(sub.share_group, tf.filter, sub.queue, resume=True)
                 self.stats.subscriptions += 1
-            self.sessions.schedule_expiry(session)
+            if session is not None:  # None: dormant (gateway/session.py), expiry kept there
+                self.sessions.schedule_expiry(session)
+        self._routes.clear()
         self._restore_wills()
         self.stats.retained_count = len(self.retained)
         port = s.default_port

@@ -21,6 +21,10 @@ class EmbeddedStorage(MessageStore):
 
     _compacting: asyncio.Future[None] | None = None
 
+    @property
+    def tail_may_be_lost(self) -> bool:
+        return self.recovery.abnormal
+
     async def wait_state_durable(self, position: int) -> None:
         """Sync flush mode: fsync the state log (concurrent callers share one fsync). Async
         mode: the write already survives a process crash; the store's periodic full flush

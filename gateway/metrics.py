@@ -86,9 +86,8 @@ class _GatewayCollector(Collector):
         )
         yield gauge("light_queues", "light message queues", len(store.queues()))
         backlog = 0
-        for session in sessions.sessions.values():
-            for sub in session.subscriptions.values():
-                backlog += max(0, store.max_offset(sub.queue) - sub.next_offset)
+        for queue, position in sessions.positions():
+            backlog += max(0, store.max_offset(queue) - position)
         yield gauge("backlog_messages", "messages stored, not yet sent to subscribers", backlog)
 
 

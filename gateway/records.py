@@ -151,7 +151,7 @@ class RecordedPublish:
     props: dict[str, str]
 
     def to_json(self) -> dict[str, Any]:
-        """sessions.json form (payload base64), for an in-flight copy held by a session."""
+        """Session-record form (payload base64), for an in-flight copy held by a session."""
         return {
             "topic": self.topic,
             "payload": base64.b64encode(self.payload).decode("ascii"),

@@ -88,6 +88,12 @@ class Storage(Protocol):
     @property
     def closed(self) -> bool: ...
 
+    @property
+    def tail_may_be_lost(self) -> bool:
+        """True when the last stop was unclean and the newest messages may be gone (async
+        flush), so a saved read position may lie past its queue's end."""
+        ...
+
     # -- messages: append ---------------------------------------------------------------------
 
     def encode_properties(self, properties: dict[str, str]) -> bytes:

@@ -19,7 +19,7 @@ log = logging.getLogger("lmqtt.gateway")
 
 WillPublisher = Callable[[str, Will], Awaitable[None]]
 
-# Will properties kept in sessions.json (the ones that matter for publishing it later).
+# Will properties kept in the session record (the ones that matter for publishing it later).
 _PROPS = (
     "will_delay_interval",
     "message_expiry_interval",
@@ -30,7 +30,7 @@ _PROPS = (
 
 
 def will_to_json(will: Will) -> dict[str, Any]:
-    """sessions.json form: {"topic", "payload" (base64), "qos", "retain", "properties"}."""
+    """Session-record form: {"topic", "payload" (base64), "qos", "retain", "properties"}."""
     p = will.properties
     props: dict[str, Any] = {}
     if p is not None:

@@ -14,7 +14,7 @@ Earlier versions rewrote ``config/consumer_offsets.json`` whole (UTF-8 JSON)::
 
     {"version": 1, "offsets": {"<group>": {"<queue>": <offset>, ...}, ...}}
 
-It is imported once (then renamed ``consumer_offsets.json.imported``) when the log is empty.
+It is imported once (its entries under the log's, then renamed ``consumer_offsets.json.imported``).
 Readers (inspect, analytics): :func:`read_committed_offsets`. Thread-safe (one lock).
 """
 

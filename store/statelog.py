@@ -29,6 +29,9 @@ Every file starts with the 8-byte magic ``STATE_MAGIC``, then records::
     kind 1 = PUT: the key's value is now `value` (opaque to the store)
     kind 2 = DELETE: the key is gone (`value` empty)
 
+A clean close leaves ``CLEAN`` ("<last log's name> <size>"): open() then skips scanning that
+log for a torn tail (the reader validates every record anyway); open() deletes it.
+
 Writes: ``append(records)`` encodes a batch and writes it with one ``os.write`` (a process
 crash loses nothing written); ``sync(position)`` fsyncs, and concurrent callers share one
 fsync (group commit). Recovery: a record cut short or failing its CRC at the end of the last
@@ -36,7 +39,8 @@ fsync (group commit). Recovery: a record cut short or failing its CRC at the end
 CorruptStoreError (those files were fsynced before the next one started).
 
 Compaction (``compact()``, blocking, run it in a thread): roll to a new generation G, read
-the snapshot and logs below G into newest-per-key, write ``G.snapshot.tmp``, fsync, rename to
+the snapshot and logs below G twice (the index of each key's newest record, then those
+records: memory for the keys only), write ``G.snapshot.tmp``, fsync, rename to
 ``G.snapshot`` (the atomic step), fsync the directory, delete the files below G. A crash
 before the rename leaves the old files authoritative. ``needs_compaction()`` says when the
 logs since the snapshot outweigh it, which bounds recovery to about twice the live state.
@@ -59,6 +63,8 @@ STATE_MAGIC: Final = b"LMQSTAT1"
 LOG_SUFFIX: Final = ".log"
 SNAPSHOT_SUFFIX: Final = ".snapshot"
 TMP_SUFFIX: Final = ".tmp"
+#: Written by a clean close: "<last log's name> <its size>"; open() trusts that log unread.
+CLEAN_FILE: Final = "CLEAN"
 KIND_PUT: Final = 1
 KIND_DELETE: Final = 2
 _HEAD = struct.Struct(">IIBH")  # crc32, size, kind, klen
@@ -251,10 +257,24 @@ class StateLog:
                 p.unlink()  # superseded by the newest snapshot (its compaction crashed)
         if snap is not None:
             self._snapshot_bytes = (d / _name(snap, SNAPSHOT_SUFFIX)).stat().st_size
+        # A clean close vouches for its last log: no scan of it (a restart reads it anyway).
+        clean: tuple[str, int] | None = None
+        try:
+            name, size_text = (d / CLEAN_FILE).read_text().split()
+            clean = (name, int(size_text))
+            (d / CLEAN_FILE).unlink()
+        except (FileNotFoundError, ValueError):
+            pass
         last = snap if snap is not None else -1
         for n, (gen, path) in enumerate(logs):
             end = len(STATE_MAGIC)
             tail = n == len(logs) - 1
+            size = path.stat().st_size
+            last = gen
+            if not tail or clean == (path.name, size):
+                # Sealed logs were fsynced whole before the next one started.
+                self._log_bytes += size
+                continue
             for pos, _ in _scan(path, tail_ok=tail):
                 self.recovered_records += 1
                 end = pos
@@ -265,7 +285,6 @@ class StateLog:
                     f.truncate(end)
                     os.fsync(f.fileno())
             self._log_bytes += min(size, end)
-            last = gen
         self._logs = len(logs)
         self._open_generation(last + 1)
 
@@ -350,20 +369,24 @@ class StateLog:
             snap, logs = _files(d)
             covered = [d / _name(snap, SNAPSHOT_SUFFIX)] if snap is not None else []
             covered += [p for g, p in logs if g < generation]
-            state: dict[str, bytes] = {}
             try:
-                for key, value in read_state_records_of(covered):
-                    if value is None:
-                        state.pop(key, None)
-                    else:
-                        state[key] = value
+                # Two passes, so only the keys are held, not every value: the index of each
+                # key's newest record, then the records that are their key's newest (puts).
+                newest: dict[str, int] = {}
+                for i, (key, _) in enumerate(read_state_records_of(covered)):
+                    newest[key] = i
+                live = (
+                    (key, value)
+                    for i, (key, value) in enumerate(read_state_records_of(covered))
+                    if value is not None and newest[key] == i
+                )
                 tmp = d / (_name(generation, SNAPSHOT_SUFFIX) + TMP_SUFFIX)
-                size = self._write_file(tmp, state)
+                size = self._write_file(tmp, live)
+                del newest
             except BaseException:
                 with self._lock:
                     self._log_bytes += log_bytes_before
                 raise
-            del state
             os.replace(tmp, d / _name(generation, SNAPSHOT_SUFFIX))
             _fsync_dir(d)
             for p in covered:
@@ -372,11 +395,11 @@ class StateLog:
             self._snapshot_bytes = size
 
     @staticmethod
-    def _write_file(path: Path, state: dict[str, bytes]) -> int:
+    def _write_file(path: Path, records: Iterable[tuple[str, bytes]]) -> int:
         with open(path, "wb", buffering=_READ_CHUNK) as f:
             f.write(STATE_MAGIC)
             size = len(STATE_MAGIC)
-            for key, value in state.items():
+            for key, value in records:
                 rec = encode_record(key, value)
                 f.write(rec)
                 size += len(rec)
@@ -392,8 +415,14 @@ class StateLog:
             fd, self._fd = self._fd, None
         if fd is not None:
             os.fsync(fd)
+            size = os.fstat(fd).st_size
             os.close(fd)
             self._synced = self._written
+            path = self.directory / _name(self._generation, LOG_SUFFIX)
+            tmp = self.directory / (CLEAN_FILE + TMP_SUFFIX)
+            tmp.write_text(f"{path.name} {size}\n")
+            os.replace(tmp, self.directory / CLEAN_FILE)
+            _fsync_dir(self.directory)
 
 
 def read_state_records_of(paths: Sequence[Path]) -> Iterator[StateRecord]:

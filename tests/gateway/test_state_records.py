@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from gateway.protocol import Disconnect, PubAck, Publish, Subscribe, Subscription
-from store import read_state, read_state_records
+from store import MessageStore, StoreConfig, read_state, read_state_records
 from tests.gateway.conftest import GatewayHarness, RawClient, wait_until
 
 
@@ -61,7 +61,7 @@ def test_sessions_are_rebuilt_from_the_log_at_restart(gateway: GatewayHarness) -
     gateway.restart()
     gw = gateway.gw
     assert gw is not None
-    assert gateway.call(lambda: sorted(gw.sessions.sessions)) == sorted(
+    assert gateway.call(lambda: sorted(gw.sessions.client_ids())) == sorted(
         f"dev-{i}" for i in range(20)
     )
     # The router is back too: a publish reaches the offline session's queue.
@@ -108,7 +108,7 @@ def test_a_compaction_keeps_every_session(gateway: GatewayHarness) -> None:
     gateway.restart()
     gw2 = gateway.gw
     assert gw2 is not None
-    assert gateway.call(lambda: sorted(gw2.sessions.sessions)) == sorted(
+    assert gateway.call(lambda: sorted(gw2.sessions.client_ids())) == sorted(
         [f"dev-{i}" for i in range(10)] + ["dev-after"]
     )
 
@@ -139,3 +139,95 @@ def test_sessions_json_of_an_older_version_is_imported_once(tmp_path: Path) -> N
         assert h.call(lambda: gw.sessions.get("old-dev")) is None
     finally:
         h.stop()
+
+
+def test_offline_sessions_stay_dormant_until_their_client_returns(gateway: GatewayHarness) -> None:
+    for i in range(5):
+        _persistent_device(gateway.port, f"dev-{i}", f"dev/{i}/cmd")
+    gateway.restart()
+    gw = gateway.gw
+    assert gw is not None
+    # Restored as records, not objects; still counted, still routed.
+    assert gateway.call(lambda: (len(gw.sessions), len(gw.sessions.sessions))) == (5, 0)
+    pub = RawClient(gateway.port, level=4)
+    pub.connect("pub")
+    pub.send(Publish("dev/3/cmd", b"wake", qos=1, packet_id=1))
+    assert isinstance(pub.recv(), PubAck)
+    pub.close()
+    c = RawClient(gateway.port, level=4)
+    assert c.connect("dev-3", clean=False).session_present
+    msg = c.recv()
+    assert isinstance(msg, Publish) and msg.payload == b"wake"
+    c.send(PubAck(msg.packet_id))
+    c.close()
+    assert gateway.call(lambda: "dev-3" in gw.sessions.sessions)
+
+
+def test_a_dormant_session_expires_on_time(gateway: GatewayHarness) -> None:
+    from gateway.protocol import Properties
+
+    c = RawClient(gateway.port, level=5)
+    ack = c.connect("short", clean=True, properties=Properties(session_expiry_interval=2))
+    assert ack.reason_code == 0
+    c.send(Subscribe(1, [Subscription("s/t", 1)]))
+    c.recv()
+    c.send(Disconnect())
+    c.close()
+    gateway.restart()
+    gw = gateway.gw
+    assert gw is not None
+    assert gateway.call(lambda: gw.sessions.client_ids()) == ["short"]
+    wait_until(lambda: gateway.call(lambda: len(gw.sessions)) == 0, 10, "dormant expiry")
+    assert gateway.call(lambda: gw.stats.subscriptions) == 0  # its subscription went too
+    gateway.call(gw.sessions.save_now)
+    assert "short" not in _sessions(gateway.data_dir)
+
+
+def test_a_dormant_session_built_without_its_client_still_expires(gateway: GatewayHarness) -> None:
+    from gateway.protocol import Properties
+
+    c = RawClient(gateway.port, level=5)
+    c.connect("peeked", clean=True, properties=Properties(session_expiry_interval=2))
+    c.send(Disconnect())
+    c.close()
+    gateway.restart()
+    gw = gateway.gw
+    assert gw is not None
+    # Something looks the session up (it is built from its record), its client stays away.
+    assert gateway.call(lambda: gw.sessions.get("peeked") is not None)
+    wait_until(lambda: gateway.call(lambda: len(gw.sessions)) == 0, 10, "expiry")
+
+
+def test_after_a_crash_positions_past_a_queue_end_are_pulled_back(
+    gateway: GatewayHarness,
+) -> None:
+    """An async-flush crash can lose the log's tail that a saved position already covers;
+    the restart after it (abort marker left) reads on from the queue's real end."""
+    _persistent_device(gateway.port, "lagger", "lag/t")
+    pub = RawClient(gateway.port, level=4)
+    pub.connect("pub")
+    for i in range(3):
+        pub.send(Publish("lag/t", f"m{i}".encode(), qos=1, packet_id=i + 1))
+        assert isinstance(pub.recv(), PubAck)
+    pub.close()
+    gateway.stop()
+    # What a crash that lost the tail leaves: a record whose position is past the queue end
+    # (appended as the gateway would), and the store's abort marker.
+    data = gateway.data_dir
+    record = json.loads(read_state(data / "state", "session/")["lagger"])
+    record["subscriptions"][0]["next_offset"] = 50
+    s = MessageStore.open(StoreConfig(data_dir=data))
+    s.append_state([("session/lagger", json.dumps(record).encode())])
+    s.close()
+    (data / "abort").touch()
+    gateway.start()
+    c = RawClient(gateway.port, level=4)
+    assert c.connect("lagger", clean=False).session_present
+    pub = RawClient(gateway.port, level=4)
+    pub.connect("pub")
+    pub.send(Publish("lag/t", b"after", qos=1, packet_id=9))
+    assert isinstance(pub.recv(), PubAck)
+    pub.close()
+    # Delivered: the position came back to the queue's end (3), below the new message.
+    assert c.recv().payload == b"after"
+    c.close()
