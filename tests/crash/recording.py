@@ -32,12 +32,20 @@ class Recording:
         return self.ops[k + 1].t_ns if k + 1 < len(self.ops) else self.run.t_end
 
     def crash_points(self, n: int, seed: int) -> list[int]:
-        """``n`` op indexes: every few of them just after an fsync, a create, a rename or a
-        directory change (where the on-disk state changes shape), the rest anywhere."""
+        """``n`` op indexes: every step of a CommitLog segment's creation (create, size, the
+        directory's fsync: a cut there once left a 0-byte segment no restart could open), two
+        thirds of the rest just after an fsync, a create, a rename or a directory change
+        (where the on-disk state changes shape), the others anywhere."""
         rnd = random.Random(seed)
+        pts = {
+            i
+            for i, o in enumerate(self.ops)
+            if o.path == "commitlog"
+            or (o.path.startswith("commitlog/") and o.kind in (oplog.CREATE, oplog.TRUNC))
+        }
         kinds = (oplog.SYNC, oplog.CREATE, oplog.RENAME, oplog.MKDIR, oplog.TRUNC)
-        marked = [i for i, o in enumerate(self.ops) if o.kind in kinds]
-        pts = set(rnd.sample(marked, min(len(marked), n * 2 // 3)))
+        marked = [i for i, o in enumerate(self.ops) if o.kind in kinds and i not in pts]
+        pts |= set(rnd.sample(marked, max(0, min(len(marked), n * 2 // 3 - len(pts)))))
         while len(pts) < min(n, len(self.ops)):
             pts.add(rnd.randrange(len(self.ops)))
         return sorted(pts)

@@ -21,6 +21,9 @@ from tests.crash.recording import SEGMENT, Recording, record
 
 pytestmark = [
     pytest.mark.slow,
+    # A recovery that hangs fails the test here (each image is also flagged past 10 s); the
+    # bound is generous for the recorded run and 880 images on a slow 2-core runner.
+    pytest.mark.timeout(300),
     pytest.mark.skipif(oplog.compiler() is None, reason="needs a C compiler for the shim"),
     pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="the shim needs /proc"),
 ]
