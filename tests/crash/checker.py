@@ -34,11 +34,13 @@ def read_queue(store: MessageStore, queue: str) -> list[tuple[int, bytes]]:
 
 def placement(
     data_dir: Path, segment_size: int, parent: str = "crash"
-) -> tuple[Placement, dict[bytes, int]]:
-    """Where every message of the finished run is (the oracle), and how often the topics'
-    parent queue holds each body (a QoS 2 message stored twice shows there)."""
+) -> tuple[Placement, dict[bytes, int], dict[bytes, int]]:
+    """Where every message of the finished run is (the oracle): its queues and offsets, how
+    often the topics' parent queue holds it (a QoS 2 message stored twice shows there), and
+    its CommitLog offset."""
     place: Placement = {}
     counts: dict[bytes, int] = {}
+    phys: dict[bytes, int] = {}
     store = MessageStore.open(StoreConfig(data_dir=data_dir, segment_size=segment_size))
     try:
         for q in store.queues():
@@ -46,9 +48,10 @@ def placement(
                 place.setdefault(body, {})[q] = off
                 if q == parent:
                     counts[body] = counts.get(body, 0) + 1
+                    phys[body] = store.get(q, off, 1).messages[0].physical_offset
     finally:
         store.close()
-    return place, counts
+    return place, counts, phys
 
 
 @dataclass
@@ -65,7 +68,6 @@ def check_store(
     acked: list[Sent],
     place: Placement,
     sent_bodies: set[bytes],
-    *,
     scan_parents: bool,
 ) -> ImageResult:
     """Recover ``image`` through the store's public API and check every acknowledged message
