@@ -62,12 +62,12 @@ class CommitLog:
         if not starts:
             return
         sizes = [os.path.getsize(self.dir / offset_file_name(s)) for s in starts]
-        # Every segment but the last was fsynced at its full size before the next one was
-        # created, so they tell the size. The last one may be short: a power cut soon after
-        # its creation leaves it 0 bytes (the growth to full size not yet synced) or holding
-        # only what was written into it. Taking its size would make a 0-byte or 4 KiB segment
-        # the segment size; it is grown back to the full size instead.
-        size = sizes[0] if len(starts) > 1 else max(sizes[0], self.segment_size)
+        # The names tell the segment size (the distance between two starts), not the files'
+        # sizes: a power cut soon after a segment's creation leaves it 0 bytes (its growth to
+        # full size not yet synced) or holding only what was written into it, and in async
+        # mode (or within one group commit) the next segment's name can reach the disk before
+        # the previous segment's size does. A lone segment is at least the configured size.
+        size = starts[1] - starts[0] if len(starts) > 1 else max(sizes[0], self.segment_size)
         if size != self.segment_size:
             log.warning(
                 "segments are %d bytes, not the configured %d: keeping %d",
@@ -82,17 +82,18 @@ class CommitLog:
                 raise CorruptStoreError(str(path), "gap before this segment")
             fsize = sizes[i]
             if fsize != self.segment_size:
-                if i == len(starts) - 1 and not self.read_only and fsize < self.segment_size:
-                    # A crash while creating the last segment: finish creating it.
-                    log.warning(
-                        "segment %s is %d bytes, not %d (cut while being created): growing it",
-                        path, fsize, self.segment_size,
-                    )  # fmt: skip
-                    with open(path, "r+b") as f:
-                        f.truncate(self.segment_size)
-                        os.fsync(f.fileno())
-                else:
+                if self.read_only or fsize > self.segment_size:
                     raise CorruptStoreError(str(path), f"size {fsize} != {self.segment_size}")
+                # Cut while being created or before its tail was synced: grow it back. What
+                # was not synced reads as zeros, and recovery ends the log there (deleting
+                # later segments: nothing in them was acknowledged before this one's fsync).
+                log.warning(
+                    "segment %s is %d bytes, not %d (a crash before it was synced): growing it",
+                    path, fsize, self.segment_size,
+                )  # fmt: skip
+                with open(path, "r+b") as f:
+                    f.truncate(self.segment_size)
+                    os.fsync(f.fileno())
             self.segments.append(
                 Segment(path, start, self.segment_size, create=False, read_only=self.read_only)
             )

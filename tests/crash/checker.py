@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.protocol import PubAck, PubComp, Publish, PubRec, PubRel
+from gateway.protocol import PubAck, PubComp, Publish, PubRec, PubRel, Subscribe, Subscription
 from store import GetStatus, MessageStore, StoreConfig
 from tests.crash.gateway_proc import GatewayProcess
 from tests.crash.workload import KEEPER, QOS2_CLIENT, Run, Sent
@@ -34,11 +34,13 @@ def read_queue(store: MessageStore, queue: str) -> list[tuple[int, bytes]]:
 
 def placement(
     data_dir: Path, segment_size: int, parent: str = "crash"
-) -> tuple[Placement, dict[bytes, int]]:
-    """Where every message of the finished run is (the oracle), and how often the topics'
-    parent queue holds each body (a QoS 2 message stored twice shows there)."""
+) -> tuple[Placement, dict[bytes, int], dict[bytes, int]]:
+    """Where every message of the finished run is (the oracle): its queues and offsets, how
+    often the topics' parent queue holds it (a QoS 2 message stored twice shows there), and
+    its CommitLog offset."""
     place: Placement = {}
     counts: dict[bytes, int] = {}
+    phys: dict[bytes, int] = {}
     store = MessageStore.open(StoreConfig(data_dir=data_dir, segment_size=segment_size))
     try:
         for q in store.queues():
@@ -46,9 +48,10 @@ def placement(
                 place.setdefault(body, {})[q] = off
                 if q == parent:
                     counts[body] = counts.get(body, 0) + 1
+                    phys[body] = store.get(q, off, 1).messages[0].physical_offset
     finally:
         store.close()
-    return place, counts
+    return place, counts, phys
 
 
 @dataclass
@@ -65,7 +68,6 @@ def check_store(
     acked: list[Sent],
     place: Placement,
     sent_bodies: set[bytes],
-    *,
     scan_parents: bool,
 ) -> ImageResult:
     """Recover ``image`` through the store's public API and check every acknowledged message
@@ -165,6 +167,7 @@ def check_gateway(
             c.send(PubRel(s.packet_id))
             c.recv_until(PubComp, max(0.1, deadline - time.monotonic()))
         c.close()
+        problems += _check_retained(gw.port, run, t_cut, deadline)
         # One probe after everything: a subscriber that has it has had all that came before.
         probe = b"probe:%d" % t_cut
         pub = RawClient(gw.port)
@@ -209,6 +212,47 @@ def check_gateway(
     if time.monotonic() - t0 > 90:
         problems.append("gateway check took over 90 s (a hang?)")
     return result
+
+
+def _check_retained(port: int, run: Run, t_cut: int, deadline: float) -> list[str]:
+    """A new subscriber gets, per retained topic, the last retained message acknowledged before
+    the cut or one sent after it (sent, maybe stored, not yet acknowledged): never an older
+    one, never none."""
+    allowed: dict[str, list[bytes]] = {}
+    for s in run.sent:
+        if not s.retain:
+            continue
+        if s.t_ack is not None and s.t_ack < t_cut:
+            allowed[s.topic] = [s.payload]  # the newest acknowledged so far (publish order)
+        elif s.topic in allowed:
+            allowed[s.topic].append(s.payload)
+    if not allowed:
+        return []
+    problems: list[str] = []
+    c = RawClient(port)
+    try:
+        c.connect("retained-check", clean=True)
+        c.send(Subscribe(1, [Subscription("crash/ret/#", 1)]))
+        got: dict[str, bytes] = {}
+        # Retained copies follow the SUBACK at once: 10 s without them is a finding.
+        deadline = min(deadline, time.monotonic() + 10)
+        while len(got) < len(allowed) and time.monotonic() < deadline:
+            try:
+                ev = c.recv(max(0.01, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+            if isinstance(ev, Publish) and ev.retain:
+                got[ev.topic] = ev.payload
+                if ev.qos:
+                    c.send(PubAck(ev.packet_id or 0))
+        for topic, ok in allowed.items():
+            if topic not in got:
+                problems.append(f"retained {topic}: none after the cut")
+            elif got[topic] not in ok:
+                problems.append(f"retained {topic}: {got[topic][:12]!r}, older than acknowledged")
+    finally:
+        c.close()
+    return problems
 
 
 def _probe_topic(topic_filter: str) -> str:

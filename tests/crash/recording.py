@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 from tests.crash import checker, oplog
 from tests.crash.disk import DiskModel
 from tests.crash.gateway_proc import GatewayProcess
-from tests.crash.workload import Run, flood
+from tests.crash.workload import Run, Sent, flood
 
 #: Small segments: a run of a few hundred KB creates several, and images stay small.
 SEGMENT = 64 * 1024
@@ -24,6 +25,7 @@ class Recording:
     run: Run
     place: checker.Placement
     parent_counts: dict[bytes, int]
+    phys: dict[bytes, int]  # body -> CommitLog offset
     sent_bodies: set[bytes]
     flush: str
 
@@ -32,12 +34,20 @@ class Recording:
         return self.ops[k + 1].t_ns if k + 1 < len(self.ops) else self.run.t_end
 
     def crash_points(self, n: int, seed: int) -> list[int]:
-        """``n`` op indexes: every few of them just after an fsync, a create, a rename or a
-        directory change (where the on-disk state changes shape), the rest anywhere."""
+        """``n`` op indexes: every step of a CommitLog segment's creation (create, size, the
+        directory's fsync: a cut there once left a 0-byte segment no restart could open), two
+        thirds of the rest just after an fsync, a create, a rename or a directory change
+        (where the on-disk state changes shape), the others anywhere."""
         rnd = random.Random(seed)
+        pts = {
+            i
+            for i, o in enumerate(self.ops)
+            if o.path == "commitlog"
+            or (o.path.startswith("commitlog/") and o.kind in (oplog.CREATE, oplog.TRUNC))
+        }
         kinds = (oplog.SYNC, oplog.CREATE, oplog.RENAME, oplog.MKDIR, oplog.TRUNC)
-        marked = [i for i, o in enumerate(self.ops) if o.kind in kinds]
-        pts = set(rnd.sample(marked, min(len(marked), n * 2 // 3)))
+        marked = [i for i, o in enumerate(self.ops) if o.kind in kinds and i not in pts]
+        pts |= set(rnd.sample(marked, max(0, min(len(marked), n * 2 // 3 - len(pts)))))
         while len(pts) < min(n, len(self.ops)):
             pts.add(rnd.randrange(len(self.ops)))
         return sorted(pts)
@@ -45,14 +55,37 @@ class Recording:
     def model_at(self, points: list[int]) -> DiskModelWalk:
         return DiskModelWalk(self, points)
 
-    def log_synced_before(self, k: int) -> int:
-        """When the newest CommitLog fsync completed by op ``k`` began (CLOCK_MONOTONIC ns;
-        0 if none): every byte written before then was durable at a cut after op k."""
-        by_seq = {o.seq: o for o in self.ops}
-        for o in reversed(self.ops[: k + 1]):
-            if o.kind == oplog.SYNC and o.path.startswith("commitlog/"):
-                return by_seq[o.a].t_ns if o.a in by_seq else 0
-        return 0
+    def synced_before_ack(self, k: int) -> list[Sent]:
+        """The acknowledged messages that a cut after op ``k`` must keep in async mode: those
+        for which every CommitLog byte written before their acknowledgement, in their segment
+        and the ones before it, and every segment name created before it, had been fsynced
+        (the CommitLog is recovered as a prefix: a hole before a message loses it too)."""
+        writes: dict[str, list[tuple[int, int]]] = {}  # path -> [(t_ns, seq)], in order
+        synced: dict[str, int] = {}  # path -> durable up to this seq
+        for o in self.ops[: k + 1]:
+            if o.path.startswith("commitlog/") and o.kind in (oplog.WRITE, oplog.TRUNC):
+                writes.setdefault(o.path, []).append((o.t_ns, o.seq))
+            elif o.path.startswith("commitlog/") and o.kind == oplog.CREATE:
+                writes.setdefault("commitlog", []).append((o.t_ns, o.seq))
+            elif o.kind == oplog.SYNC and (
+                o.path == "commitlog" or o.path.startswith("commitlog/")
+            ):
+                synced[o.path] = max(synced.get(o.path, 0), o.a)
+        out = []
+        for s in self.run.acked_by(self.t_cut(k)):
+            assert s.t_ack is not None
+            seg = self.phys[s.payload] // SEGMENT * SEGMENT
+            ok = True
+            for path, ws in writes.items():
+                if path != "commitlog" and int(path.rsplit("/", 1)[1]) > seg:
+                    continue
+                i = bisect.bisect_left(ws, (s.t_ack, 0)) - 1  # the last one before the ack
+                if i >= 0 and synced.get(path, 0) < ws[i][1]:
+                    ok = False
+                    break
+            if ok:
+                out.append(s)
+        return out
 
     def log_sync_gaps_ns(self) -> list[int]:
         """Time between the starts of successive CommitLog fsyncs."""
@@ -101,6 +134,6 @@ def record(
     # The oracle: the complete run (the page cache kept everything a SIGKILL leaves).
     full = tmp / "complete"
     shutil.copytree(data, full)
-    place, counts = checker.placement(full, SEGMENT)
+    place, counts, phys = checker.placement(full, SEGMENT)
     shutil.rmtree(full)
-    return Recording(ops, run, place, counts, {s.payload for s in run.sent}, flush)
+    return Recording(ops, run, place, counts, phys, {s.payload for s in run.sent}, flush)

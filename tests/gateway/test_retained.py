@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -17,12 +18,23 @@ from hypothesis import strategies as st
 
 from gateway.retained import SNAPSHOT_NAME, RetainedIndex, RetainedMessage, RetainedTrie
 from store import MessageStore, StoreConfig
+from store.format import ABORT_FILE, LOCK_FILE
 
 QUEUE = RetainedIndex.QUEUE
 
 
 def _open(path: Path, **kw: object) -> MessageStore:
     return MessageStore.open(StoreConfig(data_dir=path, **kw))  # type: ignore[arg-type]
+
+
+def _crash(s: MessageStore, dest: Path) -> Path:
+    """The data directory as a crash of the process leaves it: copied while the store is open
+    (abort marker present, consume-queue units still in memory, no final checkpoint and no
+    retained snapshot written on the way out), then the original closed."""
+    shutil.copytree(s.data_dir, dest, ignore=shutil.ignore_patterns(LOCK_FILE))
+    s.close()
+    assert (dest / ABORT_FILE).exists()
+    return dest
 
 
 @pytest.fixture
@@ -179,10 +191,11 @@ def test_crash_without_snapshot_replays_the_log(tmp_path: Path) -> None:
     _publish(s, index, "b", b"2")
     _publish(s, index, "a", b"3")
     _publish(s, index, "b", b"")
-    s.close()  # no index.close(): the snapshot was never written
+    crashed = _crash(s, tmp_path / "crashed")  # no index.close(): no snapshot written
 
-    s = _open(tmp_path / "d")
+    s = _open(crashed)
     try:
+        assert s.recovery.abnormal
         again = RetainedIndex.open(s)
         assert again.replayed == 4
         assert {m.topic: m.payload for m in again.match("#")} == {"a": b"3"}
@@ -200,10 +213,11 @@ def test_snapshot_then_more_publishes_then_crash(tmp_path: Path) -> None:
     _publish(s, index, "x/1", b"new")
     _publish(s, index, "x/2", b"")
     _publish(s, index, "x/3", b"added")
-    s.close()
+    crashed = _crash(s, tmp_path / "crashed")
 
-    s = _open(tmp_path / "d")
+    s = _open(crashed)
     try:
+        assert s.recovery.abnormal
         again = RetainedIndex.open(s)
         assert again.replayed == 3  # only what came after the snapshot's offset
         assert again.next_offset == covered + 3
@@ -329,10 +343,11 @@ def test_snapshot_ahead_of_truncated_log(tmp_path: Path) -> None:
     index = RetainedIndex.open(s)
     assert index.next_offset == 1
     _publish(s, index, "q", b"2")
-    s.close()  # crash: no index.close()
+    crashed = _crash(s, tmp_path / "crashed")  # no index.close()
 
-    s = _open(tmp_path / "d")
+    s = _open(crashed)
     try:
+        assert s.recovery.abnormal
         again = RetainedIndex.open(s)
         assert {m.topic for m in again.match("#")} == {"p", "q"}
     finally:
@@ -387,10 +402,11 @@ def test_snapshot_outlives_store_retention(
         s.put(topic="noise", body=b"n" * 900, queues=[], properties={})
     assert s.delete_expired() > 0
     assert s.min_offset(QUEUE) > 0  # the retained records' segments are gone
-    s.close()  # crash: no final snapshot
+    crashed = _crash(s, tmp_path / "crashed")  # no final snapshot
 
-    s = _open(tmp_path / "d", segment_size=4096)
+    s = _open(crashed, segment_size=4096)
     try:
+        assert s.recovery.abnormal
         with caplog.at_level("WARNING", logger="lmqtt.retained"):
             again = RetainedIndex.open(s)
         got = {m.topic: m.payload for m in again.match("#")}
