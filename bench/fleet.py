@@ -1,0 +1,337 @@
+"""The fleet scenario: many devices, one small message per write, wildcard backends.
+
+What an IoT deployment looks like, unlike the floods (one or a few connections pushing as fast
+as they can, which is a bridge's load):
+
+    N device connections (bench.fleetgen, a few processes)        backend subscribers
+      device d: SUBSCRIBE cmd/{d} (QoS 1)                           site/#            persistent
+                PUBLISH site/{d % 50}/dev/{d}/temp, 64 B,     -->   site/+/dev/+/temp clean
+                its own TCP write, evenly paced                     site/{k}/#, k=0..4 clean
+
+Each message reaches 2 backends, or 3 when its site is 0..4 (2.1 on average). Latency is from
+the device's write (timestamp in the payload) to the backend's read, per backend process; the
+worst backend process's percentile is reported (never a blend that hides one slow subscriber).
+
+Figures per broker: the offered run (``--rate`` for ``--duration`` s) and, unless
+``--no-capacity``, the capacity: the highest offered rate sustained with p99 <= 10 ms, nothing
+lost and the rate achieved, found by doubling from ``CAPACITY_START`` then bisecting
+(``capacity_search``). A phase where a generator process passed ``GENERATOR_SATURATED`` of a
+core or the host ran out of CPU ends the search ("generator-bound": the broker was not the
+limit), and such a row shows no ratio (bench.report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bench.brokers import BrokerProcess
+from bench.workers import CpuProbe, RssSampler, Worker, invalid_reason
+
+Metrics = dict[str, Any]
+
+SITE_BACKENDS = 5
+DEVICES_PER_PROCESS = 12_500
+WARMUP_DELIVERIES = 200
+CAPACITY_P99_MS = 10.0
+CAPACITY_START = 2_500.0
+CAPACITY_CEILING = 80_000.0
+CAPACITY_PHASE_S = 3.0
+CAPACITY_REFINE = 2
+# A phase counts as sustained when this share of the offered rate was really sent.
+ACHIEVED_SHARE = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseResult:
+    """One paced publishing phase over the connected fleet."""
+
+    offered: float
+    metrics: Metrics
+
+    @property
+    def verdict(self) -> str:
+        return phase_verdict(self.offered, self.metrics)
+
+
+def phase_verdict(offered: float, metrics: Metrics) -> str:
+    """``ok``, ``fail`` (the broker did not keep up) or ``invalid`` (the bench was the limit)."""
+    if invalid_reason(metrics.get("flags", [])) is not None:
+        return "invalid"
+    if metrics.get("loss_pct", 100.0) > 0 or metrics.get("lost_connections", 0):
+        return "fail"
+    if metrics.get("publish_per_s", 0.0) < ACHIEVED_SHARE * offered:
+        return "fail"
+    if metrics.get("p99_ms", math.inf) > CAPACITY_P99_MS:
+        return "fail"
+    return "ok"
+
+
+async def capacity_search(
+    probe: Callable[[float], Awaitable[str]],
+    start: float = CAPACITY_START,
+    ceiling: float = CAPACITY_CEILING,
+    refine: int = CAPACITY_REFINE,
+    step: float = 500.0,
+) -> tuple[float, str]:
+    """Highest rate ``probe`` called ``ok``: doubling from ``start``, then ``refine`` bisection
+    steps (rounded to ``step``) between the last ok and the first failing rate.
+
+    Returns ``(rate, note)``: note ``""`` when the limit was found, ``"generator-bound"`` when a
+    probe said the bench itself was the limit (the rate is a lower bound), ``"ceiling"`` when
+    every rate up to ``ceiling`` held. 0.0 means even ``start`` failed.
+    """
+    good, bad = 0.0, 0.0
+    rate = start
+    while True:
+        if rate > ceiling:
+            return good, "ceiling"
+        verdict = await probe(rate)
+        if verdict == "invalid":
+            return good, "generator-bound"
+        if verdict != "ok":
+            bad = rate
+            break
+        good = rate
+        rate *= 2
+    for _ in range(refine):
+        mid = round((good + bad) / 2 / step) * step
+        if mid <= good or mid >= bad:
+            break
+        verdict = await probe(mid)
+        if verdict == "invalid":
+            return good, "generator-bound"
+        if verdict == "ok":
+            good = mid
+        else:
+            bad = mid
+    return good, ""
+
+
+def backend_specs(host: str, port: int, qos: int, prefix: str) -> list[dict[str, Any]]:
+    """The backend subscriber processes: one per kind of filter."""
+    base = {
+        "role": "sub",
+        "host": host,
+        "port": port,
+        "qos": qos,
+        "latency": True,
+        "skip_latency": WARMUP_DELIVERIES,
+    }
+    return [
+        {**base, "connections": [{"id": f"{prefix}-all", "clean": False, "filters": ["site/#"]}]},
+        {**base, "connections": [{"id": f"{prefix}-plus", "filters": ["site/+/dev/+/temp"]}]},
+        {
+            **base,
+            "connections": [
+                {"id": f"{prefix}-site{k}", "filters": [f"site/{k}/#"]}
+                for k in range(SITE_BACKENDS)
+            ],
+        },
+    ]
+
+
+def device_slices(devices: int, processes: int) -> list[tuple[int, int]]:
+    per = math.ceil(devices / processes)
+    return [(i * per, min(devices, (i + 1) * per)) for i in range(processes) if i * per < devices]
+
+
+def scrape_gc(admin_port: int) -> Metrics:
+    """The gateway's GC pause figures from its /metrics (lmqtt_gc_pause_*)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: Metrics = {}
+    for name, key in (
+        ("lmqtt_gc_collections_total", "gc_count"),
+        ("lmqtt_gc_pause_p50_seconds", "gc_p50_ms"),
+        ("lmqtt_gc_pause_p99_seconds", "gc_p99_ms"),
+        ("lmqtt_gc_pause_max_seconds", "gc_max_ms"),
+        ("lmqtt_gc_pause_seconds_total", "gc_total_ms"),
+    ):
+        match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+        if match:
+            value = float(match.group(1))
+            out[key] = int(value) if key == "gc_count" else round(value * 1000, 3)
+    return out
+
+
+class FleetRun:
+    """Backends and device generators around one broker; phases at chosen rates."""
+
+    def __init__(self, broker: BrokerProcess, devices: int, qos: int, payload: int) -> None:
+        self.broker = broker
+        host, port = "127.0.0.1", broker.port
+        self.backends = [Worker(s) for s in backend_specs(host, port, qos, "fleet-backend")]
+        processes = max(2, math.ceil(devices / DEVICES_PER_PROCESS))
+        # Each generator process connects from its own loopback address: one source address
+        # has ~28,000 ephemeral ports, fewer than a 50,000-device fleet needs.
+        self.generators = [
+            Worker(
+                {
+                    "role": "fleet",
+                    "host": host,
+                    "port": port,
+                    "source": f"127.0.0.{2 + i}",
+                    "first": first,
+                    "last": last,
+                    "qos": qos,
+                    "payload": payload,
+                    "prefix": "dev",
+                }
+            )
+            for i, (first, last) in enumerate(device_slices(devices, processes))
+        ]
+        self.devices = devices
+        self.connected: list[int] = []
+        self.delivered = 0
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [*self.backends, *self.generators]
+
+    async def start(self) -> Metrics:
+        for worker in self.workers:
+            await worker.start()
+        await asyncio.gather(*(w.expect("ready", 60) for w in self.workers))
+        for gen in self.generators:
+            gen.send("connect")
+        timeout = 60 + self.devices / 500
+        reports = await asyncio.gather(*(g.expect("connected", timeout) for g in self.generators))
+        self.connected = [int(r["connected"]) for r in reports]
+        span = max(float(r["end"]) for r in reports) - min(float(r["start"]) for r in reports)
+        return {
+            "connected": sum(self.connected),
+            "connect_failures": sum(int(r["failures"]) for r in reports),
+            "connects_per_s": round(sum(self.connected) / max(span, 1e-6)),
+        }
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.close() for w in self.workers), return_exceptions=True)
+
+    async def _counts(self, command: str, event: str) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(w.request(command, event, 30) for w in self.backends)))
+
+    async def phase(self, rate: float, duration: float) -> PhaseResult:
+        snaps = await self._counts("snapshot", "snapshot")  # drops earlier latency samples
+        before = sum(int(s["count"]) for s in snaps)
+        total = sum(self.connected) or 1
+        probe = CpuProbe(self.broker, self.workers)
+        probe.start()
+        for gen, connected in zip(self.generators, self.connected, strict=True):
+            gen.send(f"run {rate * connected / total} {duration}")
+        results = await asyncio.gather(
+            *(g.expect("result", duration + 60) for g in self.generators)
+        )
+        expected = sum(int(r["expected"]) for r in results)
+        await self._drain(before, expected, cap=max(10.0, duration * 2))
+        cpu = probe.stop()
+        snaps = await self._counts("snapshot", "snapshot")
+        delivered = sum(int(s["count"]) for s in snaps) - before
+        sent = sum(int(r["sent"]) for r in results)
+        start = min(float(r["start"]) for r in results)
+        pub_end = max(float(r["end"]) for r in results)
+        last = max((float(s["last"]) for s in snaps), default=pub_end)
+        broker_cpu = max(float(cpu["broker_cpu_s"]), 1e-6)
+
+        def worst(key: str) -> float:
+            return round(max(float(s["latency_ms"].get(key, 0.0)) for s in snaps), 3)
+
+        lag = max(float((r["send_lag_ms"] or {}).get("p99", 0.0)) for r in results)
+        metrics: Metrics = {
+            "offered_per_s": rate,
+            "publish_per_s": round(sent / max(pub_end - start, 1e-6)),
+            "deliveries_per_s": round(delivered / max(last - start, 1e-6)),
+            "published": sent,
+            "delivered": delivered,
+            "expected": expected,
+            "loss_pct": round(100.0 * max(0, expected - delivered) / max(expected, 1), 3),
+            "p50_ms": worst("p50"),
+            "p99_ms": worst("p99"),
+            "p999_ms": worst("p999"),
+            "max_ms": worst("max"),
+            "us_cpu_per_delivery": round(1e6 * broker_cpu / max(delivered, 1), 2),
+            "us_cpu_per_publish": round(1e6 * broker_cpu / max(sent, 1), 2),
+            "send_lag_p99_ms": round(lag, 3),
+            "lost_connections": sum(int(r["lost_connections"]) for r in results),
+            **cpu,
+        }
+        return PhaseResult(rate, metrics)
+
+    async def _drain(self, before: int, expected: int, cap: float, idle: float = 2.0) -> None:
+        deadline = time.monotonic() + cap
+        last_total, last_change = -1, time.monotonic()
+        while True:
+            reports = await self._counts("report", "progress")
+            total = sum(int(r["count"]) for r in reports) - before
+            now = time.monotonic()
+            if total != last_total:
+                last_total, last_change = total, now
+            if total >= expected or now >= deadline or now - last_change >= idle:
+                return
+            await asyncio.sleep(0.05)
+
+
+async def fleet(
+    broker: BrokerProcess,
+    *,
+    devices: int,
+    rate: float,
+    duration: float,
+    qos: int,
+    payload: int = 64,
+    capacity: bool = True,
+    admin_port: int | None = None,
+) -> Metrics:
+    await asyncio.sleep(0.5)
+    run = FleetRun(broker, devices, qos, payload)
+    with RssSampler(broker) as rss:
+        try:
+            baseline = broker.rss()
+            connect = await run.start()
+            await asyncio.sleep(2.0)  # let the broker settle (lmqtt freezes after connects)
+            after = broker.rss()
+            main = await run.phase(rate, duration)
+            metrics: Metrics = {
+                **connect,
+                **main.metrics,
+                "rss_mb": round(after / 2**20, 1),
+                "kib_per_device": round((after - baseline) / 1024 / max(connect["connected"], 1), 2),
+            }
+            if capacity:
+                phases: list[Metrics] = []
+
+                async def probe(offered: float) -> str:
+                    result = await run.phase(offered, CAPACITY_PHASE_S)
+                    phases.append(
+                        {
+                            "rate": offered,
+                            "verdict": result.verdict,
+                            **{
+                                k: result.metrics[k]
+                                for k in ("p99_ms", "loss_pct", "publish_per_s", "flags")
+                            },
+                        }
+                    )
+                    return result.verdict
+
+                found, note = await capacity_search(probe)
+                if note:
+                    metrics["capacity_note"] = f">= {found:,.0f} ({note})"
+                else:
+                    metrics["capacity_per_s"] = found
+                metrics["capacity_phases"] = phases
+            if admin_port is not None:
+                metrics.update(scrape_gc(admin_port))
+        finally:
+            await run.close()
+        metrics["rss_peak_mb"] = round(rss.peak / 2**20, 1)
+    return metrics
