@@ -299,12 +299,13 @@ async def fleet(
             connect = await run.start()
             await asyncio.sleep(2.0)  # let the broker settle (lmqtt freezes after connects)
             after = broker.rss()
+            per_device = (after - baseline) / 1024 / max(connect["connected"], 1)
             main = await run.phase(rate, duration)
             metrics: Metrics = {
                 **connect,
                 **main.metrics,
                 "rss_mb": round(after / 2**20, 1),
-                "kib_per_device": round((after - baseline) / 1024 / max(connect["connected"], 1), 2),
+                "kib_per_device": round(per_device, 2),
             }
             if capacity:
                 phases: list[Metrics] = []

@@ -261,7 +261,8 @@ How to read the table:
   delivery; "undelivered at end" is what had not arrived when deliveries had stalled for two
   seconds (or after a drain cap of max(5 s, duration)).
 - Flags: `generator-bound` = a generator process used >= 0.7 of a core, so the broker may be
-  faster than shown (the row prints "invalid: generator-bound" instead of a ratio); `host-saturated` = both cores busy while the broker was not; `other-load` =
+  faster than shown (the row prints "invalid: generator-bound" instead of a ratio);
+  `host-saturated` = both cores busy while the broker was not; `other-load` =
   processes outside the benchmark used >= 0.3 core (the machine is shared).
 - Mosquitto runs with `max_queued_messages 0` (no per-client queue limit) so that slow delivery
   is not counted as loss; for durability it runs with `persistence true` and
