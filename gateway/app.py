@@ -27,6 +27,7 @@ from gateway.server import MqttServerProtocol
 from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
 from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
+from gateway.timers import TimerWheel
 from gateway.will import WillScheduler
 from store import EncodedMessage, GetStatus, MessageStore, PutResult
 from topicmap import Router, Topic, TopicFilter, parent_topic
@@ -35,7 +36,6 @@ log = logging.getLogger("lmqtt.gateway")
 
 SERVER_SHUTTING_DOWN = 0x8B
 HOUSEKEEPING_INTERVAL_S = 1.0
-TIMEOUT_SWEEP_S = 1.0
 STOP_DRAIN_S = 2.0
 # Validated topic names and their parent topics remembered (cleared when full): validating
 # and naming the parent cost more per PUBLISH than the rest of the gateway's put path.
@@ -70,6 +70,7 @@ class Gateway:
         self.retained: RetainedIndex
         self.sessions: SessionRegistry
         self.arrivals: ArrivalHub
+        self.timers: TimerWheel  # connect timeouts and keep-alive (gateway/timers.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -80,6 +81,7 @@ class Gateway:
         self.store = MessageStore.open(s.store_config())
         self.arrivals = ArrivalHub(loop)
         self.store.add_listener(self.arrivals)
+        self.timers = TimerWheel(loop)
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
         for session in self.sessions.load():
@@ -100,7 +102,7 @@ class Gateway:
         )
         await self.listeners.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
-        self._tasks.append(loop.create_task(self._sweep_timeouts()))
+        self.timers.start()
         self._tasks.append(
             loop.create_task(self.retained.snapshot_periodically(s.retained_snapshot_interval))
         )
@@ -187,6 +189,7 @@ class Gateway:
             await asyncio.wait(pending, timeout=STOP_DRAIN_S)
         for client in list(self.connections):
             client.close(SERVER_SHUTTING_DOWN, abnormal=False)
+        await self.timers.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -206,19 +209,6 @@ class Gateway:
             self.store.close()
             self._stopped.set()
         log.info("lmqtt gateway stopped")
-
-    async def _sweep_timeouts(self) -> None:
-        """Connect timeouts and keep-alive for every connection, once a second: one sweep
-        instead of a timer per connection (a timer costs more memory than an idle client)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(TIMEOUT_SWEEP_S)
-            now = loop.time()
-            for client in list(self.connections):
-                try:
-                    client.check_timeouts(now)
-                except Exception:
-                    log.exception("timeout check of %r failed", client.client_id)
 
     async def _housekeeping(self) -> None:
         while True:
