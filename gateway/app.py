@@ -19,6 +19,7 @@ from gateway.access import AccessControl
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
+from gateway.gc_monitor import GcMonitor
 from gateway.listeners import ExtraListeners
 from gateway.protocol import Publish, Will
 from gateway.records import PublishProperties, RecordedPublish, message_properties
@@ -54,6 +55,7 @@ class Gateway:
         self.recent = RecentMessages()
         self.shared = SharedSubscriptions(self)
         self.wills = WillScheduler(self._publish_will)
+        self.gc = GcMonitor()  # GC pause figures, gc.freeze after connect bursts
         self.stopping = False
         # Checks the security settings and files now: a bad one stops us before start().
         self.access = AccessControl(settings)
@@ -82,6 +84,7 @@ class Gateway:
         self.arrivals = ArrivalHub(loop)
         self.store.add_listener(self.arrivals)
         self.timers = TimerWheel(loop)
+        self.gc.install()
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
         for session in self.sessions.load():
@@ -208,7 +211,8 @@ class Gateway:
             # would race the flusher thread on the checkpoint file).
             self.store.close()
             self._stopped.set()
-        log.info("lmqtt gateway stopped")
+        self.gc.uninstall()
+        log.info("lmqtt gateway stopped; garbage collector: %s", self.gc.summary())
 
     async def _housekeeping(self) -> None:
         while True:
@@ -216,6 +220,7 @@ class Gateway:
             try:
                 await self.sessions.save_if_dirty()
                 self.stats.retained_count = len(self.retained)
+                self.gc.maybe_freeze(len(self.connections))
             except Exception:
                 log.exception("housekeeping failed")
 
@@ -343,7 +348,8 @@ class Gateway:
         if tf.share_group is not None:
             self.shared.acquire(tf.share_group, tf.filter, queue, resume=False)
         else:
-            self.store.offsets.commit(session.client_id, queue, start)
+            # A clean session's position ends with it: not written at every flush.
+            self.store.offsets.commit(session.client_id, queue, start, durable=session.persistent)
         self.stats.subscriptions += 1
         return sub
 

@@ -75,6 +75,19 @@ class _GatewayCollector(Collector):
             "subscribe_denied", "SUBSCRIBE entries denied by the ACL", access.denied_subscriptions
         )
         yield counter("security_reloads", "password/ACL file reloads", access.reloads)
+        monitor = gw.gc
+        yield counter("gc_collections", "garbage collections", monitor.collections)
+        yield counter(
+            "gc_pause_seconds", "time stopped in garbage collection", monitor.total_ns / 1e9
+        )
+        yield gauge("gc_pause_max_seconds", "longest GC pause", monitor.max_ns / 1e9)
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            yield gauge(
+                f"gc_pause_{label}_seconds",
+                f"GC pause {label} over the last collections",
+                monitor.percentile_ns(q) / 1e9,
+            )
+        yield counter("gc_freezes", "gc.freeze() after connect bursts", monitor.freezes)
         store = getattr(gw, "store", None)
         sessions = getattr(gw, "sessions", None)
         if store is None or sessions is None or store.closed:

@@ -55,28 +55,42 @@ class ConsumerOffsets:
         self.read_only = read_only
         self._lock = threading.Lock()
         self._offsets = read_offsets_file(path)
+        # Positions that need not survive a restart (a gateway's clean sessions, which end with
+        # their connection): kept for get()/all() but never written, so that 10,000 devices'
+        # command subscriptions do not make every flush re-encode 10,000 entries.
+        self._volatile: dict[tuple[str, str], int] = {}
         self._dirty = False
 
-    def commit(self, group: str, queue: str, offset: int) -> None:
+    def commit(self, group: str, queue: str, offset: int, *, durable: bool = True) -> None:
+        """Set the position; ``durable=False``: in memory only (unless already durable)."""
         if offset < 0:
             raise ValueError("offset must be >= 0")
+        key = (group, queue)
         with self._lock:
-            if self._offsets.get((group, queue)) != offset:
-                self._offsets[(group, queue)] = offset
+            if not durable and key not in self._offsets:
+                self._volatile[key] = offset
+                return
+            if self._offsets.get(key) != offset:
+                self._offsets[key] = offset
                 self._dirty = True
+            if self._volatile:
+                self._volatile.pop(key, None)
 
     def get(self, group: str, queue: str) -> int | None:
+        key = (group, queue)
         with self._lock:
-            return self._offsets.get((group, queue))
+            found = self._offsets.get(key)
+            return self._volatile.get(key) if found is None else found
 
     def remove(self, group: str, queue: str) -> None:
         with self._lock:
+            self._volatile.pop((group, queue), None)
             if self._offsets.pop((group, queue), None) is not None:
                 self._dirty = True
 
     def all(self) -> dict[tuple[str, str], int]:
         with self._lock:
-            return dict(self._offsets)
+            return {**self._volatile, **self._offsets}
 
     def persist(self) -> bool:
         """Write the table if it changed; returns whether it wrote."""
@@ -85,8 +99,10 @@ class ConsumerOffsets:
         with self._lock:
             if not self._dirty:
                 return False
-            data = encode_offsets(self._offsets)
+            # Encoded outside the lock: commit() is called from the event loop.
+            snapshot = dict(self._offsets)
             self._dirty = False
+        data = encode_offsets(snapshot)
         try:
             write_atomic(self.path, data)
         except BaseException:

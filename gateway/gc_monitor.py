@@ -1,0 +1,107 @@
+"""GcMonitor: how long Python's garbage collector stops the gateway, and keeping it short.
+
+Pauses are timed with ``gc.callbacks`` (start/stop of every collection) into a ring of the
+last ``RING`` pauses plus running totals; /metrics shows them (``lmqtt_gc_*``) and the gateway
+logs a summary when it stops.
+
+Policy: a device fleet keeps tens of objects per connection alive for hours (transport,
+protocol state machine, session, subscription, delivery loop). The cyclic collector does not
+need to look at them again and again, yet every full collection walks all of them: at 10,000
+connections that was a pause of tens of milliseconds. So after a burst of connects (the number
+of connections grew by ``FREEZE_GROWTH`` since the last freeze, at least ``FREEZE_MIN`` more) the
+young generations are collected and everything alive is frozen (``gc.freeze``: moved to the
+permanent generation, which collections skip; the call itself is O(1)). Objects frozen and
+later dropped are still freed by reference counting; only garbage in reference cycles among
+them waits, so when the fleet has shrunk to below half of what it was at the last freeze the
+permanent generation is handed back to the collector (``gc.unfreeze``) for one full pass.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from array import array
+from typing import Any
+
+__all__ = ["GcMonitor"]
+
+log = logging.getLogger("lmqtt.gateway")
+
+RING = 4096
+FREEZE_GROWTH = 1.10
+FREEZE_MIN = 200
+
+
+class GcMonitor:
+    """Install once per gateway; ``maybe_freeze`` from housekeeping; ``summary`` anytime."""
+
+    def __init__(self) -> None:
+        self.collections = 0
+        self.total_ns = 0
+        self.max_ns = 0
+        self.freezes = 0
+        self.unfreezes = 0
+        self._ring = array("q", bytes(8 * RING))
+        self._filled = 0
+        self._started = 0
+        self._frozen_at = 0  # connections when gc.freeze() last ran
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._on_gc)
+            self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            gc.callbacks.remove(self._on_gc)
+            self._installed = False
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter_ns()
+            return
+        if not self._started:
+            return
+        pause = time.perf_counter_ns() - self._started
+        self._started = 0
+        self._ring[self._filled % RING] = pause
+        self._filled += 1
+        self.collections += 1
+        self.total_ns += pause
+        if pause > self.max_ns:
+            self.max_ns = pause
+
+    def maybe_freeze(self, connections: int) -> bool:
+        """Freeze what is alive after a burst of connects; unfreeze after a big shrink."""
+        if connections >= max(self._frozen_at * FREEZE_GROWTH, self._frozen_at + FREEZE_MIN):
+            gc.collect(1)  # young garbage (cycles among short-lived objects) is not frozen
+            gc.freeze()
+            self._frozen_at = connections
+            self.freezes += 1
+            return True
+        if self._frozen_at and connections < self._frozen_at // 2:
+            gc.unfreeze()
+            self._frozen_at = connections
+            self.unfreezes += 1
+        return False
+
+    def percentile_ns(self, q: float) -> int:
+        """Pause at quantile ``q`` of the last RING collections (0 before any)."""
+        size = min(self._filled, RING)
+        if not size:
+            return 0
+        ordered = sorted(self._ring[:size])
+        return ordered[min(size - 1, int(q * size))]
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "collections": self.collections,
+            "pause_p50_ms": self.percentile_ns(0.50) / 1e6,
+            "pause_p99_ms": self.percentile_ns(0.99) / 1e6,
+            "pause_max_ms": self.max_ns / 1e6,
+            "pause_total_ms": self.total_ns / 1e6,
+            "freezes": self.freezes,
+            "frozen_objects": gc.get_freeze_count(),
+        }
