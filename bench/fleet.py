@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.brokers import BrokerProcess
+from bench.realtime import make_normal, make_realtime
 from bench.workers import CpuProbe, RssSampler, Worker, invalid_reason
 
 Metrics = dict[str, Any]
@@ -142,26 +143,44 @@ def device_slices(devices: int, processes: int) -> list[tuple[int, int]]:
     return [(i * per, min(devices, (i + 1) * per)) for i in range(processes) if i * per < devices]
 
 
-def scrape_gc(admin_port: int) -> Metrics:
-    """The gateway's GC pause figures from its /metrics (lmqtt_gc_pause_*)."""
+def scrape_gc(admin_port: int) -> dict[str, float]:
+    """The gateway's GC pause histogram from its /metrics: ``{"le=<bound s>": cumulative
+    count, ..., "sum": seconds, "max": longest pause since start, s}``; empty if unreachable."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=5) as r:
             text = r.read().decode()
     except OSError:
         return {}
-    out: Metrics = {}
-    for name, key in (
-        ("lmqtt_gc_collections_total", "gc_count"),
-        ("lmqtt_gc_pause_p50_seconds", "gc_p50_ms"),
-        ("lmqtt_gc_pause_p99_seconds", "gc_p99_ms"),
-        ("lmqtt_gc_pause_max_seconds", "gc_max_ms"),
-        ("lmqtt_gc_pause_seconds_total", "gc_total_ms"),
+    out: dict[str, float] = {}
+    for match in re.finditer(
+        r'^lmqtt_gc_pause_seconds_bucket\{le="([^"]+)"\} ([0-9.e+-]+)$', text, re.MULTILINE
     ):
-        match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
-        if match:
-            value = float(match.group(1))
-            out[key] = int(value) if key == "gc_count" else round(value * 1000, 3)
+        out[f"le={match.group(1)}"] = float(match.group(2))
+    for name, key in (("lmqtt_gc_pause_seconds_sum", "sum"), ("lmqtt_gc_pause_max_seconds", "max")):
+        found = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+        if found:
+            out[key] = float(found.group(1))
     return out
+
+
+def gc_phase(before: dict[str, float], after: dict[str, float]) -> Metrics:
+    """GC pauses between two scrapes: how many, how many over 5 ms, total, and the bound of the
+    histogram bucket holding the longest (the max itself is not kept per phase)."""
+    if not before or not after:
+        return {}
+    bounds = sorted(
+        (float(k[3:]), after[k] - before.get(k, 0.0)) for k in after if k.startswith("le=")
+    )
+    count = bounds[-1][1] if bounds else 0.0
+    over_5ms = count - next((n for bound, n in bounds if bound >= 0.005), count)
+    longest = next((bound for bound, n in bounds if n >= count), math.inf)
+    return {
+        "gc_count": int(count),
+        "gc_over_5ms": int(over_5ms),
+        "gc_total_ms": round((after.get("sum", 0.0) - before.get("sum", 0.0)) * 1000, 2),
+        "gc_longest_under_ms": round(longest * 1000, 2) if count else 0.0,
+        "gc_max_since_start_ms": round(after.get("max", 0.0) * 1000, 2),
+    }
 
 
 class FleetRun:
@@ -197,6 +216,17 @@ class FleetRun:
     @property
     def workers(self) -> list[Worker]:
         return [*self.backends, *self.generators]
+
+    def scheduling(self, realtime: bool) -> bool:
+        """SCHED_FIFO (bench.realtime) for broker and generators during a paced phase, or back
+        to normal (connects and the capacity search: an overloaded broker at real-time
+        priority would starve the shared host). True if the kernel allowed it."""
+        pids = [self.broker.pid] + [w.process.pid for w in self.workers if w.process]
+        if not realtime:
+            for pid in pids:
+                make_normal(pid)
+            return False
+        return all([make_realtime(pid) for pid in pids])
 
     async def start(self) -> Metrics:
         for worker in self.workers:
@@ -293,6 +323,7 @@ async def fleet(
 ) -> Metrics:
     await asyncio.sleep(0.5)
     run = FleetRun(broker, devices, qos, payload)
+    run.scheduling(False)
     with RssSampler(broker) as rss:
         try:
             baseline = broker.rss()
@@ -300,12 +331,20 @@ async def fleet(
             await asyncio.sleep(2.0)  # let the broker settle (lmqtt freezes after connects)
             after = broker.rss()
             per_device = (after - baseline) / 1024 / max(connect["connected"], 1)
-            main = await run.phase(rate, duration)
+            gc_before = scrape_gc(admin_port) if admin_port is not None else {}
+            fifo = broker.realtime and run.scheduling(True)
+            try:
+                main = await run.phase(rate, duration)
+            finally:
+                run.scheduling(False)
+            gc_after = scrape_gc(admin_port) if admin_port is not None else {}
             metrics: Metrics = {
                 **connect,
                 **main.metrics,
                 "rss_mb": round(after / 2**20, 1),
                 "kib_per_device": round(per_device, 2),
+                "sched": "fifo" if fifo else "normal",
+                **gc_phase(gc_before, gc_after),
             }
             if capacity:
                 phases: list[Metrics] = []
@@ -330,8 +369,6 @@ async def fleet(
                 else:
                     metrics["capacity_per_s"] = found
                 metrics["capacity_phases"] = phases
-            if admin_port is not None:
-                metrics.update(scrape_gc(admin_port))
         finally:
             await run.close()
         metrics["rss_peak_mb"] = round(rss.peak / 2**20, 1)

@@ -24,11 +24,13 @@ import time
 from array import array
 from typing import Any
 
-__all__ = ["GcMonitor"]
+__all__ = ["BUCKETS_S", "GcMonitor"]
 
 log = logging.getLogger("lmqtt.gateway")
 
 RING = 4096
+# Upper bounds (seconds) of the pause histogram /metrics exposes; the last bucket is +Inf.
+BUCKETS_S = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 FREEZE_GROWTH = 1.10
 FREEZE_MIN = 200
 
@@ -42,6 +44,9 @@ class GcMonitor:
         self.max_ns = 0
         self.freezes = 0
         self.unfreezes = 0
+        self.buckets = [0] * (len(BUCKETS_S) + 1)  # per bucket, not cumulative
+        self.by_generation = [0, 0, 0]  # collections of each generation
+        self.max_by_generation = [0, 0, 0]  # longest pause of each, ns
         self._ring = array("q", bytes(8 * RING))
         self._filled = 0
         self._started = 0
@@ -72,6 +77,18 @@ class GcMonitor:
         self.total_ns += pause
         if pause > self.max_ns:
             self.max_ns = pause
+        generation = info.get("generation", 2)
+        if 0 <= generation <= 2:
+            self.by_generation[generation] += 1
+            if pause > self.max_by_generation[generation]:
+                self.max_by_generation[generation] = pause
+        seconds = pause / 1e9
+        for i, bound in enumerate(BUCKETS_S):
+            if seconds <= bound:
+                self.buckets[i] += 1
+                break
+        else:
+            self.buckets[-1] += 1
 
     def maybe_freeze(self, connections: int) -> bool:
         """Freeze what is alive after a burst of connects; unfreeze after a big shrink."""
@@ -95,13 +112,15 @@ class GcMonitor:
         ordered = sorted(self._ring[:size])
         return ordered[min(size - 1, int(q * size))]
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         return {
             "collections": self.collections,
             "pause_p50_ms": self.percentile_ns(0.50) / 1e6,
             "pause_p99_ms": self.percentile_ns(0.99) / 1e6,
             "pause_max_ms": self.max_ns / 1e6,
             "pause_total_ms": self.total_ns / 1e6,
+            "by_generation": list(self.by_generation),
+            "max_ms_by_generation": [round(n / 1e6, 3) for n in self.max_by_generation],
             "freezes": self.freezes,
             "frozen_objects": gc.get_freeze_count(),
         }

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import logging
 import time
@@ -30,8 +31,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from gateway.gc_monitor import BUCKETS_S
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -77,8 +81,15 @@ class _GatewayCollector(Collector):
         yield counter("security_reloads", "password/ACL file reloads", access.reloads)
         monitor = gw.gc
         yield counter("gc_collections", "garbage collections", monitor.collections)
-        yield counter(
-            "gc_pause_seconds", "time stopped in garbage collection", monitor.total_ns / 1e9
+        cumulative, running = [], 0
+        for bound, n in zip((*BUCKETS_S, float("inf")), monitor.buckets, strict=True):
+            running += n
+            cumulative.append((floatToGoString(bound), running))
+        yield HistogramMetricFamily(
+            "lmqtt_gc_pause_seconds",
+            "garbage collection pauses",
+            buckets=cumulative,
+            sum_value=monitor.total_ns / 1e9,
         )
         yield gauge("gc_pause_max_seconds", "longest GC pause", monitor.max_ns / 1e9)
         for q, label in ((0.5, "p50"), (0.99, "p99")):
@@ -88,6 +99,25 @@ class _GatewayCollector(Collector):
                 monitor.percentile_ns(q) / 1e9,
             )
         yield counter("gc_freezes", "gc.freeze() after connect bursts", monitor.freezes)
+        by_gen = GaugeMetricFamily(
+            "lmqtt_gc_pause_max_by_generation_seconds",
+            "longest GC pause per generation collected",
+            labels=["generation"],
+        )
+        by_gen_count = CounterMetricFamily(
+            "lmqtt_gc_collections_by_generation",
+            "garbage collections per generation",
+            labels=["generation"],
+        )
+        for generation in range(3):
+            by_gen.add_metric([str(generation)], monitor.max_by_generation[generation] / 1e9)
+            by_gen_count.add_metric([str(generation)], monitor.by_generation[generation])
+        yield by_gen
+        yield by_gen_count
+        yield gauge(
+            "gc_frozen_objects", "objects in the permanent generation", gc.get_freeze_count()
+        )
+
         store = getattr(gw, "store", None)
         sessions = getattr(gw, "sessions", None)
         if store is None or sessions is None or store.closed:
