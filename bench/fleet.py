@@ -86,7 +86,8 @@ async def capacity_search(
 
     Returns ``(rate, note)``: note ``""`` when the limit was found, ``"generator-bound"`` when a
     probe said the bench itself was the limit (the rate is a lower bound), ``"ceiling"`` when
-    every rate up to ``ceiling`` held. 0.0 means even ``start`` failed.
+    every rate up to ``ceiling`` held. When ``start`` already fails the bisection runs between
+    0 and ``start``; 0.0 means nothing it tried held.
     """
     good, bad = 0.0, 0.0
     rate = start
