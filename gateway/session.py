@@ -407,9 +407,10 @@ class SessionRegistry:
         return json.dumps(doc, separators=(",", ":")).encode()
 
     async def _serialize_in_steps(self) -> bytes:
-        """`_serialize`, SERIALIZE_STEP sessions per event-loop step (about a millisecond): with 50,000 connected
-        devices the whole document at once held the loop for tens of milliseconds. A session
-        changed after its step is dirty again and goes into the next save."""
+        """`_serialize`, SERIALIZE_STEP sessions per event-loop step (about a millisecond): with
+        50,000 connected devices the whole document at once held the loop for hundreds of
+        milliseconds. A session changed after its step is dirty again and goes into the next
+        save."""
         items = list(self.sessions.items())
         sessions = self.sessions
         parts: list[str] = []
