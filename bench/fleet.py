@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import resource
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.brokers import BrokerProcess
+from bench.brokers import BrokerProcess, BrokerUnavailable
 from bench.realtime import make_normal, make_realtime
 from bench.workers import CpuProbe, RssSampler, Worker, invalid_reason
 
@@ -39,6 +40,7 @@ Metrics = dict[str, Any]
 
 SITE_BACKENDS = 5
 DEVICES_PER_PROCESS = 12_500
+FD_HEADROOM = 200  # the broker's own files, backends, admin
 WARMUP_DELIVERIES = 200
 CAPACITY_P99_MS = 10.0
 CAPACITY_START = 2_500.0
@@ -62,9 +64,11 @@ class PhaseResult:
 
 
 def phase_verdict(offered: float, metrics: Metrics) -> str:
-    """``ok``, ``fail`` (the broker did not keep up) or ``invalid`` (the bench was the limit)."""
-    if invalid_reason(metrics.get("flags", [])) is not None:
-        return "invalid"
+    """``ok``, ``fail`` (the broker did not keep up) or ``invalid: <flag>`` (the generator or
+    the host was the limit: no verdict about the broker)."""
+    reason = invalid_reason(metrics.get("flags", []))
+    if reason is not None:
+        return reason
     if metrics.get("loss_pct", 100.0) > 0 or metrics.get("lost_connections", 0):
         return "fail"
     if metrics.get("publish_per_s", 0.0) < ACHIEVED_SHARE * offered:
@@ -84,8 +88,9 @@ async def capacity_search(
     """Highest rate ``probe`` called ``ok``: doubling from ``start``, then ``refine`` bisection
     steps (rounded to ``step``) between the last ok and the first failing rate.
 
-    Returns ``(rate, note)``: note ``""`` when the limit was found, ``"generator-bound"`` when a
-    probe said the bench itself was the limit (the rate is a lower bound), ``"ceiling"`` when
+    Returns ``(rate, note)``: note ``""`` when the limit was found, the flag (``"generator-bound"``,
+    ``"host-saturated"``) when a probe said ``invalid: <flag>`` (the bench or the host was the
+    limit: the rate is a lower bound), ``"ceiling"`` when
     every rate up to ``ceiling`` held. When ``start`` already fails the bisection runs between
     0 and ``start``; 0.0 means nothing it tried held.
     """
@@ -95,8 +100,8 @@ async def capacity_search(
         if rate > ceiling:
             return good, "ceiling"
         verdict = await probe(rate)
-        if verdict == "invalid":
-            return good, "generator-bound"
+        if verdict.startswith("invalid"):
+            return good, verdict.removeprefix("invalid: ")
         if verdict != "ok":
             bad = rate
             break
@@ -107,8 +112,8 @@ async def capacity_search(
         if mid <= good or mid >= bad:
             break
         verdict = await probe(mid)
-        if verdict == "invalid":
-            return good, "generator-bound"
+        if verdict.startswith("invalid"):
+            return good, verdict.removeprefix("invalid: ")
         if verdict == "ok":
             good = mid
         else:
@@ -322,6 +327,14 @@ async def fleet(
     capacity: bool = True,
     admin_port: int | None = None,
 ) -> Metrics:
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if devices + FD_HEADROOM > limit:
+        # The broker needs a descriptor per device: past the limit a broker refuses or, worse,
+        # leaves connections unanswered in its accept queue.
+        raise BrokerUnavailable(
+            f"open-file limit {limit} too low for {devices} devices (raise the hard limit: root"
+            " with CAP_SYS_RESOURCE, or ulimit -Hn in the shell that starts the bench)"
+        )
     await asyncio.sleep(0.5)
     run = FleetRun(broker, devices, qos, payload)
     run.scheduling(False)

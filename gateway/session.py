@@ -411,14 +411,16 @@ class SessionRegistry:
         50,000 connected devices the whole document at once held the loop for hundreds of
         milliseconds. A session changed after its step is dirty again and goes into the next
         save."""
-        items = list(self.sessions.items())
+        # Values only: items() would make one young tuple per session, and the collector
+        # walks young containers at every collection while the save runs.
+        items = list(self.sessions.values())
         sessions = self.sessions
         parts: list[str] = []
         for i in range(0, len(items), SERIALIZE_STEP):
             chunk = {
-                cid: s.to_json()
-                for cid, s in items[i : i + SERIALIZE_STEP]
-                if (s.persistent or s.connection is not None) and sessions.get(cid) is s
+                s.client_id: s.to_json()
+                for s in items[i : i + SERIALIZE_STEP]
+                if (s.persistent or s.connection is not None) and sessions.get(s.client_id) is s
             }
             if chunk:
                 parts.append(json.dumps(chunk, separators=(",", ":"))[1:-1])

@@ -77,7 +77,9 @@ def test_phase_verdict() -> None:
     assert phase_verdict(10_000, _ok(publish_per_s=9_000)) == "fail"  # offered rate not reached
     assert phase_verdict(10_000, _ok(lost_connections=1)) == "fail"
     # The bench being the limit outranks everything: no verdict about the broker.
-    assert phase_verdict(10_000, _ok(flags=["generator-bound"], p99_ms=50.0)) == "invalid"
+    verdict = phase_verdict(10_000, _ok(flags=["generator-bound"], p99_ms=50.0))
+    assert verdict == "invalid: generator-bound"
+    assert phase_verdict(10_000, _ok(flags=["host-saturated"])) == "invalid: host-saturated"
 
 
 async def _search(limit: float, invalid_from: float = math.inf) -> tuple[float, str, list[float]]:
@@ -86,7 +88,7 @@ async def _search(limit: float, invalid_from: float = math.inf) -> tuple[float, 
     async def probe(rate: float) -> str:
         asked.append(rate)
         if rate >= invalid_from:
-            return "invalid"
+            return "invalid: generator-bound"
         return "ok" if rate <= limit else "fail"
 
     found, note = await capacity_search(probe, start=2_500, ceiling=80_000, refine=2)
