@@ -220,7 +220,7 @@ class Gateway:
             try:
                 await self.sessions.save_if_dirty()
                 self.stats.retained_count = len(self.retained)
-                self.gc.maybe_freeze(len(self.connections))
+                self.gc.tick(len(self.connections), asyncio.get_running_loop().time())
             except Exception:
                 log.exception("housekeeping failed")
 

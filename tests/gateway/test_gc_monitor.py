@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from gateway.gc_monitor import BUCKETS_S, FREEZE_MIN, GcMonitor
+from gateway.gc_monitor import BUCKETS_S, FREEZE_MIN, RECLAIM_S, GcMonitor
 
 
 def test_collections_are_timed_into_the_histogram_and_generations() -> None:
@@ -27,18 +27,18 @@ def test_collections_are_timed_into_the_histogram_and_generations() -> None:
     assert monitor.collections == before
 
 
-def test_freeze_after_a_burst_of_connects_and_unfreeze_after_a_shrink() -> None:
+def test_freeze_each_tick_burst_and_reclaim() -> None:
     monitor = GcMonitor()
     try:
-        assert not monitor.maybe_freeze(FREEZE_MIN - 1)  # too few to bother
-        assert monitor.maybe_freeze(FREEZE_MIN * 10)
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
-        assert not monitor.maybe_freeze(FREEZE_MIN * 10 + 1)  # no new burst
-        assert monitor.maybe_freeze(FREEZE_MIN * 20)
-        assert monitor.freezes == 2
-        assert not monitor.maybe_freeze(FREEZE_MIN * 5)  # shrank below half: handed back
-        assert monitor.unfreezes == 1
+        assert monitor.tick(FREEZE_MIN - 1, now=0.0) == "freeze"  # too few for a burst
+        assert monitor.tick(FREEZE_MIN * 10, now=1.0) == "burst"
+        assert gc.get_freeze_count() > 0
+        assert monitor.tick(FREEZE_MIN * 10 + 1, now=2.0) == "freeze"  # no new burst
+        assert monitor.tick(FREEZE_MIN * 20, now=3.0) == "burst"
+        assert monitor.tick(FREEZE_MIN * 5, now=4.0) == "unfreeze"  # shrank below half
         assert gc.get_freeze_count() == 0
+        assert monitor.tick(FREEZE_MIN * 5, now=5.0) == "freeze"
+        assert monitor.tick(FREEZE_MIN * 5, now=4.0 + RECLAIM_S) == "unfreeze"  # periodic
+        assert (monitor.freezes, monitor.unfreezes) == (5, 2)
     finally:
         gc.unfreeze()
