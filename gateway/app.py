@@ -84,7 +84,7 @@ class Gateway:
         self.arrivals = ArrivalHub(loop)
         self.store.add_listener(self.arrivals)
         self.timers = TimerWheel(loop)
-        self.gc.install()
+        self.gc.start(loop, self.connections.__len__)
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
         for session in self.sessions.load():
@@ -220,7 +220,6 @@ class Gateway:
             try:
                 await self.sessions.save_if_dirty()
                 self.stats.retained_count = len(self.retained)
-                self.gc.tick(len(self.connections), asyncio.get_running_loop().time())
             except Exception:
                 log.exception("housekeeping failed")
 
