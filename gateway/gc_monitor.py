@@ -16,9 +16,12 @@ topics) and generation-1 collections took 15-21 ms.
 So every FREEZE_INTERVAL_S everything alive is frozen (``gc.freeze``: moved to the permanent
 generation, which collections skip; the call is O(1)): a collection only walks what was
 allocated since. Frozen objects that are dropped are still freed by reference counting; only
-garbage in reference cycles waits (the measured gen-2 collections found 0-10 such objects), so
-every RECLAIM_S, and when the fleet has shrunk to below half of what it was, the permanent
-generation is handed back to the collector (``gc.unfreeze``) for one full pass. After a burst
+garbage in reference cycles waits. Cyclic garbage that outlives its first collection is what
+may have been frozen before it died, so when the collections of generations 1 and 2 have found
+RECLAIM_GARBAGE objects since the last reclaim (measured: a few per 10 s of traffic), when the
+fleet has shrunk to below half of what it was, and at the latest every RECLAIM_MAX_S, the
+permanent generation is handed back to the collector (``gc.unfreeze``) for one full pass: the
+one long pause (about a microsecond per live object) this policy keeps, made rare. After a burst
 of connects the young generations are collected before freezing, so that the burst's own
 short-lived cycles are not kept.
 """
@@ -42,7 +45,8 @@ RING = 4096
 BUCKETS_S = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 FREEZE_GROWTH = 1.10
 FREEZE_MIN = 200
-RECLAIM_S = 900.0
+RECLAIM_GARBAGE = 20_000
+RECLAIM_MAX_S = 3600.0
 # How often what is alive is frozen. Traffic keeps per-message objects alive for about a
 # second (caches of the last 4,096 messages at 5,000 msg/s): with a freeze every second, a
 # generation-1 collection at 10,000 devices walked ~24,000 of them (15-21 ms measured); every
@@ -67,6 +71,7 @@ class GcMonitor:
         self._started = 0
         self._frozen_at = 0  # connections at the last burst freeze (or unfreeze)
         self._reclaimed_at: float | None = None  # monotonic time of the last unfreeze
+        self.escaped = 0  # cyclic garbage found by generation 1 and 2 collections since then
         self._installed = False
         self._timer: asyncio.TimerHandle | None = None
 
@@ -111,6 +116,8 @@ class GcMonitor:
         if pause > self.max_ns:
             self.max_ns = pause
         generation = info.get("generation", 2)
+        if generation >= 1:
+            self.escaped += int(info.get("collected", 0))
         if 0 <= generation <= 2:
             self.by_generation[generation] += 1
             if pause > self.max_by_generation[generation]:
@@ -124,15 +131,19 @@ class GcMonitor:
             self.buckets[-1] += 1
 
     def tick(self, connections: int, now: float) -> str:
-        """Every FREEZE_INTERVAL_S: freeze what is alive; every RECLAIM_S, or when the
-        fleet shrank below half of what it was, unfreeze instead (one full collection may then
-        reclaim cyclic garbage that was frozen). Returns what it did: freeze, unfreeze, or
-        burst (a freeze after a burst of connects, with young garbage collected first)."""
+        """Every FREEZE_INTERVAL_S: freeze what is alive; unfreeze instead (one full collection
+        may then reclaim cyclic garbage that was frozen) when RECLAIM_GARBAGE escaped the young
+        collections, when the fleet shrank below half of what it was, or after RECLAIM_MAX_S.
+        Returns what it did: freeze, unfreeze, or burst (a freeze after a burst of connects,
+        with young garbage collected first)."""
         if self._reclaimed_at is None:
             self._reclaimed_at = now
-        if (self._frozen_at and connections < self._frozen_at // 2) or (
-            now - self._reclaimed_at >= RECLAIM_S
+        if (
+            (self._frozen_at and connections < self._frozen_at // 2)
+            or self.escaped >= RECLAIM_GARBAGE
+            or now - self._reclaimed_at >= RECLAIM_MAX_S
         ):
+            self.escaped = 0
             gc.unfreeze()
             self._frozen_at = connections
             self._reclaimed_at = now

@@ -4,7 +4,25 @@ from __future__ import annotations
 
 import gc
 
-from gateway.gc_monitor import BUCKETS_S, FREEZE_MIN, RECLAIM_S, GcMonitor
+from gateway.gc_monitor import BUCKETS_S, FREEZE_MIN, RECLAIM_GARBAGE, RECLAIM_MAX_S, GcMonitor
+
+
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_cyclic_garbage_found_by_older_generations_is_counted() -> None:
+    monitor = GcMonitor()
+    monitor.install()
+    try:
+        gc.collect()
+        for _ in range(100):
+            Cycle()
+        gc.collect(1)
+    finally:
+        monitor.uninstall()
+    assert monitor.escaped >= 100
 
 
 def test_collections_are_timed_into_the_histogram_and_generations() -> None:
@@ -38,7 +56,11 @@ def test_freeze_each_tick_burst_and_reclaim() -> None:
         assert monitor.tick(FREEZE_MIN * 5, now=4.0) == "unfreeze"  # shrank below half
         assert gc.get_freeze_count() == 0
         assert monitor.tick(FREEZE_MIN * 5, now=5.0) == "freeze"
-        assert monitor.tick(FREEZE_MIN * 5, now=4.0 + RECLAIM_S) == "unfreeze"  # periodic
-        assert (monitor.freezes, monitor.unfreezes) == (5, 2)
+        assert monitor.tick(FREEZE_MIN * 5, now=4.0 + RECLAIM_MAX_S) == "unfreeze"  # periodic
+        assert monitor.tick(FREEZE_MIN * 5, now=5.0 + RECLAIM_MAX_S) == "freeze"
+        monitor.escaped = RECLAIM_GARBAGE  # cyclic garbage outlived young collections
+        assert monitor.tick(FREEZE_MIN * 5, now=6.0 + RECLAIM_MAX_S) == "unfreeze"
+        assert monitor.escaped == 0
+        assert (monitor.freezes, monitor.unfreezes) == (6, 3)
     finally:
         gc.unfreeze()
