@@ -90,10 +90,10 @@ def _fmt(value: Any) -> str:
 
 
 def _ratio(a: Any, b: Any, meaningful: bool = True, invalid: str | None = None) -> str:
-    if meaningful and invalid is not None:
-        return invalid
     if not meaningful or not isinstance(a, int | float) or not isinstance(b, int | float) or not b:
         return "-"
+    if invalid is not None:
+        return invalid
     return f"{a / b:.2f}x"
 
 

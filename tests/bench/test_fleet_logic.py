@@ -13,7 +13,7 @@ from bench.fleet import (
     phase_verdict,
 )
 from bench.fleetgen import deliveries_per_message, device_topic
-from bench.report import row_validity
+from bench.report import _ratio, row_validity
 from bench.workers import GENERATOR_SATURATED, CpuProbe, invalid_reason
 
 
@@ -144,3 +144,10 @@ def test_gc_phase_from_two_histogram_scrapes() -> None:
     assert phase["gc_total_ms"] == 200.0
     assert phase["gc_longest_under_ms"] == 50.0
     assert gc_phase({}, after) == {}
+
+
+def test_a_ratio_cell_says_invalid_only_where_there_is_a_ratio() -> None:
+    assert _ratio(2.0, 1.0) == "2.00x"
+    assert _ratio(2.0, 1.0, invalid="invalid: generator-bound") == "invalid: generator-bound"
+    assert _ratio(2.0, None, invalid="invalid: generator-bound") == "-"  # broker not run
+    assert _ratio(2.0, 1.0, meaningful=False, invalid="invalid: host-saturated") == "-"
