@@ -125,7 +125,13 @@ class _GatewayCollector(Collector):
                 f"GC pause {label} over the last collections",
                 monitor.percentile_ns(q) / 1e9,
             )
-        yield counter("gc_freezes", "gc.freeze() after connect bursts", monitor.freezes)
+        yield counter("gc_freezes", "gc.freeze() calls (gateway/gc_monitor.py)", monitor.freezes)
+        yield counter(
+            "gc_unfreezes", "frozen objects handed back to the collector", monitor.unfreezes
+        )
+        yield gauge(
+            "gc_escaped", "cyclic garbage found by older collections since", monitor.escaped
+        )
         by_gen = GaugeMetricFamily(
             "lmqtt_gc_pause_max_by_generation_seconds",
             "longest GC pause per generation collected",
