@@ -32,6 +32,7 @@ class BrokerUnavailable(Exception):
 class BrokerOptions:
     flush: str = "async"  # lmqtt only: "async" or "sync"
     persistence: bool = False  # Mosquitto only: lmqtt always stores, amqtt never does
+    admin: bool = False  # lmqtt only: serve /metrics (GC pause figures) on a free port
 
 
 def free_port() -> int:
@@ -55,6 +56,7 @@ class BrokerProcess:
         self.realtime = realtime
         self.realtime_applied = False
         self.port = free_port()
+        self.admin_port = free_port() if options.admin and name == "lmqtt" else None
         self.process: asyncio.subprocess.Process | None = None
         self.ps: psutil.Process | None = None
 
@@ -68,9 +70,11 @@ class BrokerProcess:
             exe = Path(sys.executable).parent / "lmqtt"
             if not exe.exists():
                 raise BrokerUnavailable("lmqtt console script not installed")
+            admin = ["--admin-port", str(self.admin_port)] if self.admin_port else []
             return [
                 str(exe),
                 "serve",
+                *admin,
                 "--host",
                 "127.0.0.1",
                 "--port",

@@ -10,6 +10,7 @@ from stdout (``ready``, ``progress``, ``result``, ``error``). Roles:
   or at a given rate, with a window of unacknowledged QoS 1 packets; stops after a duration or a
   count, or when the broker goes away (durability), and reports which sequence numbers were
   acknowledged.
+- ``fleet``: many device connections, one paced PUBLISH per write each (bench.fleetgen).
 - ``idle``: N connections that connect and then stay silent (memory per connection, connect rate).
 
 Timestamps are ``time.monotonic()``: CLOCK_MONOTONIC is system-wide on Linux, so the orchestrator
@@ -294,6 +295,18 @@ async def run_sub(spec: dict[str, Any], commands: Commands) -> None:
         if command == "report":
             emit("progress", count=deliveries.count, first=deliveries.first, last=deliveries.last)
             continue
+        if command == "snapshot":
+            # One phase of a repeated measurement (fleet capacity search): the latency of what
+            # arrived since the last snapshot, then a fresh sample list and warm-up.
+            emit(
+                "snapshot",
+                count=deliveries.count,
+                last=deliveries.last,
+                latency_ms=percentiles_ms(deliveries.latencies_ns),
+            )
+            deliveries.latencies_ns = []
+            deliveries.skip_latency = int(spec.get("skip_latency", 0))
+            continue
         break
     for client in clients:
         client.close(graceful=True)
@@ -491,6 +504,10 @@ ROLES = {"sub": run_sub, "pub": run_pub, "idle": run_idle}
 
 async def main_async(spec: dict[str, Any]) -> None:
     commands = await stdin_commands()
+    if spec["role"] == "fleet":
+        from bench.fleetgen import run_fleet  # the fleet module builds on this one
+
+        ROLES["fleet"] = run_fleet
     try:
         await ROLES[spec["role"]](spec, commands)
     except (OSError, TimeoutError, ConnectionError, wire.WireError) as exc:

@@ -110,11 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--all-threads", action="store_true", help="not only the GIL holder")
+    parser.add_argument("--devices", type=int, default=2000, help="fleet: device connections")
+    parser.add_argument("--rate", type=float, default=5000.0, help="fleet: offered msg/s")
     args = parser.parse_args(argv)
     raise_open_files_limit()
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.scenarios:
-        settings = RunSettings(duration=args.duration)
+        settings = RunSettings(
+            duration=args.duration, devices=args.devices, rate=args.rate, capacity=False
+        )
         print(asyncio.run(profile(name, settings, args.out, args.top, not args.all_threads)))
     return 0
 

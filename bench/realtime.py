@@ -49,6 +49,19 @@ def make_realtime(pid: int) -> bool:
     return done
 
 
+def make_normal(pid: int) -> None:
+    """Back to the default policy (SCHED_OTHER) for every thread of ``pid``."""
+    if not hasattr(os, "sched_setscheduler"):
+        return
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+
+
 def is_realtime(pid: int) -> bool:
     try:
         return os.sched_getscheduler(pid) == os.SCHED_FIFO

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from bench.scenarios import SCENARIOS
+from bench.workers import invalid_reason
 
 THROUGHPUT = ("1to1_qos0", "1to1_qos1", "1to100_qos0", "1to100_qos1", "wildcard")
 NAMES = {"lmqtt": "lmqtt", "mosquitto": "Mosquitto", "amqtt": "amqtt"}
@@ -88,9 +89,11 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _ratio(a: Any, b: Any, meaningful: bool = True) -> str:
+def _ratio(a: Any, b: Any, meaningful: bool = True, invalid: str | None = None) -> str:
     if not meaningful or not isinstance(a, int | float) or not isinstance(b, int | float) or not b:
         return "-"
+    if invalid is not None:
+        return invalid
     return f"{a / b:.2f}x"
 
 
@@ -100,6 +103,20 @@ Check = Callable[[dict[str, Any]], str]
 def _get(results: dict[str, Any], scenario: str, broker: str, key: str) -> Any:
     median = results.get(scenario, {}).get(broker, {}).get("median")
     return None if median is None else median.get(key)
+
+
+def row_validity(results: dict[str, Any], scenario: str, a: str, b: str) -> str | None:
+    """Why a ratio between brokers ``a`` and ``b`` in ``scenario`` means nothing, or None.
+
+    A run where a generator process passed GENERATOR_SATURATED of a core, or the host ran out of
+    CPU, measured the bench: its ratio is replaced by the reason.
+    """
+    for broker in (a, b):
+        flags = _get(results, scenario, broker, "flags") or []
+        reason = invalid_reason(list(flags))
+        if reason is not None:
+            return reason
+    return None
 
 
 def target_checks(results: dict[str, Any]) -> dict[tuple[str, str], str]:
@@ -166,11 +183,15 @@ def render_markdown(document: dict[str, Any]) -> str:
         for metric in scenario.metrics:
             values = {b: _get(results, name, b, metric.key) for b in brokers}
             cells = [_fmt(values[b]) for b in brokers]
+            vs_mosquitto = row_validity(results, name, "lmqtt", "mosquitto")
+            vs_amqtt = row_validity(results, name, "lmqtt", "amqtt")
             lines.append(
                 f"| {scenario.title} | {metric.label} ({metric.unit}) | "
                 + " | ".join(cells)
-                + f" | {_ratio(values.get('lmqtt'), values.get('mosquitto'), metric.ratio)}"
-                + f" | {_ratio(values.get('lmqtt'), values.get('amqtt'), metric.ratio)}"
+                + " | "
+                + _ratio(values.get("lmqtt"), values.get("mosquitto"), metric.ratio, vs_mosquitto)
+                + " | "
+                + _ratio(values.get("lmqtt"), values.get("amqtt"), metric.ratio, vs_amqtt)
                 + f" | {verdicts.get((name, metric.key), '')} |"
             )
     lines += [
@@ -239,8 +260,9 @@ How to read the table:
 - deliveries/s counts messages received by all subscribers from the first publish to the last
   delivery; "undelivered at end" is what had not arrived when deliveries had stalled for two
   seconds (or after a drain cap of max(5 s, duration)).
-- Flags: `generator-bound` = a generator process used >= 0.85 of a core, so the broker may be
-  faster than shown; `host-saturated` = both cores busy while the broker was not; `other-load` =
+- Flags: `generator-bound` = a generator process used >= 0.7 of a core, so the broker may be
+  faster than shown (the row prints "invalid: generator-bound" instead of a ratio);
+  `host-saturated` = both cores busy while the broker was not; `other-load` =
   processes outside the benchmark used >= 0.3 core (the machine is shared).
 - Mosquitto runs with `max_queued_messages 0` (no per-client queue limit) so that slow delivery
   is not counted as loss; for durability it runs with `persistence true` and

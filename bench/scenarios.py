@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.brokers import BrokerOptions, BrokerProcess
+from bench.fleet import fleet
 from bench.loadgen import DeliveryBoard
 from bench.workers import CpuProbe, RssSampler, Worker
 
@@ -39,6 +40,9 @@ class RunSettings:
     backlog_seconds: float = 30.0
     idle: int = 10_000
     payload: int = 64
+    devices: int = 2_000  # fleet: device connections
+    rate: float = 5_000.0  # fleet: offered msg/s over the whole fleet
+    capacity: bool = True  # fleet: also search the highest rate sustained
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,6 +457,48 @@ async def durability(broker: BrokerProcess, settings: RunSettings, _: Path) -> M
     }
 
 
+def _fleet(qos: int) -> Callable[[BrokerProcess, RunSettings, Path], Awaitable[Metrics]]:
+    async def run(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
+        return await fleet(
+            broker,
+            devices=settings.devices,
+            rate=settings.rate,
+            duration=settings.duration,
+            qos=qos,
+            payload=settings.payload,
+            capacity=settings.capacity,
+            admin_port=broker.admin_port,
+        )
+
+    return run
+
+
+def _with_admin(broker: str) -> BrokerOptions | None:
+    return BrokerOptions(admin=broker == "lmqtt")
+
+
+FLEET_METRICS = (
+    Metric("connected", "devices connected", "conns", ratio=False),
+    Metric("offered_per_s", "offered", "msg/s", ratio=False),
+    Metric("publish_per_s", "achieved publish rate", "msg/s"),
+    Metric("deliveries_per_s", "deliveries/s", "msg/s"),
+    Metric("p50_ms", "latency p50", "ms", False),
+    Metric("p99_ms", "latency p99", "ms", False),
+    Metric("p999_ms", "latency p99.9", "ms", False),
+    Metric("us_cpu_per_delivery", "broker CPU per delivery", "us", False),
+    Metric("us_cpu_per_publish", "broker CPU per publish", "us", False),
+    Metric("broker_cpu", "broker CPU", "cores", False),
+    Metric("rss_mb", "RSS with the fleet connected", "MB", False),
+    Metric("kib_per_device", "RSS growth per device", "KiB", False),
+    Metric("loss_pct", "undelivered at end", "%", False, ratio=False),
+    Metric("capacity_per_s", "capacity (p99 <= 10 ms, no loss)", "msg/s"),
+    Metric("capacity_note", "capacity, when the search hit a bound", "msg/s", ratio=False),
+    Metric("gc_count", "broker GC collections in the run", "n", False, ratio=False),
+    Metric("gc_over_5ms", "broker GC pauses over 5 ms", "n", False, ratio=False),
+    Metric("gc_longest_under_ms", "broker longest GC pause, at most", "ms", False, ratio=False),
+)
+
+
 M_DELIV = Metric("deliveries_per_s", "deliveries/s", "msg/s")
 M_LOSS = Metric("loss_pct", "undelivered at end", "%", higher_is_better=False, ratio=False)
 M_EFF = Metric("deliveries_per_cpu_s", "deliveries per broker CPU-s", "msg")
@@ -487,13 +533,53 @@ LAT_METRICS = (
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        Scenario("1to1_qos0", "1 -> 1, QoS 0, 64 B", _scenario_fn(one_to_one, 0), THROUGHPUT),
-        Scenario("1to1_qos1", "1 -> 1, QoS 1, 64 B", _scenario_fn(one_to_one, 1), THROUGHPUT),
-        Scenario("1to100_qos0", "1 -> 100, QoS 0", _scenario_fn(one_to_many, 0), THROUGHPUT),
-        Scenario("1to100_qos1", "1 -> 100, QoS 1", _scenario_fn(one_to_many, 1), THROUGHPUT),
+        Scenario(
+            "fleet",
+            "fleet: N devices, 1 QoS 1 msg per write, paced; wildcard backends",
+            _fleet(1),
+            FLEET_METRICS,
+            options=_with_admin,
+            repeated=False,
+            realtime=True,  # the paced phase only (bench.fleet)
+        ),
+        Scenario(
+            "fleet_qos0",
+            "fleet: N devices, 1 QoS 0 msg per write, paced; wildcard backends",
+            _fleet(0),
+            FLEET_METRICS,
+            options=_with_admin,
+            repeated=False,
+            realtime=True,  # the paced phase only (bench.fleet)
+        ),
+        # The floods: one or a few connections pushing as fast as they can, a bridge's load,
+        # not a fleet's (see "fleet" above for that).
+        Scenario(
+            "1to1_qos0",
+            "flood (bridge-shaped, 1 conn each side) 1 -> 1, QoS 0, 64 B",
+            _scenario_fn(one_to_one, 0),
+            THROUGHPUT,
+        ),
+        Scenario(
+            "1to1_qos1",
+            "flood (bridge-shaped, 1 conn each side) 1 -> 1, QoS 1, 64 B",
+            _scenario_fn(one_to_one, 1),
+            THROUGHPUT,
+        ),
+        Scenario(
+            "1to100_qos0",
+            "flood (1 publisher conn) 1 -> 100, QoS 0",
+            _scenario_fn(one_to_many, 0),
+            THROUGHPUT,
+        ),
+        Scenario(
+            "1to100_qos1",
+            "flood (1 publisher conn) 1 -> 100, QoS 1",
+            _scenario_fn(one_to_many, 1),
+            THROUGHPUT,
+        ),
         Scenario(
             "wildcard",
-            "1,000 topics dev/{id}/temp; dev/+/temp, dev/#, exact; QoS 1",
+            "flood (1 publisher conn) 1,000 topics dev/{id}/temp; dev/+/temp, dev/#, exact; QoS 1",
             wildcard,
             THROUGHPUT,
         ),

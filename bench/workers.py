@@ -16,10 +16,23 @@ import psutil
 from bench.brokers import BrokerProcess
 from bench.realtime import make_realtime
 
-# A generator process above this share of one core may have limited the result.
-GENERATOR_SATURATED = 0.85
+# A generator process above this share of one core may have limited the result: its row shows
+# "invalid: generator-bound" instead of a ratio (bench.report).
+GENERATOR_SATURATED = 0.7
 # CPU used by processes outside the benchmark above this many cores means the host was shared.
 OTHER_LOAD_CORES = 0.3
+
+
+# Flags under which a row measured the bench or the host rather than the broker.
+INVALIDATING_FLAGS = ("generator-bound", "host-saturated")
+
+
+def invalid_reason(flags: list[str]) -> str | None:
+    """``"invalid: <flag>"`` when a run's flags say the broker was not what limited it."""
+    for flag in INVALIDATING_FLAGS:
+        if flag in flags:
+            return f"invalid: {flag}"
+    return None
 
 
 class WorkerError(Exception):

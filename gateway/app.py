@@ -20,6 +20,7 @@ from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.embedded import open_storage
+from gateway.gc_monitor import GcMonitor
 from gateway.ingest import IngestBatch
 from gateway.listeners import ExtraListeners
 from gateway.outbound import identifiers, retain_flag
@@ -33,13 +34,13 @@ from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
 from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
 from gateway.storage import EncodedMessage, GetStatus, PutResult, Storage
+from gateway.timers import TimerWheel
 from gateway.will import WillScheduler
 from topicmap import Router, Topic, TopicFilter, parent_topic
 
 log = logging.getLogger("lmqtt.gateway")
 
 HOUSEKEEPING_INTERVAL_S = 1.0
-TIMEOUT_SWEEP_S = 1.0
 STOP_DRAIN_S = 2.0
 # Validated topic names and their parent topics remembered (cleared when full): validating
 # and naming the parent cost more per PUBLISH than the rest of the gateway's put path.
@@ -59,6 +60,7 @@ class Gateway:
         self.replay_pacer = ReplayPacer()  # the loop share replays may use (gateway/replay.py)
         self.shared = SharedSubscriptions(self)
         self.wills = WillScheduler(self._publish_will)
+        self.gc = GcMonitor()  # GC pause figures, gc.freeze after connect bursts
         self.stopping = False
         # Checks the security settings and files now: a bad one stops us before start().
         self.access = AccessControl(settings)
@@ -77,6 +79,7 @@ class Gateway:
         self.arrivals: ArrivalHub
         self.ingest: IngestBatch | None  # None in sync flush mode (see gateway/ingest.py)
         self.overload: OverloadGuard
+        self.timers: TimerWheel  # connect timeouts and keep-alive (gateway/timers.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -89,6 +92,8 @@ class Gateway:
         self.ingest = IngestBatch(loop, self.append_publishes) if s.flush == "async" else None
         self.overload = OverloadGuard(loop)
         self.store.add_listener(self.arrivals)
+        self.timers = TimerWheel(loop)
+        self.gc.start(loop, self.connections.__len__)
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
         clamp = self.store.tail_may_be_lost  # a clean stop saved no position past a queue end
@@ -113,7 +118,7 @@ class Gateway:
         await self.listeners.start()
         self.overload.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
-        self._tasks.append(loop.create_task(self._sweep_timeouts()))
+        self.timers.start()
         self._tasks.append(
             loop.create_task(self.retained.snapshot_periodically(s.retained_snapshot_interval))
         )
@@ -203,6 +208,7 @@ class Gateway:
         self.overload.stop()
         for client in list(self.connections):
             client.close(ReasonCode.SERVER_SHUTTING_DOWN, abnormal=False)
+        await self.timers.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -221,20 +227,8 @@ class Gateway:
             # would race the flusher thread on the checkpoint file).
             self.store.close()
             self._stopped.set()
-        log.info("lmqtt gateway stopped")
-
-    async def _sweep_timeouts(self) -> None:
-        """Connect timeouts and keep-alive for every connection, once a second: one sweep
-        instead of a timer per connection (a timer costs more memory than an idle client)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(TIMEOUT_SWEEP_S)
-            now = loop.time()
-            for client in list(self.connections):
-                try:
-                    client.check_timeouts(now)
-                except Exception:
-                    log.exception("timeout check of %r failed", client.client_id)
+        self.gc.uninstall()
+        log.info("lmqtt gateway stopped; garbage collector: %s", self.gc.summary())
 
     async def _housekeeping(self) -> None:
         while True:
@@ -371,7 +365,8 @@ class Gateway:
         if tf.share_group is not None:
             self.shared.acquire(tf.share_group, tf.filter, queue, resume=False)
         else:
-            self.store.offsets.commit(session.client_id, queue, start)
+            # A clean session's position ends with it: not written at every flush.
+            self.store.offsets.commit(session.client_id, queue, start, durable=session.persistent)
         self.stats.subscriptions += 1
         return sub
 

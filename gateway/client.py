@@ -109,6 +109,7 @@ class ClientConnection:
         "gw",
         "peer",
         "session",
+        "timer_due",
         "transport",
         "username",
         "will",
@@ -143,9 +144,11 @@ class ClientConnection:
         # Where plain publishes read in a transport callback go (async flush mode only).
         self._ingest = gateway.ingest
         self._held = False  # reading stopped by the overload guard (gateway/overload.py)
-        # Connect timeout and keep-alive are checked by the gateway's once-a-second sweep
-        # (check_timeouts), not by a timer per connection.
+        # Connect timeout and keep-alive: one entry in the gateway's timer wheel (on_due),
+        # not a timer per connection; packets only move _last_rx, never the wheel.
         self._opened = self._loop.time()
+        self.timer_due: float | None = None
+        gateway.timers.schedule(self, self._opened + gateway.settings.connect_timeout)
         # The reader task exists only while there are bytes to handle: an idle connection
         # costs no task (memory per connection is what limits how many devices fit).
         self._reader: asyncio.Task[None] | None = None
@@ -371,23 +374,30 @@ class ClientConnection:
         will = self.will if self._abnormal else None
         self.gw.connection_ended(session, will)
 
-    def check_timeouts(self, now: float) -> None:
-        """Close a socket that sent no CONNECT in time, or a client silent for 1.5 x its
-        keep-alive (the server keep-alive when we imposed one)."""
+    def on_due(self, now: float) -> float | None:
+        """Timer wheel: close a socket that sent no CONNECT in time, or a client silent for
+        1.5 x its keep-alive (the server keep-alive when we imposed one); else the next
+        deadline to look again (the wheel's lazy re-check)."""
         if self.closed:
-            return
+            return None
         if self.conn.protocol_level is None:
             timeout = self.gw.settings.connect_timeout
             if now - self._opened >= timeout:
                 log.info("%s: no CONNECT within %.1f s; closing", self.peer, timeout)
                 self.close()
-            return
+                return None
+            return self._opened + timeout
+        if self.session is None:
+            return now + 1.0  # CONNECT still being handled (authentication)
         keep_alive = self.conn.keep_alive_timeout
-        if keep_alive is not None and self.session is not None:
-            idle = now - self._last_rx
-            if idle >= keep_alive:
-                log.info("%r: keep-alive timeout (%.1f s idle); closing", self.client_id, idle)
-                self.close(ReasonCode.KEEP_ALIVE_TIMEOUT)
+        if keep_alive is None:
+            return None
+        idle = now - self._last_rx
+        if idle >= keep_alive:
+            log.info("%r: keep-alive timeout (%.1f s idle); closing", self.client_id, idle)
+            self.close(ReasonCode.KEEP_ALIVE_TIMEOUT)
+            return None
+        return self._last_rx + keep_alive
 
     # -- the reader task ---------------------------------------------------------------------
 
@@ -627,6 +637,9 @@ class ClientConnection:
             [i.packet_id for i in session.inflight.values() if i.pubrel],
         )
         self._last_rx = self._loop.time()
+        keep_alive = self.conn.keep_alive_timeout
+        if keep_alive is not None:
+            gw.timers.schedule(self, self._last_rx + keep_alive)
         if session.subscriptions or session.inflight:
             # A session with nothing to receive gets its loop at its first SUBSCRIBE.
             delivery = self.delivery = DeliveryLoop(gw, session, self)

@@ -555,7 +555,9 @@ class DeliveryLoop:
         committed = sub.committed()
         if committed != sub.last_commit:  # QoS 1 sends behind an unacked one change nothing
             sub.last_commit = committed
-            self.gw.store.offsets.commit(self.session.client_id, sub.queue, committed)
+            self.gw.store.offsets.commit(
+                self.session.client_id, sub.queue, committed, durable=self.session.persistent
+            )
 
     def _commit_acknowledged(self) -> None:
         uncommitted = self._uncommitted

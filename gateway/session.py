@@ -480,8 +480,9 @@ class SessionRegistry:
 
     def positions(self) -> Iterator[tuple[str, int]]:
         """(queue, read position) of every subscription, dormant sessions' included (metrics)."""
-        for session in self.sessions.values():
-            for sub in session.subscriptions.values():
+        # Copies: the metrics census yields to the event loop between steps.
+        for session in list(self.sessions.values()):
+            for sub in list(session.subscriptions.values()):
                 yield sub.queue, sub.next_offset
         for value in list(self._dormant.values()):
             for sd in from_json(value).get("subscriptions", []):

@@ -70,7 +70,9 @@ class CommittedOffsets(Protocol):
     the group of a subscriber's own queue and "$share/<group>" for a shared subscription.
     """
 
-    def commit(self, group: str, queue: str, offset: int) -> None: ...
+    def commit(self, group: str, queue: str, offset: int, *, durable: bool = True) -> None:
+        """`durable=False`: a position that need not survive a restart (a clean session's),
+        kept in memory only unless the key is already durable."""
 
     def get(self, group: str, queue: str) -> int | None: ...
 

@@ -110,29 +110,42 @@ class ConsumerOffsets:
             self._imported = True
             self._changed = {k: v for k, v in legacy.items() if k not in self._offsets}
         self._offsets = legacy | self._offsets
+        # Positions that need not survive a restart (a gateway's clean sessions, which end with
+        # their connection): kept for get()/all() but never written, so that 10,000 devices'
+        # command subscriptions do not each cost a log record per delivery.
+        self._volatile: dict[tuple[str, str], int] = {}
 
-    def commit(self, group: str, queue: str, offset: int) -> None:
+    def commit(self, group: str, queue: str, offset: int, *, durable: bool = True) -> None:
+        """Set the position; ``durable=False``: in memory only (unless already durable)."""
         if offset < 0:
             raise ValueError("offset must be >= 0")
         key = (group, queue)
         with self._lock:
+            if not durable and key not in self._offsets:
+                self._volatile[key] = offset
+                return
             if self._offsets.get(key) != offset:
                 self._offsets[key] = offset
                 self._changed[key] = offset
+            if self._volatile:
+                self._volatile.pop(key, None)
 
     def get(self, group: str, queue: str) -> int | None:
+        key = (group, queue)
         with self._lock:
-            return self._offsets.get((group, queue))
+            found = self._offsets.get(key)
+            return self._volatile.get(key) if found is None else found
 
     def remove(self, group: str, queue: str) -> None:
         key = (group, queue)
         with self._lock:
+            self._volatile.pop(key, None)
             if self._offsets.pop(key, None) is not None:
                 self._changed[key] = None
 
     def all(self) -> dict[tuple[str, str], int]:
         with self._lock:
-            return dict(self._offsets)
+            return {**self._volatile, **self._offsets}
 
     def persist(self) -> bool:
         """Append the changed entries and fsync them; returns whether it wrote."""

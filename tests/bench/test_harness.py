@@ -102,3 +102,24 @@ def test_make_realtime_applies_to_every_thread_or_reports_refusal() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+async def test_fleet_moves_every_device_message_to_every_backend(tmp_path: Path) -> None:
+    """The fleet scenario end to end on a small fleet: every device connects, each message
+    reaches 2 or 3 backends, and the figures the report needs are there (no timing checked)."""
+    from bench.fleet import fleet
+
+    broker = BrokerProcess("amqtt", tmp_path, BrokerOptions())
+    await broker.start()
+    try:
+        metrics = await fleet(broker, devices=60, rate=120.0, duration=1.0, qos=1, capacity=False)
+    finally:
+        await broker.stop()
+    assert metrics["connected"] == 60 and metrics["connect_failures"] == 0
+    assert metrics["published"] == 120
+    # Devices 0..59 in turn, two rounds: sites 0..4 and 50..54 have a third backend.
+    assert metrics["expected"] == 2 * (60 * 2 + 10)
+    assert metrics["delivered"] == metrics["expected"]
+    assert metrics["loss_pct"] == 0.0
+    for key in ("p50_ms", "p99_ms", "p999_ms", "us_cpu_per_publish", "kib_per_device"):
+        assert key in metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import urllib.error
@@ -145,3 +146,15 @@ def test_admin_listener_off_by_default(gateway: GatewayHarness) -> None:
     assert gateway.gw.listeners.admin is None
     assert gateway.settings.admin_port is None
     assert gateway.settings.admin_host == "127.0.0.1"
+
+
+def test_gc_pauses_are_exposed(admin_gateway: GatewayHarness) -> None:
+    # The gateway runs in this process (a thread of the harness): a collection here is one of
+    # its pauses too.
+    before = scrape(admin_gateway)
+    gc.collect()
+    after = scrape(admin_gateway)
+    assert after["lmqtt_gc_pause_seconds_count"] >= before["lmqtt_gc_pause_seconds_count"] + 1
+    assert after["lmqtt_gc_collections_total"] == after["lmqtt_gc_pause_seconds_count"]
+    assert after["lmqtt_gc_pause_seconds_sum"] > 0
+    assert after["lmqtt_gc_pause_max_seconds"] >= after["lmqtt_gc_pause_p50_seconds"] > 0
