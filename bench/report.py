@@ -119,6 +119,32 @@ def row_validity(results: dict[str, Any], scenario: str, a: str, b: str) -> str 
     return None
 
 
+def fleet_checks(
+    results: dict[str, Any], verdict: Callable[[bool | None, str], str]
+) -> dict[tuple[str, str], str]:
+    """Issue 21's targets for lmqtt's fleet row, by the number of devices connected: 10,000
+    and more: p99 <= 5 ms, p99.9 <= 20 ms; 50,000 and more: p99 <= 10 ms; any size: RSS growth
+    per device <= 5 KiB. (The latency targets hold only for a row without an invalid flag.)"""
+    out: dict[tuple[str, str], str] = {}
+    for name in ("fleet", "fleet_qos0"):
+        connected = _get(results, name, "lmqtt", "connected")
+        if connected is None:
+            continue
+        p99 = _get(results, name, "lmqtt", "p99_ms")
+        p999 = _get(results, name, "lmqtt", "p999_ms")
+        if connected >= 50_000 and p99 is not None:
+            out[(name, "p99_ms")] = verdict(p99 <= 10.0, "<=10 ms at 50k")
+        elif connected >= 10_000:
+            if p99 is not None:
+                out[(name, "p99_ms")] = verdict(p99 <= 5.0, "<=5 ms at 10k")
+            if p999 is not None:
+                out[(name, "p999_ms")] = verdict(p999 <= 20.0, "<=20 ms at 10k")
+        kib = _get(results, name, "lmqtt", "kib_per_device")
+        if kib is not None:
+            out[(name, "kib_per_device")] = verdict(kib <= 5.0, "<=5 KiB")
+    return out
+
+
 def target_checks(results: dict[str, Any]) -> dict[tuple[str, str], str]:
     """``(scenario, metric) -> 'target: held / missed'`` for every figure the issue targets."""
     verdicts: dict[tuple[str, str], str] = {}
@@ -150,6 +176,7 @@ def target_checks(results: dict[str, Any]) -> dict[tuple[str, str], str]:
     for key in ("growth_mb_per_million", "anon_growth_mb_per_million"):
         growth = _get(results, "backlog", "lmqtt", key)
         verdicts[("backlog", key)] = verdict(None if growth is None else growth <= 100, "<=100 MB")
+    verdicts.update(fleet_checks(results, verdict))
     lost = _get(results, "durability", "lmqtt", "acked_lost")
     verdicts[("durability", "acked_lost")] = verdict(None if lost is None else lost == 0, "0 lost")
     return verdicts

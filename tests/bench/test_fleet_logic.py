@@ -13,7 +13,7 @@ from bench.fleet import (
     phase_verdict,
 )
 from bench.fleetgen import deliveries_per_message, device_topic
-from bench.report import _ratio, row_validity
+from bench.report import _ratio, row_validity, target_checks
 from bench.workers import GENERATOR_SATURATED, CpuProbe, invalid_reason
 
 
@@ -151,3 +151,19 @@ def test_a_ratio_cell_says_invalid_only_where_there_is_a_ratio() -> None:
     assert _ratio(2.0, 1.0, invalid="invalid: generator-bound") == "invalid: generator-bound"
     assert _ratio(2.0, None, invalid="invalid: generator-bound") == "-"  # broker not run
     assert _ratio(2.0, 1.0, meaningful=False, invalid="invalid: host-saturated") == "-"
+
+
+def test_fleet_targets_follow_the_device_count() -> None:
+    def run(connected: int, p99: float, p999: float, kib: float) -> dict[str, object]:
+        median = {"connected": connected, "p99_ms": p99, "p999_ms": p999, "kib_per_device": kib}
+        return {"fleet": {"lmqtt": {"median": median}}}
+
+    checks = target_checks(run(10_000, 4.0, 25.0, 4.9))
+    assert checks[("fleet", "p99_ms")] == "<=5 ms at 10k: held"
+    assert checks[("fleet", "p999_ms")] == "<=20 ms at 10k: MISSED"
+    assert checks[("fleet", "kib_per_device")] == "<=5 KiB: held"
+    checks = target_checks(run(50_000, 9.0, 99.0, 6.0))
+    assert checks[("fleet", "p99_ms")] == "<=10 ms at 50k: held"
+    assert ("fleet", "p999_ms") not in checks
+    assert checks[("fleet", "kib_per_device")] == "<=5 KiB: MISSED"
+    assert ("fleet", "p99_ms") not in target_checks(run(2_000, 50.0, 99.0, 4.0))
