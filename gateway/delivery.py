@@ -36,13 +36,12 @@ or `next_offset` when none: the highest contiguously acknowledged position.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.outbound import decide, identifiers, retain_flag
 from gateway.protocol import PreparedPublish, Properties, Publish, PubRel, ReasonCode
@@ -74,28 +73,50 @@ _tuple_new = tuple.__new__  # builds a StoredMessage without NamedTuple's Python
 PREPARED_CACHE_SIZE = 4096
 
 
+class Watcher(Protocol):
+    """A reader of light queues: a session's delivery loop, or a shared group."""
+
+    def arrived(self, queue: str) -> None: ...
+
+
 class ArrivalHub:
-    """The store's ArrivalListener: wakes whoever reads a queue when it grows."""
+    """The store's ArrivalListener: wakes whoever reads a queue when it grows.
+
+    Most queues have one reader (a device's own command topic), so a queue maps to its watcher
+    itself, and only to a set of them when a second one comes: a set per device costs 216
+    bytes, a bound-method partial per watch another ~360 (memory per device is what limits
+    how many fit).
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread = threading.get_ident()
-        self._waiters: dict[str, set[Callable[[], None]]] = {}
+        self._waiters: dict[str, Watcher | set[Watcher]] = {}
 
-    def watch(self, queue: str, wake: Callable[[], None]) -> None:
-        self._waiters.setdefault(queue, set()).add(wake)
+    def watch(self, queue: str, watcher: Watcher) -> None:
+        found = self._waiters.get(queue)
+        if found is None:
+            self._waiters[queue] = watcher
+        elif isinstance(found, set):
+            found.add(watcher)
+        elif found is not watcher:
+            self._waiters[queue] = {found, watcher}
 
-    def unwatch(self, queue: str, wake: Callable[[], None]) -> None:
-        waiters = self._waiters.get(queue)
-        if waiters is not None:
-            waiters.discard(wake)
-            if not waiters:
-                del self._waiters[queue]
+    def unwatch(self, queue: str, watcher: Watcher) -> None:
+        found = self._waiters.get(queue)
+        if found is watcher:
+            del self._waiters[queue]
+        elif isinstance(found, set):
+            found.discard(watcher)
+            if len(found) == 1:
+                self._waiters[queue] = next(iter(found))
 
     def watchers(self, queue: str) -> int:
-        """How many delivery loops read `queue` now."""
-        waiters = self._waiters.get(queue)
-        return len(waiters) if waiters is not None else 0
+        """How many delivery loops (or shared groups) read `queue` now."""
+        found = self._waiters.get(queue)
+        if found is None:
+            return 0
+        return len(found) if isinstance(found, set) else 1
 
     def on_arrival(self, queue: str, max_offset: int) -> None:
         if queue not in self._waiters:
@@ -106,8 +127,14 @@ class ArrivalHub:
             self._notify(queue)
 
     def _notify(self, queue: str) -> None:
-        for wake in tuple(self._waiters.get(queue, ())):
-            wake()
+        found = self._waiters.get(queue)
+        if found is None:
+            return
+        if isinstance(found, set):
+            for watcher in tuple(found):
+                watcher.arrived(queue)
+        else:
+            found.arrived(queue)
 
 
 class PreparedCache:
@@ -319,11 +346,10 @@ class DeliveryLoop:
         self._stopped = False
         # Next pass: every queue (_full) or only those the store reported (_ready).
         self._full = False
-        self._ready: set[str] = set()
+        self._ready: dict[str, None] = {}  # an ordered set: 64 bytes empty, a set is 216
         # A pass stopped at a full window or transport: the next acknowledgement looks at all.
         self._behind = False
-        # Queue -> the callback registered with the ArrivalHub for it.
-        self._watched: dict[str, Callable[[], None]] = {}
+        self._watched: list[str] = []  # queues watched with the ArrivalHub (a session has few)
         # Packets of the batch being read, written with one transport.write() at its end.
         self._batch: list[bytes] | None = None
         # Subscriptions whose acknowledged position moved since it was last committed: one
@@ -346,8 +372,8 @@ class DeliveryLoop:
             self._replay_timer.cancel()
             self._replay_timer = None
         self._commit_acknowledged()
-        for q, notice in self._watched.items():
-            self.gw.arrivals.unwatch(q, notice)
+        for q in self._watched:
+            self.gw.arrivals.unwatch(q, self)
         self._watched.clear()
         for group in list(self.groups):
             group.leave(self)
@@ -355,14 +381,14 @@ class DeliveryLoop:
 
     def watch(self, queue: str) -> None:
         if queue not in self._watched:
-            notice = self._watched[queue] = functools.partial(self._arrived, queue)
-            self.gw.arrivals.watch(queue, notice)
+            self._watched.append(queue)
+            self.gw.arrivals.watch(queue, self)
 
     def unwatch(self, queue: str) -> None:
-        notice = self._watched.pop(queue, None)
-        if notice is not None:
-            self.gw.arrivals.unwatch(queue, notice)
-            self._ready.discard(queue)
+        if queue in self._watched:
+            self._watched.remove(queue)
+            self.gw.arrivals.unwatch(queue, self)
+            self._ready.pop(queue, None)
 
     def wake(self) -> None:
         """Schedule a pass over every queue."""
@@ -377,9 +403,9 @@ class DeliveryLoop:
             self._scheduled = True
             self._loop.call_soon(self._step)
 
-    def _arrived(self, queue: str) -> None:
+    def arrived(self, queue: str) -> None:
         """The store's notice: `queue` grew."""
-        self._ready.add(queue)
+        self._ready[queue] = None
         self._schedule()
 
     def capacity(self) -> int:
@@ -415,7 +441,7 @@ class DeliveryLoop:
             subs = list(by_queue.values())
             ready.clear()
         elif ready:
-            self._ready = set()
+            self._ready = {}
             subs = [sub for q in ready if (sub := by_queue.get(q)) is not None]
         else:
             subs = []
@@ -443,7 +469,7 @@ class DeliveryLoop:
                 if self._read(sub):
                     progressed = True
                     if sub.next_offset < end:
-                        self._ready.add(sub.queue)  # batch limit: the rest in the next pass
+                        self._ready[sub.queue] = None  # batch limit: the rest in the next pass
                 elif sub.next_offset < end:
                     self._behind = True
         finally:
@@ -531,7 +557,7 @@ class DeliveryLoop:
             moved = True
         if moved:
             self.gw.sessions.mark_progress()
-            self._ready.add(sub.queue)  # more to replay (paced: see _replay)
+            self._ready[sub.queue] = None  # more to replay (paced: see _replay)
         return moved
 
     def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
@@ -610,7 +636,7 @@ class DeliveryLoop:
             read = owner.read_phys = self._read_position(owner)
         if read > phys or owner.next_offset >= self.gw.store.max_offset(owner.queue):
             return True
-        self._ready.add(sub.queue)
+        self._ready[sub.queue] = None
         return False
 
     def _read_position(self, sub: SubscriptionState) -> int:

@@ -67,7 +67,7 @@ class SharedGroup:
             if self not in member.groups:
                 member.groups.append(self)
         if len(self.members) == 1:
-            self.gw.arrivals.watch(self.queue, self.schedule_pump)
+            self.gw.arrivals.watch(self.queue, self)
         self.schedule_pump()
 
     def leave(self, member: DeliveryLoop) -> None:
@@ -85,7 +85,7 @@ class SharedGroup:
                 del self.pending[off]
                 heapq.heappush(self.returned, off)
         if not self.members:
-            self.gw.arrivals.unwatch(self.queue, self.schedule_pump)
+            self.gw.arrivals.unwatch(self.queue, self)
         self.schedule_pump()
 
     def give_back(self, offset: int) -> None:
@@ -100,6 +100,10 @@ class SharedGroup:
         self.schedule_pump()
 
     # -- pumping -----------------------------------------------------------------------------
+
+    def arrived(self, queue: str) -> None:
+        """The ArrivalHub's notice: the group's queue grew."""
+        self.schedule_pump()
 
     def schedule_pump(self) -> None:
         if not self._scheduled and self.members:

@@ -258,7 +258,7 @@ class Connection:
     def inbound_qos2_ids(self) -> frozenset[int]:
         """Inbound QoS 2 ids whose PUBREL has not arrived yet."""
         ids = self._ids
-        return frozenset(ids.inbound_qos2) if ids is not None else frozenset()
+        return frozenset(ids.inbound_qos2 or ()) if ids is not None else frozenset()
 
     def restore_inbound_qos2(self, packet_ids: Iterable[int]) -> None:
         """A resumed session had these QoS 2 ids received and waiting for PUBREL."""
@@ -391,7 +391,7 @@ class Connection:
         else:
             in_qos1 = ids.inbound_qos1
             out_flight = ids.outbound
-            in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
+            in_flight_others = ids.inbound_in_flight() - len(in_qos1)
         receive_maximum = self.receive_maximum
         # With the default 65535 only a reused id could exceed the quota: no check per packet.
         limited = receive_maximum < 0xFFFF
@@ -524,7 +524,7 @@ class Connection:
             if ids is not None:
                 in_qos1 = ids.inbound_qos1
                 out_flight = ids.outbound
-                in_flight_others = len(ids.inbound_qos2) + len(ids.inbound_released)
+                in_flight_others = ids.inbound_in_flight() - len(in_qos1)
             receive_maximum = self.receive_maximum
             limited = receive_maximum < 0xFFFF
         if off == n:

@@ -31,15 +31,27 @@ class PacketIds:
 
     def __init__(self) -> None:
         self.inbound_qos1: set[int] = set()
-        self.inbound_qos2: set[int] = set()
-        self.inbound_released: set[int] = set()
+        # QoS 2 is rare among devices: its sets (216 bytes each) are made on first use.
+        self.inbound_qos2: set[int] | None = None
+        self.inbound_released: set[int] | None = None
         self.outbound: dict[int, int] = {}
         self._next = 1
 
     # inbound ------------------------------------------------------------------------
 
     def inbound_in_flight(self) -> int:
-        return len(self.inbound_qos1) + len(self.inbound_qos2) + len(self.inbound_released)
+        n = len(self.inbound_qos1)
+        if self.inbound_qos2:
+            n += len(self.inbound_qos2)
+        if self.inbound_released:
+            n += len(self.inbound_released)
+        return n
+
+    def _qos2(self) -> set[int]:
+        ids = self.inbound_qos2
+        if ids is None:
+            ids = self.inbound_qos2 = set()
+        return ids
 
     def publish_received(self, qos: int, packet_id: int, receive_maximum: int) -> bool:
         """Record an inbound QoS 1/2 PUBLISH; True if it is a QoS 2 resend (DUP)."""
@@ -48,10 +60,11 @@ class PacketIds:
                 self._check_quota(receive_maximum)
                 self.inbound_qos1.add(packet_id)
             return False
-        if packet_id in self.inbound_qos2:
+        qos2 = self._qos2()
+        if packet_id in qos2:
             return True
         self._check_quota(receive_maximum)
-        self.inbound_qos2.add(packet_id)
+        qos2.add(packet_id)
         return False
 
     def _check_quota(self, receive_maximum: int) -> None:
@@ -61,19 +74,24 @@ class PacketIds:
             )
 
     def pubrel_received(self, packet_id: int) -> None:
-        self.inbound_qos2.discard(packet_id)
+        if self.inbound_qos2:
+            self.inbound_qos2.discard(packet_id)
+        if self.inbound_released is None:
+            self.inbound_released = set()
         self.inbound_released.add(packet_id)
 
     def puback_sent(self, packet_id: int) -> None:
         self.inbound_qos1.discard(packet_id)
 
     def pubrec_sent(self, packet_id: int, reason_code: int) -> None:
-        if reason_code >= 0x80:
+        if reason_code >= 0x80 and self.inbound_qos2:
             self.inbound_qos2.discard(packet_id)  # refused: the flow ends here
 
     def pubcomp_sent(self, packet_id: int) -> None:
-        self.inbound_released.discard(packet_id)
-        self.inbound_qos2.discard(packet_id)
+        if self.inbound_released:
+            self.inbound_released.discard(packet_id)
+        if self.inbound_qos2:
+            self.inbound_qos2.discard(packet_id)
 
     # outbound -----------------------------------------------------------------------
 
@@ -121,7 +139,9 @@ class PacketIds:
     # resumed sessions ---------------------------------------------------------------
 
     def restore_inbound_qos2(self, packet_ids: Iterable[int]) -> None:
-        self.inbound_qos2.update(packet_ids)
+        ids = list(packet_ids)
+        if ids:
+            self._qos2().update(ids)
 
     def restore_outbound(self, unacknowledged: Iterable[int], released: Iterable[int]) -> None:
         for packet_id in unacknowledged:
