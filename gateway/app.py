@@ -19,6 +19,7 @@ from gateway.access import AccessControl
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
+from gateway.delivery_account import DeliveryAccount
 from gateway.listeners import ExtraListeners
 from gateway.protocol import Publish, Will
 from gateway.records import PublishProperties, RecordedPublish, message_properties
@@ -28,7 +29,7 @@ from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
 from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
 from gateway.will import WillScheduler
-from store import EncodedMessage, GetStatus, MessageStore, PutResult
+from store import AccountWriter, EncodedMessage, GetStatus, MessageStore, PutResult
 from topicmap import Router, Topic, TopicFilter, parent_topic
 
 log = logging.getLogger("lmqtt.gateway")
@@ -70,6 +71,7 @@ class Gateway:
         self.retained: RetainedIndex
         self.sessions: SessionRegistry
         self.arrivals: ArrivalHub
+        self.account: DeliveryAccount
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -82,6 +84,7 @@ class Gateway:
         self.store.add_listener(self.arrivals)
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
+        self.account = DeliveryAccount(AccountWriter(s.data_dir), self.store.max_offset)
         for session in self.sessions.load():
             self._clamp_to_store(session)
             for sub in session.subscriptions.values():
@@ -101,6 +104,11 @@ class Gateway:
         await self.listeners.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
         self._tasks.append(loop.create_task(self._sweep_timeouts()))
+        self._tasks.append(
+            loop.create_task(
+                self.account.run(self.sessions.sessions.values, self.shared.groups.values)
+            )
+        )
         self._tasks.append(
             loop.create_task(self.retained.snapshot_periodically(s.retained_snapshot_interval))
         )
@@ -198,6 +206,7 @@ class Gateway:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
         try:
+            self.account.close(self.sessions.sessions.values(), self.shared.groups.values())
             await self.sessions.close()
             self.retained.close()
         finally:
@@ -368,6 +377,7 @@ class Gateway:
         """Drop one subscription. Its QoS 1/2 deliveries already started stay in flight
         (MQTT-3.10.4-3): each keeps a copy of its message for a resend after a reconnect,
         unless `keep_inflight` is False (the whole session is ending)."""
+        self.account.ended(session, sub)
         session.remove_subscription(sub.topic_filter)
         self.router.remove(sub.topic_filter)
         self._routes.clear()

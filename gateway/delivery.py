@@ -480,6 +480,7 @@ class DeliveryLoop:
         if committed != sub.last_commit:  # QoS 1 sends behind an unacked one change nothing
             sub.last_commit = committed
             self.gw.store.offsets.commit(self.session.client_id, sub.queue, committed)
+            self.gw.account.moved(self.session, sub)
 
     def _commit_acknowledged(self) -> None:
         uncommitted = self._uncommitted

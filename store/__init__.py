@@ -1,6 +1,14 @@
 """Embedded CommitLog store with light message queues (RocketMQ's model, RIP-28 LMQ)."""
 
 from store.config import FlushMode, StoreConfig
+from store.delivery_account import (
+    FLAG_CLEAN,
+    FLAG_CLOSED,
+    FLAG_SHARED,
+    AccountRecord,
+    AccountWriter,
+    read_account,
+)
 from store.errors import (
     CorruptStoreError,
     FlushTimeoutError,
@@ -24,6 +32,11 @@ from store.results import (
 from store.store import EncodedMessage, MessageStore
 
 __all__ = [
+    "FLAG_CLEAN",
+    "FLAG_CLOSED",
+    "FLAG_SHARED",
+    "AccountRecord",
+    "AccountWriter",
     "ArrivalListener",
     "CorruptStoreError",
     "EncodedMessage",
@@ -44,4 +57,5 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StoredMessage",
+    "read_account",
 ]

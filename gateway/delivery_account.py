@@ -1,0 +1,196 @@
+"""The gateway side of the delivery account (format and reader: store.delivery_account).
+
+Every subscription, persistent or clean, and every shared group leaves durable ranges behind:
+what it was sent and what was acknowledged, per light queue, so the fan-out report can count
+deliveries to clean sessions too (they leave no committed offsets once they end).
+
+Cost on the hot path: the delivery loop already commits a subscription's offset once per pass
+when it moved; that commit also calls `moved()`, one dict store. Nothing is encoded or written
+there. Off the hot path:
+  - every `flush_s` the subscriptions that moved are written as one batch (one write() per
+    file), each as its cumulative state (start, acknowledged end, sent end, queue end);
+  - when a subscription ends (unsubscribe, clean session over, expiry) its closing record,
+    carrying the queue end it saw last, joins the next batch;
+  - every `sample_s` every open subscription whose lag changed is written too, online or not,
+    so the report can draw lag over time for a subscriber that stopped acknowledging;
+  - `close()` writes everything at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from store import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, AccountWriter
+
+if TYPE_CHECKING:
+    from gateway.session import Session, SubscriptionState
+    from gateway.shared import SharedGroup
+
+log = logging.getLogger("lmqtt.gateway")
+
+FLUSH_S = 0.5
+SAMPLE_S = 5.0
+
+
+class DeliveryAccount:
+    """Batches subscription progress into the account file (see the module docstring)."""
+
+    def __init__(
+        self,
+        writer: AccountWriter,
+        max_offset: Callable[[str], int],
+        flush_s: float = FLUSH_S,
+        sample_s: float = SAMPLE_S,
+    ) -> None:
+        self._writer = writer
+        self._max_offset = max_offset
+        self.flush_s = flush_s
+        self.sample_s = sample_s
+        self._dirty: dict[int, tuple[Session, SubscriptionState]] = {}
+        self._dirty_groups: dict[int, SharedGroup] = {}
+        self._closed: list[AccountRecord] = []
+        # (subscriber, queue, start) -> (acked, sent, queue end) last written
+        self._last: dict[tuple[str, str, int], tuple[int, int, int]] = {}
+        self._group_qos: dict[tuple[str, str], int] = {}
+
+    # -- hot path ------------------------------------------------------------------------------
+
+    def moved(self, session: Session, sub: SubscriptionState) -> None:
+        """`sub`'s committed offset moved (called from the delivery loop's commit)."""
+        self._dirty[id(sub)] = (session, sub)
+
+    def group_moved(self, group: SharedGroup) -> None:
+        self._dirty_groups[id(group)] = group
+
+    # -- ends ----------------------------------------------------------------------------------
+
+    def ended(self, session: Session, sub: SubscriptionState) -> None:
+        """`sub` is removed from `session` (unsubscribe or session over)."""
+        if sub.share_group is not None:
+            return  # the group's account ends with the group (group_ended)
+        self._dirty.pop(id(sub), None)
+        rec = self._session_record(session, sub, FLAG_CLOSED)
+        self._last.pop((rec.subscriber, rec.queue, rec.start), None)
+        self._closed.append(rec)
+
+    def group_ended(self, group: SharedGroup) -> None:
+        self._dirty_groups.pop(id(group), None)
+        rec = self._group_record(group, FLAG_CLOSED)
+        self._last.pop((rec.subscriber, rec.queue, rec.start), None)
+        self._group_qos.pop((group.consumer, group.queue), None)
+        self._closed.append(rec)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Write what moved and what ended; returns the records written."""
+        records = self._closed
+        self._closed = []
+        dirty, self._dirty = self._dirty, {}
+        groups, self._dirty_groups = self._dirty_groups, {}
+        for session, sub in dirty.values():
+            records.append(self._remember(self._session_record(session, sub, 0)))
+        for group in groups.values():
+            records.append(self._remember(self._group_record(group, 0)))
+        if not records:
+            return 0
+        try:
+            return self._writer.append(records)
+        except OSError as e:
+            log.error("delivery account: cannot write %d records: %s", len(records), e)
+            return 0
+
+    def sample(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> int:
+        """Write every open subscription whose position or queue end changed; then flush."""
+        for session in sessions:
+            for sub in session.subscriptions.values():
+                if sub.share_group is None and id(sub) not in self._dirty:
+                    rec = self._session_record(session, sub, 0)
+                    if self._changed(rec):
+                        self._closed.append(self._remember(rec))
+        for group in groups:
+            if id(group) not in self._dirty_groups:
+                rec = self._group_record(group, 0)
+                if self._changed(rec):
+                    self._closed.append(self._remember(rec))
+        return self.flush()
+
+    async def run(
+        self, sessions: Callable[[], Iterable[Session]], groups: Callable[[], Iterable[SharedGroup]]
+    ) -> None:
+        """Flush every flush_s and sample every sample_s until cancelled."""
+        next_sample = time.monotonic() + self.sample_s
+        while True:
+            await asyncio.sleep(self.flush_s)
+            if time.monotonic() >= next_sample:
+                next_sample = time.monotonic() + self.sample_s
+                self.sample(sessions(), groups())
+            else:
+                self.flush()
+
+    def close(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> None:
+        """Write the final state of every open subscription and close the files. Clean
+        sessions do not outlive the gateway: their subscriptions end here."""
+        try:
+            sessions = list(sessions)
+            for session in sessions:
+                if not session.persistent:
+                    for sub in session.subscriptions.values():
+                        self.ended(session, sub)
+            self.sample([s for s in sessions if s.persistent], groups)
+        finally:
+            self._writer.close()
+
+    # -- records -------------------------------------------------------------------------------
+
+    def _session_record(
+        self, session: Session, sub: SubscriptionState, flags: int
+    ) -> AccountRecord:
+        if not session.persistent:
+            flags |= FLAG_CLEAN
+        return AccountRecord(
+            subscriber=session.client_id,
+            queue=sub.queue,
+            flags=flags,
+            qos=sub.qos,
+            start=sub.start_offset,
+            acked=max(sub.committed(), sub.start_offset),
+            sent=sub.next_offset,
+            queue_end=self._max_offset(sub.queue),
+            time_ms=int(time.time() * 1000),
+        )
+
+    def _group_record(self, group: SharedGroup, flags: int) -> AccountRecord:
+        key = (group.consumer, group.queue)
+        qos = self._group_qos.get(key, 0)
+        for member in group.members:
+            sub = member.session.subscriptions.get(group.subscription)
+            if sub is not None and sub.qos > qos:
+                qos = sub.qos
+        self._group_qos[key] = qos
+        return AccountRecord(
+            subscriber=group.consumer,
+            queue=group.queue,
+            flags=flags | FLAG_SHARED,
+            qos=qos,
+            start=group.start_offset,
+            acked=max(group.committed(), group.start_offset),
+            sent=group.next_offset,
+            queue_end=self._max_offset(group.queue),
+            time_ms=int(time.time() * 1000),
+        )
+
+    def _changed(self, rec: AccountRecord) -> bool:
+        return self._last.get((rec.subscriber, rec.queue, rec.start)) != (
+            rec.acked,
+            rec.sent,
+            rec.queue_end,
+        )
+
+    def _remember(self, rec: AccountRecord) -> AccountRecord:
+        self._last[(rec.subscriber, rec.queue, rec.start)] = (rec.acked, rec.sent, rec.queue_end)
+        return rec
