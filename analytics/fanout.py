@@ -34,7 +34,9 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
 
 from analytics.compaction import COMPACTED_DIR, compacted_segments
 from analytics.datasource import SOURCE_NAME, SPARK_SCHEMA
@@ -60,6 +62,8 @@ from analytics.snapshots import (
     SUBSCRIBERS_SCHEMA,
     QueueEnd,
     Subscriber,
+    open_subscribers,
+    pieces,
     queue_ends,
     queue_ends_table,
     read_committed,
@@ -68,6 +72,8 @@ from analytics.snapshots import (
     subscribers_table,
 )
 from analytics.storeformat import MAGIC
+from analytics.subscribers import lag_rows, subscriber_rows
+from store.delivery_account import read_account
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -96,6 +102,12 @@ class ReportMeta:
     eligible: int
     light_queues: int
     subscribers: int
+    deliveries_acked: int = 0  # of deliveries: acknowledged (QoS 1/2)
+    deliveries_qos0: int = 0  # of deliveries: sent at QoS 0 (nothing to acknowledge)
+    unreached_devices: int = 0  # devices none of whose messages reached a subscriber
+    account_records: int = 0  # delivery account records read
+    # The gateway's own messages ($SYS, client id ""): never counted as a device.
+    gateway: dict[str, int] = field(default_factory=dict)
     segments_read: int = 0  # scanned: the window's segments and the backlog's tail
     window_segments: int = 0  # of which can hold messages in [since, until)
     duration_s: float = 0.0
@@ -190,7 +202,9 @@ def run_fanout(
     compacted_dir = out_dir / COMPACTED_DIR
     done = compacted_segments(compacted_dir, segments)
     n_compacted = len(done)
-    subs = subscribers(read_subscriptions(data_dir), read_committed(data_dir))
+    account = read_account(data_dir)
+    pcs = pieces(data_dir, account=account)
+    subs = open_subscribers(pcs)
     ends = queue_ends(data_dir)
 
     def phase(name: str):  # type: ignore[no-untyped-def]
@@ -219,14 +233,16 @@ def run_fanout(
     ]
     n_read_compacted = sum(1 for src in sources if src.parquet is not None)
     # Only a subscriber holding several queues can be reached twice by one message.
-    queues_per_subscriber: dict[str, int] = {}
-    for sub in subs:
-        queues_per_subscriber[sub.subscriber] = queues_per_subscriber.get(sub.subscriber, 0) + 1
+    queues_of: dict[str, set[str]] = {}
+    for piece in pcs:
+        queues_of.setdefault(piece.subscriber, set()).add(piece.queue)
     plan = ScratchPlan(
         since_ms=since_ms,
         until_ms=until_ms,
-        subscribers=tuple((s.subscriber, s.queue, s.start_offset, s.committed) for s in subs),
-        dedup=any(n > 1 for n in queues_per_subscriber.values()),
+        subscribers=tuple(
+            (p.subscriber, p.queue, p.start, p.end, p.acked, p.qos) for p in pcs if p.end > p.start
+        ),
+        dedup=any(len(q) > 1 for q in queues_of.values()),
         backlog_from=_backlog_from(subs, ends),
     )
     # One parse of each segment, aggregated on the spot into small partials (analytics.scratch);
@@ -260,6 +276,7 @@ def run_fanout(
             .groupBy("client_id", "topic", "window_start", "fanout")
             .agg(
                 F.sum("n").alias("n"),
+                F.sum("r").alias("r"),
                 F.sum("b").alias("b"),
                 F.min("first").alias("first"),
                 F.max("last").alias("last"),
@@ -268,14 +285,18 @@ def run_fanout(
         )
         rcube = (
             reached_parts.withColumn("window_start", bucket)
-            .groupBy("client_id", "topic", "window_start", "subscriber")
-            .agg(F.sum("d").alias("d"), F.sum("e").alias("e"))
+            .groupBy("client_id", "topic", "window_start", "subscriber", "queue")
+            .agg(F.sum("d").alias("d"), F.sum("d0").alias("d0"), F.sum("e").alias("e"))
             .cache()
         )
+        # The gateway's own messages (client id "") are reported on their own line.
+        dev_cube = cube.where(F.col("client_id") != "")
+        dev_rcube = rcube.where(F.col("client_id") != "")
 
         def rollup(keys: list[str], distinct: str, distinct_name: str) -> DataFrame:
-            stats = cube.groupBy(*keys).agg(
+            stats = dev_cube.groupBy(*keys).agg(
                 F.sum("n").alias("messages"),
+                (F.sum("n") - F.sum("r")).alias("messages_unreached"),
                 F.sum("b").alias("bytes"),
                 F.count_distinct(distinct).alias(distinct_name),
                 (F.sum(F.col("n") * F.col("fanout")) / F.sum("n")).alias("fanout_mean"),
@@ -285,16 +306,20 @@ def run_fanout(
                 F.min("first").alias("first_seen"),
                 F.max("last").alias("last_seen"),
             )
-            deliv = rcube.groupBy(*keys).agg(
+            deliv = dev_rcube.groupBy(*keys).agg(
                 F.sum("d").alias("deliveries"),
+                (F.sum("d") - F.sum("d0")).alias("deliveries_acked"),
+                F.sum("d0").alias("deliveries_qos0"),
                 F.sum("e").alias("eligible"),
                 F.count_distinct(F.when(F.col("d") > 0, F.col("subscriber"))).alias(
                     "subscribers_reached"
                 ),
             )
             joined = stats.join(deliv, keys, "left").fillna(
-                0, ["deliveries", "eligible", "subscribers_reached"]
-            )
+                0,
+                ["deliveries", "deliveries_acked", "deliveries_qos0", "eligible",
+                 "subscribers_reached"],
+            )  # fmt: skip
             return joined.withColumn(
                 "delivery_ratio",
                 F.when(F.col("eligible") > 0, F.col("deliveries") / F.col("eligible")),
@@ -303,7 +328,8 @@ def run_fanout(
         device = rollup(["client_id"], "topic", "topics").select(
             "client_id", "messages", "bytes", "topics", "fanout_mean", "fanout_p50",
             "fanout_p99", "fanout_max", "deliveries", "eligible", "delivery_ratio",
-            "subscribers_reached", "first_seen", "last_seen",
+            "subscribers_reached", "first_seen", "last_seen", "messages_unreached",
+            "deliveries_acked", "deliveries_qos0",
         )  # fmt: skip
         with phase("device_fanout"):
             totals = _write(device, staging / "device_fanout")
@@ -311,16 +337,17 @@ def run_fanout(
         topic = rollup(["topic"], "client_id", "devices").select(
             "topic", "messages", "bytes", "devices", "fanout_mean", "fanout_p50", "fanout_p99",
             "fanout_max", "deliveries", "eligible", "delivery_ratio", "subscribers_reached",
-            "first_seen", "last_seen",
+            "first_seen", "last_seen", "messages_unreached", "deliveries_acked",
+            "deliveries_qos0",
         )  # fmt: skip
         with phase("topic_fanout"):
             n_topics = _write(topic, staging / "topic_fanout")
 
         timeline = (
-            cube.groupBy("client_id", "window_start")
+            dev_cube.groupBy("client_id", "window_start")
             .agg(F.sum("n").alias("messages"), F.sum("b").alias("bytes"))
             .join(
-                rcube.groupBy("client_id", "window_start").agg(F.sum("d").alias("deliveries")),
+                dev_rcube.groupBy("client_id", "window_start").agg(F.sum("d").alias("deliveries")),
                 ["client_id", "window_start"],
                 "left",
             )
@@ -338,8 +365,50 @@ def run_fanout(
         with phase("queue_backlog"):
             backlog = _backlog(backlog_parts, subs_df, ends_df, generated_at_ms)
             n_queues = _write(backlog, staging / "queue_backlog")
+
+        with phase("filter_deliveries"):
+            per_filter = rcube.groupBy("queue").agg(
+                F.sum("d").alias("deliveries"),
+                (F.sum("d") - F.sum("d0")).alias("deliveries_acked"),
+                F.sum("d0").alias("deliveries_qos0"),
+                F.sum("e").alias("eligible"),
+                F.count_distinct(F.when(F.col("d") > 0, F.col("subscriber"))).alias(
+                    "subscribers_reached"
+                ),
+            )
+            filter_rows = per_filter.collect()
+            per_subscriber = (
+                rcube.groupBy("subscriber", "queue")
+                .agg(F.sum("d").alias("deliveries"), F.sum("e").alias("eligible"))
+                .collect()
+            )
+            gw = (
+                cube.where(F.col("client_id") == "")
+                .agg(
+                    F.sum("n").alias("messages"),
+                    F.sum("b").alias("bytes"),
+                    F.count_distinct("topic").alias("topics"),
+                )
+                .collect()[0]
+            )
+            gw_deliveries = (
+                rcube.where(F.col("client_id") == "").agg(F.sum("d").alias("d")).collect()[0]
+            )
         cube.unpersist()
         rcube.unpersist()
+        filters = {p.queue: p.filter for p in pcs}
+        _write_arrow(_filter_table(filter_rows, filters, ends), staging / "filter_deliveries")
+        subscribers_tab = subscriber_rows(pcs, ends, account)
+        reached_by = {(r.subscriber, r.queue): (r.deliveries, r.eligible) for r in per_subscriber}
+        subscribers_tab = subscribers_tab.append_column(
+            "deliveries",
+            pa.array([reached_by.get(k, (0, 0))[0] for k in _keys(subscribers_tab)], pa.int64()),
+        ).append_column(
+            "eligible",
+            pa.array([reached_by.get(k, (0, 0))[1] for k in _keys(subscribers_tab)], pa.int64()),
+        )
+        _write_arrow(subscribers_tab, staging / "subscribers")
+        _write_arrow(lag_rows(account, window_s, since_ms, until_ms), staging / "subscriber_lag")
 
         device_totals = (
             spark.read.parquet(str(staging / "device_fanout"))
@@ -348,7 +417,9 @@ def run_fanout(
                 F.sum("messages").alias("messages"),
                 F.sum("bytes").alias("bytes"),
                 F.sum("deliveries").alias("deliveries"),
+                F.sum("deliveries_qos0").alias("deliveries_qos0"),
                 F.sum("eligible").alias("eligible"),
+                F.sum(F.when(F.col("deliveries") == 0, 1).otherwise(0)).alias("unreached"),
             )
             .collect()[0]
         )
@@ -369,7 +440,18 @@ def run_fanout(
             deliveries=int(device_totals.deliveries or 0),
             eligible=int(device_totals.eligible or 0),
             light_queues=int(n_queues),
-            subscribers=len({s.subscriber for s in subs}),
+            subscribers=len({p.subscriber for p in pcs}),
+            deliveries_acked=int(device_totals.deliveries or 0)
+            - int(device_totals.deliveries_qos0 or 0),
+            deliveries_qos0=int(device_totals.deliveries_qos0 or 0),
+            unreached_devices=int(device_totals.unreached or 0),
+            account_records=len(account),
+            gateway={
+                "messages": int(gw.messages or 0),
+                "bytes": int(gw.bytes or 0),
+                "topics": int(gw.topics or 0),
+                "deliveries": int(gw_deliveries.d or 0),
+            },
             duration_s=round(time.monotonic() - started, 3),
         )
         (staging / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
@@ -378,6 +460,56 @@ def run_fanout(
         return meta
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _keys(table: pa.Table) -> list[tuple[str, str]]:
+    return list(zip(table["subscriber"].to_pylist(), table["queue"].to_pylist(), strict=True))
+
+
+def _filter_table(
+    rows: list[Any], filters: dict[str, str | None], ends: list[QueueEnd]
+) -> pa.Table:
+    """filter_deliveries: per light queue, what was delivered through it in the window."""
+    by_queue = {r.queue: r for r in rows}
+    names = dict(filters)
+    for q in queue_ends_table(ends).to_pylist():
+        names.setdefault(q["queue"], q["queue_filter"])
+    out = []
+    for queue in sorted(set(by_queue) | {q for q in names if q.startswith(LIGHT_QUEUE_PREFIX)}):
+        r = by_queue.get(queue)
+        out.append(
+            {
+                "queue": queue,
+                "filter": names.get(queue),
+                "deliveries": int(r.deliveries) if r else 0,
+                "deliveries_acked": int(r.deliveries_acked) if r else 0,
+                "deliveries_qos0": int(r.deliveries_qos0) if r else 0,
+                "eligible": int(r.eligible) if r else 0,
+                "subscribers_reached": int(r.subscribers_reached) if r else 0,
+            }
+        )
+    return pa.Table.from_pylist(out, schema=FILTER_SCHEMA)
+
+
+FILTER_SCHEMA = pa.schema(
+    [
+        ("queue", pa.string()),
+        ("filter", pa.string()),
+        ("deliveries", pa.int64()),
+        ("deliveries_acked", pa.int64()),
+        ("deliveries_qos0", pa.int64()),
+        ("eligible", pa.int64()),
+        ("subscribers_reached", pa.int64()),
+    ]
+)
+
+
+def _write_arrow(table: pa.Table, path: Path) -> None:
+    """Write a small driver-side table as the one Parquet file of its directory."""
+    import pyarrow.parquet as pq
+
+    path.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path / "part-00000.parquet")
 
 
 def _backlog_from(subs: list[Subscriber], ends: list[QueueEnd]) -> tuple[tuple[str, int], ...]:

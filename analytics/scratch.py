@@ -7,9 +7,13 @@ message with its queues, joins the (tiny) subscriber table and aggregates, all i
 kernels, and writes three small Parquet tables that Spark rolls up into every report table:
 
     <scratch>/cube/<segment>.parquet      per (client_id, topic, second, fanout) of the window's
-        messages: n, b (body bytes), first, last (store timestamps)
-    <scratch>/reached/<segment>.parquet   per (client_id, topic, second, subscriber) of the
-        window's messages: d (delivered: committed past it), e (eligible: subscribed before it)
+        messages: n, r (of those, delivered to at least one subscriber), b (body bytes), first,
+        last (store timestamps)
+    <scratch>/reached/<segment>.parquet   per (client_id, topic, second, subscriber, queue) of
+        the window's messages: e (due: in one of the subscriber's pieces, see
+        analytics.snapshots.Piece), d (done: below the piece's acknowledged end), d0 (of d,
+        those delivered at QoS 0: sent, nothing to acknowledge); queue is the one the gateway
+        delivers through (the first by name of the subscriber's queues holding the message)
     <scratch>/backlog/<segment>.parquet   per light queue, whatever the window: max_qoff, and
         of the messages at or after its first undelivered offset: waiting_bytes, oldest
 
@@ -21,7 +25,7 @@ queues) is done per batch. In between, a batch is narrowed to one row per messag
 
     messages  physical_offset, ts, client_id ("" if none), topic (MQTT topic, else the parent
               topic), body_size, fanout (light queues dispatched to)
-    pairs     physical_offset, ts, client_id, topic, body_size, queue, qoff
+    pairs     physical_offset, ts, client_id, topic, body_size, qos, queue, qoff
 
 Queue and offset lists of unequal length (damaged properties) pair up to the shorter one, as
 arrays_zip + a join would drop the rest. Each task also returns its row count and store-time
@@ -65,6 +69,7 @@ PAIRS_SCHEMA = pa.schema(
         ("client_id", pa.string()),
         ("topic", pa.string()),
         ("body_size", pa.int32()),
+        ("qos", pa.int32()),
         ("queue", pa.string()),
         ("qoff", pa.int64()),
     ]
@@ -76,6 +81,7 @@ CUBE_SCHEMA = pa.schema(
         ("sec", pa.int64()),
         ("fanout", pa.int32()),
         ("n", pa.int64()),
+        ("r", pa.int64()),
         ("b", pa.int64()),
         ("first", _TS),
         ("last", _TS),
@@ -87,7 +93,9 @@ REACHED_SCHEMA = pa.schema(
         ("topic", pa.string()),
         ("sec", pa.int64()),
         ("subscriber", pa.string()),
+        ("queue", pa.string()),
         ("d", pa.int64()),
+        ("d0", pa.int64()),
         ("e", pa.int64()),
     ]
 )
@@ -101,10 +109,13 @@ BACKLOG_SCHEMA = pa.schema(
 )
 #: The same columns as Spark DDL, to read the files (or an empty table) with a fixed schema.
 CUBE_DDL = (
-    "client_id string, topic string, sec bigint, fanout int, n bigint, b bigint, "
+    "client_id string, topic string, sec bigint, fanout int, n bigint, r bigint, b bigint, "
     "first timestamp, last timestamp"
 )
-REACHED_DDL = "client_id string, topic string, sec bigint, subscriber string, d bigint, e bigint"
+REACHED_DDL = (
+    "client_id string, topic string, sec bigint, subscriber string, queue string, d bigint, "
+    "d0 bigint, e bigint"
+)
 BACKLOG_DDL = "queue string, max_qoff bigint, waiting_bytes bigint, oldest timestamp"
 CUBE_DIR = "cube"
 REACHED_DIR = "reached"
@@ -138,6 +149,7 @@ def narrow(batch: pa.RecordBatch | pa.Table) -> tuple[pa.Table, pa.Table]:
     client = pc.fill_null(batch.column("client_id"), "")
     topic = pc.coalesce(batch.column("topic"), batch.column("parent_topic"))
     body = batch.column("body_size")
+    qos = pc.fill_null(batch.column("qos"), 0)
     queues = _combined(batch.column("queues"))
     qoffs = _combined(batch.column("queue_offsets"))
     lengths = np.minimum(
@@ -160,6 +172,7 @@ def narrow(batch: pa.RecordBatch | pa.Table) -> tuple[pa.Table, pa.Table]:
             pc.take(client, owner),
             pc.take(topic, owner),
             pc.take(body, owner),
+            pc.take(qos, owner),
             q_flat,
             o_flat,
         ],
@@ -193,8 +206,9 @@ class ScratchPlan:
 
     since_ms: int | None
     until_ms: int | None
-    # (subscriber, queue, start_offset, committed): one row per subscriber and queue
-    subscribers: tuple[tuple[str, str, int, int], ...]
+    # (subscriber, queue, start, end, acked, qos): the pieces of analytics.snapshots; a
+    # message at qoff in [start, end) was due to the subscriber, in [start, acked) done
+    subscribers: tuple[tuple[str, str, int, int, int, int], ...]
     dedup: bool  # some subscriber holds several queues: count it once per message
     backlog_from: tuple[tuple[str, int], ...]  # per subscribed queue: first undelivered offset
 
@@ -240,29 +254,20 @@ def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Ta
     )
     messages = messages.filter(_in_window(messages.column("ts"), plan))
     pairs = pairs.filter(_in_window(pairs.column("ts"), plan))
-    cube = (
-        pa.table(
-            {
-                "client_id": messages.column("client_id"),
-                "topic": messages.column("topic"),
-                "sec": _seconds(messages.column("ts")),
-                "fanout": messages.column("fanout"),
-                "b": pc.cast(messages.column("body_size"), pa.int64()),
-                "ts": messages.column("ts"),
-            }
-        )
-        .group_by(["client_id", "topic", "sec", "fanout"], use_threads=False)
-        .aggregate([("b", "count"), ("b", "sum"), ("ts", "min"), ("ts", "max")])
-        .rename_columns({"b_count": "n", "b_sum": "b", "ts_min": "first", "ts_max": "last"})
-        .select(CUBE_SCHEMA.names)
-        .cast(CUBE_SCHEMA)
-    )
     subs = pa.table(
         [pa.array([row[i] for row in plan.subscribers], t) for i, t in enumerate(_SUB_TYPES)],
-        names=["subscriber", "queue", "start_offset", "committed"],
+        names=["subscriber", "queue", "lo", "hi", "acked", "sub_qos"],
     )
     hit = pairs.join(subs, "queue", join_type="inner", use_threads=False)
-    hit = hit.filter(pc.greater_equal(hit.column("qoff"), hit.column("start_offset")))
+    qoff = hit.column("qoff")
+    hit = hit.filter(
+        pc.and_(pc.greater_equal(qoff, hit.column("lo")), pc.less(qoff, hit.column("hi")))
+    )
+    done = pc.less(hit.column("qoff"), hit.column("acked"))
+    # Delivered QoS = min(publish QoS, subscription QoS): above 0 it was acknowledged.
+    acked_qos = pc.and_(
+        done, pc.and_(pc.greater(hit.column("qos"), 0), pc.greater(hit.column("sub_qos"), 0))
+    )
     reached = pa.table(
         {
             "physical_offset": hit.column("physical_offset"),
@@ -270,29 +275,57 @@ def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Ta
             "topic": hit.column("topic"),
             "sec": _seconds(hit.column("ts")),
             "subscriber": hit.column("subscriber"),
-            "d": pc.cast(pc.less(hit.column("qoff"), hit.column("committed")), pa.int64()),
+            "queue": hit.column("queue"),
+            "d": pc.cast(done, pa.int64()),
+            "dq": pc.cast(acked_qos, pa.int64()),
         }
     )
-    keys = ["client_id", "topic", "sec", "subscriber"]
     if plan.dedup:
-        # A message reaches a subscriber once however many of its queues it holds; a
-        # message lives in one batch, so this is exact per batch.
+        # A message reaches a subscriber once however many of its queues it holds (the
+        # gateway delivers it from the first of them by name); a message lives in one
+        # batch, so this is exact per batch.
         reached = (
-            reached.group_by(["physical_offset", *keys], use_threads=False)
-            .aggregate([("d", "max")])
-            .rename_columns({"d_max": "d"})
+            reached.group_by(
+                ["physical_offset", "client_id", "topic", "sec", "subscriber"], use_threads=False
+            )
+            .aggregate([("d", "max"), ("dq", "max"), ("queue", "min")])
+            .rename_columns({"d_max": "d", "dq_max": "dq", "queue_min": "queue"})
         )
+    # r: messages delivered to at least one subscriber (the rest reached nobody).
+    got = pc.filter(reached.column("physical_offset"), pc.equal(reached.column("d"), 1))
+    was_reached = pc.is_in(messages.column("physical_offset"), value_set=pc.unique(got))
+    cube = (
+        pa.table(
+            {
+                "client_id": messages.column("client_id"),
+                "topic": messages.column("topic"),
+                "sec": _seconds(messages.column("ts")),
+                "fanout": messages.column("fanout"),
+                "r": pc.cast(was_reached, pa.int64()),
+                "b": pc.cast(messages.column("body_size"), pa.int64()),
+                "ts": messages.column("ts"),
+            }
+        )
+        .group_by(["client_id", "topic", "sec", "fanout"], use_threads=False)
+        .aggregate([("b", "count"), ("r", "sum"), ("b", "sum"), ("ts", "min"), ("ts", "max")])
+        .rename_columns(
+            {"b_count": "n", "r_sum": "r", "b_sum": "b", "ts_min": "first", "ts_max": "last"}
+        )
+        .select(CUBE_SCHEMA.names)
+        .cast(CUBE_SCHEMA)
+    )
+    reached = reached.append_column("d0", pc.subtract(reached.column("d"), reached.column("dq")))
     reached = (
-        reached.group_by(keys, use_threads=False)
-        .aggregate([("d", "sum"), ("d", "count")])
-        .rename_columns({"d_sum": "d", "d_count": "e"})
+        reached.group_by(["client_id", "topic", "sec", "subscriber", "queue"], use_threads=False)
+        .aggregate([("d", "sum"), ("d0", "sum"), ("d", "count")])
+        .rename_columns({"d_sum": "d", "d0_sum": "d0", "d_count": "e"})
         .select(REACHED_SCHEMA.names)
         .cast(REACHED_SCHEMA)
     )
     return cube, reached, backlog
 
 
-_SUB_TYPES = (pa.string(), pa.string(), pa.int64(), pa.int64())
+_SUB_TYPES = (pa.string(), pa.string(), pa.int64(), pa.int64(), pa.int64(), pa.int32())
 
 
 def _in_window(ts: pa.ChunkedArray | pa.Array, plan: ScratchPlan) -> pa.Array:
