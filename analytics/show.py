@@ -146,6 +146,7 @@ def render_summary(report: Report, console: Console) -> None:
             f"{m['deliveries_qos0']:,} sent at QoS 0; "
             f"{m.get('unreached_devices', 0):,} devices reached no subscriber",
             highlight=False,
+            soft_wrap=True,
         )
     gw = m.get("gateway") or {}
     if gw.get("messages"):
@@ -154,6 +155,7 @@ def render_summary(report: Report, console: Console) -> None:
             f"{_fmt_bytes(gw.get('bytes'))}, {gw.get('topics', 0):,} topics, "
             f"{gw.get('deliveries', 0):,} deliveries",
             highlight=False,
+            soft_wrap=True,
         )
 
 
@@ -165,7 +167,7 @@ def render_top(report: Report, by: str, n: int, console: Console) -> None:
         )
         for col in ("queue", "filter", "end", "subs", "slowest", "backlog", "bytes", "oldest"):
             if col in ("queue", "filter"):
-                table.add_column(col, overflow="fold")
+                table.add_column(col, overflow="fold", min_width=10)
             else:
                 table.add_column(col, justify="right")
         for r in rows:
@@ -294,13 +296,13 @@ def render_unreached(report: Report, n: int, console: Console) -> None:
 def render_lagging(report: Report, n: int, console: Console) -> None:
     rows = report.lagging().to_pylist()
     table = _table(f"subscribers falling behind ({len(rows):,})",
-                   ("subscriber", "filter", "kind", "online", "lag", "behind since",
-                    "lag over time (max per window)"))  # fmt: skip
+                   ("subscriber", "filter", "kind", "on", "lag", "behind since",
+                    "lag/window"))  # fmt: skip
     for r in rows[:n]:
         history = report.lag_history(r["subscriber"], r["queue"])["lag_max"].to_pylist()
         table.add_row(
-            r["subscriber"], r["filter"] or r["queue"], r["kind"], "yes" if r["online"] else "no",
-            f"{r['lag']:,}", _fmt_ts(r["behind_since"]), _spark(history[-24:]),
+            r["subscriber"], r["filter"] or r["queue"], r["kind"][:5], "yes" if r["online"] else "no",
+            f"{r['lag']:,}", _fmt_ts(r["behind_since"], short=True), _spark(history[-16:]),
         )  # fmt: skip
     console.print(table)
 
@@ -332,7 +334,10 @@ def render_topics(report: Report, n: int, console: Console) -> None:
 def _table(title: str, cols: tuple[str, ...]) -> Table:
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     for i, col in enumerate(cols):
-        table.add_column(col, overflow="fold", justify="left" if i == 0 else "right")
+        if i == 0:
+            table.add_column(col, overflow="fold", min_width=10)
+        else:
+            table.add_column(col, justify="right", no_wrap=True)
     return table
 
 
