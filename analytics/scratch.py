@@ -258,6 +258,8 @@ def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Ta
         [pa.array([row[i] for row in plan.subscribers], t) for i, t in enumerate(_SUB_TYPES)],
         names=["subscriber", "queue", "lo", "hi", "acked", "sub_qos"],
     )
+    if subs.num_rows > len(set(subs.column("queue").to_pylist())):
+        subs = _overlapping(subs, pairs)
     hit = pairs.join(subs, "queue", join_type="inner", use_threads=False)
     qoff = hit.column("qoff")
     hit = hit.filter(
@@ -323,6 +325,18 @@ def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Ta
         .cast(REACHED_SCHEMA)
     )
     return cube, reached, backlog
+
+
+def _overlapping(subs: pa.Table, pairs: pa.Table) -> pa.Table:
+    """The pieces that can hold one of the batch's pairs: a subscriber with many pieces on a
+    queue (clean sessions coming and going) would otherwise multiply the join's rows."""
+    spans = pairs.group_by("queue", use_threads=False).aggregate([("qoff", "min"), ("qoff", "max")])
+    both = subs.join(spans, "queue", join_type="inner", use_threads=False)
+    keep = pc.and_(
+        pc.less_equal(both.column("lo"), both.column("qoff_max")),
+        pc.greater(both.column("hi"), both.column("qoff_min")),
+    )
+    return both.filter(keep).select(subs.column_names)
 
 
 _SUB_TYPES = (pa.string(), pa.string(), pa.int64(), pa.int64(), pa.int64(), pa.int32())

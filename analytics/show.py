@@ -301,8 +301,9 @@ def render_lagging(report: Report, n: int, console: Console) -> None:
     for r in rows[:n]:
         history = report.lag_history(r["subscriber"], r["queue"])["lag_max"].to_pylist()
         table.add_row(
-            r["subscriber"], r["filter"] or r["queue"], r["kind"][:5], "yes" if r["online"] else "no",
-            f"{r['lag']:,}", _fmt_ts(r["behind_since"], short=True), _spark(history[-16:]),
+            r["subscriber"], r["filter"] or r["queue"], r["kind"][:5],
+            "yes" if r["online"] else "no", f"{r['lag']:,}",
+            _fmt_ts(r["behind_since"], short=True), _spark(history[-16:]),
         )  # fmt: skip
     console.print(table)
 

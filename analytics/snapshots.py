@@ -307,6 +307,7 @@ class Piece:
     online: bool
     first_ms: int | None  # first and last account record (None: only in sessions.json)
     last_ms: int | None
+    queue_end: int = 0  # the largest queue end the account saw
 
 
 def pieces(
@@ -398,6 +399,7 @@ def pieces(
                     online=online.get((subscriber, queue), False) and end == OPEN_END,
                     first_ms=st["first"],
                     last_ms=st["last"],
+                    queue_end=int(st["qend"]),
                 )
             )
     return out

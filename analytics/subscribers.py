@@ -66,7 +66,7 @@ def subscriber_rows(
     rows = []
     for p in pieces:
         is_open = p.end == OPEN_END
-        queue_end = max(end_of.get(p.queue, 0), p.acked) if is_open else p.end
+        queue_end = max(end_of.get(p.queue, 0), p.queue_end, p.acked) if is_open else p.end
         lag = max(0, queue_end - p.acked)
         since = None
         recs = sorted(history.get((p.subscriber, p.queue, p.start), ()), key=lambda r: r.time_ms)

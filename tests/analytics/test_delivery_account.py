@@ -61,6 +61,12 @@ def test_every_delivery_counted_clean_sessions_included(spark, tmp_path: Path) -
             ),
             what="the delivery account",
         )
+        # The offline subscriber's lag is sampled every sample_s.
+        wait_until(
+            lambda: any(r.subscriber == "archive" and r.queue_end >= N for r in read_account(data)),
+            timeout=30,
+            what="the offline subscriber's lag sample",
+        )
         # Both subscriptions are still open while this report runs.
         out = tmp_path / "open"
         meta = run_fanout(spark, data, out)

@@ -215,7 +215,10 @@ def test_since_until_restrict_the_messages(spark, world: World, tmp_path: Path) 
     since, until = stamps[len(stamps) // 4], stamps[3 * len(stamps) // 4]
     assert since < until, "the puts must span more than one millisecond"
     meta = run_fanout(spark, world.data_dir, tmp_path, since_ms=since, until_ms=until)
-    assert meta.messages == sum(1 for s in stamps if since <= s < until)
+    assert meta.messages == sum(1 for m in world.device_messages() if since <= m.store_ms < until)
+    assert meta.gateway["messages"] == sum(
+        1 for m in world.messages if not m.client_id and since <= m.store_ms < until
+    )
     assert (meta.since_ms, meta.until_ms) == (since, until)
     # The backlog is the queues' state now, whatever the window.
     backlog = _rows(tmp_path, "queue_backlog", "queue")
