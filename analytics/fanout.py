@@ -3,23 +3,33 @@
 Definitions (the tables' columns; all counts exact):
 
     fanout       light queues (%LMQ%...) a message was dispatched to (INNER_MULTI_DISPATCH)
-    eligible     per message, the subscribers with a subscription on one of its queues that
-                 existed when it arrived (start_offset <= the message's offset in that queue)
-    deliveries   per message, those eligible subscribers whose committed offset is past it
-                 ([start, committed) covers it). A subscriber is a session or a shared group:
-                 a session matching a message through several filters, and a shared group
-                 whatever member took it, count once, as the gateway delivers once.
+    eligible     per message, the subscribers that were subscribed (on one of its queues) when
+                 it arrived and were due it: it falls in one of their pieces [start, end) (see
+                 analytics.snapshots.Piece: the delivery account's ranges of every subscription,
+                 persistent, clean or shared, plus the saved sessions; end is open while
+                 subscribed)
+    deliveries   per message, those eligible subscribers that got it: below the piece's
+                 acknowledged end, i.e. acknowledged at QoS 1/2 (deliveries_acked) or sent at
+                 QoS 0 (deliveries_qos0; delivered QoS = min(publish QoS, subscription QoS)).
+                 A subscriber is a session or a shared group: a session matching a message
+                 through several filters, and a shared group whatever member took it, count
+                 once, as the gateway delivers once. A subscription still open when the report
+                 runs counts up to its last account record (or its committed offset).
+    messages_unreached  messages delivered to nobody
     delivery_ratio = deliveries / eligible
     backlog      per queue: messages in [max(slowest committed, queue min), end), their bytes
                  and the age of the oldest (relative to the report's generated_at)
 
 Tables (Parquet, one directory each under <out>/report/): device_fanout, topic_fanout,
-queue_backlog, timeline, fanout_histogram; plus meta.json. --since/--until restrict the
-messages of every table except queue_backlog, which is always the queues' current state.
+queue_backlog, timeline, fanout_histogram, filter_deliveries, subscribers, subscriber_lag (see
+analytics.subscribers); plus meta.json. Messages of the gateway itself (client id "": $SYS)
+are no device: device_fanout, topic_fanout and timeline leave them out and meta.json's
+"gateway" holds their totals. --since/--until restrict the messages of every table except
+queue_backlog and subscribers, which are the queues' and subscribers' current state.
 
 Plan: one Spark task per segment parses it (or reads its compacted Parquet) and aggregates it
 on the spot with Arrow kernels into small partials (analytics.scratch: per device, topic,
-second and fan-out; per device, topic, second and subscriber; per queue), written as
+second and fan-out; per device, topic, second, subscriber and queue; per queue), written as
 scratch Parquet: no message rows cross from Python into the JVM. Spark rolls those up into
 every table.
 With --since/--until only the segments that can hold the window's messages, plus the
