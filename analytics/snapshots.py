@@ -319,9 +319,11 @@ def pieces(
     """Every subscriber's pieces, from the delivery account and the saved sessions together.
 
     A subscription is keyed by (subscriber, queue, start offset); its newest state wins (the
-    records are cumulative). sessions.json adds what the account has not written yet. A clean
-    subscription the account never closed and sessions.json no longer lists ended with the
-    gateway (a crash): it was due what the queue held at its last record.
+    records are cumulative). A subscriber's keys on one queue are cut into pieces that do not
+    overlap; an acknowledged end past the next key's start (a shared group resumed after a
+    restart at its committed offset) carries over to it. sessions.json adds what the account has
+    not written yet. A clean subscription the account never closed and sessions.json no longer
+    lists ended with the gateway (a crash): it was due what the queue held at its last record.
     """
     subs = read_subscriptions(data_dir) if subscriptions is None else subscriptions
     done = read_committed(data_dir) if committed is None else committed
@@ -372,11 +374,14 @@ def pieces(
     out: list[Piece] = []
     for (subscriber, queue), items in sorted(by_queue.items()):
         items.sort(key=lambda item: item[0])
+        carried = 0  # done offsets are facts about the subscriber, whichever key said so
         for i, (start, st) in enumerate(items):
             end = OPEN_END if st["end"] is None else st["end"]
             if i + 1 < len(items):
                 end = min(end, items[i + 1][0])
             end = max(end, start)
+            st["acked"] = max(st["acked"], carried)
+            carried = max(carried, st["acked"])
             flags = st["flags"]
             kind = (
                 "shared"
