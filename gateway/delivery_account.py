@@ -11,8 +11,9 @@ there. Off the hot path:
     file), each as its cumulative state (start, acknowledged end, sent end, queue end);
   - when a subscription ends (unsubscribe, clean session over, expiry) its closing record,
     carrying the queue end it saw last, joins the next batch;
-  - every `sample_s` every open subscription whose lag changed is written too, online or not,
-    so the report can draw lag over time for a subscriber that stopped acknowledging;
+  - every `sample_s` every open subscription whose queue grew is written too, online or not,
+    so the report can draw lag over time for a subscriber that stopped acknowledging (walked
+    in slices between flushes, remembering one end per queue);
   - `close()` writes everything at shutdown.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from store import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, AccountWriter
@@ -34,6 +35,7 @@ log = logging.getLogger("lmqtt.gateway")
 
 FLUSH_S = 0.5
 SAMPLE_S = 5.0
+SAMPLE_SLICE = 10_000  # subscriptions a sampling cycle looks at per flush
 
 
 class DeliveryAccount:
@@ -52,9 +54,8 @@ class DeliveryAccount:
         self.sample_s = sample_s
         self._dirty: dict[int, tuple[Session, SubscriptionState]] = {}
         self._dirty_groups: dict[int, SharedGroup] = {}
-        self._closed: list[AccountRecord] = []
-        # (subscriber, queue, start) -> (acked, sent, queue end) last written
-        self._last: dict[tuple[str, str, int], tuple[int, int, int]] = {}
+        self._pending: list[AccountRecord] = []  # written by the next flush
+        self._queue_seen: dict[str, int] = {}  # queue -> its end at the last sampling cycle
         self._group_qos: dict[tuple[str, str], int] = {}
 
     # -- hot path ------------------------------------------------------------------------------
@@ -73,29 +74,25 @@ class DeliveryAccount:
         if sub.share_group is not None:
             return  # the group's account ends with the group (group_ended)
         self._dirty.pop(id(sub), None)
-        rec = self._session_record(session, sub, FLAG_CLOSED)
-        self._last.pop((rec.subscriber, rec.queue, rec.start), None)
-        self._closed.append(rec)
+        self._pending.append(self._session_record(session, sub, FLAG_CLOSED))
 
     def group_ended(self, group: SharedGroup) -> None:
         self._dirty_groups.pop(id(group), None)
-        rec = self._group_record(group, FLAG_CLOSED)
-        self._last.pop((rec.subscriber, rec.queue, rec.start), None)
+        self._pending.append(self._group_record(group, FLAG_CLOSED))
         self._group_qos.pop((group.consumer, group.queue), None)
-        self._closed.append(rec)
 
     # -- writing -------------------------------------------------------------------------------
 
     def flush(self) -> int:
         """Write what moved and what ended; returns the records written."""
-        records = self._closed
-        self._closed = []
+        records = self._pending
+        self._pending = []
         dirty, self._dirty = self._dirty, {}
         groups, self._dirty_groups = self._dirty_groups, {}
         for session, sub in dirty.values():
-            records.append(self._remember(self._session_record(session, sub, 0)))
+            records.append(self._session_record(session, sub, 0))
         for group in groups.values():
-            records.append(self._remember(self._group_record(group, 0)))
+            records.append(self._group_record(group, 0))
         if not records:
             return 0
         try:
@@ -105,32 +102,26 @@ class DeliveryAccount:
             return 0
 
     def sample(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> int:
-        """Write every open subscription whose position or queue end changed; then flush."""
-        for session in sessions:
-            for sub in session.subscriptions.values():
-                if sub.share_group is None and id(sub) not in self._dirty:
-                    rec = self._session_record(session, sub, 0)
-                    if self._changed(rec):
-                        self._closed.append(self._remember(rec))
-        for group in groups:
-            if id(group) not in self._dirty_groups:
-                rec = self._group_record(group, 0)
-                if self._changed(rec):
-                    self._closed.append(self._remember(rec))
+        """One whole sampling cycle at once (see `_cycle`), then flush."""
+        for _ in self._cycle(list(sessions), list(groups)):
+            pass
         return self.flush()
 
     async def run(
         self, sessions: Callable[[], Iterable[Session]], groups: Callable[[], Iterable[SharedGroup]]
     ) -> None:
-        """Flush every flush_s and sample every sample_s until cancelled."""
-        next_sample = time.monotonic() + self.sample_s
+        """Flush every flush_s; every sample_s start a sampling cycle, walked SAMPLE_SLICE
+        subscriptions per flush (a million offline sessions must not stall the loop)."""
+        cycle: Iterator[None] | None = None
+        next_cycle = time.monotonic() + self.sample_s
         while True:
             await asyncio.sleep(self.flush_s)
-            if time.monotonic() >= next_sample:
-                next_sample = time.monotonic() + self.sample_s
-                self.sample(sessions(), groups())
-            else:
-                self.flush()
+            if cycle is None and time.monotonic() >= next_cycle:
+                next_cycle = time.monotonic() + self.sample_s
+                cycle = self._cycle(list(sessions()), list(groups()))
+            if cycle is not None and not _advance(cycle, SAMPLE_SLICE):
+                cycle = None
+            self.flush()
 
     def close(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> None:
         """Write the final state of every open subscription and close the files. Clean
@@ -144,6 +135,35 @@ class DeliveryAccount:
             self.sample([s for s in sessions if s.persistent], groups)
         finally:
             self._writer.close()
+
+    def _cycle(self, sessions: list[Session], groups: list[SharedGroup]) -> Iterator[None]:
+        """Queue a record for every subscription not written since its queue grew: its queue's
+        end differs from the previous cycle's (on a first look: it owes messages). Memory is
+        one int per queue, not per subscription. Yields once per subscription looked at."""
+        before = self._queue_seen
+        now: dict[str, int] = {}
+
+        def grew(queue: str, done: int) -> bool:
+            end = now.get(queue)
+            if end is None:
+                end = now[queue] = self._max_offset(queue)
+            last = before.get(queue)
+            return end != last and (last is not None or end > done)
+
+        for session in sessions:
+            for sub in list(session.subscriptions.values()):
+                if (
+                    sub.share_group is None
+                    and id(sub) not in self._dirty
+                    and grew(sub.queue, sub.committed())
+                ):
+                    self._pending.append(self._session_record(session, sub, 0))
+                yield
+        for group in groups:
+            if id(group) not in self._dirty_groups and grew(group.queue, group.committed()):
+                self._pending.append(self._group_record(group, 0))
+            yield
+        self._queue_seen = now
 
     # -- records -------------------------------------------------------------------------------
 
@@ -184,13 +204,10 @@ class DeliveryAccount:
             time_ms=int(time.time() * 1000),
         )
 
-    def _changed(self, rec: AccountRecord) -> bool:
-        return self._last.get((rec.subscriber, rec.queue, rec.start)) != (
-            rec.acked,
-            rec.sent,
-            rec.queue_end,
-        )
 
-    def _remember(self, rec: AccountRecord) -> AccountRecord:
-        self._last[(rec.subscriber, rec.queue, rec.start)] = (rec.acked, rec.sent, rec.queue_end)
-        return rec
+def _advance(cycle: Iterator[None], n: int) -> bool:
+    """Walk up to n steps of `cycle`; False once it is exhausted."""
+    return all(next(cycle, _DONE) is not _DONE for _ in range(n))
+
+
+_DONE = object()
