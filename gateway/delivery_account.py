@@ -35,7 +35,8 @@ log = logging.getLogger("lmqtt.gateway")
 
 FLUSH_S = 0.5
 SAMPLE_S = 5.0
-SAMPLE_SLICE = 10_000  # subscriptions a sampling cycle looks at per flush
+SAMPLE_SLICE = 10_000  # subscriptions a sampling cycle looks at per flush, at most
+SAMPLE_WRITES = 1_000  # records it adds per flush, at most (~10 ms of work)
 
 
 class DeliveryAccount:
@@ -112,14 +113,14 @@ class DeliveryAccount:
     ) -> None:
         """Flush every flush_s; every sample_s start a sampling cycle, walked SAMPLE_SLICE
         subscriptions per flush (a million offline sessions must not stall the loop)."""
-        cycle: Iterator[None] | None = None
+        cycle: Iterator[bool] | None = None
         next_cycle = time.monotonic() + self.sample_s
         while True:
             await asyncio.sleep(self.flush_s)
             if cycle is None and time.monotonic() >= next_cycle:
                 next_cycle = time.monotonic() + self.sample_s
                 cycle = self._cycle(list(sessions()), list(groups()))
-            if cycle is not None and not _advance(cycle, SAMPLE_SLICE):
+            if cycle is not None and not _advance(cycle, SAMPLE_SLICE, SAMPLE_WRITES):
                 cycle = None
             self.flush()
 
@@ -136,10 +137,11 @@ class DeliveryAccount:
         finally:
             self._writer.close()
 
-    def _cycle(self, sessions: list[Session], groups: list[SharedGroup]) -> Iterator[None]:
+    def _cycle(self, sessions: list[Session], groups: list[SharedGroup]) -> Iterator[bool]:
         """Queue a record for every subscription not written since its queue grew: its queue's
         end differs from the previous cycle's (on a first look: it owes messages). Memory is
-        one int per queue, not per subscription. Yields once per subscription looked at."""
+        one int per queue, not per subscription. Yields once per subscription looked at: whether it
+        queued a record."""
         before = self._queue_seen
         now: dict[str, int] = {}
 
@@ -158,11 +160,15 @@ class DeliveryAccount:
                     and grew(sub.queue, sub.committed())
                 ):
                     self._pending.append(self._session_record(session, sub, 0))
-                yield
+                    yield True
+                else:
+                    yield False
         for group in groups:
             if id(group) not in self._dirty_groups and grew(group.queue, group.committed()):
                 self._pending.append(self._group_record(group, 0))
-            yield
+                yield True
+            else:
+                yield False
         self._queue_seen = now
 
     # -- records -------------------------------------------------------------------------------
@@ -205,9 +211,18 @@ class DeliveryAccount:
         )
 
 
-def _advance(cycle: Iterator[None], n: int) -> bool:
-    """Walk up to n steps of `cycle`; False once it is exhausted."""
-    return all(next(cycle, _DONE) is not _DONE for _ in range(n))
+def _advance(cycle: Iterator[bool], looks: int, writes: int) -> bool:
+    """Walk `cycle` for up to `looks` subscriptions or `writes` records; False once it is
+    exhausted."""
+    for _ in range(looks):
+        wrote = next(cycle, _DONE)
+        if wrote is _DONE:
+            return False
+        if wrote:
+            writes -= 1
+            if writes <= 0:
+                break
+    return True
 
 
 _DONE = object()

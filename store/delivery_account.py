@@ -61,10 +61,12 @@ RANGES_FILE: Final = "ranges"
 MAGIC: Final = 0x4C444131
 RECORD: Final = struct.Struct(">IBBHIIqqqqqII")
 RECORD_SIZE: Final = RECORD.size  # 64
-CRC_SPAN: Final = 56  # bytes covered by the record's CRC
+RECORD_HEAD: Final = struct.Struct(">IBBHIIqqqqq")  # the fields the CRC covers
+CRC_SPAN: Final = RECORD_HEAD.size  # 56
 NAME_HEAD: Final = struct.Struct(">IH")
 NAME_CRC: Final = struct.Struct(">I")
 
+_TAIL: Final = struct.Struct(">II")  # CRC, reserved
 FLAG_CLEAN: Final = 1
 FLAG_SHARED: Final = 2
 FLAG_CLOSED: Final = 4
@@ -89,11 +91,10 @@ class AccountRecord:
 
 def encode_record(flags: int, qos: int, subscriber_id: int, queue_id: int, start: int,
                   acked: int, sent: int, queue_end: int, time_ms: int) -> bytes:  # fmt: skip
-    head = RECORD.pack(
-        MAGIC, flags, qos, 0, subscriber_id, queue_id, start, acked, sent, queue_end, time_ms, 0, 0
+    head = RECORD_HEAD.pack(
+        MAGIC, flags, qos, 0, subscriber_id, queue_id, start, acked, sent, queue_end, time_ms
     )
-    crc = zlib.crc32(head[:CRC_SPAN])
-    return head[:CRC_SPAN] + NAME_CRC.pack(crc) + b"\0\0\0\0"
+    return head + _TAIL.pack(zlib.crc32(head), 0)
 
 
 def encode_name(name_id: int, name: str) -> bytes:
