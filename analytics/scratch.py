@@ -34,6 +34,7 @@ range, so the driver sizes the timeline without another job.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -254,48 +255,25 @@ def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Ta
     )
     messages = messages.filter(_in_window(messages.column("ts"), plan))
     pairs = pairs.filter(_in_window(pairs.column("ts"), plan))
-    subs = pa.table(
-        [pa.array([row[i] for row in plan.subscribers], t) for i, t in enumerate(_SUB_TYPES)],
-        names=["subscriber", "queue", "lo", "hi", "acked", "sub_qos"],
-    )
-    if subs.num_rows > len(set(subs.column("queue").to_pylist())):
-        subs = _overlapping(subs, pairs)
-    hit = pairs.join(subs, "queue", join_type="inner", use_threads=False)
-    qoff = hit.column("qoff")
-    hit = hit.filter(
-        pc.and_(pc.greater_equal(qoff, hit.column("lo")), pc.less(qoff, hit.column("hi")))
-    )
-    done = pc.less(hit.column("qoff"), hit.column("acked"))
-    # Delivered QoS = min(publish QoS, subscription QoS): above 0 it was acknowledged.
-    acked_qos = pc.and_(
-        done, pc.and_(pc.greater(hit.column("qos"), 0), pc.greater(hit.column("sub_qos"), 0))
-    )
-    reached = pa.table(
-        {
-            "physical_offset": hit.column("physical_offset"),
-            "client_id": hit.column("client_id"),
-            "topic": hit.column("topic"),
-            "sec": _seconds(hit.column("ts")),
-            "subscriber": hit.column("subscriber"),
-            "queue": hit.column("queue"),
-            "d": pc.cast(done, pa.int64()),
-            "dq": pc.cast(acked_qos, pa.int64()),
-        }
-    )
+    pieces = _pieces(plan.subscribers)
+    reached = _match(pairs, pieces)
     if plan.dedup:
         # A message reaches a subscriber once however many of its queues it holds (the
-        # gateway delivers it from the first of them by name); a message lives in one
-        # batch, so this is exact per batch.
+        # gateway delivers it from the first of them by name: queue ids follow name order);
+        # a message lives in one batch, so this is exact per batch.
         reached = (
             reached.group_by(
-                ["physical_offset", "client_id", "topic", "sec", "subscriber"], use_threads=False
+                ["physical_offset", "client_id", "topic", "sec", "sub"], use_threads=False
             )
-            .aggregate([("d", "max"), ("dq", "max"), ("queue", "min")])
-            .rename_columns({"d_max": "d", "dq_max": "dq", "queue_min": "queue"})
+            .aggregate([("d", "max"), ("dq", "max"), ("qid", "min")])
+            .rename_columns({"d_max": "d", "dq_max": "dq", "qid_min": "qid"})
         )
     # r: messages delivered to at least one subscriber (the rest reached nobody).
-    got = pc.filter(reached.column("physical_offset"), pc.equal(reached.column("d"), 1))
-    was_reached = pc.is_in(messages.column("physical_offset"), value_set=pc.unique(got))
+    # A batch's messages are in log order: their physical offsets are sorted.
+    got = _np(reached.column("physical_offset"))[_np(reached.column("d")) == 1]
+    msg_phys = _np(messages.column("physical_offset"))
+    was_reached = np.zeros(len(msg_phys), dtype=np.int64)
+    was_reached[np.searchsorted(msg_phys, got)] = 1
     cube = (
         pa.table(
             {
@@ -303,7 +281,7 @@ def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Ta
                 "topic": messages.column("topic"),
                 "sec": _seconds(messages.column("ts")),
                 "fanout": messages.column("fanout"),
-                "r": pc.cast(was_reached, pa.int64()),
+                "r": pa.array(was_reached),
                 "b": pc.cast(messages.column("body_size"), pa.int64()),
                 "ts": messages.column("ts"),
             }
@@ -318,28 +296,105 @@ def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Ta
     )
     reached = reached.append_column("d0", pc.subtract(reached.column("d"), reached.column("dq")))
     reached = (
-        reached.group_by(["client_id", "topic", "sec", "subscriber", "queue"], use_threads=False)
+        reached.group_by(["client_id", "topic", "sec", "sub", "qid"], use_threads=False)
         .aggregate([("d", "sum"), ("d0", "sum"), ("d", "count")])
         .rename_columns({"d_sum": "d", "d0_sum": "d0", "d_count": "e"})
+    )
+    reached = (
+        reached.append_column("subscriber", pc.take(pieces.subscriber_names, reached["sub"]))
+        .append_column("queue", pc.take(pieces.queue_names, reached["qid"]))
         .select(REACHED_SCHEMA.names)
         .cast(REACHED_SCHEMA)
     )
     return cube, reached, backlog
 
 
-def _overlapping(subs: pa.Table, pairs: pa.Table) -> pa.Table:
-    """The pieces that can hold one of the batch's pairs: a subscriber with many pieces on a
-    queue (clean sessions coming and going) would otherwise multiply the join's rows."""
-    spans = pairs.group_by("queue", use_threads=False).aggregate([("qoff", "min"), ("qoff", "max")])
-    both = subs.join(spans, "queue", join_type="inner", use_threads=False)
-    keep = pc.and_(
-        pc.less_equal(both.column("lo"), both.column("qoff_max")),
-        pc.greater(both.column("hi"), both.column("qoff_min")),
+@dataclass(frozen=True)
+class _Pieces:
+    """The plan's pieces as arrays, sorted by queue id (queue ids follow name order)."""
+
+    queue_names: pa.Array
+    subscriber_names: pa.Array
+    first: np.ndarray  # per queue id: index of its first piece
+    count: np.ndarray  # per queue id: how many pieces
+    sub: np.ndarray  # per piece: subscriber id
+    qid: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    acked: np.ndarray
+    qos: np.ndarray
+
+
+@functools.lru_cache(maxsize=4)
+def _pieces(rows: tuple[tuple[str, str, int, int, int, int], ...]) -> _Pieces:
+    queues = sorted({r[1] for r in rows})
+    subs = sorted({r[0] for r in rows})
+    q_id = {q: i for i, q in enumerate(queues)}
+    s_id = {name: i for i, name in enumerate(subs)}
+    ordered = sorted(rows, key=lambda r: (q_id[r[1]], r[2]))
+    qid = np.array([q_id[r[1]] for r in ordered], dtype=np.int64)
+    count = np.bincount(qid, minlength=len(queues)).astype(np.int64)
+    return _Pieces(
+        queue_names=pa.array(queues, pa.string()),
+        subscriber_names=pa.array(subs, pa.string()),
+        first=np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64),
+        count=count,
+        sub=np.array([s_id[r[0]] for r in ordered], dtype=np.int64),
+        qid=qid,
+        lo=np.array([r[2] for r in ordered], dtype=np.int64),
+        hi=np.array([r[3] for r in ordered], dtype=np.int64),
+        acked=np.array([r[4] for r in ordered], dtype=np.int64),
+        qos=np.array([r[5] for r in ordered], dtype=np.int64),
     )
-    return both.filter(keep).select(subs.column_names)
 
 
-_SUB_TYPES = (pa.string(), pa.string(), pa.int64(), pa.int64(), pa.int64(), pa.int32())
+def _match(pairs: pa.Table, pieces: _Pieces) -> pa.Table:
+    """Every (pair, piece) with the pair's queue offset in [lo, hi): one row per subscriber
+    a message was due to through one of its queues; d = done (below acked), dq = done at a
+    QoS above 0 (acknowledged). A join done with numpy on queue ids: the pieces are few, the
+    pairs many, and hashing their queue names once is all the string work."""
+    n = pairs.num_rows
+    if n == 0 or len(pieces.queue_names) == 0:
+        ids = np.zeros(0, dtype=np.int64)
+        pair_at = piece_at = ids
+    else:
+        qid = pc.index_in(pairs.column("queue"), value_set=pieces.queue_names)
+        qid_np = pc.fill_null(qid, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        known = qid_np >= 0
+        safe = np.where(known, qid_np, 0)
+        per_pair = np.where(known, pieces.count[safe], 0)
+        pair_at = np.repeat(np.arange(n, dtype=np.int64), per_pair)
+        step = np.arange(len(pair_at), dtype=np.int64) - np.repeat(
+            np.cumsum(per_pair) - per_pair, per_pair
+        )
+        piece_at = pieces.first[safe[pair_at]] + step
+        qoff = _np(pairs.column("qoff"))[pair_at]
+        inside = (qoff >= pieces.lo[piece_at]) & (qoff < pieces.hi[piece_at])
+        pair_at, piece_at = pair_at[inside], piece_at[inside]
+    qoff = _np(pairs.column("qoff"))[pair_at] if n else np.zeros(0, dtype=np.int64)
+    done = qoff < pieces.acked[piece_at]
+    msg_qos = _np(pairs.column("qos"))[pair_at] if n else np.zeros(0, dtype=np.int64)
+    # Delivered QoS = min(publish QoS, subscription QoS): above 0 it was acknowledged.
+    acked = done & (msg_qos > 0) & (pieces.qos[piece_at] > 0)
+    take = pa.array(pair_at)
+    return pa.table(
+        {
+            "physical_offset": pc.take(pairs.column("physical_offset"), take),
+            "client_id": pc.take(pairs.column("client_id"), take),
+            "topic": pc.take(pairs.column("topic"), take),
+            "sec": _seconds(pc.take(pairs.column("ts"), take)),
+            "sub": pa.array(pieces.sub[piece_at]),
+            "qid": pa.array(pieces.qid[piece_at]),
+            "d": pa.array(done.astype(np.int64)),
+            "dq": pa.array(acked.astype(np.int64)),
+        }
+    )
+
+
+def _np(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    return column.to_numpy(zero_copy_only=False)
 
 
 def _in_window(ts: pa.ChunkedArray | pa.Array, plan: ScratchPlan) -> pa.Array:
