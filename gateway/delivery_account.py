@@ -7,10 +7,11 @@ deliveries to clean sessions too (they leave no committed offsets once they end)
 Cost on the hot path: the delivery loop already commits a subscription's offset once per pass
 when it moved; that commit also calls `moved()`, one dict store. Nothing is encoded or written
 there. Off the hot path:
-  - every `flush_s` the subscriptions that moved are written as one batch (one write() per
-    file), each as its cumulative state (start, acknowledged end, sent end, queue end);
+  - every `record_s` the subscriptions that moved are written as one batch (one write() per
+    file), each as its cumulative state (start, acknowledged end, sent end, queue end): a
+    busy subscription costs one 64-byte record per record_s, however many messages it got;
   - when a subscription ends (unsubscribe, clean session over, expiry) its closing record,
-    carrying the queue end it saw last, joins the next batch;
+    carrying the queue end it saw last, is written within `flush_s`;
   - every `sample_s` every open subscription whose queue grew is written too, online or not,
     so the report can draw lag over time for a subscriber that stopped acknowledging (walked
     in slices between flushes, remembering one end per queue);
@@ -34,7 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmqtt.gateway")
 
 FLUSH_S = 0.5
-SAMPLE_S = 5.0
+RECORD_S = 5.0  # a subscription that keeps moving is written at most this often
+SAMPLE_S = 10.0
 SAMPLE_SLICE = 10_000  # subscriptions a sampling cycle looks at per flush, at most
 SAMPLE_WRITES = 1_000  # records it adds per flush, at most (~10 ms of work)
 
@@ -47,11 +49,13 @@ class DeliveryAccount:
         writer: AccountWriter,
         max_offset: Callable[[str], int],
         flush_s: float = FLUSH_S,
+        record_s: float = RECORD_S,
         sample_s: float = SAMPLE_S,
     ) -> None:
         self._writer = writer
         self._max_offset = max_offset
         self.flush_s = flush_s
+        self.record_s = record_s
         self.sample_s = sample_s
         self._dirty: dict[int, tuple[Session, SubscriptionState]] = {}
         self._dirty_groups: dict[int, SharedGroup] = {}
@@ -84,12 +88,16 @@ class DeliveryAccount:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def flush(self) -> int:
-        """Write what moved and what ended; returns the records written."""
+    def flush(self, moved: bool = True) -> int:
+        """Write what ended and what was sampled, and (`moved`) the subscriptions that moved;
+        returns the records written."""
         records = self._pending
         self._pending = []
-        dirty, self._dirty = self._dirty, {}
-        groups, self._dirty_groups = self._dirty_groups, {}
+        dirty: dict[int, tuple[Session, SubscriptionState]] = {}
+        groups: dict[int, SharedGroup] = {}
+        if moved:
+            dirty, self._dirty = self._dirty, dirty
+            groups, self._dirty_groups = self._dirty_groups, groups
         for session, sub in dirty.values():
             records.append(self._session_record(session, sub, 0))
         for group in groups.values():
@@ -115,14 +123,19 @@ class DeliveryAccount:
         subscriptions per flush (a million offline sessions must not stall the loop)."""
         cycle: Iterator[bool] | None = None
         next_cycle = time.monotonic() + self.sample_s
+        next_record = time.monotonic() + self.record_s
         while True:
             await asyncio.sleep(self.flush_s)
-            if cycle is None and time.monotonic() >= next_cycle:
-                next_cycle = time.monotonic() + self.sample_s
+            now = time.monotonic()
+            if cycle is None and now >= next_cycle:
+                next_cycle = now + self.sample_s
                 cycle = self._cycle(list(sessions()), list(groups()))
             if cycle is not None and not _advance(cycle, SAMPLE_SLICE, SAMPLE_WRITES):
                 cycle = None
-            self.flush()
+            moved = now >= next_record
+            if moved:
+                next_record = now + self.record_s
+            self.flush(moved)
 
     def close(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> None:
         """Write the final state of every open subscription and close the files. Clean

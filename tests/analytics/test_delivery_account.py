@@ -59,12 +59,13 @@ def test_every_delivery_counted_clean_sessions_included(spark, tmp_path: Path) -
                 _acked(data, "backend-p", "site/+/dev/#") == N
                 and _acked(data, "backend-c", "site/1/dev/1/temp") == N
             ),
+            timeout=30,
             what="the delivery account",
         )
         # The offline subscriber's lag is sampled every sample_s.
         wait_until(
             lambda: any(r.subscriber == "archive" and r.queue_end >= N for r in read_account(data)),
-            timeout=30,
+            timeout=60,
             what="the offline subscriber's lag sample",
         )
         # Both subscriptions are still open while this report runs.

@@ -46,7 +46,7 @@ def test_ranges_of_every_kind_of_subscription(tmp_path: Path) -> None:
             ]
             return all(r is not None and r.acked == N for r in rows)
 
-        wait_until(settled, what="the account's next flush")
+        wait_until(settled, timeout=30, what="the account's next records")
         k = _newest(data, "keep", "a/#")
         z = _newest(data, "zero", "a/b")
         g = _newest(data, "$share/g", "a/b")
