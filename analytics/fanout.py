@@ -368,48 +368,47 @@ def run_fanout(
         with phase("timeline"):
             _write(timeline, staging / "timeline")
 
-        histogram = cube.groupBy("fanout").agg(F.sum("n").alias("messages"))
+        # Small answers collected to the driver in one job each: the histogram with the
+        # gateway's totals, and the deliveries per (subscriber, queue) with the gateway's.
+        is_gw = F.col("client_id") == ""
         with phase("fanout_histogram"):
-            _write(histogram, staging / "fanout_histogram")
+            hist_rows = (
+                cube.groupBy("fanout", is_gw.alias("gw"), F.when(is_gw, F.col("topic")).alias("t"))
+                .agg(F.sum("n").alias("n"), F.sum("b").alias("b"))
+                .collect()
+            )
+        hist: dict[int, int] = {}
+        for h in hist_rows:
+            hist[int(h.fanout)] = hist.get(int(h.fanout), 0) + int(h.n)
+        _write_arrow(
+            pa.table(
+                {
+                    "fanout": pa.array(list(hist), pa.int32()),
+                    "messages": pa.array(list(hist.values()), pa.int64()),
+                }
+            ),
+            staging / "fanout_histogram",
+        )
 
         with phase("queue_backlog"):
             backlog = _backlog(backlog_parts, subs_df, ends_df, generated_at_ms)
             n_queues = _write(backlog, staging / "queue_backlog")
 
         with phase("filter_deliveries"):
-            per_filter = rcube.groupBy("queue").agg(
-                F.sum("d").alias("deliveries"),
-                (F.sum("d") - F.sum("d0")).alias("deliveries_acked"),
-                F.sum("d0").alias("deliveries_qos0"),
-                F.sum("e").alias("eligible"),
-                F.count_distinct(F.when(F.col("d") > 0, F.col("subscriber"))).alias(
-                    "subscribers_reached"
-                ),
-            )
-            filter_rows = per_filter.collect()
-            per_subscriber = (
-                rcube.groupBy("subscriber", "queue")
-                .agg(F.sum("d").alias("deliveries"), F.sum("e").alias("eligible"))
+            reach_rows = (
+                rcube.groupBy("subscriber", "queue", is_gw.alias("gw"))
+                .agg(F.sum("d").alias("d"), F.sum("d0").alias("d0"), F.sum("e").alias("e"))
                 .collect()
-            )
-            gw = (
-                cube.where(F.col("client_id") == "")
-                .agg(
-                    F.sum("n").alias("messages"),
-                    F.sum("b").alias("bytes"),
-                    F.count_distinct("topic").alias("topics"),
-                )
-                .collect()[0]
-            )
-            gw_deliveries = (
-                rcube.where(F.col("client_id") == "").agg(F.sum("d").alias("d")).collect()[0]
             )
         cube.unpersist()
         rcube.unpersist()
         filters = {p.queue: p.filter for p in pcs}
-        _write_arrow(_filter_table(filter_rows, filters, ends), staging / "filter_deliveries")
+        _write_arrow(_filter_table(reach_rows, filters, ends), staging / "filter_deliveries")
         subscribers_tab = subscriber_rows(pcs, ends, account)
-        reached_by = {(r.subscriber, r.queue): (r.deliveries, r.eligible) for r in per_subscriber}
+        reached_by: dict[tuple[str, str], tuple[int, int]] = {}
+        for r in reach_rows:
+            d, e = reached_by.get((r.subscriber, r.queue), (0, 0))
+            reached_by[(r.subscriber, r.queue)] = (d + int(r.d), e + int(r.e))
         subscribers_tab = subscribers_tab.append_column(
             "deliveries",
             pa.array([reached_by.get(k, (0, 0))[0] for k in _keys(subscribers_tab)], pa.int64()),
@@ -457,10 +456,10 @@ def run_fanout(
             unreached_devices=int(device_totals.unreached or 0),
             account_records=len(account),
             gateway={
-                "messages": int(gw.messages or 0),
-                "bytes": int(gw.bytes or 0),
-                "topics": int(gw.topics or 0),
-                "deliveries": int(gw_deliveries.d or 0),
+                "messages": sum(int(h.n) for h in hist_rows if h.gw),
+                "bytes": sum(int(h.b) for h in hist_rows if h.gw),
+                "topics": len({h.t for h in hist_rows if h.gw}),
+                "deliveries": sum(int(r.d) for r in reach_rows if r.gw),
             },
             duration_s=round(time.monotonic() - started, 3),
         )
@@ -479,23 +478,32 @@ def _keys(table: pa.Table) -> list[tuple[str, str]]:
 def _filter_table(
     rows: list[Any], filters: dict[str, str | None], ends: list[QueueEnd]
 ) -> pa.Table:
-    """filter_deliveries: per light queue, what was delivered through it in the window."""
-    by_queue = {r.queue: r for r in rows}
+    """filter_deliveries: per light queue, what was delivered through it in the window
+    (`rows`: per subscriber, queue and gateway-or-not, the sums of d, d0 and e)."""
+    by_queue: dict[str, list[int]] = {}
+    reached: dict[str, set[str]] = {}
+    for r in rows:
+        sums = by_queue.setdefault(r.queue, [0, 0, 0])
+        sums[0] += int(r.d)
+        sums[1] += int(r.d0)
+        sums[2] += int(r.e)
+        if r.d:
+            reached.setdefault(r.queue, set()).add(r.subscriber)
     names = dict(filters)
     for q in queue_ends_table(ends).to_pylist():
         names.setdefault(q["queue"], q["queue_filter"])
     out = []
     for queue in sorted(set(by_queue) | {q for q in names if q.startswith(LIGHT_QUEUE_PREFIX)}):
-        r = by_queue.get(queue)
+        d, d0, e = by_queue.get(queue, (0, 0, 0))
         out.append(
             {
                 "queue": queue,
                 "filter": names.get(queue),
-                "deliveries": int(r.deliveries) if r else 0,
-                "deliveries_acked": int(r.deliveries_acked) if r else 0,
-                "deliveries_qos0": int(r.deliveries_qos0) if r else 0,
-                "eligible": int(r.eligible) if r else 0,
-                "subscribers_reached": int(r.subscribers_reached) if r else 0,
+                "deliveries": d,
+                "deliveries_acked": d - d0,
+                "deliveries_qos0": d0,
+                "eligible": e,
+                "subscribers_reached": len(reached.get(queue, ())),
             }
         )
     return pa.Table.from_pylist(out, schema=FILTER_SCHEMA)
