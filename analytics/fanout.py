@@ -416,6 +416,7 @@ def run_fanout(
             "eligible",
             pa.array([reached_by.get(k, (0, 0))[1] for k in _keys(subscribers_tab)], pa.int64()),
         )
+        subscribers_tab = _since_oldest(subscribers_tab, staging / "queue_backlog")
         _write_arrow(subscribers_tab, staging / "subscribers")
         _write_arrow(lag_rows(account, window_s, since_ms, until_ms), staging / "subscriber_lag")
 
@@ -520,6 +521,35 @@ FILTER_SCHEMA = pa.schema(
         ("subscribers_reached", pa.int64()),
     ]
 )
+
+
+def _since_oldest(subs: pa.Table, backlog_dir: Path) -> pa.Table:
+    """behind_since where the account has no history (a subscriber known only from the saved
+    sessions): the store time of the oldest message it still owes, when it is its queue's
+    slowest subscriber (queue_backlog's oldest_undelivered_at is that message)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    backlog = pq.read_table(
+        backlog_dir, columns=["queue", "slowest_committed", "oldest_undelivered_at"]
+    ).to_pylist()
+    oldest = {(b["queue"], b["slowest_committed"]): b["oldest_undelivered_at"] for b in backlog}
+    since = subs.column("behind_since").to_pylist()
+    filled = [
+        s if s is not None or not lag else oldest.get((q, acked))
+        for s, q, acked, lag in zip(
+            since,
+            subs.column("queue").to_pylist(),
+            subs.column("acked").to_pylist(),
+            subs.column("lag").to_pylist(),
+            strict=True,
+        )
+    ]
+    i = subs.schema.get_field_index("behind_since")
+    column = pc.cast(
+        pa.array(filled, pa.timestamp("us", tz="UTC")), subs.schema.field(i).type, safe=False
+    )
+    return subs.set_column(i, "behind_since", column)
 
 
 def _write_arrow(table: pa.Table, path: Path) -> None:

@@ -263,3 +263,12 @@ def test_filter_and_subscriber_tables_are_exact(
     lag = pq.read_table(out / "report" / "subscriber_lag").to_pylist()
     assert {r["subscriber"] for r in lag} >= {"c-gone", "c-open"}
     assert max(r["lag_max"] for r in lag if r["subscriber"] == "c-open") == 3
+    # s-slow is known only from sessions.json: behind since its oldest owed message was stored.
+    (slow,) = [r for r in subs if r["subscriber"] == "s-slow"]
+    _, committed = next(v for (k, _), v in world.ranges.items() if k == "s-slow")
+    owed = next(
+        m.store_ms for m in world.messages
+        for q, off in zip(m.queues, m.offsets, strict=True)
+        if q == slow["queue"] and off == committed
+    )  # fmt: skip
+    assert slow["lag"] > 0 and int(slow["behind_since"].timestamp() * 1000) == owed
