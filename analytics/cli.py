@@ -5,6 +5,7 @@
     lmqtt report compact --data-dir D [--out DIR] [--master URL]
     lmqtt report show    [--out DIR] [--device ID] [--top N]
                          [--by messages|bytes|fanout|deliveries|backlog] [--html FILE]
+                         [--view summary|unreached|lagging|filters|topics]
 
 Exit status: 0 done, 2 bad input (missing or empty data directory, corrupt segment, unknown
 device, no report yet, bad arguments), 1 an unexpected Spark failure, 130 interrupted. Errors
@@ -30,6 +31,7 @@ from analytics.reportfiles import default_out_dir
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+VIEWS = ("summary", "unreached", "lagging", "filters", "topics")
 
 
 class UsageError(AnalyticsError):
@@ -102,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--by", default="messages", choices=("messages", "bytes", "fanout", "deliveries", "backlog")
     )
+    show.add_argument(
+        "--view",
+        default="summary",
+        choices=VIEWS,
+        help="summary (default); unreached: devices whose messages reached no subscriber; "
+        "lagging: subscribers falling behind, since when, lag over time; filters: deliveries "
+        "per filter; topics: top topics by fan-out",
+    )
     show.add_argument("--html", help="also write a self-contained HTML page here")
     return parser
 
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _show(args: argparse.Namespace, console: Console) -> int:
+    from analytics import show
     from analytics.show import Report, render_device, render_summary, render_top
 
     if args.top < 1:
@@ -135,6 +146,8 @@ def _show(args: argparse.Namespace, console: Console) -> int:
     report = Report.load(args.out)
     if args.device is not None:
         render_device(report, args.device, console)
+    elif args.view != "summary":
+        getattr(show, f"render_{args.view}")(report, args.top, console)
     else:
         render_summary(report, console)
         render_top(report, args.by, args.top, console)

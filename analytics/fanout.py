@@ -3,23 +3,33 @@
 Definitions (the tables' columns; all counts exact):
 
     fanout       light queues (%LMQ%...) a message was dispatched to (INNER_MULTI_DISPATCH)
-    eligible     per message, the subscribers with a subscription on one of its queues that
-                 existed when it arrived (start_offset <= the message's offset in that queue)
-    deliveries   per message, those eligible subscribers whose committed offset is past it
-                 ([start, committed) covers it). A subscriber is a session or a shared group:
-                 a session matching a message through several filters, and a shared group
-                 whatever member took it, count once, as the gateway delivers once.
+    eligible     per message, the subscribers that were subscribed (on one of its queues) when
+                 it arrived and were due it: it falls in one of their pieces [start, end) (see
+                 analytics.snapshots.Piece: the delivery account's ranges of every subscription,
+                 persistent, clean or shared, plus the saved sessions; end is open while
+                 subscribed)
+    deliveries   per message, those eligible subscribers that got it: below the piece's
+                 acknowledged end, i.e. acknowledged at QoS 1/2 (deliveries_acked) or sent at
+                 QoS 0 (deliveries_qos0; delivered QoS = min(publish QoS, subscription QoS)).
+                 A subscriber is a session or a shared group: a session matching a message
+                 through several filters, and a shared group whatever member took it, count
+                 once, as the gateway delivers once. A subscription still open when the report
+                 runs counts up to its last account record (or its committed offset).
+    messages_unreached  messages delivered to nobody
     delivery_ratio = deliveries / eligible
     backlog      per queue: messages in [max(slowest committed, queue min), end), their bytes
                  and the age of the oldest (relative to the report's generated_at)
 
 Tables (Parquet, one directory each under <out>/report/): device_fanout, topic_fanout,
-queue_backlog, timeline, fanout_histogram; plus meta.json. --since/--until restrict the
-messages of every table except queue_backlog, which is always the queues' current state.
+queue_backlog, timeline, fanout_histogram, filter_deliveries, subscribers, subscriber_lag (see
+analytics.subscribers); plus meta.json. Messages of the gateway itself (client id "": $SYS)
+are no device: device_fanout, topic_fanout and timeline leave them out and meta.json's
+"gateway" holds their totals. --since/--until restrict the messages of every table except
+queue_backlog and subscribers, which are the queues' and subscribers' current state.
 
 Plan: one Spark task per segment parses it (or reads its compacted Parquet) and aggregates it
 on the spot with Arrow kernels into small partials (analytics.scratch: per device, topic,
-second and fan-out; per device, topic, second and subscriber; per queue), written as
+second and fan-out; per device, topic, second, subscriber and queue; per queue), written as
 scratch Parquet: no message rows cross from Python into the JVM. Spark rolls those up into
 every table.
 With --since/--until only the segments that can hold the window's messages, plus the
@@ -34,7 +44,9 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
 
 from analytics.compaction import COMPACTED_DIR, compacted_segments
 from analytics.datasource import SOURCE_NAME, SPARK_SCHEMA
@@ -60,6 +72,8 @@ from analytics.snapshots import (
     SUBSCRIBERS_SCHEMA,
     QueueEnd,
     Subscriber,
+    open_subscribers,
+    pieces,
     queue_ends,
     queue_ends_table,
     read_committed,
@@ -68,6 +82,8 @@ from analytics.snapshots import (
     subscribers_table,
 )
 from analytics.storeformat import MAGIC
+from analytics.subscribers import lag_rows, subscriber_rows
+from store.delivery_account import read_account
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -96,6 +112,12 @@ class ReportMeta:
     eligible: int
     light_queues: int
     subscribers: int
+    deliveries_acked: int = 0  # of deliveries: acknowledged (QoS 1/2)
+    deliveries_qos0: int = 0  # of deliveries: sent at QoS 0 (nothing to acknowledge)
+    unreached_devices: int = 0  # devices none of whose messages reached a subscriber
+    account_records: int = 0  # delivery account records read
+    # The gateway's own messages ($SYS, client id ""): never counted as a device.
+    gateway: dict[str, int] = field(default_factory=dict)
     segments_read: int = 0  # scanned: the window's segments and the backlog's tail
     window_segments: int = 0  # of which can hold messages in [since, until)
     duration_s: float = 0.0
@@ -190,7 +212,9 @@ def run_fanout(
     compacted_dir = out_dir / COMPACTED_DIR
     done = compacted_segments(compacted_dir, segments)
     n_compacted = len(done)
-    subs = subscribers(read_subscriptions(data_dir), read_committed(data_dir))
+    account = read_account(data_dir)
+    pcs = pieces(data_dir, account=account)
+    subs = open_subscribers(pcs)
     ends = queue_ends(data_dir)
 
     def phase(name: str):  # type: ignore[no-untyped-def]
@@ -219,14 +243,16 @@ def run_fanout(
     ]
     n_read_compacted = sum(1 for src in sources if src.parquet is not None)
     # Only a subscriber holding several queues can be reached twice by one message.
-    queues_per_subscriber: dict[str, int] = {}
-    for sub in subs:
-        queues_per_subscriber[sub.subscriber] = queues_per_subscriber.get(sub.subscriber, 0) + 1
+    queues_of: dict[str, set[str]] = {}
+    for piece in pcs:
+        queues_of.setdefault(piece.subscriber, set()).add(piece.queue)
     plan = ScratchPlan(
         since_ms=since_ms,
         until_ms=until_ms,
-        subscribers=tuple((s.subscriber, s.queue, s.start_offset, s.committed) for s in subs),
-        dedup=any(n > 1 for n in queues_per_subscriber.values()),
+        subscribers=tuple(
+            (p.subscriber, p.queue, p.start, p.end, p.acked, p.qos) for p in pcs if p.end > p.start
+        ),
+        dedup=any(len(q) > 1 for q in queues_of.values()),
         backlog_from=_backlog_from(subs, ends),
     )
     # One parse of each segment, aggregated on the spot into small partials (analytics.scratch);
@@ -260,6 +286,7 @@ def run_fanout(
             .groupBy("client_id", "topic", "window_start", "fanout")
             .agg(
                 F.sum("n").alias("n"),
+                F.sum("r").alias("r"),
                 F.sum("b").alias("b"),
                 F.min("first").alias("first"),
                 F.max("last").alias("last"),
@@ -268,14 +295,18 @@ def run_fanout(
         )
         rcube = (
             reached_parts.withColumn("window_start", bucket)
-            .groupBy("client_id", "topic", "window_start", "subscriber")
-            .agg(F.sum("d").alias("d"), F.sum("e").alias("e"))
+            .groupBy("client_id", "topic", "window_start", "subscriber", "queue")
+            .agg(F.sum("d").alias("d"), F.sum("d0").alias("d0"), F.sum("e").alias("e"))
             .cache()
         )
+        # The gateway's own messages (client id "") are reported on their own line.
+        dev_cube = cube.where(F.col("client_id") != "")
+        dev_rcube = rcube.where(F.col("client_id") != "")
 
         def rollup(keys: list[str], distinct: str, distinct_name: str) -> DataFrame:
-            stats = cube.groupBy(*keys).agg(
+            stats = dev_cube.groupBy(*keys).agg(
                 F.sum("n").alias("messages"),
+                (F.sum("n") - F.sum("r")).alias("messages_unreached"),
                 F.sum("b").alias("bytes"),
                 F.count_distinct(distinct).alias(distinct_name),
                 (F.sum(F.col("n") * F.col("fanout")) / F.sum("n")).alias("fanout_mean"),
@@ -285,16 +316,20 @@ def run_fanout(
                 F.min("first").alias("first_seen"),
                 F.max("last").alias("last_seen"),
             )
-            deliv = rcube.groupBy(*keys).agg(
+            deliv = dev_rcube.groupBy(*keys).agg(
                 F.sum("d").alias("deliveries"),
+                (F.sum("d") - F.sum("d0")).alias("deliveries_acked"),
+                F.sum("d0").alias("deliveries_qos0"),
                 F.sum("e").alias("eligible"),
                 F.count_distinct(F.when(F.col("d") > 0, F.col("subscriber"))).alias(
                     "subscribers_reached"
                 ),
             )
             joined = stats.join(deliv, keys, "left").fillna(
-                0, ["deliveries", "eligible", "subscribers_reached"]
-            )
+                0,
+                ["deliveries", "deliveries_acked", "deliveries_qos0", "eligible",
+                 "subscribers_reached"],
+            )  # fmt: skip
             return joined.withColumn(
                 "delivery_ratio",
                 F.when(F.col("eligible") > 0, F.col("deliveries") / F.col("eligible")),
@@ -303,7 +338,8 @@ def run_fanout(
         device = rollup(["client_id"], "topic", "topics").select(
             "client_id", "messages", "bytes", "topics", "fanout_mean", "fanout_p50",
             "fanout_p99", "fanout_max", "deliveries", "eligible", "delivery_ratio",
-            "subscribers_reached", "first_seen", "last_seen",
+            "subscribers_reached", "first_seen", "last_seen", "messages_unreached",
+            "deliveries_acked", "deliveries_qos0",
         )  # fmt: skip
         with phase("device_fanout"):
             totals = _write(device, staging / "device_fanout")
@@ -311,16 +347,17 @@ def run_fanout(
         topic = rollup(["topic"], "client_id", "devices").select(
             "topic", "messages", "bytes", "devices", "fanout_mean", "fanout_p50", "fanout_p99",
             "fanout_max", "deliveries", "eligible", "delivery_ratio", "subscribers_reached",
-            "first_seen", "last_seen",
+            "first_seen", "last_seen", "messages_unreached", "deliveries_acked",
+            "deliveries_qos0",
         )  # fmt: skip
         with phase("topic_fanout"):
             n_topics = _write(topic, staging / "topic_fanout")
 
         timeline = (
-            cube.groupBy("client_id", "window_start")
+            dev_cube.groupBy("client_id", "window_start")
             .agg(F.sum("n").alias("messages"), F.sum("b").alias("bytes"))
             .join(
-                rcube.groupBy("client_id", "window_start").agg(F.sum("d").alias("deliveries")),
+                dev_rcube.groupBy("client_id", "window_start").agg(F.sum("d").alias("deliveries")),
                 ["client_id", "window_start"],
                 "left",
             )
@@ -331,15 +368,57 @@ def run_fanout(
         with phase("timeline"):
             _write(timeline, staging / "timeline")
 
-        histogram = cube.groupBy("fanout").agg(F.sum("n").alias("messages"))
+        # Small answers collected to the driver in one job each: the histogram with the
+        # gateway's totals, and the deliveries per (subscriber, queue) with the gateway's.
+        is_gw = F.col("client_id") == ""
         with phase("fanout_histogram"):
-            _write(histogram, staging / "fanout_histogram")
+            hist_rows = (
+                cube.groupBy("fanout", is_gw.alias("gw"), F.when(is_gw, F.col("topic")).alias("t"))
+                .agg(F.sum("n").alias("n"), F.sum("b").alias("b"))
+                .collect()
+            )
+        hist: dict[int, int] = {}
+        for h in hist_rows:
+            hist[int(h.fanout)] = hist.get(int(h.fanout), 0) + int(h.n)
+        _write_arrow(
+            pa.table(
+                {
+                    "fanout": pa.array(list(hist), pa.int32()),
+                    "messages": pa.array(list(hist.values()), pa.int64()),
+                }
+            ),
+            staging / "fanout_histogram",
+        )
 
         with phase("queue_backlog"):
             backlog = _backlog(backlog_parts, subs_df, ends_df, generated_at_ms)
             n_queues = _write(backlog, staging / "queue_backlog")
+
+        with phase("filter_deliveries"):
+            reach_rows = (
+                rcube.groupBy("subscriber", "queue", is_gw.alias("gw"))
+                .agg(F.sum("d").alias("d"), F.sum("d0").alias("d0"), F.sum("e").alias("e"))
+                .collect()
+            )
         cube.unpersist()
         rcube.unpersist()
+        filters = {p.queue: p.filter for p in pcs}
+        _write_arrow(_filter_table(reach_rows, filters, ends), staging / "filter_deliveries")
+        subscribers_tab = subscriber_rows(pcs, ends, account)
+        reached_by: dict[tuple[str, str], tuple[int, int]] = {}
+        for r in reach_rows:
+            d, e = reached_by.get((r.subscriber, r.queue), (0, 0))
+            reached_by[(r.subscriber, r.queue)] = (d + int(r.d), e + int(r.e))
+        subscribers_tab = subscribers_tab.append_column(
+            "deliveries",
+            pa.array([reached_by.get(k, (0, 0))[0] for k in _keys(subscribers_tab)], pa.int64()),
+        ).append_column(
+            "eligible",
+            pa.array([reached_by.get(k, (0, 0))[1] for k in _keys(subscribers_tab)], pa.int64()),
+        )
+        subscribers_tab = _since_oldest(subscribers_tab, staging / "queue_backlog")
+        _write_arrow(subscribers_tab, staging / "subscribers")
+        _write_arrow(lag_rows(account, window_s, since_ms, until_ms), staging / "subscriber_lag")
 
         device_totals = (
             spark.read.parquet(str(staging / "device_fanout"))
@@ -348,7 +427,9 @@ def run_fanout(
                 F.sum("messages").alias("messages"),
                 F.sum("bytes").alias("bytes"),
                 F.sum("deliveries").alias("deliveries"),
+                F.sum("deliveries_qos0").alias("deliveries_qos0"),
                 F.sum("eligible").alias("eligible"),
+                F.sum(F.when(F.col("deliveries") == 0, 1).otherwise(0)).alias("unreached"),
             )
             .collect()[0]
         )
@@ -369,7 +450,18 @@ def run_fanout(
             deliveries=int(device_totals.deliveries or 0),
             eligible=int(device_totals.eligible or 0),
             light_queues=int(n_queues),
-            subscribers=len({s.subscriber for s in subs}),
+            subscribers=len({p.subscriber for p in pcs}),
+            deliveries_acked=int(device_totals.deliveries or 0)
+            - int(device_totals.deliveries_qos0 or 0),
+            deliveries_qos0=int(device_totals.deliveries_qos0 or 0),
+            unreached_devices=int(device_totals.unreached or 0),
+            account_records=len(account),
+            gateway={
+                "messages": sum(int(h.n) for h in hist_rows if h.gw),
+                "bytes": sum(int(h.b) for h in hist_rows if h.gw),
+                "topics": len({h.t for h in hist_rows if h.gw}),
+                "deliveries": sum(int(r.d) for r in reach_rows if r.gw),
+            },
             duration_s=round(time.monotonic() - started, 3),
         )
         (staging / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
@@ -378,6 +470,94 @@ def run_fanout(
         return meta
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _keys(table: pa.Table) -> list[tuple[str, str]]:
+    return list(zip(table["subscriber"].to_pylist(), table["queue"].to_pylist(), strict=True))
+
+
+def _filter_table(
+    rows: list[Any], filters: dict[str, str | None], ends: list[QueueEnd]
+) -> pa.Table:
+    """filter_deliveries: per light queue, what was delivered through it in the window
+    (`rows`: per subscriber, queue and gateway-or-not, the sums of d, d0 and e)."""
+    by_queue: dict[str, list[int]] = {}
+    reached: dict[str, set[str]] = {}
+    for r in rows:
+        sums = by_queue.setdefault(r.queue, [0, 0, 0])
+        sums[0] += int(r.d)
+        sums[1] += int(r.d0)
+        sums[2] += int(r.e)
+        if r.d:
+            reached.setdefault(r.queue, set()).add(r.subscriber)
+    names = dict(filters)
+    for q in queue_ends_table(ends).to_pylist():
+        names.setdefault(q["queue"], q["queue_filter"])
+    out = []
+    for queue in sorted(set(by_queue) | {q for q in names if q.startswith(LIGHT_QUEUE_PREFIX)}):
+        d, d0, e = by_queue.get(queue, (0, 0, 0))
+        out.append(
+            {
+                "queue": queue,
+                "filter": names.get(queue),
+                "deliveries": d,
+                "deliveries_acked": d - d0,
+                "deliveries_qos0": d0,
+                "eligible": e,
+                "subscribers_reached": len(reached.get(queue, ())),
+            }
+        )
+    return pa.Table.from_pylist(out, schema=FILTER_SCHEMA)
+
+
+FILTER_SCHEMA = pa.schema(
+    [
+        ("queue", pa.string()),
+        ("filter", pa.string()),
+        ("deliveries", pa.int64()),
+        ("deliveries_acked", pa.int64()),
+        ("deliveries_qos0", pa.int64()),
+        ("eligible", pa.int64()),
+        ("subscribers_reached", pa.int64()),
+    ]
+)
+
+
+def _since_oldest(subs: pa.Table, backlog_dir: Path) -> pa.Table:
+    """behind_since where the account has no history (a subscriber known only from the saved
+    sessions): the store time of the oldest message it still owes, when it is its queue's
+    slowest subscriber (queue_backlog's oldest_undelivered_at is that message)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    backlog = pq.read_table(
+        backlog_dir, columns=["queue", "slowest_committed", "oldest_undelivered_at"]
+    ).to_pylist()
+    oldest = {(b["queue"], b["slowest_committed"]): b["oldest_undelivered_at"] for b in backlog}
+    since = subs.column("behind_since").to_pylist()
+    filled = [
+        s if s is not None or not lag else oldest.get((q, acked))
+        for s, q, acked, lag in zip(
+            since,
+            subs.column("queue").to_pylist(),
+            subs.column("acked").to_pylist(),
+            subs.column("lag").to_pylist(),
+            strict=True,
+        )
+    ]
+    i = subs.schema.get_field_index("behind_since")
+    column = pc.cast(
+        pa.array(filled, pa.timestamp("us", tz="UTC")), subs.schema.field(i).type, safe=False
+    )
+    return subs.set_column(i, "behind_since", column)
+
+
+def _write_arrow(table: pa.Table, path: Path) -> None:
+    """Write a small driver-side table as the one Parquet file of its directory."""
+    import pyarrow.parquet as pq
+
+    path.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path / "part-00000.parquet")
 
 
 def _backlog_from(subs: list[Subscriber], ends: list[QueueEnd]) -> tuple[tuple[str, int], ...]:

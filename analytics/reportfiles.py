@@ -4,6 +4,7 @@
     meta.json               ReportMeta: coverage, totals, window
     device_fanout/          one Parquet table per directory
     topic_fanout/  queue_backlog/  timeline/  fanout_histogram/
+    filter_deliveries/  subscribers/  subscriber_lag/
 <out>/compacted/            Parquet copies of sealed segments (analytics.compaction)
 """
 
@@ -14,7 +15,16 @@ from pathlib import Path
 
 REPORT_DIR = "report"
 META_FILE = "meta.json"
-TABLES = ("device_fanout", "topic_fanout", "queue_backlog", "timeline", "fanout_histogram")
+TABLES = (
+    "device_fanout",
+    "topic_fanout",
+    "queue_backlog",
+    "timeline",
+    "fanout_histogram",
+    "filter_deliveries",
+    "subscribers",
+    "subscriber_lag",
+)
 DEFAULT_OUT = "reports"
 
 

@@ -7,9 +7,13 @@ message with its queues, joins the (tiny) subscriber table and aggregates, all i
 kernels, and writes three small Parquet tables that Spark rolls up into every report table:
 
     <scratch>/cube/<segment>.parquet      per (client_id, topic, second, fanout) of the window's
-        messages: n, b (body bytes), first, last (store timestamps)
-    <scratch>/reached/<segment>.parquet   per (client_id, topic, second, subscriber) of the
-        window's messages: d (delivered: committed past it), e (eligible: subscribed before it)
+        messages: n, r (of those, delivered to at least one subscriber), b (body bytes), first,
+        last (store timestamps)
+    <scratch>/reached/<segment>.parquet   per (client_id, topic, second, subscriber, queue) of
+        the window's messages: e (due: in one of the subscriber's pieces, see
+        analytics.snapshots.Piece), d (done: below the piece's acknowledged end), d0 (of d,
+        those delivered at QoS 0: sent, nothing to acknowledge); queue is the one the gateway
+        delivers through (the first by name of the subscriber's queues holding the message)
     <scratch>/backlog/<segment>.parquet   per light queue, whatever the window: max_qoff, and
         of the messages at or after its first undelivered offset: waiting_bytes, oldest
 
@@ -21,7 +25,7 @@ queues) is done per batch. In between, a batch is narrowed to one row per messag
 
     messages  physical_offset, ts, client_id ("" if none), topic (MQTT topic, else the parent
               topic), body_size, fanout (light queues dispatched to)
-    pairs     physical_offset, ts, client_id, topic, body_size, queue, qoff
+    pairs     physical_offset, ts, client_id, topic, body_size, qos, queue, qoff
 
 Queue and offset lists of unequal length (damaged properties) pair up to the shorter one, as
 arrays_zip + a join would drop the rest. Each task also returns its row count and store-time
@@ -30,6 +34,7 @@ range, so the driver sizes the timeline without another job.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,6 +70,7 @@ PAIRS_SCHEMA = pa.schema(
         ("client_id", pa.string()),
         ("topic", pa.string()),
         ("body_size", pa.int32()),
+        ("qos", pa.int32()),
         ("queue", pa.string()),
         ("qoff", pa.int64()),
     ]
@@ -76,6 +82,7 @@ CUBE_SCHEMA = pa.schema(
         ("sec", pa.int64()),
         ("fanout", pa.int32()),
         ("n", pa.int64()),
+        ("r", pa.int64()),
         ("b", pa.int64()),
         ("first", _TS),
         ("last", _TS),
@@ -87,7 +94,9 @@ REACHED_SCHEMA = pa.schema(
         ("topic", pa.string()),
         ("sec", pa.int64()),
         ("subscriber", pa.string()),
+        ("queue", pa.string()),
         ("d", pa.int64()),
+        ("d0", pa.int64()),
         ("e", pa.int64()),
     ]
 )
@@ -101,10 +110,13 @@ BACKLOG_SCHEMA = pa.schema(
 )
 #: The same columns as Spark DDL, to read the files (or an empty table) with a fixed schema.
 CUBE_DDL = (
-    "client_id string, topic string, sec bigint, fanout int, n bigint, b bigint, "
+    "client_id string, topic string, sec bigint, fanout int, n bigint, r bigint, b bigint, "
     "first timestamp, last timestamp"
 )
-REACHED_DDL = "client_id string, topic string, sec bigint, subscriber string, d bigint, e bigint"
+REACHED_DDL = (
+    "client_id string, topic string, sec bigint, subscriber string, queue string, d bigint, "
+    "d0 bigint, e bigint"
+)
 BACKLOG_DDL = "queue string, max_qoff bigint, waiting_bytes bigint, oldest timestamp"
 CUBE_DIR = "cube"
 REACHED_DIR = "reached"
@@ -138,6 +150,7 @@ def narrow(batch: pa.RecordBatch | pa.Table) -> tuple[pa.Table, pa.Table]:
     client = pc.fill_null(batch.column("client_id"), "")
     topic = pc.coalesce(batch.column("topic"), batch.column("parent_topic"))
     body = batch.column("body_size")
+    qos = pc.fill_null(batch.column("qos"), 0)
     queues = _combined(batch.column("queues"))
     qoffs = _combined(batch.column("queue_offsets"))
     lengths = np.minimum(
@@ -160,6 +173,7 @@ def narrow(batch: pa.RecordBatch | pa.Table) -> tuple[pa.Table, pa.Table]:
             pc.take(client, owner),
             pc.take(topic, owner),
             pc.take(body, owner),
+            pc.take(qos, owner),
             q_flat,
             o_flat,
         ],
@@ -193,8 +207,9 @@ class ScratchPlan:
 
     since_ms: int | None
     until_ms: int | None
-    # (subscriber, queue, start_offset, committed): one row per subscriber and queue
-    subscribers: tuple[tuple[str, str, int, int], ...]
+    # (subscriber, queue, start, end, acked, qos): the pieces of analytics.snapshots; a
+    # message at qoff in [start, end) was due to the subscriber, in [start, acked) done
+    subscribers: tuple[tuple[str, str, int, int, int, int], ...]
     dedup: bool  # some subscriber holds several queues: count it once per message
     backlog_from: tuple[tuple[str, int], ...]  # per subscribed queue: first undelivered offset
 
@@ -240,6 +255,25 @@ def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Ta
     )
     messages = messages.filter(_in_window(messages.column("ts"), plan))
     pairs = pairs.filter(_in_window(pairs.column("ts"), plan))
+    pieces = _pieces(plan.subscribers)
+    reached = _match(pairs, pieces)
+    if plan.dedup:
+        # A message reaches a subscriber once however many of its queues it holds (the
+        # gateway delivers it from the first of them by name: queue ids follow name order);
+        # a message lives in one batch, so this is exact per batch.
+        reached = (
+            reached.group_by(
+                ["physical_offset", "client_id", "topic", "sec", "sub"], use_threads=False
+            )
+            .aggregate([("d", "max"), ("dq", "max"), ("qid", "min")])
+            .rename_columns({"d_max": "d", "dq_max": "dq", "qid_min": "qid"})
+        )
+    # r: messages delivered to at least one subscriber (the rest reached nobody).
+    # A batch's messages are in log order: their physical offsets are sorted.
+    got = _np(reached.column("physical_offset"))[_np(reached.column("d")) == 1]
+    msg_phys = _np(messages.column("physical_offset"))
+    was_reached = np.zeros(len(msg_phys), dtype=np.int64)
+    was_reached[np.searchsorted(msg_phys, got)] = 1
     cube = (
         pa.table(
             {
@@ -247,52 +281,120 @@ def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Ta
                 "topic": messages.column("topic"),
                 "sec": _seconds(messages.column("ts")),
                 "fanout": messages.column("fanout"),
+                "r": pa.array(was_reached),
                 "b": pc.cast(messages.column("body_size"), pa.int64()),
                 "ts": messages.column("ts"),
             }
         )
         .group_by(["client_id", "topic", "sec", "fanout"], use_threads=False)
-        .aggregate([("b", "count"), ("b", "sum"), ("ts", "min"), ("ts", "max")])
-        .rename_columns({"b_count": "n", "b_sum": "b", "ts_min": "first", "ts_max": "last"})
+        .aggregate([("b", "count"), ("r", "sum"), ("b", "sum"), ("ts", "min"), ("ts", "max")])
+        .rename_columns(
+            {"b_count": "n", "r_sum": "r", "b_sum": "b", "ts_min": "first", "ts_max": "last"}
+        )
         .select(CUBE_SCHEMA.names)
         .cast(CUBE_SCHEMA)
     )
-    subs = pa.table(
-        [pa.array([row[i] for row in plan.subscribers], t) for i, t in enumerate(_SUB_TYPES)],
-        names=["subscriber", "queue", "start_offset", "committed"],
-    )
-    hit = pairs.join(subs, "queue", join_type="inner", use_threads=False)
-    hit = hit.filter(pc.greater_equal(hit.column("qoff"), hit.column("start_offset")))
-    reached = pa.table(
-        {
-            "physical_offset": hit.column("physical_offset"),
-            "client_id": hit.column("client_id"),
-            "topic": hit.column("topic"),
-            "sec": _seconds(hit.column("ts")),
-            "subscriber": hit.column("subscriber"),
-            "d": pc.cast(pc.less(hit.column("qoff"), hit.column("committed")), pa.int64()),
-        }
-    )
-    keys = ["client_id", "topic", "sec", "subscriber"]
-    if plan.dedup:
-        # A message reaches a subscriber once however many of its queues it holds; a
-        # message lives in one batch, so this is exact per batch.
-        reached = (
-            reached.group_by(["physical_offset", *keys], use_threads=False)
-            .aggregate([("d", "max")])
-            .rename_columns({"d_max": "d"})
-        )
+    reached = reached.append_column("d0", pc.subtract(reached.column("d"), reached.column("dq")))
     reached = (
-        reached.group_by(keys, use_threads=False)
-        .aggregate([("d", "sum"), ("d", "count")])
-        .rename_columns({"d_sum": "d", "d_count": "e"})
+        reached.group_by(["client_id", "topic", "sec", "sub", "qid"], use_threads=False)
+        .aggregate([("d", "sum"), ("d0", "sum"), ("d", "count")])
+        .rename_columns({"d_sum": "d", "d0_sum": "d0", "d_count": "e"})
+    )
+    reached = (
+        reached.append_column("subscriber", pc.take(pieces.subscriber_names, reached["sub"]))
+        .append_column("queue", pc.take(pieces.queue_names, reached["qid"]))
         .select(REACHED_SCHEMA.names)
         .cast(REACHED_SCHEMA)
     )
     return cube, reached, backlog
 
 
-_SUB_TYPES = (pa.string(), pa.string(), pa.int64(), pa.int64())
+@dataclass(frozen=True)
+class _Pieces:
+    """The plan's pieces as arrays, sorted by queue id (queue ids follow name order)."""
+
+    queue_names: pa.Array
+    subscriber_names: pa.Array
+    first: np.ndarray  # per queue id: index of its first piece
+    count: np.ndarray  # per queue id: how many pieces
+    sub: np.ndarray  # per piece: subscriber id
+    qid: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    acked: np.ndarray
+    qos: np.ndarray
+
+
+@functools.lru_cache(maxsize=4)
+def _pieces(rows: tuple[tuple[str, str, int, int, int, int], ...]) -> _Pieces:
+    queues = sorted({r[1] for r in rows})
+    subs = sorted({r[0] for r in rows})
+    q_id = {q: i for i, q in enumerate(queues)}
+    s_id = {name: i for i, name in enumerate(subs)}
+    ordered = sorted(rows, key=lambda r: (q_id[r[1]], r[2]))
+    qid = np.array([q_id[r[1]] for r in ordered], dtype=np.int64)
+    count = np.bincount(qid, minlength=len(queues)).astype(np.int64)
+    return _Pieces(
+        queue_names=pa.array(queues, pa.string()),
+        subscriber_names=pa.array(subs, pa.string()),
+        first=np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64),
+        count=count,
+        sub=np.array([s_id[r[0]] for r in ordered], dtype=np.int64),
+        qid=qid,
+        lo=np.array([r[2] for r in ordered], dtype=np.int64),
+        hi=np.array([r[3] for r in ordered], dtype=np.int64),
+        acked=np.array([r[4] for r in ordered], dtype=np.int64),
+        qos=np.array([r[5] for r in ordered], dtype=np.int64),
+    )
+
+
+def _match(pairs: pa.Table, pieces: _Pieces) -> pa.Table:
+    """Every (pair, piece) with the pair's queue offset in [lo, hi): one row per subscriber
+    a message was due to through one of its queues; d = done (below acked), dq = done at a
+    QoS above 0 (acknowledged). A join done with numpy on queue ids: the pieces are few, the
+    pairs many, and hashing their queue names once is all the string work."""
+    n = pairs.num_rows
+    if n == 0 or len(pieces.queue_names) == 0:
+        ids = np.zeros(0, dtype=np.int64)
+        pair_at = piece_at = ids
+    else:
+        qid = pc.index_in(pairs.column("queue"), value_set=pieces.queue_names)
+        qid_np = pc.fill_null(qid, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        known = qid_np >= 0
+        safe = np.where(known, qid_np, 0)
+        per_pair = np.where(known, pieces.count[safe], 0)
+        pair_at = np.repeat(np.arange(n, dtype=np.int64), per_pair)
+        step = np.arange(len(pair_at), dtype=np.int64) - np.repeat(
+            np.cumsum(per_pair) - per_pair, per_pair
+        )
+        piece_at = pieces.first[safe[pair_at]] + step
+        qoff = _np(pairs.column("qoff"))[pair_at]
+        inside = (qoff >= pieces.lo[piece_at]) & (qoff < pieces.hi[piece_at])
+        pair_at, piece_at = pair_at[inside], piece_at[inside]
+    qoff = _np(pairs.column("qoff"))[pair_at] if n else np.zeros(0, dtype=np.int64)
+    done = qoff < pieces.acked[piece_at]
+    msg_qos = _np(pairs.column("qos"))[pair_at] if n else np.zeros(0, dtype=np.int64)
+    # Delivered QoS = min(publish QoS, subscription QoS): above 0 it was acknowledged.
+    acked = done & (msg_qos > 0) & (pieces.qos[piece_at] > 0)
+    take = pa.array(pair_at)
+    return pa.table(
+        {
+            "physical_offset": pc.take(pairs.column("physical_offset"), take),
+            "client_id": pc.take(pairs.column("client_id"), take),
+            "topic": pc.take(pairs.column("topic"), take),
+            "sec": _seconds(pc.take(pairs.column("ts"), take)),
+            "sub": pa.array(pieces.sub[piece_at]),
+            "qid": pa.array(pieces.qid[piece_at]),
+            "d": pa.array(done.astype(np.int64)),
+            "dq": pa.array(acked.astype(np.int64)),
+        }
+    )
+
+
+def _np(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    return column.to_numpy(zero_copy_only=False)
 
 
 def _in_window(ts: pa.ChunkedArray | pa.Array, plan: ScratchPlan) -> pa.Array:

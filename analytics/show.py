@@ -84,6 +84,40 @@ class Report:
             )
         return dict(rows[0])
 
+    def unreached_devices(self) -> pa.Table:
+        """Devices none of whose messages in the window reached a subscriber, busiest first."""
+        t = self.table("device_fanout")
+        t = t.filter(pc.equal(t["deliveries"], 0))
+        return t.take(pc.sort_indices(t, [("messages", "descending"), ("client_id", "ascending")]))
+
+    def lagging(self) -> pa.Table:
+        """Open subscriptions with messages not yet acknowledged, the furthest behind first."""
+        t = self.table("subscribers")
+        t = t.filter(pc.and_(t["open"], pc.greater(t["lag"], 0)))
+        return t.take(pc.sort_indices(t, [("lag", "descending"), ("subscriber", "ascending")]))
+
+    def lag_history(self, subscriber: str, queue: str) -> pa.Table:
+        t = self.table("subscriber_lag")
+        t = t.filter(pc.and_(pc.equal(t["subscriber"], subscriber), pc.equal(t["queue"], queue)))
+        return t.take(pc.sort_indices(t, [("window_start", "ascending")]))
+
+    def filters(self) -> pa.Table:
+        """Deliveries per subscription filter (light queue), most first."""
+        t = self.table("filter_deliveries")
+        return t.take(pc.sort_indices(t, [("deliveries", "descending"), ("queue", "ascending")]))
+
+    def top_topics(self, n: int) -> pa.Table:
+        """Topics by delivered fan-out: deliveries per message, then dispatch fan-out."""
+        t = self.table("topic_fanout")
+        per_msg = pc.divide(pc.cast(t["deliveries"], pa.float64()), t["messages"])
+        t = t.append_column("delivered_fanout", per_msg)
+        idx = pc.sort_indices(
+            t,
+            [("delivered_fanout", "descending"), ("fanout_mean", "descending"),
+             ("topic", "ascending")],
+        )  # fmt: skip
+        return t.take(idx[:n])
+
     def device_timeline(self, client_id: str) -> pa.Table:
         t = self.table("timeline")
         t = t.filter(pc.equal(t["client_id"], client_id))
@@ -106,6 +140,23 @@ def render_summary(report: Report, console: Console) -> None:
         + (f" ({ratio:.1%} of due)" if ratio is not None else "")
         + f"  {m['light_queues']:,} light queues  {m['subscribers']:,} subscribers"
     )
+    if "deliveries_qos0" in m:
+        console.print(
+            f"deliveries: {m.get('deliveries_acked', 0):,} acknowledged (QoS 1/2), "
+            f"{m['deliveries_qos0']:,} sent at QoS 0; "
+            f"{m.get('unreached_devices', 0):,} devices reached no subscriber",
+            highlight=False,
+            soft_wrap=True,
+        )
+    gw = m.get("gateway") or {}
+    if gw.get("messages"):
+        console.print(
+            f"gateway ($SYS, not a device): {gw['messages']:,} messages, "
+            f"{_fmt_bytes(gw.get('bytes'))}, {gw.get('topics', 0):,} topics, "
+            f"{gw.get('deliveries', 0):,} deliveries",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def render_top(report: Report, by: str, n: int, console: Console) -> None:
@@ -116,7 +167,7 @@ def render_top(report: Report, by: str, n: int, console: Console) -> None:
         )
         for col in ("queue", "filter", "end", "subs", "slowest", "backlog", "bytes", "oldest"):
             if col in ("queue", "filter"):
-                table.add_column(col, overflow="fold")
+                table.add_column(col, overflow="fold", min_width=10)
             else:
                 table.add_column(col, justify="right")
         for r in rows:
@@ -228,3 +279,75 @@ def _fmt_age(seconds: float | None) -> str:
 
 def _opt(v: int | None) -> str:
     return "-" if v is None else f"{v:,}"
+
+
+def render_unreached(report: Report, n: int, console: Console) -> None:
+    rows = report.unreached_devices().to_pylist()
+    table = _table(f"devices whose messages reached no subscriber ({len(rows):,})",
+                   ("device", "msgs", "bytes", "topics", "due", "last seen"))  # fmt: skip
+    for r in rows[:n]:
+        table.add_row(
+            r["client_id"], f"{r['messages']:,}", _fmt_bytes(r["bytes"]), str(r["topics"]),
+            f"{r['eligible']:,}", _fmt_ts(r["last_seen"]),
+        )  # fmt: skip
+    console.print(table)
+
+
+def render_lagging(report: Report, n: int, console: Console) -> None:
+    rows = report.lagging().to_pylist()
+    table = _table(f"subscribers falling behind ({len(rows):,})",
+                   ("subscriber", "filter", "kind", "on", "lag", "behind since",
+                    "lag/window"))  # fmt: skip
+    for r in rows[:n]:
+        history = report.lag_history(r["subscriber"], r["queue"])["lag_max"].to_pylist()
+        table.add_row(
+            r["subscriber"], r["filter"] or r["queue"], r["kind"][:5],
+            "yes" if r["online"] else "no", f"{r['lag']:,}",
+            _fmt_ts(r["behind_since"], short=True), _spark(history[-16:]),
+        )  # fmt: skip
+    console.print(table)
+
+
+def render_filters(report: Report, n: int, console: Console) -> None:
+    rows = report.filters().to_pylist()
+    table = _table("deliveries per filter",
+                   ("filter", "deliveries", "acked", "QoS 0", "due", "subs"))  # fmt: skip
+    for r in rows[:n]:
+        table.add_row(
+            r["filter"] or r["queue"], f"{r['deliveries']:,}", f"{r['deliveries_acked']:,}",
+            f"{r['deliveries_qos0']:,}", f"{r['eligible']:,}", str(r["subscribers_reached"]),
+        )  # fmt: skip
+    console.print(table)
+
+
+def render_topics(report: Report, n: int, console: Console) -> None:
+    rows = report.top_topics(n).to_pylist()
+    table = _table(f"topics by fan-out (top {n})",
+                   ("topic", "msgs", "deliveries", "per msg", "queues/msg", "devices"))  # fmt: skip
+    for r in rows:
+        table.add_row(
+            r["topic"], f"{r['messages']:,}", f"{r['deliveries']:,}",
+            f"{r['delivered_fanout']:.2f}", f"{r['fanout_mean']:.2f}", str(r["devices"]),
+        )  # fmt: skip
+    console.print(table)
+
+
+def _table(title: str, cols: tuple[str, ...]) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for i, col in enumerate(cols):
+        if i == 0:
+            table.add_column(col, overflow="fold", min_width=10)
+        else:
+            table.add_column(col, justify="right", no_wrap=True)
+    return table
+
+
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def _spark(values: list[int]) -> str:
+    """A one-line chart of a series (terminal sparkline)."""
+    if not values:
+        return "-"
+    peak = max(values) or 1
+    return "".join(_BLOCKS[round(v / peak * (len(_BLOCKS) - 1))] for v in values)

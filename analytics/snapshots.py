@@ -22,6 +22,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -35,6 +36,7 @@ from analytics.storeformat import (
     decode_queue_dir,
     segment_start_offset,
 )
+from store.delivery_account import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, read_account
 from store.errors import StoreError
 from store.offsets import read_committed_offsets
 from store.statelog import STATE_DIR, read_state
@@ -296,3 +298,150 @@ def _filter_of(queue: str) -> str | None:
         return filter_of(queue)
     except (ValueError, KeyError):
         return None
+
+
+# -- the delivery account ------------------------------------------------------------------------
+
+OPEN_END = 1 << 62  # the eligible end of a subscription still open: every later message
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One subscriber's time on one queue: messages at offsets in [start, end) were due to it,
+    those in [start, acked) done (acknowledged at QoS 1/2, sent at QoS 0). A subscriber's
+    pieces on a queue never overlap, so each message counts once per subscriber and queue."""
+
+    subscriber: str  # client id, or "$share/<group>"
+    queue: str
+    filter: str | None
+    kind: str  # "persistent", "clean" or "shared"
+    qos: int
+    start: int
+    end: int  # OPEN_END while subscribed
+    acked: int
+    sent: int
+    online: bool
+    first_ms: int | None  # first and last account record (None: only in sessions.json)
+    last_ms: int | None
+    queue_end: int = 0  # the largest queue end the account saw
+
+
+def pieces(
+    data_dir: str | Path,
+    subscriptions: list[Subscription] | None = None,
+    committed: dict[tuple[str, str], int] | None = None,
+    account: list[AccountRecord] | None = None,
+) -> list[Piece]:
+    """Every subscriber's pieces, from the delivery account and the saved sessions together.
+
+    A subscription is keyed by (subscriber, queue, start offset); its newest state wins (the
+    records are cumulative). A subscriber's keys on one queue are cut into pieces that do not
+    overlap; an acknowledged end past the next key's start (a shared group resumed after a
+    restart at its committed offset) carries over to it. sessions.json adds what the account has
+    not written yet. A clean subscription the account never closed and sessions.json no longer
+    lists ended with the gateway (a crash): it was due what the queue held at its last record.
+    """
+    subs = read_subscriptions(data_dir) if subscriptions is None else subscriptions
+    done = read_committed(data_dir) if committed is None else committed
+    records = read_account(data_dir) if account is None else account
+    filters = {s.queue: s.filter for s in subs}
+    listed = subscribers(subs, done)
+    qos: dict[tuple[str, str], int] = {}
+    for s in subs:
+        key = (SHARE_PREFIX + s.share_group if s.share_group else s.client_id, s.queue)
+        qos[key] = max(qos.get(key, 0), s.qos)
+    state: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for r in records:
+        st = state.get((r.subscriber, r.queue, r.start))
+        if st is None:
+            st = state[(r.subscriber, r.queue, r.start)] = {
+                "flags": r.flags, "qos": r.qos, "acked": r.acked, "sent": r.sent,
+                "end": None, "first": r.time_ms, "last": r.time_ms, "qend": r.queue_end,
+            }  # fmt: skip
+        st["flags"] |= r.flags & (FLAG_CLEAN | FLAG_SHARED)
+        st["qos"] = max(st["qos"], r.qos)
+        st["acked"] = max(st["acked"], r.acked)
+        st["sent"] = max(st["sent"], r.sent)
+        st["qend"] = max(st["qend"], r.queue_end)
+        st["first"] = min(st["first"], r.time_ms)
+        st["last"] = max(st["last"], r.time_ms)
+        if r.flags & FLAG_CLOSED:
+            st["end"] = max(st["end"] or 0, r.queue_end)
+    online = {(ls.subscriber, ls.queue): ls.online for ls in listed}
+    for ls in listed:
+        key3 = (ls.subscriber, ls.queue, ls.start_offset)
+        st = state.get(key3)
+        if st is None:
+            kind_flag = FLAG_SHARED if ls.shared else 0
+            st = state[key3] = {
+                "flags": kind_flag, "qos": qos.get((ls.subscriber, ls.queue), 0),
+                "acked": ls.committed, "sent": ls.committed, "end": None, "first": None,
+                "last": None, "qend": ls.committed, "listed": True,
+            }  # fmt: skip
+        else:
+            st["acked"] = max(st["acked"], ls.committed)
+            st["end"] = None  # listed now: still subscribed
+            st["listed"] = True
+    by_queue: dict[tuple[str, str], list[tuple[int, dict[str, Any]]]] = {}
+    for (subscriber, queue, start), st in state.items():
+        if st["end"] is None and st["flags"] & FLAG_CLEAN and not st.get("listed"):
+            st["end"] = st["qend"]  # ended unrecorded (see the docstring)
+        by_queue.setdefault((subscriber, queue), []).append((start, st))
+    out: list[Piece] = []
+    for (subscriber, queue), items in sorted(by_queue.items()):
+        items.sort(key=lambda item: item[0])
+        carried = 0  # done offsets are facts about the subscriber, whichever key said so
+        for i, (start, st) in enumerate(items):
+            end = OPEN_END if st["end"] is None else st["end"]
+            if i + 1 < len(items):
+                end = min(end, items[i + 1][0])
+            end = max(end, start)
+            st["acked"] = max(st["acked"], carried)
+            carried = max(carried, st["acked"])
+            flags = st["flags"]
+            kind = (
+                "shared"
+                if flags & FLAG_SHARED
+                else "clean"
+                if flags & FLAG_CLEAN
+                else ("persistent")
+            )
+            out.append(
+                Piece(
+                    subscriber=subscriber,
+                    queue=queue,
+                    filter=filters.get(queue) or _filter_of(queue),
+                    kind=kind,
+                    qos=int(st["qos"]),
+                    start=start,
+                    end=end,
+                    acked=min(max(st["acked"], start), end),
+                    sent=max(st["sent"], start),
+                    online=online.get((subscriber, queue), False) and end == OPEN_END,
+                    first_ms=st["first"],
+                    last_ms=st["last"],
+                    queue_end=int(st["qend"]),
+                )
+            )
+    return out
+
+
+def open_subscribers(rows: list[Piece]) -> list[Subscriber]:
+    """The pieces still subscribed, as the backlog sees them (one per subscriber and queue)."""
+    out = []
+    for p in rows:
+        if p.end != OPEN_END:
+            continue
+        out.append(
+            Subscriber(
+                subscriber=p.subscriber,
+                queue=p.queue,
+                filter=p.filter or "",
+                start_offset=p.start,
+                committed=p.acked,
+                sessions=1,
+                shared=p.kind == "shared",
+                online=p.online,
+            )
+        )
+    return out

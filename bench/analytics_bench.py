@@ -4,15 +4,16 @@ with a warm JVM, and the speed-up of compacted (Parquet) segments.
     python bench/analytics_bench.py [--messages N] [--data-dir D] [--segment-size BYTES]
                                     [--window FROM,TO]
 
-The store is generated once per size (reused when it exists) with the store's own record
-writer (store.format.write_record, the bytes MessageStore.put appends), 1,000 devices publishing
+The store is generated once per size (reused when it exists) with the store's own record writer
+(store.format.write_record, the bytes MessageStore.put appends), 1,000 devices publishing
 `site/<k>/dev/<d>/temp` with 100-byte bodies to light queues of wildcard filters, and the
 gateway's sessions.json / consumer_offsets.json for 60 subscribers (some lagging, one shared
-group), plus the consume queues (built once from the segments if missing, as the store's
-dispatch would). Targets (issue 6, 10,000,000 messages, 2 cores): >= 300,000 records/s raw,
-full report <= 90 s, compacted re-scan >= 5x faster. The pruned line times a --since/--until
-report over a slice of the store time (--window, fractions of the span, default 0.2,0.3); it
-reads the window's segments plus the backlog's tail (from the oldest uncommitted message).
+group), a delivery account of 50 clean-session clients that came and went, plus the consume
+queues (built once from the segments if missing, as the store's dispatch would). Targets (issue
+6, 10,000,000 messages, 2 cores): >= 300,000 records/s raw, full report <= 90 s, compacted
+re-scan >= 5x faster. The pruned line times a --since/--until report over a slice of the store
+time (--window, fractions of the span, default 0.2,0.3); it reads the window's segments plus the
+backlog's tail (from the oldest uncommitted message).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from store import format as fmt  # noqa: E402 (after the sys.path fix above)
 from topicmap import queue_name  # noqa: E402
 
 DEVICES = 1000
+ACCOUNT_VERSION = 1  # the generated delivery account's shape (bumped: regenerate)
+CLEAN_SESSIONS = 4
+SAMPLES = 5
 T0_MS = 1_700_000_000_000
 SITES = 50
 
@@ -43,7 +47,11 @@ def _filters() -> list[str]:
 def generate(data_dir: Path, n: int, segment_size: int) -> None:
     """Write n records into segment files exactly as the store lays them out."""
     marker = data_dir / "bench-complete.json"
-    if marker.exists() and json.loads(marker.read_text()) == {"n": n, "seg": segment_size}:
+    if marker.exists() and json.loads(marker.read_text()) == {
+        "n": n,
+        "seg": segment_size,
+        "account": ACCOUNT_VERSION,
+    }:
         print(f"reusing {n:,} messages in {data_dir}")
         return
     shutil.rmtree(data_dir, ignore_errors=True)
@@ -117,8 +125,38 @@ def generate(data_dir: Path, n: int, segment_size: int) -> None:
     (data_dir / "config" / "consumer_offsets.json").write_text(
         json.dumps({"version": 1, "offsets": committed})
     )
-    marker.write_text(json.dumps({"n": n, "seg": segment_size}))
+    _clean_sessions(data_dir, site_q, offsets, n)
+    marker.write_text(json.dumps({"n": n, "seg": segment_size, "account": ACCOUNT_VERSION}))
     print(f"generated {n:,} messages in {time.monotonic() - started:.1f}s")
+
+
+def _clean_sessions(data_dir: Path, site_q: list[str], offsets: dict[str, int], n: int) -> None:
+    """The delivery account of clean sessions: per site filter, one client that connected
+    CLEAN_SESSIONS times over the span (each session its own range, the last one still open),
+    sampled SAMPLES times per session, as the gateway writes it (store.delivery_account)."""
+    from store import FLAG_CLEAN, FLAG_CLOSED, AccountRecord, AccountWriter
+
+    span_ms = n // 100
+    writer = AccountWriter(data_dir)
+    for k, q in enumerate(site_q):
+        end = offsets.get(q, 0)
+        cut = [end * i // CLEAN_SESSIONS for i in range(CLEAN_SESSIONS + 1)]
+        records = []
+        for i in range(CLEAN_SESSIONS):
+            lo, hi = cut[i], cut[i + 1]
+            last = i == CLEAN_SESSIONS - 1
+            for j in range(1, SAMPLES + 1):
+                seen = lo + (hi - lo) * j // SAMPLES
+                closing = j == SAMPLES and not last
+                records.append(
+                    AccountRecord(
+                        f"clean-site-{k}", q, FLAG_CLEAN | (FLAG_CLOSED if closing else 0), 1,
+                        lo, max(lo, seen - 10), seen, seen,
+                        T0_MS + span_ms * seen // max(1, end),
+                    )
+                )  # fmt: skip
+        writer.append(records)
+    writer.close()
 
 
 def _cq_of_segment(path: str, start: int, sealed: bool) -> dict[str, tuple[bytes, int]]:

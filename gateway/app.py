@@ -19,7 +19,8 @@ from gateway.access import AccessControl
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
-from gateway.embedded import open_storage
+from gateway.delivery_account import DeliveryAccount
+from gateway.embedded import open_account, open_storage
 from gateway.gc_monitor import GcMonitor
 from gateway.ingest import IngestBatch
 from gateway.listeners import ExtraListeners
@@ -80,6 +81,7 @@ class Gateway:
         self.ingest: IngestBatch | None  # None in sync flush mode (see gateway/ingest.py)
         self.overload: OverloadGuard
         self.timers: TimerWheel  # connect timeouts and keep-alive (gateway/timers.py)
+        self.account: DeliveryAccount
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -96,6 +98,7 @@ class Gateway:
         self.gc.start(loop, self.connections.__len__)
         self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
+        self.account = DeliveryAccount(open_account(s), self.store.max_offset)
         clamp = self.store.tail_may_be_lost  # a clean stop saved no position past a queue end
         for session, subs in self.sessions.load(materialize_all=clamp):
             if session is not None and clamp:
@@ -119,6 +122,11 @@ class Gateway:
         self.overload.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
         self.timers.start()
+        self._tasks.append(
+            loop.create_task(
+                self.account.run(self.sessions.sessions.values, self.shared.groups.values)
+            )
+        )
         self._tasks.append(
             loop.create_task(self.retained.snapshot_periodically(s.retained_snapshot_interval))
         )
@@ -220,6 +228,7 @@ class Gateway:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
         try:
+            self.account.close(self.sessions.sessions.values(), self.shared.groups.values())
             await self.sessions.close()
             self.retained.close()
         finally:
@@ -381,6 +390,7 @@ class Gateway:
         """Drop one subscription. Its QoS 1/2 deliveries already started stay in flight
         (MQTT-3.10.4-3): each keeps a copy of its message for a resend after a reconnect,
         unless `keep_inflight` is False (the whole session is ending)."""
+        self.account.ended(session, sub)
         session.remove_subscription(sub.topic_filter)
         self.router.remove(sub.topic_filter)
         self._routes.clear()

@@ -584,6 +584,7 @@ class DeliveryLoop:
             self.gw.store.offsets.commit(
                 self.session.client_id, sub.queue, committed, durable=self.session.persistent
             )
+            self.gw.account.moved(self.session, sub)
 
     def _commit_acknowledged(self) -> None:
         uncommitted = self._uncommitted

@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.config import GatewaySettings
 from gateway.storage import Storage
-from store import FlushMode, MessageStore, StoreConfig
+from store import AccountWriter, FlushMode, MessageStore, StoreConfig
 
 
 class EmbeddedStorage(MessageStore):
@@ -73,3 +73,8 @@ def open_read_only(data_dir: Path) -> Storage:
     store = EmbeddedStorage.open(StoreConfig(data_dir=data_dir, read_only=True))
     assert isinstance(store, EmbeddedStorage)
     return store
+
+
+def open_account(settings: GatewaySettings) -> AccountWriter:
+    """The delivery account of `settings.data_dir` (store/delivery_account.py), for appending."""
+    return AccountWriter(settings.data_dir)

@@ -40,6 +40,7 @@ class SharedGroup:
         self.refs = 0  # sessions (live or offline) holding this subscription
         self.members: list[DeliveryLoop] = []
         self.next_offset = 0
+        self.start_offset = 0  # where the group began reading (the delivery account's range)
         self.pending: dict[int, DeliveryLoop] = {}
         self.returned: list[int] = []  # heap of offsets to hand out again
         self._buffer: deque[tuple[int, StoredMessage]] = deque()
@@ -58,6 +59,7 @@ class SharedGroup:
 
     def _commit(self) -> None:
         self.gw.store.offsets.commit(self.consumer, self.queue, self.committed())
+        self.gw.account.group_moved(self)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -191,6 +193,7 @@ class SharedSubscriptions:
             end = self.gw.store.max_offset(queue)
             saved = self.gw.store.offsets.get(g.consumer, queue) if resume else None
             g.next_offset = min(saved, end) if saved is not None else end
+            g.start_offset = g.next_offset
             self.groups[key] = g
             g._commit()
         g.refs += 1
@@ -207,4 +210,5 @@ class SharedSubscriptions:
         if g.refs <= 0:
             for m in list(g.members):
                 g.leave(m)
+            self.gw.account.group_ended(g)
             del self.groups[(group, topic_filter)]

@@ -37,6 +37,11 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from store import (
+    FLAG_CLEAN,
+    FLAG_CLOSED,
+    FLAG_SHARED,
+    AccountRecord,
+    AccountWriter,
     ArrivalListener,
     EncodedMessage,
     GetResult,
@@ -49,6 +54,11 @@ from store import (
 )
 
 __all__ = [
+    "FLAG_CLEAN",
+    "FLAG_CLOSED",
+    "FLAG_SHARED",
+    "AccountRecord",
+    "AccountWriter",
     "ArrivalListener",
     "CommittedOffsets",
     "EncodedMessage",

@@ -1,6 +1,14 @@
 """Embedded CommitLog store with light message queues (RocketMQ's model, RIP-28 LMQ)."""
 
 from store.config import FlushMode, StoreConfig
+from store.delivery_account import (
+    FLAG_CLEAN,
+    FLAG_CLOSED,
+    FLAG_SHARED,
+    AccountRecord,
+    AccountWriter,
+    read_account,
+)
 from store.errors import (
     CorruptStoreError,
     FlushTimeoutError,
@@ -31,7 +39,12 @@ from store.statelog import (
 from store.store import EncodedMessage, MessageStore
 
 __all__ = [
+    "FLAG_CLEAN",
+    "FLAG_CLOSED",
+    "FLAG_SHARED",
     "STATE_DIR",
+    "AccountRecord",
+    "AccountWriter",
     "ArrivalListener",
     "CorruptStoreError",
     "EncodedMessage",
@@ -54,6 +67,7 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StoredMessage",
+    "read_account",
     "read_state",
     "read_state_records",
 ]

@@ -41,18 +41,30 @@ def test_device_fanout_is_exact(report: tuple[Path, ReportMeta], world: World) -
         assert row["delivery_ratio"] == (pytest.approx(ratio) if ratio is not None else None)
         assert row["first_seen"] <= row["last_seen"]
     # Spot checks a reader can verify by hand from groundtruth.SUBS: dev-quiet reaches nobody;
-    # dev-c's fleet/9/gps is seen only by s-late, from its 31st publish on (14 of 20 messages).
+    # dev-c's fleet/9/gps is seen only by s-late, from the 31st publish on (6 per round: rounds
+    # 5..19, 15 of 20 messages).
     assert got["dev-quiet"]["deliveries"] == 0 and got["dev-quiet"]["eligible"] == 0
-    assert (got["dev-c"]["deliveries"], got["dev-c"]["subscribers_reached"]) == (14, 1)
-    assert meta.messages == len(world.messages)
+    assert (got["dev-c"]["deliveries"], got["dev-c"]["subscribers_reached"]) == (15, 1)
+    assert meta.messages == len(world.device_messages())
     assert meta.deliveries == sum(e["deliveries"] for e in expected.values())
+    assert meta.deliveries_qos0 == sum(e["deliveries_qos0"] for e in expected.values())
+    assert meta.deliveries_acked == meta.deliveries - meta.deliveries_qos0
+    # Clean sessions count: c-gone (ended, 2 due messages never acknowledged) and c-open (QoS 0,
+    # still subscribed while the report runs, 3 not acknowledged yet).
+    assert got["dev-a"]["deliveries"] > 0 and got["dev-b"]["deliveries_qos0"] > 0
+    # The gateway's $SYS messages: their own line, never a device with an empty id.
+    assert "" not in got and None not in got
+    gateway = [m for m in world.messages if not m.client_id]
+    assert meta.gateway["messages"] == len(gateway) > 0
+    assert meta.gateway["deliveries"] == sum(len(world.reach(m)[1]) for m in gateway)
+    assert meta.unreached_devices == 1  # dev-quiet
 
 
 def test_topic_fanout_is_exact(report: tuple[Path, ReportMeta], world: World) -> None:
     out, _ = report
     got = _rows(out, "topic_fanout", "topic")
     by_topic: dict[str, list] = defaultdict(list)
-    for m in world.messages:
+    for m in world.device_messages():
         by_topic[m.topic].append(m)
     assert set(got) == set(by_topic)
     for topic, msgs in by_topic.items():
@@ -62,6 +74,8 @@ def test_topic_fanout_is_exact(report: tuple[Path, ReportMeta], world: World) ->
         assert row["devices"] == len({m.client_id for m in msgs})
         assert row["deliveries"] == sum(len(world.reach(m)[1]) for m in msgs)
         assert row["eligible"] == sum(len(world.reach(m)[0]) for m in msgs)
+        assert row["deliveries_qos0"] == sum(len(world.reach_qos0(m)) for m in msgs)
+        assert row["messages_unreached"] == sum(not world.reach(m)[1] for m in msgs)
 
 
 def test_queue_backlog_is_exact(report: tuple[Path, ReportMeta], world: World) -> None:
@@ -70,10 +84,13 @@ def test_queue_backlog_is_exact(report: tuple[Path, ReportMeta], world: World) -
     assert set(got) == set(world.ends)
     for queue, end in world.ends.items():
         ranges = {k: v for (k, q), v in world.ranges.items() if q == queue}
-        slowest = min(c for _, c in ranges.values())
         row = got[queue]
         assert row["end_offset"] == end
         assert row["subscribers"] == len(ranges)
+        if not ranges:  # c-gone's queue: nobody subscribed any more, nothing waits
+            assert row["backlog_messages"] == 0
+            continue
+        slowest = min(c for _, c in ranges.values())
         assert row["slowest_committed"] == slowest
         assert row["backlog_messages"] == end - slowest
         waiting = [
@@ -115,7 +132,7 @@ def test_show_reads_the_real_report(report: tuple[Path, ReportMeta], tmp_path: P
     )
     r = Report.load(out)
     assert r.device("dev-a")["messages"] == 40
-    assert (tmp_path / "r.html").read_text().count("<svg") == 4
+    assert (tmp_path / "r.html").read_text().count("<svg") == 7  # every chart has data
 
 
 def test_data_source_reads_every_segment(spark, world: World) -> None:  # type: ignore[no-untyped-def]
@@ -198,7 +215,10 @@ def test_since_until_restrict_the_messages(spark, world: World, tmp_path: Path) 
     since, until = stamps[len(stamps) // 4], stamps[3 * len(stamps) // 4]
     assert since < until, "the puts must span more than one millisecond"
     meta = run_fanout(spark, world.data_dir, tmp_path, since_ms=since, until_ms=until)
-    assert meta.messages == sum(1 for s in stamps if since <= s < until)
+    assert meta.messages == sum(1 for m in world.device_messages() if since <= m.store_ms < until)
+    assert meta.gateway["messages"] == sum(
+        1 for m in world.messages if not m.client_id and since <= m.store_ms < until
+    )
     assert (meta.since_ms, meta.until_ms) == (since, until)
     # The backlog is the queues' state now, whatever the window.
     backlog = _rows(tmp_path, "queue_backlog", "queue")
@@ -213,3 +233,42 @@ def test_source_errors_surface_as_analytics_errors(spark, tmp_path: Path) -> Non
     found = recover_worker_error(str(raised.value))
     assert isinstance(found, DataDirError)
     assert str(found) == f"data directory {tmp_path / 'gone'} does not exist"
+
+
+def test_filter_and_subscriber_tables_are_exact(
+    report: tuple[Path, ReportMeta], world: World
+) -> None:
+    out, _ = report
+    per_queue: dict[str, int] = defaultdict(int)
+    for m in world.messages:
+        for key in world.reach(m)[1]:
+            # delivered through the first (by name) of the subscriber's queues holding it
+            mine = sorted(
+                q for q, off in zip(m.queues, m.offsets, strict=True)
+                for k, pq_, start, end, acked, _ in world.pieces
+                if k == key and pq_ == q and start <= off < acked and (end is None or off < end)
+            )  # fmt: skip
+            per_queue[mine[0]] += 1
+    got = _rows(out, "filter_deliveries", "queue")
+    for queue, n in per_queue.items():
+        assert got[queue]["deliveries"] == n, queue
+    assert sum(r["deliveries"] for r in got.values()) == sum(per_queue.values())
+    subs = pq.read_table(out / "report" / "subscribers").to_pylist()
+    gone = [r for r in subs if r["subscriber"] == "c-gone"]
+    assert len(gone) == 1 and not gone[0]["open"] and gone[0]["kind"] == "clean"
+    assert gone[0]["lag"] == 2  # due when it ended, never acknowledged
+    (c_open,) = [r for r in subs if r["subscriber"] == "c-open"]
+    assert c_open["open"] and c_open["qos"] == 0 and c_open["lag"] == 3
+    assert c_open["behind_since"] is not None
+    lag = pq.read_table(out / "report" / "subscriber_lag").to_pylist()
+    assert {r["subscriber"] for r in lag} >= {"c-gone", "c-open"}
+    assert max(r["lag_max"] for r in lag if r["subscriber"] == "c-open") == 3
+    # s-slow is known only from sessions.json: behind since its oldest owed message was stored.
+    (slow,) = [r for r in subs if r["subscriber"] == "s-slow"]
+    _, committed = next(v for (k, _), v in world.ranges.items() if k == "s-slow")
+    owed = next(
+        m.store_ms for m in world.messages
+        for q, off in zip(m.queues, m.offsets, strict=True)
+        if q == slow["queue"] and off == committed
+    )  # fmt: skip
+    assert slow["lag"] > 0 and int(slow["behind_since"].timestamp() * 1000) == owed

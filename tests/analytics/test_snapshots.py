@@ -80,3 +80,28 @@ def test_damaged_snapshots_are_clear_errors(tmp_path: Path, name: str, text: str
     with pytest.raises(SnapshotError, match=name):
         read_subscriptions(tmp_path)
         read_committed(tmp_path)
+
+
+def test_pieces_from_the_account_alone(tmp_path: Path) -> None:
+    """Clean sessions leave only account records: closed, ended by a crash, or resumed."""
+    from analytics.snapshots import OPEN_END, pieces
+    from store import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord
+
+    def rec(sub: str, flags: int, start: int, acked: int, qend: int, t: int) -> AccountRecord:
+        return AccountRecord(sub, "%LMQ%q", flags, 1, start, acked, acked, qend, t)
+
+    account = [
+        rec("c", FLAG_CLEAN, 0, 3, 5, 1),  # session 1: open record, then closed at end 8
+        rec("c", FLAG_CLEAN | FLAG_CLOSED, 0, 7, 8, 2),
+        rec("c", FLAG_CLEAN, 10, 12, 15, 3),  # session 2: never closed, not listed: a crash
+        rec("$share/g", FLAG_SHARED, 0, 20, 30, 4),  # a group, resumed at 18 after a restart
+        rec("$share/g", FLAG_SHARED, 18, 19, 31, 5),
+    ]
+    got = {(p.subscriber, p.start): p for p in pieces(tmp_path, [], {}, account)}
+    assert [(p.start, p.end, p.acked, p.kind) for k, p in sorted(got.items()) if k[0] == "c"] == [
+        (0, 8, 7, "clean"),
+        (10, 15, 12, "clean"),
+    ]
+    first, resumed = got[("$share/g", 0)], got[("$share/g", 18)]
+    assert (first.end, first.acked) == (18, 18)  # cut where the next key starts
+    assert (resumed.end, resumed.acked, resumed.kind) == (OPEN_END, 20, "shared")  # carried
