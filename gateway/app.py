@@ -81,7 +81,6 @@ class Gateway:
         self.store = open_storage(s)
         self.arrivals = ArrivalHub(loop)
         self.store.add_listener(self.arrivals)
-        self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
         clamp = self.store.tail_may_be_lost  # a clean stop saved no position past a queue end
         for session, subs in self.sessions.load(materialize_all=clamp):
@@ -96,6 +95,8 @@ class Gateway:
             if session is not None:  # None: dormant (gateway/session.py), expiry kept there
                 self.sessions.schedule_expiry(session)
         self._routes.clear()
+        # The state log was read once, by the session load: the retained snapshot is in it.
+        self.retained = RetainedIndex.open(self.store, self.sessions.other_records())
         self._restore_wills()
         self.stats.retained_count = len(self.retained)
         port = s.default_port
