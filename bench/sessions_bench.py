@@ -111,8 +111,9 @@ async def create(
     }
 
 
-def write_sessions(data_dir: Path, sessions: int) -> float:
-    """N session records as the gateway writes them (gateway.session), via the store's writer."""
+def write_sessions(data_dir: Path, sessions: int, offsets: bool = False) -> float:
+    """N session records as the gateway writes them (gateway.session), via the store's writer;
+    with `offsets`, also the committed offset a subscription gets (store.offsets)."""
     from gateway.session import SESSION_KEY_PREFIX, Session, SubscriptionState
     from store import MessageStore, StoreConfig
     from topicmap import Router, TopicFilter
@@ -132,6 +133,8 @@ def write_sessions(data_dir: Path, sessions: int) -> float:
             queue = router.add(TopicFilter(text))
             router.remove(text)
             s.add_subscription(SubscriptionState(text, queue, None, 1))
+            if offsets:
+                store.offsets.commit(cid, queue, 0)
             batch.append((SESSION_KEY_PREFIX + cid, json.dumps(s.to_json()).encode()))
             if len(batch) >= 10_000:
                 store.append_state(batch)
@@ -171,12 +174,14 @@ async def _first_connack(port: int, deadline: float) -> None:
     raise TimeoutError("no CONNACK")
 
 
-async def restart(sessions: int, workdir: Path, data: Path | None = None) -> dict[str, object]:
-    """`data`: a data directory this command wrote before (kept with --keep), reused as is."""
+async def restart(
+    sessions: int, workdir: Path, data: Path | None = None, offsets: bool = False
+) -> dict[str, object]:
+    """`data`: a data directory this command wrote before, reused as is."""
     write_s = 0.0
     if data is None:
         data = workdir / "data"
-        write_s = write_sessions(data, sessions)
+        write_s = write_sessions(data, sessions, offsets)
     state_bytes = sum(p.stat().st_size for p in (data / "state").iterdir())
     port = free_port()
     exe = Path(sys.executable).parent / "lmqtt"
@@ -201,6 +206,7 @@ async def restart(sessions: int, workdir: Path, data: Path | None = None) -> dic
         log.close()
     return {
         "sessions": sessions,
+        "committed_offsets": offsets,
         "state_log_mb": round(state_bytes / 1e6, 1),
         "records_written_s": round(write_s, 1),
         "start_to_first_connack_s": round(serving_s, 2),
@@ -220,6 +226,9 @@ def main() -> None:
     r = sub.add_parser("restart")
     r.add_argument("--sessions", type=int, default=1_000_000)
     r.add_argument("--data", type=Path, default=None, help="reuse this written data directory")
+    r.add_argument(
+        "--offsets", action="store_true", help="also a committed offset per subscription"
+    )
     for p in (c, r):
         p.add_argument("--dir", type=Path, default=None, help="work directory (default: temp)")
     args = ap.parse_args()
@@ -234,7 +243,8 @@ def main() -> None:
                 a, b = (float(str(x["rate_per_s"])) for x in results)
                 print(f"rate {results[0]['broker']} / {results[1]['broker']}: {a / b:.2f}")
         else:
-            print(json.dumps(asyncio.run(restart(args.sessions, workdir, args.data))))
+            res = asyncio.run(restart(args.sessions, workdir, args.data, args.offsets))
+            print(json.dumps(res))
     finally:
         if os.environ.get("KEEP_BENCH_DIR") is None:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -96,7 +96,6 @@ class Gateway:
         self.store.add_listener(self.arrivals)
         self.timers = TimerWheel(loop)
         self.gc.start(loop, self.connections.__len__)
-        self.retained = RetainedIndex.open(self.store)
         self.sessions = SessionRegistry(self.store, self.end_session)
         self.account = DeliveryAccount(open_account(s), self.store.max_offset)
         clamp = self.store.tail_may_be_lost  # a clean stop saved no position past a queue end
@@ -112,6 +111,8 @@ class Gateway:
             if session is not None:  # None: dormant (gateway/session.py), expiry kept there
                 self.sessions.schedule_expiry(session)
         self._routes.clear()
+        # The state log was read once, by the session load: the retained snapshot is in it.
+        self.retained = RetainedIndex.open(self.store, self.sessions.other_records())
         self._restore_wills()
         self.stats.retained_count = len(self.retained)
         port = s.default_port

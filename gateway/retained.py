@@ -6,14 +6,15 @@ The CommitLog stays the only truth. Every retained PUBLISH is appended once to t
 the light queue ``%RETAIN%`` among its dispatch queues, so an acknowledged retained publish is
 on disk exactly like any other message. The index is a materialised view of that queue:
 
-    RetainedIndex state  =  snapshot (config/retained.json, covers %RETAIN% offsets < N)
+    RetainedIndex state  =  snapshot (state records, covers %RETAIN% offsets < N)
                             + replay of %RETAIN% from offset N to its end
 
 ``open()`` loads the snapshot and replays the queue; a crash between snapshots therefore loses
 nothing, it only makes the next replay longer. ``snapshot()`` first catches up with the queue,
-then writes every live message (payload included, so store retention may delete the segments
-that hold old retained messages) and the queue offset it covers, atomically via
-``store.write_config``. It runs periodically (``snapshot_periodically``) and on ``close()``.
+then appends to the state log (gateway/storage.py) one record per topic changed since the
+last snapshot (payload included, so store retention may delete the segments that hold old
+retained messages; a DELETE record when the topic has none any more) and the queue offset
+covered, in one batch. It runs periodically (``snapshot_periodically``) and on ``close()``.
 Limit: a retained publish made after the last snapshot whose segment retention deletes before
 the next snapshot is lost (and logged); the snapshot period (default 60 s) keeps that window
 far below any sensible retention setting.
@@ -35,11 +36,15 @@ walks ``+`` (one child level) and ``#`` (a whole subtree, the parent level inclu
 applies the ``$`` rule (a filter starting with a wildcard never matches a ``$`` topic). Expired
 messages (MQTT 5 message expiry interval) are skipped and dropped when met.
 
-Snapshot file ``config/retained.json``::
+Snapshot records (the newest record per key wins)::
 
-    {"version": 1, "queue": "%RETAIN%", "next_offset": N, "saved_at_ms": T,
-     "messages": [{"topic": "a/b", "payload": "<base64>", "qos": 1, "properties": {...},
-                   "stored_at_ms": T, "expiry": null | seconds, "offset": null | int}, ...]}
+    "retained/<topic>"  -> {"topic": "a/b", "payload": "<base64>", "qos": 1, "properties": {...},
+                            "stored_at_ms": T, "expiry": null | seconds, "offset": null | int}
+    "meta/retained"     -> {"queue": "%RETAIN%", "next_offset": N, "saved_at_ms": T}
+
+Older versions wrote the whole snapshot to ``config/retained.json`` ({"version": 1, "queue",
+"next_offset", "saved_at_ms", "messages": [the records' values]}); it is read while no
+"meta/retained" record exists, and the first snapshot turns it into records.
 
 Not thread-safe: used from the gateway's event loop only.
 """
@@ -52,7 +57,7 @@ import binascii
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,8 +69,12 @@ __all__ = ["RetainedIndex", "RetainedMessage", "RetainedTrie"]
 
 log = logging.getLogger("lmqtt.retained")
 
-SNAPSHOT_NAME = "retained.json"
+SNAPSHOT_NAME = "retained.json"  # older versions' snapshot file, read when no records exist
 SNAPSHOT_VERSION = 1
+# State records (gateway/storage.py): one per retained topic, its message as JSON
+# (RetainedMessage.to_json; a DELETE when it went), and the offset of %RETAIN% they cover.
+RECORD_PREFIX = "retained/"
+CURSOR_KEY = "meta/retained"  # {"queue": "%RETAIN%", "next_offset": N, "saved_at_ms": T}
 REPLAY_BATCH = 256
 # Store-internal properties that say nothing about the MQTT message.
 _INTERNAL_PROPERTIES = frozenset({"INNER_MULTI_DISPATCH", "INNER_MULTI_QUEUE_OFFSET", "__CRC32#"})
@@ -74,6 +83,20 @@ _INTERNAL_PROPERTIES = frozenset({"INNER_MULTI_DISPATCH", "INNER_MULTI_QUEUE_OFF
 def _read_only(store: MessageStore) -> bool:
     config = getattr(store, "config", None)
     return bool(getattr(store, "read_only", False) or getattr(config, "read_only", False))
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def _fold(records: Iterable[tuple[str, bytes | None]]) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for key, value in records:
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
 
 
 def _now_ms() -> int:
@@ -260,6 +283,10 @@ class RetainedIndex:
         self._unconfirmed: dict[str, int] = {}
         self._next_offset = 0  # everything in QUEUE below this is reflected in the trie
         self._dirty = False
+        # Topics changed since the last snapshot (their records are rewritten by the next one),
+        # and record keys to delete whatever (left by an unusable snapshot).
+        self._changed: set[str] = set()
+        self._stale: set[str] = set()
         # None until the first apply(): True when the caller passes offsets (then the log
         # catch-up need not count confirmations), False when it does not.
         self._caller_passes_offsets: bool | None = None
@@ -267,11 +294,22 @@ class RetainedIndex:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def open(cls, store: MessageStore) -> RetainedIndex:
-        """Load config/retained.json (if any) and replay %RETAIN% from its offset. Read-only:
-        works on a store opened with read_only=True (lmqtt inspect)."""
+    def open(cls, store: MessageStore, records: Mapping[str, bytes] | None = None) -> RetainedIndex:
+        """Load the snapshot (state records; `records`: the state's records already read, key
+        -> value) and replay %RETAIN% from its offset. Read-only: works on a store opened
+        with read_only=True (lmqtt inspect)."""
         index = cls(store)
-        doc = index._read_snapshot()
+        if records is None:
+            records = _fold(
+                (k, v)
+                for k, v in store.state_records()
+                if k.startswith(RECORD_PREFIX) or k == CURSOR_KEY
+            )
+        doc = index._read_records(records)
+        if doc is None and CURSOR_KEY not in records:
+            doc = index._read_snapshot()  # an older version's config/retained.json
+            if doc is not None:
+                index._changed.update(str(m["topic"]) for m in doc["messages"])
         if doc is not None:
             for item in doc["messages"]:
                 msg = RetainedMessage.from_json(item)
@@ -339,6 +377,7 @@ class RetainedIndex:
         if msg is not None and msg.expired():
             self._trie.delete(topic)
             self._dirty = True
+            self._changed.add(topic)
             return None
         return msg
 
@@ -356,6 +395,7 @@ class RetainedIndex:
             if msg.expired(now):
                 self._trie.delete(msg.topic)
                 self._dirty = True
+                self._changed.add(msg.topic)
             else:
                 live.append(msg)
         return live
@@ -398,6 +438,7 @@ class RetainedIndex:
         else:
             self._trie.delete(msg.topic)
         self._dirty = True
+        self._changed.add(msg.topic)
 
     def _catch_up(self, confirmable: bool) -> int:
         """Apply %RETAIN% records from _next_offset to the queue's end; returns how many."""
@@ -440,30 +481,53 @@ class RetainedIndex:
 
     # ------------------------------------------------------------------ persistence
     def snapshot(self) -> None:
-        """Catch up with the log, then atomically write every live message and the offset."""
+        """Catch up with the log, then append the records of the topics changed since the
+        last snapshot and the queue offset covered (one batch: the offset never lands without
+        the records it covers)."""
         store = self._store
         if store is None:
             return
         self._catch_up(confirmable=True)
         now = _now_ms()
-        messages = [m for m in self._trie if not m.expired(now)]
-        doc = {
-            "version": SNAPSHOT_VERSION,
-            "queue": self.QUEUE,
-            "next_offset": self._next_offset,
-            "saved_at_ms": now,
-            "messages": [m.to_json() for m in messages],
-        }
-        store.write_config(SNAPSHOT_NAME, json.dumps(doc, separators=(",", ":")).encode())
+        records: list[tuple[str, bytes | None]] = []
+        for topic in self._changed | self._stale:
+            msg = self._trie.get(topic)
+            live = msg is not None and not msg.expired(now)
+            value = _dumps(msg.to_json()).encode() if live and msg is not None else None
+            records.append((RECORD_PREFIX + topic, value))
+        cursor = {"queue": self.QUEUE, "next_offset": self._next_offset, "saved_at_ms": now}
+        records.append((CURSOR_KEY, _dumps(cursor).encode()))
+        store.append_state(records)
+        self._changed.clear()
+        self._stale.clear()
         # Tombstones below the covered offset can never be contradicted again.
-        live = {m.topic for m in messages}
         self._versions = {
-            t: v for t, v in self._versions.items() if t in live or v >= self._next_offset
+            t: v
+            for t, v in self._versions.items()
+            if self._trie.get(t) is not None or v >= self._next_offset
         }
         self._dirty = False
-        log.debug(
-            "retained: snapshot of %d message(s) at offset %d", len(messages), doc["next_offset"]
-        )
+        log.debug("retained: snapshot of %d change(s) at offset %d", len(records) - 1, now)
+
+    def _read_records(self, records: Mapping[str, bytes]) -> dict[str, Any] | None:
+        """The snapshot held in state records, in the form of the old file; None when there
+        is none or it is unusable (then every record of it is deleted by the next one)."""
+        raw = records.get(CURSOR_KEY)
+        if raw is None:
+            return None
+        try:
+            cursor = json.loads(raw)
+            next_offset = int(cursor["next_offset"])
+            messages = []
+            for key, value in records.items():
+                if key.startswith(RECORD_PREFIX):
+                    messages.append(json.loads(value))
+                    RetainedMessage.from_json(messages[-1])
+        except (ValueError, KeyError, TypeError, binascii.Error) as exc:
+            log.error("retained: ignoring an unusable snapshot (%s); replaying the log", exc)
+            self._stale.update(k[len(RECORD_PREFIX) :] for k in records if k != CURSOR_KEY)
+            return None
+        return {"next_offset": next_offset, "messages": messages}
 
     def _read_snapshot(self) -> dict[str, Any] | None:
         store = self._store

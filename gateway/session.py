@@ -327,7 +327,8 @@ class SessionRegistry:
         self._live: set[str] = set()
         self._progress_all = False
         self._last_save = time.monotonic()
-        self._meta: dict[str, bytes] = {}  # the registry's other state records (IMPORTED_KEY)
+        # The state log's other records, read by load() (IMPORTED_KEY; the retained index's).
+        self._meta: dict[str, bytes] = {}
         # Dormant sessions (see load): client id -> its record; their expiry deadlines.
         self._dormant: dict[str, bytes] = {}
         # Their expiry, static once loaded: a sorted array of (due second << _ID_BITS | index
@@ -473,6 +474,12 @@ class SessionRegistry:
             self._dirty.update(self.sessions)
             self._store.append_state([*self._records(self._dirty), (IMPORTED_KEY, b"1")])
             self._dirty.clear()
+
+    def other_records(self) -> dict[str, bytes]:
+        """The state records load() read that are not sessions' (newest per key); taken once:
+        the other owners of state (the retained index) start from them."""
+        out, self._meta = self._meta, {}
+        return out
 
     def client_ids(self) -> list[str]:
         """Every session's client id, dormant ones included."""
@@ -620,13 +627,16 @@ def read_session_records(
     records: Iterable[StateRecord], meta: dict[str, bytes] | None = None
 ) -> dict[str, bytes]:
     """Client id -> the newest session record (JSON bytes) of a stream of state records;
-    `meta` gets the registry's own other records."""
+    `meta` gets every other record (newest per key), for the other owners of state."""
     out: dict[str, bytes] = {}
     n = len(SESSION_KEY_PREFIX)
     for key, value in records:
         if not key.startswith(SESSION_KEY_PREFIX):
-            if meta is not None and key.startswith(META_KEY_PREFIX) and value is not None:
-                meta[key] = value
+            if meta is not None:
+                if value is None:
+                    meta.pop(key, None)
+                else:
+                    meta[key] = value
             continue
         if value is None:
             out.pop(key[n:], None)

@@ -85,35 +85,53 @@ def read_committed_offsets(data_dir: Path) -> dict[tuple[str, str], int]:
 
 
 class ConsumerOffsets:
-    """In-memory table; changes reach the log on :meth:`persist`."""
+    """Committed offsets; changes reach the log on :meth:`persist`.
+
+    The table is read from the log on the first read (get, all), not at open: a gateway with a
+    million subscriptions commits offsets but reads its own positions from its sessions, and
+    the table would cost it ~260 MB for nothing. Commits are recorded either way.
+    """
 
     def __init__(self, directory: Path, legacy_path: Path, *, read_only: bool = False) -> None:
         self.directory = directory
         self.path = legacy_path
         self.read_only = read_only
         self._lock = threading.Lock()
-        self._offsets: dict[tuple[str, str], int] = {}
+        self._offsets: dict[tuple[str, str], int] | None = None  # None: not read yet
         self._changed: dict[tuple[str, str], int | None] = {}
         self._log: StateLog | None = None
         self._compaction: threading.Thread | None = None
         self._imported = False
-
-    def load(self) -> None:
-        """Read the table (a writable store: after taking its lock, recovering the log)."""
-        had_log = _has_log(self.directory)
-        if not self.read_only:
-            self._log = StateLog.open(self.directory)
-        self._offsets = read_offsets_log(self.directory) if had_log else {}
-        # An older version's file, until its import has been persisted (then it is renamed).
-        legacy = read_offsets_file(self.path)
-        if legacy and not self.read_only:
-            self._imported = True
-            self._changed = {k: v for k, v in legacy.items() if k not in self._offsets}
-        self._offsets = legacy | self._offsets
         # Positions that need not survive a restart (a gateway's clean sessions, which end with
         # their connection): kept for get()/all() but never written, so that 10,000 devices'
         # command subscriptions do not each cost a log record per delivery.
         self._volatile: dict[tuple[str, str], int] = {}
+
+    def load(self) -> None:
+        """Open the log (a writable store: after taking its lock, recovering it) and import an
+        older version's file, until that import has been persisted (then it is renamed)."""
+        if not self.read_only:
+            self._log = StateLog.open(self.directory)
+        legacy = read_offsets_file(self.path)
+        if legacy:
+            with self._lock:
+                table = self._table()
+                if not self.read_only:
+                    self._imported = True
+                    self._changed = {k: v for k, v in legacy.items() if k not in table}
+                self._offsets = legacy | table
+
+    def _table(self) -> dict[tuple[str, str], int]:
+        """The table, read on first use: the log, then the changes not yet in it (lock held)."""
+        if self._offsets is None:
+            table = read_offsets_log(self.directory)
+            for key, off in self._changed.items():
+                if off is None:
+                    table.pop(key, None)
+                else:
+                    table[key] = off
+            self._offsets = table
+        return self._offsets
 
     def commit(self, group: str, queue: str, offset: int, *, durable: bool = True) -> None:
         """Set the position; ``durable=False``: in memory only (unless already durable)."""
@@ -121,31 +139,35 @@ class ConsumerOffsets:
             raise ValueError("offset must be >= 0")
         key = (group, queue)
         with self._lock:
-            if not durable and key not in self._offsets:
+            table = self._offsets
+            if not durable and key not in self._changed and (table is None or key not in table):
                 self._volatile[key] = offset
                 return
-            if self._offsets.get(key) != offset:
-                self._offsets[key] = offset
-                self._changed[key] = offset
             if self._volatile:
                 self._volatile.pop(key, None)
+            if table is not None:
+                if table.get(key) == offset:
+                    return
+                table[key] = offset
+            self._changed[key] = offset
 
     def get(self, group: str, queue: str) -> int | None:
         key = (group, queue)
         with self._lock:
-            found = self._offsets.get(key)
+            found = self._table().get(key)
             return self._volatile.get(key) if found is None else found
 
     def remove(self, group: str, queue: str) -> None:
         key = (group, queue)
         with self._lock:
             self._volatile.pop(key, None)
-            if self._offsets.pop(key, None) is not None:
-                self._changed[key] = None
+            if self._offsets is not None and self._offsets.pop(key, None) is None:
+                return
+            self._changed[key] = None
 
     def all(self) -> dict[tuple[str, str], int]:
         with self._lock:
-            return {**self._volatile, **self._offsets}
+            return {**self._volatile, **self._table()}
 
     def persist(self) -> bool:
         """Append the changed entries and fsync them; returns whether it wrote."""
@@ -153,22 +175,23 @@ class ConsumerOffsets:
             return False
         with self._lock:
             changed, self._changed = self._changed, {}
+            if changed:
+                records: list[StateRecord] = [
+                    (g + _SEP + q, None if off is None else _VALUE.pack(off))
+                    for (g, q), off in changed.items()
+                ]
+                try:
+                    # Under the lock: a first read then finds them in the log or in _changed.
+                    self._log.append(records)
+                except BaseException:
+                    self._changed = changed | self._changed  # newer changes win
+                    raise
         if not changed:
             if self._imported:
                 self._imported = False
                 os.replace(self.path, self.path.with_name(self.path.name + ".imported"))
             return False
-        records: list[StateRecord] = [
-            (g + _SEP + q, None if off is None else _VALUE.pack(off))
-            for (g, q), off in changed.items()
-        ]
-        try:
-            self._log.append(records)
-            self._log.sync()
-        except BaseException:
-            with self._lock:
-                self._changed = changed | self._changed  # newer changes win
-            raise
+        self._log.sync()
         if self._imported:
             self._imported = False
             os.replace(self.path, self.path.with_name(self.path.name + ".imported"))

@@ -16,8 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.retained import SNAPSHOT_NAME, RetainedIndex, RetainedMessage, RetainedTrie
-from store import MessageStore, StoreConfig
+from gateway.retained import (
+    CURSOR_KEY,
+    RECORD_PREFIX,
+    SNAPSHOT_NAME,
+    RetainedIndex,
+    RetainedMessage,
+    RetainedTrie,
+)
+from store import MessageStore, StoreConfig, read_state
 from store.format import ABORT_FILE, LOCK_FILE
 
 QUEUE = RetainedIndex.QUEUE
@@ -165,7 +172,8 @@ def test_restart_with_snapshot(tmp_path: Path) -> None:
     _publish(s, index, "dev/3", b"")
     index.close()
     s.close()
-    assert (tmp_path / "d" / "config" / SNAPSHOT_NAME).exists()
+    snapshot = read_state(tmp_path / "d" / "state")
+    assert CURSOR_KEY in snapshot and "retained/dev/0" in snapshot
 
     s = _open(tmp_path / "d")
     try:
@@ -278,9 +286,9 @@ def test_expiry(tmp_path: Path) -> None:
     s.close()
 
     # Expired messages are neither snapshotted nor resurrected by replay.
-    doc = json.loads((tmp_path / "d" / "config" / SNAPSHOT_NAME).read_bytes())
-    assert {m["topic"] for m in doc["messages"]} == {"e/long", "e/never"}
-    (tmp_path / "d" / "config" / SNAPSHOT_NAME).unlink()
+    records = read_state(tmp_path / "d" / "state", RECORD_PREFIX)
+    assert set(records) == {"e/long", "e/never"}
+    shutil.rmtree(tmp_path / "d" / "state")  # without the snapshot: replay alone
     s = _open(tmp_path / "d")
     try:
         assert _topics(RetainedIndex.open(s).match("e/#")) == {"e/long", "e/never"}
@@ -334,9 +342,9 @@ def test_snapshot_ahead_of_truncated_log(tmp_path: Path) -> None:
     index = RetainedIndex.open(s)
     _publish(s, index, "p", b"1")
     index.close()
-    doc = json.loads((tmp_path / "d" / "config" / SNAPSHOT_NAME).read_bytes())
-    doc["next_offset"] = 50  # pretend the log's tail was cut after this snapshot
-    s.write_config(SNAPSHOT_NAME, json.dumps(doc).encode())
+    cursor = json.loads(read_state(tmp_path / "d" / "state")[CURSOR_KEY])
+    cursor["next_offset"] = 50  # pretend the log's tail was cut after this snapshot
+    s.append_state([(CURSOR_KEY, json.dumps(cursor).encode())])
     s.close()
 
     s = _open(tmp_path / "d")
@@ -376,13 +384,13 @@ async def test_periodic_snapshot(store: MessageStore) -> None:
     index = RetainedIndex.open(store)
     _publish(store, index, "z", b"1")
     task = asyncio.create_task(index.snapshot_periodically(0.02))
-    path = store.config_dir / SNAPSHOT_NAME
     try:
         for _ in range(250):
-            if path.exists():
+            if read_state(store.state_dir, RECORD_PREFIX):
                 break
             await asyncio.sleep(0.02)
-        assert json.loads(path.read_bytes())["messages"][0]["topic"] == "z"
+        records = read_state(store.state_dir, RECORD_PREFIX)
+        assert json.loads(records["z"])["topic"] == "z"
     finally:
         task.cancel()
 
@@ -491,3 +499,44 @@ def test_acknowledged_retained_publish_survives_sigkill(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def test_retained_json_of_an_older_version_becomes_records(tmp_path: Path) -> None:
+    s = _open(tmp_path / "d")
+    index = RetainedIndex.open(s)
+    _publish(s, index, "old/a", b"A")
+    _publish(s, index, "old/b", b"B")
+    msgs = [m.to_json() for m in index.match("#")]
+    doc = {"version": 1, "queue": QUEUE, "next_offset": index.next_offset, "messages": msgs}
+    s.write_config(SNAPSHOT_NAME, json.dumps(doc).encode())
+    s.close()  # no index.close(): the old file is the only snapshot
+    s = _open(tmp_path / "d")
+    index = RetainedIndex.open(s)
+    assert index.replayed == 0  # covered by the old file
+    index.close()
+    s.close()
+    assert set(read_state(tmp_path / "d" / "state", RECORD_PREFIX)) == {"old/a", "old/b"}
+    (tmp_path / "d" / "config" / SNAPSHOT_NAME).unlink()  # not needed any more
+    s = _open(tmp_path / "d")
+    try:
+        again = RetainedIndex.open(s)
+        assert again.replayed == 0
+        assert {m.topic: m.payload for m in again.match("#")} == {"old/a": b"A", "old/b": b"B"}
+    finally:
+        s.close()
+
+
+def test_an_unusable_snapshot_record_falls_back_to_replay(tmp_path: Path) -> None:
+    s = _open(tmp_path / "d")
+    index = RetainedIndex.open(s)
+    _publish(s, index, "k", b"v")
+    index.close()
+    s.append_state([(CURSOR_KEY, b'{"next_off')])
+    s.close()
+    s = _open(tmp_path / "d")
+    try:
+        again = RetainedIndex.open(s)
+        assert again.replayed == 1
+        assert {m.topic: m.payload for m in again.match("#")} == {"k": b"v"}
+    finally:
+        s.close()

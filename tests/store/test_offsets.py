@@ -49,3 +49,22 @@ def test_the_json_file_of_an_older_version_is_imported_once(
     assert read_committed_offsets(data) == {("$share/x", "%LMQ%b"): 9}
     s = open_store()
     assert s.offsets.all() == {("$share/x", "%LMQ%b"): 9}
+
+
+def test_commits_and_removals_before_the_table_is_first_read(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    """The table is read from the log on first use; what changed before that is not lost."""
+    s = open_store()
+    s.offsets.commit("a", "%LMQ%q", 1)
+    s.offsets.commit("b", "%LMQ%q", 2)
+    s.close()
+    s = open_store()
+    s.offsets.commit("a", "%LMQ%q", 10)  # before any read: persisted by the next flush
+    s.flush()
+    s.offsets.remove("b", "%LMQ%q")  # not yet persisted when the table is read
+    s.offsets.commit("c", "%LMQ%q", 3)
+    assert s.offsets.all() == {("a", "%LMQ%q"): 10, ("c", "%LMQ%q"): 3}
+    assert s.offsets.get("b", "%LMQ%q") is None
+    s.close()
+    assert read_committed_offsets(tmp_path / "data") == {("a", "%LMQ%q"): 10, ("c", "%LMQ%q"): 3}
