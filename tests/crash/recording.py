@@ -114,7 +114,13 @@ class DiskModelWalk:
 
 
 def record(
-    tmp: Path, shim: Path, *, messages: int, flush: str = "sync", nosync: bool = False
+    tmp: Path,
+    shim: Path,
+    *,
+    messages: int,
+    flush: str = "sync",
+    nosync: bool = False,
+    pause_s: float = 0.0,
 ) -> Recording:
     """Run the gateway under the shim on an empty data dir, flood it, SIGKILL it."""
     data = (tmp / "data").resolve()
@@ -125,7 +131,7 @@ def record(
         env["CRASHSIM_NOSYNC"] = "1"
     gw = GatewayProcess(data, flush=flush, segment_size=SEGMENT, env=env)
     try:
-        run = flood(gw.port, messages=messages)
+        run = flood(gw.port, messages=messages, pause_s=pause_s)
     except BaseException:
         gw.kill()
         raise

@@ -73,9 +73,12 @@ def _subscribe(port: int, client: str, topic_filter: str, qos: int) -> Subscribe
         c.close()
 
 
-def flood(port: int, *, messages: int, window: int = 16, seed: int = 7) -> Run:
+def flood(
+    port: int, *, messages: int, window: int = 16, seed: int = 7, pause_s: float = 0.0
+) -> Run:
     """``messages`` QoS 1 and as many QoS 2 publishes, ``window`` of each in flight; a new
-    persistent subscriber every 150 messages; every 20th QoS 1 message retained."""
+    persistent subscriber every 150 messages; every 20th QoS 1 message retained. ``pause_s``
+    paces the windows, so that a run spans several of the store's flush intervals."""
     rnd = random.Random(seed)
     run = Run()
     run.subscribed.append(_subscribe(port, KEEPER, KEEPER_FILTER, 2))
@@ -86,6 +89,8 @@ def flood(port: int, *, messages: int, window: int = 16, seed: int = 7) -> Run:
         assert p2.connect(QOS2_CLIENT, clean=False).reason_code == 0
         i = 0
         while i < messages:
+            if pause_s and i:
+                time.sleep(pause_s)
             batch1: dict[int, Sent] = {}
             batch2: dict[int, Sent] = {}
             for _ in range(min(window, messages - i)):
