@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from store.filehandles import FileHandles
@@ -203,11 +203,20 @@ class ConsumeQueueTable:
         return list(seen)
 
     # -- writing -----------------------------------------------------------------------------
-    def append(self, cq: ConsumeQueue, unit: bytes) -> None:
-        if not cq.pending:
-            self.dirty[cq.name] = cq
-        cq.pending += unit
-        cq.max_offset += 1
+    def dispatch(self, queues: Sequence[ConsumeQueue], unit: bytes) -> None:
+        """Light-queue dispatch: ``unit`` becomes the next unit of every queue in ``queues``.
+
+        The one place units join queues: appends (a record's parent queue and its light
+        queues, at the offsets the writer just gave it) and recovery (records re-dispatched at
+        the offsets they carry, found to be each queue's next) both call it. Units wait in
+        ``pending`` until :meth:`write_pending`.
+        """
+        dirty = self.dirty
+        for cq in queues:
+            if not cq.pending:
+                dirty[cq.name] = cq
+            cq.pending += unit
+            cq.max_offset += 1
 
     def _write(self, cq: ConsumeQueue) -> list[str]:
         """Write ``cq.pending`` to its files; returns the paths written (to fsync).

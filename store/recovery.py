@@ -20,7 +20,6 @@ Abnormal restart (``abort`` present, or checkpoint missing/stale/inconsistent):
 from __future__ import annotations
 
 import logging
-import struct
 import zlib
 from dataclasses import dataclass, field
 
@@ -34,12 +33,14 @@ from store.format import (
     CRC_MASK,
     CRC_PREFIX,
     CRC_TRAILER_SIZE,
+    DISPATCH_FIELDS,
     DISPATCH_PREFIX,
     FIXED_OVERHEAD,
     HEADER_SIZE,
     MAGIC,
     PROPS_LEN,
     QOFFSET_PREFIX,
+    SCAN_FIELDS,
     SIZE_MAGIC,
     check_record,
     dispatch_info,
@@ -66,8 +67,7 @@ class RecoveryReport:
     units_total: int = 0
 
 
-#: TOTALSIZE, MAGICCODE and BODYLENGTH of a record header in one call (see format.py).
-_SIZE_MAGIC_BLEN = struct.Struct(">iI76xi").unpack_from
+_SIZE_MAGIC_BLEN = SCAN_FIELDS.unpack_from
 _U16 = PROPS_LEN.unpack_from
 _MIN_RECORD = FIXED_OVERHEAD + 1 + CRC_TRAILER_SIZE
 _CRC_PREFIX_LEN = len(CRC_PREFIX)
@@ -316,8 +316,7 @@ def _rebuild(
     )
 
 
-#: TOTALSIZE, MAGICCODE, QUEUEOFFSET and BODYLENGTH of a record header (see format.py).
-_DISPATCH_FIELDS = struct.Struct(">iI12xq56xi").unpack_from
+_DISPATCH_FIELDS = DISPATCH_FIELDS.unpack_from
 _DISPATCH_LEN = len(DISPATCH_PREFIX)
 _QOFFSET_LEN = len(QOFFSET_PREFIX)
 
@@ -346,6 +345,7 @@ def _redispatch(
     gaps: set[str] = set()
     routes: dict[tuple[bytes, bytes], _Route] = {}
     dirty = table.dirty
+    dispatch = table.dispatch
     pack = CQ_UNIT.pack
     pos = start
     while pos < end:
@@ -385,32 +385,26 @@ def _redispatch(
             route = routes.get(key)
             if route is None:
                 route = routes[key] = _resolve(table, key, only)
-            parent, lights = route
-            if len(offsets) != len(lights):
+            queues, positions, n_lights = route
+            if len(offsets) != n_lights:
                 raise ValueError(
                     f"record at {base + rel}: INNER_MULTI_DISPATCH and "
                     "INNER_MULTI_QUEUE_OFFSET differ in length"
                 )
             unit = pack(base + rel, size, 0)
-            if parent is not None:
-                if qoff == parent.max_offset:  # ConsumeQueueTable.append, inlined
-                    if not parent.pending:
-                        dirty[parent.name] = parent
-                    parent.pending += unit
-                    parent.max_offset = qoff + 1
+            # Where the record says it goes: the parent queue, then each light queue.
+            indexes = (qoff, *map(int, offsets))
+            for cq, at in zip(queues, positions):  # noqa: B905 (same length by construction)
+                if indexes[at] != cq.max_offset:
+                    break
+            else:  # every unit is its queue's next: the common case
+                dispatch(queues, unit)
+                queues = ()
+            for cq, at in zip(queues, positions):  # noqa: B905
+                if indexes[at] == cq.max_offset:
+                    dispatch((cq,), unit)
                 else:
-                    _place_out_of_order(table, parent, qoff, unit, rebuilding, gaps)
-            for cq, raw_index in zip(lights, offsets):  # noqa: B905 (lengths checked above)
-                if cq is None:
-                    continue
-                index = int(raw_index)
-                if index == cq.max_offset:
-                    if not cq.pending:
-                        dirty[cq.name] = cq
-                    cq.pending += unit
-                    cq.max_offset = index + 1
-                else:
-                    _place_out_of_order(table, cq, index, unit, rebuilding, gaps)
+                    _place_out_of_order(table, cq, indexes[at], unit, rebuilding, gaps)
             if len(dirty) > 4096:
                 table.write_pending()
                 table.evict_overflow()
@@ -421,19 +415,19 @@ def _redispatch(
     return gaps
 
 
-#: A record's parent queue and light queues (None for queues a partial rebuild leaves alone).
-_Route = tuple["ConsumeQueue | None", list["ConsumeQueue | None"]]
+#: The queues a record joins (the parent queue, then the light queues; a partial rebuild
+#: leaves out those it does not rebuild), the position of each among the record's parent and
+#: light queues, and the number of light queues the record names.
+_Route = tuple[tuple[ConsumeQueue, ...], tuple[int, ...], int]
 
 
 def _resolve(table: ConsumeQueueTable, key: tuple[bytes, bytes], only: set[str] | None) -> _Route:
     """The queues of records with this raw topic and INNER_MULTI_DISPATCH value."""
     topic, names = key
     lights = names.decode("utf-8").split(",") if names else []
-    cqs = [
-        table.get_or_create(n) if only is None or n in only else None
-        for n in (topic.decode("utf-8"), *lights)
-    ]
-    return cqs[0], cqs[1:]
+    named = (topic.decode("utf-8"), *lights)
+    positions = tuple(i for i, n in enumerate(named) if only is None or n in only)
+    return tuple(table.get_or_create(named[i]) for i in positions), positions, len(lights)
 
 
 def _place_out_of_order(
@@ -464,4 +458,4 @@ def _place_out_of_order(
         cq.flushed = cq.max_offset = index
     else:
         return
-    table.append(cq, unit)
+    table.dispatch((cq,), unit)

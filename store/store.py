@@ -23,7 +23,6 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -55,21 +54,20 @@ from store.format import (
     CQ_UNIT_SIZE,
     CRC_TRAILER_SIZE,
     DISPATCH_PREFIX,
-    END_FILE_MIN_BLANK_LENGTH,
     FIXED_OVERHEAD,
     HEADER_SIZE,
-    INT64,
     LOCK_FILE,
     MAX_PROPERTIES_BYTES,
     MAX_TOPIC_BYTES,
     MULTI_DISPATCH_SEPARATOR,
-    OFF_STORETIMESTAMP,
     PROP_CRC32,
-    QOFFSET_PREFIX,
+    READ_FIELDS,
     RESERVED_PROPERTIES,
+    STORE_TIMESTAMP,
     append_record,
     check_record,
     encode_queue_dir,
+    inner_head,
 )
 from store.offsets import OFFSETS_DIR, OFFSETS_FILE, ConsumerOffsets
 from store.recovery import RecoveryReport, recover, scan_log
@@ -122,8 +120,7 @@ _FULL_FLUSH_INTERVAL_S = 1.0
 # them and readers that keep up read them; older ones cost a minor fault if read again.
 MAPPED_TAIL_BYTES = 8 << 20
 _FSYNC_THREADS = 8
-#: QUEUEOFFSET, BORNTIMESTAMP, STORETIMESTAMP, BODYLENGTH of a record header (see format.py).
-_READ_FIELDS = struct.Struct(">20xq12xq8xq20xi").unpack_from
+_READ_FIELDS = READ_FIELDS.unpack_from
 _iter_units = CQ_UNIT.iter_unpack
 _DISPATCH_PREFIX_LEN = len(DISPATCH_PREFIX)
 
@@ -164,7 +161,7 @@ class _Route:
 
     __slots__ = (
         "cqs", "fixed_size", "generation", "inner_head", "lights", "max_inner", "parent",
-        "props_room", "size_room", "topic", "topic_field", "units",
+        "props_room", "queues", "size_room", "topic", "topic_field", "units",
     )  # fmt: skip
 
     def __init__(
@@ -179,15 +176,11 @@ class _Route:
         self.units = 1 + len(lights)
         #: The INNER_* properties up to the offsets: DISPATCH \x01 q1,q2 \x02 QOFFSET \x01;
         #: append_record adds "o1,o2" \x02.
-        self.inner_head = b""
+        self.inner_head = inner_head(lights)
         #: Longest the INNER_* pair can get (19-digit offsets, commas, \x02): a message whose
         #: properties fit with it always fits, so size errors are raised before anything is
         #: written.
-        self.max_inner = 0
-        if lights:
-            names = ",".join(lights).encode("utf-8")
-            self.inner_head = b"".join((DISPATCH_PREFIX, names, b"\x02", QOFFSET_PREFIX))
-            self.max_inner = len(self.inner_head) + len(lights) * (len(str(_MAX_OFFSET)) + 1)
+        self.max_inner = len(self.inner_head) + len(lights) * (len(str(_MAX_OFFSET)) + 1)
         #: Room left for user properties, and for body plus user properties, in the worst
         #: case: one comparison each per message; _check_size says what was exceeded.
         self.props_room = _MAX_USER_PROPS - self.max_inner
@@ -195,10 +188,13 @@ class _Route:
         self.generation = -1  # never resolved
         self.parent: ConsumeQueue
         self.cqs: tuple[ConsumeQueue, ...] = ()
+        #: The parent then the light queues: every queue a record of this route joins.
+        self.queues: tuple[ConsumeQueue, ...] = ()
 
     def resolve(self, table: ConsumeQueueTable) -> None:
         self.parent = table.get_or_create(self.topic)
         self.cqs = tuple([table.get_or_create(q) for q in self.lights])
+        self.queues = (self.parent, *self.cqs)
         self.generation = table.generation
 
 
@@ -547,38 +543,32 @@ class MessageStore:
     def _write_locked(self, batch: Sequence[_Prepared], now: int) -> list[PutResult]:
         """Assign every offset, append the records and dispatch their units. Lock held.
 
-        The store's hot path, so it works on locals. The batch's records are built into one
-        bytearray by ``_append_record`` (store/_speedups.c, or its Python reference
-        format.append_record: 1.5 vs 2.8 us per message for the whole append) and written
-        to the segment once; ``write_pos`` moves at the end. Units go straight into the states'
-        ``pending`` buffers (ConsumeQueueTable.append, inlined). Sizes were checked against
+        The layers: the CommitLog's BatchWriter places the records (segment, roll, one write
+        per batch), the record step ``_append_record`` builds each one (store/_speedups.c, or
+        its Python reference format.append_record: the same bytes), and the consume-queue
+        table's ``dispatch`` gives it a unit in its parent and light queues. This loop only
+        hands out the offsets, on locals since it runs per message. Sizes were checked against
         the worst case when the batch was prepared, so nothing here should fail; should it
-        anyway, each record is complete in ``buf`` before its queues move and ``finally``
-        copies ``buf`` out, leaving everything before the failure written and dispatched.
+        anyway, each record is complete in the buffer before its queues move and ``finally``
+        writes out the records whose queues moved, leaving those written and dispatched.
         """
         table = self.queues_table
         gen = table.generation
-        dirty = table.dirty
-        commitlog = self.commitlog
+        dispatch = table.dispatch
         results: list[PutResult] = []
         add_result = results.append
-        segs = commitlog.segments
-        seg = segs[-1] if segs else commitlog.segment_with_room(0)
-        # A record must end 8 bytes before the segment end (room for a blank filler).
-        limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
-        phys = base = commitlog.write_pos
-        buf = bytearray()
+        writer = self.commitlog.batch()
+        buf, limit = writer.buf, writer.limit
+        phys = writer.start
         units = 0
         try:
             for route, body, uprops, born in batch:
                 if route.generation != gen:
                     route.resolve(table)
-                parent = route.parent
-                qoff = parent.max_offset
-                cqs = route.cqs
+                qoff = route.parent.max_offset
                 # The light offsets, as PutResult reports them (a queue's name is its key).
                 lo: dict[str, int] = {}
-                for cq in cqs:
+                for cq in route.cqs:
                     lo[cq.name] = cq.max_offset
                 stamp = now if born is None else born
                 size = _append_record(
@@ -586,39 +576,23 @@ class MessageStore:
                     uprops, route.inner_head, tuple(lo.values()),
                 )  # fmt: skip
                 if size < 0:
-                    # Copy out what is built, let the CommitLog write the filler and roll.
-                    seg.write(base - seg.start, buf)
-                    buf = bytearray()
-                    commitlog.write_pos = phys
-                    seg = commitlog.segment_with_room(
-                        route.fixed_size + len(body) + len(uprops) + route.max_inner
+                    phys = writer.roll(
+                        phys, route.fixed_size + len(body) + len(uprops) + route.max_inner
                     )
-                    limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
-                    phys = base = commitlog.write_pos
+                    buf, limit = writer.buf, writer.limit
                     size = _append_record(
                         buf, limit - phys, qoff, phys, stamp, now, body, route.topic_field,
                         uprops, route.inner_head, tuple(lo.values()),
                     )  # fmt: skip
                     if size < 0:  # unreachable: _check_size saw the worst case
                         raise MessageTooLargeError(route.fixed_size + len(body), limit - phys)
-                unit = _pack_unit(phys, size, 0)
-                if not parent.pending:
-                    dirty[parent.name] = parent
-                parent.pending += unit
-                parent.max_offset = qoff + 1
-                for cq in cqs:
-                    if not cq.pending:
-                        dirty[cq.name] = cq
-                    cq.pending += unit
-                    cq.max_offset += 1
+                dispatch(route.queues, _pack_unit(phys, size, 0))
                 units += route.units
                 end = phys + size
                 add_result(_tuple_new(PutResult, (phys, qoff, lo, end, now)))
                 phys = end
         finally:
-            if buf:
-                seg.write(base - seg.start, buf)
-            commitlog.write_pos = phys
+            writer.finish(phys)
             self._units_total += units
         return results
 
@@ -987,7 +961,7 @@ class MessageStore:
         seg = self.commitlog.segment_for(u[0])
         if seg is None:
             return -1
-        return int(INT64.unpack_from(seg.view, u[0] - seg.start + OFF_STORETIMESTAMP)[0])
+        return int(STORE_TIMESTAMP.unpack_from(seg.view, u[0] - seg.start)[0])
 
     def offset_by_time(self, queue: str, timestamp_ms: int) -> int:
         """First offset whose store timestamp is >= ``timestamp_ms`` (max_offset if none)."""
