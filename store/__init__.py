@@ -17,7 +17,6 @@ from store.results import (
     ArrivalListener,
     GetResult,
     GetStatus,
-    PutRequest,
     PutResult,
     StoredMessage,
 )
@@ -43,7 +42,6 @@ __all__ = [
     "InvalidQueueNameError",
     "MessageStore",
     "MessageTooLargeError",
-    "PutRequest",
     "PutResult",
     "ReadOnlyStoreError",
     "RecoveryReport",

@@ -75,7 +75,6 @@ from store.results import (
     ArrivalListener,
     GetResult,
     GetStatus,
-    PutRequest,
     PutResult,
     StoredMessage,
 )
@@ -511,26 +510,6 @@ class MessageStore:
         self._routes[key] = route
         return route
 
-    def _prepare(
-        self,
-        topic: str,
-        body: bytes,
-        queues: Sequence[str],
-        properties: dict[str, str] | None,
-        born_timestamp: int | None,
-    ) -> _Prepared:
-        """Validate one message (no lock needed): its route, body, user properties, born."""
-        if len(body) > self._max_body:
-            raise MessageTooLargeError(len(body), self._max_body)
-        key = (topic, queues if type(queues) is tuple else tuple(queues))
-        route = self._routes.get(key)
-        if route is None:
-            route = self._new_route(key)
-        uprops = self._encode_props(properties) if properties else b""
-        if len(body) + len(uprops) > route.size_room or len(uprops) > route.props_room:
-            self._check_size(route, len(body), len(uprops))
-        return route, body, uprops, born_timestamp
-
     def _check_size(self, route: _Route, body_len: int, props_len: int) -> None:
         """Refuse a message that could exceed the property or segment limits once written."""
         props_len += route.max_inner
@@ -618,37 +597,8 @@ class MessageStore:
             time.sleep(0)
         return results
 
-    def _notify(self, topic: str, r: PutResult) -> None:
-        for listener in self._listeners:
-            try:
-                listener.on_arrival(topic, r.queue_offset + 1)
-                for q, o in r.light_offsets.items():
-                    listener.on_arrival(q, o + 1)
-            except Exception:
-                log.exception("arrival listener %r failed", listener)
-
-    def _put(
-        self,
-        topic: str,
-        body: bytes,
-        queues: Sequence[str],
-        properties: dict[str, str] | None,
-        born_timestamp: int | None,
-    ) -> PutResult:
-        if self._closed or self.read_only:
-            self._check_writable()
-        # _prepare inlined for the common case (cached route, no properties): one call less.
-        route = self._routes.get((topic, queues if type(queues) is tuple else tuple(queues)))
-        blen = len(body)
-        if route is None or properties or blen > route.size_room or blen > self._max_body:
-            prepared = self._prepare(topic, body, queues, properties, born_timestamp)
-        else:
-            prepared = (route, body, b"", born_timestamp)
-        r = self._append((prepared,))[0]
-        if self._listeners:
-            self._notify(topic, r)
-        return r
-
+    # The entry points: append_encoded (batches: the gateway's publishes), put and put_async
+    # (one message, waiting for its durability). All three go through _append_batch.
     def put(
         self,
         topic: str,
@@ -680,57 +630,19 @@ class MessageStore:
             await self._flusher.flushed_future(r.end_offset)
         return r
 
-    def _append_many(self, requests: Sequence[PutRequest]) -> list[PutResult]:
+    def _put(
+        self,
+        topic: str,
+        body: bytes,
+        queues: Sequence[str],
+        properties: dict[str, str] | None,
+        born_timestamp: int | None,
+    ) -> PutResult:
         if self._closed or self.read_only:
             self._check_writable()
-        # _prepare inlined: one call less per message.
-        routes = self._routes
-        max_body = self._max_body
-        batch: list[_Prepared] = []
-        add = batch.append
-        for req in requests:
-            body = req.body
-            if len(body) > max_body:
-                raise MessageTooLargeError(len(body), max_body)
-            lights = req.queues
-            key = (req.topic, lights if type(lights) is tuple else tuple(lights))
-            route = routes.get(key) or self._new_route(key)
-            props = req.properties
-            uprops = self._encode_props(props) if props else b""
-            if len(body) + len(uprops) > route.size_room or len(uprops) > route.props_room:
-                self._check_size(route, len(body), len(uprops))
-            add((route, body, uprops, req.born_timestamp))
-        results = self._append(batch)
-        if self._listeners:
-            latest: dict[str, int] = {}
-            for req, r in zip(requests, results, strict=True):
-                latest[req.topic] = r.queue_offset + 1
-                for q, o in r.light_offsets.items():
-                    latest[q] = o + 1
-            for listener in self._listeners:
-                for q, m in latest.items():
-                    try:
-                        listener.on_arrival(q, m)
-                    except Exception:
-                        log.exception("arrival listener %r failed", listener)
-        return results
-
-    def put_many(self, requests: Sequence[PutRequest]) -> list[PutResult]:
-        """Append a batch under one lock acquisition (one fsync wait in sync mode).
-
-        Validation happens before anything is written: a bad request fails the whole batch.
-        Listeners hear once per queue with its final max offset.
-        """
-        results = self._append_many(requests)
-        if results and self._sync and self._flusher is not None:
-            self._flusher.wait_flushed(results[-1].end_offset)
-        return results
-
-    async def put_many_async(self, requests: Sequence[PutRequest]) -> list[PutResult]:
-        results = self._append_many(requests)
-        if results and self._sync and self._flusher is not None:
-            await self._flusher.flushed_future(results[-1].end_offset)
-        return results
+        uprops = self._encode_props(properties) if properties else b""
+        lights = queues if type(queues) is tuple else tuple(queues)
+        return self._append_batch(((topic, lights, body, uprops),), born_timestamp)[0]
 
     def encode_properties(self, properties: dict[str, str]) -> bytes:
         """Validate and encode user properties once, for :meth:`append_encoded`.
@@ -753,6 +665,13 @@ class MessageStore:
         """
         if self._closed or self.read_only:
             self._check_writable()
+        return self._append_batch(messages, None)
+
+    def _append_batch(
+        self, messages: Sequence[EncodedMessage], born: int | None
+    ) -> list[PutResult]:
+        """Validate (before the lock), append, then tell the listeners; ``born`` is the born
+        timestamp of every message (None: the store timestamp)."""
         routes = self._routes
         max_body = self._max_body
         batch: list[_Prepared] = []
@@ -771,7 +690,7 @@ class MessageStore:
             if route is not last:
                 touched[route] = None
                 last = route
-            add((route, body, uprops, None))
+            add((route, body, uprops, born))
         results = self._append(batch)
         if self._listeners:
             # Queue ends read after the lock: later puts only move them further, and a
