@@ -16,7 +16,10 @@ from store.errors import CorruptStoreError, MessageTooLargeError
 from store.format import (
     BLANK_MAGIC,
     END_FILE_MIN_BLANK_LENGTH,
+    MAGIC,
+    MIN_RECORD_SIZE,
     SIZE_MAGIC,
+    STORE_TIMESTAMP,
     offset_file_name,
     parse_offset_file_name,
 )
@@ -233,3 +236,34 @@ class BatchWriter:
         if self.buf:
             self.seg.write(self.start - self.seg.start, self.buf)
         self.log.write_pos = end
+
+
+# -- readers of the files, for tools that do not open a store (analytics) -------------------
+def segment_files(directory: Path) -> list[tuple[int, Path]]:
+    """``(start offset, path)`` of every segment in a CommitLog directory, oldest first.
+
+    Entries not named by a 20-digit offset are left out; :meth:`CommitLog.load` refuses them.
+    """
+    found = []
+    for entry in os.scandir(directory):
+        start = parse_offset_file_name(entry.name)
+        if start is not None and entry.is_file():
+            found.append((start, Path(entry.path)))
+    found.sort()
+    return found
+
+
+def first_store_timestamp(path: str | Path) -> int | None:
+    """STORETIMESTAMP (ms) of a segment's first record; None if it has none to read (an empty
+    or unwritten segment, a filler, damage) or the file is gone (retention)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(STORE_TIMESTAMP.size)
+    except FileNotFoundError:
+        return None
+    if len(head) < STORE_TIMESTAMP.size:
+        return None
+    size, magic = SIZE_MAGIC.unpack_from(head)
+    if magic != MAGIC or size < MIN_RECORD_SIZE:
+        return None
+    return int(STORE_TIMESTAMP.unpack_from(head)[0])

@@ -369,3 +369,64 @@ class ConsumeQueueTable:
 
     def close(self) -> None:
         self.files.close()
+
+
+# -- readers of the files, for tools that do not open a store (analytics) -------------------
+def queue_files(directory: str | Path) -> list[tuple[int, int]]:
+    """``(start byte offset, size)`` of a queue's files (``consumequeue/<name>/0``), in order.
+
+    Entries not named by a 20-digit offset are left out.
+    """
+    files = []
+    try:
+        for entry in os.scandir(directory):
+            start = parse_offset_file_name(entry.name)
+            if start is not None and entry.is_file():
+                files.append((start, entry.stat().st_size))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    files.sort()
+    return files
+
+
+def queue_extents(root: str | Path) -> Iterator[tuple[str, int, int]]:
+    """``(queue, min offset, end offset)`` of every queue with files under ``root`` (the
+    consumequeue directory), from the names and sizes of its files."""
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        name = decode_queue_dir(entry.name)
+        if name is None or not entry.is_dir():
+            continue
+        files = queue_files(f"{entry.path}/{QUEUE_ID}")
+        if files:
+            (first, _), (last, size) = files[0], files[-1]
+            yield name, first // CQ_UNIT_SIZE, (last + size) // CQ_UNIT_SIZE
+
+
+def read_unit(root: str | Path, queue: str, offset: int) -> tuple[int, int] | None:
+    """``(CommitLog offset, size)`` of unit ``offset`` of ``queue`` under ``root`` (the
+    consumequeue directory); None if no file holds the whole unit."""
+    try:
+        directory = f"{root}/{encode_queue_dir(queue)}/{QUEUE_ID}"
+    except ValueError:
+        return None
+    at = offset * CQ_UNIT_SIZE
+    holder = None
+    for start, _size in queue_files(directory):
+        if start <= at:
+            holder = start
+    if holder is None:
+        return None
+    try:
+        with open(f"{directory}/{offset_file_name(holder)}", "rb") as f:
+            f.seek(at - holder)
+            unit = f.read(CQ_UNIT_SIZE)
+    except OSError:
+        return None
+    if len(unit) < CQ_UNIT_SIZE:
+        return None
+    phys, size, _tag = CQ_UNIT.unpack(unit)
+    return phys, size

@@ -57,6 +57,7 @@ demand instead of being preallocated.
 from __future__ import annotations
 
 import itertools
+import mmap
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
@@ -165,6 +166,8 @@ RESERVED_PROPERTIES: Final = frozenset({PROP_MULTI_DISPATCH, PROP_MULTI_QUEUE_OF
 CRC_PREFIX: Final = (PROP_CRC32 + NAME_VALUE_SEPARATOR).encode()
 #: "__CRC32#" \x01 + 10 digits + \x02
 CRC_TRAILER_SIZE: Final = len(CRC_PREFIX) + 10 + 1  # 20
+#: The smallest record: empty body, a 1-byte topic, no properties but the __CRC32# trailer.
+MIN_RECORD_SIZE: Final = FIXED_OVERHEAD + 1 + CRC_TRAILER_SIZE
 CRC_MASK: Final = 0x7FFFFFFF  # RocketMQ's UtilAll.crc32 masks the sign bit
 
 DISPATCH_PREFIX: Final = (PROP_MULTI_DISPATCH + NAME_VALUE_SEPARATOR).encode()
@@ -462,7 +465,7 @@ def check_record(buf: bytes | bytearray | memoryview | object, pos: int, limit: 
         return 0 if size == limit - pos else -1
     if magic != MAGIC:
         return 0 if size == 0 and magic == 0 else -1
-    if size < FIXED_OVERHEAD + 1 + CRC_TRAILER_SIZE or pos + size > limit:
+    if size < MIN_RECORD_SIZE or pos + size > limit:
         return -1
     end = pos + size
     trailer = mv[end - CRC_TRAILER_SIZE : end]
@@ -565,3 +568,40 @@ def dispatch_info(
     if len(offsets) != len(queues):
         raise ValueError("INNER_MULTI_DISPATCH and INNER_MULTI_QUEUE_OFFSET differ in length")
     return topic, qoff, queues, offsets
+
+
+#: Why :func:`walk_records` stopped (besides having found ``max_records``).
+WALK_END: Final = "end"  # blank filler, unwritten (zero) space, or less than 8 bytes left
+WALK_BEYOND: Final = "beyond"  # a record that runs past ``limit``: torn, or still being written
+WALK_BAD: Final = "bad"  # neither a record nor a filler: damage
+
+
+def walk_records(
+    buf: bytes | bytearray | memoryview | mmap.mmap, pos: int, limit: int, max_records: int
+) -> tuple[list[int], int, str | None]:
+    """Follow TOTALSIZE from ``pos``: ``(record starts, where the walk stopped, why)``.
+
+    The reader's first pass over a segment: only sizes and magics are looked at (one struct
+    call per record), so the records found still need :func:`check_record`'s checks (or a
+    bulk equivalent: analytics validates whole batches with numpy). ``why`` is None when
+    ``max_records`` were found, else WALK_END, WALK_BEYOND or WALK_BAD.
+    """
+    starts: list[int] = []
+    append = starts.append
+    unpack = SIZE_MAGIC.unpack_from
+    magic_ok = MAGIC
+    min_size = MIN_RECORD_SIZE
+    last = limit - SIZE_MAGIC.size
+    budget = max_records
+    while budget:
+        if pos > last:
+            return starts, pos, WALK_END
+        size, magic = unpack(buf, pos)
+        if magic != magic_ok or size < min_size or pos + size > limit:
+            if magic == BLANK_MAGIC or (size == 0 and magic == 0):
+                return starts, pos, WALK_END
+            return starts, pos, WALK_BEYOND if magic == magic_ok and size >= min_size else WALK_BAD
+        append(pos)
+        pos += size
+        budget -= 1
+    return starts, pos, None

@@ -35,9 +35,9 @@ from store.format import (
     CRC_TRAILER_SIZE,
     DISPATCH_FIELDS,
     DISPATCH_PREFIX,
-    FIXED_OVERHEAD,
     HEADER_SIZE,
     MAGIC,
+    MIN_RECORD_SIZE,
     PROPS_LEN,
     QOFFSET_PREFIX,
     SCAN_FIELDS,
@@ -69,7 +69,6 @@ class RecoveryReport:
 
 _SIZE_MAGIC_BLEN = SCAN_FIELDS.unpack_from
 _U16 = PROPS_LEN.unpack_from
-_MIN_RECORD = FIXED_OVERHEAD + 1 + CRC_TRAILER_SIZE
 _CRC_PREFIX_LEN = len(CRC_PREFIX)
 
 
@@ -87,7 +86,7 @@ def _scan_segment(seg: Segment, rel: int) -> tuple[int, int]:
     while rel + HEADER_SIZE <= limit:
         size, magic, blen = _SIZE_MAGIC_BLEN(mm, rel)
         end = rel + size
-        if magic != MAGIC or size < _MIN_RECORD or end > limit:
+        if magic != MAGIC or size < MIN_RECORD_SIZE or end > limit:
             break
         crc_at = end - CRC_TRAILER_SIZE
         if mm[crc_at : crc_at + _CRC_PREFIX_LEN] != CRC_PREFIX or mm[end - 1] != 2:
