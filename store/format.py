@@ -2,48 +2,12 @@
 
 Pure module: no I/O, no side effects on import, standard library only. The analytics package
 reads CommitLog segments with nothing but this module, so everything a reader needs to
-interpret the files lives here.
+interpret the files lives here (the files themselves are read by store.commitlog's and
+store.consumequeue's readers).
 
-CommitLog record (RocketMQ message layout v1, IPv4 hosts, big-endian)::
-
-    offset size field
-       0    4  TOTALSIZE                 whole record, this field included
-       4    4  MAGICCODE                 0xDAA320A7 (MAGIC)
-       8    4  BODYCRC                   crc32(body) & 0x7FFFFFFF
-      12    4  QUEUEID                   always 0: one queue per parent topic
-      16    4  FLAG                      0
-      20    8  QUEUEOFFSET               offset of the message in its parent queue
-      28    8  PHYSICALOFFSET            offset of this record in the CommitLog
-      36    4  SYSFLAG                   0 (IPv4 hosts, uncompressed)
-      40    8  BORNTIMESTAMP             ms since the epoch, given by the producer
-      48    8  BORNHOST                  IPv4 4 + port 4 (zeros: the gateway keeps the client id)
-      56    8  STORETIMESTAMP            ms since the epoch, taken under the append lock
-      64    8  STOREHOST                 IPv4 4 + port 4 (zeros)
-      72    4  RECONSUMETIMES            0
-      76    8  PREPAREDTRANSACTIONOFFSET 0
-      84    4  BODYLENGTH  + BODY
-       .    1  TOPICLENGTH + TOPIC       UTF-8, at most 127 bytes
-       .    2  PROPERTIESLENGTH + PROPERTIES
-
-    PROPERTIES = key \\x01 value \\x02  key \\x01 value \\x02 ... "__CRC32#" \\x01 dddddddddd \\x02
-                                                              '-------- CRC_TRAILER: 20 bytes --'
-    The final property is always __CRC32#, ten zero-padded decimal digits of
-    crc32(record[0 : TOTALSIZE - 20]) & 0x7FFFFFFF, as RocketMQ 5.x writes it with
-    enabledAppendPropCRC, so a torn record is detected wherever the tear is.
-    INNER_MULTI_DISPATCH     = comma-separated light queue names the message was dispatched to
-    INNER_MULTI_QUEUE_OFFSET = the message's offset in each of them, same order
-
-Blank filler, written when a record (plus 8 bytes) does not fit at the end of a segment::
-
-    +----------------------+----------------------+- - - - - - - - - - -+
-    | remaining bytes (4)  | BLANK_MAGIC (4)      |  unused to segment end |
-    +----------------------+----------------------+- - - - - - - - - - -+
-
-Consume-queue unit (20 bytes, big-endian); queue offset N is unit N::
-
-    +---------------------------+----------------+---------------------------+
-    | CommitLog offset (int64)  | size (int32)   | tag hash (int64, always 0) |
-    +---------------------------+----------------+---------------------------+
+The layouts are drawn next to their constants below; every struct that reads or writes a
+record header is derived from one field table (HEADER_LAYOUT), and the record reader (check,
+decode, walk, dispatch fields) lives here beside the writer (append_record).
 
 File names::
 
@@ -67,6 +31,40 @@ from typing import Final
 # ---------------------------------------------------------------------------------------------
 # Record constants
 # ---------------------------------------------------------------------------------------------
+# CommitLog record (RocketMQ message layout v1, IPv4 hosts, big-endian)::
+#
+#     offset size field
+#        0    4  TOTALSIZE                 whole record, this field included
+#        4    4  MAGICCODE                 0xDAA320A7 (MAGIC)
+#        8    4  BODYCRC                   crc32(body) & 0x7FFFFFFF
+#       12    4  QUEUEID                   always 0: one queue per parent topic
+#       16    4  FLAG                      0
+#       20    8  QUEUEOFFSET               offset of the message in its parent queue
+#       28    8  PHYSICALOFFSET            offset of this record in the CommitLog
+#       36    4  SYSFLAG                   0 (IPv4 hosts, uncompressed)
+#       40    8  BORNTIMESTAMP             ms since the epoch, given by the producer
+#       48    8  BORNHOST                  IPv4 4 + port 4 (zeros: the gateway keeps the client id)
+#       56    8  STORETIMESTAMP            ms since the epoch, taken under the append lock
+#       64    8  STOREHOST                 IPv4 4 + port 4 (zeros)
+#       72    4  RECONSUMETIMES            0
+#       76    8  PREPAREDTRANSACTIONOFFSET 0
+#       84    4  BODYLENGTH  + BODY
+#        .    1  TOPICLENGTH + TOPIC       UTF-8, at most 127 bytes
+#        .    2  PROPERTIESLENGTH + PROPERTIES
+#
+#     PROPERTIES = key \x01 value \x02  key \x01 value \x02 ... "__CRC32#" \x01 dddddddddd \x02
+#                                                               '-------- CRC_TRAILER: 20 bytes --'
+#     The final property is always __CRC32#, ten zero-padded decimal digits of
+#     crc32(record[0 : TOTALSIZE - 20]) & 0x7FFFFFFF, as RocketMQ 5.x writes it with
+#     enabledAppendPropCRC, so a torn record is detected wherever the tear is.
+#     INNER_MULTI_DISPATCH     = comma-separated light queue names the message was dispatched to
+#     INNER_MULTI_QUEUE_OFFSET = the message's offset in each of them, same order
+#
+# Blank filler, written when a record (plus 8 bytes) does not fit at the end of a segment::
+#
+#     +----------------------+----------------------+- - - - - - - - - - -+
+#     | remaining bytes (4)  | BLANK_MAGIC (4)      |  unused to segment end |
+#     +----------------------+----------------------+- - - - - - - - - - -+
 MAGIC: Final = 0xDAA320A7
 BLANK_MAGIC: Final = 0xCBD43194
 
@@ -176,6 +174,11 @@ QOFFSET_PREFIX: Final = (PROP_MULTI_QUEUE_OFFSET + NAME_VALUE_SEPARATOR).encode(
 # ---------------------------------------------------------------------------------------------
 # Consume-queue unit
 # ---------------------------------------------------------------------------------------------
+# Consume-queue unit (20 bytes, big-endian); queue offset N is unit N::
+#
+#     +---------------------------+----------------+---------------------------+
+#     | CommitLog offset (int64)  | size (int32)   | tag hash (int64, always 0) |
+#     +---------------------------+----------------+---------------------------+
 CQ_UNIT: Final = struct.Struct(">qiq")
 CQ_UNIT_SIZE: Final = CQ_UNIT.size  # 20
 CQ_UNITS_PER_FILE: Final = 300_000
