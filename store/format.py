@@ -494,6 +494,46 @@ def check_record(buf: bytes | bytearray | memoryview | object, pos: int, limit: 
     return int(size)
 
 
+_SIZE_MAGIC_BLEN = SCAN_FIELDS.unpack_from
+_U16 = PROPS_LEN.unpack_from
+_CRC_PREFIX_LEN = len(CRC_PREFIX)
+
+
+def scan_valid(
+    mm: bytes | bytearray | mmap.mmap, view: memoryview, rel: int, limit: int
+) -> tuple[int, int]:
+    """Skip valid records from ``rel``: returns ``(where the first non-record starts, count)``.
+
+    The checks of :func:`check_record` (magic, length bounds, __CRC32# trailer and CRC, inner
+    lengths adding up) inlined in one loop, because recovery runs them for every record of
+    the log; ``mm`` is the segment (slices of it are bytes), ``view`` a memoryview of it (for
+    the CRC, without a copy). Whatever this loop does not accept, it leaves to
+    ``check_record`` to classify (blank filler, unwritten space, torn or corrupt).
+    """
+    crc32 = zlib.crc32
+    n = 0
+    while rel + HEADER_SIZE <= limit:
+        size, magic, blen = _SIZE_MAGIC_BLEN(mm, rel)
+        end = rel + size
+        if magic != MAGIC or size < MIN_RECORD_SIZE or end > limit:
+            break
+        crc_at = end - CRC_TRAILER_SIZE
+        if mm[crc_at : crc_at + _CRC_PREFIX_LEN] != CRC_PREFIX or mm[end - 1] != 2:
+            break
+        digits = mm[crc_at + _CRC_PREFIX_LEN : end - 1]
+        if not digits.isdigit() or crc32(view[rel:crc_at]) & CRC_MASK != int(digits):
+            break
+        p = rel + HEADER_SIZE + blen
+        if blen < 0 or p + 3 > end:
+            break
+        p += 1 + mm[p]
+        if p + 2 > end or p + 2 + _U16(mm, p)[0] != end:
+            break
+        rel = end
+        n += 1
+    return rel, n
+
+
 def decode_record(
     buf: bytes | bytearray | memoryview, pos: int = 0, limit: int | None = None
 ) -> tuple[DecodedRecord | _Blank | None, int]:

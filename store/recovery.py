@@ -20,7 +20,6 @@ Abnormal restart (``abort`` present, or checkpoint missing/stale/inconsistent):
 from __future__ import annotations
 
 import logging
-import zlib
 from dataclasses import dataclass, field
 
 from store.checkpoint import Checkpoint
@@ -30,22 +29,18 @@ from store.errors import CorruptStoreError
 from store.format import (
     BLANK_MAGIC,
     CQ_UNIT,
-    CRC_MASK,
     CRC_PREFIX,
     CRC_TRAILER_SIZE,
     DISPATCH_FIELDS,
     DISPATCH_PREFIX,
     HEADER_SIZE,
     MAGIC,
-    MIN_RECORD_SIZE,
-    PROPS_LEN,
     QOFFSET_PREFIX,
-    SCAN_FIELDS,
     SIZE_MAGIC,
     check_record,
     dispatch_info,
+    scan_valid,
 )
-from store.segment import Segment
 
 log = logging.getLogger("lmqtt.store.recovery")
 
@@ -67,44 +62,6 @@ class RecoveryReport:
     units_total: int = 0
 
 
-_SIZE_MAGIC_BLEN = SCAN_FIELDS.unpack_from
-_U16 = PROPS_LEN.unpack_from
-_CRC_PREFIX_LEN = len(CRC_PREFIX)
-
-
-def _scan_segment(seg: Segment, rel: int) -> tuple[int, int]:
-    """Skip valid records from ``rel``: returns ``(where the first non-record starts, count)``.
-
-    The checks of :func:`store.format.check_record` (magic, length bounds, __CRC32# trailer
-    and CRC, inner lengths adding up), inlined in one loop over the mapping because recovery
-    runs them for every record of the log. Whatever this loop does not accept, it leaves to
-    ``check_record`` to classify (blank filler, unwritten space, torn or corrupt).
-    """
-    mm, view, limit = seg.mm, seg.view, seg.size
-    crc32 = zlib.crc32
-    n = 0
-    while rel + HEADER_SIZE <= limit:
-        size, magic, blen = _SIZE_MAGIC_BLEN(mm, rel)
-        end = rel + size
-        if magic != MAGIC or size < MIN_RECORD_SIZE or end > limit:
-            break
-        crc_at = end - CRC_TRAILER_SIZE
-        if mm[crc_at : crc_at + _CRC_PREFIX_LEN] != CRC_PREFIX or mm[end - 1] != 2:
-            break
-        digits = mm[crc_at + _CRC_PREFIX_LEN : end - 1]
-        if not digits.isdigit() or crc32(view[rel:crc_at]) & CRC_MASK != int(digits):
-            break
-        p = rel + HEADER_SIZE + blen
-        if blen < 0 or p + 3 > end:
-            break
-        p += 1 + mm[p]
-        if p + 2 > end or p + 2 + _U16(mm, p)[0] != end:
-            break
-        rel = end
-        n += 1
-    return rel, n
-
-
 def scan_log(commitlog: CommitLog, start: int) -> tuple[int, int, bool]:
     """Validate records from ``start``: returns ``(end, records, stopped_at_bad_record)``."""
     pos = start
@@ -113,7 +70,7 @@ def scan_log(commitlog: CommitLog, start: int) -> tuple[int, int, bool]:
         seg = commitlog.segment_for(pos)
         if seg is None:
             return pos, n, False
-        rel, k = _scan_segment(seg, pos - seg.start)
+        rel, k = scan_valid(seg.mm, seg.view, pos - seg.start, seg.size)
         n += k
         pos = seg.start + rel
         r = check_record(seg.view, rel, seg.size)
