@@ -582,6 +582,15 @@ def iter_records(
         pos += size
 
 
+def inner_dispatch_at(buf: bytes | bytearray | mmap.mmap, start: int, end: int) -> int:
+    """Where the store's INNER_MULTI_DISPATCH pair starts in the properties ``[start, end)``
+    (CRC trailer excluded), or -1 if the record has none. The store writes its INNER_* pair
+    last, so the last match is it, if it starts a pair (a user value may contain the text).
+    Every reader of light queues (get, recovery, dispatch_info) finds them with this."""
+    d = buf.rfind(DISPATCH_PREFIX, start, end)
+    return d if d >= 0 and (d == start or buf[d - 1] == 2) else -1
+
+
 def dispatch_info(
     buf: bytes | bytearray | memoryview, pos: int
 ) -> tuple[str, int, list[str], list[int]]:
@@ -597,9 +606,8 @@ def dispatch_info(
     topic = str(mv[p + 1 : p + 1 + tlen], "utf-8")
     p += 3 + tlen
     props = bytes(mv[p : pos + size - CRC_TRAILER_SIZE])
-    # The store writes its INNER_* pair last, so the last match is it, if it starts a pair.
-    i = props.rfind(DISPATCH_PREFIX)
-    if i < 0 or (i > 0 and props[i - 1] != 2):
+    i = inner_dispatch_at(props, 0, len(props))
+    if i < 0:
         return topic, qoff, [], []
     j = props.index(b"\x02", i)
     queues = props[i + len(DISPATCH_PREFIX) : j].decode("utf-8").split(",")

@@ -39,6 +39,7 @@ from store.format import (
     SIZE_MAGIC,
     check_record,
     dispatch_info,
+    inner_dispatch_at,
     scan_valid,
 )
 
@@ -328,8 +329,8 @@ def _redispatch(
             names = b""
             offsets: list[bytes] = []
             # The store writes INNER_MULTI_DISPATCH then INNER_MULTI_QUEUE_OFFSET, last.
-            d = mm.rfind(DISPATCH_PREFIX, pstart, pend)
-            if d >= 0 and (d == pstart or mm[d - 1] == 2):
+            d = inner_dispatch_at(mm, pstart, pend)
+            if d >= 0:
                 j = mm.find(b"\x02", d, pend)
                 names = mm[d + _DISPATCH_LEN : j]
                 k = j + 1 + _QOFFSET_LEN

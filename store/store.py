@@ -67,6 +67,7 @@ from store.format import (
     append_record,
     check_record,
     encode_queue_dir,
+    inner_dispatch_at,
     inner_head,
 )
 from store.offsets import OFFSETS_DIR, OFFSETS_FILE, ConsumerOffsets
@@ -120,6 +121,7 @@ _FULL_FLUSH_INTERVAL_S = 1.0
 MAPPED_TAIL_BYTES = 8 << 20
 _FSYNC_THREADS = 8
 _READ_FIELDS = READ_FIELDS.unpack_from
+_inner_dispatch_at = inner_dispatch_at
 _iter_units = CQ_UNIT.iter_unpack
 _DISPATCH_PREFIX_LEN = len(DISPATCH_PREFIX)
 
@@ -797,8 +799,8 @@ class MessageStore:
             props: dict[str, str] = {}
             if p < pend:
                 # The store's INNER_* pair is last; user properties (if any) come before it.
-                d = mm.rfind(DISPATCH_PREFIX, p, pend)
-                if d >= 0 and (d == p or mm[d - 1] == 2):
+                d = _inner_dispatch_at(mm, p, pend)
+                if d >= 0:
                     raw = mm[d + _DISPATCH_PREFIX_LEN : mm.find(b"\x02", d, pend)]
                     queues = tuples.get(raw) or self._queue_tuple(raw)
                     if d > p:
