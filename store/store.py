@@ -8,13 +8,15 @@ Dispatch happens inside the append critical section: the parent queue offset, ev
 queue offset and the physical offset are assigned together (rocketmq #7511 lost messages
 when they were not), so a get right after put sees the message.
 
-Hot paths (Python, so per-message work is what costs): a put resolves its (topic, light
-queues) pair through a cached ``_Route`` (names validated once, INNER_* property head, queue
-states), is validated against worst-case sizes before the lock, and is written by
-``_write_locked``, which builds a whole batch in one buffer (the record step in C when
-store/_speedups.c is built). A get decodes records straight
-from the segment mmap without re-checking CRCs (recovery validates; this process wrote the
-rest). Both build their NamedTuple results with ``tuple.__new__``.
+Writing: three entry points (append_encoded for batches, put and put_async for one message)
+share one path, _append_batch. A message resolves its (topic, light queues) pair through a
+cached ``_Route`` (names validated once, INNER_* property head, queue states) and is validated
+against worst-case sizes before the lock. Under it, ``_write_locked`` hands out the offsets;
+the layers do the rest: the record step (format.append_record, in C when store/_speedups.c is
+built) builds each record into the CommitLog's BatchWriter (one write per batch, rolls), and
+ConsumeQueueTable.dispatch adds its units, the same dispatch recovery uses. Reading: a get
+decodes records straight from the segment mmap without re-checking CRCs (recovery validates;
+this process wrote the rest). Both build their NamedTuple results with ``tuple.__new__``.
 """
 
 from __future__ import annotations
