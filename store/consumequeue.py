@@ -133,24 +133,23 @@ class ConsumeQueueTable:
                 self._write(old)
                 self.dirty.pop(name, None)
 
-    def _list_files(self, directory: str) -> list[int]:
-        try:
-            names = os.listdir(directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        starts = []
-        for n in names:
-            s = parse_offset_file_name(n)
-            if s is None or s % self.file_bytes:
-                log.warning("ignoring foreign file %s/%s", directory, n)
+    def _files(self, directory: str) -> list[tuple[int, int]]:
+        """``(first unit, size in bytes)`` of the queue's files (:func:`queue_files`), in order."""
+        files = []
+        for start, size in queue_files(directory):
+            if start % self.file_bytes:
+                log.warning("ignoring misplaced file %s/%s", directory, offset_file_name(start))
                 continue
-            starts.append(s // CQ_UNIT_SIZE)
-        starts.sort()
-        return starts
+            files.append((start // CQ_UNIT_SIZE, size))
+        return files
+
+    def _list_files(self, directory: str) -> list[int]:
+        return [start for start, _ in self._files(directory)]
 
     def _load(self, name: str) -> ConsumeQueue | None:
         directory = self.dir_of(name)
-        starts = self._list_files(directory)
+        files = self._files(directory)
+        starts = [start for start, _ in files]
         if not starts:
             if not self.read_only and os.path.isdir(directory):
                 return ConsumeQueue(name, directory, 0, 0)
@@ -161,8 +160,7 @@ class ConsumeQueueTable:
             first -= 1
         if first:
             log.error("queue %r: files missing before unit %d", name, starts[first])
-        last = starts[-1]
-        size = os.path.getsize(f"{directory}/{offset_file_name(last * CQ_UNIT_SIZE)}")
+        last, size = files[-1]
         flushed = last + size // CQ_UNIT_SIZE
         cq = ConsumeQueue(name, directory, starts[first], flushed)
         if self.log_min_offset:
@@ -171,17 +169,11 @@ class ConsumeQueueTable:
 
     def has_gap(self, name: str) -> bool:
         """True if the queue's files are not contiguous or end in a partial unit."""
-        directory = self.dir_of(name)
-        starts = self._list_files(directory)
-        for a, b in itertools.pairwise(starts):
+        files = self._files(self.dir_of(name))
+        for (a, _), (b, _) in itertools.pairwise(files):
             if b != a + self.upf:
                 return True
-        for s in starts[:-1]:
-            if os.path.getsize(f"{directory}/{offset_file_name(s * CQ_UNIT_SIZE)}") != (
-                self.file_bytes
-            ):
-                return True
-        return False
+        return any(size != self.file_bytes for _, size in files[:-1])
 
     def disk_names(self) -> Iterator[str]:
         """Names of queues with a directory on disk."""
@@ -379,12 +371,16 @@ def queue_files(directory: str | Path) -> list[tuple[int, int]]:
     """
     files = []
     try:
-        for entry in os.scandir(directory):
-            start = parse_offset_file_name(entry.name)
-            if start is not None and entry.is_file():
-                files.append((start, entry.stat().st_size))
+        entries = list(os.scandir(directory))
     except (FileNotFoundError, NotADirectoryError):
         return []
+    for entry in entries:
+        start = parse_offset_file_name(entry.name)
+        if start is not None and entry.is_file():
+            try:
+                files.append((start, entry.stat().st_size))
+            except FileNotFoundError:  # deleted since the listing (retention)
+                continue
     files.sort()
     return files
 
