@@ -29,7 +29,7 @@ from store.consumequeue import queue_extents
 from store.errors import StoreError
 from store.format import CONFIG_DIR, CONSUMEQUEUE_DIR
 from store.offsets import read_committed_offsets
-from store.statelog import STATE_DIR, read_state
+from store.statelog import STATE_DIR, has_state_log, read_state
 from topicmap import LMQ_PREFIX, filter_of
 
 SESSIONS_FILE = "sessions.json"  # before the state log
@@ -85,7 +85,7 @@ def read_subscriptions(data_dir: str | Path) -> list[Subscription]:
         raise SnapshotError(f"cannot read the state log {path}: {e}") from None
     sessions: dict[str, object]
     source = path
-    if raw or any(path.glob("*.snapshot")) or any(path.glob("*.log")):
+    if raw or has_state_log(path):
         try:
             sessions = {cid: json.loads(value) for cid, value in raw.items()}
         except ValueError as e:

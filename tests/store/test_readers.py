@@ -18,6 +18,7 @@ import pytest
 from store import format as fmt
 from store.commitlog import first_store_timestamp, segment_files
 from store.consumequeue import queue_extents, read_unit
+from store.statelog import StateLog, has_state_log, read_state
 from tests.store.conftest import OpenStore, encoded
 
 
@@ -99,3 +100,18 @@ def test_file_readers_agree_with_the_store(open_store: OpenStore, tmp_path: Path
         )
     assert read_unit(root, "%LMQ%all", 40) is None
     assert read_unit(root, "%LMQ%none", 0) is None
+
+
+def test_has_state_log_sees_an_empty_log_too(tmp_path: Path) -> None:
+    d = tmp_path / "state"
+    assert not has_state_log(d)
+    d.mkdir()
+    (d / "notes.txt").write_text("not a state file")
+    assert not has_state_log(d)
+    log = StateLog.open(d)
+    try:
+        assert has_state_log(d)  # opened, nothing appended yet
+        log.sync(log.append([("k", b"v")]))
+        assert has_state_log(d) and read_state(d) == {"k": b"v"}
+    finally:
+        log.close()
