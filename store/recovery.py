@@ -342,26 +342,30 @@ def _redispatch(
             route = routes.get(key)
             if route is None:
                 route = routes[key] = _resolve(table, key, only)
-            queues, positions, n_lights = route
-            if len(offsets) != n_lights:
+            parent, lights, queues = route
+            if len(offsets) != len(lights):
                 raise ValueError(
                     f"record at {base + rel}: INNER_MULTI_DISPATCH and "
                     "INNER_MULTI_QUEUE_OFFSET differ in length"
                 )
             unit = pack(base + rel, size, 0)
-            # Where the record says it goes: the parent queue, then each light queue.
-            indexes = (qoff, *map(int, offsets))
-            for cq, at in zip(queues, positions):  # noqa: B905 (same length by construction)
-                if indexes[at] != cq.max_offset:
-                    break
-            else:  # every unit is its queue's next: the common case
+            # The common case: the unit is the next one of every queue the record names.
+            in_order = parent is None or qoff == parent.max_offset
+            if in_order:
+                for cq, raw_index in zip(lights, offsets):  # noqa: B905 (lengths checked)
+                    if cq is not None and int(raw_index) != cq.max_offset:
+                        in_order = False
+                        break
+            if in_order:
                 dispatch(queues, unit)
-                queues = ()
-            for cq, at in zip(queues, positions):  # noqa: B905
-                if indexes[at] == cq.max_offset:
-                    dispatch((cq,), unit)
-                else:
-                    _place_out_of_order(table, cq, indexes[at], unit, rebuilding, gaps)
+            else:
+                for cq, index in zip((parent, *lights), (qoff, *map(int, offsets))):  # noqa: B905
+                    if cq is None:
+                        continue
+                    if index == cq.max_offset:
+                        dispatch((cq,), unit)
+                    else:
+                        _place_out_of_order(table, cq, index, unit, rebuilding, gaps)
             if len(dirty) > 4096:
                 table.write_pending()
                 table.evict_overflow()
@@ -372,19 +376,20 @@ def _redispatch(
     return gaps
 
 
-#: The queues a record joins (the parent queue, then the light queues; a partial rebuild
-#: leaves out those it does not rebuild), the position of each among the record's parent and
-#: light queues, and the number of light queues the record names.
-_Route = tuple[tuple[ConsumeQueue, ...], tuple[int, ...], int]
+#: A record's parent queue and light queues (None for those a partial rebuild leaves alone),
+#: and all of them but the None ones: what one dispatch gives a unit.
+_Route = tuple["ConsumeQueue | None", list["ConsumeQueue | None"], tuple[ConsumeQueue, ...]]
 
 
 def _resolve(table: ConsumeQueueTable, key: tuple[bytes, bytes], only: set[str] | None) -> _Route:
     """The queues of records with this raw topic and INNER_MULTI_DISPATCH value."""
     topic, names = key
     lights = names.decode("utf-8").split(",") if names else []
-    named = (topic.decode("utf-8"), *lights)
-    positions = tuple(i for i, n in enumerate(named) if only is None or n in only)
-    return tuple(table.get_or_create(named[i]) for i in positions), positions, len(lights)
+    cqs = [
+        table.get_or_create(n) if only is None or n in only else None
+        for n in (topic.decode("utf-8"), *lights)
+    ]
+    return cqs[0], cqs[1:], tuple(cq for cq in cqs if cq is not None)
 
 
 def _place_out_of_order(
