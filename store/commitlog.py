@@ -42,6 +42,7 @@ class CommitLog:
         self.flushed_pos = 0
         #: fsync calls made (group commit shows as far fewer fsyncs than sync puts).
         self.fsync_count = 0
+        self._writer = BatchWriter(self)
 
     # -- loading ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -150,9 +151,17 @@ class CommitLog:
         return seg
 
     def batch(self) -> BatchWriter:
-        """A writer for the next records, placed from ``write_pos`` on (see BatchWriter)."""
+        """The writer of the next records, placed from ``write_pos`` on (see BatchWriter).
+
+        One writer per log, reset here: a put of one message should not pay for building
+        one (the caller holds the store lock, so batches never overlap)."""
         segs = self.segments
-        return BatchWriter(self, segs[-1] if segs else self.segment_with_room(0))
+        seg = segs[-1] if segs else self.segment_with_room(0)
+        w = self._writer  # BatchWriter.reset, inlined: once per put
+        w.seg = seg
+        w.start = self.write_pos
+        w.limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
+        return w
 
     def fsync_to(self, end: int) -> None:
         """fsync every segment holding bytes in ``[flushed_pos, end)``."""
@@ -212,12 +221,20 @@ class BatchWriter:
 
     __slots__ = ("buf", "limit", "log", "seg", "start")
 
-    def __init__(self, log: CommitLog, seg: Segment) -> None:
+    def __init__(self, log: CommitLog) -> None:
         self.log = log
-        self.seg = seg
+        self.seg: Segment | None = None
         #: Offset of ``buf[0]`` in the log.
-        self.start = log.write_pos
-        #: A record must end 8 bytes before the segment end (room for a blank filler).
+        self.start = 0
+        #: A record must end before this offset (8 bytes before the segment end: room for a
+        #: blank filler).
+        self.limit = 0
+        self.buf = bytearray()
+
+    def reset(self, seg: Segment) -> None:
+        """Start a batch at the log's ``write_pos``, in ``seg``."""
+        self.seg = seg
+        self.start = self.log.write_pos
         self.limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
         self.buf = bytearray()
 
@@ -225,16 +242,15 @@ class BatchWriter:
         """Write the records built up to ``end`` and move to a segment with room for a
         ``size``-byte record; returns the offset the next record starts at."""
         self.finish(end)
-        seg = self.seg = self.log.segment_with_room(size)
-        self.limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
-        self.start = self.log.write_pos
-        self.buf = bytearray()
+        self.reset(self.log.segment_with_room(size))
         return self.start
 
     def finish(self, end: int) -> None:
         """Write the records built, which end at ``end``, and make them the log's end."""
         if self.buf:
+            assert self.seg is not None
             self.seg.write(self.start - self.seg.start, self.buf)
+            self.buf = bytearray()  # the writer outlives the batch: do not keep its bytes
         self.log.write_pos = end
 
 
