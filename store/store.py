@@ -8,8 +8,9 @@ Dispatch happens inside the append critical section: the parent queue offset, ev
 queue offset and the physical offset are assigned together (rocketmq #7511 lost messages
 when they were not), so a get right after put sees the message.
 
-Writing: three entry points (append_encoded for batches, put and put_async for one message)
-share one path, _append_batch. A message resolves its (topic, light queues) pair through a
+Writing: three entry points, append_encoded for batches (_append_batch) and put and
+put_async for one message (_put: the same checks without the batch loop), both ending in
+``_append``. A message resolves its (topic, light queues) pair through a
 cached ``_Route`` (names validated once, INNER_* property head, queue states) and is validated
 against worst-case sizes before the lock. Under it, ``_write_locked`` hands out the offsets;
 the layers do the rest: the record step (format.append_record, in C when store/_speedups.c is
