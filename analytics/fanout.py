@@ -81,8 +81,8 @@ from analytics.snapshots import (
     subscribers,
     subscribers_table,
 )
-from analytics.storeformat import MAGIC
 from analytics.subscribers import lag_rows, subscriber_rows
+from store.commitlog import first_store_timestamp
 from store.delivery_account import read_account
 
 if TYPE_CHECKING:
@@ -130,11 +130,8 @@ def check_data_dir(data_dir: str | Path) -> list[SegmentFile]:
     if not segments:
         raise DataDirError(f"{data_dir} has no CommitLog segments: the store is empty")
     for seg in segments:
-        if seg.size >= 8:
-            with open(seg.path, "rb") as f:
-                head = f.read(8)
-            if int.from_bytes(head[4:8], "big") == MAGIC:
-                return segments
+        if first_store_timestamp(seg.path) is not None:
+            return segments
     raise DataDirError(f"{data_dir} holds no messages yet: the store is empty")
 
 

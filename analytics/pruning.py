@@ -16,14 +16,13 @@ active segment, damage) is kept: reading it either yields nothing or reports the
 
 The backlog table is the queues' current state whatever the window, so it needs the messages
 at or after each queue's slowest committed offset. The consume queue maps that offset to its
-physical offset (20-byte units: offset 8, size 4, tag hash 8); segments from the smallest such
-physical offset onward hold every undelivered message. Without a consume queue to ask, every
-segment is needed.
+physical offset (the store's reader, store.consumequeue.read_unit); segments from the smallest
+such physical offset onward hold every undelivered message. Without a consume queue to ask,
+every segment is needed.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,17 +30,9 @@ from pathlib import Path
 from analytics.compaction import CompactedSegment
 from analytics.segments import SegmentFile
 from analytics.snapshots import QueueEnd, Subscriber
-from analytics.storeformat import (
-    CQ_UNIT_SIZE,
-    MAGIC,
-    QUEUE_ID,
-    STORE_TIMESTAMP_POS,
-    consumequeue_dir,
-    encode_queue_dir,
-    segment_start_offset,
-)
-
-_HEAD_SIZE = STORE_TIMESTAMP_POS + 8  # TOTALSIZE, MAGICCODE, ..., STORETIMESTAMP
+from store.commitlog import first_store_timestamp as _first_store_timestamp
+from store.consumequeue import read_unit
+from store.format import CONSUMEQUEUE_DIR
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +54,7 @@ class SegmentSpan:
 
 def first_store_timestamp(segment: SegmentFile) -> int | None:
     """The store timestamp (ms) of the segment's first record; None if there is none to read."""
-    try:
-        with open(segment.path, "rb") as f:
-            head = f.read(_HEAD_SIZE)
-    except FileNotFoundError:
-        return None
-    if len(head) < _HEAD_SIZE or int.from_bytes(head[4:8], "big") != MAGIC:
-        return None
-    if int.from_bytes(head[0:4], "big", signed=True) < _HEAD_SIZE:
-        return None
-    return int.from_bytes(head[STORE_TIMESTAMP_POS:_HEAD_SIZE], "big", signed=True)
+    return _first_store_timestamp(segment.path)
 
 
 def segment_spans(
@@ -125,38 +107,11 @@ def backlog_segments(
         begin = max(committed, known.min_offset)
         if begin >= known.end_offset:
             continue  # nothing waiting in this queue
-        phys = _physical_offset(Path(data_dir), queue, begin)
-        if phys is None:
+        unit = read_unit(Path(data_dir) / CONSUMEQUEUE_DIR, queue, begin)
+        if unit is None:
             return segments
+        phys = unit[0]
         lowest = phys if lowest is None else min(lowest, phys)
     if lowest is None:
         return []
     return [s for s in segments if s.start_offset + s.size > lowest]
-
-
-def _physical_offset(data_dir: Path, queue: str, offset: int) -> int | None:
-    """The CommitLog offset of a queue's message at `offset`, from its consume queue file."""
-    try:
-        directory = consumequeue_dir(data_dir) / encode_queue_dir(queue) / str(QUEUE_ID)
-    except ValueError:
-        return None
-    at = offset * CQ_UNIT_SIZE
-    best: tuple[int, str] | None = None
-    try:
-        for entry in os.scandir(directory):
-            start = segment_start_offset(entry.name)
-            if start is not None and start <= at and (best is None or start > best[0]):
-                best = (start, entry.path)
-    except FileNotFoundError:
-        return None
-    if best is None:
-        return None
-    try:
-        with open(best[1], "rb") as f:
-            f.seek(at - best[0])
-            unit = f.read(8)
-    except OSError:
-        return None
-    if len(unit) < 8:
-        return None
-    return int.from_bytes(unit, "big", signed=True)

@@ -1,58 +1,64 @@
 """Fast, read-only parsing of CommitLog segment files into Arrow record batches.
 
 This module is pure pyarrow + numpy (no Spark) so the data source, compaction and the benchmark
-share one parser. The record format itself lives in the store's `store.format` module; this
-parser takes every constant from there and only adds a fast path for the fields analytics needs.
+share one parser. The record format and its reader live in the store: segments are listed by
+`store.commitlog.segment_files`, records found by `store.format.walk_records`, and every offset
+and constant is `store.format`'s. What is added here is the bulk half: validation and columns
+for a whole batch of records at once.
 
 A live store is read without coordination: the segment is mapped read-only and walked from its
 start; the walk stops at the first record that is not complete and CRC-valid. For the active
 (last) segment that is the normal end of what was written (zero bytes, or a record still being
 written). For a sealed segment, anything other than a clean end or the BLANK filler is damage.
 
-Speed comes from splitting the work: one Python loop walks records (size, magic, CRC and the
-few variable-length fields), while fixed-position header fields (timestamps, body length) are
-gathered for the whole batch at once with numpy, and list columns are built with Arrow kernels.
+Speed comes from splitting the work: one Python loop (the store's walk) follows TOTALSIZE from
+record to record, while the CRCs, the layout check and fixed-position header fields
+(timestamps, body length) are handled for the whole batch at once with numpy, and list columns
+are built with Arrow kernels.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from analytics.errors import CorruptSegmentError, DataDirError
-from analytics.storeformat import (
-    BLANK_MAGIC,
-    BODY_LENGTH_POS,
-    BORN_TIMESTAMP_POS,
+from store.commitlog import segment_files
+from store.format import (
+    COMMITLOG_DIR,
     CRC_MASK,
     CRC_PREFIX,
     CRC_TRAILER_SIZE,
-    KEY_CLIENT,
-    KEY_DISPATCH,
-    KEY_QOS,
-    KEY_QUEUE_OFFSETS,
-    KEY_RETAIN,
-    KEY_TOPIC,
+    HEADER_SIZE,
     MAGIC,
-    MIN_RECORD_SIZE,
+    MULTI_DISPATCH_SEPARATOR,
     NAME_VALUE_SEPARATOR,
+    OFF_BODYLENGTH,
+    OFF_BORNTIMESTAMP,
+    OFF_STORETIMESTAMP,
+    PROP_MULTI_DISPATCH,
+    PROP_MULTI_QUEUE_OFFSET,
     PROPERTY_SEPARATOR,
-    QUEUE_SEPARATOR,
-    STORE_TIMESTAMP_POS,
-    TOPIC_LENGTH_POS,
-    commitlog_dir,
-    segment_start_offset,
+    SIZE_MAGIC,
+    WALK_BAD,
+    WALK_BEYOND,
+    walk_records,
 )
+
+# MQTT facts the gateway stores as properties (its contract; analytics never imports it).
+KEY_TOPIC: Final = "mqtt.topic"
+KEY_CLIENT: Final = "mqtt.client"
+KEY_QOS: Final = "mqtt.qos"
+KEY_RETAIN: Final = "mqtt.retain"
 
 # Arrow schema of the rows. The Spark schema in analytics.datasource is derived from the same
 # field list; a unit test checks the two agree exactly (Spark rejects any mismatch).
@@ -82,8 +88,6 @@ ARROW_SCHEMA = pa.schema(
 
 DEFAULT_BATCH_ROWS = 32_768
 
-_HEAD = struct.Struct(">iI")  # TOTALSIZE, MAGICCODE
-
 
 @dataclass(frozen=True, slots=True)
 class SegmentFile:
@@ -109,18 +113,13 @@ def list_segments(data_dir: str | Path) -> list[SegmentFile]:
         raise DataDirError(f"data directory {root} does not exist")
     if not root.is_dir():
         raise DataDirError(f"data directory {root} is not a directory")
-    log_dir = commitlog_dir(root)
+    log_dir = root / COMMITLOG_DIR
     if not log_dir.is_dir():
         raise DataDirError(
             f"{root} is not an lmqtt store: it has no {log_dir.name}/ directory "
             "(point --data-dir at the gateway's data directory)"
         )
-    found: list[tuple[int, Path]] = []
-    for entry in log_dir.iterdir():
-        start = segment_start_offset(entry.name)
-        if start is not None and entry.is_file():
-            found.append((start, entry))
-    found.sort()
+    found = segment_files(log_dir)
     segments = []
     for i, (start, path) in enumerate(found):
         segments.append(
@@ -206,41 +205,22 @@ class SegmentParser:
             view.release()
 
     def _walk(self, buf: mmap.mmap, pos: int, limit: int) -> tuple[list[int], int, bool]:
-        """The hot loop: follow TOTALSIZE from pos for up to batch_rows records.
+        """The hot loop (store.format.walk_records): up to batch_rows records from pos.
 
         Returns the record starts, the position after the last one and whether the data ended.
         """
-        starts: list[int] = []
-        append = starts.append
-        unpack = _HEAD.unpack_from
-        magic_ok = MAGIC
-        min_size = MIN_RECORD_SIZE
-        budget = self.batch_rows
-        last = limit - 8
-        while budget:
-            if pos > last:
-                return starts, pos, True
-            size, magic = unpack(buf, pos)
-            if magic != magic_ok or size < min_size or pos + size > limit:
-                self._stop(pos, limit, size, magic)
-                return starts, pos, True
-            append(pos)
-            pos += size
-            budget -= 1
-        return starts, pos, False
-
-    def _stop(self, pos: int, limit: int, size: int, magic: int) -> None:
-        """Classify why the walk stopped at pos: clean end, blank filler, torn tail or damage."""
-        if magic == BLANK_MAGIC:
-            return
-        if size == 0 and magic == 0:
-            return  # preallocated space never written: the end of the data
-        if magic == MAGIC and pos + size > limit and not self.segment.sealed:
-            return  # a record still being written at the live end
-        if magic != MAGIC:
-            self._bad(pos, f"bad magic 0x{magic & 0xFFFFFFFF:08X}")
-        else:
-            self._bad(pos, f"record size {size} does not fit the segment")
+        starts, pos, why = walk_records(buf, pos, limit, self.batch_rows)
+        if why is None:
+            return starts, pos, False
+        # WALK_END: a filler or unwritten space; WALK_BEYOND in the live segment: a record
+        # still being written. Anything else is damage.
+        if why == WALK_BAD or (why == WALK_BEYOND and self.segment.sealed):
+            size, magic = SIZE_MAGIC.unpack_from(buf, pos)
+            if magic != MAGIC:
+                self._bad(pos, f"bad magic 0x{magic & 0xFFFFFFFF:08X}")
+            else:
+                self._bad(pos, f"record size {size} does not fit the segment")
+        return starts, pos, True
 
     def _bad(self, pos: int, reason: str) -> None:
         if self.strict:
@@ -268,8 +248,8 @@ def _validate(
 ) -> tuple[int, str]:
     """How many leading records pass the layout and CRC checks, and why the next one fails."""
     # Layout: body length, topic length and properties length must add up to the size.
-    body_len = _gather_be(whole, starts + BODY_LENGTH_POS, 4)
-    tpos = starts + TOPIC_LENGTH_POS + body_len
+    body_len = _gather_be(whole, starts + OFF_BODYLENGTH, 4)
+    tpos = starts + HEADER_SIZE + body_len  # TOPICLENGTH follows the body
     layout_ok = tpos + 3 <= ends
     tpos = np.where(layout_ok, tpos, starts)
     ppos = tpos + 1 + whole[tpos].astype(np.int64)
@@ -282,7 +262,7 @@ def _validate(
     digits = trailer[:, _DIGITS]
     trailer_ok = (
         (trailer[:, : len(CRC_PREFIX)] == _PREFIX).all(axis=1)
-        & (trailer[:, -1] == PROPERTY_SEPARATOR[0])
+        & (trailer[:, -1] == ord(PROPERTY_SEPARATOR))
         & ((digits >= 48) & (digits <= 57)).all(axis=1)
     )
     stored = ((digits.astype(np.int64) - 48) * _POW10).sum(axis=1)
@@ -334,10 +314,10 @@ def _to_batch(whole: np.ndarray, starts: np.ndarray, ends: np.ndarray, base: int
     local = whole[lo : int(ends[-1])]
     data = pa.py_buffer(local)
     rel = starts - lo
-    store_ts = _gather_be(local, rel + STORE_TIMESTAMP_POS, 8)
-    born_ts = _gather_be(local, rel + BORN_TIMESTAMP_POS, 8)
-    body_len = _gather_be(local, rel + BODY_LENGTH_POS, 4)
-    tpos = rel + TOPIC_LENGTH_POS + body_len
+    store_ts = _gather_be(local, rel + OFF_STORETIMESTAMP, 8)
+    born_ts = _gather_be(local, rel + OFF_BORNTIMESTAMP, 8)
+    body_len = _gather_be(local, rel + OFF_BODYLENGTH, 4)
+    tpos = rel + HEADER_SIZE + body_len
     tlen = local[tpos].astype(np.int64)
     ppos = tpos + 3 + tlen
     plen = (ends - lo) - CRC_TRAILER_SIZE - ppos
@@ -356,14 +336,14 @@ def _to_batch(whole: np.ndarray, starts: np.ndarray, ends: np.ndarray, base: int
             props[KEY_QOS],
             props[KEY_RETAIN],
             pa.array(body_len.astype(np.int32)),
-            props[KEY_DISPATCH],
-            props[KEY_QUEUE_OFFSETS],
+            props[PROP_MULTI_DISPATCH],
+            props[PROP_MULTI_QUEUE_OFFSET],
         ],
         schema=ARROW_SCHEMA,
     )
 
 
-_WANTED = (KEY_TOPIC, KEY_CLIENT, KEY_QOS, KEY_RETAIN, KEY_DISPATCH, KEY_QUEUE_OFFSETS)
+_WANTED = (KEY_TOPIC, KEY_CLIENT, KEY_QOS, KEY_RETAIN, PROP_MULTI_DISPATCH, PROP_MULTI_QUEUE_OFFSET)
 
 
 def _parse_properties(blobs: pa.Array) -> dict[str, pa.Array]:
@@ -373,12 +353,12 @@ def _parse_properties(blobs: pa.Array) -> dict[str, pa.Array]:
     and scatter the values back to their records (null when a record lacks the key).
     """
     n = len(blobs)
-    pairs = pc.split_pattern(blobs, PROPERTY_SEPARATOR.decode())
+    pairs = pc.split_pattern(blobs, PROPERTY_SEPARATOR)
     flat = pairs.flatten()
     owner = pc.list_parent_indices(pairs)
     out: dict[str, pa.Array] = {}
     for key in _WANTED:
-        prefix = key.encode() + NAME_VALUE_SEPARATOR
+        prefix = (key + NAME_VALUE_SEPARATOR).encode()
         hit = pc.starts_with(flat, pattern=prefix.decode())
         values = pc.binary_slice(pc.filter(flat, hit), len(prefix), 1 << 30)
         where = np.full(n, -1, dtype=np.int64)
@@ -389,8 +369,8 @@ def _parse_properties(blobs: pa.Array) -> dict[str, pa.Array]:
     # QoS is one of three digits: its position in the value set is its value.
     out[KEY_QOS] = pc.index_in(out[KEY_QOS], value_set=_QOS_VALUES)
     out[KEY_RETAIN] = pc.equal(out[KEY_RETAIN], "1")
-    out[KEY_DISPATCH] = _split_list(out[KEY_DISPATCH], pa.string())
-    out[KEY_QUEUE_OFFSETS] = _split_list(out[KEY_QUEUE_OFFSETS], pa.int64())
+    out[PROP_MULTI_DISPATCH] = _split_list(out[PROP_MULTI_DISPATCH], pa.string())
+    out[PROP_MULTI_QUEUE_OFFSET] = _split_list(out[PROP_MULTI_QUEUE_OFFSET], pa.int64())
     return out
 
 
@@ -411,7 +391,7 @@ def _to_int(strings: pa.Array, to: pa.DataType) -> pa.Array:
 def _split_list(strings: pa.Array, element: pa.DataType) -> pa.ListArray:
     """Comma-separated values to a non-null list column ([] when the property is absent)."""
     filled = pc.fill_null(strings, "")
-    parts = pc.split_pattern(filled, QUEUE_SEPARATOR)
+    parts = pc.split_pattern(filled, MULTI_DISPATCH_SEPARATOR)
     flat = parts.flatten()
     # "" splits to [""]: an empty property means an empty list, so drop the empty elements
     # (queue names and offsets are never empty).

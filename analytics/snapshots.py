@@ -19,7 +19,6 @@ the range were delivered and acknowledged.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,22 +26,18 @@ from typing import Any
 import pyarrow as pa
 
 from analytics.errors import SnapshotError
-from analytics.storeformat import (
-    CONFIG_DIR,
-    CQ_UNIT_SIZE,
-    QUEUE_ID,
-    SESSION_KEY_PREFIX,
-    consumequeue_dir,
-    decode_queue_dir,
-    segment_start_offset,
-)
+from store.consumequeue import queue_extents
 from store.delivery_account import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, read_account
 from store.errors import StoreError
+from store.format import CONFIG_DIR, CONSUMEQUEUE_DIR
 from store.offsets import read_committed_offsets
-from store.statelog import STATE_DIR, read_state
+from store.statelog import STATE_DIR, has_state_log, read_state
 from topicmap import LMQ_PREFIX, filter_of
 
 SESSIONS_FILE = "sessions.json"  # before the state log
+# The gateway's session records in the state log (store/statelog.py): key prefix + client id,
+# value the session as JSON (gateway/session.py; analytics never imports it).
+SESSION_KEY_PREFIX = "session/"
 SHARE_PREFIX = "$share/"
 LIGHT_QUEUE_PREFIX = LMQ_PREFIX
 
@@ -92,7 +87,7 @@ def read_subscriptions(data_dir: str | Path) -> list[Subscription]:
         raise SnapshotError(f"cannot read the state log {path}: {e}") from None
     sessions: dict[str, object]
     source = path
-    if raw or any(path.glob("*.snapshot")) or any(path.glob("*.log")):
+    if raw or has_state_log(path):
         try:
             sessions = {cid: json.loads(value) for cid, value in raw.items()}
         except ValueError as e:
@@ -186,43 +181,12 @@ def subscribers(
 
 def queue_ends(data_dir: str | Path) -> list[QueueEnd]:
     """Every consume queue's min and end offset from its files (no store open needed)."""
-    root = consumequeue_dir(Path(data_dir))
-    out = []
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        queue = decode_queue_dir(entry.name)
-        if queue is None or not entry.is_dir():
-            continue
-        files = _cq_files(Path(entry.path) / str(QUEUE_ID))
-        if not files:
-            continue
-        first_start, _ = files[0]
-        last_start, last_size = files[-1]
-        out.append(
-            QueueEnd(
-                queue=queue,
-                min_offset=first_start // CQ_UNIT_SIZE,
-                end_offset=(last_start + last_size) // CQ_UNIT_SIZE,
-            )
-        )
+    out = [
+        QueueEnd(queue=queue, min_offset=lo, end_offset=end)
+        for queue, lo, end in queue_extents(Path(data_dir) / CONSUMEQUEUE_DIR)
+    ]
     out.sort(key=lambda q: q.queue)
     return out
-
-
-def _cq_files(directory: Path) -> list[tuple[int, int]]:
-    files = []
-    try:
-        for entry in os.scandir(directory):
-            start = segment_start_offset(entry.name)
-            if start is not None and entry.is_file():
-                files.append((start, entry.stat().st_size))
-    except FileNotFoundError:
-        return []
-    files.sort()
-    return files
 
 
 def subscribers_table(rows: list[Subscriber]) -> pa.Table:

@@ -5,7 +5,7 @@
 Every message has a 100-byte body and is dispatched to its parent queue plus three light
 queues (``%LMQ%all``, one of 1,000 device queues, one of 10 group queues). Phases:
 
-1. append N messages with ``put_many`` in batches (what the gateway does per event-loop
+1. append N messages with ``append_encoded`` in batches (what the gateway does per event-loop
    turn), in a child process that is then killed with SIGKILL (an unclean stop);
 2. append N/5 messages with single ``put`` calls (reported separately);
 3. recover the killed store (abort marker present, checkpoint as the flusher left it);
@@ -39,27 +39,27 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from store import GetStatus, MessageStore, PutRequest, StoreConfig  # noqa: E402
+from store import GetStatus, MessageStore, StoreConfig  # noqa: E402
 
 BODY = bytes(range(100))
 
 
-def queues_of(i: int) -> list[str]:
-    return ["%LMQ%all", f"%LMQ%dev{i % 1000}", f"%LMQ%grp{i % 10}"]
+def queues_of(i: int) -> tuple[str, ...]:
+    return ("%LMQ%all", f"%LMQ%dev{i % 1000}", f"%LMQ%grp{i % 10}")
 
 
 def append_child(data_dir: str, n: int, batch: int) -> None:
     """Child process: append, report, then wait to be killed."""
     s = MessageStore.open(StoreConfig(data_dir=Path(data_dir)))
-    reqs = [PutRequest(f"site{i % 4}", BODY, queues_of(i)) for i in range(n)]
+    reqs = [(f"site{i % 4}", queues_of(i), BODY, b"") for i in range(n)]
     t = time.perf_counter()
     c = time.process_time()
     if batch > 1:
         for k in range(0, n, batch):
-            s.put_many(reqs[k : k + batch])
+            s.append_encoded(reqs[k : k + batch])
     else:
-        for r in reqs:
-            s.put(r.topic, r.body, r.queues)
+        for topic, queues, body, _props in reqs:
+            s.put(topic, body, queues)
     dt = time.perf_counter() - t
     cpu = time.process_time() - c
     print(json.dumps({"seconds": dt, "cpu": cpu, "bytes": s.log_max_offset}), flush=True)
@@ -168,7 +168,7 @@ def sqlite_bench(path: Path, n: int, batch: int) -> tuple[float, float, int, flo
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=1_000_000)
-    ap.add_argument("--batch", type=int, default=64, help="put_many batch (1: single puts)")
+    ap.add_argument("--batch", type=int, default=64, help="append_encoded batch (1: single puts)")
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: temp)")
     ap.add_argument("--skip-sqlite", action="store_true")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -196,7 +196,7 @@ def run(work: Path, n: int, batch: int, skip_sqlite: bool) -> int:
     res = run_child(data, n, batch)
     size_mb = res["bytes"] / 1e6
     out["append"] = n / res["seconds"]
-    line(f"append, put_many({batch})", f"{out['append']:>12,.0f} msg/s  "
+    line(f"append, append_encoded({batch})", f"{out['append']:>12,.0f} msg/s  "
          f"{size_mb / res['seconds']:>8.1f} MB/s  ({n / res['cpu']:,.0f} msg/CPU-s)")  # fmt: skip
     single_n = max(1, n // 5)
     res1 = run_child(work / "single", single_n, 1)

@@ -25,7 +25,6 @@ from store.results import (
     ArrivalListener,
     GetResult,
     GetStatus,
-    PutRequest,
     PutResult,
     StoredMessage,
 )
@@ -56,7 +55,6 @@ __all__ = [
     "InvalidQueueNameError",
     "MessageStore",
     "MessageTooLargeError",
-    "PutRequest",
     "PutResult",
     "ReadOnlyStoreError",
     "RecoveryReport",

@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from store.filehandles import FileHandles
@@ -133,24 +133,23 @@ class ConsumeQueueTable:
                 self._write(old)
                 self.dirty.pop(name, None)
 
-    def _list_files(self, directory: str) -> list[int]:
-        try:
-            names = os.listdir(directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        starts = []
-        for n in names:
-            s = parse_offset_file_name(n)
-            if s is None or s % self.file_bytes:
-                log.warning("ignoring foreign file %s/%s", directory, n)
+    def _files(self, directory: str) -> list[tuple[int, int]]:
+        """``(first unit, size in bytes)`` of the queue's files (:func:`queue_files`), in order."""
+        files = []
+        for start, size in queue_files(directory):
+            if start % self.file_bytes:
+                log.warning("ignoring misplaced file %s/%s", directory, offset_file_name(start))
                 continue
-            starts.append(s // CQ_UNIT_SIZE)
-        starts.sort()
-        return starts
+            files.append((start // CQ_UNIT_SIZE, size))
+        return files
+
+    def _list_files(self, directory: str) -> list[int]:
+        return [start for start, _ in self._files(directory)]
 
     def _load(self, name: str) -> ConsumeQueue | None:
         directory = self.dir_of(name)
-        starts = self._list_files(directory)
+        files = self._files(directory)
+        starts = [start for start, _ in files]
         if not starts:
             if not self.read_only and os.path.isdir(directory):
                 return ConsumeQueue(name, directory, 0, 0)
@@ -161,8 +160,7 @@ class ConsumeQueueTable:
             first -= 1
         if first:
             log.error("queue %r: files missing before unit %d", name, starts[first])
-        last = starts[-1]
-        size = os.path.getsize(f"{directory}/{offset_file_name(last * CQ_UNIT_SIZE)}")
+        last, size = files[-1]
         flushed = last + size // CQ_UNIT_SIZE
         cq = ConsumeQueue(name, directory, starts[first], flushed)
         if self.log_min_offset:
@@ -171,17 +169,11 @@ class ConsumeQueueTable:
 
     def has_gap(self, name: str) -> bool:
         """True if the queue's files are not contiguous or end in a partial unit."""
-        directory = self.dir_of(name)
-        starts = self._list_files(directory)
-        for a, b in itertools.pairwise(starts):
+        files = self._files(self.dir_of(name))
+        for (a, _), (b, _) in itertools.pairwise(files):
             if b != a + self.upf:
                 return True
-        for s in starts[:-1]:
-            if os.path.getsize(f"{directory}/{offset_file_name(s * CQ_UNIT_SIZE)}") != (
-                self.file_bytes
-            ):
-                return True
-        return False
+        return any(size != self.file_bytes for _, size in files[:-1])
 
     def disk_names(self) -> Iterator[str]:
         """Names of queues with a directory on disk."""
@@ -203,11 +195,20 @@ class ConsumeQueueTable:
         return list(seen)
 
     # -- writing -----------------------------------------------------------------------------
-    def append(self, cq: ConsumeQueue, unit: bytes) -> None:
-        if not cq.pending:
-            self.dirty[cq.name] = cq
-        cq.pending += unit
-        cq.max_offset += 1
+    def dispatch(self, queues: Sequence[ConsumeQueue], unit: bytes) -> None:
+        """Light-queue dispatch: ``unit`` becomes the next unit of every queue in ``queues``.
+
+        The one place units join queues: appends (a record's parent queue and its light
+        queues, at the offsets the writer just gave it) and recovery (records re-dispatched at
+        the offsets they carry, found to be each queue's next) both call it. Units wait in
+        ``pending`` until :meth:`write_pending`.
+        """
+        dirty = self.dirty
+        for cq in queues:
+            if not cq.pending:
+                dirty[cq.name] = cq
+            cq.pending += unit
+            cq.max_offset += 1
 
     def _write(self, cq: ConsumeQueue) -> list[str]:
         """Write ``cq.pending`` to its files; returns the paths written (to fsync).
@@ -360,3 +361,68 @@ class ConsumeQueueTable:
 
     def close(self) -> None:
         self.files.close()
+
+
+# -- readers of the files, for tools that do not open a store (analytics) -------------------
+def queue_files(directory: str | Path) -> list[tuple[int, int]]:
+    """``(start byte offset, size)`` of a queue's files (``consumequeue/<name>/0``), in order.
+
+    Entries not named by a 20-digit offset are left out.
+    """
+    files = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        start = parse_offset_file_name(entry.name)
+        if start is not None and entry.is_file():
+            try:
+                files.append((start, entry.stat().st_size))
+            except FileNotFoundError:  # deleted since the listing (retention)
+                continue
+    files.sort()
+    return files
+
+
+def queue_extents(root: str | Path) -> Iterator[tuple[str, int, int]]:
+    """``(queue, min offset, end offset)`` of every queue with files under ``root`` (the
+    consumequeue directory), from the names and sizes of its files."""
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        name = decode_queue_dir(entry.name)
+        if name is None or not entry.is_dir():
+            continue
+        files = queue_files(f"{entry.path}/{QUEUE_ID}")
+        if files:
+            (first, _), (last, size) = files[0], files[-1]
+            yield name, first // CQ_UNIT_SIZE, (last + size) // CQ_UNIT_SIZE
+
+
+def read_unit(root: str | Path, queue: str, offset: int) -> tuple[int, int] | None:
+    """``(CommitLog offset, size)`` of unit ``offset`` of ``queue`` under ``root`` (the
+    consumequeue directory); None if no file holds the whole unit."""
+    try:
+        directory = f"{root}/{encode_queue_dir(queue)}/{QUEUE_ID}"
+    except ValueError:
+        return None
+    at = offset * CQ_UNIT_SIZE
+    holder = None
+    for start, _size in queue_files(directory):
+        if start <= at:
+            holder = start
+    if holder is None:
+        return None
+    try:
+        with open(f"{directory}/{offset_file_name(holder)}", "rb") as f:
+            f.seek(at - holder)
+            unit = f.read(CQ_UNIT_SIZE)
+    except OSError:
+        return None
+    if len(unit) < CQ_UNIT_SIZE:
+        return None
+    phys, size, _tag = CQ_UNIT.unpack(unit)
+    return phys, size

@@ -2,48 +2,12 @@
 
 Pure module: no I/O, no side effects on import, standard library only. The analytics package
 reads CommitLog segments with nothing but this module, so everything a reader needs to
-interpret the files lives here.
+interpret the files lives here (the files themselves are read by store.commitlog's and
+store.consumequeue's readers).
 
-CommitLog record (RocketMQ message layout v1, IPv4 hosts, big-endian)::
-
-    offset size field
-       0    4  TOTALSIZE                 whole record, this field included
-       4    4  MAGICCODE                 0xDAA320A7 (MAGIC)
-       8    4  BODYCRC                   crc32(body) & 0x7FFFFFFF
-      12    4  QUEUEID                   always 0: one queue per parent topic
-      16    4  FLAG                      0
-      20    8  QUEUEOFFSET               offset of the message in its parent queue
-      28    8  PHYSICALOFFSET            offset of this record in the CommitLog
-      36    4  SYSFLAG                   0 (IPv4 hosts, uncompressed)
-      40    8  BORNTIMESTAMP             ms since the epoch, given by the producer
-      48    8  BORNHOST                  IPv4 4 + port 4 (zeros: the gateway keeps the client id)
-      56    8  STORETIMESTAMP            ms since the epoch, taken under the append lock
-      64    8  STOREHOST                 IPv4 4 + port 4 (zeros)
-      72    4  RECONSUMETIMES            0
-      76    8  PREPAREDTRANSACTIONOFFSET 0
-      84    4  BODYLENGTH  + BODY
-       .    1  TOPICLENGTH + TOPIC       UTF-8, at most 127 bytes
-       .    2  PROPERTIESLENGTH + PROPERTIES
-
-    PROPERTIES = key \\x01 value \\x02  key \\x01 value \\x02 ... "__CRC32#" \\x01 dddddddddd \\x02
-                                                              '-------- CRC_TRAILER: 20 bytes --'
-    The final property is always __CRC32#, ten zero-padded decimal digits of
-    crc32(record[0 : TOTALSIZE - 20]) & 0x7FFFFFFF, as RocketMQ 5.x writes it with
-    enabledAppendPropCRC, so a torn record is detected wherever the tear is.
-    INNER_MULTI_DISPATCH     = comma-separated light queue names the message was dispatched to
-    INNER_MULTI_QUEUE_OFFSET = the message's offset in each of them, same order
-
-Blank filler, written when a record (plus 8 bytes) does not fit at the end of a segment::
-
-    +----------------------+----------------------+- - - - - - - - - - -+
-    | remaining bytes (4)  | BLANK_MAGIC (4)      |  unused to segment end |
-    +----------------------+----------------------+- - - - - - - - - - -+
-
-Consume-queue unit (20 bytes, big-endian); queue offset N is unit N::
-
-    +---------------------------+----------------+---------------------------+
-    | CommitLog offset (int64)  | size (int32)   | tag hash (int64, always 0) |
-    +---------------------------+----------------+---------------------------+
+The layouts are drawn next to their constants below; every struct that reads or writes a
+record header is derived from one field table (HEADER_LAYOUT), and the record reader (check,
+decode, walk, dispatch fields) lives here beside the writer (append_record).
 
 File names::
 
@@ -56,6 +20,8 @@ demand instead of being preallocated.
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
@@ -65,37 +31,118 @@ from typing import Final
 # ---------------------------------------------------------------------------------------------
 # Record constants
 # ---------------------------------------------------------------------------------------------
+# CommitLog record (RocketMQ message layout v1, IPv4 hosts, big-endian)::
+#
+#     offset size field
+#        0    4  TOTALSIZE                 whole record, this field included
+#        4    4  MAGICCODE                 0xDAA320A7 (MAGIC)
+#        8    4  BODYCRC                   crc32(body) & 0x7FFFFFFF
+#       12    4  QUEUEID                   always 0: one queue per parent topic
+#       16    4  FLAG                      0
+#       20    8  QUEUEOFFSET               offset of the message in its parent queue
+#       28    8  PHYSICALOFFSET            offset of this record in the CommitLog
+#       36    4  SYSFLAG                   0 (IPv4 hosts, uncompressed)
+#       40    8  BORNTIMESTAMP             ms since the epoch, given by the producer
+#       48    8  BORNHOST                  IPv4 4 + port 4 (zeros: the gateway keeps the client id)
+#       56    8  STORETIMESTAMP            ms since the epoch, taken under the append lock
+#       64    8  STOREHOST                 IPv4 4 + port 4 (zeros)
+#       72    4  RECONSUMETIMES            0
+#       76    8  PREPAREDTRANSACTIONOFFSET 0
+#       84    4  BODYLENGTH  + BODY
+#        .    1  TOPICLENGTH + TOPIC       UTF-8, at most 127 bytes
+#        .    2  PROPERTIESLENGTH + PROPERTIES
+#
+#     PROPERTIES = key \x01 value \x02  key \x01 value \x02 ... "__CRC32#" \x01 dddddddddd \x02
+#                                                               '-------- CRC_TRAILER: 20 bytes --'
+#     The final property is always __CRC32#, ten zero-padded decimal digits of
+#     crc32(record[0 : TOTALSIZE - 20]) & 0x7FFFFFFF, as RocketMQ 5.x writes it with
+#     enabledAppendPropCRC, so a torn record is detected wherever the tear is.
+#     INNER_MULTI_DISPATCH     = comma-separated light queue names the message was dispatched to
+#     INNER_MULTI_QUEUE_OFFSET = the message's offset in each of them, same order
+#
+# Blank filler, written when a record (plus 8 bytes) does not fit at the end of a segment::
+#
+#     +----------------------+----------------------+- - - - - - - - - - -+
+#     | remaining bytes (4)  | BLANK_MAGIC (4)      |  unused to segment end |
+#     +----------------------+----------------------+- - - - - - - - - - -+
 MAGIC: Final = 0xDAA320A7
 BLANK_MAGIC: Final = 0xCBD43194
 
-#: Fixed part of a record, TOTALSIZE through BODYLENGTH (88 bytes); see the table above.
-HEADER: Final = struct.Struct(">iIIiiqqiqIiqIiiqi")
-HEADER_SIZE: Final = HEADER.size  # 88
-#: Bytes of a record besides body, topic and properties (RocketMQ's "91 bytes" for IPv4).
-FIXED_OVERHEAD: Final = HEADER_SIZE + 1 + 2
-#: Offsets of the fields readers need without decoding the whole header.
-OFF_TOTALSIZE: Final = 0
-OFF_MAGIC: Final = 4
-OFF_QUEUEOFFSET: Final = 20
-OFF_PHYSICALOFFSET: Final = 28
-OFF_BORNTIMESTAMP: Final = 40
-OFF_STORETIMESTAMP: Final = 56
-OFF_BODYLENGTH: Final = 84
-OFF_BODY: Final = 88
+#: The fixed part of a record (the table above), field by field: name and struct code. Every
+#: struct that reads or writes a header is derived from this one table by :func:`header_struct`.
+HEADER_LAYOUT: Final = (
+    ("TOTALSIZE", "i"), ("MAGICCODE", "I"), ("BODYCRC", "I"), ("QUEUEID", "i"), ("FLAG", "i"),
+    ("QUEUEOFFSET", "q"), ("PHYSICALOFFSET", "q"), ("SYSFLAG", "i"), ("BORNTIMESTAMP", "q"),
+    ("BORNHOST", "I"), ("BORNPORT", "i"), ("STORETIMESTAMP", "q"), ("STOREHOST", "I"),
+    ("STOREPORT", "i"), ("RECONSUMETIMES", "i"), ("PREPAREDTRANSACTIONOFFSET", "q"),
+    ("BODYLENGTH", "i"),
+)  # fmt: skip
+_FIELD_AT: Final = dict(
+    zip(
+        (name for name, _ in HEADER_LAYOUT),
+        itertools.accumulate((struct.calcsize(">" + c) for _, c in HEADER_LAYOUT), initial=0),
+        strict=False,
+    )
+)
 
-#: The same 88 bytes as HEADER with its always-zero fields (QUEUEID, FLAG, SYSFLAG, BORNHOST,
-#: STOREHOST, RECONSUMETIMES, PREPAREDTRANSACTIONOFFSET) as pad bytes, which struct writes as
-#: zeros: 8 arguments to convert instead of 17, on the hot path of every append.
-#:     TOTALSIZE MAGIC BODYCRC [QUEUEID FLAG] QUEUEOFFSET PHYSICALOFFSET [SYSFLAG]
-#:     BORNTIMESTAMP [BORNHOST] STORETIMESTAMP [STOREHOST RECONSUMETIMES PREPARED] BODYLENGTH
-RECORD_HEAD: Final = struct.Struct(">iII8xqq4xq8xq8x4x8xi")
-#: The __CRC32# trailer, formatted with ``crc32(record[0 : TOTALSIZE - 20]) & CRC_MASK``.
-CRC_TRAILER_FORMAT: Final = b"__CRC32#\x01%010d\x02"
-SIZE_MAGIC: Final = struct.Struct(">iI")  # TOTALSIZE + MAGICCODE, also the blank filler
-INT64: Final = struct.Struct(">q")
-INT32: Final = struct.Struct(">i")
+
+def header_struct(*names: str) -> struct.Struct:
+    """A struct over the record header that reads (or writes) only ``names``, in layout order.
+
+    The other fields up to the last one named are pad bytes: skipped when unpacking, zeros when
+    packing. One struct call then fetches exactly the fields a reader needs.
+    """
+    unknown = set(names) - _FIELD_AT.keys()
+    if unknown:
+        raise ValueError(f"not header fields: {sorted(unknown)}")
+    last = max(_FIELD_AT[n] for n in names)
+    parts = []
+    for name, code in HEADER_LAYOUT:
+        if _FIELD_AT[name] > last:
+            break
+        parts.append(code if name in names else f"{struct.calcsize('>' + code)}x")
+    return struct.Struct(">" + "".join(parts))
+
+
+#: Offsets of the fields readers need without decoding the whole header.
+OFF_TOTALSIZE: Final = _FIELD_AT["TOTALSIZE"]  # 0
+OFF_MAGIC: Final = _FIELD_AT["MAGICCODE"]  # 4
+OFF_QUEUEOFFSET: Final = _FIELD_AT["QUEUEOFFSET"]  # 20
+OFF_PHYSICALOFFSET: Final = _FIELD_AT["PHYSICALOFFSET"]  # 28
+OFF_BORNTIMESTAMP: Final = _FIELD_AT["BORNTIMESTAMP"]  # 40
+OFF_STORETIMESTAMP: Final = _FIELD_AT["STORETIMESTAMP"]  # 56
+OFF_BODYLENGTH: Final = _FIELD_AT["BODYLENGTH"]  # 84
+
+# The struct set: every reader and writer of records uses these, and only these.
+#: The whole fixed part, all 17 fields (decode_record).
+HEADER: Final = header_struct(*_FIELD_AT)
+HEADER_SIZE: Final = HEADER.size  # 88
+OFF_BODY: Final = HEADER_SIZE  # BODY follows BODYLENGTH; TOPICLENGTH follows the body
+#: The writer's header: the always-zero fields (QUEUEID, FLAG, SYSFLAG, hosts, RECONSUMETIMES,
+#: PREPAREDTRANSACTIONOFFSET) are pad bytes, 8 arguments to convert instead of 17 on the hot
+#: path of every append (append_record; store/_speedups.c writes the same bytes).
+RECORD_HEAD: Final = header_struct(
+    "TOTALSIZE", "MAGICCODE", "BODYCRC", "QUEUEOFFSET", "PHYSICALOFFSET", "BORNTIMESTAMP",
+    "STORETIMESTAMP", "BODYLENGTH",
+)  # fmt: skip
+#: TOTALSIZE + MAGICCODE: how a walk finds the next record; also the blank filler.
+SIZE_MAGIC: Final = header_struct("TOTALSIZE", "MAGICCODE")
+#: What validation needs to check a record's lengths (scan_records, check_record).
+SCAN_FIELDS: Final = header_struct("TOTALSIZE", "MAGICCODE", "BODYLENGTH")
+#: What dispatch needs: size, magic, the parent queue offset and where the topic starts.
+DISPATCH_FIELDS: Final = header_struct("TOTALSIZE", "MAGICCODE", "QUEUEOFFSET", "BODYLENGTH")
+#: What a read of a queue returns besides body, topic and properties (MessageStore.get).
+READ_FIELDS: Final = header_struct("QUEUEOFFSET", "BORNTIMESTAMP", "STORETIMESTAMP", "BODYLENGTH")
+#: The store timestamp alone (offset_by_time bisects on it).
+STORE_TIMESTAMP: Final = header_struct("STORETIMESTAMP")
+#: The variable part's length fields.
 TOPIC_LEN: Final = struct.Struct(">B")
 PROPS_LEN: Final = struct.Struct(">H")
+
+#: Bytes of a record besides body, topic and properties (RocketMQ's "91 bytes" for IPv4).
+FIXED_OVERHEAD: Final = HEADER_SIZE + TOPIC_LEN.size + PROPS_LEN.size
+#: The __CRC32# trailer, formatted with ``crc32(record[0 : TOTALSIZE - 20]) & CRC_MASK``.
+CRC_TRAILER_FORMAT: Final = b"__CRC32#\x01%010d\x02"
 
 #: A segment always keeps room for a blank filler header (RocketMQ END_FILE_MIN_BLANK_LENGTH).
 END_FILE_MIN_BLANK_LENGTH: Final = 8
@@ -117,6 +164,8 @@ RESERVED_PROPERTIES: Final = frozenset({PROP_MULTI_DISPATCH, PROP_MULTI_QUEUE_OF
 CRC_PREFIX: Final = (PROP_CRC32 + NAME_VALUE_SEPARATOR).encode()
 #: "__CRC32#" \x01 + 10 digits + \x02
 CRC_TRAILER_SIZE: Final = len(CRC_PREFIX) + 10 + 1  # 20
+#: The smallest record: empty body, a 1-byte topic, no properties but the __CRC32# trailer.
+MIN_RECORD_SIZE: Final = FIXED_OVERHEAD + 1 + CRC_TRAILER_SIZE
 CRC_MASK: Final = 0x7FFFFFFF  # RocketMQ's UtilAll.crc32 masks the sign bit
 
 DISPATCH_PREFIX: Final = (PROP_MULTI_DISPATCH + NAME_VALUE_SEPARATOR).encode()
@@ -125,6 +174,11 @@ QOFFSET_PREFIX: Final = (PROP_MULTI_QUEUE_OFFSET + NAME_VALUE_SEPARATOR).encode(
 # ---------------------------------------------------------------------------------------------
 # Consume-queue unit
 # ---------------------------------------------------------------------------------------------
+# Consume-queue unit (20 bytes, big-endian); queue offset N is unit N::
+#
+#     +---------------------------+----------------+---------------------------+
+#     | CommitLog offset (int64)  | size (int32)   | tag hash (int64, always 0) |
+#     +---------------------------+----------------+---------------------------+
 CQ_UNIT: Final = struct.Struct(">qiq")
 CQ_UNIT_SIZE: Final = CQ_UNIT.size  # 20
 CQ_UNITS_PER_FILE: Final = 300_000
@@ -239,20 +293,20 @@ def encode_properties(properties: dict[str, str] | None) -> bytes:
     return "".join(parts).encode("utf-8")
 
 
-def dispatch_properties(queues: Sequence[str], offsets: list[int]) -> bytes:
+def inner_head(queues: Sequence[str]) -> bytes:
+    """The store's INNER_* properties up to the light-queue offsets (b"" without queues):
+    ``INNER_MULTI_DISPATCH \x01 q1,q2 \x02 INNER_MULTI_QUEUE_OFFSET \x01``. Only the offsets
+    (then \x02) vary per message, so writers build this once per set of queues."""
+    if not queues:
+        return b""
+    return b"".join((DISPATCH_PREFIX, ",".join(queues).encode("utf-8"), b"\x02", QOFFSET_PREFIX))
+
+
+def dispatch_properties(queues: Sequence[str], offsets: Sequence[int]) -> bytes:
     """INNER_MULTI_DISPATCH and INNER_MULTI_QUEUE_OFFSET properties for light queues."""
     if not queues:
         return b""
-    return b"".join(
-        (
-            DISPATCH_PREFIX,
-            ",".join(queues).encode("utf-8"),
-            b"\x02",
-            QOFFSET_PREFIX,
-            ",".join(map(str, offsets)).encode(),
-            b"\x02",
-        )
-    )
+    return b"".join((inner_head(queues), ",".join(map(str, offsets)).encode(), b"\x02"))
 
 
 def record_size(body_len: int, topic_len: int, props_len: int) -> int:
@@ -264,42 +318,6 @@ _BYTE = [bytes((i,)) for i in range(256)]
 _pack_head = RECORD_HEAD.pack
 _pack_plen = PROPS_LEN.pack
 _crc32 = zlib.crc32
-
-
-def write_record(
-    buf: bytearray | memoryview,
-    pos: int,
-    topic: bytes,
-    body: bytes,
-    properties: bytes,
-    queue_offset: int,
-    physical_offset: int,
-    born_timestamp: int,
-    store_timestamp: int,
-) -> int:
-    """Write one record into ``buf`` at ``pos`` and return its size.
-
-    ``properties`` is the encoded property string without the CRC trailer, which is computed
-    here over the finished record. The caller guarantees room and valid lengths. Built as one
-    bytes object and copied once: on CPython that beats several small writes into a mapping.
-    (MessageStore's batch writer inlines the same steps.)
-    """
-    blen = len(body)
-    plen = len(properties) + CRC_TRAILER_SIZE
-    size = FIXED_OVERHEAD + blen + len(topic) + plen
-    rec = b"".join(
-        (
-            _pack_head(
-                size, MAGIC, _crc32(body) & CRC_MASK, queue_offset, physical_offset,
-                born_timestamp, store_timestamp, blen,
-            ),
-            body, _BYTE[len(topic)], topic, _pack_plen(plen), properties,
-        )
-    )  # fmt: skip
-    end = pos + size - CRC_TRAILER_SIZE
-    buf[pos:end] = rec
-    buf[end : end + CRC_TRAILER_SIZE] = CRC_TRAILER_FORMAT % (_crc32(rec) & CRC_MASK)
-    return size
 
 
 def append_record(
@@ -322,6 +340,7 @@ def append_record(
     queues, ``inner_head`` (INNER_MULTI_DISPATCH pair and the INNER_MULTI_QUEUE_OFFSET key)
     followed by the comma-separated ``light_offsets`` and \x02, then the CRC trailer. This
     is the reference: store/_speedups.c does the same in C and must give the same bytes.
+    Built as one bytes object and appended once: on CPython that beats several small writes.
     """
     if light_offsets:
         offsets = b",".join([b"%d" % o for o in light_offsets])
@@ -359,19 +378,23 @@ def encode_record(
     born_timestamp: int = 0,
     store_timestamp: int = 0,
 ) -> bytes:
-    """Encode a complete record (convenience form of :func:`write_record`)."""
+    """Encode a complete record (the form of :func:`append_record` for tests and tools)."""
     t = topic.encode("utf-8")
     if not 0 < len(t) <= MAX_TOPIC_BYTES:
         raise ValueError("topic must be 1..127 UTF-8 bytes")
-    props = encode_properties(properties) + dispatch_properties(
-        queues, queue_offsets if queue_offsets is not None else [0] * len(queues)
-    )
-    if len(props) + CRC_TRAILER_SIZE > MAX_PROPERTIES_BYTES:
+    user = encode_properties(properties)
+    offsets = tuple(queue_offsets) if queue_offsets is not None else (0,) * len(queues)
+    if len(offsets) != len(queues):
+        raise ValueError("queue_offsets and queues differ in length")
+    if len(user) + len(dispatch_properties(queues, offsets)) + CRC_TRAILER_SIZE > (
+        MAX_PROPERTIES_BYTES
+    ):
         raise ValueError("properties too long")
-    buf = bytearray(record_size(len(body), len(t), len(props)))
-    write_record(
-        buf, 0, t, body, props, queue_offset, physical_offset, born_timestamp, store_timestamp
-    )
+    buf = bytearray()
+    append_record(
+        buf, 1 << 62, queue_offset, physical_offset, born_timestamp, store_timestamp, body,
+        bytes((len(t),)) + t, user, inner_head(queues), offsets,
+    )  # fmt: skip
     return bytes(buf)
 
 
@@ -445,7 +468,7 @@ def check_record(buf: bytes | bytearray | memoryview | object, pos: int, limit: 
         return 0 if size == limit - pos else -1
     if magic != MAGIC:
         return 0 if size == 0 and magic == 0 else -1
-    if size < FIXED_OVERHEAD + 1 + CRC_TRAILER_SIZE or pos + size > limit:
+    if size < MIN_RECORD_SIZE or pos + size > limit:
         return -1
     end = pos + size
     trailer = mv[end - CRC_TRAILER_SIZE : end]
@@ -457,7 +480,7 @@ def check_record(buf: bytes | bytearray | memoryview | object, pos: int, limit: 
     if zlib.crc32(mv[pos : end - CRC_TRAILER_SIZE]) & CRC_MASK != int(digits):
         return -1
     # Inner lengths must add up exactly, or the CRC matched by accident of a foreign writer.
-    blen = INT32.unpack_from(mv, pos + OFF_BODYLENGTH)[0]
+    blen = SCAN_FIELDS.unpack_from(mv, pos)[2]
     p = pos + HEADER_SIZE + blen
     if blen < 0 or p + 3 > end:
         return -1
@@ -469,6 +492,46 @@ def check_record(buf: bytes | bytearray | memoryview | object, pos: int, limit: 
     if p + 2 + plen != end:
         return -1
     return int(size)
+
+
+_SIZE_MAGIC_BLEN = SCAN_FIELDS.unpack_from
+_U16 = PROPS_LEN.unpack_from
+_CRC_PREFIX_LEN = len(CRC_PREFIX)
+
+
+def scan_valid(
+    mm: bytes | bytearray | mmap.mmap, view: memoryview, rel: int, limit: int
+) -> tuple[int, int]:
+    """Skip valid records from ``rel``: returns ``(where the first non-record starts, count)``.
+
+    The checks of :func:`check_record` (magic, length bounds, __CRC32# trailer and CRC, inner
+    lengths adding up) inlined in one loop, because recovery runs them for every record of
+    the log; ``mm`` is the segment (slices of it are bytes), ``view`` a memoryview of it (for
+    the CRC, without a copy). Whatever this loop does not accept, it leaves to
+    ``check_record`` to classify (blank filler, unwritten space, torn or corrupt).
+    """
+    crc32 = zlib.crc32
+    n = 0
+    while rel + HEADER_SIZE <= limit:
+        size, magic, blen = _SIZE_MAGIC_BLEN(mm, rel)
+        end = rel + size
+        if magic != MAGIC or size < MIN_RECORD_SIZE or end > limit:
+            break
+        crc_at = end - CRC_TRAILER_SIZE
+        if mm[crc_at : crc_at + _CRC_PREFIX_LEN] != CRC_PREFIX or mm[end - 1] != 2:
+            break
+        digits = mm[crc_at + _CRC_PREFIX_LEN : end - 1]
+        if not digits.isdigit() or crc32(view[rel:crc_at]) & CRC_MASK != int(digits):
+            break
+        p = rel + HEADER_SIZE + blen
+        if blen < 0 or p + 3 > end:
+            break
+        p += 1 + mm[p]
+        if p + 2 > end or p + 2 + _U16(mm, p)[0] != end:
+            break
+        rel = end
+        n += 1
+    return rel, n
 
 
 def decode_record(
@@ -519,6 +582,15 @@ def iter_records(
         pos += size
 
 
+def inner_dispatch_at(buf: bytes | bytearray | mmap.mmap, start: int, end: int) -> int:
+    """Where the store's INNER_MULTI_DISPATCH pair starts in the properties ``[start, end)``
+    (CRC trailer excluded), or -1 if the record has none. The store writes its INNER_* pair
+    last, so the last match is it, if it starts a pair (a user value may contain the text).
+    Every reader of light queues (get, recovery, dispatch_info) finds them with this."""
+    d = buf.rfind(DISPATCH_PREFIX, start, end)
+    return d if d >= 0 and (d == start or buf[d - 1] == 2) else -1
+
+
 def dispatch_info(
     buf: bytes | bytearray | memoryview, pos: int
 ) -> tuple[str, int, list[str], list[int]]:
@@ -528,17 +600,14 @@ def dispatch_info(
     are looked at. Used by recovery to re-dispatch consume-queue units.
     """
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-    size = INT32.unpack_from(mv, pos)[0]
-    qoff = INT64.unpack_from(mv, pos + OFF_QUEUEOFFSET)[0]
-    blen = INT32.unpack_from(mv, pos + OFF_BODYLENGTH)[0]
+    size, _magic, qoff, blen = DISPATCH_FIELDS.unpack_from(mv, pos)
     p = pos + HEADER_SIZE + blen
     tlen = mv[p]
     topic = str(mv[p + 1 : p + 1 + tlen], "utf-8")
     p += 3 + tlen
     props = bytes(mv[p : pos + size - CRC_TRAILER_SIZE])
-    # The store writes its INNER_* pair last, so the last match is it, if it starts a pair.
-    i = props.rfind(DISPATCH_PREFIX)
-    if i < 0 or (i > 0 and props[i - 1] != 2):
+    i = inner_dispatch_at(props, 0, len(props))
+    if i < 0:
         return topic, qoff, [], []
     j = props.index(b"\x02", i)
     queues = props[i + len(DISPATCH_PREFIX) : j].decode("utf-8").split(",")
@@ -550,3 +619,40 @@ def dispatch_info(
     if len(offsets) != len(queues):
         raise ValueError("INNER_MULTI_DISPATCH and INNER_MULTI_QUEUE_OFFSET differ in length")
     return topic, qoff, queues, offsets
+
+
+#: Why :func:`walk_records` stopped (besides having found ``max_records``).
+WALK_END: Final = "end"  # blank filler, unwritten (zero) space, or less than 8 bytes left
+WALK_BEYOND: Final = "beyond"  # a record that runs past ``limit``: torn, or still being written
+WALK_BAD: Final = "bad"  # neither a record nor a filler: damage
+
+
+def walk_records(
+    buf: bytes | bytearray | memoryview | mmap.mmap, pos: int, limit: int, max_records: int
+) -> tuple[list[int], int, str | None]:
+    """Follow TOTALSIZE from ``pos``: ``(record starts, where the walk stopped, why)``.
+
+    The reader's first pass over a segment: only sizes and magics are looked at (one struct
+    call per record), so the records found still need :func:`check_record`'s checks (or a
+    bulk equivalent: analytics validates whole batches with numpy). ``why`` is None when
+    ``max_records`` were found, else WALK_END, WALK_BEYOND or WALK_BAD.
+    """
+    starts: list[int] = []
+    append = starts.append
+    unpack = SIZE_MAGIC.unpack_from
+    magic_ok = MAGIC
+    min_size = MIN_RECORD_SIZE
+    last = limit - SIZE_MAGIC.size
+    budget = max_records
+    while budget:
+        if pos > last:
+            return starts, pos, WALK_END
+        size, magic = unpack(buf, pos)
+        if magic != magic_ok or size < min_size or pos + size > limit:
+            if magic == BLANK_MAGIC or (size == 0 and magic == 0):
+                return starts, pos, WALK_END
+            return starts, pos, WALK_BEYOND if magic == magic_ok and size >= min_size else WALK_BAD
+        append(pos)
+        pos += size
+        budget -= 1
+    return starts, pos, None

@@ -20,8 +20,6 @@ Abnormal restart (``abort`` present, or checkpoint missing/stale/inconsistent):
 from __future__ import annotations
 
 import logging
-import struct
-import zlib
 from dataclasses import dataclass, field
 
 from store.checkpoint import Checkpoint
@@ -31,20 +29,19 @@ from store.errors import CorruptStoreError
 from store.format import (
     BLANK_MAGIC,
     CQ_UNIT,
-    CRC_MASK,
     CRC_PREFIX,
     CRC_TRAILER_SIZE,
+    DISPATCH_FIELDS,
     DISPATCH_PREFIX,
-    FIXED_OVERHEAD,
     HEADER_SIZE,
     MAGIC,
-    PROPS_LEN,
     QOFFSET_PREFIX,
     SIZE_MAGIC,
     check_record,
     dispatch_info,
+    inner_dispatch_at,
+    scan_valid,
 )
-from store.segment import Segment
 
 log = logging.getLogger("lmqtt.store.recovery")
 
@@ -66,46 +63,6 @@ class RecoveryReport:
     units_total: int = 0
 
 
-#: TOTALSIZE, MAGICCODE and BODYLENGTH of a record header in one call (see format.py).
-_SIZE_MAGIC_BLEN = struct.Struct(">iI76xi").unpack_from
-_U16 = PROPS_LEN.unpack_from
-_MIN_RECORD = FIXED_OVERHEAD + 1 + CRC_TRAILER_SIZE
-_CRC_PREFIX_LEN = len(CRC_PREFIX)
-
-
-def _scan_segment(seg: Segment, rel: int) -> tuple[int, int]:
-    """Skip valid records from ``rel``: returns ``(where the first non-record starts, count)``.
-
-    The checks of :func:`store.format.check_record` (magic, length bounds, __CRC32# trailer
-    and CRC, inner lengths adding up), inlined in one loop over the mapping because recovery
-    runs them for every record of the log. Whatever this loop does not accept, it leaves to
-    ``check_record`` to classify (blank filler, unwritten space, torn or corrupt).
-    """
-    mm, view, limit = seg.mm, seg.view, seg.size
-    crc32 = zlib.crc32
-    n = 0
-    while rel + HEADER_SIZE <= limit:
-        size, magic, blen = _SIZE_MAGIC_BLEN(mm, rel)
-        end = rel + size
-        if magic != MAGIC or size < _MIN_RECORD or end > limit:
-            break
-        crc_at = end - CRC_TRAILER_SIZE
-        if mm[crc_at : crc_at + _CRC_PREFIX_LEN] != CRC_PREFIX or mm[end - 1] != 2:
-            break
-        digits = mm[crc_at + _CRC_PREFIX_LEN : end - 1]
-        if not digits.isdigit() or crc32(view[rel:crc_at]) & CRC_MASK != int(digits):
-            break
-        p = rel + HEADER_SIZE + blen
-        if blen < 0 or p + 3 > end:
-            break
-        p += 1 + mm[p]
-        if p + 2 > end or p + 2 + _U16(mm, p)[0] != end:
-            break
-        rel = end
-        n += 1
-    return rel, n
-
-
 def scan_log(commitlog: CommitLog, start: int) -> tuple[int, int, bool]:
     """Validate records from ``start``: returns ``(end, records, stopped_at_bad_record)``."""
     pos = start
@@ -114,7 +71,7 @@ def scan_log(commitlog: CommitLog, start: int) -> tuple[int, int, bool]:
         seg = commitlog.segment_for(pos)
         if seg is None:
             return pos, n, False
-        rel, k = _scan_segment(seg, pos - seg.start)
+        rel, k = scan_valid(seg.mm, seg.view, pos - seg.start, seg.size)
         n += k
         pos = seg.start + rel
         r = check_record(seg.view, rel, seg.size)
@@ -316,8 +273,7 @@ def _rebuild(
     )
 
 
-#: TOTALSIZE, MAGICCODE, QUEUEOFFSET and BODYLENGTH of a record header (see format.py).
-_DISPATCH_FIELDS = struct.Struct(">iI12xq56xi").unpack_from
+_DISPATCH_FIELDS = DISPATCH_FIELDS.unpack_from
 _DISPATCH_LEN = len(DISPATCH_PREFIX)
 _QOFFSET_LEN = len(QOFFSET_PREFIX)
 
@@ -346,6 +302,7 @@ def _redispatch(
     gaps: set[str] = set()
     routes: dict[tuple[bytes, bytes], _Route] = {}
     dirty = table.dirty
+    dispatch = table.dispatch
     pack = CQ_UNIT.pack
     pos = start
     while pos < end:
@@ -372,8 +329,8 @@ def _redispatch(
             names = b""
             offsets: list[bytes] = []
             # The store writes INNER_MULTI_DISPATCH then INNER_MULTI_QUEUE_OFFSET, last.
-            d = mm.rfind(DISPATCH_PREFIX, pstart, pend)
-            if d >= 0 and (d == pstart or mm[d - 1] == 2):
+            d = inner_dispatch_at(mm, pstart, pend)
+            if d >= 0:
                 j = mm.find(b"\x02", d, pend)
                 names = mm[d + _DISPATCH_LEN : j]
                 k = j + 1 + _QOFFSET_LEN
@@ -385,32 +342,30 @@ def _redispatch(
             route = routes.get(key)
             if route is None:
                 route = routes[key] = _resolve(table, key, only)
-            parent, lights = route
+            parent, lights, queues = route
             if len(offsets) != len(lights):
                 raise ValueError(
                     f"record at {base + rel}: INNER_MULTI_DISPATCH and "
                     "INNER_MULTI_QUEUE_OFFSET differ in length"
                 )
             unit = pack(base + rel, size, 0)
-            if parent is not None:
-                if qoff == parent.max_offset:  # ConsumeQueueTable.append, inlined
-                    if not parent.pending:
-                        dirty[parent.name] = parent
-                    parent.pending += unit
-                    parent.max_offset = qoff + 1
-                else:
-                    _place_out_of_order(table, parent, qoff, unit, rebuilding, gaps)
-            for cq, raw_index in zip(lights, offsets):  # noqa: B905 (lengths checked above)
-                if cq is None:
-                    continue
-                index = int(raw_index)
-                if index == cq.max_offset:
-                    if not cq.pending:
-                        dirty[cq.name] = cq
-                    cq.pending += unit
-                    cq.max_offset = index + 1
-                else:
-                    _place_out_of_order(table, cq, index, unit, rebuilding, gaps)
+            # The common case: the unit is the next one of every queue the record names.
+            in_order = parent is None or qoff == parent.max_offset
+            if in_order:
+                for cq, raw_index in zip(lights, offsets):  # noqa: B905 (lengths checked)
+                    if cq is not None and int(raw_index) != cq.max_offset:
+                        in_order = False
+                        break
+            if in_order:
+                dispatch(queues, unit)
+            else:
+                for cq, index in zip((parent, *lights), (qoff, *map(int, offsets))):  # noqa: B905
+                    if cq is None:
+                        continue
+                    if index == cq.max_offset:
+                        dispatch((cq,), unit)
+                    else:
+                        _place_out_of_order(table, cq, index, unit, rebuilding, gaps)
             if len(dirty) > 4096:
                 table.write_pending()
                 table.evict_overflow()
@@ -421,8 +376,9 @@ def _redispatch(
     return gaps
 
 
-#: A record's parent queue and light queues (None for queues a partial rebuild leaves alone).
-_Route = tuple["ConsumeQueue | None", list["ConsumeQueue | None"]]
+#: A record's parent queue and light queues (None for those a partial rebuild leaves alone),
+#: and all of them but the None ones: what one dispatch gives a unit.
+_Route = tuple["ConsumeQueue | None", list["ConsumeQueue | None"], tuple[ConsumeQueue, ...]]
 
 
 def _resolve(table: ConsumeQueueTable, key: tuple[bytes, bytes], only: set[str] | None) -> _Route:
@@ -433,7 +389,7 @@ def _resolve(table: ConsumeQueueTable, key: tuple[bytes, bytes], only: set[str] 
         table.get_or_create(n) if only is None or n in only else None
         for n in (topic.decode("utf-8"), *lights)
     ]
-    return cqs[0], cqs[1:]
+    return cqs[0], cqs[1:], tuple(cq for cq in cqs if cq is not None)
 
 
 def _place_out_of_order(
@@ -464,4 +420,4 @@ def _place_out_of_order(
         cq.flushed = cq.max_offset = index
     else:
         return
-    table.append(cq, unit)
+    table.dispatch((cq,), unit)

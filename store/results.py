@@ -31,17 +31,6 @@ class PutResult(NamedTuple):
     store_timestamp: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class PutRequest:
-    """One message of :meth:`MessageStore.put_many`."""
-
-    topic: str
-    body: bytes
-    queues: list[str] | tuple[str, ...] = ()
-    properties: dict[str, str] | None = None
-    born_timestamp: int | None = None
-
-
 class StoredMessage(NamedTuple):
     """A message read back.
 

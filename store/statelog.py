@@ -188,6 +188,12 @@ def read_state_records(directory: Path) -> Iterator[StateRecord]:
             yield rec
 
 
+def has_state_log(directory: Path) -> bool:
+    """Whether `directory` holds a state log (a snapshot or a log file), even an empty one."""
+    snap, logs = _files(directory)
+    return snap is not None or bool(logs)
+
+
 def read_state(directory: Path, prefix: str = "") -> dict[str, bytes]:
     """The live state: key -> newest value (deleted keys absent). With `prefix`, only the
     keys that start with it, the prefix cut off (one kind of record)."""

@@ -8,13 +8,16 @@ Dispatch happens inside the append critical section: the parent queue offset, ev
 queue offset and the physical offset are assigned together (rocketmq #7511 lost messages
 when they were not), so a get right after put sees the message.
 
-Hot paths (Python, so per-message work is what costs): a put resolves its (topic, light
-queues) pair through a cached ``_Route`` (names validated once, INNER_* property head, queue
-states), is validated against worst-case sizes before the lock, and is written by
-``_write_locked``, which builds a whole batch in one buffer (the record step in C when
-store/_speedups.c is built). A get decodes records straight
-from the segment mmap without re-checking CRCs (recovery validates; this process wrote the
-rest). Both build their NamedTuple results with ``tuple.__new__``.
+Writing: three entry points, append_encoded for batches (_append_batch) and put and
+put_async for one message (_put: the same checks without the batch loop), both ending in
+``_append``. A message resolves its (topic, light queues) pair through a
+cached ``_Route`` (names validated once, INNER_* property head, queue states) and is validated
+against worst-case sizes before the lock. Under it, ``_write_locked`` hands out the offsets;
+the layers do the rest: the record step (format.append_record, in C when store/_speedups.c is
+built) builds each record into the CommitLog's BatchWriter (one write per batch, rolls), and
+ConsumeQueueTable.dispatch adds its units, the same dispatch recovery uses. Reading: a get
+decodes records straight from the segment mmap without re-checking CRCs (recovery validates;
+this process wrote the rest). Both build their NamedTuple results with ``tuple.__new__``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -55,21 +57,20 @@ from store.format import (
     CQ_UNIT_SIZE,
     CRC_TRAILER_SIZE,
     DISPATCH_PREFIX,
-    END_FILE_MIN_BLANK_LENGTH,
     FIXED_OVERHEAD,
     HEADER_SIZE,
-    INT64,
     LOCK_FILE,
     MAX_PROPERTIES_BYTES,
     MAX_TOPIC_BYTES,
     MULTI_DISPATCH_SEPARATOR,
-    OFF_STORETIMESTAMP,
     PROP_CRC32,
-    QOFFSET_PREFIX,
+    READ_FIELDS,
     RESERVED_PROPERTIES,
+    STORE_TIMESTAMP,
     append_record,
     check_record,
     encode_queue_dir,
+    inner_head,
 )
 from store.offsets import OFFSETS_DIR, OFFSETS_FILE, ConsumerOffsets
 from store.recovery import RecoveryReport, recover, scan_log
@@ -77,7 +78,6 @@ from store.results import (
     ArrivalListener,
     GetResult,
     GetStatus,
-    PutRequest,
     PutResult,
     StoredMessage,
 )
@@ -122,8 +122,7 @@ _FULL_FLUSH_INTERVAL_S = 1.0
 # them and readers that keep up read them; older ones cost a minor fault if read again.
 MAPPED_TAIL_BYTES = 8 << 20
 _FSYNC_THREADS = 8
-#: QUEUEOFFSET, BORNTIMESTAMP, STORETIMESTAMP, BODYLENGTH of a record header (see format.py).
-_READ_FIELDS = struct.Struct(">20xq12xq8xq20xi").unpack_from
+_READ_FIELDS = READ_FIELDS.unpack_from
 _iter_units = CQ_UNIT.iter_unpack
 _DISPATCH_PREFIX_LEN = len(DISPATCH_PREFIX)
 
@@ -164,7 +163,7 @@ class _Route:
 
     __slots__ = (
         "cqs", "fixed_size", "generation", "inner_head", "lights", "max_inner", "parent",
-        "props_room", "size_room", "topic", "topic_field", "units",
+        "props_room", "queues", "size_room", "topic", "topic_field", "units",
     )  # fmt: skip
 
     def __init__(
@@ -179,15 +178,11 @@ class _Route:
         self.units = 1 + len(lights)
         #: The INNER_* properties up to the offsets: DISPATCH \x01 q1,q2 \x02 QOFFSET \x01;
         #: append_record adds "o1,o2" \x02.
-        self.inner_head = b""
+        self.inner_head = inner_head(lights)
         #: Longest the INNER_* pair can get (19-digit offsets, commas, \x02): a message whose
         #: properties fit with it always fits, so size errors are raised before anything is
         #: written.
-        self.max_inner = 0
-        if lights:
-            names = ",".join(lights).encode("utf-8")
-            self.inner_head = b"".join((DISPATCH_PREFIX, names, b"\x02", QOFFSET_PREFIX))
-            self.max_inner = len(self.inner_head) + len(lights) * (len(str(_MAX_OFFSET)) + 1)
+        self.max_inner = len(self.inner_head) + len(lights) * (len(str(_MAX_OFFSET)) + 1)
         #: Room left for user properties, and for body plus user properties, in the worst
         #: case: one comparison each per message; _check_size says what was exceeded.
         self.props_room = _MAX_USER_PROPS - self.max_inner
@@ -195,10 +190,13 @@ class _Route:
         self.generation = -1  # never resolved
         self.parent: ConsumeQueue
         self.cqs: tuple[ConsumeQueue, ...] = ()
+        #: The parent then the light queues: every queue a record of this route joins.
+        self.queues: tuple[ConsumeQueue, ...] = ()
 
     def resolve(self, table: ConsumeQueueTable) -> None:
         self.parent = table.get_or_create(self.topic)
         self.cqs = tuple([table.get_or_create(q) for q in self.lights])
+        self.queues = (self.parent, *self.cqs)
         self.generation = table.generation
 
 
@@ -515,26 +513,6 @@ class MessageStore:
         self._routes[key] = route
         return route
 
-    def _prepare(
-        self,
-        topic: str,
-        body: bytes,
-        queues: Sequence[str],
-        properties: dict[str, str] | None,
-        born_timestamp: int | None,
-    ) -> _Prepared:
-        """Validate one message (no lock needed): its route, body, user properties, born."""
-        if len(body) > self._max_body:
-            raise MessageTooLargeError(len(body), self._max_body)
-        key = (topic, queues if type(queues) is tuple else tuple(queues))
-        route = self._routes.get(key)
-        if route is None:
-            route = self._new_route(key)
-        uprops = self._encode_props(properties) if properties else b""
-        if len(body) + len(uprops) > route.size_room or len(uprops) > route.props_room:
-            self._check_size(route, len(body), len(uprops))
-        return route, body, uprops, born_timestamp
-
     def _check_size(self, route: _Route, body_len: int, props_len: int) -> None:
         """Refuse a message that could exceed the property or segment limits once written."""
         props_len += route.max_inner
@@ -547,38 +525,32 @@ class MessageStore:
     def _write_locked(self, batch: Sequence[_Prepared], now: int) -> list[PutResult]:
         """Assign every offset, append the records and dispatch their units. Lock held.
 
-        The store's hot path, so it works on locals. The batch's records are built into one
-        bytearray by ``_append_record`` (store/_speedups.c, or its Python reference
-        format.append_record: 1.5 vs 2.8 us per message for the whole append) and written
-        to the segment once; ``write_pos`` moves at the end. Units go straight into the states'
-        ``pending`` buffers (ConsumeQueueTable.append, inlined). Sizes were checked against
+        The layers: the CommitLog's BatchWriter places the records (segment, roll, one write
+        per batch), the record step ``_append_record`` builds each one (store/_speedups.c, or
+        its Python reference format.append_record: the same bytes), and the consume-queue
+        table's ``dispatch`` gives it a unit in its parent and light queues. This loop only
+        hands out the offsets, on locals since it runs per message. Sizes were checked against
         the worst case when the batch was prepared, so nothing here should fail; should it
-        anyway, each record is complete in ``buf`` before its queues move and ``finally``
-        copies ``buf`` out, leaving everything before the failure written and dispatched.
+        anyway, each record is complete in the buffer before its queues move and ``finally``
+        writes out the records whose queues moved, leaving those written and dispatched.
         """
         table = self.queues_table
         gen = table.generation
-        dirty = table.dirty
-        commitlog = self.commitlog
+        dispatch = table.dispatch
         results: list[PutResult] = []
         add_result = results.append
-        segs = commitlog.segments
-        seg = segs[-1] if segs else commitlog.segment_with_room(0)
-        # A record must end 8 bytes before the segment end (room for a blank filler).
-        limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
-        phys = base = commitlog.write_pos
-        buf = bytearray()
+        writer = self.commitlog.batch()
+        buf, limit = writer.buf, writer.limit
+        phys = writer.start
         units = 0
         try:
             for route, body, uprops, born in batch:
                 if route.generation != gen:
                     route.resolve(table)
-                parent = route.parent
-                qoff = parent.max_offset
-                cqs = route.cqs
+                qoff = route.parent.max_offset
                 # The light offsets, as PutResult reports them (a queue's name is its key).
                 lo: dict[str, int] = {}
-                for cq in cqs:
+                for cq in route.cqs:
                     lo[cq.name] = cq.max_offset
                 stamp = now if born is None else born
                 size = _append_record(
@@ -586,39 +558,23 @@ class MessageStore:
                     uprops, route.inner_head, tuple(lo.values()),
                 )  # fmt: skip
                 if size < 0:
-                    # Copy out what is built, let the CommitLog write the filler and roll.
-                    seg.write(base - seg.start, buf)
-                    buf = bytearray()
-                    commitlog.write_pos = phys
-                    seg = commitlog.segment_with_room(
-                        route.fixed_size + len(body) + len(uprops) + route.max_inner
+                    phys = writer.roll(
+                        phys, route.fixed_size + len(body) + len(uprops) + route.max_inner
                     )
-                    limit = seg.start + seg.size - END_FILE_MIN_BLANK_LENGTH
-                    phys = base = commitlog.write_pos
+                    buf, limit = writer.buf, writer.limit
                     size = _append_record(
                         buf, limit - phys, qoff, phys, stamp, now, body, route.topic_field,
                         uprops, route.inner_head, tuple(lo.values()),
                     )  # fmt: skip
                     if size < 0:  # unreachable: _check_size saw the worst case
                         raise MessageTooLargeError(route.fixed_size + len(body), limit - phys)
-                unit = _pack_unit(phys, size, 0)
-                if not parent.pending:
-                    dirty[parent.name] = parent
-                parent.pending += unit
-                parent.max_offset = qoff + 1
-                for cq in cqs:
-                    if not cq.pending:
-                        dirty[cq.name] = cq
-                    cq.pending += unit
-                    cq.max_offset += 1
+                dispatch(route.queues, _pack_unit(phys, size, 0))
                 units += route.units
                 end = phys + size
                 add_result(_tuple_new(PutResult, (phys, qoff, lo, end, now)))
                 phys = end
         finally:
-            if buf:
-                seg.write(base - seg.start, buf)
-            commitlog.write_pos = phys
+            writer.finish(phys)
             self._units_total += units
         return results
 
@@ -644,37 +600,8 @@ class MessageStore:
             time.sleep(0)
         return results
 
-    def _notify(self, topic: str, r: PutResult) -> None:
-        for listener in self._listeners:
-            try:
-                listener.on_arrival(topic, r.queue_offset + 1)
-                for q, o in r.light_offsets.items():
-                    listener.on_arrival(q, o + 1)
-            except Exception:
-                log.exception("arrival listener %r failed", listener)
-
-    def _put(
-        self,
-        topic: str,
-        body: bytes,
-        queues: Sequence[str],
-        properties: dict[str, str] | None,
-        born_timestamp: int | None,
-    ) -> PutResult:
-        if self._closed or self.read_only:
-            self._check_writable()
-        # _prepare inlined for the common case (cached route, no properties): one call less.
-        route = self._routes.get((topic, queues if type(queues) is tuple else tuple(queues)))
-        blen = len(body)
-        if route is None or properties or blen > route.size_room or blen > self._max_body:
-            prepared = self._prepare(topic, body, queues, properties, born_timestamp)
-        else:
-            prepared = (route, body, b"", born_timestamp)
-        r = self._append((prepared,))[0]
-        if self._listeners:
-            self._notify(topic, r)
-        return r
-
+    # The entry points: append_encoded (batches: the gateway's publishes), put and put_async
+    # (one message, waiting for its durability). All three go through _append_batch.
     def put(
         self,
         topic: str,
@@ -706,57 +633,30 @@ class MessageStore:
             await self._flusher.flushed_future(r.end_offset)
         return r
 
-    def _append_many(self, requests: Sequence[PutRequest]) -> list[PutResult]:
+    def _put(
+        self,
+        topic: str,
+        body: bytes,
+        queues: Sequence[str],
+        properties: dict[str, str] | None,
+        born_timestamp: int | None,
+    ) -> PutResult:
         if self._closed or self.read_only:
             self._check_writable()
-        # _prepare inlined: one call less per message.
-        routes = self._routes
-        max_body = self._max_body
-        batch: list[_Prepared] = []
-        add = batch.append
-        for req in requests:
-            body = req.body
-            if len(body) > max_body:
-                raise MessageTooLargeError(len(body), max_body)
-            lights = req.queues
-            key = (req.topic, lights if type(lights) is tuple else tuple(lights))
-            route = routes.get(key) or self._new_route(key)
-            props = req.properties
-            uprops = self._encode_props(props) if props else b""
-            if len(body) + len(uprops) > route.size_room or len(uprops) > route.props_room:
-                self._check_size(route, len(body), len(uprops))
-            add((route, body, uprops, req.born_timestamp))
-        results = self._append(batch)
+        uprops = self._encode_props(properties) if properties else b""
+        key = (topic, queues if type(queues) is tuple else tuple(queues))
+        route = self._routes.get(key) or self._new_route(key)
+        # _append_batch's checks for a batch of one, without its loop: one message per call
+        # is the path of retained messages and wills, and of tools.
+        blen = len(body)
+        if blen > self._max_body:
+            raise MessageTooLargeError(blen, self._max_body)
+        if blen + len(uprops) > route.size_room or len(uprops) > route.props_room:
+            self._check_size(route, blen, len(uprops))
+        r = self._append(((route, body, uprops, born_timestamp),))[0]
         if self._listeners:
-            latest: dict[str, int] = {}
-            for req, r in zip(requests, results, strict=True):
-                latest[req.topic] = r.queue_offset + 1
-                for q, o in r.light_offsets.items():
-                    latest[q] = o + 1
-            for listener in self._listeners:
-                for q, m in latest.items():
-                    try:
-                        listener.on_arrival(q, m)
-                    except Exception:
-                        log.exception("arrival listener %r failed", listener)
-        return results
-
-    def put_many(self, requests: Sequence[PutRequest]) -> list[PutResult]:
-        """Append a batch under one lock acquisition (one fsync wait in sync mode).
-
-        Validation happens before anything is written: a bad request fails the whole batch.
-        Listeners hear once per queue with its final max offset.
-        """
-        results = self._append_many(requests)
-        if results and self._sync and self._flusher is not None:
-            self._flusher.wait_flushed(results[-1].end_offset)
-        return results
-
-    async def put_many_async(self, requests: Sequence[PutRequest]) -> list[PutResult]:
-        results = self._append_many(requests)
-        if results and self._sync and self._flusher is not None:
-            await self._flusher.flushed_future(results[-1].end_offset)
-        return results
+            self._notify((route,))
+        return r
 
     def encode_properties(self, properties: dict[str, str]) -> bytes:
         """Validate and encode user properties once, for :meth:`append_encoded`.
@@ -779,6 +679,13 @@ class MessageStore:
         """
         if self._closed or self.read_only:
             self._check_writable()
+        return self._append_batch(messages, None)
+
+    def _append_batch(
+        self, messages: Sequence[EncodedMessage], born: int | None
+    ) -> list[PutResult]:
+        """Validate (before the lock), append, then tell the listeners; ``born`` is the born
+        timestamp of every message (None: the store timestamp). _put does the same for one."""
         routes = self._routes
         max_body = self._max_body
         batch: list[_Prepared] = []
@@ -797,23 +704,29 @@ class MessageStore:
             if route is not last:
                 touched[route] = None
                 last = route
-            add((route, body, uprops, None))
+            add((route, body, uprops, born))
         results = self._append(batch)
         if self._listeners:
-            # Queue ends read after the lock: later puts only move them further, and a
-            # listener is told "ends at least here", once per queue for the whole batch.
-            ends: dict[str, int] = {}
-            for route in touched:
-                ends[route.topic] = route.parent.max_offset
-                for cq in route.cqs:
-                    ends[cq.name] = cq.max_offset
-            for listener in self._listeners:
-                try:
-                    for q, m in ends.items():
-                        listener.on_arrival(q, m)
-                except Exception:
-                    log.exception("arrival listener %r failed", listener)
+            self._notify(touched)
         return results
+
+    def _notify(self, routes: Iterable[_Route]) -> None:
+        """Tell the listeners where the queues of ``routes`` end, once per queue.
+
+        Queue ends are read after the lock: later puts only move them further, and a
+        listener is told "ends at least here", once per queue for the whole batch.
+        """
+        ends: dict[str, int] = {}
+        for route in routes:
+            ends[route.topic] = route.parent.max_offset
+            for cq in route.cqs:
+                ends[cq.name] = cq.max_offset
+        for listener in self._listeners:
+            try:
+                for q, m in ends.items():
+                    listener.on_arrival(q, m)
+            except Exception:
+                log.exception("arrival listener %r failed", listener)
 
     async def wait_durable(self, end_offset: int) -> None:
         """Sync flush mode: return once the CommitLog is fsynced up to ``end_offset`` (group
@@ -904,6 +817,7 @@ class MessageStore:
             props: dict[str, str] = {}
             if p < pend:
                 # The store's INNER_* pair is last; user properties (if any) come before it.
+                # format.inner_dispatch_at, inlined: a call per message costs gets ~5%.
                 d = mm.rfind(DISPATCH_PREFIX, p, pend)
                 if d >= 0 and (d == p or mm[d - 1] == 2):
                     raw = mm[d + _DISPATCH_PREFIX_LEN : mm.find(b"\x02", d, pend)]
@@ -987,7 +901,7 @@ class MessageStore:
         seg = self.commitlog.segment_for(u[0])
         if seg is None:
             return -1
-        return int(INT64.unpack_from(seg.view, u[0] - seg.start + OFF_STORETIMESTAMP)[0])
+        return int(STORE_TIMESTAMP.unpack_from(seg.view, u[0] - seg.start)[0])
 
     def offset_by_time(self, queue: str, timestamp_ms: int) -> int:
         """First offset whose store timestamp is >= ``timestamp_ms`` (max_offset if none)."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from store import MessageStore, StoreConfig
+from store import EncodedMessage, MessageStore, StoreConfig
 
 OpenStore = Callable[..., MessageStore]
 
@@ -27,3 +27,14 @@ def open_store(tmp_path: Path) -> Iterator[OpenStore]:
     yield _open
     for s in opened:
         s.close()
+
+
+def encoded(
+    s: MessageStore,
+    topic: str,
+    body: bytes,
+    queues: tuple[str, ...] | list[str] = (),
+    properties: dict[str, str] | None = None,
+) -> EncodedMessage:
+    """One message of MessageStore.append_encoded, its properties encoded by the store."""
+    return topic, tuple(queues), body, s.encode_properties(properties) if properties else b""

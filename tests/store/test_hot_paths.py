@@ -20,11 +20,10 @@ from store import (
     InvalidPropertyError,
     MessageStore,
     MessageTooLargeError,
-    PutRequest,
     StoreConfig,
 )
 from store import format as fmt
-from tests.store.conftest import OpenStore
+from tests.store.conftest import OpenStore, encoded
 
 SEG = 4096
 
@@ -47,20 +46,16 @@ def crash(data: Path) -> None:
     (data / fmt.ABORT_FILE).touch()
 
 
-def test_put_many_rolls_segments_in_the_middle_of_a_batch(
+def test_append_encoded_rolls_segments_in_the_middle_of_a_batch(
     open_store: OpenStore, tmp_path: Path
 ) -> None:
     s = open_store(segment_size=SEG)
+    props = [{"k": str(i)} if i % 4 == 0 else {} for i in range(120)]
     reqs = [
-        PutRequest(
-            "t",
-            b"m%03d" % i + bytes(100),
-            ["%LMQ%all", f"%LMQ%g{i % 3}"],
-            {"k": str(i)} if i % 4 == 0 else None,
-        )
+        encoded(s, "t", b"m%03d" % i + bytes(100), ["%LMQ%all", f"%LMQ%g{i % 3}"], props[i])
         for i in range(120)
     ]
-    results = s.put_many(reqs[:60]) + s.put_many(reqs[60:])
+    results = s.append_encoded(reqs[:60]) + s.append_encoded(reqs[60:])
     rolls = 0
     for prev, r in itertools.pairwise(results):
         if r.physical_offset != prev.end_offset:
@@ -72,10 +67,10 @@ def test_put_many_rolls_segments_in_the_middle_of_a_batch(
             assert fmt.SIZE_MAGIC.unpack_from(seg, rel) == (SEG - rel, fmt.BLANK_MAGIC)
     assert rolls >= 3
     assert [r.light_offsets["%LMQ%all"] for r in results] == list(range(120))
-    for r, req in zip(results, reqs, strict=True):
+    for r, req, p in zip(results, reqs, props, strict=True):
         m = s.message_at(r.physical_offset)
-        assert (m.body, m.properties) == (req.body, req.properties or {})
-    expected = {q: [r.body for r in reqs if q in r.queues] for q in ("%LMQ%all", "%LMQ%g1")}
+        assert (m.body, m.properties) == (req[2], p)
+    expected = {q: [r[2] for r in reqs if q in r[1]] for q in ("%LMQ%all", "%LMQ%g1")}
     expected["t"] = expected["%LMQ%all"]
     for q, bodies in expected.items():
         assert read_all(s, q) == bodies
@@ -95,10 +90,10 @@ def test_put_many_rolls_segments_in_the_middle_of_a_batch(
 def test_cached_routes_follow_evicted_queue_states(open_store: OpenStore) -> None:
     s = open_store(max_cached_queues=16, cq_units_per_file=8)
     for rnd in range(3):
-        batch = [PutRequest("t", b"%d/%d" % (rnd, i), [f"%LMQ%q{i}", "%LMQ%all"])
+        batch = [encoded(s, "t", b"%d/%d" % (rnd, i), [f"%LMQ%q{i}", "%LMQ%all"])
                  for i in range(40)]  # fmt: skip
-        for i, r in enumerate(s.put_many(batch[:20]) + [s.put(b.topic, b.body, b.queues)
-                                                          for b in batch[20:]]):  # fmt: skip
+        for i, r in enumerate(s.append_encoded(batch[:20]) + [s.put(b[0], b[2], b[1])
+                                                                for b in batch[20:]]):  # fmt: skip
             assert r.light_offsets == {f"%LMQ%q{i}": rnd, "%LMQ%all": rnd * 40 + i}
         assert len(s.queues_table.states) <= 16 + 16 // 10 + 42
     for i in range(40):
@@ -108,20 +103,20 @@ def test_cached_routes_follow_evicted_queue_states(open_store: OpenStore) -> Non
 
 def test_size_limits_refuse_the_whole_batch_before_writing(open_store: OpenStore) -> None:
     s = open_store(segment_size=SEG, max_body_size=SEG * 2)
-    ok = PutRequest("t", b"ok", ["%LMQ%a"])
+    ok = encoded(s, "t", b"ok", ["%LMQ%a"])
     end = s.put("t", b"first").end_offset
     # Fits with today's offsets, not with the longest ones the INNER_* pair can carry.
     room = fmt.MAX_PROPERTIES_BYTES - fmt.CRC_TRAILER_SIZE
     inner = len(fmt.dispatch_properties(["%LMQ%a"], [(1 << 63) - 1]))
     big_props = {"k": "v" * (room - inner - 2)}
     for bad, error in [
-        (PutRequest("t", b"x", ["%LMQ%a"], big_props), InvalidPropertyError),
-        (PutRequest("t", b"x" * SEG, ["%LMQ%a"]), MessageTooLargeError),
+        (encoded(s, "t", b"x", ["%LMQ%a"], big_props), InvalidPropertyError),
+        (encoded(s, "t", b"x" * SEG, ["%LMQ%a"]), MessageTooLargeError),
     ]:
         with pytest.raises(error):
-            s.put_many([ok, ok, bad])
+            s.append_encoded([ok, ok, bad])
         assert s.log_max_offset == end and s.max_offset("%LMQ%a") == 0
-    assert s.put_many([ok])[0].light_offsets == {"%LMQ%a": 0}
+    assert s.append_encoded([ok])[0].light_offsets == {"%LMQ%a": 0}
 
 
 def test_properties_that_look_like_the_stores_own(open_store: OpenStore, tmp_path: Path) -> None:

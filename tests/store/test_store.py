@@ -17,7 +17,6 @@ from store import (
     InvalidQueueNameError,
     MessageStore,
     MessageTooLargeError,
-    PutRequest,
     PutResult,
     ReadOnlyStoreError,
     StoreClosedError,
@@ -25,7 +24,7 @@ from store import (
     StoreLockedError,
 )
 from store import format as fmt
-from tests.store.conftest import OpenStore
+from tests.store.conftest import OpenStore, encoded
 
 
 def test_put_get_round_trip(open_store: OpenStore) -> None:
@@ -162,20 +161,22 @@ def test_listeners_hear_every_queue_after_dispatch(open_store: OpenStore) -> Non
     assert heard == [("t", 1, 1), ("%LMQ%a", 1, 1), ("%LMQ%b", 1, 1), ("t", 2, 1),
                      ("%LMQ%b", 2, 1)]  # fmt: skip
     heard.clear()
-    s.put_many([PutRequest("t", b"3", ["%LMQ%a"]), PutRequest("t", b"4", ["%LMQ%a"])])
+    s.append_encoded([encoded(s, "t", b"3", ["%LMQ%a"]), encoded(s, "t", b"4", ["%LMQ%a"])])
     assert sorted(heard) == [("%LMQ%a", 3, 1), ("t", 4, 1)]
 
 
-def test_put_many_assigns_consecutive_offsets(open_store: OpenStore) -> None:
+def test_append_encoded_assigns_consecutive_offsets(open_store: OpenStore) -> None:
     s = open_store(flush="sync")
-    rs = s.put_many([PutRequest("t", b"%d" % i, ["%LMQ%a"], {"i": str(i)}) for i in range(50)])
+    rs = s.append_encoded(
+        [encoded(s, "t", b"%d" % i, ["%LMQ%a"], {"i": str(i)}) for i in range(50)]
+    )
     assert [r.queue_offset for r in rs] == list(range(50))
     assert [r.light_offsets["%LMQ%a"] for r in rs] == list(range(50))
     assert [m.properties["i"] for m in s.get("%LMQ%a", 0, 50).messages] == [
         str(i) for i in range(50)
     ]
     with pytest.raises(InvalidQueueNameError):  # the whole batch is refused
-        s.put_many([PutRequest("t", b"ok"), PutRequest("t", b"bad", [""])])
+        s.append_encoded([encoded(s, "t", b"ok"), encoded(s, "t", b"bad", [""])])
     assert s.max_offset("t") == 50
 
 
@@ -314,8 +315,9 @@ async def test_put_async_sync_mode_does_not_block_the_loop(open_store: OpenStore
     # A put that blocked the loop until its fsync would start and finish within one step of
     # its task: the ticker would never see one waiting.
     assert ticks_while_waiting > 0
-    rs2 = await s.put_many_async([PutRequest("t", b"x")])
-    assert rs2[0].queue_offset == 200
+    rs2 = s.append_encoded([encoded(s, "t", b"x")])
+    await s.wait_durable(rs2[0].end_offset)
+    assert rs2[0].queue_offset == 200 and s.commitlog.flushed_pos >= rs2[0].end_offset
 
 
 async def test_put_async_async_mode_returns_at_once(open_store: OpenStore) -> None:
