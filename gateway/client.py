@@ -851,7 +851,7 @@ class ClientConnection:
                 if out and not self.closed:
                     self.transport.write(b"".join(out))
                 try:
-                    await self.gw.sessions.save()
+                    await self.gw.sessions.save(session)
                 finally:
                     self._out = [] if out is not None else None
             if not self.closed:
@@ -988,7 +988,7 @@ class ClientConnection:
             ):
                 retained_for.append((sub, tf))
         if session.persistent:
-            await gw.sessions.save()  # the subscription must survive a crash once SUBACKed
+            await gw.sessions.save(session)  # the subscription must survive a crash once SUBACKed
         else:
             gw.sessions.touch(session)
         if self.closed:

@@ -70,6 +70,7 @@ META_KEY_PREFIX = "meta/"
 IMPORTED_KEY = "meta/sessions.json-imported"  # present: SESSIONS_FILE was imported (or absent)
 NEVER_EXPIRES = 0xFFFFFFFF
 PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
+RECORDS_PER_STEP = 200  # session records encoded per event-loop step by housekeeping saves
 _ID_BITS = 31  # dormant expiry: (due second << _ID_BITS | index); seconds fit 33 bits
 _ID_MASK = (1 << _ID_BITS) - 1
 
@@ -366,7 +367,8 @@ class SessionRegistry:
         cid = session.client_id
         if session.connection is not None:
             self._live.add(cid)
-        if session.persistent:
+        if session.persistent or session.will is not None:
+            # A clean session's will must outlive a crash too (it is published after one).
             self._dirty.add(cid)
         else:
             self._progress.add(cid)
@@ -562,9 +564,9 @@ class SessionRegistry:
                 out.append((SESSION_KEY_PREFIX + cid, None))
         return out
 
-    def _write(self, progress: bool) -> int:
-        """Append the records of every changed session (and with `progress`, of the slower
-        kind too); returns the state log position to wait for (0: nothing written)."""
+    def _take(self, progress: bool) -> set[str]:
+        """The client ids whose records are due: the changed ones, and with `progress` the
+        slower kind too (every connected session among them)."""
         cids = self._dirty
         self._dirty = set()
         if progress:
@@ -574,14 +576,39 @@ class SessionRegistry:
             self._progress = set()
             self._progress_all = False
             self._last_save = time.monotonic()
-        if not cids:
-            return 0
-        return self._store.append_state(self._records(cids))
+        return cids
 
-    async def save(self) -> None:
-        """Append every pending change and wait until it is durable (group commit: callers
-        waiting at the same time share one fsync)."""
-        position = self._write(progress=True)
+    def _write(self, progress: bool) -> int:
+        """Append the due records at once; returns the state log position to wait for (0:
+        nothing written)."""
+        cids = self._take(progress)
+        return self._store.append_state(self._records(cids)) if cids else 0
+
+    async def _write_in_steps(self, progress: bool) -> int:
+        """`_write`, RECORDS_PER_STEP records per event-loop step: a progress pass covers every
+        connected session, and with 10,000 devices encoding them at once held the loop for
+        hundreds of milliseconds. A session changed after its step is due again later."""
+        ids = list(self._take(progress))
+        position = 0
+        for i in range(0, len(ids), RECORDS_PER_STEP):
+            if i:
+                await asyncio.sleep(0)
+            position = self._store.append_state(self._records(set(ids[i : i + RECORDS_PER_STEP])))
+        return position
+
+    async def save(self, session: Session) -> None:
+        """`session` changed in a way a client was (or is about to be) told of: append its
+        record, with the other pending changes, and wait until it is durable (group commit:
+        callers waiting at the same time share one fsync)."""
+        self._dirty.add(session.client_id)
+        position = self._write(progress=False)
+        if position:
+            await self._store.wait_state_durable(position)
+
+    async def save_all(self) -> None:
+        """Append every pending change, the slower kind included (in steps), and wait until
+        it is durable."""
+        position = await self._write_in_steps(progress=True)
         if position:
             await self._store.wait_state_durable(position)
 
@@ -599,7 +626,7 @@ class SessionRegistry:
     async def save_if_dirty(self, progress_interval_s: float = PROGRESS_SAVE_S) -> None:
         """Housekeeping: append pending changes; compact the state log when due."""
         progress = time.monotonic() - self._last_save >= progress_interval_s
-        self._write(progress=progress)
+        await self._write_in_steps(progress)
         await self._store.compact_state()
 
 

@@ -213,7 +213,7 @@ def test_wills_of_connections_cut_by_a_crash_are_published(gateway: GatewayHarne
     clean = RawClient(gateway.port, level=4)
     clean.connect("crash-c", clean=True, will=Will("will/crash/c", b"c", 1, False))
     # A crash: the state log as saved while both were connected, and no graceful stop.
-    gateway.run(gw.sessions.save())
+    gateway.run(gw.sessions.save_all())
     state = gateway.data_dir / "state"
     saved = {p.name: p.read_bytes() for p in state.iterdir()}
     gateway.stop()
