@@ -37,7 +37,7 @@ log = logging.getLogger("lmqtt.gateway")
 FLUSH_S = 0.5
 RECORD_S = 5.0  # a subscription that keeps moving is written at most this often
 SAMPLE_S = 10.0
-SAMPLE_SLICE = 10_000  # subscriptions a sampling cycle looks at per flush, at most
+SAMPLE_SLICE = 2_000  # subscriptions a sampling cycle looks at per flush (~10 ms), at most
 SAMPLE_WRITES = 1_000  # records it adds per flush, at most (~10 ms of work)
 
 

@@ -48,6 +48,9 @@ class ConsumeQueue:
         self.dir_ready = False
 
 
+MAX_ABSENT = 1 << 20  # names ConsumeQueueTable.absent holds at most
+
+
 class ConsumeQueueTable:
     """All consume queues of a store, loaded on demand."""
 
@@ -71,6 +74,11 @@ class ConsumeQueueTable:
         # occasional reload of a hot queue it would save.
         self.states: dict[str, ConsumeQueue] = {}
         self.dirty: dict[str, ConsumeQueue] = {}
+        #: Queues a writable store looked up and found on no disk: a device fleet's command
+        #: queues are read (max_offset) long before anything is dispatched to them, and each
+        #: look-up listed a directory. Only this process creates queues (the store's lock), and
+        #: get_or_create forgets the name, so the answer stays true. Cleared when it is full.
+        self.absent: set[str] = set()
         #: Bumped whenever a state leaves ``states``: holders of ConsumeQueue objects (the
         #: store's route cache) re-resolve them when it changed, so they never append to a
         #: state that was written out and replaced by a fresh copy.
@@ -90,15 +98,22 @@ class ConsumeQueueTable:
         cq = self.states.get(name)
         if cq is not None:
             return cq
+        if name in self.absent:
+            return None
         cq = self._load(name)
         if cq is not None:
             self._insert(cq)
+        elif not self.read_only:
+            if len(self.absent) >= MAX_ABSENT:
+                self.absent.clear()
+            self.absent.add(name)
         return cq
 
     def get_or_create(self, name: str) -> ConsumeQueue:
         cq = self.states.get(name)
         if cq is not None:
             return cq
+        self.absent.discard(name)
         cq = self._load(name) or ConsumeQueue(name, self.dir_of(name), 0, 0)
         self._insert(cq)
         return cq
