@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Final
 
 from store.errors import CorruptStoreError, ReadOnlyStoreError, StoreClosedError
+from store.segment import fsync_dir
 
 STATE_DIR: Final = "state"
 STATE_MAGIC: Final = b"LMQSTAT1"
@@ -214,14 +215,6 @@ def fold_records(records: Iterable[StateRecord], prefix: str = "") -> dict[str, 
     return state
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class StateLog:
     """The writer (one per directory: the store's lock covers it). Thread-safe."""
 
@@ -300,7 +293,7 @@ class StateLog:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.write(fd, STATE_MAGIC)
         os.fsync(fd)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._fd = fd
         self._generation = generation
         self._logs += 1
@@ -394,10 +387,10 @@ class StateLog:
                     self._log_bytes += log_bytes_before
                 raise
             os.replace(tmp, d / _name(generation, SNAPSHOT_SUFFIX))
-            _fsync_dir(d)
+            fsync_dir(d)
             for p in covered:
                 p.unlink(missing_ok=True)
-            _fsync_dir(d)
+            fsync_dir(d)
             self._snapshot_bytes = size
 
     @staticmethod
@@ -428,7 +421,7 @@ class StateLog:
             tmp = self.directory / (CLEAN_FILE + TMP_SUFFIX)
             tmp.write_text(f"{path.name} {size}\n")
             os.replace(tmp, self.directory / CLEAN_FILE)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
 
 def read_state_records_of(paths: Sequence[Path]) -> Iterator[StateRecord]:

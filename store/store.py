@@ -82,6 +82,7 @@ from store.results import (
     StoredMessage,
 )
 from store.retention import apply_retention
+from store.segment import fsync_dir
 from store.statelog import STATE_DIR, StateLog, StateRecord, read_state_records
 
 log = logging.getLogger("lmqtt.store")
@@ -295,7 +296,7 @@ class MessageStore:
         fd = os.open(abort, os.O_WRONLY | os.O_CREAT, 0o644)
         os.fsync(fd)
         os.close(fd)
-        self._fsync_dir(self.data_dir)
+        fsync_dir(self.data_dir)
         self._flusher = Flusher(
             flush_log=self._flush_log,
             flush_all=self._flush_all,
@@ -335,14 +336,6 @@ class MessageStore:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def close(self) -> None:
         """Flush everything, write the checkpoint, remove the abort marker, release the lock."""
         with self._lock:
@@ -360,7 +353,7 @@ class MessageStore:
                 os.unlink(self.data_dir / ABORT_FILE)
             except FileNotFoundError:
                 pass
-            self._fsync_dir(self.data_dir)
+            fsync_dir(self.data_dir)
         with self._lock:
             self._release()
 
