@@ -227,8 +227,8 @@ class ClientConnection:
                 return
             self._kick()  # a flood: the reader task goes on after the turn
         finally:
-            if len(ingest) > taken and self.gw.overload.overloaded and not self._held:
-                self.gw.overload.hold(self)
+            if len(ingest) > taken:
+                self._published()
 
     # -- the ingest batch's side (gateway/ingest.py) -----------------------------------------
 
@@ -239,6 +239,12 @@ class ClientConnection:
                 self.client_id, self.gw.store.encode_properties
             )
         return blocks
+
+    def _published(self) -> None:
+        """This connection just handed in publishes: an overloaded gateway stops reading it."""
+        overload = self.gw.overload
+        if overload.overloaded and not self._held and not self.closed:
+            overload.hold(self)
 
     def hold_reading(self) -> None:
         self._held = True
@@ -710,8 +716,7 @@ class ClientConnection:
                     return
                 await self._on_publish(pub)
             return
-        if gw.overload.overloaded and not self._held and not self.closed:
-            gw.overload.hold(self)
+        self._published()
         acked = [pub for pub in run if pub.qos]
         if gw.settings.flush == "sync":
             if not acked:
