@@ -18,6 +18,7 @@ import logging
 from gateway.access import AccessControl
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
+from gateway.cursor import QueueCursor
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.delivery_account import DeliveryAccount
 from gateway.embedded import open_account, open_storage
@@ -34,7 +35,7 @@ from gateway.server import MqttServerProtocol
 from gateway.session import Session, SessionRegistry, SubscriptionState, now_ms
 from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
-from gateway.storage import EncodedMessage, GetStatus, PutResult, Storage
+from gateway.storage import EncodedMessage, PutResult, Storage
 from gateway.timers import TimerWheel
 from gateway.will import WillScheduler
 from topicmap import Router, Topic, TopicFilter, parent_topic
@@ -78,6 +79,7 @@ class Gateway:
         self.retained: RetainedIndex
         self.sessions: SessionRegistry
         self.arrivals: ArrivalHub
+        self.cursor: QueueCursor  # reads every queue (gateway/cursor.py)
         self.ingest: IngestBatch | None  # None in sync flush mode (see gateway/ingest.py)
         self.overload: OverloadGuard
         self.timers: TimerWheel  # connect timeouts and keep-alive (gateway/timers.py)
@@ -91,6 +93,7 @@ class Gateway:
         s.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = open_storage(s)
         self.arrivals = ArrivalHub(loop)
+        self.cursor = QueueCursor(self.store, self.recent.run)
         self.ingest = IngestBatch(loop, self.append_publishes) if s.flush == "async" else None
         self.overload = OverloadGuard(loop)
         self.store.add_listener(self.arrivals)
@@ -420,10 +423,8 @@ class Gateway:
             self.store.offsets.remove(session.client_id, sub.queue)
 
     def _read_inflight(self, queue: str, offset: int) -> RecordedPublish | None:
-        got = self.store.get(queue, offset, 1)
-        if got.status is not GetStatus.FOUND or not got.messages:
-            return None
-        return self.recent.record(got.messages[0])
+        msg = self.cursor.one(queue, offset)
+        return self.recent.record(msg) if msg is not None else None
 
     def end_session(self, session: Session) -> None:
         """The session is over (clean start, expiry, clean disconnect): drop its state."""

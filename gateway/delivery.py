@@ -48,7 +48,7 @@ from gateway.protocol import PreparedPublish, Properties, Publish, PubRel, Reaso
 from gateway.records import RecordedPublish, read_record
 from gateway.replay import Replay
 from gateway.session import Inflight, Session, SubscriptionState
-from gateway.storage import EncodedMessage, GetStatus, PutResult, StoredMessage
+from gateway.storage import EncodedMessage, PutResult, StoredMessage
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -481,28 +481,24 @@ class DeliveryLoop:
     # -- reading queues ----------------------------------------------------------------------
 
     def _read(self, sub: SubscriptionState) -> bool:
-        messages = self.gw.recent.run(sub.queue, sub.next_offset, BATCH)
-        if messages:
-            return self._deliver_batch(sub, messages)
-        got = self.gw.store.get(sub.queue, sub.next_offset, BATCH)
-        if got.status is not GetStatus.FOUND:
-            if got.status is GetStatus.OFFSET_TOO_SMALL:
+        offset = sub.next_offset
+        messages, start, _ = self.gw.cursor.read(sub.queue, offset, BATCH)
+        if start != offset:
+            if start > offset:
                 log.warning(
                     "%r: queue %s offsets %d..%d were deleted by retention before delivery",
                     self.session.client_id,
                     sub.queue,
-                    sub.next_offset,
-                    got.min_offset,
+                    offset,
+                    start,
                 )
-                sub.next_offset = got.min_offset
-                sub.read_phys = None
-                return True
-            if got.status is GetStatus.OFFSET_OVERFLOW_BADLY and got.max_offset < sub.next_offset:
-                sub.next_offset = got.max_offset
-                sub.start_offset = min(sub.start_offset, got.max_offset)
-                sub.read_phys = None
-            return False
-        return self._deliver_batch(sub, got.messages)
+            else:  # the queue ends below the position (a lost tail): resume at its end
+                sub.start_offset = min(sub.start_offset, start)
+            sub.next_offset = start
+            sub.read_phys = None
+        if messages:
+            return self._deliver_batch(sub, messages)
+        return start > offset
 
     def _replay(self, sub: SubscriptionState) -> bool:
         """Hand `sub`'s replayed messages over within the window (a short slice per pass, and
@@ -534,7 +530,7 @@ class DeliveryLoop:
         for i in range(REPLAY_STEP):
             if i & 7 == 7 and time.monotonic() > until:
                 break
-            msg = replay.peek(store)
+            msg = replay.peek(self.gw.cursor)
             if msg is None:
                 sub.replay = None
                 sub.start_phys = store.log_max_offset  # covers from here (see _covering)
@@ -644,9 +640,9 @@ class DeliveryLoop:
         """`read_phys` of `sub` from the store: just past the message before `next_offset`."""
         if sub.next_offset <= sub.start_offset:
             return sub.start_phys  # nothing read since subscribing
-        got = self.gw.store.get(sub.queue, sub.next_offset - 1, 1)
-        if got.status is GetStatus.FOUND and got.messages:
-            return got.messages[0].physical_offset + 1
+        msg = self.gw.cursor.one(sub.queue, sub.next_offset - 1)
+        if msg is not None:
+            return msg.physical_offset + 1
         return 1 << 62  # gone (retention): everything before it was read
 
     def _deliver(self, sub: SubscriptionState, off: int, msg: StoredMessage) -> bool:
@@ -858,7 +854,7 @@ class DeliveryLoop:
 
     def _resend_inflight(self) -> None:
         """After a reconnect: re-send what was unacknowledged, with DUP, in the original order."""
-        store = self.gw.store
+        one = self.gw.cursor.one
         for inf in list(self.session.inflight.values()):
             if inf.pubrel:
                 self.client.write(self.client.conn.send(PubRel(packet_id=inf.packet_id)))
@@ -866,12 +862,11 @@ class DeliveryLoop:
             if inf.queue is None:
                 self._resend_copy(inf)
                 continue
-            got = store.get(inf.queue, inf.offset, 1)
+            msg = one(inf.queue, inf.offset)
             sub = self.session.by_queue.get(inf.queue)
-            if got.status is not GetStatus.FOUND or not got.messages or sub is None:
+            if msg is None or sub is None:
                 self._forget(inf)
                 continue
-            msg = got.messages[0]
             rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
             if rec is None:
                 self._forget(inf)

@@ -52,8 +52,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.cursor import QueueCursor
 from gateway.records import RecordedPublish, read_record
-from gateway.storage import GetStatus, Storage, StoredMessage
+from gateway.storage import Storage, StoredMessage
 from topicmap import TopicFilter, matches_levels, replay_parents
 
 log = logging.getLogger("lmqtt.gateway")
@@ -164,37 +165,38 @@ class Replay:
     def _head_size(self) -> int:
         return max(1, min(HEAD_SIZE, HEADS_TOTAL // max(1, len(self.todo))))
 
-    def _fill(self, store: Storage, parent: str) -> bool:
+    def _fill(self, cursor: QueueCursor, parent: str) -> bool:
         """Read ahead in `parent`; False when it has nothing left (removed from `todo`)."""
         pos = self.todo[parent]
         while pos[0] < pos[1]:
-            got = store.get(parent, pos[0], min(self._head_size(), pos[1] - pos[0]))
-            if got.status is GetStatus.FOUND:
-                msgs = [m for m in got.messages if m.queue_offset < pos[1]]
-                if msgs:
-                    self._heads[parent] = deque(msgs)
-                    return True
-                pos[0] = got.next_offset  # unreadable units: skipped by the store
-                continue
-            if got.status is GetStatus.OFFSET_TOO_SMALL:
+            messages, start, next_offset = cursor.read(
+                parent, pos[0], min(self._head_size(), pos[1] - pos[0])
+            )
+            if start < pos[0]:
+                break  # the queue ends before `end` (truncated): nothing more
+            if start > pos[0]:
                 log.warning(
                     "replay of %r: %s offsets %d..%d deleted by retention while replaying",
-                    self.topic_filter, parent, pos[0], got.min_offset,
+                    self.topic_filter, parent, pos[0], start,
                 )  # fmt: skip
-                pos[0] = got.min_offset
-                continue
-            break  # the queue is gone or ends before `end` (truncated): nothing more
+            msgs = [m for m in messages if m.queue_offset < pos[1]]
+            if msgs:
+                self._heads[parent] = deque(msgs)
+                return True
+            if next_offset <= start:
+                break  # the queue is gone: nothing more
+            pos[0] = next_offset  # unreadable units: skipped by the store
         del self.todo[parent]
         self._heads.pop(parent, None)
         return False
 
-    def peek(self, store: Storage) -> StoredMessage | None:
+    def peek(self, cursor: QueueCursor) -> StoredMessage | None:
         """The next message in store order, or None when the replay is done."""
         heap = self._heap
         if heap is None:
             heap = self._heap = []
             for parent in list(self.todo):
-                if parent in self._heads or self._fill(store, parent):
+                if parent in self._heads or self._fill(cursor, parent):
                     heap.append((self._heads[parent][0].physical_offset, parent))
             heapq.heapify(heap)
         while heap:
@@ -202,7 +204,7 @@ class Replay:
             head = self._heads.get(parent)
             if head:
                 return head[0]
-            if self._fill(store, parent):
+            if self._fill(cursor, parent):
                 heapq.heapreplace(heap, (self._heads[parent][0].physical_offset, parent))
             else:
                 heapq.heappop(heap)
@@ -232,9 +234,9 @@ class Replay:
             heapq.heapreplace(heap, (self._heads[parent][0].physical_offset, parent))
         # else: peek() refills (or drops) this parent, keeping its place in the heap meanwhile.
 
-    def messages(self, store: Storage) -> Iterator[tuple[StoredMessage, RecordedPublish]]:
+    def messages(self, cursor: QueueCursor) -> Iterator[tuple[StoredMessage, RecordedPublish]]:
         """Every matching message left, in store order (the offline export)."""
-        while (msg := self.peek(store)) is not None:
+        while (msg := self.peek(cursor)) is not None:
             rec = self.record(msg)
             self.advance()
             if rec is not None:

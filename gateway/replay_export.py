@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from gateway.cursor import QueueCursor
 from gateway.embedded import open_read_only
 from gateway.records import RecordedPublish
 from gateway.replay import iso_ms, start_replay
@@ -68,7 +69,7 @@ def replay_rows(
 ) -> tuple[Iterator[dict[str, Any]], str | None]:
     """The rows, and a note when retention cut the requested start off."""
     replay, cutoff = start_replay(store, tf, since_ms, start, until_ms)
-    rows = (_row(msg, rec) for msg, rec in replay.messages(store))
+    rows = (_row(msg, rec) for msg, rec in replay.messages(QueueCursor(store)))
     return rows, cutoff.text(tf.filter) if cutoff is not None else None
 
 

@@ -61,6 +61,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gateway.cursor import QueueCursor
+
 if TYPE_CHECKING:
     from gateway.storage import Storage as MessageStore
     from gateway.storage import StoredMessage
@@ -442,28 +444,26 @@ class RetainedIndex:
 
     def _catch_up(self, confirmable: bool) -> int:
         """Apply %RETAIN% records from _next_offset to the queue's end; returns how many."""
-        from gateway.storage import GetStatus  # the store is optional for a detached index
-
         store = self._store
         if store is None:
             return 0
+        cursor = QueueCursor(store)
         applied = 0
         offset = self._next_offset
         while True:
-            got = store.get(self.QUEUE, offset, REPLAY_BATCH)
-            if got.status == GetStatus.OFFSET_TOO_SMALL:
+            messages, start, next_offset = cursor.read(self.QUEUE, offset, REPLAY_BATCH)
+            if start > offset:
                 log.warning(
                     "retained: %s offsets %d..%d were deleted by retention before a snapshot"
                     " covered them; their retained messages are lost",
                     self.QUEUE,
                     offset,
-                    got.min_offset - 1,
+                    start - 1,
                 )
-                offset = max(offset + 1, got.min_offset, got.next_offset)
-                continue
-            if got.status != GetStatus.FOUND or not got.messages:
+                offset = start
+            if not messages:
                 break
-            for stored in got.messages:
+            for stored in messages:
                 msg = RetainedMessage.from_stored(stored)
                 msg.offset = stored.queue_offset
                 before = self._versions.get(msg.topic, -1)
@@ -473,9 +473,9 @@ class RetainedIndex:
                     if confirmable and not self._caller_passes_offsets:
                         self._unconfirmed[msg.topic] = self._unconfirmed.get(msg.topic, 0) + 1
                 applied += 1
-            if got.next_offset <= offset:
+            if next_offset <= offset:
                 break  # defensive: never spin on a store that does not advance
-            offset = got.next_offset
+            offset = next_offset
         self._next_offset = offset
         return applied
 

@@ -16,7 +16,7 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from gateway.storage import GetStatus, StoredMessage
+from gateway.storage import StoredMessage
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -113,30 +113,21 @@ class SharedGroup:
             asyncio.get_running_loop().call_soon(self._pump)
 
     def _next_message(self) -> tuple[int, StoredMessage] | None:
-        store = self.gw.store
+        cursor = self.gw.cursor
         while self.returned:
             off = heapq.heappop(self.returned)
-            got = store.get(self.queue, off, 1)
-            if got.status is GetStatus.FOUND and got.messages:
-                return off, got.messages[0]
+            msg = cursor.one(self.queue, off)
+            if msg is not None:
+                return off, msg
         if self._buffer:
             return self._buffer.popleft()
-        if self.next_offset >= store.max_offset(self.queue):
+        if self.next_offset >= cursor.end(self.queue):
             return None
-        recent = self.gw.recent.run(self.queue, self.next_offset, BATCH)
-        if recent:
-            self._buffer.extend((m.queue_offset, m) for m in recent)
-            self.next_offset = recent[-1].queue_offset + 1
-            return self._buffer.popleft()
-        got = store.get(self.queue, self.next_offset, BATCH)
-        if got.status is GetStatus.OFFSET_TOO_SMALL:
-            self.next_offset = got.min_offset
-            got = store.get(self.queue, self.next_offset, BATCH)
-        if got.status is not GetStatus.FOUND:
-            return None
-        for msg in got.messages:
-            self._buffer.append((msg.queue_offset, msg))
-        self.next_offset = got.next_offset
+        messages, start, next_offset = cursor.read(self.queue, self.next_offset, BATCH)
+        if start < self.next_offset:
+            return None  # the queue ends below the group's position (a lost tail)
+        self._buffer.extend((m.queue_offset, m) for m in messages)
+        self.next_offset = next_offset
         return self._buffer.popleft() if self._buffer else None
 
     def _pump(self) -> None:

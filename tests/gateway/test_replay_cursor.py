@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.cursor import QueueCursor
 from gateway.protocol import Publish
 from gateway.records import message_properties
 from gateway.replay import HEADS_TOTAL, Replay, ReplayPacer, start_replay
@@ -42,7 +43,7 @@ def test_store_order_across_parents_and_bounded_read_ahead(store: MessageStore) 
     assert sorted(replay.todo) == sorted({"other", *(parent_topic(f"p{k}/x") for k in range(7))})
     got = []
     most = 0
-    while (msg := replay.peek(store)) is not None:
+    while (msg := replay.peek(QueueCursor(store))) is not None:
         most = max(most, sum(len(h) for h in replay._heads.values()))
         if replay.record(msg) is not None:
             got.append(msg.physical_offset)
@@ -57,14 +58,14 @@ def test_position_survives_serialisation_and_the_seam_is_pinned(store: MessageSt
         _put(store, "s/a", i)
     replay, _ = start_replay(store, TopicFilter("s/#"), 0, "earliest")
     for _ in range(40):
-        assert replay.peek(store) is not None
+        assert replay.peek(QueueCursor(store)) is not None
         replay.advance()
     for i in range(100, 120):
         _put(store, "s/a", i)  # after the pin: the light queue's, not the replay's
     sub = SubscriptionState("s/#", "%LMQ%s.%23", None, 1, replay=replay)
     again = SubscriptionState.from_json(sub.to_json())
     assert again.replay is not None
-    bodies = [m.body for m, _ in again.replay.messages(store)]
+    bodies = [m.body for m, _ in again.replay.messages(QueueCursor(store))]
     assert bodies == [b"%d" % i for i in range(40, 100)]
     assert "replay" not in SubscriptionState("a", "q", None, 0).to_json()
 
@@ -77,7 +78,7 @@ def test_retention_under_a_running_replay_moves_it_forward(tmp_path: Path) -> No
         for i in range(20):
             _put(s, "r/t", i)
         replay, _ = start_replay(s, TopicFilter("r/t"), 0, "earliest")
-        first = replay.peek(s)
+        first = replay.peek(QueueCursor(s))
         assert first is not None and first.body == b"0"
         replay.advance()
         replay._heads.clear()  # as after a restart: nothing read ahead
@@ -85,7 +86,7 @@ def test_retention_under_a_running_replay_moves_it_forward(tmp_path: Path) -> No
             _put(s, "r/t", i)
         assert s.delete_expired() > 0
         lo = s.min_offset(parent_topic("r/t"))
-        bodies = [m.body for m, _ in replay.messages(s)]
+        bodies = [m.body for m, _ in replay.messages(QueueCursor(s))]
         assert bodies == [b"%d" % i for i in range(lo, 20)]  # resumes at the oldest kept
     finally:
         s.close()
@@ -96,7 +97,7 @@ def test_until_bounds_the_export(store: MessageStore) -> None:
         _put(store, "u/t", i)
     assert Replay.from_json({"filter": "u/t", "since_ms": 0, "todo": {}}).done
     replay, _ = start_replay(store, TopicFilter("u/t"), 0, "earliest", until_ms=0)
-    assert replay.done and list(replay.messages(store)) == []
+    assert replay.done and list(replay.messages(QueueCursor(store))) == []
 
 
 def test_pacer_leaves_the_loop_its_share() -> None:
