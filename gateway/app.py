@@ -16,10 +16,11 @@ import contextlib
 import logging
 
 from gateway.access import AccessControl
+from gateway.arrivals import ArrivalHub
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.cursor import QueueCursor
-from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
+from gateway.delivery import DeliveryLoop, PreparedCache, RecentMessages
 from gateway.delivery_account import DeliveryAccount
 from gateway.embedded import open_account, open_storage
 from gateway.gc_monitor import GcMonitor

@@ -37,11 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from gateway.outbound import decide, identifiers, retain_flag
 from gateway.protocol import PreparedPublish, Properties, Publish, PubRel, ReasonCode
@@ -71,70 +70,6 @@ COMPACT_AT = 1024  # a window's list drops its evicted head once it is this long
 _MISSING = object()
 _tuple_new = tuple.__new__  # builds a StoredMessage without NamedTuple's Python __new__
 PREPARED_CACHE_SIZE = 4096
-
-
-class Watcher(Protocol):
-    """A reader of light queues: a session's delivery loop, or a shared group."""
-
-    def arrived(self, queue: str) -> None: ...
-
-
-class ArrivalHub:
-    """The store's ArrivalListener: wakes whoever reads a queue when it grows.
-
-    Most queues have one reader (a device's own command topic), so a queue maps to its watcher
-    itself, and only to a set of them when a second one comes: a set per device costs 216
-    bytes, a bound-method partial per watch another ~360 (memory per device is what limits
-    how many fit).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._thread = threading.get_ident()
-        self._waiters: dict[str, Watcher | set[Watcher]] = {}
-
-    def watch(self, queue: str, watcher: Watcher) -> None:
-        found = self._waiters.get(queue)
-        if found is None:
-            self._waiters[queue] = watcher
-        elif isinstance(found, set):
-            found.add(watcher)
-        elif found is not watcher:
-            self._waiters[queue] = {found, watcher}
-
-    def unwatch(self, queue: str, watcher: Watcher) -> None:
-        found = self._waiters.get(queue)
-        if found is watcher:
-            del self._waiters[queue]
-        elif isinstance(found, set):
-            found.discard(watcher)
-            if len(found) == 1:
-                self._waiters[queue] = next(iter(found))
-
-    def watchers(self, queue: str) -> int:
-        """How many delivery loops (or shared groups) read `queue` now."""
-        found = self._waiters.get(queue)
-        if found is None:
-            return 0
-        return len(found) if isinstance(found, set) else 1
-
-    def on_arrival(self, queue: str, max_offset: int) -> None:
-        if queue not in self._waiters:
-            return
-        if threading.get_ident() != self._thread:
-            self._loop.call_soon_threadsafe(self._notify, queue)
-        else:
-            self._notify(queue)
-
-    def _notify(self, queue: str) -> None:
-        found = self._waiters.get(queue)
-        if found is None:
-            return
-        if isinstance(found, set):
-            for watcher in tuple(found):
-                watcher.arrived(queue)
-        else:
-            found.arrived(queue)
 
 
 class PreparedCache:
