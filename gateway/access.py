@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from gateway.acl import AclRules, ClientAccess
 from gateway.auth import PasswordFile, SecurityError
@@ -36,12 +37,31 @@ from gateway.limits import ConnectRateLimiter, is_loopback, topic_limit_error
 from gateway.protocol import Connect, ReasonCode
 from topicmap import TopicError
 
-if TYPE_CHECKING:
-    from gateway.client import ClientConnection
-
 __all__ = ["AccessControl", "certificate_cn"]
 
 log = logging.getLogger("lmqtt.access")
+
+
+class Client(Protocol):
+    """The connection asking (gateway/client.py ClientConnection)."""
+
+    acl: ClientAccess | None  # replaced in place by reload()
+
+    @property
+    def client_id(self) -> str: ...
+
+    @property
+    def username(self) -> str | None: ...
+
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def transport(self) -> asyncio.BaseTransport: ...
+
+    @property
+    def session(self) -> object | None: ...
+
 
 # Source addresses whose loopback-ness is remembered (parsing one with ipaddress costs more
 # than the rest of the connect checks).
@@ -98,7 +118,7 @@ class AccessControl:
         acl = AclRules.load(s.acl_file) if s.acl_file else None
         self.passwords, self.acl = passwords, acl
 
-    def reload(self, clients: list[ClientConnection] | None = None) -> bool:
+    def reload(self, clients: Sequence[Client] | None = None) -> bool:
         """Re-read the password and ACL files (SIGHUP); False (and old rules kept) on error."""
         try:
             self._load()
@@ -122,7 +142,7 @@ class AccessControl:
     # -- CONNECT -----------------------------------------------------------------------------
 
     async def check_connect(
-        self, ev: Connect, client: ClientConnection, connected: int
+        self, ev: Connect, client: Client, connected: int
     ) -> tuple[int, str | None]:
         """(reason code, user name): 0 = accept. `connected` = clients connected now."""
         s = self.settings
@@ -160,7 +180,7 @@ class AccessControl:
             self._loopback[host] = known
         return known
 
-    async def _authenticate(self, ev: Connect, client: ClientConnection) -> tuple[int, str | None]:
+    async def _authenticate(self, ev: Connect, client: Client) -> tuple[int, str | None]:
         if self.settings.tls_use_identity_as_username:
             cn = certificate_cn(client.transport.get_extra_info("peercert"))
             if cn is not None:
@@ -186,14 +206,14 @@ class AccessControl:
             )
         return 0, user
 
-    def _refused(self, client: ClientConnection, code: int, why: str) -> tuple[int, None]:
+    def _refused(self, client: Client, code: int, why: str) -> tuple[int, None]:
         self.refused_connects += 1
         log.warning("%s: CONNECT refused (0x%02X): %s", client.peer, code, why)
         return code, None
 
     # -- PUBLISH / SUBSCRIBE -----------------------------------------------------------------
 
-    def check_publish(self, client: ClientConnection, topic: str) -> None:
+    def check_publish(self, client: Client, topic: str) -> None:
         """Raise TopicError when `client` may not publish to `topic`: reason 0x90 for the
         length/level limits (the client is disconnected), 0x87 for the ACL (dropped)."""
         if topic not in self._within_limits:
@@ -212,7 +232,7 @@ class AccessControl:
             )
 
     def subscribe_refusal(
-        self, client: ClientConnection, topic_filter: str, text: str, new: bool, count: int
+        self, client: Client, topic_filter: str, text: str, new: bool, count: int
     ) -> int:
         """MQTT 5 reason code refusing one SUBSCRIBE entry, or 0. `topic_filter` is the filter
         without any $share/group/ prefix, `text` the full one, `count` the client's current

@@ -100,7 +100,8 @@ class Gateway:
         self.store.add_listener(self.arrivals)
         self.timers = TimerWheel(loop)
         self.gc.start(loop, self.connections.__len__)
-        self.sessions = SessionRegistry(self.store, self.end_session)
+        self.sessions = SessionRegistry(self.store)
+        self.sessions.on_expire = self.end_session
         self.account = DeliveryAccount(open_account(s), self.store.max_offset)
         clamp = self.store.tail_may_be_lost  # a clean stop saved no position past a queue end
         for session, subs in self.sessions.load(materialize_all=clamp):

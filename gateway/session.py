@@ -40,24 +40,22 @@ gets the committed offsets, for inspect and analytics).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pydantic_core import from_json, to_json
 
+from gateway.protocol import Properties, Will
 from gateway.records import RecordedPublish
 from gateway.replay import Replay
-from gateway.will import will_from_json, will_to_json
 
 if TYPE_CHECKING:
-    from gateway.client import ClientConnection
-    from gateway.protocol import Will
-    from gateway.shared import SharedGroup
     from gateway.storage import StateRecord, Storage
 
 log = logging.getLogger("lmqtt.gateway")
@@ -73,6 +71,74 @@ PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
 RECORDS_PER_STEP = 200  # session records encoded per event-loop step by housekeeping saves
 _ID_BITS = 31  # dormant expiry: (due second << _ID_BITS | index); seconds fit 33 bits
 _ID_MASK = (1 << _ID_BITS) - 1
+
+
+class Connected(Protocol):
+    """The live connection of a session (gateway/client.py ClientConnection): what the
+    session side needs of it is to end it (a takeover)."""
+
+    def close(
+        self, reason: int | None = None, *, abnormal: bool = True, linger: bool = True
+    ) -> None: ...
+
+
+class InflightGroup(Protocol):
+    """The shared group (gateway/shared.py SharedGroup) a shared delivery in flight came from."""
+
+    def ack(self, offset: int) -> None: ...
+
+    def give_back(self, offset: int) -> None: ...
+
+
+# Will properties kept in the session record (the ones that matter for publishing it later).
+_PROPS = (
+    "will_delay_interval",
+    "message_expiry_interval",
+    "payload_format_indicator",
+    "content_type",
+    "response_topic",
+)
+
+
+def will_to_json(will: Will) -> dict[str, Any]:
+    """Session-record form: {"topic", "payload" (base64), "qos", "retain", "properties"}."""
+    p = will.properties
+    props: dict[str, Any] = {}
+    if p is not None:
+        for name in _PROPS:
+            value = getattr(p, name)
+            if value is not None:
+                props[name] = value
+        if p.correlation_data is not None:
+            props["correlation_data"] = bytes(p.correlation_data).hex()
+        if p.user_properties:
+            props["user_properties"] = [[k, v] for k, v in p.user_properties]
+    return {
+        "topic": will.topic,
+        "payload": base64.b64encode(will.payload).decode("ascii"),
+        "qos": will.qos,
+        "retain": will.retain,
+        "properties": props,
+    }
+
+
+def will_from_json(d: dict[str, Any]) -> Will:
+    props = Properties()
+    raw = d.get("properties") or {}
+    for name in _PROPS:
+        if name in raw:
+            setattr(props, name, raw[name])
+    if "correlation_data" in raw:
+        props.correlation_data = bytes.fromhex(raw["correlation_data"])
+    if "user_properties" in raw:
+        props.user_properties = [(str(k), str(v)) for k, v in raw["user_properties"]]
+    return Will(
+        topic=str(d["topic"]),
+        payload=base64.b64decode(d["payload"]),
+        qos=int(d.get("qos", 0)),
+        retain=bool(d.get("retain", False)),
+        properties=props,
+    )
 
 
 def now_ms() -> int:
@@ -160,7 +226,7 @@ class Inflight:
     offset: int
     qos: int
     pubrel: bool = False  # QoS 2: PUBREC received, PUBREL sent, awaiting PUBCOMP
-    group: SharedGroup | None = None  # set when delivered for a shared subscription
+    group: InflightGroup | None = None  # set when delivered for a shared subscription
     topic_filter: str | None = None
     # The message as sent, kept when `queue` is None: a reconnect must re-send it with DUP
     # (MQTT-4.4.0-1), also when it was a retained copy or its subscription is gone
@@ -217,7 +283,7 @@ class Session:
         self.by_queue: dict[str, SubscriptionState] = {}  # non-shared subscriptions by queue
         self.qos2_inbound: set[int] = set()
         self.inflight: dict[int, Inflight] = {}  # insertion order = send order
-        self.connection: ClientConnection | None = None
+        self.connection: Connected | None = None
         self.expiry_timer: asyncio.TimerHandle | None = None
         self.will: Will | None = None  # of the live connection, or pending after it ended
         self.will_due_ms: int | None = None  # set while a delayed will waits
@@ -315,9 +381,11 @@ class SessionRegistry:
     the others are appended by the next housekeeping pass.
     """
 
-    def __init__(self, store: Storage, on_expire: Callable[[Session], None]) -> None:
+    def __init__(self, store: Storage) -> None:
         self._store = store
-        self._on_expire = on_expire
+        # Ends an expired session: set by the session lifecycle (gateway/session_lifecycle.py)
+        # that owns this registry.
+        self.on_expire: Callable[[Session], None] = _never
         self.sessions: dict[str, Session] = {}
         # Wills of clean sessions cut off by a crash: published once at start.
         self.orphan_wills: list[tuple[str, Will]] = []
@@ -406,7 +474,7 @@ class SessionRegistry:
         session.expiry_timer = None
         if self.sessions.get(session.client_id) is session and session.connection is None:
             log.info("session %r expired", session.client_id)
-            self._on_expire(session)
+            self.on_expire(session)
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -530,7 +598,7 @@ class SessionRegistry:
             session = self._wake(cid)  # None: woken since (it has its own timer now)
             if session is not None:
                 log.info("session %r expired", cid)
-                self._on_expire(session)
+                self.on_expire(session)
         self._arm_dormant_expiry()
 
     def _import_sessions_json(self) -> dict[str, bytes] | None:
@@ -628,6 +696,10 @@ class SessionRegistry:
         progress = time.monotonic() - self._last_save >= progress_interval_s
         await self._write_in_steps(progress)
         await self._store.compact_state()
+
+
+def _never(session: Session) -> None:
+    raise RuntimeError("SessionRegistry.on_expire is not set")
 
 
 def _dumps(doc: dict[str, Any]) -> bytes:
