@@ -15,10 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from gateway.access import AccessControl
 from gateway.acl import ClientAccess
-from gateway.delivery import DeliveryLoop
+from gateway.config import GatewaySettings
+from gateway.delivery import DeliveryContext, DeliveryLoop
+from gateway.ingest import IngestBatch
+from gateway.overload import OverloadGuard
 from gateway.protocol import (
     NEED_DATA,
     Auth,
@@ -44,10 +49,14 @@ from gateway.protocol import (
     Unsubscribe,
     Will,
 )
+from gateway.publishing import PublishPath
 from gateway.records import PublishProperties
-from gateway.replay import REPLAYING, iso_ms, start_replay
 from gateway.session import Session, SubscriptionState
+from gateway.session_lifecycle import SessionLifecycle
+from gateway.stats import GatewayStats
 from gateway.storage import StoreError
+from gateway.subscription_lifecycle import SubscriptionLifecycle
+from gateway.timers import TimerWheel
 from topicmap import (
     REPLAY_PROPERTY,
     Topic,
@@ -56,10 +65,6 @@ from topicmap import (
     parse_replay_from,
     split_replay,
 )
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-    from gateway.ingest import IngestBatch
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -77,6 +82,39 @@ LINGER_S = 2.0
 # Packets whose handling never waits (in async flush mode the store append does not either):
 # their replies are collected and written once per run of input (see ClientConnection._out).
 _COLLECTED = frozenset({Publish, PubAck, PubComp, PubRec, PingReq})
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the listeners and every connection share (uvicorn's ServerState): whether a
+    graceful stop has begun, and the open connections."""
+
+    stopping: bool = False
+    connections: set[ClientConnection] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class ClientContext:
+    """What a connection uses, built once by the composition root (gateway/app.py) and shared
+    by every connection: one attribute hop to each collaborator, as when connections held the
+    whole gateway, but only these."""
+
+    settings: GatewaySettings
+    server: ServerState
+    stats: GatewayStats
+    access: AccessControl  # authentication, ACL, limits
+    timers: TimerWheel  # connect timeout, keep-alive
+    ingest: IngestBatch | None  # None in sync flush mode (gateway/ingest.py)
+    overload: OverloadGuard
+    publisher: PublishPath
+    sessions: SessionLifecycle
+    subscriptions: SubscriptionLifecycle
+    delivery: DeliveryContext  # handed to the session's delivery loop
+    # publisher.topic, bound once: the inline path validates every PUBLISH's topic with it.
+    topic: Callable[[str], Topic] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.topic = self.publisher.topic
 
 
 class ClientConnection:
@@ -105,8 +143,8 @@ class ClientConnection:
         "client_id",
         "closed",
         "conn",
+        "ctx",
         "delivery",
-        "gw",
         "peer",
         "session",
         "timer_due",
@@ -116,10 +154,10 @@ class ClientConnection:
         "writable",
     )
 
-    def __init__(self, gateway: Gateway, transport: asyncio.Transport) -> None:
-        self.gw = gateway
+    def __init__(self, context: ClientContext, transport: asyncio.Transport) -> None:
+        self.ctx = context
         self.transport = transport
-        self.conn = Connection(max_packet_size=gateway.settings.max_packet_size)
+        self.conn = Connection(max_packet_size=context.settings.max_packet_size)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.client_id = ""
@@ -142,13 +180,13 @@ class ClientConnection:
         self._put_tasks: set[asyncio.Task[None]] | None = None  # sync flush only
         self._blocks: PublishProperties | None = None  # made at the first batched PUBLISH
         # Where plain publishes read in a transport callback go (async flush mode only).
-        self._ingest = gateway.ingest
+        self._ingest = context.ingest
         self._held = False  # reading stopped by the overload guard (gateway/overload.py)
         # Connect timeout and keep-alive: one entry in the gateway's timer wheel (on_due),
         # not a timer per connection; packets only move _last_rx, never the wheel.
         self._opened = self._loop.time()
         self.timer_due: float | None = None
-        gateway.timers.schedule(self, self._opened + gateway.settings.connect_timeout)
+        context.timers.schedule(self, self._opened + context.settings.connect_timeout)
         # The reader task exists only while there are bytes to handle: an idle connection
         # costs no task (memory per connection is what limits how many devices fit).
         self._reader: asyncio.Task[None] | None = None
@@ -161,11 +199,11 @@ class ClientConnection:
     def feed(self, data: bytes) -> None:
         if self.closed:
             return
-        self.gw.stats.bytes_received += len(data)
+        self.ctx.stats.bytes_received += len(data)
         self._last_rx = self._loop.time()
         self.conn.receive_data(data)
         self._unparsed += len(data)
-        if self._unparsed > MAX_UNPARSED + self.gw.settings.max_packet_size:
+        if self._unparsed > MAX_UNPARSED + self.ctx.settings.max_packet_size:
             self._pause_reading()
         if self._reader is None and self._ingest is not None and self.session is not None:
             self._read_inline(self._ingest)
@@ -236,13 +274,13 @@ class ClientConnection:
         blocks = self._blocks
         if blocks is None:
             blocks = self._blocks = PublishProperties(
-                self.client_id, self.gw.store.encode_properties
+                self.client_id, self.ctx.publisher.store.encode_properties
             )
         return blocks
 
     def _published(self) -> None:
         """This connection just handed in publishes: an overloaded gateway stops reading it."""
-        overload = self.gw.overload
+        overload = self.ctx.overload
         if overload.overloaded and not self._held and not self.closed:
             overload.hold(self)
 
@@ -262,7 +300,7 @@ class ClientConnection:
 
     def write(self, data: bytes) -> None:
         if data and not self.closed:
-            self.gw.stats.bytes_sent += len(data)
+            self.ctx.stats.bytes_sent += len(data)
             out = self._out
             if out is not None:
                 out.append(data)
@@ -315,7 +353,7 @@ class ClientConnection:
         """Close now; MQTT 5 clients get DISCONNECT `reason` first when given. `linger`: the
         client has not said it is done (see _close_transport)."""
         if self.closed:
-            if self.gw.stopping:
+            if self.ctx.server.stopping:
                 self.transport.close()  # a graceful stop cuts a lingering close short
             return
         self._flush_out()
@@ -348,7 +386,7 @@ class ClientConnection:
         """
         transport = self.transport
         try:
-            half_close = transport.can_write_eof() and not self.gw.stopping
+            half_close = transport.can_write_eof() and not self.ctx.server.stopping
         except NotImplementedError:
             half_close = False
         if not half_close:
@@ -376,9 +414,9 @@ class ClientConnection:
         if session is None or session.connection is not self:
             return
         session.connection = None
-        self.gw.stats.clients_connected -= 1
+        self.ctx.stats.clients_connected -= 1
         will = self.will if self._abnormal else None
-        self.gw.connection_ended(session, will)
+        self.ctx.sessions.connection_ended(session, will)
 
     def on_due(self, now: float) -> float | None:
         """Timer wheel: close a socket that sent no CONNECT in time, or a client silent for
@@ -387,7 +425,7 @@ class ClientConnection:
         if self.closed:
             return None
         if self.conn.protocol_level is None:
-            timeout = self.gw.settings.connect_timeout
+            timeout = self.ctx.settings.connect_timeout
             if now - self._opened >= timeout:
                 log.info("%s: no CONNECT within %.1f s; closing", self.peer, timeout)
                 self.close()
@@ -542,8 +580,8 @@ class ClientConnection:
     # -- CONNECT -----------------------------------------------------------------------------
 
     async def _on_connect(self, ev: Connect) -> None:
-        gw = self.gw
-        s = gw.settings
+        ctx = self.ctx
+        s = ctx.settings
         level = ev.protocol_level
         cid = ev.client_id
         assigned: str | None = None
@@ -563,38 +601,19 @@ class ClientConnection:
             if code:
                 self._refuse(code)
                 return
-        if gw.stopping:
+        if ctx.server.stopping:
             self._refuse(ReasonCode.SERVER_BUSY if level == 5 else ReasonCode.SERVER_UNAVAILABLE)
             return
-        code, self.username = await gw.access.check_connect(ev, self, gw.stats.clients_connected)
+        code, self.username = await ctx.access.check_connect(ev, self, ctx.stats.clients_connected)
         if self.closed:
             return
         if code:
             self._refuse(code)
             return
-        self.acl = gw.access.client_access(cid, self.username)
-        old = gw.sessions.get(cid)
-        if old is not None and old.connection is not None:
-            log.info("%r: session taken over by a new connection from %s", cid, self.peer)
-            old.connection.close(ReasonCode.SESSION_TAKEN_OVER)
-        session = gw.sessions.get(cid)  # the old connection may have ended it
-        present = False
-        if session is not None and ev.clean_start:
-            gw.end_session(session)
-            session = None
-        if session is None:
-            session = Session(cid, level, expiry)
-            gw.sessions.add(session)
-        else:
-            present = True
-            gw.wills.cancel(cid)
-            gw.sessions.cancel_expiry(session)
-        session.protocol_level = level
-        session.expiry_interval = expiry
-        session.disconnected_at_ms = None
-        session.connection = self
-        session.will = will  # persisted: a crash must not lose it
-        session.will_due_ms = None
+        self.acl = ctx.access.client_access(cid, self.username)
+        session, present = ctx.sessions.connect(
+            cid, level, expiry, ev.clean_start, self, will, self.peer
+        )
         self.session = session
         self.will = will
         props: Properties | None = None
@@ -624,8 +643,8 @@ class ClientConnection:
         self.write(
             self.conn.send(ConnAck(session_present=present, reason_code=0, properties=props))
         )
-        gw.stats.clients_connected += 1
-        gw.stats.clients_total += 1
+        ctx.stats.clients_connected += 1
+        ctx.stats.clients_total += 1
         log.info(
             "%r connected from %s (level %d, clean %s, keep-alive %d, expiry %d, present %s)",
             cid,
@@ -645,28 +664,24 @@ class ClientConnection:
         self._last_rx = self._loop.time()
         keep_alive = self.conn.keep_alive_timeout
         if keep_alive is not None:
-            gw.timers.schedule(self, self._last_rx + keep_alive)
+            ctx.timers.schedule(self, self._last_rx + keep_alive)
         if session.subscriptions or session.inflight:
             # A session with nothing to receive gets its loop at its first SUBSCRIBE.
-            delivery = self.delivery = DeliveryLoop(gw, session, self)
-            for sub in session.subscriptions.values():
-                if sub.share_group is not None:
-                    group = gw.shared.get(sub.share_group, TopicFilter(sub.topic_filter).filter)
-                    if group is not None:
-                        group.join(delivery)
+            delivery = self.delivery = DeliveryLoop(ctx.delivery, session, self)
+            ctx.subscriptions.attach(session, delivery)
             delivery.start()
-        gw.sessions.touch(session)
+        ctx.sessions.registry.touch(session)
 
     def _delivery_loop(self) -> DeliveryLoop:
         delivery = self.delivery
         if delivery is None:
             assert self.session is not None
-            delivery = self.delivery = DeliveryLoop(self.gw, self.session, self)
+            delivery = self.delivery = DeliveryLoop(self.ctx.delivery, self.session, self)
             delivery.start()
         return delivery
 
     def _check_will(self, will: Will) -> int:
-        s = self.gw.settings
+        s = self.ctx.settings
         try:
             Topic(will.topic)
         except TopicError:
@@ -696,8 +711,8 @@ class ClientConnection:
         if self.session is None or pub.topic.startswith("$"):
             return False
         try:
-            self.gw.topic(pub.topic)
-            self.gw.access.check_publish(self, pub.topic)
+            self.ctx.topic(pub.topic)
+            self.ctx.access.check_publish(self, pub.topic)
         except TopicError:
             return False
         return True
@@ -705,9 +720,9 @@ class ClientConnection:
     async def _store_run(self, run: list[Publish]) -> None:
         """Store a run of plain publishes with one store call, then acknowledge the QoS 1
         ones in order (sync flush: after the fsync covering the run's last record)."""
-        gw = self.gw
+        ctx = self.ctx
         try:
-            results = gw.append_publishes(run, [self.publish_blocks()] * len(run))
+            results = ctx.publisher.append_publishes(run, [self.publish_blocks()] * len(run))
         except StoreError:
             # Nothing of the run was stored: one by one, so only the bad message fails, and
             # exactly as it would have without batching.
@@ -718,7 +733,7 @@ class ClientConnection:
             return
         self._published()
         acked = [pub for pub in run if pub.qos]
-        if gw.settings.flush == "sync":
+        if ctx.settings.flush == "sync":
             if not acked:
                 return
             self._pending_puts += 1
@@ -746,7 +761,7 @@ class ClientConnection:
     ) -> None:
         try:
             try:
-                await self.gw.store.wait_durable(end)
+                await self.ctx.publisher.wait_durable(end)
                 failed: StoreError | None = None
             except StoreError as e:
                 failed = e
@@ -766,7 +781,7 @@ class ClientConnection:
     async def _on_publish(self, pub: Publish) -> None:
         session = self.session
         assert session is not None
-        gw = self.gw
+        ctx = self.ctx
         level = self.conn.protocol_level
         pid = pub.packet_id
         try:
@@ -774,15 +789,15 @@ class ClientConnection:
                 raise TopicError(
                     "clients cannot publish to $-topics", reason_code=ReasonCode.NOT_AUTHORIZED
                 )
-            gw.topic(pub.topic)  # validates (TopicError); store_publish reuses the cached entry
-            gw.access.check_publish(self, pub.topic)  # limits (0x90) and ACL (0x87)
+            ctx.topic(pub.topic)  # validates (TopicError); store_publish reuses the cached entry
+            ctx.access.check_publish(self, pub.topic)  # limits (0x90) and ACL (0x87)
         except TopicError as e:
             if e.reason_code != ReasonCode.NOT_AUTHORIZED:
                 self._fail(ReasonCode.TOPIC_NAME_INVALID, f"invalid topic {pub.topic!r}: {e}")
                 return
             # Denied, not malformed: acknowledge (3.1.1 has no negative ack) and drop.
             log.info("%r: PUBLISH to %r denied: %s", self.client_id, pub.topic, e)
-            gw.stats.publish_dropped += 1
+            ctx.stats.publish_dropped += 1
             code = ReasonCode.NOT_AUTHORIZED if level == 5 else 0
             if pub.qos == 1 and pid is not None:
                 self.write(self.conn.send(PubAck(pid, code)))
@@ -795,7 +810,7 @@ class ClientConnection:
             # Re-sent before our PUBREC arrived: stored already (state survives restarts).
             self.write(self.conn.send(PubRec(pid)))
             return
-        if gw.settings.flush == "sync":
+        if ctx.settings.flush == "sync":
             # Tasks start in creation order, so appends keep the arrival order; each awaits
             # its fsync concurrently (group commit) and acknowledges after its predecessor.
             self._pending_puts += 1
@@ -811,7 +826,7 @@ class ClientConnection:
                 self._ack_chain = task
             return
         try:
-            await gw.store_publish(pub, self.client_id)
+            await ctx.publisher.store_publish(pub, self.client_id)
         except StoreError as e:
             self._store_failed(pub, e)
             return
@@ -825,7 +840,7 @@ class ClientConnection:
     async def _store_then_ack(self, pub: Publish, prev: asyncio.Task[None] | None) -> None:
         try:
             try:
-                await self.gw.store_publish(pub, self.client_id)
+                await self.ctx.publisher.store_publish(pub, self.client_id)
                 failed: StoreError | None = None
             except StoreError as e:
                 failed = e
@@ -856,7 +871,7 @@ class ClientConnection:
                 if out and not self.closed:
                     self.transport.write(b"".join(out))
                 try:
-                    await self.gw.sessions.save(session)
+                    await self.ctx.sessions.registry.save(session)
                 finally:
                     self._out = [] if out is not None else None
             if not self.closed:
@@ -864,7 +879,7 @@ class ClientConnection:
 
     def _store_failed(self, pub: Publish, err: StoreError) -> None:
         log.error("%r: storing a PUBLISH to %r failed: %s", self.client_id, pub.topic, err)
-        self.gw.stats.publish_dropped += 1
+        self.ctx.stats.publish_dropped += 1
         if self.closed or pub.packet_id is None:
             return
         if self.conn.protocol_level == 5:
@@ -881,7 +896,7 @@ class ClientConnection:
             await asyncio.gather(self._ack_chain, return_exceptions=True)
         known = ev.packet_id in session.qos2_inbound
         session.qos2_inbound.discard(ev.packet_id)
-        self.gw.sessions.touch(session)
+        self.ctx.sessions.registry.touch(session)
         code = (
             0 if known or self.conn.protocol_level != 5 else ReasonCode.PACKET_IDENTIFIER_NOT_FOUND
         )
@@ -906,7 +921,9 @@ class ClientConnection:
         session = self.session
         assert session is not None
         delivery = self._delivery_loop()
-        gw = self.gw
+        ctx = self.ctx
+        subscriptions = ctx.subscriptions
+        registry = ctx.sessions.registry
         level = self.conn.protocol_level
         sub_id: int | None = None
         if ev.properties is not None and ev.properties.subscription_identifiers:
@@ -944,66 +961,30 @@ class ClientConnection:
                 return
             new = tf.text not in session.subscriptions
             n = len(session.subscriptions)
-            refusal = gw.access.subscribe_refusal(self, tf.filter, tf.text, new, n)
+            refusal = ctx.access.subscribe_refusal(self, tf.filter, tf.text, new, n)
             if refusal:
                 codes.append(refusal if level == 5 else ReasonCode.UNSPECIFIED_ERROR)
                 continue
-            qos = min(req.qos, gw.settings.max_qos)
-            existing = session.subscriptions.get(tf.text)
-            if existing is not None:
-                existing.qos = qos
-                existing.no_local = req.no_local
-                existing.retain_as_published = req.retain_as_published
-                existing.retain_handling = req.retain_handling
-                existing.subscription_identifier = sub_id
-                sub = existing
-                is_new = False
-            else:
-                sub = gw.add_subscription(session, tf, qos)
-                sub.no_local = req.no_local
-                sub.retain_as_published = req.retain_as_published
-                sub.retain_handling = req.retain_handling
-                sub.subscription_identifier = sub_id
-                is_new = True
-                if sub.share_group is None:
-                    delivery.watch(sub.queue)
-                else:
-                    group = gw.shared.get(sub.share_group, tf.filter)
-                    if group is not None:
-                        group.join(delivery)
+            qos = min(req.qos, ctx.settings.max_qos)
+            is_new = tf.text not in session.subscriptions
+            sub, cutoff = subscriptions.subscribe(
+                session, delivery, tf, req, qos, sub_id, since, start
+            )
             codes.append(qos)
-            if since is not None and start is not None:
-                # In this event-loop step, right after the filter was registered: see the seam
-                # in gateway/replay.py. Re-subscribing restarts the live side at the seam too.
-                if not is_new:
-                    sub.next_offset = gw.store.max_offset(sub.queue)
-                    sub.read_phys = None
-                sub.replay, cutoff = start_replay(gw.store, tf, since, start)
-                sub.start_phys = REPLAYING
-                log.info(
-                    "%r: replay of %r from %s (%s): %d parent topic(s)",
-                    self.client_id, tf.filter, start, iso_ms(since), len(sub.replay.todo),
-                )  # fmt: skip
-                if cutoff is not None:
-                    log.warning("%r: %s", self.client_id, cutoff.text(tf.filter))
-                    notes.append(cutoff.text(tf.filter))
-                continue  # retained messages are part of the history replayed
-            if not tf.is_shared and (
-                req.retain_handling == 0 or (req.retain_handling == 1 and is_new)
-            ):
+            if cutoff is not None:
+                log.warning("%r: %s", self.client_id, cutoff.text(tf.filter))
+                notes.append(cutoff.text(tf.filter))
+            if since is None and subscriptions.wants_retained(tf, req, is_new):
                 retained_for.append((sub, tf))
         if session.persistent:
-            await gw.sessions.save(session)  # the subscription must survive a crash once SUBACKed
+            await registry.save(session)  # the subscription must survive a crash once SUBACKed
         else:
-            gw.sessions.touch(session)
+            registry.touch(session)
         if self.closed:
             return
         props = Properties(reason_string="; ".join(notes)) if notes and level == 5 else None
         self.write(self.conn.send(SubAck(ev.packet_id, codes, props)))
-        for sub, tf in retained_for:
-            matches = gw.retained.match(tf.filter)
-            if matches:
-                delivery.queue_retained(matches, sub)
+        subscriptions.send_retained(delivery, retained_for)
         delivery.wake()
 
     def _on_unsubscribe(self, ev: Unsubscribe) -> None:
@@ -1019,11 +1000,9 @@ class ClientConnection:
             if sub is None:
                 codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
                 continue
-            if sub.share_group is None and self.delivery is not None:
-                self.delivery.unwatch(sub.queue)
-            self.gw.remove_subscription(session, sub, self.delivery)
+            self.ctx.subscriptions.unsubscribe(session, sub, self.delivery)
             codes.append(0)
-        self.gw.sessions.touch(session)
+        self.ctx.sessions.registry.touch(session)
         self.write(self.conn.send(UnsubAck(ev.packet_id, codes)))
 
     # -- DISCONNECT --------------------------------------------------------------------------
@@ -1033,7 +1012,7 @@ class ClientConnection:
         if session is not None and ev.properties is not None:
             new_expiry = ev.properties.session_expiry_interval
             if new_expiry is not None:
-                session.expiry_interval = min(new_expiry, self.gw.settings.max_session_expiry)
+                session.expiry_interval = min(new_expiry, self.ctx.settings.max_session_expiry)
         abnormal = ev.reason_code == ReasonCode.DISCONNECT_WITH_WILL_MESSAGE
         log.info("%r disconnected (0x%02X)", self.client_id, ev.reason_code)
         self.close(abnormal=abnormal, linger=False)

@@ -40,20 +40,29 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
+from gateway.acl import ClientAccess
+from gateway.arrivals import ArrivalHub
+from gateway.cursor import QueueCursor
+from gateway.delivery_account import DeliveryAccount
 from gateway.outbound import decide, identifiers, retain_flag
-from gateway.protocol import PreparedPublish, Properties, Publish, PubRel, ReasonCode
+from gateway.protocol import (
+    Connection,
+    PreparedPublish,
+    Properties,
+    Publish,
+    PubRel,
+    ReasonCode,
+)
 from gateway.records import RecordedPublish, read_record
-from gateway.replay import Replay
-from gateway.session import Inflight, Session, SubscriptionState
-from gateway.storage import EncodedMessage, PutResult, StoredMessage
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-    from gateway.client import ClientConnection
-    from gateway.retained import RetainedMessage
-    from gateway.shared import SharedGroup
+from gateway.replay import Replay, ReplayPacer
+from gateway.retained import RetainedMessage
+from gateway.session import Inflight, Session, SessionRegistry, SubscriptionState
+from gateway.shared import SharedGroup
+from gateway.stats import GatewayStats
+from gateway.storage import EncodedMessage, PutResult, Storage, StoredMessage
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -70,6 +79,19 @@ COMPACT_AT = 1024  # a window's list drops its evicted head once it is this long
 _MISSING = object()
 _tuple_new = tuple.__new__  # builds a StoredMessage without NamedTuple's Python __new__
 PREPARED_CACHE_SIZE = 4096
+
+
+class Subscriber(Protocol):
+    """The connection a delivery loop writes to (gateway/client.py ClientConnection)."""
+
+    conn: Connection
+    acl: ClientAccess | None
+    writable: bool
+    closed: bool
+
+    def write(self, data: bytes) -> None: ...
+
+    def abort(self, reason: int) -> None: ...
 
 
 class PreparedCache:
@@ -233,6 +255,25 @@ class RecentMessages:
         return w.msgs[i : i + limit]
 
 
+@dataclass(slots=True)
+class DeliveryContext:
+    """What every delivery loop uses, built once by the composition root (gateway/app.py) and
+    shared by all of them (the shape of uvicorn's ServerState): one attribute hop to each
+    collaborator, as when the loops held the whole gateway, but only these."""
+
+    store: Storage  # max_offset, log_max_offset, committed offsets
+    cursor: QueueCursor  # every queue read (gateway/cursor.py)
+    arrivals: ArrivalHub  # long polling
+    recent: RecentMessages  # decoded records of fan-outs
+    prepared: PreparedCache  # encoded packets of fan-outs
+    stats: GatewayStats
+    sessions: SessionRegistry  # progress to persist
+    account: DeliveryAccount
+    replay_pacer: ReplayPacer
+    max_inflight: int  # settings.max_inflight
+    outbound_topic_aliases: bool  # settings.outbound_topic_aliases
+
+
 class DeliveryLoop:
     """Sends a connected session's messages within its window; see the module docstring."""
 
@@ -250,8 +291,8 @@ class DeliveryLoop:
         "alias_max",
         "aliases",
         "client",
+        "ctx",
         "groups",
-        "gw",
         "level",
         "max_packet",
         "retained_backlog",
@@ -259,18 +300,16 @@ class DeliveryLoop:
         "window",
     )
 
-    def __init__(self, gateway: Gateway, session: Session, client: ClientConnection) -> None:
-        self.gw = gateway
+    def __init__(self, context: DeliveryContext, session: Session, client: Subscriber) -> None:
+        self.ctx = context
         self.session = session
         self.client = client
         conn = client.conn
         self.level = conn.protocol_level or 4
-        self.window = max(
-            1, min(conn.client_receive_maximum or 65535, gateway.settings.max_inflight)
-        )
+        self.window = max(1, min(conn.client_receive_maximum or 65535, context.max_inflight))
         self.max_packet = conn.client_max_packet_size
         alias_max = conn.client_topic_alias_maximum or 0
-        self.alias_max = alias_max if gateway.settings.outbound_topic_aliases else 0
+        self.alias_max = alias_max if context.outbound_topic_aliases else 0
         self.aliases: dict[str, int] = {}
         # Allocated on first use: most subscribers never need them.
         self.retained_backlog: deque[tuple[RetainedMessage, SubscriptionState]] | None = None
@@ -308,7 +347,7 @@ class DeliveryLoop:
             self._replay_timer = None
         self._commit_acknowledged()
         for q in self._watched:
-            self.gw.arrivals.unwatch(q, self)
+            self.ctx.arrivals.unwatch(q, self)
         self._watched.clear()
         for group in list(self.groups):
             group.leave(self)
@@ -317,12 +356,12 @@ class DeliveryLoop:
     def watch(self, queue: str) -> None:
         if queue not in self._watched:
             self._watched.append(queue)
-            self.gw.arrivals.watch(queue, self)
+            self.ctx.arrivals.watch(queue, self)
 
     def unwatch(self, queue: str) -> None:
         if queue in self._watched:
             self._watched.remove(queue)
-            self.gw.arrivals.unwatch(queue, self)
+            self.ctx.arrivals.unwatch(queue, self)
             self._ready.pop(queue, None)
 
     def wake(self) -> None:
@@ -386,7 +425,7 @@ class DeliveryLoop:
         try:
             if self.retained_backlog:
                 progressed = self._send_retained()
-            max_offset = self.gw.store.max_offset
+            max_offset = self.ctx.store.max_offset
             for sub in subs:
                 if self.capacity() <= 0 or not self.can_send():
                     self._behind = True
@@ -417,7 +456,7 @@ class DeliveryLoop:
 
     def _read(self, sub: SubscriptionState) -> bool:
         offset = sub.next_offset
-        messages, start, _ = self.gw.cursor.read(sub.queue, offset, BATCH)
+        messages, start, _ = self.ctx.cursor.read(sub.queue, offset, BATCH)
         if start != offset:
             if start > offset:
                 log.warning(
@@ -442,7 +481,7 @@ class DeliveryLoop:
         their parent-queue position is not one the session reads."""
         replay = sub.replay
         assert replay is not None
-        pacer = self.gw.replay_pacer
+        pacer = self.ctx.replay_pacer
         wait = pacer.wait()
         if wait > 0:  # live traffic first: come back when the replays' share allows
             if self._replay_timer is None:
@@ -459,18 +498,18 @@ class DeliveryLoop:
         self.wake()
 
     def _replay_some(self, sub: SubscriptionState, replay: Replay, until: float) -> bool:
-        store = self.gw.store
+        store = self.ctx.store
         session = self.session
         moved = False
         for i in range(REPLAY_STEP):
             if i & 7 == 7 and time.monotonic() > until:
                 break
-            msg = replay.peek(self.gw.cursor)
+            msg = replay.peek(self.ctx.cursor)
             if msg is None:
                 sub.replay = None
                 sub.start_phys = store.log_max_offset  # covers from here (see _covering)
                 log.info("%r: replay of %r done, live now", session.client_id, sub.topic_filter)
-                self.gw.sessions.touch(session)
+                self.ctx.sessions.touch(session)
                 return True
             rec = replay.record(msg)
             out = decide(rec, (sub,), session.client_id, self.level) if rec is not None else None
@@ -487,7 +526,7 @@ class DeliveryLoop:
             replay.advance()
             moved = True
         if moved:
-            self.gw.sessions.mark_progress()
+            self.ctx.sessions.mark_progress()
             self._ready[sub.queue] = None  # more to replay (paced: see _replay)
         return moved
 
@@ -512,10 +551,10 @@ class DeliveryLoop:
         committed = sub.committed()
         if committed != sub.last_commit:  # QoS 1 sends behind an unacked one change nothing
             sub.last_commit = committed
-            self.gw.store.offsets.commit(
+            self.ctx.store.offsets.commit(
                 self.session.client_id, sub.queue, committed, durable=self.session.persistent
             )
-            self.gw.account.moved(self.session, sub)
+            self.ctx.account.moved(self.session, sub)
 
     def _commit_acknowledged(self) -> None:
         uncommitted = self._uncommitted
@@ -566,7 +605,7 @@ class DeliveryLoop:
         read = owner.read_phys
         if read is None:
             read = owner.read_phys = self._read_position(owner)
-        if read > phys or owner.next_offset >= self.gw.store.max_offset(owner.queue):
+        if read > phys or owner.next_offset >= self.ctx.store.max_offset(owner.queue):
             return True
         self._ready[sub.queue] = None
         return False
@@ -575,7 +614,7 @@ class DeliveryLoop:
         """`read_phys` of `sub` from the store: just past the message before `next_offset`."""
         if sub.next_offset <= sub.start_offset:
             return sub.start_phys  # nothing read since subscribing
-        msg = self.gw.cursor.one(sub.queue, sub.next_offset - 1)
+        msg = self.ctx.cursor.one(sub.queue, sub.next_offset - 1)
         if msg is not None:
             return msg.physical_offset + 1
         return 1 << 62  # gone (retention): everything before it was read
@@ -584,9 +623,9 @@ class DeliveryLoop:
         """Send one queue message; False when the window is full (retry later)."""
         # A fan-out decodes and encodes each message once for all its subscribers; a message
         # only this loop reads skips both caches (they would cost more than they save).
-        fanout = len(msg.queues) > 1 or self.gw.arrivals.watchers(sub.queue) > 1
+        fanout = len(msg.queues) > 1 or self.ctx.arrivals.watchers(sub.queue) > 1
         if fanout:
-            rec = self.gw.recent.record(msg)
+            rec = self.ctx.recent.record(msg)
         else:
             rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
         if rec is None:
@@ -694,7 +733,7 @@ class DeliveryLoop:
             if sub is not None and sub.pending.get(inf.offset) == packet_id:
                 del sub.pending[inf.offset]
                 self._uncommitted[sub.queue] = sub  # committed by the next pass
-        self.gw.sessions.mark_progress()
+        self.ctx.sessions.mark_progress()
         if self._behind:
             self.wake()
         else:
@@ -711,7 +750,7 @@ class DeliveryLoop:
             self.on_puback(packet_id)
             return False
         inf.pubrel = True
-        self.gw.sessions.mark_progress()
+        self.ctx.sessions.mark_progress()
         return True
 
     def on_transport_resumed(self) -> None:
@@ -738,7 +777,7 @@ class DeliveryLoop:
         not readable by this client under the ACL: wildcard subscriptions are checked here)."""
         acl = self.client.acl
         if acl is not None and not acl.may_read(rec.topic):
-            self.gw.stats.publish_dropped += 1
+            self.ctx.stats.publish_dropped += 1
             return 0
         level = self.level
         topic = rec.topic
@@ -756,7 +795,7 @@ class DeliveryLoop:
             prepared = _prepare(rec, level, qos, retain, topic, alias, sub_ids, expiry_left)
         else:
             key = (physical_offset, level, qos, retain, topic, alias, tuple(sub_ids), expiry_left)
-            cache = self.gw.prepared
+            cache = self.ctx.prepared
             found = cache.lookup(key)
             if found is None:
                 found = _prepare(rec, level, qos, retain, topic, alias, sub_ids, expiry_left)
@@ -768,7 +807,7 @@ class DeliveryLoop:
         if self.max_packet is not None:
             size = len(prepared.packet(pid or None, dup))
             if size > self.max_packet:
-                self.gw.stats.publish_dropped += 1
+                self.ctx.stats.publish_dropped += 1
                 log.info(
                     "%r: %d-byte PUBLISH on %r dropped: client maximum packet size is %d",
                     self.session.client_id,
@@ -784,12 +823,12 @@ class DeliveryLoop:
             self._batch.append(data)
         else:
             self.client.write(data)
-        self.gw.stats.messages_sent += 1
+        self.ctx.stats.messages_sent += 1
         return pid
 
     def _resend_inflight(self) -> None:
         """After a reconnect: re-send what was unacknowledged, with DUP, in the original order."""
-        one = self.gw.cursor.one
+        one = self.ctx.cursor.one
         for inf in list(self.session.inflight.values()):
             if inf.pubrel:
                 self.client.write(self.client.conn.send(PubRel(packet_id=inf.packet_id)))

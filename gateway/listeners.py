@@ -9,15 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
 
-from gateway.metrics import AdminServer, GatewayMetrics
+from gateway.client import ClientContext
+from gateway.config import GatewaySettings
+from gateway.metrics import AdminServer, GatewayMetrics, MetricsSources
 from gateway.server import MqttServerProtocol
 from gateway.tls import server_context
 from gateway.websocket import WebSocketMqttProtocol
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 __all__ = ["ExtraListeners"]
 
@@ -27,41 +25,47 @@ log = logging.getLogger("lmqtt.gateway")
 class ExtraListeners:
     """Started by Gateway.start() after the MQTT listener, closed by Gateway.stop()."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
         self.servers: dict[str, asyncio.Server] = {}
-        self.metrics = GatewayMetrics(gw)
+        self.metrics: GatewayMetrics | None = None  # made by start()
         self.admin: AdminServer | None = None
-        st = gw.settings
+        st = settings
         # Built now, so a bad certificate stops Gateway() before anything is opened.
         tls = st.tls_port is not None or st.wss_port is not None
         self.ssl_context = server_context(st) if tls else None
 
-    async def start(self) -> None:
-        gw = self.gw
-        s = gw.settings
+    async def start(self, context: ClientContext, sources: MetricsSources) -> None:
+        """Listen; connections get `context`, the metrics read `sources`."""
+        s = self.settings
         loop = asyncio.get_running_loop()
-        self.metrics.instrument_store(gw.store)
+        metrics = self.metrics = GatewayMetrics(sources)
+        if s.admin_port is not None:
+            metrics.instrument_store(sources.store)
         try:
             ctx = self.ssl_context
             if s.tls_port is not None:
                 self.servers["mqtts"] = await loop.create_server(
-                    lambda: MqttServerProtocol(gw), s.host, s.tls_port, ssl=ctx, reuse_address=True
+                    lambda: MqttServerProtocol(context),
+                    s.host,
+                    s.tls_port,
+                    ssl=ctx,
+                    reuse_address=True,
                 )
             if s.ws_port is not None:
                 self.servers["ws"] = await loop.create_server(
-                    lambda: WebSocketMqttProtocol(gw), s.host, s.ws_port, reuse_address=True
+                    lambda: WebSocketMqttProtocol(context), s.host, s.ws_port, reuse_address=True
                 )
             if s.wss_port is not None:
                 self.servers["wss"] = await loop.create_server(
-                    lambda: WebSocketMqttProtocol(gw),
+                    lambda: WebSocketMqttProtocol(context),
                     s.host,
                     s.wss_port,
                     ssl=ctx,
                     reuse_address=True,
                 )
             if s.admin_port is not None:
-                self.admin = AdminServer(gw, self.metrics)
+                self.admin = AdminServer(sources, metrics)
                 await self.admin.start(s.admin_host, s.admin_port)
         except BaseException:
             self.close()

@@ -22,7 +22,8 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -35,10 +36,28 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gateway.gc_monitor import BUCKETS_S
+from gateway.access import AccessControl
+from gateway.client import ServerState
+from gateway.gc_monitor import BUCKETS_S, GcMonitor
+from gateway.retained import RetainedIndex
+from gateway.session import SessionRegistry
+from gateway.stats import GatewayStats
+from gateway.storage import Storage
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+
+@dataclass(slots=True)
+class MetricsSources:
+    """What the metrics read when scraped, handed in by the composition root once the
+    gateway has started (gateway/app.py)."""
+
+    stats: GatewayStats
+    access: AccessControl
+    server: ServerState  # open connections, graceful stop
+    gc: GcMonitor
+    store: Storage
+    sessions: SessionRegistry
+    retained: RetainedIndex
+
 
 __all__ = ["AdminServer", "GatewayMetrics"]
 
@@ -54,15 +73,13 @@ class _Backlog:
     """lmqtt_backlog_messages, counted before each scrape CENSUS_STEP sessions per event-loop
     step: one pass over 50,000 sessions in a single step held the loop for tens of ms."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(self, sources: MetricsSources) -> None:
+        self.sources = sources
         self.value = 0
 
     async def count(self) -> None:
-        store = getattr(self.gw, "store", None)
-        registry = getattr(self.gw, "sessions", None)
-        if store is None or registry is None:
-            return
+        store = self.sources.store
+        registry = self.sources.sessions
         total = 0
         for i, (queue, position) in enumerate(registry.positions(), 1):
             total += max(0, store.max_offset(queue) - position)
@@ -74,12 +91,12 @@ class _Backlog:
 
 
 class _GatewayCollector(Collector):
-    def __init__(self, gw: Gateway, backlog: _Backlog) -> None:
-        self.gw = gw
+    def __init__(self, sources: MetricsSources, backlog: _Backlog) -> None:
+        self.sources = sources
         self.backlog = backlog
 
     def collect(self) -> Iterator[Any]:
-        gw = self.gw
+        gw = self.sources
         st = gw.stats
         access = gw.access
 
@@ -89,7 +106,7 @@ class _GatewayCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"lmqtt_{name}", doc, value=value)
 
-        yield gauge("connections", "open network connections", len(gw.connections))
+        yield gauge("connections", "open network connections", len(gw.server.connections))
         yield gauge("clients_connected", "clients past CONNECT", st.clients_connected)
         yield counter("clients", "clients accepted since start", st.clients_total)
         yield counter("messages_received", "PUBLISH packets stored", st.messages_received)
@@ -149,9 +166,9 @@ class _GatewayCollector(Collector):
             "gc_frozen_objects", "objects in the permanent generation", gc.get_freeze_count()
         )
 
-        store = getattr(gw, "store", None)
-        sessions = getattr(gw, "sessions", None)
-        if store is None or sessions is None or store.closed:
+        store = gw.store
+        sessions = gw.sessions
+        if store.closed:
             return
         yield gauge("sessions", "sessions (connected and offline)", len(sessions))
         yield gauge("retained_messages", "retained messages", len(gw.retained))
@@ -167,11 +184,10 @@ class _GatewayCollector(Collector):
 class GatewayMetrics:
     """The registry for one gateway, plus the store latency histograms."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(self, sources: MetricsSources) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.backlog = _Backlog(gw)
-        self.registry.register(_GatewayCollector(gw, self.backlog))
+        self.backlog = _Backlog(sources)
+        self.registry.register(_GatewayCollector(sources, self.backlog))
         self.append_seconds = Histogram(
             "lmqtt_store_append_seconds",
             "store append latency per call: put_async of one message (sync flush: with the "
@@ -200,11 +216,10 @@ class GatewayMetrics:
     def instrument_store(self, store: Any) -> None:
         """Time the store's appends and fsyncs by wrapping them on this instance.
 
-        Only when the admin endpoint is on: nobody can read the histograms otherwise, and a
-        wrapper around every put costs ~4% of a QoS 1 flood. The gateway's ingest path is the
-        same either way (batched runs go through append_encoded, which is timed per batch)."""
-        if self.gw.settings.admin_port is None:
-            return
+        Called only when the admin endpoint is on (gateway/listeners.py): nobody can read the
+        histograms otherwise, and a wrapper around every put costs ~4% of a QoS 1 flood. The
+        gateway's ingest path is the same either way (batched runs go through append_encoded,
+        which is timed per batch)."""
         append = self.append_seconds
         appended = self.appended
         put_async: Callable[..., Awaitable[Any]] = store.put_async
@@ -264,8 +279,8 @@ class GatewayMetrics:
 class AdminServer:
     """HTTP `GET /metrics` (Prometheus text format) and `GET /health` (JSON)."""
 
-    def __init__(self, gw: Gateway, metrics: GatewayMetrics) -> None:
-        self.gw = gw
+    def __init__(self, sources: MetricsSources, metrics: GatewayMetrics) -> None:
+        self.sources = sources
         self.metrics = metrics
         self.server: asyncio.Server | None = None
 
@@ -284,12 +299,12 @@ class AdminServer:
             self.server.close()
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        gw = self.gw
-        ok = not gw.stopping and getattr(gw, "store", None) is not None and not gw.store.closed
+        src = self.sources
+        ok = not src.server.stopping and not src.store.closed
         body = {
             "status": "ok" if ok else "unavailable",
-            "clients_connected": gw.stats.clients_connected,
-            "connections": len(gw.connections),
+            "clients_connected": src.stats.clients_connected,
+            "connections": len(src.server.connections),
         }
         return (200 if ok else 503), body
 

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
-from gateway.client import ClientConnection
+from gateway.client import ClientConnection, ClientContext
 from gateway.limits import socket_limit
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -25,8 +22,8 @@ WRITE_LOW_WATER = 64 * 1024
 
 
 class MqttServerProtocol(asyncio.Protocol):
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(self, context: ClientContext) -> None:
+        self.ctx = context
         self.client: ClientConnection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -34,14 +31,16 @@ class MqttServerProtocol(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)
         # Up to socket_limit(), CONNECT is answered with "quota exceeded" (gateway/access.py);
         # beyond it, sockets are closed unread.
-        limit = socket_limit(self.gw.settings.max_connections)
-        if len(self.gw.connections) >= limit or self.gw.stopping:
-            log.warning("connection refused: %d connections open", len(self.gw.connections))
+        ctx = self.ctx
+        connections = ctx.server.connections
+        limit = socket_limit(ctx.settings.max_connections)
+        if len(connections) >= limit or ctx.server.stopping:
+            log.warning("connection refused: %d connections open", len(connections))
             transport.abort()
             return
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
-        self.client = ClientConnection(self.gw, transport)
-        self.gw.connections.add(self.client)
+        self.client = ClientConnection(ctx, transport)
+        connections.add(self.client)
 
     def data_received(self, data: bytes) -> None:
         if self.client is not None:
@@ -54,7 +53,7 @@ class MqttServerProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.client is not None:
-            self.gw.connections.discard(self.client)
+            self.ctx.server.connections.discard(self.client)
             self.client.connection_lost(exc)
 
     def pause_writing(self) -> None:

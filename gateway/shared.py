@@ -14,34 +14,58 @@ import asyncio
 import heapq
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from gateway.storage import StoredMessage
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-    from gateway.delivery import DeliveryLoop
+from gateway.arrivals import ArrivalHub
+from gateway.cursor import QueueCursor
+from gateway.session import Session, SubscriptionState
+from gateway.storage import Storage, StoredMessage
 
 log = logging.getLogger("lmqtt.gateway")
 
 BATCH = 32
 
 
+class Member(Protocol):
+    """A connected member of a group: its session's delivery loop (gateway/delivery.py)."""
+
+    session: Session
+    groups: list[SharedGroup]
+
+    def capacity(self) -> int: ...
+
+    def can_send(self) -> bool: ...
+
+    def deliver_shared(
+        self, group: SharedGroup, sub: SubscriptionState, off: int, msg: StoredMessage
+    ) -> str: ...
+
+
+class GroupAccount(Protocol):
+    """Where a group's progress is accounted (gateway/delivery_account.py DeliveryAccount)."""
+
+    def group_moved(self, group: SharedGroup) -> None: ...
+
+    def group_ended(self, group: SharedGroup) -> None: ...
+
+
 class SharedGroup:
     """One share group on one filter (so one light queue)."""
 
-    def __init__(self, gateway: Gateway, group: str, topic_filter: str, queue: str) -> None:
-        self.gw = gateway
+    def __init__(
+        self, owner: SharedSubscriptions, group: str, topic_filter: str, queue: str
+    ) -> None:
+        self.owner = owner
         self.group = group
         self.topic_filter = topic_filter  # underlying filter, without $share/<group>/
         self.subscription = f"$share/{group}/{topic_filter}"
         self.queue = queue
         self.consumer = f"$share/{group}"
         self.refs = 0  # sessions (live or offline) holding this subscription
-        self.members: list[DeliveryLoop] = []
+        self.members: list[Member] = []
         self.next_offset = 0
         self.start_offset = 0  # where the group began reading (the delivery account's range)
-        self.pending: dict[int, DeliveryLoop] = {}
+        self.pending: dict[int, Member] = {}
         self.returned: list[int] = []  # heap of offsets to hand out again
         self._buffer: deque[tuple[int, StoredMessage]] = deque()
         self._rr = 0
@@ -58,21 +82,22 @@ class SharedGroup:
         return min(candidates)
 
     def _commit(self) -> None:
-        self.gw.store.offsets.commit(self.consumer, self.queue, self.committed())
-        self.gw.account.group_moved(self)
+        owner = self.owner
+        owner.store.offsets.commit(self.consumer, self.queue, self.committed())
+        owner.account.group_moved(self)
 
     # -- membership --------------------------------------------------------------------------
 
-    def join(self, member: DeliveryLoop) -> None:
+    def join(self, member: Member) -> None:
         if member not in self.members:
             self.members.append(member)
             if self not in member.groups:
                 member.groups.append(self)
         if len(self.members) == 1:
-            self.gw.arrivals.watch(self.queue, self)
+            self.owner.arrivals.watch(self.queue, self)
         self.schedule_pump()
 
-    def leave(self, member: DeliveryLoop) -> None:
+    def leave(self, member: Member) -> None:
         """A member disconnected or unsubscribed: its in-flight messages go to the others."""
         if member in self.members:
             self.members.remove(member)
@@ -87,7 +112,7 @@ class SharedGroup:
                 del self.pending[off]
                 heapq.heappush(self.returned, off)
         if not self.members:
-            self.gw.arrivals.unwatch(self.queue, self)
+            self.owner.arrivals.unwatch(self.queue, self)
         self.schedule_pump()
 
     def give_back(self, offset: int) -> None:
@@ -113,7 +138,7 @@ class SharedGroup:
             asyncio.get_running_loop().call_soon(self._pump)
 
     def _next_message(self) -> tuple[int, StoredMessage] | None:
-        cursor = self.gw.cursor
+        cursor = self.owner.cursor
         while self.returned:
             off = heapq.heappop(self.returned)
             msg = cursor.one(self.queue, off)
@@ -170,8 +195,13 @@ class SharedGroup:
 class SharedSubscriptions:
     """Share groups by (group, filter), created with their first subscriber."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(
+        self, store: Storage, cursor: QueueCursor, arrivals: ArrivalHub, account: GroupAccount
+    ) -> None:
+        self.store = store
+        self.cursor = cursor
+        self.arrivals = arrivals
+        self.account = account
         self.groups: dict[tuple[str, str], SharedGroup] = {}
 
     def acquire(self, group: str, topic_filter: str, queue: str, resume: bool) -> SharedGroup:
@@ -180,9 +210,9 @@ class SharedSubscriptions:
         key = (group, topic_filter)
         g = self.groups.get(key)
         if g is None:
-            g = SharedGroup(self.gw, group, topic_filter, queue)
-            end = self.gw.store.max_offset(queue)
-            saved = self.gw.store.offsets.get(g.consumer, queue) if resume else None
+            g = SharedGroup(self, group, topic_filter, queue)
+            end = self.store.max_offset(queue)
+            saved = self.store.offsets.get(g.consumer, queue) if resume else None
             g.next_offset = min(saved, end) if saved is not None else end
             g.start_offset = g.next_offset
             self.groups[key] = g
@@ -201,5 +231,5 @@ class SharedSubscriptions:
         if g.refs <= 0:
             for m in list(g.members):
                 g.leave(m)
-            self.gw.account.group_ended(g)
+            self.account.group_ended(g)
             del self.groups[(group, topic_filter)]

@@ -13,10 +13,10 @@
     $SYS/broker/store/bytes               CommitLog bytes on disk
 
 Every `sys_interval` seconds (0 = off) the publisher sends, through
-`gateway.publish_internal(retain=True)`, the values that changed since its last round (all of
-them on the first round; uptime always), so an idle gateway does not grow its store with
-identical $SYS records. Values are plain decimal text like Mosquitto's, so `mosquitto_sub -t
-'$SYS/#' -v` reads well.
+`PublishPath.publish_internal(retain=True)` (gateway/publishing.py), the values that changed
+since its last round (all of them on the first round; uptime always), so an idle gateway does
+not grow its store with identical $SYS records. Values are plain decimal text like
+Mosquitto's, so `mosquitto_sub -t '$SYS/#' -v` reads well.
 """
 
 from __future__ import annotations
@@ -26,15 +26,20 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable, Sized
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+
+from gateway.stats import GatewayStats
 
 __all__ = ["SYS_PREFIX", "SysPublisher"]
 
 log = logging.getLogger("lmqtt.sys")
 
 SYS_PREFIX = "$SYS/broker/"
+
+# Publishes (topic, payload, retain=, qos=) as the gateway itself.
+PublishInternal = Callable[..., Awaitable[None]]
 
 
 def _version() -> str:
@@ -60,13 +65,22 @@ def _dir_bytes(path: Path) -> int:
 
 
 class SysPublisher:
-    """Started and stopped by the Gateway: `SysPublisher(gateway).start()` / `await .stop()`."""
+    """Started and stopped by the Gateway: `SysPublisher(...).start()` / `await .stop()`."""
 
-    def __init__(self, gateway: Any, interval: float | None = None) -> None:
-        self._gateway = gateway
-        settings = getattr(gateway, "settings", None)
-        default = getattr(settings, "sys_interval", 10.0)
-        self.interval = float(default if interval is None else interval)
+    def __init__(
+        self,
+        stats: GatewayStats,
+        publish: PublishInternal,
+        *,
+        data_dir: Path | None = None,
+        retained: Sized | None = None,
+        interval: float = 10.0,
+    ) -> None:
+        self._stats = stats
+        self._publish = publish
+        self._data_dir = data_dir  # the CommitLog's size is measured there until stats has it
+        self._retained = retained
+        self.interval = float(interval)
         self._started = time.monotonic()
         self._last: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
@@ -74,15 +88,12 @@ class SysPublisher:
 
     def values(self) -> dict[str, str]:
         """The current value of every $SYS topic, keyed by full topic name."""
-        gw = self._gateway
-        stats = gw.stats
-        retained = getattr(gw, "retained", None)
+        stats = self._stats
+        retained = self._retained
         retained_count = len(retained) if retained is not None else stats.retained_count
         store_bytes = stats.store_bytes
-        if not store_bytes:
-            data_dir = getattr(getattr(gw, "settings", None), "data_dir", None)
-            if data_dir is not None:
-                store_bytes = _dir_bytes(Path(data_dir) / "commitlog")
+        if not store_bytes and self._data_dir is not None:
+            store_bytes = _dir_bytes(self._data_dir / "commitlog")
         raw: dict[str, object] = {
             "version": f"lmqtt version {_version()}",
             "uptime": f"{int(time.monotonic() - self._started)} seconds",
@@ -104,7 +115,7 @@ class SysPublisher:
         for topic, value in self.values().items():
             if self._last.get(topic) == value:
                 continue
-            await self._gateway.publish_internal(topic, value.encode(), retain=True, qos=0)
+            await self._publish(topic, value.encode(), retain=True, qos=0)
             self._last[topic] = value
             sent += 1
         self.rounds += 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from websockets.exceptions import InvalidState
 from websockets.frames import Frame, Opcode
@@ -27,10 +27,8 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
+from gateway.client import ClientContext
 from gateway.server import MqttServerProtocol
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 __all__ = ["WebSocketMqttProtocol", "WebSocketTransport"]
 
@@ -100,11 +98,11 @@ class WebSocketTransport(asyncio.Transport):
 
 
 class WebSocketMqttProtocol(asyncio.Protocol):
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(self, context: ClientContext) -> None:
+        self.ctx = context
         self.ws = ServerProtocol(
             subprotocols=[SUBPROTOCOL],
-            max_size=gateway.settings.max_packet_size + FRAME_SLACK,
+            max_size=context.settings.max_packet_size + FRAME_SLACK,
         )
         self.raw: asyncio.Transport | None = None
         self.mqtt: MqttServerProtocol | None = None
@@ -115,7 +113,7 @@ class WebSocketMqttProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.raw = cast(asyncio.Transport, transport)
         self._timer = asyncio.get_running_loop().call_later(
-            self.gw.settings.connect_timeout, self._handshake_timeout
+            self.ctx.settings.connect_timeout, self._handshake_timeout
         )
 
     def data_received(self, data: bytes) -> None:
@@ -168,7 +166,7 @@ class WebSocketMqttProtocol(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         assert self.raw is not None
-        self.mqtt = MqttServerProtocol(self.gw)
+        self.mqtt = MqttServerProtocol(self.ctx)
         self.mqtt.connection_made(WebSocketTransport(self, self.raw))
 
     def flush(self) -> None:

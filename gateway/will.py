@@ -1,4 +1,13 @@
-"""Will messages: published when a connection ends without a normal DISCONNECT.
+"""The will lifecycle: a will message is published when a connection ends without a normal
+DISCONNECT.
+
+    CONNECT with a will   -> stored with the session (`store`: its record keeps it, so a crash
+                             still publishes it after the restart)
+    connection lost       -> published now, or delayed (`connection_lost`)
+    the session resumes   -> a delayed will is cancelled (`cancel`)
+    the session ends      -> a delayed will is published now (`session_ended`)
+    restart               -> delayed wills keep their due time; those of connections the
+                             previous run lost in a crash start their delay now (`restore`)
 
 Timing (MQTT 5 3.1.3.2.2): the will waits `will_delay_interval` seconds, or until the session
 ends, whichever is first; a new connection to the same session before then cancels it.
@@ -12,7 +21,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from gateway.protocol import Will
+from gateway.protocol import Publish, Will
+from gateway.session import Session, SessionRegistry, now_ms
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -80,3 +90,102 @@ class WillScheduler:
         for _, handle in self._pending.values():
             handle.cancel()
         self._pending.clear()
+
+
+# Stores one PUBLISH for a client id (gateway/publishing.py PublishPath.store_publish).
+StorePublish = Callable[[Publish, str], Awaitable[None]]
+
+
+class Wills:
+    """Every will, from CONNECT to its publication (see the module docstring)."""
+
+    def __init__(self, sessions: SessionRegistry, store_publish: StorePublish) -> None:
+        self._sessions = sessions
+        self._store_publish = store_publish
+        self._scheduler = WillScheduler(self._publish)
+        self._stopping = False
+
+    def __len__(self) -> int:
+        """Wills waiting for their delay."""
+        return len(self._scheduler)
+
+    def store(self, session: Session, will: Will | None) -> None:
+        """A connection of `session` came with `will` (None: none): kept in the session's
+        record while it lives, published if it ends abnormally."""
+        session.will = will
+        session.will_due_ms = None
+
+    def cancel(self, client_id: str) -> None:
+        """The session resumed: a delayed will of its previous connection is not published."""
+        self._scheduler.cancel(client_id)
+
+    def connection_lost(self, session: Session, will: Will, *, session_ended: bool) -> None:
+        """The connection ended abnormally: publish its will now when the session ended with
+        it, else after the will delay (bounded by the session's expiry)."""
+        cid = session.client_id
+        if session_ended:
+            self._scheduler.schedule(cid, will, 0)
+            return
+        delay = 0
+        if session.protocol_level == 5 and will.properties is not None:
+            delay = will.properties.will_delay_interval or 0
+        delay = min(delay, session.expiry_interval)
+        session.will = will
+        session.will_due_ms = now_ms() + delay * 1000
+        self._scheduler.schedule(cid, will, delay)
+
+    def session_ended(self, client_id: str) -> None:
+        """The session is over before the will delay passed: publish it now."""
+        self._scheduler.fire_now(client_id)
+
+    def restore(self) -> None:
+        """At start: wills survive restarts. Delayed ones keep their due time; those of
+        connections the previous run lost without a DISCONNECT (a crash) start their delay
+        now."""
+        sessions = self._sessions
+        now = now_ms()
+        for cid, orphan in sessions.orphan_wills:
+            self._scheduler.schedule(cid, orphan, 0)
+        sessions.orphan_wills.clear()
+        for session in sessions.sessions.values():
+            will = session.will
+            if will is None:
+                continue
+            if session.will_due_ms is None:
+                delay = (will.properties.will_delay_interval or 0) if will.properties else 0
+                session.will_due_ms = now + delay * 1000
+            due = session.will_due_ms
+            expires = session.expires_at_ms()
+            if expires is not None:
+                due = min(due, expires)
+            self._scheduler.schedule(session.client_id, will, max(0, due - now) / 1000)
+
+    async def _publish(self, client_id: str, will: Will) -> None:
+        if self._stopping:
+            return
+        session = self._sessions.get(client_id)
+        if session is not None and session.will is will:
+            session.will = None
+            session.will_due_ms = None
+            self._sessions.mark_dirty(session)
+        log.info("publishing the will of %r to %r", client_id, will.topic)
+        pub = Publish(
+            topic=will.topic,
+            payload=will.payload,
+            qos=will.qos,
+            retain=will.retain,
+            properties=will.properties,
+        )
+        await self._store_publish(pub, client_id)
+
+    def stop_publishing(self) -> None:
+        """Graceful stop begins: no will is published from now on (the sessions resume after
+        the restart, their wills with them)."""
+        self._stopping = True
+
+    async def stop(self) -> None:
+        """Graceful stop ends: wills being published right now finish, delayed ones wait for
+        the next run."""
+        self._stopping = True
+        await self._scheduler.drain()
+        self._scheduler.cancel_all()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_settings
+from gateway.config import GatewaySettings, load_settings
 from gateway.stats import GatewayStats
 from gateway.sys_topics import SYS_PREFIX, SysPublisher
 
@@ -31,7 +31,7 @@ TOPICS = {
 class RecordingGateway:
     """The slice of Gateway that SysPublisher uses, recording what it publishes."""
 
-    settings: object
+    settings: GatewaySettings
     stats: GatewayStats = field(default_factory=GatewayStats)
     published: list[tuple[str, bytes, bool, int]] = field(default_factory=list)
     retained: list[object] = field(default_factory=list)
@@ -49,6 +49,17 @@ def _gateway(tmp_path: Path, **kw: object) -> RecordingGateway:
     return RecordingGateway(settings=load_settings(data_dir=data, **kw))
 
 
+def _publisher(gw: RecordingGateway) -> SysPublisher:
+    s = gw.settings
+    return SysPublisher(
+        gw.stats,
+        gw.publish_internal,
+        data_dir=s.data_dir,
+        retained=gw.retained,
+        interval=s.sys_interval,
+    )
+
+
 async def test_values_reflect_stats(tmp_path: Path) -> None:
     gw = _gateway(tmp_path)
     gw.stats.clients_connected = 3
@@ -59,7 +70,7 @@ async def test_values_reflect_stats(tmp_path: Path) -> None:
     gw.stats.bytes_sent = 200
     gw.stats.subscriptions = 7
     gw.retained.extend([1, 2])
-    values = SysPublisher(gw).values()
+    values = _publisher(gw).values()
     assert {t.removeprefix(SYS_PREFIX) for t in values} == TOPICS
     v = {t.removeprefix(SYS_PREFIX): x for t, x in values.items()}
     assert v["clients/connected"] == "3" and v["clients/total"] == "5"
@@ -70,12 +81,12 @@ async def test_values_reflect_stats(tmp_path: Path) -> None:
     assert v["uptime"].endswith(" seconds")
     assert int(v["store/bytes"]) > 0  # measured from the CommitLog directory
     gw.stats.store_bytes = 12345
-    assert SysPublisher(gw).values()[SYS_PREFIX + "store/bytes"] == "12345"
+    assert _publisher(gw).values()[SYS_PREFIX + "store/bytes"] == "12345"
 
 
 async def test_rounds_publish_retained_and_only_changes(tmp_path: Path) -> None:
     gw = _gateway(tmp_path)
-    pub = SysPublisher(gw)
+    pub = _publisher(gw)
     assert await pub.publish_once() == len(TOPICS)
     assert all(retain and qos == 0 for _, _, retain, qos in gw.published)
     assert all(topic.startswith("$SYS/broker/") for topic, *_ in gw.published)
@@ -89,7 +100,7 @@ async def test_rounds_publish_retained_and_only_changes(tmp_path: Path) -> None:
 
 async def test_start_stop_and_interval(tmp_path: Path) -> None:
     gw = _gateway(tmp_path, sys_interval=0.01)
-    pub = SysPublisher(gw)
+    pub = _publisher(gw)
     pub.start()
     for _ in range(500):
         if pub.rounds >= 3:
@@ -105,7 +116,7 @@ async def test_start_stop_and_interval(tmp_path: Path) -> None:
 
 async def test_disabled_when_interval_is_zero(tmp_path: Path) -> None:
     gw = _gateway(tmp_path, sys_interval=0)
-    pub = SysPublisher(gw)
+    pub = _publisher(gw)
     pub.start()
     await asyncio.sleep(0.02)
     assert pub.rounds == 0 and gw.published == []
@@ -123,7 +134,7 @@ async def test_publish_failure_does_not_kill_the_loop(tmp_path: Path) -> None:
             raise OSError("disk full")
 
     gw.publish_internal = failing  # type: ignore[method-assign]
-    pub = SysPublisher(gw)
+    pub = _publisher(gw)
     pub.start()
     for _ in range(500):
         if pub.rounds >= 1:

@@ -1,0 +1,152 @@
+"""PublishPath: a PUBLISH from a client (or the gateway itself) into the store.
+
+    topic name -> validated Topic, parent topic (cached)
+               -> light queues of every registered filter matching it (router, cached)
+               -> one store record (INNER_MULTI_DISPATCH = those queues, plus %RETAIN%)
+               -> the recent cache (delivery reads it from there), the retained index
+
+One PUBLISH is one store record: parent topic = first topic level; INNER_MULTI_DISPATCH = the
+light queues of every registered filter matching the topic (plus %RETAIN% when retained). The
+router lives here because the route cache does: a filter added or removed (the subscription
+lifecycle, gateway/subscription_lifecycle.py) goes through `add_filter` / `remove_filter`,
+which clear it.
+"""
+
+from __future__ import annotations
+
+from gateway.delivery import RecentMessages
+from gateway.protocol import Publish
+from gateway.records import PublishProperties, message_properties
+from gateway.retained import RetainedIndex, RetainedMessage
+from gateway.session import now_ms
+from gateway.stats import GatewayStats
+from gateway.storage import EncodedMessage, PutResult, Storage
+from topicmap import Router, Topic, TopicFilter, parent_topic
+
+# Validated topic names and their parent topics remembered (cleared when full): validating
+# and naming the parent cost more per PUBLISH than the rest of the gateway's put path.
+TOPIC_CACHE_SIZE = 16_384
+
+
+class PublishPath:
+    """Routes and appends PUBLISHes; what ClientConnection, the will lifecycle and $SYS use
+    to publish (see the module docstring)."""
+
+    def __init__(self, store: Storage, recent: RecentMessages, stats: GatewayStats) -> None:
+        self.store = store
+        self.recent = recent
+        self.stats = stats
+        self.router = Router()
+        # Set by the composition root once the index is open (it is rebuilt from the state
+        # log after the sessions, whose filters must be routed first).
+        self.retained: RetainedIndex | None = None
+        self._topics: dict[str, tuple[Topic, str]] = {}  # name -> (Topic, parent topic)
+        # name -> (parent topic, light queues): valid until the router changes (cleared then).
+        self._routes: dict[str, tuple[str, tuple[str, ...]]] = {}
+
+    # -- filters -----------------------------------------------------------------------------
+
+    def add_filter(self, tf: TopicFilter | str) -> str:
+        """Register a filter (one more subscriber of it); returns its light queue."""
+        queue = self.router.add(tf)
+        self._routes.clear()
+        return queue
+
+    def remove_filter(self, text: str) -> None:
+        """One subscriber less of a filter (registered with add_filter)."""
+        self.router.remove(text)
+        self._routes.clear()
+
+    # -- topics and routes -------------------------------------------------------------------
+
+    def topic(self, name: str) -> Topic:
+        """The validated Topic of a published name (TopicError if invalid), cached."""
+        entry = self._topics.get(name)
+        return entry[0] if entry is not None else self._topic_entry(name)[0]
+
+    def _topic_entry(self, name: str) -> tuple[Topic, str]:
+        entry = self._topics.get(name)
+        if entry is None:
+            topic = Topic(name)
+            entry = (topic, parent_topic(topic))
+            if len(self._topics) >= TOPIC_CACHE_SIZE:
+                self._topics.clear()
+            self._topics[name] = entry
+        return entry
+
+    def publish_route(self, name: str) -> tuple[str, tuple[str, ...]]:
+        """(parent topic, light queues of every matching filter) of a topic name, sorted,
+        cached until a filter is added or removed. TopicError if the name is invalid."""
+        route = self._routes.get(name)
+        if route is None:
+            topic, parent = self._topic_entry(name)
+            route = (parent, tuple(sorted(self.router.route(topic))))
+            if len(self._routes) >= TOPIC_CACHE_SIZE:
+                self._routes.clear()
+            self._routes[name] = route
+        return route
+
+    # -- appending ---------------------------------------------------------------------------
+
+    def append_publishes(
+        self, pubs: list[Publish], blocks: list[PublishProperties]
+    ) -> list[PutResult]:
+        """Append non-retained PUBLISHes (topics validated) with one store call; `blocks[i]`
+        encodes the properties of `pubs[i]` (its publisher's cache).
+
+        Does not wait for the fsync (sync mode: the caller awaits wait_durable of the
+        last end offset before acknowledging). StoreError: none of them was stored.
+        """
+        routes = self._routes
+        messages: list[EncodedMessage] = []
+        add = messages.append
+        props: list[dict[str, str]] = []
+        for pub, publisher in zip(pubs, blocks, strict=True):
+            route = routes.get(pub.topic)
+            if route is None:
+                route = self.publish_route(pub.topic)
+            block, p = publisher.of(pub)
+            add((route[0], route[1], pub.payload, block))
+            props.append(p)
+        results = self.store.append_encoded(messages)
+        self.recent.add_many(messages, props, results)
+        self.stats.messages_received += len(results)
+        return results
+
+    async def store_publish(self, pub: Publish, client_id: str) -> None:
+        """Append one PUBLISH to the store (awaits the covering fsync in sync mode). The topic
+        name's validation and parent topic come from the same cache `topic()` fills."""
+        parent, routed = self._routes.get(pub.topic) or self.publish_route(pub.topic)
+        queues = list(routed)
+        if pub.retain:
+            queues.append(RetainedIndex.QUEUE)
+        props = message_properties(pub, client_id)
+        r = await self.store.put_async(
+            topic=parent, body=pub.payload, queues=queues, properties=props
+        )
+        self.recent.add(parent, pub.payload, props, r)
+        self.stats.messages_received += 1
+        if pub.retain and self.retained is not None:
+            expiry = pub.properties.message_expiry_interval if pub.properties else None
+            self.retained.apply(
+                RetainedMessage(
+                    topic=pub.topic,
+                    payload=pub.payload,
+                    qos=pub.qos,
+                    properties=props,
+                    stored_at_ms=r.store_timestamp or now_ms(),
+                    expiry_interval_s=expiry,
+                    offset=r.light_offsets.get(RetainedIndex.QUEUE),
+                )
+            )
+
+    async def wait_durable(self, end_offset: int) -> None:
+        """Sync flush: wait for the fsync covering an append that ended at `end_offset` (the
+        store's method looked up per call: the metrics wrap it on the instance)."""
+        await self.store.wait_durable(end_offset)
+
+    async def publish_internal(
+        self, topic: str, payload: bytes, retain: bool = False, qos: int = 0
+    ) -> None:
+        """Publish from the gateway itself ($SYS): stored and routed like a client publish."""
+        await self.store_publish(Publish(topic=topic, payload=payload, qos=qos, retain=retain), "")
