@@ -96,9 +96,9 @@ class _GatewayCollector(Collector):
         self.backlog = backlog
 
     def collect(self) -> Iterator[Any]:
-        gw = self.sources
-        st = gw.stats
-        access = gw.access
+        src = self.sources
+        st = src.stats
+        access = src.access
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"lmqtt_{name}", doc, value=value)
@@ -106,7 +106,7 @@ class _GatewayCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"lmqtt_{name}", doc, value=value)
 
-        yield gauge("connections", "open network connections", len(gw.server.connections))
+        yield gauge("connections", "open network connections", len(src.server.connections))
         yield gauge("clients_connected", "clients past CONNECT", st.clients_connected)
         yield counter("clients", "clients accepted since start", st.clients_total)
         yield counter("messages_received", "PUBLISH packets stored", st.messages_received)
@@ -121,7 +121,7 @@ class _GatewayCollector(Collector):
             "subscribe_denied", "SUBSCRIBE entries denied by the ACL", access.denied_subscriptions
         )
         yield counter("security_reloads", "password/ACL file reloads", access.reloads)
-        monitor = gw.gc
+        monitor = src.gc
         yield counter("gc_collections", "garbage collections", monitor.collections)
         cumulative, running = [], 0
         for bound, n in zip((*BUCKETS_S, float("inf")), monitor.buckets, strict=True):
@@ -166,12 +166,12 @@ class _GatewayCollector(Collector):
             "gc_frozen_objects", "objects in the permanent generation", gc.get_freeze_count()
         )
 
-        store = gw.store
-        sessions = gw.sessions
+        store = src.store
+        sessions = src.sessions
         if store.closed:
             return
         yield gauge("sessions", "sessions (connected and offline)", len(sessions))
-        yield gauge("retained_messages", "retained messages", len(gw.retained))
+        yield gauge("retained_messages", "retained messages", len(src.retained))
         yield gauge(
             "store_bytes", "CommitLog bytes kept", store.log_max_offset - store.log_min_offset
         )
