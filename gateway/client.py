@@ -966,7 +966,6 @@ class ClientConnection:
                 codes.append(refusal if level == 5 else ReasonCode.UNSPECIFIED_ERROR)
                 continue
             qos = min(req.qos, ctx.settings.max_qos)
-            is_new = tf.text not in session.subscriptions
             sub, cutoff = subscriptions.subscribe(
                 session, delivery, tf, req, qos, sub_id, since, start
             )
@@ -974,7 +973,7 @@ class ClientConnection:
             if cutoff is not None:
                 log.warning("%r: %s", self.client_id, cutoff.text(tf.filter))
                 notes.append(cutoff.text(tf.filter))
-            if since is None and subscriptions.wants_retained(tf, req, is_new):
+            if since is None and subscriptions.wants_retained(tf, req, new):
                 retained_for.append((sub, tf))
         if session.persistent:
             await registry.save(session)  # the subscription must survive a crash once SUBACKed
