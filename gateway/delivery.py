@@ -425,6 +425,8 @@ class DeliveryLoop:
             if self._pass() and (self._ready or self._full or self.retained_backlog):
                 self._scheduled = True
                 self._loop.call_soon(self._step)
+            if self._ready or self._behind:  # something left unsent: the guard watches it
+                self.gw.overload.behind(self)
         except Exception:
             log.exception("delivery to %r failed; closing the connection", self.session.client_id)
             self.client.abort(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
@@ -477,6 +479,29 @@ class DeliveryLoop:
             if batch:
                 self.client.write(batch[0] if len(batch) == 1 else b"".join(batch))
         return progressed
+
+    def oldest_unsent_ms(self) -> int | None:
+        """Store timestamp (ms) of the oldest message of a live subscription (not replaying)
+        that was not sent yet, or None when there is none (the overload guard's measure of
+        how far this subscriber is behind; called per guard tick, not per message)."""
+        if self._stopped or self.client.closed:
+            return None
+        store = self.gw.store
+        oldest: int | None = None
+        for sub in self.session.by_queue.values():
+            if sub.replay is not None or sub.next_offset >= store.max_offset(sub.queue):
+                continue
+            cached = self.gw.recent.run(sub.queue, sub.next_offset, 1)
+            if cached:
+                ts = cached[0].store_timestamp
+            else:
+                got = store.get(sub.queue, sub.next_offset, 1)
+                if got.status is not GetStatus.FOUND or not got.messages:
+                    continue
+                ts = got.messages[0].store_timestamp
+            if oldest is None or ts < oldest:
+                oldest = ts
+        return oldest
 
     # -- reading queues ----------------------------------------------------------------------
 
