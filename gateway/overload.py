@@ -55,8 +55,8 @@ TICK_S = 0.01
 LAG_HOLD_S = 0.04
 LAG_RELEASE_S = 0.01
 # The same for the age of the oldest message an online subscriber has not been sent.
-BACKLOG_HOLD_S = 0.05
-BACKLOG_RELEASE_S = 0.015
+BACKLOG_HOLD_S = 0.025
+BACKLOG_RELEASE_S = 0.008
 SLOW_SUBSCRIBER_S = 2.0
 RELEASE_PER_TICK = 500
 CHECK_PER_TICK = 64
@@ -185,9 +185,10 @@ class OverloadGuard:
             if last == EXCUSED[0]:
                 continue
             age = wall - oldest / 1000
-            fresh = last == 0 and not self.overloaded and loop_lag < LAG_HOLD_S
-            if fresh and age > 2 * BACKLOG_HOLD_S:
-                # Already far behind when first seen: a catch-up, not the load of now.
+            if last == 0 and age > 2 * BACKLOG_HOLD_S + max(loop_lag, 0.0):
+                # Already far behind when first seen (a pass leaving messages unsent reports
+                # its loop at once, and it is checked within a tick and a turn): a catch-up,
+                # not the load of now.
                 backlogged[loop] = EXCUSED
                 continue
             if oldest != last:

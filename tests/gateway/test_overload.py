@@ -184,3 +184,63 @@ def test_a_slow_subscriber_throttles_publishers_fairly_and_its_lag_stays_bounded
     # Fair: a held publisher waits its turn, none is starved.
     assert min(acked) >= max(acked) / 4, acked
     sub.close()
+
+
+def test_a_persistent_session_catching_up_does_not_hold_the_publishers(
+    gateway: GatewayHarness,
+) -> None:
+    """A subscriber back online with a backlog is far behind, but not because of the load of
+    the moment: holding every publisher until it has read its backlog would stop the fleet
+    for nothing. It catches up at its own pace while a live publisher goes on unheld."""
+    backlog = 2000
+    sub = RawClient(gateway.port, level=4)
+    assert sub.connect("cu-sub", clean=False).reason_code == 0
+    sub.send(Subscribe(1, [Subscription("cu/#", 1)]))
+    assert isinstance(sub.recv(), SubAck)
+    sub.close()
+    pub = RawClient(gateway.port, level=4)
+    assert pub.connect("cu-pub").reason_code == 0
+    for i in range(backlog):
+        pub.send(Publish("cu/old", b"%d" % i, qos=1, packet_id=i % 65535 + 1))
+    for _ in range(backlog):
+        assert isinstance(pub.recv_until(PubAck), PubAck)
+    time.sleep(0.2)  # the backlog is now older than the guard's bound
+
+    sub = RawClient(gateway.port, level=4)
+    assert sub.connect("cu-sub", clean=False) is not None
+    got: list[bytes] = []
+    waits: list[float] = []
+    done = threading.Event()
+
+    def publish_live() -> None:  # a live publisher, waiting for each PUBACK
+        packet_id = 0
+        while not done.is_set():
+            packet_id += 1
+            sent = time.monotonic()
+            pub.send(Publish("cu/live", b"live", qos=1, packet_id=packet_id))
+            assert isinstance(pub.recv_until(PubAck), PubAck)
+            waits.append(time.monotonic() - sent)
+            time.sleep(0.01)
+
+    publisher = threading.Thread(target=publish_live)
+    publisher.start()
+    try:
+        started = time.monotonic()
+        while got.count(b"live") == 0 or len(got) - got.count(b"live") < backlog:
+            ev = sub.recv()  # the subscriber reads at its own (slow) pace
+            assert ev is not None
+            if isinstance(ev, Publish):
+                got.append(ev.payload)
+                assert ev.packet_id is not None
+                sub.send(PubAck(ev.packet_id))
+                time.sleep(0.0005)
+        caught_up = time.monotonic() - started
+    finally:
+        done.set()
+        publisher.join(30)
+    assert [p for p in got if p != b"live"] == [b"%d" % i for i in range(backlog)]
+    # The catch-up took seconds; the live publisher was answered all along.
+    assert len(waits) >= 5
+    assert max(waits) < caught_up / 2, (max(waits), caught_up)
+    pub.close()
+    sub.close()
