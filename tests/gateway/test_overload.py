@@ -244,3 +244,36 @@ def test_a_persistent_session_catching_up_does_not_hold_the_publishers(
     assert max(waits) < caught_up / 2, (max(waits), caught_up)
     pub.close()
     sub.close()
+
+
+def test_a_held_publisher_is_not_closed_for_keep_alive(gateway: GatewayHarness) -> None:
+    """While the gateway does not read a connection, that connection's silence is the
+    gateway's doing: a hold longer than 1.5 x the keep-alive must not close it."""
+    pub = RawClient(gateway.port, level=4)
+    assert pub.connect("ka-pub", keep_alive=1).reason_code == 0
+    conn = _connection(gateway, "ka-pub")
+    burner = _Burner(gateway)
+    try:
+        packet_id = 0
+        deadline = time.monotonic() + 10
+        while not gateway.call(lambda: conn._held):
+            assert time.monotonic() < deadline, "the publisher was never held"
+            packet_id += 1
+            pub.send(Publish("ka/t", b"x", qos=1, packet_id=packet_id))
+            time.sleep(0.05)
+        # Held now, and for twice the keep-alive timeout (the wheel looks each second).
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            assert not gateway.call(lambda: conn.closed), "closed for keep-alive while held"
+            time.sleep(0.05)
+    finally:
+        burner.stop()
+    packet_id += 1
+    pub.send(Publish("ka/t", b"x", qos=1, packet_id=packet_id))
+    acked: set[int] = set()
+    while packet_id not in acked:
+        ack = pub.recv_until(PubAck)
+        assert isinstance(ack, PubAck), "disconnected"
+        acked.add(ack.packet_id)
+    assert acked == set(range(1, packet_id + 1))
+    pub.close()
