@@ -305,6 +305,7 @@ class DeliveryLoop:
         "_batch",
         "_behind",
         "_full",
+        "_live",
         "_loop",
         "_ready",
         "_replay_timer",
@@ -349,6 +350,7 @@ class DeliveryLoop:
         self._ready: dict[str, None] = {}  # an ordered set: 64 bytes empty, a set is 216
         # A pass stopped at a full window or transport: the next acknowledgement looks at all.
         self._behind = False
+        self._live = False  # caught up once since it started (see _step)
         self._watched: list[str] = []  # queues watched with the ArrivalHub (a session has few)
         # Packets of the batch being read, written with one transport.write() at its end.
         self._batch: list[bytes] | None = None
@@ -425,8 +427,14 @@ class DeliveryLoop:
             if self._pass() and (self._ready or self._full or self.retained_backlog):
                 self._scheduled = True
                 self._loop.call_soon(self._step)
-            if self._ready or self._behind:  # something left unsent: the guard watches it
-                self.gw.overload.behind(self)
+            if self._ready or self._behind:
+                # Something left unsent: the overload guard watches how far behind this is,
+                # once this loop has been caught up (before that it is catching up on what
+                # the session missed while away, not falling behind the load of the moment).
+                if self._live:
+                    self.gw.overload.behind(self)
+            elif not self._live:
+                self._live = True
         except Exception:
             log.exception("delivery to %r failed; closing the connection", self.session.client_id)
             self.client.abort(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)

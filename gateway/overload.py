@@ -29,13 +29,14 @@ loop again (and no step costs O(connections)).
             delivery lag > BACKLOG_HOLD_S            delivery lag < BACKLOG_RELEASE_S
     normal -------------------------------> holding ----------------------------------> releasing
 
-Holding helps a subscriber that is behind because of the load. One that is already far
-behind when first seen (a persistent session back online, catching up on what it missed) is
-catching up, not overloaded: holding the fleet for it would stop every device without helping;
-and one that is sent nothing for SLOW_SUBSCRIBER_S while it is behind (it stopped reading or
-acknowledging) is stuck by itself. Both are left out until they have caught up; their messages
-wait in the store, as for any slow consumer. A subscriber that drains, however slowly, keeps
-the publishers held: they then publish at the pace it reads, which is the point.
+Holding helps a subscriber that is behind because of the load. A persistent session back
+online, catching up on what was stored while it was away, is behind too, but holding the fleet
+for it would stop every device without helping: a delivery loop reports itself only once it
+has been caught up since it started (DeliveryLoop._step). And one that is sent nothing for
+SLOW_SUBSCRIBER_S while it is behind (it stopped reading or acknowledging) is stuck by itself:
+it is left out until it has caught up, its messages waiting in the store as for any slow
+consumer. A subscriber that drains, however slowly, keeps the publishers held: they then
+publish at the pace it reads, which is the point.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class OverloadGuard:
     def _tick(self) -> None:
         now = self._loop.time()
         self.lag = lag = now - self._due
-        backlog = self._check_backlog(lag)
+        backlog = self._check_backlog()
         if not self.overloaded and (lag > LAG_HOLD_S or backlog > BACKLOG_HOLD_S):
             self.overloaded = True
             log.warning(
@@ -162,7 +163,7 @@ class OverloadGuard:
         self._due = now + TICK_S
         self._handle = self._loop.call_at(self._due, self._tick)
 
-    def _check_backlog(self, loop_lag: float) -> float:
+    def _check_backlog(self) -> float:
         """The largest delivery lag (s) among the loops checked this tick; caught-up loops are
         forgotten. Loops not checked this tick keep their last verdict through the round robin
         (with few backlogged loops, which is the usual case, all are checked every tick)."""
@@ -185,12 +186,6 @@ class OverloadGuard:
             if last == EXCUSED[0]:
                 continue
             age = wall - oldest / 1000
-            if last == 0 and age > 2 * BACKLOG_HOLD_S + max(loop_lag, 0.0):
-                # Already far behind when first seen (a pass leaving messages unsent reports
-                # its loop at once, and it is checked within a tick and a turn): a catch-up,
-                # not the load of now.
-                backlogged[loop] = EXCUSED
-                continue
             if oldest != last:
                 backlogged[loop] = (oldest, now)
             elif now - moved > SLOW_SUBSCRIBER_S:
