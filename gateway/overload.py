@@ -56,8 +56,8 @@ TICK_S = 0.01
 LAG_HOLD_S = 0.04
 LAG_RELEASE_S = 0.01
 # The same for the age of the oldest message an online subscriber has not been sent.
-BACKLOG_HOLD_S = 0.025
-BACKLOG_RELEASE_S = 0.008
+BACKLOG_HOLD_S = 0.05
+BACKLOG_RELEASE_S = 0.015
 SLOW_SUBSCRIBER_S = 2.0
 RELEASE_PER_TICK = 500
 CHECK_PER_TICK = 64
