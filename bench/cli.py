@@ -65,6 +65,7 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
         devices=args.devices,
         rate=args.rate,
         capacity=args.capacity,
+        device_window=args.device_window,
     )
     brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
     results: dict[str, Any] = {}
@@ -149,6 +150,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         dest="capacity",
         action="store_false",
         help="fleet: skip the capacity search (highest rate with p99 <= 10 ms, nothing lost)",
+    )
+    parser.add_argument(
+        "--device-window",
+        type=int,
+        default=0,
+        help="fleet: QoS 1 PUBLISHes a device leaves unacknowledged before it waits (0: no "
+        "limit, devices write on schedule whatever the broker does; see bench/fleetgen.py)",
     )
     parser.add_argument("--scenario-timeout", type=float, default=600.0)
     parser.add_argument(

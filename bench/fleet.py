@@ -192,7 +192,9 @@ def gc_phase(before: dict[str, float], after: dict[str, float]) -> Metrics:
 class FleetRun:
     """Backends and device generators around one broker; phases at chosen rates."""
 
-    def __init__(self, broker: BrokerProcess, devices: int, qos: int, payload: int) -> None:
+    def __init__(
+        self, broker: BrokerProcess, devices: int, qos: int, payload: int, window: int = 0
+    ) -> None:
         self.broker = broker
         host, port = "127.0.0.1", broker.port
         self.backends = [Worker(s) for s in backend_specs(host, port, qos, "fleet-backend")]
@@ -210,6 +212,7 @@ class FleetRun:
                     "last": last,
                     "qos": qos,
                     "payload": payload,
+                    "window": window,
                     "prefix": "dev",
                 }
             )
@@ -282,6 +285,8 @@ class FleetRun:
             return round(max(float(s["latency_ms"].get(key, 0.0)) for s in snaps), 3)
 
         lag = max(float((r["send_lag_ms"] or {}).get("p99", 0.0)) for r in results)
+        puback = max(float((r.get("puback_ms") or {}).get("p99", 0.0)) for r in results)
+        held_back = sum(int(r.get("held_back", 0)) for r in results)
         metrics: Metrics = {
             "offered_per_s": rate,
             "publish_per_s": round(sent / max(pub_end - start, 1e-6)),
@@ -297,6 +302,9 @@ class FleetRun:
             "us_cpu_per_delivery": round(1e6 * broker_cpu / max(delivered, 1), 2),
             "us_cpu_per_publish": round(1e6 * broker_cpu / max(sent, 1), 2),
             "send_lag_p99_ms": round(lag, 3),
+            # Turns a device skipped, waiting for PUBACKs (in-flight window; see fleetgen).
+            "held_back_pct": round(100.0 * held_back / max(sent + held_back, 1), 2),
+            "puback_p99_ms": round(puback, 3),
             "lost_connections": sum(int(r["lost_connections"]) for r in results),
             **cpu,
         }
@@ -326,6 +334,7 @@ async def fleet(
     payload: int = 64,
     capacity: bool = True,
     admin_port: int | None = None,
+    window: int = 0,
 ) -> Metrics:
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if devices + FD_HEADROOM > limit:
@@ -336,7 +345,7 @@ async def fleet(
             " with CAP_SYS_RESOURCE, or ulimit -Hn in the shell that starts the bench)"
         )
     await asyncio.sleep(0.5)
-    run = FleetRun(broker, devices, qos, payload)
+    run = FleetRun(broker, devices, qos, payload, window)
     run.scheduling(False)
     with RssSampler(broker) as rss:
         try:

@@ -11,6 +11,14 @@ Pacing: the process owns ``rate`` messages per second spread evenly over its dev
 (device i sends every ``devices / rate`` s); a timer wakes every millisecond or so and sends
 what is due. ``send_lag_ms`` says how late messages left against that schedule.
 
+In-flight window (``window`` > 0, QoS 1): a device with that many PUBLISHes not yet
+acknowledged sends nothing when its turn comes, as a real device's MQTT client waits for
+PUBACKs (paho's max_inflight_messages, 1 on many embedded stacks); the turn is counted in
+``held_back`` and the message is not expected. This is how an overloaded broker that holds
+PUBACKs (or stops reading) slows devices down; without a window (0, the default) devices keep
+writing whatever the broker does, and their messages wait in the sockets. ``puback_ms``:
+each device's wait from its write to the PUBACK (PUBACKs of one connection come in order).
+
 Commands on stdin (one per line): ``connect`` -> ``connected``; ``run <rate> <duration>`` ->
 ``result`` (repeatable: the capacity search reuses the connected fleet); ``stop``.
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections import deque
 from typing import Any
 
 from bench import wire
@@ -53,7 +62,12 @@ class Fleet:
         self.qos = int(spec.get("qos", 1))
         self.payload = int(spec.get("payload", 64))
         self.prefix = spec.get("prefix", "dev")
+        self.window = int(spec.get("window", 0)) if self.qos else 0
         self.socks: list[socket.socket] = []
+        # Per device: bytes of PUBACKs read (4 each) and the write times of those unanswered.
+        self.ack_bytes: list[int] = []
+        self.unacked: list[deque[int]] = []
+        self.puback_ns: list[int] = []
         self.templates: list[wire.PublishTemplate] = []
         self.fanout: list[int] = []
         self.received = 0
@@ -100,10 +114,12 @@ class Fleet:
             wire.PublishTemplate(device_topic(d), self.qos, self.payload) for d in self.devices
         ]
         self.fanout = [deliveries_per_message(d) for d in self.devices]
-        for sock in self.socks:
-            loop.add_reader(sock.fileno(), self._on_readable, sock)
+        self.ack_bytes = [0] * len(self.socks)
+        self.unacked = [deque() for _ in self.socks]
+        for index, sock in enumerate(self.socks):
+            loop.add_reader(sock.fileno(), self._on_readable, sock, index)
 
-    def _on_readable(self, sock: socket.socket) -> None:
+    def _on_readable(self, sock: socket.socket, index: int) -> None:
         try:
             data = sock.recv(65536)
         except BlockingIOError:
@@ -115,6 +131,13 @@ class Fleet:
             asyncio.get_running_loop().remove_reader(sock.fileno())
             return
         self.received += len(data)
+        if self.qos:
+            before = self.ack_bytes[index] // 4
+            self.ack_bytes[index] += len(data)
+            unacked = self.unacked[index]
+            now = time.monotonic_ns()
+            for _ in range(min(self.ack_bytes[index] // 4 - before, len(unacked))):
+                self.puback_ns.append(now - unacked.popleft())
 
     async def run(self, rate: float, duration: float) -> dict[str, Any]:
         """Send ``rate`` msg/s for ``duration`` s, device after device, one write each."""
@@ -122,6 +145,9 @@ class Fleet:
         socks, templates, fanout = self.socks, self.templates, self.fanout
         received0 = self.received
         monotonic_ns = time.monotonic_ns
+        window, unacked = self.window, self.unacked
+        self.puback_ns = []
+        held_back = 0
         lag_ns: list[int] = []
         sent = 0
         expected = 0
@@ -145,26 +171,36 @@ class Fleet:
                 index = cursor
                 cursor = cursor + 1 if cursor + 1 < n else 0
                 packet_id = (sent % 65535) + 1
+                waiting = unacked[index]
+                if window and len(waiting) >= window:
+                    held_back += 1  # the device waits for its PUBACKs
+                    sent += 1
+                    continue
                 try:
                     socks[index].send(templates[index].encode(sent, stamp, packet_id))
                 except OSError:
                     failed_sends += 1
                 else:
                     expected += fanout[index]
+                    if self.qos:
+                        waiting.append(stamp)
                 lag_ns.append(stamp - start_ns - int((sent + 1) * interval_ns))
                 sent += 1
             await asyncio.sleep(0)
         end = time.monotonic()
         if self.qos:
             settle = time.monotonic() + 5.0
-            while (self.received - received0) // 4 < sent - failed_sends:
+            while (self.received - received0) // 4 < sent - failed_sends - held_back:
                 if time.monotonic() > settle:
                     break
                 await asyncio.sleep(0.01)
+        written = sent - failed_sends - held_back
         return {
-            "sent": sent - failed_sends,
+            "sent": written,
             "failed_sends": failed_sends,
-            "acked": (self.received - received0) // 4 if self.qos else sent - failed_sends,
+            "held_back": held_back,
+            "puback_ms": percentiles_ms(self.puback_ns),
+            "acked": (self.received - received0) // 4 if self.qos else written,
             "expected": expected,
             "start": start,
             "end": end,

@@ -43,6 +43,7 @@ class RunSettings:
     devices: int = 2_000  # fleet: device connections
     rate: float = 5_000.0  # fleet: offered msg/s over the whole fleet
     capacity: bool = True  # fleet: also search the highest rate sustained
+    device_window: int = 0  # fleet: a device's QoS 1 in-flight window (0: unbounded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,6 +469,7 @@ def _fleet(qos: int) -> Callable[[BrokerProcess, RunSettings, Path], Awaitable[M
             payload=settings.payload,
             capacity=settings.capacity,
             admin_port=broker.admin_port,
+            window=settings.device_window,
         )
 
     return run
@@ -491,6 +493,9 @@ FLEET_METRICS = (
     Metric("rss_mb", "RSS with the fleet connected", "MB", False),
     Metric("kib_per_device", "RSS growth per device", "KiB", False),
     Metric("loss_pct", "undelivered at end", "%", False, ratio=False),
+    Metric("held_back_pct", "device turns skipped (window full)", "%", False, ratio=False),
+    Metric("puback_p99_ms", "device PUBACK wait p99", "ms", False, ratio=False),
+    Metric("rss_peak_mb", "RSS peak", "MB", False, ratio=False),
     Metric("capacity_per_s", "capacity (p99 <= 10 ms, no loss)", "msg/s"),
     Metric("capacity_note", "capacity, when the search hit a bound", "msg/s", ratio=False),
     Metric("gc_count", "broker GC collections in the run", "n", False, ratio=False),

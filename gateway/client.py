@@ -436,6 +436,8 @@ class ClientConnection:
         keep_alive = self.conn.keep_alive_timeout
         if keep_alive is None:
             return None
+        if self._reading_paused:  # we stopped reading (overload guard, backlog): not its silence
+            self._last_rx = now
         idle = now - self._last_rx
         if idle >= keep_alive:
             log.info("%r: keep-alive timeout (%.1f s idle); closing", self.client_id, idle)

@@ -281,6 +281,7 @@ class DeliveryLoop:
         "_batch",
         "_behind",
         "_full",
+        "_live",
         "_loop",
         "_ready",
         "_replay_timer",
@@ -323,6 +324,7 @@ class DeliveryLoop:
         self._ready: dict[str, None] = {}  # an ordered set: 64 bytes empty, a set is 216
         # A pass stopped at a full window or transport: the next acknowledgement looks at all.
         self._behind = False
+        self._live = False  # caught up once since it started (see _step)
         self._watched: list[str] = []  # queues watched with the ArrivalHub (a session has few)
         # Packets of the batch being read, written with one transport.write() at its end.
         self._batch: list[bytes] | None = None
@@ -399,6 +401,14 @@ class DeliveryLoop:
             if self._pass() and (self._ready or self._full or self.retained_backlog):
                 self._scheduled = True
                 self._loop.call_soon(self._step)
+            if self._ready or self._behind:
+                # Something left unsent: the overload guard watches how far behind this is,
+                # once this loop has been caught up (before that it is catching up on what
+                # the session missed while away, not falling behind the load of the moment).
+                if self._live:
+                    self.gw.overload.behind(self)
+            elif not self._live:
+                self._live = True
         except Exception:
             log.exception("delivery to %r failed; closing the connection", self.session.client_id)
             self.client.abort(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
@@ -451,6 +461,29 @@ class DeliveryLoop:
             if batch:
                 self.client.write(batch[0] if len(batch) == 1 else b"".join(batch))
         return progressed
+
+    def oldest_unsent_ms(self) -> int | None:
+        """Store timestamp (ms) of the oldest message of a live subscription (not replaying)
+        that was not sent yet, or None when there is none (the overload guard's measure of
+        how far this subscriber is behind; called per guard tick, not per message)."""
+        if self._stopped or self.client.closed:
+            return None
+        store = self.gw.store
+        oldest: int | None = None
+        for sub in self.session.by_queue.values():
+            if sub.replay is not None or sub.next_offset >= store.max_offset(sub.queue):
+                continue
+            cached = self.gw.recent.run(sub.queue, sub.next_offset, 1)
+            if cached:
+                ts = cached[0].store_timestamp
+            else:
+                got = store.get(sub.queue, sub.next_offset, 1)
+                if got.status is not GetStatus.FOUND or not got.messages:
+                    continue
+                ts = got.messages[0].store_timestamp
+            if oldest is None or ts < oldest:
+                oldest = ts
+        return oldest
 
     # -- reading queues ----------------------------------------------------------------------
 

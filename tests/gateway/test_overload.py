@@ -11,6 +11,7 @@ import threading
 import time
 
 from gateway.client import ClientConnection
+from gateway.protocol import Properties as PProperties
 from gateway.protocol import PubAck, Publish, SubAck, Subscribe, Subscription, encode
 from tests.gateway.conftest import GatewayHarness, RawClient, wait_until
 
@@ -103,3 +104,185 @@ def test_publishers_are_held_while_the_loop_lags_and_nothing_is_lost(
     assert gateway.call(lambda: gateway.gw.overload.held) == 0  # type: ignore[union-attr]
     pub.close()
     sub.close()
+
+
+def test_a_slow_subscriber_throttles_publishers_fairly_and_its_lag_stays_bounded(
+    gateway: GatewayHarness,
+) -> None:
+    """The event loop is on time here; the limit is a QoS 1 subscriber that acknowledges
+    a few hundred messages a second through a window of 10. Twelve publishers, each sending
+    every 10 ms and waiting for its PUBACK before the next PUBLISH (a device's in-flight
+    window of one), offer several times that: the guard must hold them so that what they
+    were acknowledged arrives within a bounded delay, every message arrives, and each
+    publisher gets its share."""
+    publishers, run_s = 12, 3.0
+    sub = RawClient(gateway.port, level=5)
+    assert sub.connect("slow-sub", properties=PProperties(receive_maximum=10)).reason_code == 0
+    sub.send(Subscribe(1, [Subscription("slow/#", 1)]))
+    assert isinstance(sub.recv(), SubAck)
+
+    stop = threading.Event()
+    acked = [0] * publishers
+    lags: list[float] = []
+    received: dict[int, list[int]] = {i: [] for i in range(publishers)}
+    errors: list[BaseException] = []
+
+    def publish(index: int) -> None:
+        try:
+            client = RawClient(gateway.port, level=4)
+            assert client.connect(f"slow-pub-{index}").reason_code == 0
+            seq = 0
+            while not stop.is_set():
+                payload = b"%d %d %.6f" % (index, seq, time.monotonic())
+                client.send(Publish(f"slow/{index}", payload, qos=1, packet_id=seq % 65535 + 1))
+                ack = client.recv_until(PubAck, timeout=30)
+                assert isinstance(ack, PubAck), "no PUBACK"
+                seq += 1
+                acked[index] = seq
+                time.sleep(0.01)
+            client.close()
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+
+    def subscribe() -> None:
+        try:
+            while not (stop.is_set() and sum(len(r) for r in received.values()) >= sum(acked)):
+                try:
+                    ev = sub.recv(0.2)
+                except TimeoutError:
+                    continue
+                assert ev is not None, "the subscriber was disconnected"
+                if isinstance(ev, Publish):
+                    index, seq, sent = ev.payload.split()
+                    received[int(index)].append(int(seq))
+                    lags.append(time.monotonic() - float(sent))
+                    time.sleep(0.002)  # a slow consumer
+                    assert ev.packet_id is not None
+                    sub.send(PubAck(ev.packet_id))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(publishers)]
+    reader = threading.Thread(target=subscribe)
+    for t in [reader, *threads]:
+        t.start()
+    time.sleep(run_s)  # the load runs; what is checked below is its outcome, not timing
+    stop.set()
+    for t in threads:
+        t.join(60)
+    reader.join(60)
+    assert not errors, errors
+    guard = gateway.call(lambda: gateway.gw.overload)  # type: ignore[union-attr]
+    assert guard.holds > 0, "the publishers were never held"
+    # Nothing acknowledged is lost: every publisher's messages arrived, in order.
+    for index in range(publishers):
+        assert received[index][: acked[index]] == list(range(acked[index])), index
+    # Without the guard the subscriber falls behind by (offered - drained) x time: seconds.
+    lags.sort()
+    p99 = lags[int(len(lags) * 0.99)]
+    assert p99 < 1.0, f"p99 delivery lag {p99:.3f} s over {len(lags)} messages"
+    # Fair: a held publisher waits its turn, none is starved.
+    assert min(acked) >= max(acked) / 4, acked
+    sub.close()
+
+
+def test_a_persistent_session_catching_up_does_not_hold_the_publishers(
+    gateway: GatewayHarness,
+) -> None:
+    """A subscriber back online with a backlog is far behind, but not because of the load of
+    the moment: holding every publisher until it has read its backlog would stop the fleet
+    for nothing. It catches up at its own pace while a live publisher goes on unheld."""
+    backlog = 2000
+    sub = RawClient(gateway.port, level=4)
+    assert sub.connect("cu-sub", clean=False).reason_code == 0
+    sub.send(Subscribe(1, [Subscription("cu/#", 1)]))
+    assert isinstance(sub.recv(), SubAck)
+    sub.close()
+    pub = RawClient(gateway.port, level=4)
+    assert pub.connect("cu-pub").reason_code == 0
+    for i in range(backlog):
+        pub.send(Publish("cu/old", b"%d" % i, qos=1, packet_id=i % 65535 + 1))
+    for _ in range(backlog):
+        assert isinstance(pub.recv_until(PubAck), PubAck)
+    time.sleep(0.2)  # the backlog is now older than the guard's bound
+
+    sub = RawClient(gateway.port, level=4)
+    assert sub.connect("cu-sub", clean=False) is not None
+    got: list[bytes] = []
+    waits: list[float] = []
+    done = threading.Event()
+
+    def publish_live() -> None:  # a live publisher, waiting for each PUBACK
+        packet_id = 0
+        while not done.is_set():
+            packet_id += 1
+            sent = time.monotonic()
+            pub.send(Publish("cu/live", b"live", qos=1, packet_id=packet_id))
+            assert isinstance(pub.recv_until(PubAck), PubAck)
+            waits.append(time.monotonic() - sent)
+            time.sleep(0.01)
+
+    publisher = threading.Thread(target=publish_live)
+    publisher.start()
+    try:
+        started = time.monotonic()
+        while got.count(b"live") == 0 or len(got) - got.count(b"live") < backlog:
+            ev = sub.recv()  # the subscriber reads at its own (slow) pace
+            assert ev is not None
+            if isinstance(ev, Publish):
+                got.append(ev.payload)
+                assert ev.packet_id is not None
+                sub.send(PubAck(ev.packet_id))
+                time.sleep(0.0005)
+        caught_up = time.monotonic() - started
+    finally:
+        done.set()
+        while publisher.is_alive():  # the subscriber goes on reading
+            try:
+                ev = sub.recv(0.05)
+            except TimeoutError:
+                continue
+            if isinstance(ev, Publish):
+                got.append(ev.payload)
+                assert ev.packet_id is not None
+                sub.send(PubAck(ev.packet_id))
+        publisher.join(30)
+    assert [p for p in got if p != b"live"] == [b"%d" % i for i in range(backlog)]
+    # The catch-up took seconds; the live publisher was answered all along.
+    assert len(waits) >= 5
+    assert max(waits) < caught_up / 2, (max(waits), caught_up)
+    pub.close()
+    sub.close()
+
+
+def test_a_held_publisher_is_not_closed_for_keep_alive(gateway: GatewayHarness) -> None:
+    """While the gateway does not read a connection, that connection's silence is the
+    gateway's doing: a hold longer than 1.5 x the keep-alive must not close it."""
+    pub = RawClient(gateway.port, level=4)
+    assert pub.connect("ka-pub", keep_alive=1).reason_code == 0
+    conn = _connection(gateway, "ka-pub")
+    burner = _Burner(gateway)
+    try:
+        packet_id = 0
+        deadline = time.monotonic() + 10
+        while not gateway.call(lambda: conn._held):
+            assert time.monotonic() < deadline, "the publisher was never held"
+            packet_id += 1
+            pub.send(Publish("ka/t", b"x", qos=1, packet_id=packet_id))
+            time.sleep(0.05)
+        # Held now, and for twice the keep-alive timeout (the wheel looks each second).
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            assert not gateway.call(lambda: conn.closed), "closed for keep-alive while held"
+            time.sleep(0.05)
+    finally:
+        burner.stop()
+    packet_id += 1
+    pub.send(Publish("ka/t", b"x", qos=1, packet_id=packet_id))
+    acked: set[int] = set()
+    while packet_id not in acked:
+        ack = pub.recv_until(PubAck)
+        assert isinstance(ack, PubAck), "disconnected"
+        acked.add(ack.packet_id)
+    assert acked == set(range(1, packet_id + 1))
+    pub.close()
