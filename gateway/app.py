@@ -140,6 +140,7 @@ class Gateway:
             sessions=registry,
             account=account,
             replay_pacer=ReplayPacer(),  # the loop share replays may use (gateway/replay.py)
+            overload=self.overload,
             max_inflight=s.max_inflight,
             outbound_topic_aliases=s.outbound_topic_aliases,
         )

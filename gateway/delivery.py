@@ -48,6 +48,7 @@ from gateway.arrivals import ArrivalHub
 from gateway.cursor import QueueCursor
 from gateway.delivery_account import DeliveryAccount
 from gateway.outbound import decide, identifiers, retain_flag
+from gateway.overload import OverloadGuard
 from gateway.protocol import (
     Connection,
     PreparedPublish,
@@ -270,6 +271,7 @@ class DeliveryContext:
     sessions: SessionRegistry  # progress to persist
     account: DeliveryAccount
     replay_pacer: ReplayPacer
+    overload: OverloadGuard  # told when a pass leaves something unsent (gateway/overload.py)
     max_inflight: int  # settings.max_inflight
     outbound_topic_aliases: bool  # settings.outbound_topic_aliases
 
@@ -406,7 +408,7 @@ class DeliveryLoop:
                 # once this loop has been caught up (before that it is catching up on what
                 # the session missed while away, not falling behind the load of the moment).
                 if self._live:
-                    self.gw.overload.behind(self)
+                    self.ctx.overload.behind(self)
             elif not self._live:
                 self._live = True
         except Exception:
@@ -468,19 +470,16 @@ class DeliveryLoop:
         how far this subscriber is behind; called per guard tick, not per message)."""
         if self._stopped or self.client.closed:
             return None
-        store = self.gw.store
+        max_offset = self.ctx.store.max_offset
+        one = self.ctx.cursor.one
         oldest: int | None = None
         for sub in self.session.by_queue.values():
-            if sub.replay is not None or sub.next_offset >= store.max_offset(sub.queue):
+            if sub.replay is not None or sub.next_offset >= max_offset(sub.queue):
                 continue
-            cached = self.gw.recent.run(sub.queue, sub.next_offset, 1)
-            if cached:
-                ts = cached[0].store_timestamp
-            else:
-                got = store.get(sub.queue, sub.next_offset, 1)
-                if got.status is not GetStatus.FOUND or not got.messages:
-                    continue
-                ts = got.messages[0].store_timestamp
+            first = one(sub.queue, sub.next_offset)  # the recent cache first, as delivery reads
+            if first is None:
+                continue
+            ts = first.store_timestamp
             if oldest is None or ts < oldest:
                 oldest = ts
         return oldest
