@@ -210,6 +210,16 @@ class RemotingClient:
         for conn in conns:
             await conn.close()
 
+    def close_nowait(self) -> None:
+        """close() for a caller that cannot await: drops every connection now (their waiting
+        requests fail with RemotingClosedError) and stops the heartbeats."""
+        self._closed = True
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close_nowait()
+
     async def __aenter__(self) -> RemotingClient:
         return self
 
@@ -273,6 +283,7 @@ class RemotingClient:
         queue_id: int = 0,
         light_queues: list[str] | None = None,
         properties: Mapping[str, str] | None = None,
+        raw_properties: str = "",
         wait_store: bool = True,
         flag: int = 0,
         timeout: float | None = None,
@@ -283,7 +294,9 @@ class RemotingClient:
         indexes it in the parent queue and in each light queue. ``wait_store`` sets WAIT=true:
         on a SYNC_FLUSH broker the answer then comes after the flush (FLUSH_DISK_TIMEOUT if it
         did not complete in time, returned here as ``code`` rather than raised: the message is
-        stored, only its durability is in doubt).
+        stored, only its durability is in doubt). ``raw_properties`` is a block already in the
+        wire form (``name \x01 value \x02`` pairs, validated by the caller), sent as is after
+        ``properties``: a caller that encodes a publisher's properties once reuses the block.
         """
         props: dict[str, str] = {}
         if light_queues:
@@ -296,7 +309,7 @@ class RemotingClient:
             topic=topic,
             queue_id=queue_id,
             born_timestamp=int(time.time() * 1000),
-            properties=encode_properties(props),
+            properties=encode_properties(props) + raw_properties,
             flag=flag,
         )
         answer = await self._invoke_broker(
