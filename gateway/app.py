@@ -16,11 +16,12 @@ import contextlib
 import logging
 
 from gateway.access import AccessControl
+from gateway.backends import open_backend
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
 from gateway.delivery_account import DeliveryAccount
-from gateway.embedded import open_account, open_storage
+from gateway.embedded import open_account
 from gateway.gc_monitor import GcMonitor
 from gateway.ingest import IngestBatch
 from gateway.listeners import ExtraListeners
@@ -89,7 +90,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = open_storage(s)
+        self.store = await open_backend(s)
         self.arrivals = ArrivalHub(loop)
         self.ingest = IngestBatch(loop, self.append_publishes) if s.flush == "async" else None
         self.overload = OverloadGuard(loop)

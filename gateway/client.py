@@ -959,6 +959,7 @@ class ClientConnection:
                 sub = existing
                 is_new = False
             else:
+                await gw.store.open_queue(gw.router.queue_name(tf))  # RocketMQ: learn its end
                 sub = gw.add_subscription(session, tf, qos)
                 sub.no_local = req.no_local
                 sub.retain_as_published = req.retain_as_published
