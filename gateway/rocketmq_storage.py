@@ -72,9 +72,9 @@ LMQ_PREFIX = "%LMQ%"
 #: (LmqSubscriptionGroupManager synthesizes them); pulls carry their subscription, so no
 #: consumer registration either.
 PULL_GROUP = "%LMQ%lmqtt-gateway"
-#: A light queue no gateway queue maps to (`_9` never starts an encoded name): the start-up
-#: probe that the broker really indexes light queues.
-PROBE_QUEUE = "%LMQ%_9probe"
+#: A light queue no gateway queue maps to (`_9` follows no namespace in an encoded name): the
+#: start-up probe that the broker really indexes light queues.
+PROBE_QUEUE = "%LMQ%lmqtt_9probe"
 #: How long a held pull waits for an arrival. Well under the broker's 120 s idle close; the
 #: broker answers NOT_FOUND after it (rounded up to its hold checker's 5 s pass).
 SUSPEND_S = 15.0
@@ -86,6 +86,11 @@ RETAIN_PRELOAD = 20_000
 RETAIN_QUEUE = "%RETAIN%"
 SEND_ATTEMPTS = 5  # broker busy (nothing stored): retried with backoff
 OFFSET_FLUSH_S = 1.0
+#: A broker cannot store an empty body (5.3.3: NullPointerException in buildMsgContext, answered
+#: SYSTEM_ERROR; Java clients refuse empty bodies before sending). An empty MQTT payload (a
+#: retained message's deletion) is sent as one byte with this property, and read back empty.
+EMPTY_BODY_PROPERTY = "lmqtt.empty"
+_EMPTY_BODY_MARK = EMPTY_BODY_PROPERTY.encode() + b"\x011\x02"
 FAILED_TICKETS_KEPT = 10_000
 #: Properties the broker adds to a stored message; the gateway's readers never see them.
 _BROKER_PROPERTIES = frozenset(
@@ -107,51 +112,64 @@ _BROKER_PROPERTIES = frozenset(
 
 # -- names ------------------------------------------------------------------------------------
 #
-# A gateway queue name (the router's `%LMQ%site.%2b`, or `%RETAIN%`) as a RocketMQ light queue:
+# A gateway queue name (the router's `%LMQ%site.%2b`, or `%RETAIN%`) as a RocketMQ light queue,
+# within the namespace of the deployment's parent topic (`rocketmq_topic`, default `lmqtt`), so
+# several gateways' deployments share a cluster without seeing each other's queues:
 #
-#     %LMQ% [_2 if the name does not start with %LMQ%] <encoded rest>
-#     encoded: A-Z a-z 0-9 - %  as is;  .  -> _1;  _  -> _3;  any other byte -> _x + 2 hex
-#     longer than MAX_LMQ_NAME:  %LMQ%_5 <sha256 hex, 40 digits>   (reverse: the name table)
+#     %LMQ% <encoded topic> _0 [_2 if the name does not start with %LMQ%] <encoded rest>
+#     encoded: A-Z a-z 0-9 - %  as is;  .  -> _1;  _  -> _3;  | -> _4;  other bytes -> _x + 2 hex
+#     longer than MAX_LMQ_NAME:  %LMQ% <encoded topic> _5 <sha256 hex, 40 digits>
+#                                (reverse: the name table of the process that named it)
 #
+# e.g. `%LMQ%site.%2b` -> `%LMQ%lmqtt_0site_1%2b`, `%RETAIN%` -> `%LMQ%lmqtt_0_2%RETAIN%`.
 # RocketMQ topic names allow only [%|a-zA-Z0-9_-] (TopicValidator), and a `/` would make the
-# broker skip the dispatch silently (docs/rocketmq.md quirk 4). Each `_` starts a two-character
-# escape, so the mapping is injective; `_9` is left for the probe queue.
+# broker skip the dispatch silently (docs/rocketmq.md quirk 4). Each `_` starts an escape of a
+# known length, so the mapping is injective; `_9` is left for the probe queue.
 
 MAX_LMQ_NAME = 200
 _KEEP = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-%")
 
 
-def encode_lmq(queue: str) -> str:
-    if queue.startswith(LMQ_PREFIX):
-        rest, mark = queue[len(LMQ_PREFIX) :], ""
-    else:
-        rest, mark = queue, "_2"
-    out = [mark]
-    for ch in rest:
+def _escape(text: str) -> str:
+    out: list[str] = []
+    for ch in text:
         if ch in _KEEP:
             out.append(ch)
         elif ch == ".":
             out.append("_1")
         elif ch == "_":
             out.append("_3")
+        elif ch == "|":
+            out.append("_4")
         else:
             out.extend(f"_x{b:02x}" for b in ch.encode("utf-8", "surrogatepass"))
-    name = LMQ_PREFIX + "".join(out)
+    return "".join(out)
+
+
+def encode_lmq(queue: str, namespace: str = "lmqtt") -> str:
+    """The light queue of gateway queue `queue` in `namespace` (see the table above)."""
+    head = LMQ_PREFIX + _escape(namespace)
+    if queue.startswith(LMQ_PREFIX):
+        name = head + "_0" + _escape(queue[len(LMQ_PREFIX) :])
+    else:
+        name = head + "_0_2" + _escape(queue)
     if len(name) > MAX_LMQ_NAME:
-        name = LMQ_PREFIX + "_5" + hashlib.sha256(queue.encode("utf-8")).hexdigest()[:40]
+        name = head + "_5" + hashlib.sha256(queue.encode("utf-8")).hexdigest()[:40]
     return name
 
 
-def decode_lmq(name: str) -> str | None:
-    """Inverse of encode_lmq for names not hashed; None otherwise."""
-    if not name.startswith(LMQ_PREFIX):
+def decode_lmq(name: str, namespace: str = "lmqtt") -> str | None:
+    """Inverse of encode_lmq for names not hashed; None for any other name."""
+    head = LMQ_PREFIX + _escape(namespace) + "_0"
+    if not name.startswith(head):
         return None
-    rest = name[len(LMQ_PREFIX) :]
+    rest = name[len(head) :]
     prefix = LMQ_PREFIX
     if rest.startswith("_2"):
         rest, prefix = rest[2:], ""
     out = bytearray()
     i = 0
+    escapes = {"1": b".", "3": b"_", "4": b"|"}
     while i < len(rest):
         ch = rest[i]
         if ch != "_":
@@ -159,38 +177,42 @@ def decode_lmq(name: str) -> str | None:
             i += 1
             continue
         code = rest[i + 1 : i + 2]
-        if code == "1":
-            out += b"."
-            i += 2
-        elif code == "3":
-            out += b"_"
+        if code in escapes:
+            out += escapes[code]
             i += 2
         elif code == "x":
-            out.append(int(rest[i + 2 : i + 4], 16))
+            try:
+                out.append(int(rest[i + 2 : i + 4], 16))
+            except ValueError:
+                return None
             i += 4
         else:
             return None
-    return prefix + out.decode("utf-8", "surrogatepass")
+    try:
+        return prefix + out.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
 
 
 class _Names:
     """Gateway queue <-> light queue, both ways, for every name this process used."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
         self._to_lmq: dict[str, str] = {}
         self._to_queue: dict[str, str] = {}
 
     def lmq(self, queue: str) -> str:
         name = self._to_lmq.get(queue)
         if name is None:
-            name = self._to_lmq[queue] = encode_lmq(queue)
+            name = self._to_lmq[queue] = encode_lmq(queue, self.namespace)
             self._to_queue[name] = queue
         return name
 
     def queue(self, lmq: str) -> str:
         queue = self._to_queue.get(lmq)
         if queue is None:
-            queue = decode_lmq(lmq) or lmq
+            queue = decode_lmq(lmq, self.namespace) or lmq
             self._to_queue[lmq] = queue
         return queue
 
@@ -260,7 +282,7 @@ class RocketMqStorage:
         self._topic = topic
         self._local = local
         self._sync = sync
-        self._names = _Names()
+        self._names = _Names(topic)
         self._mirrors: dict[str, _Mirror] = {}
         self._listeners: list[ArrivalListener] = []
         self._loop = asyncio.get_running_loop()
@@ -348,6 +370,8 @@ class RocketMqStorage:
     async def _send(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
         """One SEND_MESSAGE_V2; StoreError unless the broker answered SEND_OK."""
         lmqs = [self._names.lmq(q) for q in queues]
+        if not body:
+            body, block = b"\x00", block + _EMPTY_BODY_MARK
         delay = 0.05
         for attempt in range(SEND_ATTEMPTS):
             try:
@@ -576,11 +600,12 @@ class RocketMqStorage:
             if off is None:
                 continue
             props = {k: v for k, v in rec.properties.items() if k not in _BROKER_PROPERTIES}
+            body = b"" if props.pop(EMPTY_BODY_PROPERTY, None) is not None else rec.body
             queues = tuple(names.queue(n) for n in offsets)
             phys = rec.commitlog_offset
             msgs[off] = StoredMessage(
                 rec.topic,
-                rec.body,
+                body,
                 props,
                 off,
                 phys,
