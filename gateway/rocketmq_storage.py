@@ -759,14 +759,17 @@ async def _probe_light_queues(client: RemotingClient, name: str, addr: str, topi
     """Send one message to PROBE_QUEUE and wait until the broker indexed it there: a broker
     without enableLmq/enableMultiDispatch stores it and silently indexes nothing."""
     try:
-        before = await client.get_max_offset(addr, PROBE_QUEUE)
+        before: int | None = await client.get_max_offset(addr, PROBE_QUEUE)
+    except BrokerError:  # a broker without LMQ has no such topic
+        before = None
+    try:
         await client.send_message(addr, topic, b"lmqtt probe", light_queues=[PROBE_QUEUE])
     except RemotingError as exc:
         raise StorageUnavailable(f"broker {name} ({addr}): light-queue probe: {exc}") from exc
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         with contextlib.suppress(RemotingError):
-            if await client.get_max_offset(addr, PROBE_QUEUE) > before:
+            if await client.get_max_offset(addr, PROBE_QUEUE) > (before or 0):
                 return
         await asyncio.sleep(0.05)
     raise StorageUnavailable(

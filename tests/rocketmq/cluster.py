@@ -169,45 +169,76 @@ class RocketMQCluster:
         )
         self._spawn("namesrv", "org.apache.rocketmq.namesrv.NamesrvStartup", NAMESRV_HEAP, conf)
         for name, (auto_create, flush) in BROKERS.items():
-            port = broker_port()
-            store = self.root / name / "store"
-            conf = self.root / f"{name}.conf"
-            conf.write_text(
-                "\n".join(
-                    [
-                        f"brokerClusterName={CLUSTER_NAME}",
-                        f"brokerName={name}",
-                        "brokerId=0",
-                        "brokerRole=ASYNC_MASTER",
-                        f"flushDiskType={flush}",
-                        f"namesrvAddr={self.namesrv_addr}",
-                        "brokerIP1=127.0.0.1",
-                        "brokerIP2=127.0.0.1",
-                        "bindAddress=127.0.0.1",
-                        f"listenPort={port}",
-                        f"haListenPort={port + 1}",
-                        f"storePathRootDir={store}",
-                        f"storePathCommitLog={store / 'commitlog'}",
-                        "enableLmq=true",
-                        "enableMultiDispatch=true",
-                        f"autoCreateTopicEnable={'true' if auto_create else 'false'}",
-                        "autoCreateSubscriptionGroup=true",
-                        "mappedFileSizeCommitLog=33554432",
-                        "mappedFileSizeConsumeQueue=60000",
-                        "timerWheelEnable=false",
-                        "fetchNamesrvAddrByAddressServer=false",
-                        "metricsExporterType=DISABLE",
-                        # The default 200 ms suits a dedicated broker; on a shared 2-core host a
-                        # burst of pipelined sends would be shed as SYSTEM_BUSY
-                        # ([TIMEOUT_CLEAN_QUEUE]), which the client reports as BrokerBusyError.
-                        "waitTimeMillsInSendQueue=3000",
-                        "",
-                    ]
-                )
-            )
-            self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
-            self.brokers[name] = f"127.0.0.1:{port}"
+            self._spawn_broker(name, auto_create, flush)
         asyncio.run(self._wait_ready(ready_timeout))
+
+    def _spawn_broker(self, name: str, auto_create: bool, flush: str, lmq: bool = True) -> None:
+        port = broker_port()
+        store = self.root / name / "store"
+        conf = self.root / f"{name}.conf"
+        on = "true" if lmq else "false"
+        conf.write_text(
+            "\n".join(
+                [
+                    f"brokerClusterName={CLUSTER_NAME}",
+                    f"brokerName={name}",
+                    "brokerId=0",
+                    "brokerRole=ASYNC_MASTER",
+                    f"flushDiskType={flush}",
+                    f"namesrvAddr={self.namesrv_addr}",
+                    "brokerIP1=127.0.0.1",
+                    "brokerIP2=127.0.0.1",
+                    "bindAddress=127.0.0.1",
+                    f"listenPort={port}",
+                    f"haListenPort={port + 1}",
+                    f"storePathRootDir={store}",
+                    f"storePathCommitLog={store / 'commitlog'}",
+                    f"enableLmq={on}",
+                    f"enableMultiDispatch={on}",
+                    f"autoCreateTopicEnable={'true' if auto_create else 'false'}",
+                    "autoCreateSubscriptionGroup=true",
+                    "mappedFileSizeCommitLog=33554432",
+                    "mappedFileSizeConsumeQueue=60000",
+                    "timerWheelEnable=false",
+                    "fetchNamesrvAddrByAddressServer=false",
+                    "metricsExporterType=DISABLE",
+                    # The default 200 ms suits a dedicated broker; on a shared 2-core host a
+                    # burst of pipelined sends would be shed as SYSTEM_BUSY
+                    # ([TIMEOUT_CLEAN_QUEUE]), which the client reports as BrokerBusyError.
+                    "waitTimeMillsInSendQueue=3000",
+                    "",
+                ]
+            )
+        )
+        self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
+        self.brokers[name] = f"127.0.0.1:{port}"
+
+    def start_extra_broker(self, name: str, *, lmq: bool, timeout: float = 180.0) -> str:
+        """Start one more broker in the cluster (e.g. without light queues); its address once
+        registered. Stop it with stop_broker()."""
+        self._spawn_broker(name, True, "ASYNC_FLUSH", lmq=lmq)
+
+        async def registered() -> None:
+            async with self.client(connect_timeout=1.0, request_timeout=2.0) as client:
+                await client.wait_for_brokers(CLUSTER_NAME, [name], timeout=timeout)
+
+        try:
+            asyncio.run(registered())
+        except Exception as exc:
+            raise RuntimeError(f"{name} did not register: {exc}\n{self.log_tail(name)}") from exc
+        return self.brokers[name]
+
+    def stop_broker(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        self.brokers.pop(name, None)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
     async def _wait_ready(self, timeout: float) -> None:
         """Ready = the name server lists both brokers of the cluster with a master address."""
@@ -228,7 +259,8 @@ class RocketMQCluster:
                             + "\n".join(self.log_tail(n) for n in self.procs)
                         ) from exc
                     continue
-                for name, addr in self.brokers.items():
+                for name in BROKERS:
+                    addr = self.brokers[name]
                     registered = info.brokers[name].master_addr
                     assert registered == addr, f"{name} registered {registered}, expected {addr}"
                 return

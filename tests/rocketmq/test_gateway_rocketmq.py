@@ -310,3 +310,22 @@ def test_store_rocketmq_without_namesrv_is_a_usage_error(tmp_path: Path) -> None
     assert done.returncode == 2
     assert "namesrv" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_broker_without_light_queues_is_refused_with_what_to_fix(
+    rocketmq: RocketMQCluster, tmp_path: Path
+) -> None:
+    rocketmq.start_extra_broker("broker-nolmq", lmq=False)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", "serve", "--port", "0", "--data-dir",
+             str(tmp_path / "d"), "--store", "rocketmq", "--namesrv", rocketmq.namesrv_addr],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "LMQTT_ROCKETMQ_BROKER": "broker-nolmq"},
+        )  # fmt: skip
+    finally:
+        rocketmq.stop_broker("broker-nolmq")
+    assert done.returncode == 1, done.stderr
+    assert "broker broker-nolmq" in done.stderr
+    assert "enableLmq=true" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
