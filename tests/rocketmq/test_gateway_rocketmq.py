@@ -161,8 +161,9 @@ def test_wildcard_fanout_qos0_qos1_through_light_queues(
 def test_messages_are_stored_in_light_queues_on_the_broker(
     serve: ServeProcess, rocketmq: RocketMQCluster, clients: list[Client]
 ) -> None:
-    """What the gateway acknowledged is in the broker's light queue of the filter."""
-    sub = Client(serve.port, "sub")
+    """What the gateway acknowledged is in the broker's light queue of the filter, and the
+    subscriber's committed offset is the broker's consumer offset of its %LMQ% group."""
+    sub = Client(serve.port, "sub", clean=False)
     pub = Client(serve.port, "pub")
     clients += [sub, pub]
     sub.subscribe("lq/#", 1)
@@ -172,13 +173,23 @@ def test_messages_are_stored_in_light_queues_on_the_broker(
     topic = serve.env["LMQTT_ROCKETMQ_TOPIC"]
     lmq = encode_lmq("%LMQ%lq.%23", topic)
 
-    async def read() -> list[bytes]:
-        async with RemotingClient([rocketmq.namesrv_addr]) as client:
-            broker = rocketmq.brokers["broker-a"]
-            res = await client.pull(broker, lmq, 0, consumer_group="%LMQ%test", max_messages=32)
-            return [m.body for m in res.messages]
+    group = encode_lmq("sub", topic)  # the subscriber's consumer group on the broker
+    broker = rocketmq.brokers["broker-a"]
 
-    assert asyncio.run(read()) == [f"x{i}".encode() for i in range(5)]
+    async def read() -> tuple[list[bytes], int | None]:
+        async with RemotingClient([rocketmq.namesrv_addr]) as client:
+            res = await client.pull(broker, lmq, 0, consumer_group="%LMQ%test", max_messages=32)
+            # The committed offset reaches the broker within the gateway's 1 s flush.
+            deadline = time.monotonic() + 10
+            committed = None
+            while committed != 5 and time.monotonic() < deadline:
+                committed = await client.query_consumer_offset(broker, group, lmq)
+                await asyncio.sleep(0.1)
+            return [m.body for m in res.messages], committed
+
+    bodies, committed = asyncio.run(read())
+    assert bodies == [f"x{i}".encode() for i in range(5)]
+    assert committed == 5
 
 
 def test_persistent_session_gets_its_backlog_after_reconnect_and_gateway_restart(
