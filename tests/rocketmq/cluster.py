@@ -286,3 +286,38 @@ class RocketMQCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+def main() -> int:
+    """`python -m tests.rocketmq.cluster [DIR]`: the test cluster for development (README's
+    cluster mode on one machine): fetches the jars, starts it in DIR (default a temporary
+    directory), prints the name server's address, and stops everything on Ctrl-C / SIGTERM."""
+    import sys
+    import tempfile
+
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="lmqtt-rmq-"))
+    root.mkdir(parents=True, exist_ok=True)
+    ensure_jars()
+    cluster = RocketMQCluster(root)
+    stop = False
+
+    def on_signal(_sig: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start()
+        brokers = ", ".join(f"{n} {a}" for n, a in cluster.brokers.items())
+        print(f"name server {cluster.namesrv_addr} (brokers: {brokers}; in {root})", flush=True)
+        print(f"lmqtt serve --store rocketmq --namesrv {cluster.namesrv_addr}", flush=True)
+        while not stop:
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
