@@ -172,6 +172,26 @@ class RocketMQCluster:
             self._spawn_broker(name, auto_create, flush)
         asyncio.run(self._wait_ready(ready_timeout))
 
+    def restart_broker(self, name: str, timeout: float = 180.0) -> None:
+        """Stop broker `name` (SIGTERM, as an operator would) and start it again on the same
+        port and store; returns once it is registered again."""
+        addr = self.brokers[name]
+        self.stop_broker(name)
+        conf = self.root / f"{name}.conf"
+        self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
+        self.brokers[name] = addr
+        self._wait_registered(name, timeout)
+
+    def _wait_registered(self, name: str, timeout: float) -> None:
+        async def registered() -> None:
+            async with self.client(connect_timeout=1.0, request_timeout=2.0) as client:
+                await client.wait_for_brokers(CLUSTER_NAME, [name], timeout=timeout)
+
+        try:
+            asyncio.run(registered())
+        except Exception as exc:
+            raise RuntimeError(f"{name} did not register: {exc}\n{self.log_tail(name)}") from exc
+
     def _spawn_broker(self, name: str, auto_create: bool, flush: str, lmq: bool = True) -> None:
         port = broker_port()
         store = self.root / name / "store"
@@ -213,19 +233,13 @@ class RocketMQCluster:
         self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
         self.brokers[name] = f"127.0.0.1:{port}"
 
-    def start_extra_broker(self, name: str, *, lmq: bool, timeout: float = 180.0) -> str:
+    def start_extra_broker(
+        self, name: str, *, lmq: bool = True, flush: str = "ASYNC_FLUSH", timeout: float = 180.0
+    ) -> str:
         """Start one more broker in the cluster (e.g. without light queues); its address once
         registered. Stop it with stop_broker()."""
-        self._spawn_broker(name, True, "ASYNC_FLUSH", lmq=lmq)
-
-        async def registered() -> None:
-            async with self.client(connect_timeout=1.0, request_timeout=2.0) as client:
-                await client.wait_for_brokers(CLUSTER_NAME, [name], timeout=timeout)
-
-        try:
-            asyncio.run(registered())
-        except Exception as exc:
-            raise RuntimeError(f"{name} did not register: {exc}\n{self.log_tail(name)}") from exc
+        self._spawn_broker(name, True, flush, lmq=lmq)
+        self._wait_registered(name, timeout)
         return self.brokers[name]
 
     def stop_broker(self, name: str) -> None:
