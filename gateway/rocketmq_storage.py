@@ -741,6 +741,7 @@ async def _open(
         raise StorageUnavailable(
             f"broker {name} ({addr}) refused to create topic {topic!r}: {exc}"
         ) from exc
+    await _check_broker_config(client, name, addr, sync=settings.flush == "sync")
     storage = RocketMqStorage(client, name, addr, topic, local, sync=settings.flush == "sync")
     try:
         await _probe_light_queues(client, name, addr, topic)
@@ -753,6 +754,31 @@ async def _open(
         name, addr, namesrv, topic, "sync" if settings.flush == "sync" else "async",
     )  # fmt: skip
     return storage
+
+
+async def _check_broker_config(client: RemotingClient, name: str, addr: str, *, sync: bool) -> None:
+    """Refuse a broker whose configuration says light queues are off; warn when sync mode
+    runs on a broker that acknowledges before its disk does. (The probe after this is the
+    proof; the configuration gives the clearer message.)"""
+    try:
+        config = await client.get_broker_config(addr)
+    except RemotingError as exc:
+        log.debug("broker %s: configuration not readable (%s)", name, exc)
+        return
+    off = [k for k in ("enableLmq", "enableMultiDispatch") if config.get(k, "").lower() != "true"]
+    if off:
+        raise StorageUnavailable(
+            f"broker {name} ({addr}) does not index light queues ({', '.join(off)} not true):"
+            " set enableLmq=true and enableMultiDispatch=true in its broker.conf and restart it"
+        )
+    flush = config.get("flushDiskType", "")
+    if sync and flush != "SYNC_FLUSH":
+        log.warning(
+            "--flush sync on broker %s with flushDiskType=%s: its SEND_OK does not wait for"
+            " the disk, so an acknowledged message can be lost with the broker's machine;"
+            " set flushDiskType=SYNC_FLUSH there",
+            name, flush or "?",
+        )  # fmt: skip
 
 
 async def _probe_light_queues(client: RemotingClient, name: str, addr: str, topic: str) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -488,6 +489,19 @@ class RemotingClient:
         )
         answer = await self._invoke_broker(broker_addr, RequestCode.UPDATE_AND_CREATE_TOPIC, fields)
         raise_for(answer, broker_addr)
+
+    async def get_broker_config(self, broker_addr: str) -> dict[str, str]:
+        """GET_BROKER_CONFIG (26): the broker's running configuration (``MixAll.properties2String``
+        of BrokerConfig, MessageStoreConfig, ...: Java properties text, ``key=value`` lines)."""
+        answer = await self._invoke_broker(broker_addr, RequestCode.GET_BROKER_CONFIG, {})
+        raise_for(answer, broker_addr)
+        config: dict[str, str] = {}
+        for line in (answer.body or b"").decode("utf-8", "replace").splitlines():
+            if not line or line.startswith(("#", "!")) or "=" not in line:
+                continue
+            key, _, value = line.partition("=")
+            config[key.strip()] = re.sub(r"\\(.)", r"\1", value.strip())
+        return config
 
     async def wait_for_brokers(
         self, cluster: str, broker_names: Iterable[str], timeout: float

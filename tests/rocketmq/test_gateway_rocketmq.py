@@ -393,3 +393,18 @@ def test_broker_restart_loses_no_acknowledged_message(
     finally:
         g.stop()
         rocketmq.stop_broker("broker-r")
+
+
+def test_sync_mode_on_an_async_flush_broker_warns(
+    rocketmq: RocketMQCluster, tmp_path: Path
+) -> None:
+    g = ServeProcess(
+        tmp_path / "data",
+        "--store", "rocketmq", "--namesrv", rocketmq.namesrv_addr, "--flush", "sync",
+        env={"LMQTT_ROCKETMQ_TOPIC": f"t{uuid.uuid4().hex[:8]}"},
+    )  # fmt: skip
+    try:
+        g.start()
+        assert any("flushDiskType=ASYNC_FLUSH" in line for line in g.output), g.output
+    finally:
+        g.stop()

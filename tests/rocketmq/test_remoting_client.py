@@ -361,3 +361,16 @@ async def test_connect_error_names_the_address() -> None:
     async with RemotingClient([addr], connect_timeout=1.0) as c:
         with pytest.raises(RemotingConnectError, match=addr):
             await c.get_cluster_info()
+
+
+async def test_broker_config_says_how_the_broker_runs(
+    client: RemotingClient, rocketmq: RocketMQCluster
+) -> None:
+    """GET_BROKER_CONFIG: Java properties text; `\\:` in the name server address unescaped."""
+    config = await client.get_broker_config(rocketmq.brokers["broker-b"])
+    assert config["brokerName"] == "broker-b"
+    assert config["flushDiskType"] == "SYNC_FLUSH"
+    assert config["enableLmq"] == config["enableMultiDispatch"] == "true"
+    assert config["namesrvAddr"] == rocketmq.namesrv_addr
+    config_a = await client.get_broker_config(rocketmq.brokers["broker-a"])
+    assert config_a["flushDiskType"] == "ASYNC_FLUSH"
