@@ -771,6 +771,15 @@ async def _check_broker_config(client: RemotingClient, name: str, addr: str, *, 
             f"broker {name} ({addr}) does not index light queues ({', '.join(off)} not true):"
             " set enableLmq=true and enableMultiDispatch=true in its broker.conf and restart it"
         )
+    threads = config.get("sendMessageThreadPoolNums", "1")
+    if threads.isdigit() and int(threads) > 1:
+        # Sends are pipelined: with several send threads the broker may append two messages
+        # in flight in either order, and MQTT keeps one publisher's messages in order.
+        log.warning(
+            "broker %s has sendMessageThreadPoolNums=%s: messages a client publishes back to"
+            " back may be stored (and delivered) out of order; set sendMessageThreadPoolNums=1",
+            name, threads,
+        )  # fmt: skip
     flush = config.get("flushDiskType", "")
     if sync and flush != "SYNC_FLUSH":
         log.warning(
