@@ -233,6 +233,7 @@ class Gateway:
             self.account.close(self.sessions.sessions.values(), self.shared.groups.values())
             await self.sessions.close()
             self.retained.close()
+            await self.store.drain()
         finally:
             # close() stops the flusher, then flushes and checkpoints (a separate flush() here
             # would race the flusher thread on the checkpoint file).

@@ -25,6 +25,9 @@ class EmbeddedStorage(MessageStore):
     def tail_may_be_lost(self) -> bool:
         return self.recovery.abnormal
 
+    async def drain(self) -> None:
+        """Nothing to wait for: appends are written in the caller's thread; close() fsyncs."""
+
     async def open_queue(self, queue: str) -> None:
         """Nothing to do: every queue's end is in memory."""
 

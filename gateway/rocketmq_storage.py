@@ -19,10 +19,11 @@ Light queues are per broker (docs/rocketmq.md): the gateway writes and reads ONE
 by `rocketmq_broker`, else the first in the cluster by name), so each light queue has one
 home, one offset sequence and a total order. Spreading over brokers needs per-broker offsets.
 
-Not in RocketMQ yet: the session state log, the committed offsets' primary copy and the small
-config documents stay in a local embedded store under `data_dir` (the state half of the port
-is delegated to it). Retained messages are both: their log is the %RETAIN% light queue on the
-broker (replayed at start), their snapshot is local.
+State: the gateway's state log (sessions with their subscriptions, positions and wills, the
+retained snapshot) is the %STATE% light queue, replayed at start (`load_state`); retained
+messages are the %RETAIN% light queue. What stays in `data_dir` (a local embedded store): the
+committed-offsets table (its broker copy is the mirror above; session records carry their own
+positions, shared groups' positions are only local) and the delivery account.
 
 Physical offsets are the broker's CommitLog offsets (unique on one broker), so the delivery
 loop's cross-queue ordering (`start_phys`, `read_phys`) works unchanged; `log_max_offset` is the
@@ -35,9 +36,10 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import struct
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.storage import (
     ArrivalListener,
@@ -84,8 +86,17 @@ MIRROR_SIZE = 4096
 #: %RETAIN% messages read at start for the retained index's catch-up (gateway/retained.py).
 RETAIN_PRELOAD = 20_000
 RETAIN_QUEUE = "%RETAIN%"
+#: The gateway's state records (sessions, subscriptions, wills, retained snapshot): see
+#: RocketMqStorage.load_state. STATE_START names the consumer group whose committed offset in
+#: it is where a replay starts (the last compaction's snapshot).
+STATE_QUEUE = "%STATE%"
+STATE_START = "%STATE-START%"
+STATE_SNAPSHOT_BATCH = 1000  # records per message of a compaction's snapshot
+STATE_COMPACT_SLACK = 10_000  # history records tolerated beyond twice the live ones
+CONFIG_KEY_PREFIX = "config/"
 SEND_ATTEMPTS = 5  # broker busy (nothing stored): retried with backoff
 OFFSET_FLUSH_S = 1.0
+DRAIN_S = 10.0  # a graceful stop waits this long at most for the sends in flight
 #: A broker cannot store an empty body (5.3.3: NullPointerException in buildMsgContext, answered
 #: SYSTEM_ERROR; Java clients refuse empty bodies before sending). An empty MQTT payload (a
 #: retained message's deletion) is sent as one byte with this property, and read back empty.
@@ -217,6 +228,47 @@ class _Names:
         return queue
 
 
+# -- state batches ---------------------------------------------------------------------------
+
+_STATE_KEY = struct.Struct(">H")
+_STATE_VALUE = struct.Struct(">i")
+
+
+def _encode_state(records: Sequence[StateRecord]) -> bytes:
+    out = bytearray()
+    for key, value in records:
+        raw = key.encode("utf-8")
+        out += _STATE_KEY.pack(len(raw))
+        out += raw
+        if value is None:
+            out += _STATE_VALUE.pack(-1)
+        else:
+            out += _STATE_VALUE.pack(len(value))
+            out += value
+    return bytes(out)
+
+
+def _decode_state(body: bytes) -> list[StateRecord]:
+    out: list[StateRecord] = []
+    pos = 0
+    try:
+        while pos < len(body):
+            (klen,) = _STATE_KEY.unpack_from(body, pos)
+            pos += 2
+            key = body[pos : pos + klen].decode("utf-8")
+            pos += klen
+            (vlen,) = _STATE_VALUE.unpack_from(body, pos)
+            pos += 4
+            if vlen < 0:
+                out.append((key, None))
+            else:
+                out.append((key, body[pos : pos + vlen]))
+                pos += vlen
+    except (struct.error, UnicodeDecodeError):
+        log.error("state queue: a damaged batch skipped after %d record(s)", len(out))
+    return out
+
+
 # -- mirrors of light queues -------------------------------------------------------------------
 
 
@@ -295,6 +347,13 @@ class RocketMqStorage:
         self._offsets = _MirroredOffsets(local.offsets, self)
         self._dirty_offsets: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._state: dict[str, bytes] = {}
+        self._state_history = 0
+        self._state_ticket = 0
+        self._state_chain: asyncio.Task[None] | None = None
+        self._state_sends: dict[int, asyncio.Task[None]] = {}
+        self._state_failed: dict[int, StoreError] = {}
+        self._compacting = False
         self._spawn(self._flush_offsets_periodically())
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
@@ -666,25 +725,159 @@ class RocketMqStorage:
         except RemotingError as exc:
             log.warning("committing offsets to broker %s failed: %s", self.broker_name, exc)
 
-    # -- durable gateway state: local for now (see the module docstring) ------------------------
+    # -- durable gateway state: the %STATE% light queue ------------------------------------------
+    #
+    # Each append_state() batch is one message to the state light queue (gateway name
+    # STATE_QUEUE), its body the batch's records:
+    #
+    #     record := u16 key length, key (UTF-8), i32 value length (-1: the key is deleted), value
+    #
+    # Batches are sent one after the other (each waits for the previous SEND_OK), so the queue
+    # holds them in the order they were made even on a broker with several send threads.
+    # At start the queue is replayed from the offset committed for the consumer group of
+    # STATE_START (or its minimum) and folded into `_state` (key -> newest value); compaction
+    # re-sends every live record and then commits the offset it started at, so a replay reads
+    # the last complete snapshot and what followed it. A crash before that commit only means
+    # a longer replay from the previous start.
+
+    async def load_state(self) -> None:
+        """Replay the state queue (open_rocketmq calls this before the gateway reads state)."""
+        lmq = self._names.lmq(STATE_QUEUE)
+        group = self._names.lmq(STATE_START)
+        start = await self._client.query_consumer_offset(self._addr, group, lmq)
+        lo = await self._client.get_min_offset(self._addr, lmq)
+        hi = await self._client.get_max_offset(self._addr, lmq)
+        offset = max(lo, start or 0)
+        state: dict[str, bytes] = {}
+        history = 0
+        while offset < hi:
+            try:
+                res = await self._client.pull(
+                    self._addr, lmq, offset, consumer_group=PULL_GROUP, max_messages=PULL_BATCH
+                )
+            except OffsetMovedError as exc:
+                log.warning(
+                    "state queue: offset %d moved, replaying from %d", offset, exc.min_offset
+                )
+                offset = exc.next_begin_offset
+                continue
+            if not res.messages:
+                break
+            for rec in res.messages:
+                for key, value in _decode_state(rec.body):
+                    history += 1
+                    if value is None:
+                        state.pop(key, None)
+                    else:
+                        state[key] = value
+            offset = res.next_begin_offset
+        self._state = state
+        self._state_history = history
+        log.info(
+            "state: %d record(s) replayed from %s offsets %d..%d, %d live",
+            history, STATE_QUEUE, max(lo, start or 0), offset, len(state),
+        )  # fmt: skip
 
     def state_records(self) -> Iterable[StateRecord]:
-        return self._local.state_records()
+        return list(self._state.items())
 
     def append_state(self, records: Iterable[StateRecord]) -> int:
-        return self._local.append_state(records)
+        batch = list(records)
+        if not batch:
+            return self._state_ticket
+        if self._closed:
+            raise StoreError("the RocketMQ storage is closed")
+        state = self._state
+        for key, value in batch:
+            if value is None:
+                state.pop(key, None)
+            else:
+                state[key] = value
+        self._state_history += len(batch)
+        return self._send_state(_encode_state(batch))
+
+    def _send_state(self, body: bytes) -> int:
+        self._state_ticket += 1
+        ticket = self._state_ticket
+        prev = self._state_chain
+
+        async def send() -> None:
+            if prev is not None:
+                await asyncio.gather(prev, return_exceptions=True)
+            await self._send((STATE_QUEUE,), body, b"")
+
+        task = self._loop.create_task(send())
+        self._state_chain = task
+        self._state_sends[ticket] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._state_sends.pop(ticket, None)
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if exc is not None:
+                log.error("state write to RocketMQ failed: %s", exc)
+                self._state_failed[ticket] = (
+                    exc if isinstance(exc, StoreError) else StoreError(str(exc))
+                )
+                if len(self._state_failed) > FAILED_TICKETS_KEPT:
+                    self._state_failed.pop(next(iter(self._state_failed)))
+
+        task.add_done_callback(done)
+        return ticket
 
     async def wait_state_durable(self, position: int) -> None:
-        await self._local.wait_state_durable(position)
+        task = self._state_sends.get(position)
+        if task is not None:
+            await asyncio.shield(task)
+            return
+        err = self._state_failed.get(position)
+        if err is not None:
+            raise err
 
     async def compact_state(self) -> None:
-        await self._local.compact_state()
+        if self._closed or self._compacting:
+            return
+        if self._state_history <= 2 * len(self._state) + STATE_COMPACT_SLACK:
+            return
+        self._compacting = True
+        try:
+            if self._state_chain is not None:
+                await asyncio.gather(self._state_chain, return_exceptions=True)
+            lmq = self._names.lmq(STATE_QUEUE)
+            # The queue's end before the snapshot (it may lag the sends just made: then the
+            # replay reads a few older records first, which the snapshot overrides).
+            start = await self._client.get_max_offset(self._addr, lmq)
+            items = list(self._state.items())
+            ticket = self._state_ticket
+            for i in range(0, len(items), STATE_SNAPSHOT_BATCH):
+                ticket = self._send_state(_encode_state(items[i : i + STATE_SNAPSHOT_BATCH]))
+            await self.wait_state_durable(ticket)
+            await self._client.update_consumer_offset(
+                self._addr, self._names.lmq(STATE_START), lmq, start
+            )
+            self._state_history = len(items)
+            log.info("state: compacted to %d record(s), replay starts at %d", len(items), start)
+        except (RemotingError, StoreError) as exc:
+            log.warning("state compaction failed (the queue keeps its history): %s", exc)
+        finally:
+            self._compacting = False
 
     def read_config(self, name: str) -> bytes | None:
-        return self._local.read_config(name)
+        # Config documents are written by older embedded versions only (legacy imports); on
+        # RocketMQ they are state records.
+        return self._state.get(CONFIG_KEY_PREFIX + name)
 
     def write_config(self, name: str, data: bytes) -> None:
-        self._local.write_config(name, data)
+        self.append_state([(CONFIG_KEY_PREFIX + name, data)])
+
+    async def drain(self) -> None:
+        pending: list[asyncio.Future[Any]] = [*self._batches.values(), *self._state_sends.values()]
+        if pending:
+            _done, late = await asyncio.wait(pending, timeout=DRAIN_S)
+            if late:
+                log.error("%d write(s) to RocketMQ still unanswered at stop", len(late))
+        await self._flush_offsets()
 
     def close(self) -> None:
         if self._closed:
@@ -746,6 +939,7 @@ async def _open(
     try:
         await _probe_light_queues(client, name, addr, topic)
         await storage.preload(RETAIN_QUEUE, RETAIN_PRELOAD)
+        await storage.load_state()
     except BaseException:
         storage.close()
         raise

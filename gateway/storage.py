@@ -209,4 +209,9 @@ class Storage(Protocol):
 
     def write_config(self, name: str, data: bytes) -> None: ...
 
+    async def drain(self) -> None:
+        """Wait (bounded) until what was appended so far is stored, before close() at a
+        graceful stop (RocketMQ: the sends in flight answered; embedded: close() fsyncs)."""
+        ...
+
     def close(self) -> None: ...

@@ -156,6 +156,7 @@ def test_wildcard_fanout_qos0_qos1_through_light_queues(
     # Nothing more arrives (the exact counts): a marker published last comes alone.
     pub.publish("s/1/t", "end", 1)
     assert got(exact, 3)[-1] == ("s/1/t", b"end")
+    assert got(plus, 4)[-1] == ("s/1/t", b"end")
     assert len(exact.messages) == 3 and len(plus.messages) == 4
 
 
@@ -408,3 +409,36 @@ def test_sync_mode_on_an_async_flush_broker_warns(
         assert any("flushDiskType=ASYNC_FLUSH" in line for line in g.output), g.output
     finally:
         g.stop()
+
+
+def test_sessions_live_in_rocketmq_a_gateway_with_a_wiped_data_dir_resumes_them(
+    serve: ServeProcess, clients: list[Client]
+) -> None:
+    """The session state log is the %STATE% light queue: a gateway started with an empty data
+    directory knows the persistent session, its subscription and its position."""
+    import shutil
+
+    keeper = Client(serve.port, "keeper", v5=True, clean=False, session_expiry=3600)
+    clients.append(keeper)
+    keeper.subscribe("w/+/t", 1)
+    keeper.disconnect()
+    pub = Client(serve.port, "pub")
+    clients.append(pub)
+    for i in range(10):
+        pub.publish("w/1/t", f"before {i}", 1)
+    pub.disconnect()
+    serve.stop()
+    shutil.rmtree(serve.data_dir)
+    serve.start()
+    assert any("state:" in line and "live" in line for line in serve.output), serve.output
+    pub = Client(serve.port, "pub")
+    clients.append(pub)
+    for i in range(10):
+        pub.publish("w/2/t", f"after {i}", 1)  # routed: the filter registry came back too
+    keeper.port = serve.port
+    keeper.connect()
+    assert keeper.connack == (True, 0)
+    msgs = keeper.wait_messages(20)
+    assert [bytes(m.payload) for m in msgs] == [f"before {i}".encode() for i in range(10)] + [
+        f"after {i}".encode() for i in range(10)
+    ]
