@@ -442,3 +442,58 @@ def test_sessions_live_in_rocketmq_a_gateway_with_a_wiped_data_dir_resumes_them(
     assert [bytes(m.payload) for m in msgs] == [f"before {i}".encode() for i in range(10)] + [
         f"after {i}".encode() for i in range(10)
     ]
+
+
+def test_state_compaction_bounds_the_replay_and_keeps_every_session(
+    rocketmq: RocketMQCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from gateway import rocketmq_storage
+    from gateway.rocketmq_storage import RocketMqStorage
+    from tests.gateway.conftest import GatewayHarness
+
+    monkeypatch.setattr(rocketmq_storage, "STATE_COMPACT_SLACK", 0)
+    h = GatewayHarness(
+        tmp_path / "data",
+        store="rocketmq",
+        namesrv=rocketmq.namesrv_addr,
+        rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
+    ).start()
+    try:
+        for i in range(5):
+            c = Client(h.port, f"dev-{i}", clean=False)
+            c.subscribe(f"cmp/{i}", 1)
+            for j in range(3):  # each SUBSCRIBE saves the session record again
+                c.subscribe(f"cmp/{i}/{j}", 1)
+            c.disconnect()
+
+        def history() -> int:
+            store = h.gw.store if h.gw is not None else None
+            assert isinstance(store, RocketMqStorage)
+            return store._state_history
+
+        def live() -> int:
+            assert h.gw is not None
+            return len(list(h.gw.store.state_records()))
+
+        before = h.call(history)
+        assert before > 2 * h.call(live)
+        assert h.gw is not None
+        h.run(h.gw.store.compact_state())
+        assert h.call(history) == h.call(live)
+        h.stop()
+        shutil.rmtree(h.data_dir)
+        h.start()
+        # The replay read the snapshot (and at most what the queue's end lagged behind).
+        assert h.call(history) < before
+        for i in range(5):
+            c = Client(h.port, f"dev-{i}", clean=False)
+            assert c.connack == (True, 0)
+            pub = Client(h.port, "pub")
+            pub.publish(f"cmp/{i}/2", b"x", 1)
+            assert [m.topic for m in c.wait_messages(1)] == [f"cmp/{i}/2"]
+            c.disconnect()
+            pub.disconnect()
+    finally:
+        h.stop()
