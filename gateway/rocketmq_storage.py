@@ -275,7 +275,7 @@ def _decode_state(body: bytes) -> list[StateRecord]:
 class _Mirror:
     """What this process knows of one light queue: its bounds and recently read messages."""
 
-    __slots__ = ("fetching", "lmq", "max", "min", "msgs", "queue", "ready", "tail", "task")
+    __slots__ = ("fetching", "limit", "lmq", "max", "min", "msgs", "queue", "ready", "tail", "task")
 
     def __init__(self, queue: str, lmq: str) -> None:
         self.queue = queue
@@ -285,6 +285,7 @@ class _Mirror:
         self.max = 0  # the next offset to be written, as far as we know
         self.tail = 0  # where the held pull reads from
         self.msgs: dict[int, StoredMessage] = {}
+        self.limit = MIRROR_SIZE  # messages kept (the oldest dropped beyond it)
         self.fetching: set[int] = set()  # offsets of one-shot pulls in flight
         self.task: asyncio.Task[None] | None = None
 
@@ -498,7 +499,8 @@ class RocketMqStorage:
                     self._phys_waiters.pop((RETAIN_QUEUE, phys), None)
             if found is not None:
                 lights[RETAIN_QUEUE] = found
-        return PutResult(phys, res.queue_offset, lights, phys + 1, _now_ms())
+        # end_offset 0: already durable (tickets of append_encoded start at 1).
+        return PutResult(phys, res.queue_offset, lights, 0, _now_ms())
 
     # -- the port: read --------------------------------------------------------------------------
 
@@ -680,14 +682,15 @@ class RocketMqStorage:
                     waiter.set_result(off)
             if off >= m.max:
                 m.max = off + 1
-        if len(msgs) > MIRROR_SIZE:
-            for off in sorted(msgs)[: len(msgs) - MIRROR_SIZE * 3 // 4]:
+        if len(msgs) > m.limit:
+            for off in sorted(msgs)[: len(msgs) - m.limit * 3 // 4]:
                 del msgs[off]
 
     async def preload(self, queue: str, count: int) -> None:
         """Read the last `count` messages of `queue` into its mirror now (the retained index's
         start-up catch-up reads %RETAIN% without waiting)."""
         m = self._mirror(queue)
+        m.limit = max(m.limit, count + MIRROR_SIZE)  # all of them stay for the catch-up
         await self._ready(m)
         offset = max(m.min, m.max - count)
         while offset < m.max:
