@@ -100,17 +100,18 @@ class Gateway:
         self.sessions = SessionRegistry(self.store, self.end_session)
         self.account = DeliveryAccount(open_account(s), self.store.max_offset)
         clamp = self.store.tail_may_be_lost  # a clean stop saved no position past a queue end
+        shared: list[tuple[str, str, str]] = []  # (share group, filter, queue) to resume
         for session, subs in self.sessions.load(materialize_all=clamp):
             if session is not None and clamp:
                 self._clamp_to_store(session)
             for sub in subs:
                 self.router.add(sub.topic_filter)
                 if sub.share_group is not None:
-                    tf = TopicFilter(sub.topic_filter)
-                    self.shared.acquire(sub.share_group, tf.filter, sub.queue, resume=True)
+                    shared.append((sub.share_group, sub.topic_filter, sub.queue))
                 self.stats.subscriptions += 1
             if session is not None:  # None: dormant (gateway/session.py), expiry kept there
                 self.sessions.schedule_expiry(session)
+        await self._resume_shared(shared)
         self._routes.clear()
         # The state log was read once, by the session load: the retained snapshot is in it.
         self.retained = RetainedIndex.open(self.store, self.sessions.other_records())
@@ -146,6 +147,13 @@ class Gateway:
             s.flush,
             len(self.sessions),
         )
+
+    async def _resume_shared(self, shared: list[tuple[str, str, str]]) -> None:
+        """Shared groups resume at their saved offsets, bounded by their queues' ends: opened
+        first (RocketMQ: a queue's end is known once asked; the embedded store knows it)."""
+        await asyncio.gather(*(self.store.open_queue(q) for q in {q for _, _, q in shared}))
+        for group, text, queue in shared:
+            self.shared.acquire(group, TopicFilter(text).filter, queue, resume=True)
 
     def _restore_wills(self) -> None:
         """Wills survive restarts: delayed ones keep their due time; those of connections the

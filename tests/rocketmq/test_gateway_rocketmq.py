@@ -497,3 +497,32 @@ def test_state_compaction_bounds_the_replay_and_keeps_every_session(
             pub.disconnect()
     finally:
         h.stop()
+
+
+def test_shared_group_resumes_at_its_position_after_a_restart(
+    serve: ServeProcess, clients: list[Client]
+) -> None:
+    """A shared group's position survives a gateway restart: nothing it already delivered
+    comes again, what was published while the gateway was away does."""
+    member = Client(serve.port, "member", v5=True, clean=False, session_expiry=3600)
+    clients.append(member)
+    member.subscribe("$share/g/sh/#", 1)
+    pub = Client(serve.port, "pub")
+    clients.append(pub)
+    for i in range(5):
+        pub.publish("sh/1", f"old {i}", 1)
+    assert [bytes(m.payload) for m in member.wait_messages(5)] == [
+        f"old {i}".encode() for i in range(5)
+    ]
+    member.disconnect()
+    pub.disconnect()
+    serve.restart()
+    pub = Client(serve.port, "pub")
+    clients.append(pub)
+    pub.publish("sh/1", "new", 1)
+    member.port = serve.port
+    member.messages.clear()
+    member.connect()
+    assert [bytes(m.payload) for m in member.wait_messages(1)] == [b"new"]
+    pub.publish("sh/1", "marker", 1)
+    assert [bytes(m.payload) for m in member.wait_messages(2)] == [b"new", b"marker"]
