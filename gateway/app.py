@@ -19,12 +19,13 @@ import logging
 
 from gateway.access import AccessControl
 from gateway.arrivals import ArrivalHub
+from gateway.backends import open_backend
 from gateway.client import ClientConnection, ClientContext, ServerState
 from gateway.config import GatewaySettings
 from gateway.cursor import QueueCursor
 from gateway.delivery import DeliveryContext, PreparedCache, RecentMessages
 from gateway.delivery_account import DeliveryAccount
-from gateway.embedded import open_account, open_storage
+from gateway.embedded import open_account
 from gateway.gc_monitor import GcMonitor
 from gateway.ingest import IngestBatch
 from gateway.listeners import ExtraListeners
@@ -107,7 +108,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True)
-        store = self.store = open_storage(s)
+        store = self.store = await open_backend(s)
         arrivals = ArrivalHub(loop)
         store.add_listener(arrivals)
         cursor = QueueCursor(store, self.recent.run)
@@ -125,6 +126,7 @@ class Gateway:
         wills = self.wills = Wills(registry, publisher.store_publish)
         lifecycle = self.session_lifecycle = SessionLifecycle(registry, subscriptions, wills, store)
         lifecycle.restore()
+        await subscriptions.resume_shared()  # after their queues are open (RocketMQ)
         # The state log was read once, by the session load: the retained snapshot is in it.
         retained = self.retained = RetainedIndex.open(store, registry.other_records())
         publisher.retained = subscriptions.retained = retained
@@ -241,6 +243,7 @@ class Gateway:
             self.account.close(self.sessions.sessions.values(), self.shared.groups.values())
             await self.sessions.close()
             self.retained.close()
+            await self.store.drain()  # sends still in flight (RocketMQ)
         finally:
             # close() stops the flusher, then flushes and checkpoints (a separate flush() here
             # would race the flusher thread on the checkpoint file).

@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--data-dir", type=Path, metavar="DIR", help="default ./lmqtt-data")
     serve.add_argument("--flush", help="async (default) or sync: acknowledge after fsync")
+    serve.add_argument(
+        "--store", help="embedded (default: the CommitLog in --data-dir) or rocketmq"
+    )
+    serve.add_argument(
+        "--namesrv", metavar="HOST:PORT", help="RocketMQ name server (with --store rocketmq)"
+    )
     serve.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default), ...")
     serve.add_argument("--log-format", metavar="FMT", help="text (default) or json")
     serve.add_argument("--loop", dest="event_loop", help="auto (default), uvloop or asyncio")
@@ -277,6 +283,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             port=args.port,
             data_dir=args.data_dir,
             flush=args.flush,
+            store=args.store,
+            namesrv=args.namesrv,
             log_level=args.log_level,
             log_format=args.log_format,
             sys_interval=args.sys_interval,
@@ -314,9 +322,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _err(str(exc))
         return EXIT_USAGE
     except Exception as exc:
-        from gateway.storage import StoreError, StoreLockedError
+        from gateway.storage import StorageUnavailable, StoreError, StoreLockedError
 
-        if isinstance(exc, StoreLockedError):
+        if isinstance(exc, StorageUnavailable):
+            log.error("cannot start: %s", exc)
+            _err(f"cannot start: {exc}")
+        elif isinstance(exc, StoreLockedError):
             _err(f"{exc} (is another 'lmqtt serve' using {_shown_dir(settings.data_dir)}?)")
         elif isinstance(exc, StoreError):  # operator-readable already
             _err(f"data directory {_shown_dir(settings.data_dir)}: {exc}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
@@ -94,6 +95,13 @@ class GatewaySettings(BaseSettings):
     segment_size: int = Field(default=1 << 30, ge=4096, le=(1 << 31) - 1)
     retention_hours: float | None = Field(default=None, gt=0)
     retention_bytes: int | None = Field(default=None, gt=0)
+    # embedded: the CommitLog under data_dir (one machine). rocketmq: messages on an Apache
+    # RocketMQ 5 broker with light queues (gateway/rocketmq_storage.py, docs/rocketmq.md);
+    # the session state stays under data_dir for now.
+    store: Literal["embedded", "rocketmq"] = "embedded"
+    namesrv: str | None = None  # RocketMQ name server, host:port
+    rocketmq_broker: str | None = None  # broker name; default: the first registered, by name
+    rocketmq_topic: str = Field(default="lmqtt", pattern=r"^[%|a-zA-Z0-9_-]{1,127}$")
 
     # --- MQTT limits
     max_packet_size: int = Field(default=1_048_576, ge=64, le=MQTT_MAX_PACKET_SIZE)
@@ -205,6 +213,10 @@ class GatewaySettings(BaseSettings):
             raise ValueError("tls_port and wss_port need tls_certfile and tls_keyfile")
         if self.tls_require_certificate and self.tls_cafile is None:
             raise ValueError("tls_require_certificate needs tls_cafile (the CA of the clients)")
+        if self.store == "rocketmq" and not self.namesrv:
+            raise ValueError("store = rocketmq needs namesrv (the name server's host:port)")
+        if self.namesrv is not None and not re.fullmatch(r"[^\s:;]+:\d{1,5}", self.namesrv):
+            raise ValueError(f"namesrv must be host:port, not {self.namesrv!r}")
         if self.default_session_expiry > self.max_session_expiry:
             raise ValueError(
                 f"default_session_expiry ({self.default_session_expiry}) must not exceed "

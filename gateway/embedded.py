@@ -25,6 +25,12 @@ class EmbeddedStorage(MessageStore):
     def tail_may_be_lost(self) -> bool:
         return self.recovery.abnormal
 
+    async def drain(self) -> None:
+        """Nothing to wait for: appends are written in the caller's thread; close() fsyncs."""
+
+    async def open_queue(self, queue: str) -> None:
+        """Nothing to do: every queue's end is in memory."""
+
     async def wait_state_durable(self, position: int) -> None:
         """Sync flush mode: fsync the state log (concurrent callers share one fsync). Async
         mode: the write already survives a process crash; the store's periodic full flush

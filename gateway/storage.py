@@ -18,6 +18,20 @@ thread; a network client sends asynchronously and pipelined), and durability is 
 await (`wait_durable`, `wait_state_durable`), so acknowledgements can be batched behind one
 fsync (group commit) or one broker round trip.
 
+Appends that complete later (RocketMQ, gateway/rocketmq_storage.py): a broker assigns a
+message's light-queue offsets when it stores it and does not return them (docs/rocketmq.md),
+so such a backend's `append_encoded` answers before anything is stored: its PutResults have
+empty `light_offsets`, and `end_offset` is a *ticket*: `wait_durable(ticket)` returns once the
+batch was stored (SEND_OK) and raises StoreError if it was not. Callers therefore treat
+`light_offsets` as a hint (an empty one: read the message back from the queue) and
+acknowledge only after `wait_durable`, which the embedded store answers from its fsync
+position as before (its hot path is unchanged). `put_async` waits for the broker and fills
+`light_offsets` where the backend can learn them (RocketMQ: %RETAIN%, read back).
+
+A queue a backend must look up before it can answer `max_offset` without blocking (RocketMQ:
+GET_MAX_OFFSET, then a held long poll) is opened with `await open_queue(queue)` before a new
+subscription takes the queue's end as its start; the embedded store answers at once.
+
 The value types are the store's own (re-exported here as the port's vocabulary), so the
 embedded store needs no conversion per message:
 
@@ -67,10 +81,16 @@ __all__ = [
     "PutResult",
     "StateRecord",
     "Storage",
+    "StorageUnavailable",
     "StoreError",
     "StoreLockedError",
     "StoredMessage",
 ]
+
+
+class StorageUnavailable(Exception):
+    """The storage backend cannot be used (name server unreachable, a broker without light
+    queues, ...). The message says what to fix; `lmqtt serve` prints it and exits."""
 
 
 class CommittedOffsets(Protocol):
@@ -156,6 +176,10 @@ class Storage(Protocol):
         """The log's end position: ordering across queues (a subscription's start)."""
         ...
 
+    async def open_queue(self, queue: str) -> None:
+        """Make `max_offset(queue)` exact from now on (see the module docstring)."""
+        ...
+
     def add_listener(self, listener: ArrivalListener) -> None:
         """Arrival notices: `listener.on_arrival(queue, max_offset)` after each append."""
         ...
@@ -184,5 +208,10 @@ class Storage(Protocol):
     def read_config(self, name: str) -> bytes | None: ...
 
     def write_config(self, name: str, data: bytes) -> None: ...
+
+    async def drain(self) -> None:
+        """Wait (bounded) until what was appended so far is stored, before close() at a
+        graceful stop (RocketMQ: the sends in flight answered; embedded: close() fsyncs)."""
+        ...
 
     def close(self) -> None: ...

@@ -18,6 +18,7 @@ SUBACK/UNSUBACK; what the subscription *is* is decided here, and the delivery ac
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from gateway.cursor import QueueCursor
@@ -60,6 +61,8 @@ class SubscriptionLifecycle:
         # Set by the composition root once the index is open (after the sessions' filters
         # were restored: see gateway/app.py).
         self.retained: RetainedIndex | None = None
+        # Shared groups saved by the previous run: resumed once their queues are open.
+        self._to_resume: list[tuple[str, str, str]] = []
 
     # -- restart -----------------------------------------------------------------------------
 
@@ -67,9 +70,22 @@ class SubscriptionLifecycle:
         """Register a subscription saved by the previous run (its position is its own)."""
         self._publisher.add_filter(sub.topic_filter)
         if sub.share_group is not None:
-            tf = TopicFilter(sub.topic_filter)
-            self.shared.acquire(sub.share_group, tf.filter, sub.queue, resume=True)
+            self._to_resume.append((sub.share_group, sub.topic_filter, sub.queue))
         self._stats.subscriptions += 1
+
+    async def resume_shared(self) -> None:
+        """Shared groups resume at their saved offsets, bounded by their queues' ends: opened
+        first (RocketMQ: a queue's end is known once asked; the embedded store knows it)."""
+        todo, self._to_resume = self._to_resume, []
+        await asyncio.gather(*(self._store.open_queue(q) for q in {q for _, _, q in todo}))
+        for group, text, queue in todo:
+            self.shared.acquire(group, TopicFilter(text).filter, queue, resume=True)
+
+    async def open_queue(self, session: Session, tf: TopicFilter) -> None:
+        """Before a new subscription starts at its queue's end: open the queue (RocketMQ
+        learns the end from the broker; the embedded store knows it already)."""
+        if tf.text not in session.subscriptions:
+            await self._store.open_queue(self._publisher.router.queue_name(tf))
 
     def attach(self, session: Session, delivery: DeliveryLoop) -> None:
         """`session` connected with its loop: the loop joins its shared groups (its own queues

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -210,6 +211,16 @@ class RemotingClient:
         for conn in conns:
             await conn.close()
 
+    def close_nowait(self) -> None:
+        """close() for a caller that cannot await: drops every connection now (their waiting
+        requests fail with RemotingClosedError) and stops the heartbeats."""
+        self._closed = True
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close_nowait()
+
     async def __aenter__(self) -> RemotingClient:
         return self
 
@@ -273,6 +284,7 @@ class RemotingClient:
         queue_id: int = 0,
         light_queues: list[str] | None = None,
         properties: Mapping[str, str] | None = None,
+        raw_properties: str = "",
         wait_store: bool = True,
         flag: int = 0,
         timeout: float | None = None,
@@ -283,7 +295,9 @@ class RemotingClient:
         indexes it in the parent queue and in each light queue. ``wait_store`` sets WAIT=true:
         on a SYNC_FLUSH broker the answer then comes after the flush (FLUSH_DISK_TIMEOUT if it
         did not complete in time, returned here as ``code`` rather than raised: the message is
-        stored, only its durability is in doubt).
+        stored, only its durability is in doubt). ``raw_properties`` is a block already in the
+        wire form (``name \x01 value \x02`` pairs, validated by the caller), sent as is after
+        ``properties``: a caller that encodes a publisher's properties once reuses the block.
         """
         props: dict[str, str] = {}
         if light_queues:
@@ -296,7 +310,7 @@ class RemotingClient:
             topic=topic,
             queue_id=queue_id,
             born_timestamp=int(time.time() * 1000),
-            properties=encode_properties(props),
+            properties=encode_properties(props) + raw_properties,
             flag=flag,
         )
         answer = await self._invoke_broker(
@@ -475,6 +489,19 @@ class RemotingClient:
         )
         answer = await self._invoke_broker(broker_addr, RequestCode.UPDATE_AND_CREATE_TOPIC, fields)
         raise_for(answer, broker_addr)
+
+    async def get_broker_config(self, broker_addr: str) -> dict[str, str]:
+        """GET_BROKER_CONFIG (26): the broker's running configuration (``MixAll.properties2String``
+        of BrokerConfig, MessageStoreConfig, ...: Java properties text, ``key=value`` lines)."""
+        answer = await self._invoke_broker(broker_addr, RequestCode.GET_BROKER_CONFIG, {})
+        raise_for(answer, broker_addr)
+        config: dict[str, str] = {}
+        for line in (answer.body or b"").decode("utf-8", "replace").splitlines():
+            if not line or line.startswith(("#", "!")) or "=" not in line:
+                continue
+            key, _, value = line.partition("=")
+            config[key.strip()] = re.sub(r"\\(.)", r"\1", value.strip())
+        return config
 
     async def wait_for_brokers(
         self, cluster: str, broker_names: Iterable[str], timeout: float

@@ -161,6 +161,11 @@ class Connection:
         self._pending.clear()
         self._writer.close()
 
+    def close_nowait(self) -> None:
+        """Drop the connection without waiting for its reader to finish."""
+        self._abort("closed")
+        self._read_task.cancel()
+
     async def close(self) -> None:
         self._abort("closed")
         self._read_task.cancel()

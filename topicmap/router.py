@@ -154,6 +154,11 @@ class Router:
         """Registered (underlying) filters and their reference counts."""
         return dict(self._refs)
 
+    def queue_name(self, filter: str | TopicFilter) -> str:
+        """The queue `filter` has or would get from add() (registers nothing)."""
+        parsed = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)
+        return self._queues.get(parsed.filter) or self._names.queue_name(parsed)
+
     def queue_of(self, filter: str | TopicFilter) -> str | None:
         """The queue of a registered filter, or None."""
         parsed = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)

@@ -169,45 +169,90 @@ class RocketMQCluster:
         )
         self._spawn("namesrv", "org.apache.rocketmq.namesrv.NamesrvStartup", NAMESRV_HEAP, conf)
         for name, (auto_create, flush) in BROKERS.items():
-            port = broker_port()
-            store = self.root / name / "store"
-            conf = self.root / f"{name}.conf"
-            conf.write_text(
-                "\n".join(
-                    [
-                        f"brokerClusterName={CLUSTER_NAME}",
-                        f"brokerName={name}",
-                        "brokerId=0",
-                        "brokerRole=ASYNC_MASTER",
-                        f"flushDiskType={flush}",
-                        f"namesrvAddr={self.namesrv_addr}",
-                        "brokerIP1=127.0.0.1",
-                        "brokerIP2=127.0.0.1",
-                        "bindAddress=127.0.0.1",
-                        f"listenPort={port}",
-                        f"haListenPort={port + 1}",
-                        f"storePathRootDir={store}",
-                        f"storePathCommitLog={store / 'commitlog'}",
-                        "enableLmq=true",
-                        "enableMultiDispatch=true",
-                        f"autoCreateTopicEnable={'true' if auto_create else 'false'}",
-                        "autoCreateSubscriptionGroup=true",
-                        "mappedFileSizeCommitLog=33554432",
-                        "mappedFileSizeConsumeQueue=60000",
-                        "timerWheelEnable=false",
-                        "fetchNamesrvAddrByAddressServer=false",
-                        "metricsExporterType=DISABLE",
-                        # The default 200 ms suits a dedicated broker; on a shared 2-core host a
-                        # burst of pipelined sends would be shed as SYSTEM_BUSY
-                        # ([TIMEOUT_CLEAN_QUEUE]), which the client reports as BrokerBusyError.
-                        "waitTimeMillsInSendQueue=3000",
-                        "",
-                    ]
-                )
-            )
-            self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
-            self.brokers[name] = f"127.0.0.1:{port}"
+            self._spawn_broker(name, auto_create, flush)
         asyncio.run(self._wait_ready(ready_timeout))
+
+    def restart_broker(self, name: str, timeout: float = 180.0) -> None:
+        """Stop broker `name` (SIGTERM, as an operator would) and start it again on the same
+        port and store; returns once it is registered again."""
+        addr = self.brokers[name]
+        self.stop_broker(name)
+        conf = self.root / f"{name}.conf"
+        self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
+        self.brokers[name] = addr
+        self._wait_registered(name, timeout)
+
+    def _wait_registered(self, name: str, timeout: float) -> None:
+        async def registered() -> None:
+            async with self.client(connect_timeout=1.0, request_timeout=2.0) as client:
+                await client.wait_for_brokers(CLUSTER_NAME, [name], timeout=timeout)
+
+        try:
+            asyncio.run(registered())
+        except Exception as exc:
+            raise RuntimeError(f"{name} did not register: {exc}\n{self.log_tail(name)}") from exc
+
+    def _spawn_broker(self, name: str, auto_create: bool, flush: str, lmq: bool = True) -> None:
+        port = broker_port()
+        store = self.root / name / "store"
+        conf = self.root / f"{name}.conf"
+        on = "true" if lmq else "false"
+        conf.write_text(
+            "\n".join(
+                [
+                    f"brokerClusterName={CLUSTER_NAME}",
+                    f"brokerName={name}",
+                    "brokerId=0",
+                    "brokerRole=ASYNC_MASTER",
+                    f"flushDiskType={flush}",
+                    f"namesrvAddr={self.namesrv_addr}",
+                    "brokerIP1=127.0.0.1",
+                    "brokerIP2=127.0.0.1",
+                    "bindAddress=127.0.0.1",
+                    f"listenPort={port}",
+                    f"haListenPort={port + 1}",
+                    f"storePathRootDir={store}",
+                    f"storePathCommitLog={store / 'commitlog'}",
+                    f"enableLmq={on}",
+                    f"enableMultiDispatch={on}",
+                    f"autoCreateTopicEnable={'true' if auto_create else 'false'}",
+                    "autoCreateSubscriptionGroup=true",
+                    "mappedFileSizeCommitLog=33554432",
+                    "mappedFileSizeConsumeQueue=60000",
+                    "timerWheelEnable=false",
+                    "fetchNamesrvAddrByAddressServer=false",
+                    "metricsExporterType=DISABLE",
+                    # The default 200 ms suits a dedicated broker; on a shared 2-core host a
+                    # burst of pipelined sends would be shed as SYSTEM_BUSY
+                    # ([TIMEOUT_CLEAN_QUEUE]), which the client reports as BrokerBusyError.
+                    "waitTimeMillsInSendQueue=3000",
+                    "",
+                ]
+            )
+        )
+        self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
+        self.brokers[name] = f"127.0.0.1:{port}"
+
+    def start_extra_broker(
+        self, name: str, *, lmq: bool = True, flush: str = "ASYNC_FLUSH", timeout: float = 180.0
+    ) -> str:
+        """Start one more broker in the cluster (e.g. without light queues); its address once
+        registered. Stop it with stop_broker()."""
+        self._spawn_broker(name, True, flush, lmq=lmq)
+        self._wait_registered(name, timeout)
+        return self.brokers[name]
+
+    def stop_broker(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        self.brokers.pop(name, None)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
     async def _wait_ready(self, timeout: float) -> None:
         """Ready = the name server lists both brokers of the cluster with a master address."""
@@ -228,7 +273,8 @@ class RocketMQCluster:
                             + "\n".join(self.log_tail(n) for n in self.procs)
                         ) from exc
                     continue
-                for name, addr in self.brokers.items():
+                for name in BROKERS:
+                    addr = self.brokers[name]
                     registered = info.brokers[name].master_addr
                     assert registered == addr, f"{name} registered {registered}, expected {addr}"
                 return
@@ -254,3 +300,38 @@ class RocketMQCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+def main() -> int:
+    """`python -m tests.rocketmq.cluster [DIR]`: the test cluster for development (README's
+    cluster mode on one machine): fetches the jars, starts it in DIR (default a temporary
+    directory), prints the name server's address, and stops everything on Ctrl-C / SIGTERM."""
+    import sys
+    import tempfile
+
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="lmqtt-rmq-"))
+    root.mkdir(parents=True, exist_ok=True)
+    ensure_jars()
+    cluster = RocketMQCluster(root)
+    stop = False
+
+    def on_signal(_sig: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start()
+        brokers = ", ".join(f"{n} {a}" for n, a in cluster.brokers.items())
+        print(f"name server {cluster.namesrv_addr} (brokers: {brokers}; in {root})", flush=True)
+        print(f"lmqtt serve --store rocketmq --namesrv {cluster.namesrv_addr}", flush=True)
+        while not stop:
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -207,8 +207,11 @@ async def test_suspended_pull_without_arrival_answers_not_found_at_timeout(
 ) -> None:
     lmq = _name("%LMQ%idle-")
     started = time.monotonic()
+    # The broker answers at its hold checker's next pass after the suspend time (every 5 s,
+    # docs/rocketmq.md quirk 7), later on a loaded host: the client's default timeout (suspend
+    # + request timeout = 6 s) is not the broker's worst case.
     result = await client.pull(
-        broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX), suspend_timeout=1.0
+        broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX), suspend_timeout=1.0, timeout=20.0
     )
     assert result.code == ResponseCode.PULL_NOT_FOUND and result.messages == []
     assert time.monotonic() - started >= 0.9
@@ -361,3 +364,16 @@ async def test_connect_error_names_the_address() -> None:
     async with RemotingClient([addr], connect_timeout=1.0) as c:
         with pytest.raises(RemotingConnectError, match=addr):
             await c.get_cluster_info()
+
+
+async def test_broker_config_says_how_the_broker_runs(
+    client: RemotingClient, rocketmq: RocketMQCluster
+) -> None:
+    """GET_BROKER_CONFIG: Java properties text; `\\:` in the name server address unescaped."""
+    config = await client.get_broker_config(rocketmq.brokers["broker-b"])
+    assert config["brokerName"] == "broker-b"
+    assert config["flushDiskType"] == "SYNC_FLUSH"
+    assert config["enableLmq"] == config["enableMultiDispatch"] == "true"
+    assert config["namesrvAddr"] == rocketmq.namesrv_addr
+    config_a = await client.get_broker_config(rocketmq.brokers["broker-a"])
+    assert config_a["flushDiskType"] == "ASYNC_FLUSH"

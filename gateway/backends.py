@@ -1,0 +1,26 @@
+"""The storage backend the settings choose (`store`): opened here for the composition root.
+
+embedded  the CommitLog store under `data_dir` (gateway/embedded.py), one machine.
+rocketmq  messages on an Apache RocketMQ 5 broker (gateway/rocketmq_storage.py); the gateway's
+          state log stays in an embedded store under `data_dir` for now.
+"""
+
+from __future__ import annotations
+
+from gateway.config import GatewaySettings
+from gateway.embedded import open_storage
+from gateway.storage import Storage
+
+
+async def open_backend(settings: GatewaySettings) -> Storage:
+    """Open the configured backend; StorageUnavailable says what to fix when it cannot be."""
+    local = open_storage(settings)
+    if settings.store == "embedded":
+        return local
+    from gateway.rocketmq_storage import open_rocketmq
+
+    try:
+        return await open_rocketmq(settings, local)
+    except BaseException:
+        local.close()
+        raise
