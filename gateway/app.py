@@ -19,7 +19,7 @@ from gateway.access import AccessControl
 from gateway.client import ClientConnection
 from gateway.config import GatewaySettings
 from gateway.delivery import ArrivalHub, DeliveryLoop, PreparedCache, RecentMessages
-from gateway.delivery_account import DeliveryAccount
+from gateway.delivery_account import DeliveryAccount, NoDeliveryAccount
 from gateway.embedded import open_account, open_storage
 from gateway.gc_monitor import GcMonitor
 from gateway.ingest import IngestBatch
@@ -97,7 +97,11 @@ class Gateway:
         self.timers = TimerWheel(loop)
         self.gc.start(loop, self.connections.__len__)
         self.sessions = SessionRegistry(self.store, self.end_session)
-        self.account = DeliveryAccount(open_account(s), self.store.max_offset)
+        self.account = (
+            DeliveryAccount(open_account(s), self.store.max_offset)
+            if s.delivery_account
+            else NoDeliveryAccount()
+        )
         clamp = self.store.tail_may_be_lost  # a clean stop saved no position past a queue end
         for session, subs in self.sessions.load(materialize_all=clamp):
             if session is not None and clamp:
