@@ -162,8 +162,8 @@ class _Batch:
 @dataclass(frozen=True, slots=True)
 class _Keys:
     """(client id, topic, second) packed into one int64: client and topic as indices into the
-    batch's dictionaries, the second relative to the batch's first (or, for a batch spanning
-    too long a time to fit, its rank among the batch's seconds)."""
+    batch's dictionaries, the second relative to the batch's first (or, when the batch spans
+    more seconds than 4x its rows, its rank among the batch's own seconds)."""
 
     clients: pa.Array
     topics: pa.Array
@@ -208,11 +208,13 @@ def narrow(batch: pa.RecordBatch | pa.Table) -> _Batch:
     lo = int(sec.min()) if n else 0
     rel = sec - lo
     span = int(rel.max()) + 1 if n else 1
-    if c_bits + t_bits + span.bit_length() <= 62:
+    if span <= 4 * max(n, 1):
         seconds = np.arange(lo, lo + span, dtype=np.int64)
-    else:  # a batch spanning years: number its seconds instead
+    else:  # seconds far apart (a quiet gateway): number the batch's own seconds instead
         seconds, rel = np.unique(sec, return_inverse=True)
     s_bits = max(1, len(seconds).bit_length())
+    # Every index is below 4 x the batch's rows: 17 + 17 + 19 bits for a batch of _BATCH_ROWS.
+    assert c_bits + t_bits + s_bits <= 62, f"a batch of {n:,} rows is too large to pack"
     key = (c_idx << (t_bits + s_bits)) | (t_idx << s_bits) | rel.astype(np.int64)
     keys = _Keys(client.dictionary, topic.dictionary, seconds, t_bits, s_bits)
 
