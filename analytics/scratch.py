@@ -142,44 +142,109 @@ class ScratchPart:
     max_ts_ms: int | None
 
 
-def narrow(batch: pa.RecordBatch | pa.Table) -> tuple[pa.Table, pa.Table]:
-    """The messages and pairs rows of a batch in the data source's schema."""
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One batch narrowed to numpy: per message (index i) and per (message, queue) pair."""
+
+    n: int
+    ts: np.ndarray  # store time, epoch microseconds
+    body: np.ndarray  # body bytes (int64)
+    qos: np.ndarray  # publish QoS (null: 0)
+    fanout: np.ndarray  # light queues dispatched to (int32)
+    key: np.ndarray  # (client, topic, second) as one int64 (see _Keys)
+    keys: _Keys
+    owner: np.ndarray  # per pair: its message
+    code: np.ndarray  # per pair: its queue, as an index into names
+    qoff: np.ndarray  # per pair: the queue offset
+    names: list[str]  # the batch's queue names (a few)
+
+
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    """(client id, topic, second) packed into one int64: client and topic as indices into the
+    batch's dictionaries, the second relative to the batch's first (or, when the batch spans
+    more seconds than 4x its rows, its rank among the batch's own seconds)."""
+
+    clients: pa.Array
+    topics: pa.Array
+    seconds: np.ndarray  # the second a packed value stands for: seconds[s]
+    t_bits: int
+    s_bits: int
+
+    def unpack(self, key: np.ndarray) -> tuple[pa.Array, pa.Array, pa.Array]:
+        """The client id, topic and second columns of packed keys."""
+        s_mask = (1 << self.s_bits) - 1
+        t_mask = (1 << self.t_bits) - 1
+        c = pa.array(key >> (self.t_bits + self.s_bits))
+        t = pa.array((key >> self.s_bits) & t_mask)
+        return (
+            pc.take(self.clients, c),
+            pc.take(self.topics, t),
+            pa.array(self.seconds[key & s_mask]),
+        )
+
+
+def narrow(batch: pa.RecordBatch | pa.Table) -> _Batch:
+    """The numbers of a batch in the data source's schema that the partials are made of.
+
+    Strings are hashed once each: client ids and topics into per-batch dictionaries (a message
+    is then one packed int64 key), queue names of the pairs into codes; every row-wise step
+    after that is integer work.
+    """
     n = batch.num_rows
-    offset = batch.column("physical_offset")
-    ts = batch.column("store_timestamp")
-    client = pc.fill_null(batch.column("client_id"), "")
-    topic = pc.coalesce(batch.column("topic"), batch.column("parent_topic"))
-    body = batch.column("body_size")
-    qos = pc.fill_null(batch.column("qos"), 0)
+    ts = _np(pc.cast(batch.column("store_timestamp"), pa.int64()))
+    client = pc.dictionary_encode(
+        _combined(pc.fill_null(batch.column("client_id"), "")), null_encoding="encode"
+    )
+    topic = pc.dictionary_encode(
+        _combined(pc.coalesce(batch.column("topic"), batch.column("parent_topic"))),
+        null_encoding="encode",
+    )
+    sec = np.floor_divide(ts, 1_000_000)
+    c_idx = _np(client.indices).astype(np.int64)
+    t_idx = _np(topic.indices).astype(np.int64)
+    c_bits = max(1, len(client.dictionary).bit_length())
+    t_bits = max(1, len(topic.dictionary).bit_length())
+    lo = int(sec.min()) if n else 0
+    rel = sec - lo
+    span = int(rel.max()) + 1 if n else 1
+    if span <= 4 * max(n, 1):
+        seconds = np.arange(lo, lo + span, dtype=np.int64)
+    else:  # seconds far apart (a quiet gateway): number the batch's own seconds instead
+        seconds, rel = np.unique(sec, return_inverse=True)
+    s_bits = max(1, len(seconds).bit_length())
+    # Every index is below 4 x the batch's rows: 17 + 17 + 19 bits for a batch of _BATCH_ROWS.
+    assert c_bits + t_bits + s_bits <= 62, f"a batch of {n:,} rows is too large to pack"
+    key = (c_idx << (t_bits + s_bits)) | (t_idx << s_bits) | rel.astype(np.int64)
+    keys = _Keys(client.dictionary, topic.dictionary, seconds, t_bits, s_bits)
+
     queues = _combined(batch.column("queues"))
     qoffs = _combined(batch.column("queue_offsets"))
     lengths = np.minimum(
         pc.list_value_length(queues).to_numpy(zero_copy_only=False),
         pc.list_value_length(qoffs).to_numpy(zero_copy_only=False),
     ).astype(np.int64)
-    q_flat, q_owner = _aligned(queues, lengths)
+    q_flat, owner = _aligned(queues, lengths)
     o_flat, _ = _aligned(qoffs, lengths)
     # fanout counts every light queue of the message, even one without an offset.
     all_flat = queues.flatten()
     all_light = pc.starts_with(all_flat, pattern=LIGHT_QUEUE_PREFIX).to_numpy(zero_copy_only=False)
     all_owner = pc.list_parent_indices(queues).to_numpy()
     fanout = np.bincount(all_owner[all_light], minlength=n).astype(np.int32)
-    messages = pa.table([offset, ts, client, topic, body, pa.array(fanout)], schema=MESSAGES_SCHEMA)
-    owner = pa.array(q_owner)
-    pairs = pa.table(
-        [
-            pc.take(offset, owner),
-            pc.take(ts, owner),
-            pc.take(client, owner),
-            pc.take(topic, owner),
-            pc.take(body, owner),
-            pc.take(qos, owner),
-            q_flat,
-            o_flat,
-        ],
-        schema=PAIRS_SCHEMA,
+    codes = pc.dictionary_encode(pc.fill_null(q_flat, ""))
+    return _Batch(
+        n=n,
+        ts=ts,
+        body=_np(batch.column("body_size")).astype(np.int64),
+        qos=_np(pc.fill_null(batch.column("qos"), 0)).astype(np.int64),
+        fanout=fanout,
+        key=key,
+        keys=keys,
+        owner=owner.astype(np.int64),
+        code=_np(codes.indices).astype(np.int64),
+        qoff=_np(o_flat).astype(np.int64),
+        names=codes.dictionary.to_pylist(),
     )
-    return messages, pairs
 
 
 def _combined(column: pa.Array | pa.ChunkedArray) -> pa.ListArray:
@@ -216,97 +281,107 @@ class ScratchPlan:
 
 def partials(batch: pa.RecordBatch | pa.Table, plan: ScratchPlan) -> tuple[pa.Table, ...]:
     """The cube, reached and backlog partial aggregates of one batch (see the module doc)."""
-    messages, pairs = narrow(batch)
-    # Backlog: every pair, whatever the window (it is the queues' current state).
-    light = pairs.filter(pc.starts_with(pairs.column("queue"), pattern=LIGHT_QUEUE_PREFIX))
-    starts = pa.table(
-        [
-            pa.array([q for q, _ in plan.backlog_from], pa.string()),
-            pa.array([f for _, f in plan.backlog_from], pa.int64()),
-        ],
-        names=["queue", "backlog_from"],
-    )
-    joined = light.join(starts, "queue", join_type="left outer", use_threads=False)
-    waiting = pc.fill_null(
-        pc.greater_equal(joined.column("qoff"), joined.column("backlog_from")), False
-    )
-    backlog = (
-        pa.table(
-            {
-                "queue": joined.column("queue"),
-                "qoff": joined.column("qoff"),
-                "waiting_bytes": pc.if_else(
-                    waiting, pc.cast(joined.column("body_size"), pa.int64()), None
-                ),
-                "waiting_ts": pc.if_else(waiting, joined.column("ts"), None),
-            }
-        )
-        .group_by("queue", use_threads=False)
-        .aggregate([("qoff", "max"), ("waiting_bytes", "sum"), ("waiting_ts", "min")])
-        .rename_columns(
-            {
-                "qoff_max": "max_qoff",
-                "waiting_bytes_sum": "waiting_bytes",
-                "waiting_ts_min": "oldest",
-            }
-        )
-        .select(BACKLOG_SCHEMA.names)
-        .cast(BACKLOG_SCHEMA)
-    )
-    messages = messages.filter(_in_window(messages.column("ts"), plan))
-    pairs = pairs.filter(_in_window(pairs.column("ts"), plan))
+    nb = narrow(batch)
+    backlog = _backlog(nb, plan)
+    in_window = _in_window(nb.ts, plan)
     pieces = _pieces(plan.subscribers)
-    reached = _match(pairs, pieces)
-    if plan.dedup:
+    pair_in = in_window[nb.owner]
+    msg, sub, qid, d, dq = _match(nb, pieces, pair_in)
+    if plan.dedup and len(msg):
         # A message reaches a subscriber once however many of its queues it holds (the
         # gateway delivers it from the first of them by name: queue ids follow name order);
         # a message lives in one batch, so this is exact per batch.
-        reached = (
-            reached.group_by(
-                ["physical_offset", "client_id", "topic", "sec", "sub"], use_threads=False
-            )
-            .aggregate([("d", "max"), ("dq", "max"), ("qid", "min")])
-            .rename_columns({"d_max": "d", "dq_max": "dq", "qid_min": "qid"})
+        per = (
+            pa.table({"m": msg, "s": sub, "q": qid, "d": d, "dq": dq})
+            .group_by(["m", "s"], use_threads=False)
+            .aggregate([("d", "max"), ("dq", "max"), ("q", "min")])
         )
+        msg, sub = _np(per["m"]), _np(per["s"])
+        qid, d, dq = _np(per["q_min"]), _np(per["d_max"]), _np(per["dq_max"])
     # r: messages delivered to at least one subscriber (the rest reached nobody).
-    # A batch's messages are in log order: their physical offsets are sorted.
-    got = _np(reached.column("physical_offset"))[_np(reached.column("d")) == 1]
-    msg_phys = _np(messages.column("physical_offset"))
-    was_reached = np.zeros(len(msg_phys), dtype=np.int64)
-    was_reached[np.searchsorted(msg_phys, got)] = 1
+    was_reached = np.zeros(nb.n, dtype=np.int64)
+    was_reached[msg[d == 1]] = 1
+    keep = np.flatnonzero(in_window)
     cube = (
         pa.table(
             {
-                "client_id": messages.column("client_id"),
-                "topic": messages.column("topic"),
-                "sec": _seconds(messages.column("ts")),
-                "fanout": messages.column("fanout"),
-                "r": pa.array(was_reached),
-                "b": pc.cast(messages.column("body_size"), pa.int64()),
-                "ts": messages.column("ts"),
+                "k": nb.key[keep],
+                "fanout": nb.fanout[keep],
+                "r": was_reached[keep],
+                "b": nb.body[keep],
+                "ts": nb.ts[keep],
             }
         )
-        .group_by(["client_id", "topic", "sec", "fanout"], use_threads=False)
+        .group_by(["k", "fanout"], use_threads=False)
         .aggregate([("b", "count"), ("r", "sum"), ("b", "sum"), ("ts", "min"), ("ts", "max")])
-        .rename_columns(
-            {"b_count": "n", "r_sum": "r", "b_sum": "b", "ts_min": "first", "ts_max": "last"}
-        )
-        .select(CUBE_SCHEMA.names)
-        .cast(CUBE_SCHEMA)
     )
-    reached = reached.append_column("d0", pc.subtract(reached.column("d"), reached.column("dq")))
+    client, topic, sec = nb.keys.unpack(_np(cube["k"]))
+    cube = pa.table(
+        [
+            client,
+            topic,
+            sec,
+            cube["fanout"],
+            cube["b_count"],
+            cube["r_sum"],
+            cube["b_sum"],
+            pc.cast(cube["ts_min"], _TS),
+            pc.cast(cube["ts_max"], _TS),
+        ],
+        schema=CUBE_SCHEMA,
+    )
     reached = (
-        reached.group_by(["client_id", "topic", "sec", "sub", "qid"], use_threads=False)
+        pa.table({"k": nb.key[msg], "s": sub, "q": qid, "d": d, "d0": d - dq})
+        .group_by(["k", "s", "q"], use_threads=False)
         .aggregate([("d", "sum"), ("d0", "sum"), ("d", "count")])
-        .rename_columns({"d_sum": "d", "d0_sum": "d0", "d_count": "e"})
     )
-    reached = (
-        reached.append_column("subscriber", pc.take(pieces.subscriber_names, reached["sub"]))
-        .append_column("queue", pc.take(pieces.queue_names, reached["qid"]))
-        .select(REACHED_SCHEMA.names)
-        .cast(REACHED_SCHEMA)
+    client, topic, sec = nb.keys.unpack(_np(reached["k"]))
+    reached = pa.table(
+        [
+            client,
+            topic,
+            sec,
+            pc.take(pieces.subscriber_names, reached["s"]),
+            pc.take(pieces.queue_names, reached["q"]),
+            reached["d_sum"],
+            reached["d0_sum"],
+            reached["d_count"],
+        ],
+        schema=REACHED_SCHEMA,
     )
     return cube, reached, backlog
+
+
+def _backlog(nb: _Batch, plan: ScratchPlan) -> pa.Table:
+    """Per light queue of the batch, whatever the window (it is the queues' current state):
+    its largest offset, and of its messages at or after its first undelivered offset (none
+    when no one subscribes), their bytes and the oldest store time."""
+    never = np.iinfo(np.int64).max
+    start = dict(plan.backlog_from)
+    light = np.array([q.startswith(LIGHT_QUEUE_PREFIX) for q in nb.names], dtype=bool)
+    first = np.array([start.get(q, never) for q in nb.names], dtype=np.int64)
+    at = np.flatnonzero(light[nb.code]) if len(nb.names) else np.zeros(0, dtype=np.int64)
+    code, qoff, owner = nb.code[at], nb.qoff[at], nb.owner[at]
+    waiting = qoff >= first[code]
+    size = len(nb.names)
+    max_qoff = np.full(size, -1, dtype=np.int64)
+    np.maximum.at(max_qoff, code, qoff)
+    w_code, w_owner = code[waiting], owner[waiting]
+    w_bytes = np.zeros(size, dtype=np.int64)
+    np.add.at(w_bytes, w_code, nb.body[w_owner])
+    oldest = np.full(size, never, dtype=np.int64)
+    np.minimum.at(oldest, w_code, nb.ts[w_owner])
+    seen = np.flatnonzero(np.bincount(code, minlength=size))
+    none = np.bincount(w_code, minlength=size)[seen] == 0
+    return pa.table(
+        [
+            pa.array([nb.names[i] for i in seen], pa.string()),
+            pa.array(max_qoff[seen]),
+            pa.array(w_bytes[seen], mask=none),
+            pc.cast(pa.array(oldest[seen], mask=none), _TS),
+        ],
+        schema=BACKLOG_SCHEMA,
+    )
 
 
 @dataclass(frozen=True)
@@ -315,6 +390,7 @@ class _Pieces:
 
     queue_names: pa.Array
     subscriber_names: pa.Array
+    queue_id: dict[str, int]  # name -> queue id
     first: np.ndarray  # per queue id: index of its first piece
     count: np.ndarray  # per queue id: how many pieces
     sub: np.ndarray  # per piece: subscriber id
@@ -337,6 +413,7 @@ def _pieces(rows: tuple[tuple[str, str, int, int, int, int], ...]) -> _Pieces:
     return _Pieces(
         queue_names=pa.array(queues, pa.string()),
         subscriber_names=pa.array(subs, pa.string()),
+        queue_id=q_id,
         first=np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64),
         count=count,
         sub=np.array([s_id[r[0]] for r in ordered], dtype=np.int64),
@@ -348,46 +425,37 @@ def _pieces(rows: tuple[tuple[str, str, int, int, int, int], ...]) -> _Pieces:
     )
 
 
-def _match(pairs: pa.Table, pieces: _Pieces) -> pa.Table:
-    """Every (pair, piece) with the pair's queue offset in [lo, hi): one row per subscriber
-    a message was due to through one of its queues; d = done (below acked), dq = done at a
-    QoS above 0 (acknowledged). A join done with numpy on queue ids: the pieces are few, the
-    pairs many, and hashing their queue names once is all the string work."""
-    n = pairs.num_rows
-    if n == 0 or len(pieces.queue_names) == 0:
-        ids = np.zeros(0, dtype=np.int64)
-        pair_at = piece_at = ids
-    else:
-        qid = pc.index_in(pairs.column("queue"), value_set=pieces.queue_names)
-        qid_np = pc.fill_null(qid, -1).to_numpy(zero_copy_only=False).astype(np.int64)
-        known = qid_np >= 0
-        safe = np.where(known, qid_np, 0)
-        per_pair = np.where(known, pieces.count[safe], 0)
-        pair_at = np.repeat(np.arange(n, dtype=np.int64), per_pair)
-        step = np.arange(len(pair_at), dtype=np.int64) - np.repeat(
-            np.cumsum(per_pair) - per_pair, per_pair
-        )
-        piece_at = pieces.first[safe[pair_at]] + step
-        qoff = _np(pairs.column("qoff"))[pair_at]
-        inside = (qoff >= pieces.lo[piece_at]) & (qoff < pieces.hi[piece_at])
-        pair_at, piece_at = pair_at[inside], piece_at[inside]
-    qoff = _np(pairs.column("qoff"))[pair_at] if n else np.zeros(0, dtype=np.int64)
+def _match(
+    nb: _Batch, pieces: _Pieces, pair_in: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (pair, piece) with the pair in the window and its queue offset in the piece's
+    [lo, hi): one row per subscriber a message was due to through one of its queues, as
+    (message, subscriber id, queue id, d = done: below acked, dq = done at a QoS above 0:
+    acknowledged). A join done with numpy on queue ids: the pieces are few, the pairs many."""
+    q_of_code = np.array([pieces.queue_id.get(q, -1) for q in nb.names], dtype=np.int64)
+    pairs = np.flatnonzero(pair_in)
+    qid_np = q_of_code[nb.code[pairs]] if len(q_of_code) else np.zeros(0, dtype=np.int64)
+    known = qid_np >= 0
+    pairs, qid_np = pairs[known], qid_np[known]
+    per_pair = pieces.count[qid_np]
+    pair_at = np.repeat(pairs, per_pair)
+    step = np.arange(len(pair_at), dtype=np.int64) - np.repeat(
+        np.cumsum(per_pair) - per_pair, per_pair
+    )
+    piece_at = np.repeat(pieces.first[qid_np], per_pair) + step
+    qoff = nb.qoff[pair_at]
+    inside = (qoff >= pieces.lo[piece_at]) & (qoff < pieces.hi[piece_at])
+    pair_at, piece_at, qoff = pair_at[inside], piece_at[inside], qoff[inside]
+    msg = nb.owner[pair_at]
     done = qoff < pieces.acked[piece_at]
-    msg_qos = _np(pairs.column("qos"))[pair_at] if n else np.zeros(0, dtype=np.int64)
     # Delivered QoS = min(publish QoS, subscription QoS): above 0 it was acknowledged.
-    acked = done & (msg_qos > 0) & (pieces.qos[piece_at] > 0)
-    take = pa.array(pair_at)
-    return pa.table(
-        {
-            "physical_offset": pc.take(pairs.column("physical_offset"), take),
-            "client_id": pc.take(pairs.column("client_id"), take),
-            "topic": pc.take(pairs.column("topic"), take),
-            "sec": _seconds(pc.take(pairs.column("ts"), take)),
-            "sub": pa.array(pieces.sub[piece_at]),
-            "qid": pa.array(pieces.qid[piece_at]),
-            "d": pa.array(done.astype(np.int64)),
-            "dq": pa.array(acked.astype(np.int64)),
-        }
+    acked = done & (nb.qos[msg] > 0) & (pieces.qos[piece_at] > 0)
+    return (
+        msg,
+        pieces.sub[piece_at],
+        pieces.qid[piece_at],
+        done.astype(np.int64),
+        acked.astype(np.int64),
     )
 
 
@@ -397,58 +465,79 @@ def _np(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return column.to_numpy(zero_copy_only=False)
 
 
-def _in_window(ts: pa.ChunkedArray | pa.Array, plan: ScratchPlan) -> pa.Array:
-    micros = pc.cast(ts, pa.int64())
-    keep = pa.array(np.ones(len(ts), dtype=bool))
+def _in_window(ts: np.ndarray, plan: ScratchPlan) -> np.ndarray:
+    """Per message: whether its store time (epoch microseconds) is in [since, until)."""
+    keep = np.ones(len(ts), dtype=bool)
     if plan.since_ms is not None:
-        keep = pc.and_(keep, pc.greater_equal(micros, plan.since_ms * 1000))
+        keep &= ts >= plan.since_ms * 1000
     if plan.until_ms is not None:
-        keep = pc.and_(keep, pc.less(micros, plan.until_ms * 1000))
+        keep &= ts < plan.until_ms * 1000
     return keep
 
 
-def _seconds(ts: pa.ChunkedArray | pa.Array) -> pa.Array:
-    """Whole seconds since the epoch, floored: every timeline window is a multiple of it."""
-    micros = pc.cast(ts, pa.int64())
-    if isinstance(micros, pa.ChunkedArray):
-        micros = micros.combine_chunks()
-    return pa.array(np.floor_divide(micros.to_numpy(zero_copy_only=False), 1_000_000))
-
-
 def write_part(source: ScratchInput, scratch_dir: str, plan: ScratchPlan) -> ScratchPart:
-    """Read one segment and write its partial aggregates (runs in a Spark worker)."""
+    """Read one segment and write its partial aggregates (runs in a Spark worker).
+
+    The batches' partials are rolled up once more over the whole segment before they are
+    written: keys that straddle batches (a second, a device) become one row, so Spark reads
+    fewer rows (about 40 % fewer with 64 MiB segments)."""
     import pyarrow.parquet as pq
 
     root = Path(scratch_dir)
     name = f"{source.segment.name}.parquet"
-    for d in (CUBE_DIR, REACHED_DIR, BACKLOG_DIR):
-        (root / d).mkdir(parents=True, exist_ok=True)
     n_msgs = 0
     lo: int | None = None
     hi: int | None = None
-    # Scratch lives for one report: fast compression.
-    opts: dict[str, Any] = {"compression": "lz4", "write_statistics": False}
+    parts: list[tuple[pa.Table, ...]] = []
     try:
-        with (
-            pq.ParquetWriter(root / CUBE_DIR / name, CUBE_SCHEMA, **opts) as cw,
-            pq.ParquetWriter(root / REACHED_DIR / name, REACHED_SCHEMA, **opts) as rw,
-            pq.ParquetWriter(root / BACKLOG_DIR / name, BACKLOG_SCHEMA, **opts) as bw,
-        ):
-            for batch in _batches(source):
-                if not batch.num_rows:
-                    continue
-                cube, reached, backlog = partials(batch, plan)
-                cw.write_table(cube)
-                rw.write_table(reached)
-                bw.write_table(backlog)
-                n_msgs += batch.num_rows
-                span = pc.min_max(batch.column("store_timestamp"))
-                b_lo, b_hi = span["min"].value // 1000, span["max"].value // 1000
-                lo = b_lo if lo is None else min(lo, b_lo)
-                hi = b_hi if hi is None else max(hi, b_hi)
+        for batch in _batches(source):
+            if not batch.num_rows:
+                continue
+            parts.append(partials(batch, plan))
+            n_msgs += batch.num_rows
+            span = pc.min_max(batch.column("store_timestamp"))
+            b_lo, b_hi = span["min"].value // 1000, span["max"].value // 1000
+            lo = b_lo if lo is None else min(lo, b_lo)
+            hi = b_hi if hi is None else max(hi, b_hi)
     except AnalyticsError as e:
         raise RuntimeError(e.worker_text()) from None
+    # Scratch lives for one report: fast compression.
+    opts: dict[str, Any] = {"compression": "lz4", "write_statistics": False}
+    for i, (directory, schema) in enumerate(
+        ((CUBE_DIR, CUBE_SCHEMA), (REACHED_DIR, REACHED_SCHEMA), (BACKLOG_DIR, BACKLOG_SCHEMA))
+    ):
+        (root / directory).mkdir(parents=True, exist_ok=True)
+        tables = [part[i] for part in parts]
+        table = _rollup(pa.concat_tables(tables), directory) if len(tables) > 1 else None
+        if table is None:
+            table = tables[0] if tables else schema.empty_table()
+        pq.write_table(table, root / directory / name, **opts)
     return ScratchPart(source.segment.start_offset, n_msgs, lo, hi)
+
+
+#: Per scratch table: its key columns and how each other column rolls up.
+_ROLLUPS: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
+    CUBE_DIR: (
+        ["client_id", "topic", "sec", "fanout"],
+        [("n", "sum"), ("r", "sum"), ("b", "sum"), ("first", "min"), ("last", "max")],
+    ),
+    REACHED_DIR: (
+        ["client_id", "topic", "sec", "subscriber", "queue"],
+        [("d", "sum"), ("d0", "sum"), ("e", "sum")],
+    ),
+    BACKLOG_DIR: (
+        ["queue"],
+        [("max_qoff", "max"), ("waiting_bytes", "sum"), ("oldest", "min")],
+    ),
+}
+
+
+def _rollup(table: pa.Table, directory: str) -> pa.Table:
+    """Several batches' partials of one scratch table as one (nulls stay null: a sum or min
+    of nothing but nulls is null, as Spark's roll-up expects)."""
+    keys, aggs = _ROLLUPS[directory]
+    out = table.group_by(keys, use_threads=False).aggregate(aggs)
+    return out.rename_columns({f"{c}_{fn}": c for c, fn in aggs}).select(table.schema.names)
 
 
 def _batches(source: ScratchInput) -> Iterator[pa.RecordBatch]:

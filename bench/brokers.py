@@ -22,6 +22,9 @@ import psutil
 from bench.realtime import make_realtime
 
 BROKERS = ("lmqtt", "mosquitto", "amqtt")
+#: lmqtt with its delivery account turned off (--no-delivery-account): `bench --account-cost`
+#: runs it beside lmqtt to price the account.
+LMQTT_NO_ACCOUNT = "lmqtt-noaccount"
 
 
 class BrokerUnavailable(Exception):
@@ -33,6 +36,7 @@ class BrokerOptions:
     flush: str = "async"  # lmqtt only: "async" or "sync"
     persistence: bool = False  # Mosquitto only: lmqtt always stores, amqtt never does
     admin: bool = False  # lmqtt only: serve /metrics (GC pause figures) on a free port
+    delivery_account: bool = True  # lmqtt only: keep the delivery account (its default)
 
 
 def free_port() -> int:
@@ -56,9 +60,13 @@ class BrokerProcess:
         self.realtime = realtime
         self.realtime_applied = False
         self.port = free_port()
-        self.admin_port = free_port() if options.admin and name == "lmqtt" else None
+        self.admin_port = free_port() if options.admin and self.is_lmqtt else None
         self.process: asyncio.subprocess.Process | None = None
         self.ps: psutil.Process | None = None
+
+    @property
+    def is_lmqtt(self) -> bool:
+        return self.name in ("lmqtt", LMQTT_NO_ACCOUNT)
 
     @property
     def pid(self) -> int:
@@ -66,15 +74,17 @@ class BrokerProcess:
         return self.process.pid
 
     def command(self) -> list[str]:
-        if self.name == "lmqtt":
+        if self.is_lmqtt:
             exe = Path(sys.executable).parent / "lmqtt"
             if not exe.exists():
                 raise BrokerUnavailable("lmqtt console script not installed")
-            admin = ["--admin-port", str(self.admin_port)] if self.admin_port else []
+            extra = ["--admin-port", str(self.admin_port)] if self.admin_port else []
+            if not self.options.delivery_account or self.name == LMQTT_NO_ACCOUNT:
+                extra.append("--no-delivery-account")
             return [
                 str(exe),
                 "serve",
-                *admin,
+                *extra,
                 "--host",
                 "127.0.0.1",
                 "--port",

@@ -15,11 +15,24 @@ import resource
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.brokers import BROKERS, BrokerOptions, BrokerProcess, BrokerUnavailable
-from bench.report import machine_details, render_markdown, write_docs
+from bench.brokers import (
+    BROKERS,
+    LMQTT_NO_ACCOUNT,
+    BrokerOptions,
+    BrokerProcess,
+    BrokerUnavailable,
+)
+from bench.report import (
+    account_cost,
+    describe_account_cost,
+    machine_details,
+    render_markdown,
+    write_docs,
+)
 from bench.scenarios import SCENARIOS, RunSettings, run_scenario
 from bench.workers import WorkerError, wait_for_quiet_host
 
@@ -75,6 +88,7 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
             results[name] = {}
             realtime = scenario.realtime and args.realtime
             plan: list[tuple[str, BrokerOptions]] = []
+            pricing = args.account_cost and "lmqtt" in brokers
             for broker_name in brokers:
                 options = scenario.options(broker_name)
                 entry: dict[str, Any] = {"runs": [], "notes": []}
@@ -83,7 +97,11 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
                     entry["notes"].append("n/a for this broker")
                 else:
                     plan.append((broker_name, options))
-            repeats = settings.repeat if scenario.repeated else 1
+                    if broker_name == "lmqtt" and pricing:
+                        # Right after lmqtt, so the two take turns (see below).
+                        results[name][LMQTT_NO_ACCOUNT] = {"runs": [], "notes": []}
+                        plan.append((LMQTT_NO_ACCOUNT, replace(options, delivery_account=False)))
+            repeats = settings.repeat if scenario.repeated or pricing else 1
             # Brokers take turns (lmqtt #1, Mosquitto #1, amqtt #1, lmqtt #2, ...) so that a
             # burst of other load on the shared host falls on every broker alike, not on all
             # the runs of one of them.
@@ -127,6 +145,10 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
                 entry = results[name][broker_name]
                 if entry["runs"]:
                     entry["median"] = median_metrics(entry["runs"])
+            cost = account_cost(results[name])
+            if cost is not None:
+                results[name]["account_cost"] = cost
+                print(f"    {name}: {describe_account_cost(cost)}", file=sys.stderr, flush=True)
     return results
 
 
@@ -157,6 +179,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="fleet: QoS 1 PUBLISHes a device leaves unacknowledged before it waits (0: no "
         "limit, devices write on schedule whatever the broker does; see bench/fleetgen.py)",
+    )
+    parser.add_argument(
+        "--account-cost",
+        action="store_true",
+        help="also run lmqtt without its delivery account (taking turns with lmqtt, --repeat "
+        "times each) and print the account's CPU cost per delivery",
     )
     parser.add_argument("--scenario-timeout", type=float, default=600.0)
     parser.add_argument(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 import psutil
 
+from bench.brokers import LMQTT_NO_ACCOUNT
 from bench.scenarios import SCENARIOS
 from bench.workers import invalid_reason
 
@@ -240,8 +242,46 @@ def render_markdown(document: dict[str, Any]) -> str:
                 f"{_fmt(median.get('gen_cpu'))} | {_fmt(median.get('other_cpu'))} | "
                 f"{', '.join(median.get('flags', []))} | {notes} |"
             )
+    priced = [(name, r["account_cost"]) for name, r in results.items() if "account_cost" in r]
+    if priced:
+        lines += ["", "lmqtt with and without its delivery account (bench --account-cost):", ""]
+        lines += [f"- {name}: {describe_account_cost(cost)}" for name, cost in priced]
     lines += _latency_self_check(results, brokers)
     return "\n".join(lines) + "\n"
+
+
+def account_cost(per_broker: dict[str, Any]) -> dict[str, Any] | None:
+    """What the delivery account costs lmqtt: CPU per delivery with it minus without it, from
+    the runs of lmqtt and lmqtt-noaccount (taken in turns: median of the paired differences),
+    or None when either has no runs."""
+    on = [r for r in per_broker.get("lmqtt", {}).get("runs", []) if "us_cpu_per_delivery" in r]
+    off = [
+        r for r in per_broker.get(LMQTT_NO_ACCOUNT, {}).get("runs", [])
+        if "us_cpu_per_delivery" in r
+    ]  # fmt: skip
+    if not on or not off:
+        return None
+    with_ = statistics.median(r["us_cpu_per_delivery"] for r in on)
+    without = statistics.median(r["us_cpu_per_delivery"] for r in off)
+    diffs = [
+        a["us_cpu_per_delivery"] - b["us_cpu_per_delivery"] for a, b in zip(on, off, strict=False)
+    ]
+    return {
+        "us_cpu_per_delivery_with": with_,
+        "us_cpu_per_delivery_without": without,
+        "us_cpu_per_delivery_account": round(statistics.median(diffs), 2),
+        "paired_diffs": [round(d, 2) for d in diffs],
+        "share_pct": round(100 * statistics.median(diffs) / with_, 1) if with_ else None,
+    }
+
+
+def describe_account_cost(cost: dict[str, Any]) -> str:
+    return (
+        f"delivery account {cost['us_cpu_per_delivery_account']:+.2f} us CPU per delivery "
+        f"({cost['share_pct']}% of lmqtt's {cost['us_cpu_per_delivery_with']:.2f} us; "
+        f"without it {cost['us_cpu_per_delivery_without']:.2f} us; "
+        f"paired runs {cost['paired_diffs']})"
+    )
 
 
 def _latency_self_check(results: dict[str, Any], brokers: list[str]) -> list[str]:

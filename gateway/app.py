@@ -24,7 +24,7 @@ from gateway.client import ClientConnection, ClientContext, ServerState
 from gateway.config import GatewaySettings
 from gateway.cursor import QueueCursor
 from gateway.delivery import DeliveryContext, PreparedCache, RecentMessages
-from gateway.delivery_account import DeliveryAccount
+from gateway.delivery_account import DeliveryAccount, NoDeliveryAccount
 from gateway.embedded import open_account
 from gateway.gc_monitor import GcMonitor
 from gateway.ingest import IngestBatch
@@ -117,7 +117,11 @@ class Gateway:
         self.overload = OverloadGuard(loop)
         self.timers = TimerWheel(loop)
         self.gc.start(loop, self.state.connections.__len__)
-        account = self.account = DeliveryAccount(open_account(s), store.max_offset)
+        account = self.account = (
+            DeliveryAccount(open_account(s), store.max_offset)
+            if s.delivery_account
+            else NoDeliveryAccount()
+        )
         shared = self.shared = SharedSubscriptions(store, cursor, arrivals, account)
         registry = self.sessions = SessionRegistry(store)
         subscriptions = self.subscriptions = SubscriptionLifecycle(

@@ -103,6 +103,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--admin-port", type=int, metavar="PORT", help="HTTP /metrics and /health (default off)"
     )
+    serve.add_argument(
+        "--no-delivery-account",
+        dest="delivery_account",
+        action="store_const",
+        const=False,
+        help="keep no delivery account (reports then count persistent sessions' deliveries only)",
+    )
 
     inspect = sub.add_parser(
         "inspect",
@@ -292,6 +299,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             acl_file=args.acl_file,
             admin_port=args.admin_port,
             event_loop=args.event_loop,
+            delivery_account=args.delivery_account,
         )
     except SettingsError as exc:
         _err(str(exc))

@@ -151,6 +151,10 @@ class GatewaySettings(BaseSettings):
     # --- services
     sys_interval: float = Field(default=10.0, ge=0)  # $SYS publish period in s, 0 = off
     retained_snapshot_interval: float = Field(default=60.0, gt=0)  # s between retained snapshots
+    # The delivery account (gateway/delivery_account.py): what every subscription was sent and
+    # acknowledged, for the fan-out report. Off: no account files, and reports count the
+    # deliveries of persistent sessions only (their committed offsets).
+    delivery_account: bool = True
     # Event loop for `lmqtt serve`: auto = uvloop when installed, else asyncio's own.
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     log_level: str = "WARNING"

@@ -233,6 +233,43 @@ class DeliveryAccount:
         )
 
 
+class NoDeliveryAccount(DeliveryAccount):
+    """The account turned off (settings.delivery_account = False): no files, nothing kept;
+    each call the gateway makes returns at once. What a gateway costs without the account is
+    what the fleet bench compares against (bench fleet --account-cost)."""
+
+    def __init__(self) -> None:  # no writer: nothing is ever written
+        self.flush_s = FLUSH_S
+        self.record_s = RECORD_S
+        self.sample_s = SAMPLE_S
+
+    def moved(self, session: Session, sub: SubscriptionState) -> None:
+        pass
+
+    def group_moved(self, group: SharedGroup) -> None:
+        pass
+
+    def ended(self, session: Session, sub: SubscriptionState) -> None:
+        pass
+
+    def group_ended(self, group: SharedGroup) -> None:
+        pass
+
+    def flush(self, moved: bool = True) -> int:
+        return 0
+
+    def sample(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> int:
+        return 0
+
+    async def run(
+        self, sessions: Callable[[], Iterable[Session]], groups: Callable[[], Iterable[SharedGroup]]
+    ) -> None:
+        return
+
+    def close(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> None:
+        pass
+
+
 def _advance(cycle: Iterator[bool], looks: int, writes: int) -> bool:
     """Walk `cycle` for up to `looks` subscriptions or `writes` records; False once it is
     exhausted."""

@@ -9,7 +9,12 @@ Files, under ``<data_dir>/account/``::
 
     names       append-only name table: one entry per distinct string, written before the
                 first range record that uses it
-    ranges      append-only fixed-size range records (RECORD_SIZE bytes each)
+    ranges      append-only fixed-size range records (RECORD_SIZE bytes each): the first file
+    ranges.0000000001, ranges.0000000002, ...
+                the files after it: the writer starts the next one once the current one holds
+                ROLL_BYTES, so that retention can delete whole old files (store/retention.py:
+                a file whose newest record is older than the oldest message the CommitLog
+                still holds speaks only of deleted messages). Read in sequence order.
 
 Name entry (big-endian)::
 
@@ -46,8 +51,10 @@ when it opens the files again.
 
 from __future__ import annotations
 
+import array
 import os
 import struct
+import sys
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,7 +63,8 @@ from typing import Final
 
 ACCOUNT_DIR: Final = "account"
 NAMES_FILE: Final = "names"
-RANGES_FILE: Final = "ranges"
+RANGES_FILE: Final = "ranges"  # sequence 0; then ranges.<10-digit sequence>
+ROLL_BYTES: Final = 64 << 20  # a ranges file holds up to 1,048,576 records
 
 MAGIC: Final = 0x4C444131
 RECORD: Final = struct.Struct(">IBBHIIqqqqqII")
@@ -141,28 +149,94 @@ def decode_records(data: bytes, names: dict[int, str]) -> list[AccountRecord]:
     return out
 
 
+def ranges_name(seq: int) -> str:
+    return RANGES_FILE if seq == 0 else f"{RANGES_FILE}.{seq:010d}"
+
+
+def ranges_files(root: Path) -> list[tuple[int, Path]]:
+    """The ranges files of an account directory as (sequence, path), oldest first."""
+    out = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        name = entry.name
+        if name == RANGES_FILE:
+            out.append((0, Path(entry.path)))
+        elif name.startswith(RANGES_FILE + ".") and name[len(RANGES_FILE) + 1 :].isdigit():
+            out.append((int(name[len(RANGES_FILE) + 1 :]), Path(entry.path)))
+    out.sort()
+    return out
+
+
 def read_account(data_dir: str | Path) -> list[AccountRecord]:
     """All valid records of a data directory's account, oldest first ([] when there is none)."""
     root = Path(data_dir) / ACCOUNT_DIR
     try:
         names_data = (root / NAMES_FILE).read_bytes()
-        ranges_data = (root / RANGES_FILE).read_bytes()
     except FileNotFoundError:
         return []
     names, _ = decode_names(names_data)
-    return decode_records(ranges_data, names)
+    out: list[AccountRecord] = []
+    for _, path in ranges_files(root):
+        try:
+            out += decode_records(path.read_bytes(), names)
+        except FileNotFoundError:
+            continue  # deleted by retention since the listing
+    return out
+
+
+_TIME_AT: Final = 48  # TIME_MS's offset in a record (see the table above)
+
+
+def newest_time_ms(path: Path) -> int | None:
+    """The largest TIME_MS of a ranges file's records (CRCs not checked: a damaged record can
+    only make the file look newer, i.e. kept longer); None if it holds no whole record."""
+    data = path.read_bytes()
+    n = len(data) // RECORD_SIZE
+    if not n:
+        return None
+    words = array.array("q")  # 8-byte words, read in bulk: no loop over the records
+    words.frombytes(data[: n * RECORD_SIZE])
+    if sys.byteorder == "little":
+        words.byteswap()  # the file is big-endian
+    return max(words[_TIME_AT // 8 :: RECORD_SIZE // 8])
+
+
+def expired_ranges(data_dir: str | Path, before_ms: int) -> list[Path]:
+    """The ranges files every record of which was written before `before_ms` (the store time
+    of the oldest message the store still holds): each record speaks only of messages stored
+    before it was written, so these speak only of deleted ones. The newest file (the writer's)
+    is never among them."""
+    files = ranges_files(Path(data_dir) / ACCOUNT_DIR)
+    out = []
+    for _, path in files[:-1]:
+        try:
+            newest = newest_time_ms(path)
+        except FileNotFoundError:
+            continue
+        if newest is None or newest < before_ms:
+            out.append(path)
+    return out
 
 
 class AccountWriter:
     """Appends records to a data directory's account; one writer per data directory (the
-    gateway holds the store's lock). Not thread-safe. Each `append` is one write per file."""
+    gateway holds the store's lock). Not thread-safe. Each `append` is one write per file;
+    a ranges file that reached `roll_bytes` is followed by the next before the write."""
 
-    def __init__(self, data_dir: str | Path, fsync: bool = False) -> None:
+    def __init__(
+        self, data_dir: str | Path, fsync: bool = False, roll_bytes: int = ROLL_BYTES
+    ) -> None:
         self.root = Path(data_dir) / ACCOUNT_DIR
         self.root.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
+        self._roll_bytes = max(RECORD_SIZE, roll_bytes - roll_bytes % RECORD_SIZE)
         names_path = self.root / NAMES_FILE
-        ranges_path = self.root / RANGES_FILE
+        files = ranges_files(self.root)
+        self._seq = files[-1][0] if files else 0
+        ranges_path = self.root / ranges_name(self._seq)
         try:
             data = names_path.read_bytes()
         except FileNotFoundError:
@@ -178,6 +252,7 @@ class AccountWriter:
         whole = size - size % RECORD_SIZE
         os.ftruncate(self._ranges, whole)
         os.lseek(self._ranges, whole, os.SEEK_SET)
+        self._size = whole
         self.records_written = 0
 
     def append(self, records: Iterable[AccountRecord]) -> int:
@@ -200,9 +275,22 @@ class AccountWriter:
         if new_names:
             _write_all(self._names, b"".join(new_names))
         if body:
+            if self._size >= self._roll_bytes:
+                self._roll()
             _write_all(self._ranges, b"".join(body))
+            self._size += len(body) * RECORD_SIZE
         self.records_written += len(body)
         return len(body)
+
+    def _roll(self) -> None:
+        """Start the next ranges file (the full one is complete: retention may delete it)."""
+        if self._fsync:
+            os.fsync(self._ranges)
+        os.close(self._ranges)
+        self._seq += 1
+        path = self.root / ranges_name(self._seq)
+        self._ranges = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._size = 0
 
     def _new_name(self, name: str, out: list[bytes]) -> int:
         i = self._ids[name] = self._next_id

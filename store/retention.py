@@ -2,7 +2,9 @@
 
 The segment being written is never deleted. After segments go, every consume queue deletes
 files whose units all point below the new log start, and its ``min_offset`` moves up; queues
-not in memory are corrected when next loaded. Runs under the store lock.
+not in memory are corrected when next loaded; and the delivery account's ranges files that
+speak only of deleted messages go too (store/delivery_account.py: written before the oldest
+message left). Runs under the store lock.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
-from store.commitlog import CommitLog
+from store.commitlog import CommitLog, first_store_timestamp
 from store.consumequeue import ConsumeQueueTable
+from store.delivery_account import expired_ranges
 
 log = logging.getLogger("lmqtt.store.retention")
 
@@ -48,8 +52,11 @@ def apply_retention(
     retention_hours: float | None,
     retention_bytes: int | None,
     now: float | None = None,
+    data_dir: Path | None = None,
 ) -> int:
-    """Delete expired segments and the queue files they make useless; returns segments deleted."""
+    """Delete expired segments and the queue files they make useless, and (given the data
+    directory) the delivery account files that speak only of deleted messages; returns the
+    segments deleted."""
     n = expired_segments(
         commitlog, retention_hours=retention_hours, retention_bytes=retention_bytes, now=now
     )
@@ -68,4 +75,26 @@ def apply_retention(
         table.delete_files_below(cq, log_min)
         table.correct_min_offset(cq)
         table.evict_overflow()
+    if data_dir is not None:
+        delete_expired_account(data_dir, commitlog)
     return n
+
+
+def delete_expired_account(data_dir: Path, commitlog: CommitLog) -> int:
+    """Delete the account's ranges files written wholly before the oldest message the log
+    still holds; returns how many. Runs when segments were deleted (only then does that
+    message get younger); the writer's current file is never one of them."""
+    if not commitlog.segments:
+        return 0
+    oldest = first_store_timestamp(commitlog.segments[0].path)
+    if oldest is None:
+        return 0
+    deleted = 0
+    for path in expired_ranges(data_dir, oldest):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        deleted += 1
+        log.info("retention: deleted delivery account file %s", path.name)
+    return deleted

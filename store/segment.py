@@ -66,7 +66,11 @@ class Segment:
         file-system block reservation) for every new page and again for each page the flusher
         has cleaned: twice to three times the CPU for the batches the gateway appends.
         """
-        view = memoryview(data)
+        n = os.pwrite(self.fd, data, rel)
+        if n == len(data):  # the usual case, and all of a single put's: no view, no loop
+            return
+        view = memoryview(data)[n:]
+        rel += n
         while view:
             n = os.pwrite(self.fd, view, rel)
             view = view[n:]

@@ -448,7 +448,7 @@ class MessageStore:
             return apply_retention(
                 self.commitlog, self.queues_table,
                 retention_hours=self.config.retention_hours,
-                retention_bytes=self.config.retention_bytes, now=now,
+                retention_bytes=self.config.retention_bytes, now=now, data_dir=self.data_dir,
             )  # fmt: skip
 
     # =========================================================================================

@@ -123,3 +123,41 @@ async def test_fleet_moves_every_device_message_to_every_backend(tmp_path: Path)
     assert metrics["loss_pct"] == 0.0
     for key in ("p50_ms", "p99_ms", "p999_ms", "us_cpu_per_publish", "kib_per_device"):
         assert key in metrics
+
+
+@pytest.mark.parametrize("name", ["lmqtt", "lmqtt-noaccount"])
+async def test_lmqtt_without_its_delivery_account_keeps_none(tmp_path: Path, name: str) -> None:
+    """bench --account-cost runs lmqtt-noaccount beside lmqtt: the same gateway, messages flow,
+    but it writes no delivery account (lmqtt writes one by the time it stops)."""
+    broker = BrokerProcess(name, tmp_path, BrokerOptions())
+    await broker.start()
+    try:
+        metrics = await fanout(
+            broker,
+            RunSettings(duration=1.0),
+            qos=1,
+            connections=[{"id": "smoke-sub", "filters": ["smoke/t"]}],
+            topics=["smoke/t"],
+            per_message=1,
+            rate=500.0,
+            latency=False,
+        )
+    finally:
+        await broker.stop()
+    assert metrics["published"] > 100
+    assert metrics["delivered"] == metrics["published"]
+    assert (tmp_path / "data" / "account").exists() == (name == "lmqtt")
+
+
+def test_account_cost_is_the_paired_difference_per_delivery() -> None:
+    from bench.report import account_cost
+
+    def runs(*us: float) -> dict[str, object]:
+        return {"runs": [{"us_cpu_per_delivery": u} for u in us]}
+
+    cost = account_cost({"lmqtt": runs(10.0, 12.0, 11.0), "lmqtt-noaccount": runs(9.0, 11.5, 9.0)})
+    assert cost is not None
+    assert cost["paired_diffs"] == [1.0, 0.5, 2.0]
+    assert cost["us_cpu_per_delivery_account"] == 1.0
+    assert cost["share_pct"] == round(100 * 1.0 / 11.0, 1)
+    assert account_cost({"lmqtt": runs(10.0)}) is None

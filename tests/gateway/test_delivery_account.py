@@ -73,3 +73,36 @@ def test_ranges_of_every_kind_of_subscription(tmp_path: Path) -> None:
     # At shutdown every open subscription is written once more; the persistent one stays open.
     k = _newest(data, "keep", "a/#")
     assert k is not None and not k.flags & FLAG_CLOSED and k.acked == N
+
+
+def test_turned_off_the_gateway_writes_no_account(tmp_path: Path) -> None:
+    """delivery_account = false: messages flow as before, and no account file appears, not even
+    at shutdown (clean sessions' ranges are written then when it is on)."""
+    from store.delivery_account import ACCOUNT_DIR
+
+    data = tmp_path / "data"
+    h = GatewayHarness(data, delivery_account=False).start()
+    made: list[Client] = []
+    try:
+        keep = Client(h.port, "keep", clean=False)
+        zero = Client(h.port, "zero")
+        pub = Client(h.port, "pub")
+        made += [keep, zero, pub]
+        keep.subscribe("a/#", qos=1)
+        zero.subscribe("a/b", qos=0)
+        for i in range(N):
+            pub.publish("a/b", str(i).encode(), qos=1)
+        keep.wait_messages(N)
+        zero.wait_messages(N)
+        zero.disconnect()
+    finally:
+        for c in made:
+            try:
+                c.c.disconnect()
+                c.c.loop_stop()
+            except Exception:
+                pass
+        h.stop()
+    assert (data / "commitlog").is_dir()
+    assert not (data / ACCOUNT_DIR).exists()
+    assert read_account(data) == []
