@@ -23,7 +23,7 @@ from gateway.backends import open_backend
 from gateway.client import ClientConnection, ClientContext, ServerState
 from gateway.config import GatewaySettings
 from gateway.cursor import QueueCursor
-from gateway.delivery import DeliveryContext, PreparedCache, RecentMessages
+from gateway.delivery import DeliveryContext
 from gateway.delivery_account import DeliveryAccount, NoDeliveryAccount
 from gateway.embedded import open_account
 from gateway.gc_monitor import GcMonitor
@@ -33,6 +33,7 @@ from gateway.metrics import MetricsSources
 from gateway.overload import OverloadGuard
 from gateway.protocol import ReasonCode
 from gateway.publishing import PublishPath
+from gateway.recent import PreparedCache, RecentMessages
 from gateway.replay import ReplayPacer
 from gateway.retained import RetainedIndex
 from gateway.server import MqttServerProtocol

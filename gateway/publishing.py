@@ -14,8 +14,8 @@ which clear it.
 
 from __future__ import annotations
 
-from gateway.delivery import RecentMessages
 from gateway.protocol import Publish
+from gateway.recent import RecentMessages
 from gateway.records import PublishProperties, message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
 from gateway.session import now_ms

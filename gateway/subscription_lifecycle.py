@@ -22,11 +22,12 @@ import asyncio
 import logging
 
 from gateway.cursor import QueueCursor
-from gateway.delivery import DeliveryLoop, RecentMessages
+from gateway.delivery import DeliveryLoop
 from gateway.delivery_account import DeliveryAccount
 from gateway.outbound import identifiers, retain_flag
 from gateway.protocol import Subscription
 from gateway.publishing import PublishPath
+from gateway.recent import RecentMessages
 from gateway.replay import REPLAYING, CutOff, iso_ms, start_replay
 from gateway.retained import RetainedIndex
 from gateway.session import Session, SubscriptionEntry, SubscriptionState

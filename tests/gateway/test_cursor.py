@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cursor import QueueCursor
-from gateway.delivery import RecentMessages
+from gateway.recent import RecentMessages
 from store import MessageStore, StoreConfig
 
 QUEUE = "%LMQ%cursor"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.delivery import RecentMessages
+from gateway.recent import RecentMessages
 from store import PutResult
 
 QUEUES = ["%LMQ%a", "%LMQ%b", "%LMQ%c"]
