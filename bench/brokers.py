@@ -3,6 +3,13 @@
 Every broker gets a fresh working directory (data dir, config, log) unless a scenario restarts
 one on the directory it already has (durability). ``BrokerUnavailable`` carries the note shown
 in the table when a broker cannot run here (Mosquitto not installed, lmqtt not serving yet).
+
+``lmqtt-rocketmq`` is the same gateway with ``--store rocketmq``: its messages go to a real
+Apache RocketMQ cluster (a name server and two brokers, JVMs) that the bench starts once for the
+whole run with the test suite's launcher (tests/rocketmq/cluster.py: the pinned version, small
+heaps, loopback only; bench/rocketmq_remoting_bench.py uses it the same way). Each run gets a
+fresh ``rocketmq_topic``, so no run replays an earlier one's state. The JVMs' CPU is measured
+beside the gateway's (``store_cpu_seconds``): on this backend the work is split between them.
 """
 
 from __future__ import annotations
@@ -16,15 +23,22 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from bench.realtime import make_realtime
 
+if TYPE_CHECKING:
+    from tests.rocketmq.cluster import RocketMQCluster
+
 BROKERS = ("lmqtt", "mosquitto", "amqtt")
 #: lmqtt with its delivery account turned off (--no-delivery-account): `bench --account-cost`
 #: runs it beside lmqtt to price the account.
 LMQTT_NO_ACCOUNT = "lmqtt-noaccount"
+#: Brokers run only when named in --brokers (they need Java and Maven: RocketMQ's JVMs).
+OPTIONAL_BROKERS = ("lmqtt-rocketmq",)
+LMQTT_BROKERS = ("lmqtt", "lmqtt-rocketmq", LMQTT_NO_ACCOUNT)
 
 
 class BrokerUnavailable(Exception):
@@ -50,9 +64,17 @@ class BrokerProcess:
     """One broker process: start, wait until it accepts connections, stop or SIGKILL."""
 
     def __init__(
-        self, name: str, workdir: Path, options: BrokerOptions, *, realtime: bool = False
+        self,
+        name: str,
+        workdir: Path,
+        options: BrokerOptions,
+        *,
+        realtime: bool = False,
+        rocketmq: RocketMQCluster | None = None,
     ) -> None:
         self.name = name
+        #: The RocketMQ cluster ``lmqtt-rocketmq`` stores on (started by the caller).
+        self.rocketmq = rocketmq
         self.workdir = workdir
         self.options = options
         #: Run the broker (and the scenario's generator processes) under SCHED_FIFO
@@ -60,13 +82,9 @@ class BrokerProcess:
         self.realtime = realtime
         self.realtime_applied = False
         self.port = free_port()
-        self.admin_port = free_port() if options.admin and self.is_lmqtt else None
+        self.admin_port = free_port() if options.admin and name in LMQTT_BROKERS else None
         self.process: asyncio.subprocess.Process | None = None
         self.ps: psutil.Process | None = None
-
-    @property
-    def is_lmqtt(self) -> bool:
-        return self.name in ("lmqtt", LMQTT_NO_ACCOUNT)
 
     @property
     def pid(self) -> int:
@@ -74,17 +92,23 @@ class BrokerProcess:
         return self.process.pid
 
     def command(self) -> list[str]:
-        if self.is_lmqtt:
+        if self.name in LMQTT_BROKERS:
             exe = Path(sys.executable).parent / "lmqtt"
             if not exe.exists():
                 raise BrokerUnavailable("lmqtt console script not installed")
-            extra = ["--admin-port", str(self.admin_port)] if self.admin_port else []
+            admin = ["--admin-port", str(self.admin_port)] if self.admin_port else []
             if not self.options.delivery_account or self.name == LMQTT_NO_ACCOUNT:
-                extra.append("--no-delivery-account")
+                admin.append("--no-delivery-account")
+            store: list[str] = []
+            if self.name == "lmqtt-rocketmq":
+                if self.rocketmq is None:
+                    raise BrokerUnavailable("no RocketMQ cluster (needs Java and Maven)")
+                store = ["--store", "rocketmq", "--namesrv", self.rocketmq.namesrv_addr]
             return [
                 str(exe),
                 "serve",
-                *extra,
+                *admin,
+                *store,
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -137,10 +161,37 @@ class BrokerProcess:
         path.write_text("\n".join(lines) + "\n")
         return path
 
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.name == "lmqtt-rocketmq":
+            # Sync mode on the SYNC_FLUSH broker (SEND_OK after its flush), async mode on the
+            # ASYNC_FLUSH one, as an operator would pair them (tests/rocketmq/cluster.py).
+            sync = self.options.flush == "sync"
+            env["LMQTT_ROCKETMQ_BROKER"] = "broker-b" if sync else "broker-a"
+            env["LMQTT_ROCKETMQ_TOPIC"] = f"bench-{os.getpid()}-{self.port}"
+        return env
+
+    def store_cpu_seconds(self) -> float:
+        """CPU time of the processes the broker stores through (RocketMQ's name server and
+        brokers for ``lmqtt-rocketmq``; 0 for the brokers that store in their own process)."""
+        if self.rocketmq is None or self.name != "lmqtt-rocketmq":
+            return 0.0
+        total = 0.0
+        for proc in self.rocketmq.procs.values():
+            try:
+                times = psutil.Process(proc.pid).cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
     async def start(self, timeout: float = 20.0) -> None:
+        if self.name == "lmqtt-rocketmq":
+            # Topic creation, the light-queue probe and the state replay go through the broker.
+            timeout = max(timeout, 60.0)
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.workdir / f"{self.name}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = self.environment()
         self.process = await asyncio.create_subprocess_exec(
             *self.command(),
             stdin=asyncio.subprocess.DEVNULL,

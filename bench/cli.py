@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import resource
 import statistics
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.brokers import (
     BROKERS,
     LMQTT_NO_ACCOUNT,
+    OPTIONAL_BROKERS,
     BrokerOptions,
     BrokerProcess,
     BrokerUnavailable,
@@ -36,7 +39,44 @@ from bench.report import (
 from bench.scenarios import SCENARIOS, RunSettings, run_scenario
 from bench.workers import WorkerError, wait_for_quiet_host
 
+if TYPE_CHECKING:
+    from tests.rocketmq.cluster import RocketMQCluster
+
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@contextlib.asynccontextmanager
+async def rocketmq_cluster(wanted: bool, root: Path) -> AsyncIterator[RocketMQCluster | str | None]:
+    """The RocketMQ cluster ``lmqtt-rocketmq`` stores on, started once for the whole run and
+    stopped (every JVM) at the end; the reason as a string when it cannot run here."""
+    if not wanted:
+        yield None
+        return
+    import shutil
+
+    from tests.rocketmq.cluster import ClusterUnavailable, RocketMQCluster, ensure_jars
+
+    if shutil.which("java") is None:
+        yield "Java is not installed: no RocketMQ cluster"
+        return
+    try:
+        await asyncio.to_thread(ensure_jars)
+    except ClusterUnavailable as exc:
+        yield str(exc)
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    cluster = RocketMQCluster(root)
+    try:
+        print("... starting the RocketMQ cluster", file=sys.stderr, flush=True)
+        try:
+            await asyncio.to_thread(cluster.start)  # it runs its own event loop while it waits
+        except RuntimeError as exc:  # not ready in time, a JVM exited: the rows say so
+            yield f"RocketMQ cluster did not start: {str(exc).splitlines()[0]}"
+            return
+        print(f"    name server {cluster.namesrv_addr}", file=sys.stderr, flush=True)
+        yield cluster
+    finally:
+        await asyncio.to_thread(cluster.stop)
 
 
 def raise_open_files_limit(wanted: int = 262_144) -> int:
@@ -83,73 +123,95 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="lmqtt-bench-") as tmp:
-        for name in args.scenarios:
-            scenario = SCENARIOS[name]
-            results[name] = {}
-            realtime = scenario.realtime and args.realtime
-            plan: list[tuple[str, BrokerOptions]] = []
-            pricing = args.account_cost and "lmqtt" in brokers
-            for broker_name in brokers:
-                options = scenario.options(broker_name)
-                entry: dict[str, Any] = {"runs": [], "notes": []}
-                results[name][broker_name] = entry
-                if options is None:
-                    entry["notes"].append("n/a for this broker")
-                else:
-                    plan.append((broker_name, options))
-                    if broker_name == "lmqtt" and pricing:
-                        # Right after lmqtt, so the two take turns (see below).
-                        results[name][LMQTT_NO_ACCOUNT] = {"runs": [], "notes": []}
-                        plan.append((LMQTT_NO_ACCOUNT, replace(options, delivery_account=False)))
-            repeats = settings.repeat if scenario.repeated or pricing else 1
-            # Brokers take turns (lmqtt #1, Mosquitto #1, amqtt #1, lmqtt #2, ...) so that a
-            # burst of other load on the shared host falls on every broker alike, not on all
-            # the runs of one of them.
-            skipped: set[str] = set()
-            for attempt in range(repeats):
-                for broker_name, options in plan:
-                    if broker_name in skipped:
-                        continue
-                    entry = results[name][broker_name]
-                    workdir = Path(tmp) / f"{name}-{broker_name}-{attempt}"
-                    broker = BrokerProcess(broker_name, workdir, options, realtime=realtime)
-                    label = f"{name} {broker_name} #{attempt + 1}/{repeats}"
-                    busy = await wait_for_quiet_host(args.quiet_wait)
-                    print(f"... {label} (host busy {busy:.2f} cores)", file=sys.stderr, flush=True)
-                    try:
-                        metrics = await asyncio.wait_for(
-                            run_scenario(scenario, broker, settings, workdir),
-                            timeout=args.scenario_timeout,
-                        )
-                    except BrokerUnavailable as exc:
-                        entry["notes"].append(f"skipped: {exc}")
-                        skipped.add(broker_name)
-                        continue
-                    except (WorkerError, TimeoutError, OSError) as exc:
-                        entry["notes"].append(f"run {attempt + 1} failed: {exc or 'timeout'}")
-                        print(f"    failed: {exc}  [{broker.log_tail(3)}]", file=sys.stderr)
-                        broker.kill()
-                        continue
-                    finally:
-                        broker.kill()
-                    metrics["host_busy_before"] = round(busy, 2)
-                    if any("disconnected" in f or "exited" in f for f in metrics.get("flags", [])):
-                        entry["notes"].append(f"run {attempt + 1}: {broker.log_tail(3)}")
-                    if realtime and not broker.realtime_applied:
-                        note = "SCHED_FIFO not permitted (needs CAP_SYS_NICE): normal priority"
-                        if note not in entry["notes"]:
-                            entry["notes"].append(note)
-                    entry["runs"].append(metrics)
-                    print(f"    {json.dumps(metrics)}", file=sys.stderr, flush=True)
-            for broker_name, _ in plan:
-                entry = results[name][broker_name]
-                if entry["runs"]:
-                    entry["median"] = median_metrics(entry["runs"])
-            cost = account_cost(results[name])
-            if cost is not None:
-                results[name]["account_cost"] = cost
-                print(f"    {name}: {describe_account_cost(cost)}", file=sys.stderr, flush=True)
+        async with rocketmq_cluster("lmqtt-rocketmq" in brokers, Path(tmp) / "rocketmq") as rmq:
+            await _run_scenarios(args, settings, brokers, Path(tmp), rmq, results)
     return results
+
+
+async def _run_scenarios(
+    args: argparse.Namespace,
+    settings: RunSettings,
+    brokers: list[str],
+    tmp: Path,
+    rocketmq: RocketMQCluster | str | None,
+    results: dict[str, Any],
+) -> None:
+    for name in args.scenarios:
+        scenario = SCENARIOS[name]
+        results[name] = {}
+        realtime = scenario.realtime and args.realtime
+        plan: list[tuple[str, BrokerOptions]] = []
+        pricing = args.account_cost and "lmqtt" in brokers
+        for broker_name in brokers:
+            options = scenario.options(broker_name)
+            entry: dict[str, Any] = {"runs": [], "notes": []}
+            results[name][broker_name] = entry
+            if options is None:
+                entry["notes"].append("n/a for this broker")
+            else:
+                plan.append((broker_name, options))
+                if broker_name == "lmqtt" and pricing:
+                    # Right after lmqtt, so the two take turns (see below).
+                    results[name][LMQTT_NO_ACCOUNT] = {"runs": [], "notes": []}
+                    plan.append((LMQTT_NO_ACCOUNT, replace(options, delivery_account=False)))
+        repeats = settings.repeat if scenario.repeated or pricing else 1
+        # Brokers take turns (lmqtt #1, Mosquitto #1, amqtt #1, lmqtt #2, ...) so that a
+        # burst of other load on the shared host falls on every broker alike, not on all
+        # the runs of one of them.
+        skipped: set[str] = set()
+        for attempt in range(repeats):
+            for broker_name, options in plan:
+                if broker_name in skipped:
+                    continue
+                entry = results[name][broker_name]
+                workdir = tmp / f"{name}-{broker_name}-{attempt}"
+                if broker_name == "lmqtt-rocketmq" and isinstance(rocketmq, str):
+                    entry["notes"].append(f"skipped: {rocketmq}")
+                    skipped.add(broker_name)
+                    continue
+                broker = BrokerProcess(
+                    broker_name,
+                    workdir,
+                    options,
+                    realtime=realtime,
+                    rocketmq=rocketmq if not isinstance(rocketmq, str) else None,
+                )
+                label = f"{name} {broker_name} #{attempt + 1}/{repeats}"
+                busy = await wait_for_quiet_host(args.quiet_wait)
+                print(f"... {label} (host busy {busy:.2f} cores)", file=sys.stderr, flush=True)
+                try:
+                    metrics = await asyncio.wait_for(
+                        run_scenario(scenario, broker, settings, workdir),
+                        timeout=args.scenario_timeout,
+                    )
+                except BrokerUnavailable as exc:
+                    entry["notes"].append(f"skipped: {exc}")
+                    skipped.add(broker_name)
+                    continue
+                except (WorkerError, TimeoutError, OSError) as exc:
+                    entry["notes"].append(f"run {attempt + 1} failed: {exc or 'timeout'}")
+                    print(f"    failed: {exc}  [{broker.log_tail(3)}]", file=sys.stderr)
+                    broker.kill()
+                    continue
+                finally:
+                    broker.kill()
+                metrics["host_busy_before"] = round(busy, 2)
+                if any("disconnected" in f or "exited" in f for f in metrics.get("flags", [])):
+                    entry["notes"].append(f"run {attempt + 1}: {broker.log_tail(3)}")
+                if realtime and not broker.realtime_applied:
+                    note = "SCHED_FIFO not permitted (needs CAP_SYS_NICE): normal priority"
+                    if note not in entry["notes"]:
+                        entry["notes"].append(note)
+                entry["runs"].append(metrics)
+                print(f"    {json.dumps(metrics)}", file=sys.stderr, flush=True)
+        for broker_name, _ in plan:
+            entry = results[name][broker_name]
+            if entry["runs"]:
+                entry["median"] = median_metrics(entry["runs"])
+        cost = account_cost(results[name])
+        if cost is not None:
+            results[name]["account_cost"] = cost
+            print(f"    {name}: {describe_account_cost(cost)}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -159,7 +221,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--duration", type=float, default=5.0, help="publish phase, s")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--brokers", default=",".join(BROKERS))
+    parser.add_argument(
+        "--brokers",
+        default=",".join(BROKERS),
+        help=f"comma-separated, any of: {', '.join((*BROKERS, *OPTIONAL_BROKERS))}"
+        " (lmqtt-rocketmq: the gateway with --store rocketmq on a RocketMQ cluster the bench"
+        " starts; needs Java and Maven)",
+    )
     parser.add_argument("--backlog", type=int, default=1_000_000, help="offline backlog size")
     parser.add_argument(
         "--backlog-seconds", type=float, default=20.0, help="cap on backlog fill and drain, s"
@@ -213,6 +281,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
     args.scenarios = args.scenarios or list(SCENARIOS)
+    known = (*BROKERS, *OPTIONAL_BROKERS)
+    wrong = [b for b in args.brokers.split(",") if b.strip() and b.strip() not in known]
+    if wrong:
+        parser.error(f"unknown broker(s) {wrong}; choose from {list(known)}")
     return args
 
 

@@ -280,6 +280,7 @@ class FleetRun:
         pub_end = max(float(r["end"]) for r in results)
         last = max((float(s["last"]) for s in snaps), default=pub_end)
         broker_cpu = max(float(cpu["broker_cpu_s"]), 1e-6)
+        store_cpu = float(cpu["store_cpu_s"])
 
         def worst(key: str) -> float:
             return round(max(float(s["latency_ms"].get(key, 0.0)) for s in snaps), 3)
@@ -301,6 +302,8 @@ class FleetRun:
             "max_ms": worst("max"),
             "us_cpu_per_delivery": round(1e6 * broker_cpu / max(delivered, 1), 2),
             "us_cpu_per_publish": round(1e6 * broker_cpu / max(sent, 1), 2),
+            # RocketMQ's JVMs (lmqtt-rocketmq; 0 for brokers storing in their own process).
+            "us_store_cpu_per_publish": round(1e6 * store_cpu / max(sent, 1), 2),
             "send_lag_p99_ms": round(lag, 3),
             # Turns a device skipped, waiting for PUBACKs (in-flight window; see fleetgen).
             "held_back_pct": round(100.0 * held_back / max(sent + held_back, 1), 2),

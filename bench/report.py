@@ -21,7 +21,12 @@ from bench.scenarios import SCENARIOS
 from bench.workers import invalid_reason
 
 THROUGHPUT = ("1to1_qos0", "1to1_qos1", "1to100_qos0", "1to100_qos1", "wildcard")
-NAMES = {"lmqtt": "lmqtt", "mosquitto": "Mosquitto", "amqtt": "amqtt"}
+NAMES = {
+    "lmqtt": "lmqtt",
+    "lmqtt-rocketmq": "lmqtt on RocketMQ",
+    "mosquitto": "Mosquitto",
+    "amqtt": "amqtt",
+}
 
 
 def _cpu_model() -> str:
@@ -188,7 +193,7 @@ def render_markdown(document: dict[str, Any]) -> str:
     results: dict[str, Any] = document["results"]
     settings = document["settings"]
     machine = document["machine"]
-    brokers = [b for b in ("lmqtt", "mosquitto", "amqtt") if any(b in r for r in results.values())]
+    brokers = [b for b in NAMES if any(b in r for r in results.values())]
     verdicts = target_checks(results)
     lines = [
         f"Run {document['started']} .. {document['finished']} UTC;"
@@ -225,10 +230,12 @@ def render_markdown(document: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "CPU (cores; 1.0 = one core busy) of broker / load generator / other processes, and flags:",
+        "CPU (cores; 1.0 = one core busy) of broker / the JVMs it stores on (RocketMQ) / load"
+        " generator / other processes, and flags:",
         "",
-        "| scenario | broker | broker CPU | generator CPU | other CPU | flags | notes |",
-        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+        "| scenario | broker | broker CPU | store CPU | generator CPU | other CPU | flags"
+        " | notes |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for name, per_broker in results.items():
         for broker in brokers:
@@ -239,7 +246,8 @@ def render_markdown(document: dict[str, Any]) -> str:
             notes = "; ".join(entry.get("notes", []))
             lines.append(
                 f"| {name} | {NAMES[broker]} | {_fmt(median.get('broker_cpu'))} | "
-                f"{_fmt(median.get('gen_cpu'))} | {_fmt(median.get('other_cpu'))} | "
+                f"{_fmt(median.get('store_cpu'))} | {_fmt(median.get('gen_cpu'))} | "
+                f"{_fmt(median.get('other_cpu'))} | "
                 f"{', '.join(median.get('flags', []))} | {notes} |"
             )
     priced = [(name, r["account_cost"]) for name, r in results.items() if "account_cost" in r]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.brokers import BrokerOptions, BrokerProcess
+from bench.brokers import LMQTT_BROKERS, BrokerOptions, BrokerProcess
 from bench.fleet import fleet
 from bench.loadgen import DeliveryBoard
 from bench.workers import CpuProbe, RssSampler, Worker
@@ -476,7 +476,7 @@ def _fleet(qos: int) -> Callable[[BrokerProcess, RunSettings, Path], Awaitable[M
 
 
 def _with_admin(broker: str) -> BrokerOptions | None:
-    return BrokerOptions(admin=broker == "lmqtt")
+    return BrokerOptions(admin=broker in LMQTT_BROKERS)
 
 
 FLEET_METRICS = (
@@ -490,6 +490,8 @@ FLEET_METRICS = (
     Metric("us_cpu_per_delivery", "broker CPU per delivery", "us", False),
     Metric("us_cpu_per_publish", "broker CPU per publish", "us", False),
     Metric("broker_cpu", "broker CPU", "cores", False),
+    Metric("us_store_cpu_per_publish", "RocketMQ JVMs' CPU per publish", "us", False, ratio=False),
+    Metric("store_cpu", "RocketMQ JVMs' CPU", "cores", False, ratio=False),
     Metric("rss_mb", "RSS with the fleet connected", "MB", False),
     Metric("kib_per_device", "RSS growth per device", "KiB", False),
     Metric("loss_pct", "undelivered at end", "%", False, ratio=False),

@@ -44,6 +44,9 @@ def test_a_generator_process_past_the_limit_flags_the_run() -> None:
         def cpu_seconds(self) -> float:
             return self.seconds.pop(0)
 
+        def store_cpu_seconds(self) -> float:  # a broker storing in its own process
+            return 0.0
+
     # CpuProbe reads broker, workers and host CPU; feed it counters with known deltas.
     broker = Fixed([0.0, 0.1])
     busy = Fixed([0.0, 0.0])

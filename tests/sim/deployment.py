@@ -74,9 +74,12 @@ def dockerfile_stages() -> dict[str, list[Instruction]]:
 
 
 def lmqtt_commands_in_compose() -> list[tuple[str, list[str]]]:
-    """(service, argv after `lmqtt`) for every lmqtt command a service runs."""
+    """(service, argv after `lmqtt`) for every lmqtt command a service of lmqtt's images runs
+    (other images, such as RocketMQ's, run their own commands)."""
     found = []
     for name, service in compose()["services"].items():
+        if "build" not in service:
+            continue
         entrypoint = service.get("entrypoint")
         command = service.get("command")
         if command is None:

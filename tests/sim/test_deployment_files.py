@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,3 +153,115 @@ def test_the_compose_gateway_environment_is_allowed_to_start(
     settings = load_settings()
     assert settings.host == "0.0.0.0"
     assert AccessControl(settings).allow_anonymous
+
+
+# --- profile rocketmq: cluster mode ------------------------------------------------------------
+
+
+def java_properties(text: str) -> dict[str, str]:
+    """A broker.conf as RocketMQ reads it (java.util.Properties: `key=value`, `#` comments)."""
+    pairs = [line.split("=", 1) for line in text.splitlines()]
+    return {
+        k.strip(): v.strip() for k, v in (p for p in pairs if len(p) == 2) if k.strip()[:1] != "#"
+    }
+
+
+def rocketmq_services() -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in compose()["services"].items() if "rocketmq" in s.get("profiles", [])}
+
+
+def broker_config(service: dict[str, Any]) -> dict[str, str]:
+    """The properties a broker service starts with: the compose config mounted where its
+    `mqbroker -c FILE` reads."""
+    command = service["command"]
+    assert command[:2] == ["sh", "mqbroker"], command
+    path = command[command.index("-c") + 1]
+    (mount,) = [c for c in service["configs"] if c["target"] == path]
+    return java_properties(compose()["configs"][mount["source"]]["content"])
+
+
+def test_the_rocketmq_profile_runs_the_tested_version() -> None:
+    from tests.rocketmq.cluster import ROCKETMQ_VERSION
+
+    services = rocketmq_services()
+    jvms = [s for s in services.values() if str(s.get("image", "")).startswith("apache/rocketmq")]
+    assert len(jvms) >= 3, "a name server and two brokers"
+    for service in jvms:
+        assert service["image"] == f"apache/rocketmq:{ROCKETMQ_VERSION}"
+    assert ROCKETMQ_VERSION in (REPO / "tests" / "rocketmq" / "pom.xml").read_text()
+    # Nothing of the profile starts with a plain `docker compose up`.
+    for name in ("gateway", "devices", "subscribers"):
+        assert "profiles" not in compose()["services"][name]
+
+
+def test_the_rocketmq_profile_has_a_name_server_and_two_brokers_with_light_queues() -> None:
+    services = rocketmq_services()
+    namesrv = [n for n, s in services.items() if s.get("command") == ["sh", "mqnamesrv"]]
+    assert len(namesrv) == 1
+    brokers = {
+        n: s for n, s in services.items() if s.get("command", [""])[:2] == ["sh", "mqbroker"]
+    }
+    assert len(brokers) == 2
+    names = set()
+    for name, service in brokers.items():
+        config = broker_config(service)
+        # What the gateway's start-up check requires (gateway/rocketmq_storage.py): light queues
+        # on, one send thread (publish order), SYNC_FLUSH (for --flush sync).
+        assert config["enableLmq"] == "true", name
+        assert config["enableMultiDispatch"] == "true", name
+        assert config["sendMessageThreadPoolNums"] == "1", name
+        assert config["flushDiskType"] == "SYNC_FLUSH", name
+        assert config["namesrvAddr"] == f"{namesrv[0]}:9876", name
+        assert service["environment"]["NAMESRV_ADDR"] == f"{namesrv[0]}:9876", name
+        names.add(config["brokerName"])
+        # Small heaps: the image's start script sizes heap and direct memory from this (bytes).
+        assert int(service["environment"]["MAX_POSSIBLE_HEAP"]) <= 512 * 2**20, name
+        assert service["depends_on"][namesrv[0]]["condition"] == "service_healthy", name
+        assert service["healthcheck"]["test"], name
+        store = [v for v in service["volumes"] if v.endswith(":/home/rocketmq/store")]
+        assert store and store[0].split(":")[0] in compose()["volumes"], name
+    assert len(names) == 2, "two brokers need two broker names"
+    assert services[namesrv[0]]["healthcheck"]["test"]
+
+
+def test_the_rocketmq_profiles_gateways_store_on_its_brokers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway.cli import _parser as lmqtt_parser
+    from gateway.config import load_settings
+
+    services = rocketmq_services()
+    brokers = {
+        broker_config(s)["brokerName"]: n
+        for n, s in services.items()
+        if s.get("command", [""])[:2] == ["sh", "mqbroker"]
+    }
+    gateways = {n: s for n, s in services.items() if s.get("image") == "lmqtt:demo"}
+    assert len(gateways) == 2
+    topics, ports = set(), set()
+    for name, service in gateways.items():
+        assert "entrypoint" not in service  # the image's `lmqtt`
+        args = lmqtt_parser().parse_args(service["command"])
+        assert args.command == "serve"
+        for key in list(os.environ):
+            if key.startswith("LMQTT_"):
+                monkeypatch.delenv(key)
+        for key, value in service["environment"].items():
+            monkeypatch.setenv(key, str(value))
+        settings = load_settings(store=args.store, namesrv=args.namesrv, flush=args.flush)
+        assert settings.store == "rocketmq"
+        assert settings.flush == "sync"
+        host, port = settings.namesrv.split(":") if settings.namesrv else ("", "")
+        assert services[host]["command"] == ["sh", "mqnamesrv"] and port == "9876", name
+        assert settings.host == "0.0.0.0"
+        # Each gateway on a broker of the profile, under its own namespace (one gateway per
+        # rocketmq_topic: docs/rocketmq.md).
+        assert settings.rocketmq_broker in brokers, name
+        topics.add(settings.rocketmq_topic)
+        # Started only once the name server and every broker are healthy.
+        for dependency in [host, *brokers.values()]:
+            assert service["depends_on"][dependency]["condition"] == "service_healthy", name
+        assert service["healthcheck"]["test"][:3] == ["CMD", "python", "-c"]
+        assert service["restart"] == "unless-stopped"  # a failed start-up check is retried
+        ports.update(p.split(":")[0] for p in service["ports"])
+    assert len(topics) == 2 and len(ports) == 2

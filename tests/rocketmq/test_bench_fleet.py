@@ -1,0 +1,43 @@
+"""The bench's ``lmqtt-rocketmq`` broker on the real cluster: the fleet scenario end to end with
+the gateway storing through RocketMQ, and the JVMs' CPU counted beside the gateway's. Not a
+timed test: it checks that every message arrives and that the figures the report needs exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.brokers import BrokerOptions, BrokerProcess, BrokerUnavailable
+from bench.fleet import fleet
+from tests.rocketmq.cluster import RocketMQCluster
+
+
+async def test_the_fleet_runs_on_the_rocketmq_backend(
+    rocketmq: RocketMQCluster, tmp_path: Path
+) -> None:
+    broker = BrokerProcess("lmqtt-rocketmq", tmp_path, BrokerOptions(), rocketmq=rocketmq)
+    assert broker.command()[broker.command().index("--namesrv") + 1] == rocketmq.namesrv_addr
+    await broker.start()
+    try:
+        metrics = await fleet(broker, devices=60, rate=120.0, duration=1.0, qos=1, capacity=False)
+    finally:
+        await broker.stop()
+    # Every PUBLISH went to the run's own parent topic on broker-a (async mode's broker).
+    topic = broker.environment()["LMQTT_ROCKETMQ_TOPIC"]
+    async with rocketmq.client() as client:
+        assert await client.get_max_offset(rocketmq.brokers["broker-a"], topic, 0) >= 120
+    assert metrics["connected"] == 60 and metrics["connect_failures"] == 0
+    assert metrics["published"] == 120
+    assert metrics["delivered"] == metrics["expected"] == 2 * (60 * 2 + 10)
+    assert metrics["loss_pct"] == 0.0
+    # The brokers did the storing: their CPU is measured, not left in "other".
+    assert metrics["store_cpu_s"] > 0
+    assert metrics["us_store_cpu_per_publish"] > 0
+    for key in ("p50_ms", "p99_ms", "us_cpu_per_publish"):
+        assert key in metrics
+
+
+def test_without_a_cluster_the_rocketmq_broker_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(BrokerUnavailable, match="RocketMQ"):
+        BrokerProcess("lmqtt-rocketmq", tmp_path, BrokerOptions()).command()
