@@ -24,6 +24,11 @@ from gateway.session import SubscriptionState
 
 __all__ = ["Outbound", "decide", "identifiers", "retain_flag"]
 
+# Outbound(...) runs NamedTuple's generated __new__ (a Python frame); tuple.__new__ builds the
+# same object without it. decide() runs once per delivery: the 1-to-100 fan-out bench spent
+# ~3% of the broker's samples in that frame.
+_new = tuple.__new__
+
 
 class Outbound(NamedTuple):
     qos: int
@@ -46,15 +51,20 @@ def decide(
         sub = subs[0]
         if sub.no_local and rec.client_id == receiver:
             return None
-        expiry_left = rec.remaining_expiry()
+        # remaining_expiry() only for a message that has an expiry: a call less per delivery.
+        expiry_left = None if rec.expiry is None else rec.remaining_expiry()
         if expiry_left is not None and expiry_left <= 0:
             return None
         sid = sub.subscription_identifier
-        return Outbound(
-            rec.qos if rec.qos < sub.qos else sub.qos,
-            on_subscribe or (rec.retain and level == 5 and sub.retain_as_published),
-            [sid] if sid else [],
-            expiry_left,
+        qos = rec.qos
+        return _new(
+            Outbound,
+            (
+                qos if qos < sub.qos else sub.qos,
+                on_subscribe or (rec.retain and level == 5 and sub.retain_as_published),
+                [sid] if sid else [],
+                expiry_left,
+            ),
         )
     subs = [s for s in subs if not (s.no_local and rec.client_id == receiver)]
     if not subs:
