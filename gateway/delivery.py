@@ -47,7 +47,7 @@ from gateway.acl import ClientAccess
 from gateway.arrivals import ArrivalHub
 from gateway.cursor import QueueCursor
 from gateway.delivery_account import DeliveryAccount
-from gateway.outbound import decide, identifiers, retain_flag
+from gateway.outbound import decide, decide_one, identifiers, retain_flag
 from gateway.overload import OverloadGuard
 from gateway.protocol import (
     Connection,
@@ -101,6 +101,9 @@ class PreparedCache:
     def __init__(self, size: int = PREPARED_CACHE_SIZE) -> None:
         self._size = size
         self._items: OrderedDict[tuple[object, ...], PreparedPublish] = OrderedDict()
+        # The dict's own get, bound once: a fan-out looks a packet up per delivery, and a
+        # method wrapping it cost a Python call each time.
+        self.lookup: Callable[[tuple[object, ...]], PreparedPublish | None] = self._items.get
 
     def get(self, key: tuple[object, ...], make: Callable[[], PreparedPublish]) -> PreparedPublish:
         p = self._items.get(key)
@@ -108,9 +111,6 @@ class PreparedCache:
             p = make()
             self.put(key, p)
         return p
-
-    def lookup(self, key: tuple[object, ...]) -> PreparedPublish | None:
-        return self._items.get(key)
 
     def put(self, key: tuple[object, ...], p: PreparedPublish) -> None:
         self._items[key] = p
@@ -668,13 +668,13 @@ class DeliveryLoop:
             return True
         session = self.session
         if len(session.by_queue) == 1 or len(msg.queues) <= 1:
-            covering: Sequence[SubscriptionState] = (sub,)  # what _covering() answers, cheaply
+            # Only `sub` covers it (what _covering() answers), without building a list.
+            out = decide_one(rec, sub, session.client_id, self.level)
         else:
-            found = self._covering(sub, msg)
-            if found is None:
+            covering = self._covering(sub, msg)
+            if covering is None:
                 return self._owner_has_read(sub, msg)
-            covering = found
-        out = decide(rec, covering, session.client_id, self.level)
+            out = decide(rec, covering, session.client_id, self.level)
         if out is None:
             return True
         qos = out.qos
