@@ -35,6 +35,9 @@ class PreparedCache:
     def __init__(self, size: int = PREPARED_CACHE_SIZE) -> None:
         self._size = size
         self._items: OrderedDict[tuple[object, ...], PreparedPublish] = OrderedDict()
+        # The dict's own get, bound once: a fan-out looks a packet up per delivery, and a
+        # method wrapping it cost a Python call each time.
+        self.lookup: Callable[[tuple[object, ...]], PreparedPublish | None] = self._items.get
 
     def get(self, key: tuple[object, ...], make: Callable[[], PreparedPublish]) -> PreparedPublish:
         p = self._items.get(key)
@@ -42,9 +45,6 @@ class PreparedCache:
             p = make()
             self.put(key, p)
         return p
-
-    def lookup(self, key: tuple[object, ...]) -> PreparedPublish | None:
-        return self._items.get(key)
 
     def put(self, key: tuple[object, ...], p: PreparedPublish) -> None:
         self._items[key] = p

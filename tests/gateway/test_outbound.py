@@ -4,11 +4,12 @@ rules on the wire; these pin each rule to its spec line."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
 
-from gateway.outbound import Outbound, decide
+from gateway.outbound import Outbound, decide, decide_one
 from gateway.records import RecordedPublish
 from gateway.session import SubscriptionState
 
@@ -62,3 +63,26 @@ def test_retain_flag() -> None:
     # Sent because of the SUBSCRIBE: always RETAIN 1 (MQTT-3.3.1-12).
     out = decide(_rec(retain=True), [_sub()], "me", 4, on_subscribe=True)
     assert out is not None and out.retain is True
+
+
+def test_decide_one_answers_what_the_general_rules_answer() -> None:
+    """decide_one() (the delivery loop's per-message call) against decide()'s path for several
+    subscriptions, given the same subscription twice: every combination of the rules' inputs."""
+    combos = itertools.product(
+        [0, 1, 2],  # message QoS
+        [0, 1, 2],  # granted QoS
+        [False, True],  # message retain
+        [False, True],  # retain as published
+        [False, True],  # no local
+        ["me", "other"],  # publisher
+        [None, 60, 5],  # expiry (5 s: expired, the record is 6 s old)
+        [0, 9],  # subscription identifier (0: none)
+        [4, 5],  # protocol level
+        [False, True],  # on subscribe
+    )
+    for mq, gq, retain, rap, nl, pub, exp, sid, level, on_sub in combos:
+        rec = _rec(qos=mq, retain=retain, client=pub, expiry=exp, age_s=6)
+        sub = _sub(qos=gq, retain_as_published=rap, no_local=nl, subscription_identifier=sid)
+        one = decide_one(rec, sub, "me", level, on_sub)
+        assert one == decide(rec, [sub, sub], "me", level, on_subscribe=on_sub)
+        assert one is None or type(one) is Outbound
