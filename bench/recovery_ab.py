@@ -115,6 +115,7 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=0.5, help="seconds before the kill")
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: temp)")
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
     work = Path(tempfile.mkdtemp(prefix="recovery-ab-", dir=args.dir))
     try:
@@ -137,7 +138,7 @@ def main() -> int:
                     runs[side].append(res)
                     digests.add(digest)
                     print(f"  {case:<12} {side}: open {res['open']:.3f}  open+close "
-                          f"{res['open_close']:.3f}  ({res['records']:,} records)", flush=True)  # fmt: skip
+                          f"{res['open_close']:.3f}  ({res['records']:,} records)")  # fmt: skip
             if len(digests) != 1:
                 print(f"ERROR: {case}: the trees wrote different consume-queue files")
                 return 1
@@ -145,7 +146,7 @@ def main() -> int:
                 old = statistics.median(r[key] for r in runs["old"])
                 new = statistics.median(r[key] for r in runs["new"])
                 print(f"{case:<12} {key:<10} median old {old:.3f}  new {new:.3f}  "
-                      f"new/old {new / old:.2f}", flush=True)  # fmt: skip
+                      f"new/old {new / old:.2f}")  # fmt: skip
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
