@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("gateway.app")
 
 from store import FLAG_CLEAN, FLAG_CLOSED, read_account
-from tests.gateway.conftest import Client, GatewayHarness, wait_until
+from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
 from topicmap import queue_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
@@ -73,12 +73,7 @@ def test_every_delivery_counted_clean_sessions_included(spark, tmp_path: Path) -
         meta = run_fanout(spark, data, out)
         _check(out, meta)
     finally:
-        for c in made:
-            try:
-                c.c.disconnect()
-                c.c.loop_stop()
-            except Exception:
-                pass
+        stop_clients(made)
         h.stop()
     # The clean session ended with its connection: its range was closed, nothing lost.
     closed = [

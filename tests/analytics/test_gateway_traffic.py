@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("gateway.app")
 
-from tests.gateway.conftest import Client, GatewayHarness, wait_until
+from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
 from topicmap import queue_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
@@ -59,12 +59,7 @@ def test_report_matches_what_subscribers_received(spark, tmp_path: Path) -> None
             what="PUBACKs committed",
         )
     finally:
-        for c in made:
-            try:
-                c.c.disconnect()
-                c.c.loop_stop()
-            except Exception:
-                pass
+        stop_clients(made)
         h.stop()
 
     received: Counter[str] = Counter()

@@ -12,7 +12,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -252,17 +252,22 @@ class Client:
             sock.close()
 
 
-@pytest.fixture
-def clients() -> Iterator[list[Client]]:
-    """Collects clients made by a test and stops their network threads afterwards."""
-    made: list[Client] = []
-    yield made
+def stop_clients(made: Iterable[Client]) -> None:
+    """Stops the network threads of clients a test made (already closed ones included)."""
     for c in made:
         try:
             c.c.disconnect()  # wakes paho's select, so loop_stop returns at once
             c.c.loop_stop()
         except Exception:
             pass
+
+
+@pytest.fixture
+def clients() -> Iterator[list[Client]]:
+    """Collects clients made by a test and stops their network threads afterwards."""
+    made: list[Client] = []
+    yield made
+    stop_clients(made)
 
 
 class RawClient:

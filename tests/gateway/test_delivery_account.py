@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from store import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, read_account
-from tests.gateway.conftest import Client, GatewayHarness, wait_until
+from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
 from topicmap import queue_name
 
 N = 10
@@ -63,12 +63,7 @@ def test_ranges_of_every_kind_of_subscription(tmp_path: Path) -> None:
         closed = _newest(data, "zero", "a/b")
         assert closed is not None and (closed.acked, closed.queue_end) == (N, N)
     finally:
-        for c in made:
-            try:
-                c.c.disconnect()
-                c.c.loop_stop()
-            except Exception:
-                pass
+        stop_clients(made)
         h.stop()
     # At shutdown every open subscription is written once more; the persistent one stays open.
     k = _newest(data, "keep", "a/#")
@@ -96,12 +91,7 @@ def test_turned_off_the_gateway_writes_no_account(tmp_path: Path) -> None:
         zero.wait_messages(N)
         zero.disconnect()
     finally:
-        for c in made:
-            try:
-                c.c.disconnect()
-                c.c.loop_stop()
-            except Exception:
-                pass
+        stop_clients(made)
         h.stop()
     assert (data / "commitlog").is_dir()
     assert not (data / ACCOUNT_DIR).exists()

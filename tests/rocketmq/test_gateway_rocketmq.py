@@ -26,7 +26,7 @@ import pytest
 from gateway.protocol import PubAck, Publish
 from gateway.rocketmq_storage import encode_lmq
 from rocketmq_remoting import RemotingClient
-from tests.gateway.conftest import Client, RawClient, wait_until
+from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,12 +110,7 @@ def serve(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[ServeProcess]:
 def clients() -> Iterator[list[Client]]:
     made: list[Client] = []
     yield made
-    for c in made:
-        try:
-            c.c.disconnect()
-            c.c.loop_stop()
-        except Exception:
-            pass
+    stop_clients(made)
 
 
 def _free_port() -> int:
