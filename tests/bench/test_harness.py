@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -51,11 +52,12 @@ def test_remaining_length_varint_boundaries() -> None:
         assert wire.encode_varint(value) == encoded
 
 
-async def test_load_generator_moves_messages_through_amqtt(tmp_path: Path) -> None:
-    broker = BrokerProcess("amqtt", tmp_path, BrokerOptions())
+async def _smoke_run(name: str, tmp_path: Path, *, latency: bool) -> dict[str, Any]:
+    """One second of paced QoS 1 through broker `name`: one publisher, one subscriber."""
+    broker = BrokerProcess(name, tmp_path, BrokerOptions())
     await broker.start()
     try:
-        metrics = await fanout(
+        return await fanout(
             broker,
             RunSettings(duration=1.0),
             qos=1,
@@ -63,10 +65,14 @@ async def test_load_generator_moves_messages_through_amqtt(tmp_path: Path) -> No
             topics=["smoke/t"],
             per_message=1,
             rate=500.0,
-            latency=True,
+            latency=latency,
         )
     finally:
         await broker.stop()
+
+
+async def test_load_generator_moves_messages_through_amqtt(tmp_path: Path) -> None:
+    metrics = await _smoke_run("amqtt", tmp_path, latency=True)
     assert metrics["published"] > 100
     assert metrics["delivered"] == metrics["published"]
     assert metrics["loss_pct"] == 0.0
@@ -129,21 +135,7 @@ async def test_fleet_moves_every_device_message_to_every_backend(tmp_path: Path)
 async def test_lmqtt_without_its_delivery_account_keeps_none(tmp_path: Path, name: str) -> None:
     """bench --account-cost runs lmqtt-noaccount beside lmqtt: the same gateway, messages flow,
     but it writes no delivery account (lmqtt writes one by the time it stops)."""
-    broker = BrokerProcess(name, tmp_path, BrokerOptions())
-    await broker.start()
-    try:
-        metrics = await fanout(
-            broker,
-            RunSettings(duration=1.0),
-            qos=1,
-            connections=[{"id": "smoke-sub", "filters": ["smoke/t"]}],
-            topics=["smoke/t"],
-            per_message=1,
-            rate=500.0,
-            latency=False,
-        )
-    finally:
-        await broker.stop()
+    metrics = await _smoke_run(name, tmp_path, latency=False)
     assert metrics["published"] > 100
     assert metrics["delivered"] == metrics["published"]
     assert (tmp_path / "data" / "account").exists() == (name == "lmqtt")
