@@ -11,10 +11,10 @@ This module composes the parts, each in its own module, and opens them (`open_ro
     gateway/rocketmq_offsets.py  committed offsets, copied to the broker's consumer offsets
     gateway/rocketmq_state.py    the state log: the %STATE% light queue, replay, compaction
 
-Retained messages are the %RETAIN% light queue (RETAIN_PRELOAD of them read at start). What
-stays in `data_dir` (a local embedded store): the committed-offsets table (its broker copy is
-gateway/rocketmq_offsets.py; session records carry their own positions, shared groups'
-positions are only local) and the delivery account.
+Retained messages are the %RETAIN% light queue (RETAIN_PRELOAD of them read at start). Nothing
+in `data_dir` matters: a local embedded store is opened there only for its property encoder
+(its state log and offsets table stay empty), and the delivery account (an analytics output,
+gateway/delivery_account.py) is written there: docs/rocketmq.md says why it stays local.
 """
 
 from __future__ import annotations
@@ -69,13 +69,16 @@ class RocketMqStorage:
         self._sender = Sender(broker, sync=sync)
         self._mirrors = Mirrors(broker, self._sender.saw_phys)
         self._state_log = StateLog(broker, self._sender.send)
-        self._offsets = BrokerOffsets(local.offsets, broker)
+        self._offsets = BrokerOffsets(broker)
 
     # -- the port: properties --------------------------------------------------------------------
 
     @property
     def offsets(self) -> CommittedOffsets:
         return self._offsets
+
+    async def load_offsets(self, keys: Iterable[tuple[str, str]]) -> None:
+        await self._offsets.load(keys)
 
     @property
     def closed(self) -> bool:
@@ -207,7 +210,7 @@ class RocketMqStorage:
             _done, late = await asyncio.wait(pending, timeout=DRAIN_S)
             if late:
                 log.error("%d write(s) to RocketMQ still unanswered at stop", len(late))
-        await self._offsets.flush()
+        await self._offsets.flush()  # answered: the next gateway reads them back
 
     def close(self) -> None:
         if self._closed:
