@@ -237,7 +237,7 @@ class ClientConnection:
         window slots. The first packet that needs anything else, and whatever follows it,
         goes to the reader task, which runs after the batch is stored."""
         conn = self.conn
-        taken = len(ingest)
+        added = False
         try:
             for _ in range(EVENTS_PER_TURN):
                 try:
@@ -251,6 +251,7 @@ class ClientConnection:
                     assert isinstance(ev, Publish)
                     if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
                         ingest.add(self, ev)
+                        added = True
                         continue
                 elif ev is NEED_DATA:
                     self._unparsed = 0
@@ -265,7 +266,7 @@ class ClientConnection:
                 return
             self._kick()  # a flood: the reader task goes on after the turn
         finally:
-            if len(ingest) > taken:
+            if added:
                 self._published()
 
     # -- the ingest batch's side (gateway/ingest.py) -----------------------------------------
