@@ -39,6 +39,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -628,16 +629,29 @@ class DeliveryLoop:
 
     def on_puback(self, packet_id: int) -> None:
         """PUBACK (QoS 1) or PUBCOMP (QoS 2): the message is done."""
-        inf = self.session.inflight.pop(packet_id, None)
-        if inf is None:
+        self.on_pubacks((packet_id,))
+
+    def on_pubacks(self, packet_ids: Sequence[int]) -> None:
+        """on_puback() for the PUBACKs of one read, with one progress mark and one pass asked
+        for: a fan-out subscriber acknowledges a pass's packets in one write."""
+        session = self.session
+        inflight = session.inflight
+        by_queue = session.by_queue
+        done = False
+        for packet_id in packet_ids:
+            inf = inflight.pop(packet_id, None)
+            if inf is None:
+                continue
+            done = True
+            if inf.group is not None:
+                inf.group.ack(inf.offset)
+            elif inf.queue is not None:
+                sub = by_queue.get(inf.queue)
+                if sub is not None and sub.pending.get(inf.offset) == packet_id:
+                    del sub.pending[inf.offset]
+                    self._uncommitted[sub.queue] = sub  # committed by the next pass
+        if not done:
             return
-        if inf.group is not None:
-            inf.group.ack(inf.offset)
-        elif inf.queue is not None:
-            sub = self.session.by_queue.get(inf.queue)
-            if sub is not None and sub.pending.get(inf.offset) == packet_id:
-                del sub.pending[inf.offset]
-                self._uncommitted[sub.queue] = sub  # committed by the next pass
         self.ctx.sessions.mark_progress()
         if self._behind:
             self.wake()
