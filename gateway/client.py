@@ -237,7 +237,7 @@ class ClientConnection:
         window slots. The first packet that needs anything else, and whatever follows it,
         goes to the reader task, which runs after the batch is stored."""
         conn = self.conn
-        added = False
+        taken = len(ingest)
         acked: list[int] = []  # PUBACKs of this read: one delivery-loop call for all of them
         try:
             for _ in range(EVENTS_PER_TURN):
@@ -254,7 +254,6 @@ class ClientConnection:
                     assert isinstance(ev, Publish)
                     if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
                         ingest.add(self, ev)
-                        added = True
                         continue
                 elif ev is NEED_DATA:
                     self._unparsed = 0
@@ -270,7 +269,7 @@ class ClientConnection:
         finally:
             if acked:
                 self._pubacks(acked)
-            if added:
+            if len(ingest) > taken:
                 self._published()
 
     def _pubacks(self, packet_ids: list[int]) -> None:
