@@ -238,12 +238,15 @@ class ClientConnection:
         goes to the reader task, which runs after the batch is stored."""
         conn = self.conn
         taken = len(ingest)
+        acked: list[int] = []  # PUBACKs of this read: one delivery-loop call for all of them
         try:
             for _ in range(EVENTS_PER_TURN):
                 try:
                     ev = conn.next_event()
                 except RemoteProtocolError as err:
                     ingest.flush()  # what came before the bad packet is stored and acknowledged
+                    self._pubacks(acked)
+                    acked = []
                     self._protocol_error(err)
                     return
                 kind = type(ev)
@@ -258,15 +261,20 @@ class ClientConnection:
                     return
                 elif kind is PubAck:
                     assert isinstance(ev, PubAck)
-                    if self.delivery is not None:
-                        self.delivery.on_puback(ev.packet_id)
+                    acked.append(ev.packet_id)
                     continue
-                self._kick(ev)
+                self._kick(ev)  # the task runs after this: the acknowledgements come first
                 return
             self._kick()  # a flood: the reader task goes on after the turn
         finally:
+            if acked:
+                self._pubacks(acked)
             if len(ingest) > taken:
                 self._published()
+
+    def _pubacks(self, packet_ids: list[int]) -> None:
+        if packet_ids and self.delivery is not None:
+            self.delivery.on_pubacks(packet_ids)
 
     # -- the ingest batch's side (gateway/ingest.py) -----------------------------------------
 
