@@ -7,35 +7,61 @@ turns get longer, and each subscriber's pass waits behind ever larger ingest bat
 Overload, seen from inside the process, shows two ways, and the guard watches both:
   - event-loop lag: a timer due every TICK_S fires late because every turn is long
     (past LAG_HOLD_S);
-  - delivery lag: the oldest message an online subscriber has not been sent yet was stored
-    more than BACKLOG_HOLD_S ago. The loop may be on time while subscribers fall behind: their
-    QoS 1 windows are full, or their passes read BATCH messages a turn while more arrive.
-    Delivery loops report themselves when a pass leaves something unsent (`behind()`, O(1)
-    per pass); each tick asks at most CHECK_PER_TICK of them for the store time of their
-    oldest unsent message (`oldest_unsent_ms()`, a look at each of their subscriptions' next
-    message), so the cost is per tick, never per message or per connection.
+  - delivery lag: the oldest message an online subscriber (or shared-subscription group) has
+    not been sent yet was stored more than BACKLOG_HOLD_S ago. The loop may be on time while
+    subscribers fall behind: their QoS 1 windows are full, or their passes read BATCH messages
+    a turn while more arrive. Delivery loops and share groups report themselves when a pass
+    leaves something unsent (`behind()`, O(1) per pass); each tick asks at most CHECK_PER_TICK
+    of them for the store time of their oldest unsent message (`oldest_unsent_ms()`, a look at
+    each of their queues' next message), so the cost is per tick, never per message or per
+    connection.
+
 While either is past its bound the guard holds the connections that publish: after a
 connection's publishes of a turn are taken in, its transport stops reading. Its socket buffers
 fill and TCP flow control slows the device down; nothing is dropped, and a held QoS 1/2
 publisher simply waits for acknowledgements that come later (MQTT puts no deadline on them; a
 device with a bounded in-flight window stops sending). Connections that only acknowledge
-deliveries are never held, so subscribers' windows keep moving and the backlog drains. Once the
-loop lag is under LAG_RELEASE_S and the delivery lag under BACKLOG_RELEASE_S, the held
-connections are released in the order they were held (fair: who waited longest goes first), at
-most RELEASE_PER_TICK per tick so that a release never turns into a burst that overloads the
-loop again (and no step costs O(connections)).
+deliveries are never held, so subscribers' windows keep moving and the backlog drains.
 
-            loop lag > LAG_HOLD_S or                 loop lag < LAG_RELEASE_S and
-            delivery lag > BACKLOG_HOLD_S            delivery lag < BACKLOG_RELEASE_S
-    normal -------------------------------> holding ----------------------------------> releasing
+Held publishers are not released all at once (that turned the hold into a cycle: a burst of
+everything that waited, a backlog, a hold again). They are read at the rate the subscribers
+drain, round robin: each tick resumes held connections from the head of the queue (who waited
+longest first) until the tick's admission credit is spent; a resumed connection hands in what
+its socket buffered and is held again, at the back. So every device is read once per round,
+whatever it has buffered, and none starves. The credit is the measured drain rate, corrected
+toward a backlog of BACKLOG_TARGET_S:
+
+    rate = drain x clamp(1 - (backlog - BACKLOG_TARGET_S) / CORRECT_S, MIN_FACTOR, MAX_FACTOR)
+
+The drain is measured without knowing who subscribes to what: the guard keeps, each tick, how
+many publishes the gateway had stored by then (`stored()`); the slowest subscriber's oldest
+unsent message was stored at time T, so every publish stored before T has been passed by every
+subscriber: `stored at T` is the position of the slowest reader in publishes, and its advance
+per second is the drain, whatever the fan-out. With nothing behind, the position is the store's
+end (the drain is what comes in) and the factor above MAX_FACTOR-1 lets the rate grow until
+every held connection is resumed in one tick; then, with the delivery lag under
+BACKLOG_RELEASE_S and the loop lag under LAG_RELEASE_S, the guard stops holding.
+
+            loop lag > LAG_HOLD_S or                 loop lag < LAG_RELEASE_S, delivery lag
+            delivery lag > BACKLOG_HOLD_S            < BACKLOG_RELEASE_S, nobody left held
+    normal -------------------------------> holding (held connections read at the drain rate,
+       ^                                             round robin) --------------------+
+       +------------------------------------------------------------------------------+
+
+QoS 0 publishers are held the same way: MQTT would allow dropping their messages, but the
+gateway stores QoS 0 as it stores QoS 1 (persistent sessions and replays read them from the
+log), and dropping after reading would still cost the read and the parse while the device goes
+on sending as fast as before; holding costs nothing per message and TCP flow control slows the
+device down. Memory stays bounded either way: a held connection is not read, so what waits
+does so in its kernel socket buffers (bounded per socket), never in the gateway's heap.
 
 Holding helps a subscriber that is behind because of the load. A persistent session back
 online, catching up on what was stored while it was away, is behind too, but holding the fleet
-for it would stop every device without helping: a delivery loop reports itself only once it
-has been caught up since it started (DeliveryLoop._step). And one that is sent nothing for
-SLOW_SUBSCRIBER_S while it is behind (it stopped reading or acknowledging) is stuck by itself:
-it is left out until it has caught up, its messages waiting in the store as for any slow
-consumer. A subscriber that drains, however slowly, keeps the publishers held: they then
+for it would stop every device without helping: a delivery loop (a share group) reports itself
+only once it has been caught up since it started (DeliveryLoop._step). And one that is sent
+nothing for SLOW_SUBSCRIBER_S while it is behind (it stopped reading or acknowledging) is stuck
+by itself: it is left out until it has caught up, its messages waiting in the store as for any
+slow consumer. A subscriber that drains, however slowly, keeps the publishers held: they then
 publish at the pace it reads, which is the point.
 """
 
@@ -44,7 +70,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 __all__ = ["Backlogged", "OverloadGuard", "Publisher"]
@@ -58,8 +86,23 @@ LAG_RELEASE_S = 0.01
 # The same for the age of the oldest message an online subscriber has not been sent.
 BACKLOG_HOLD_S = 0.05
 BACKLOG_RELEASE_S = 0.015
+# While holding: the delivery lag the admission aims at, and how fast it corrects toward it
+# (a backlog CORRECT_S above the target admits nothing new beyond MIN_FACTOR of the drain).
+BACKLOG_TARGET_S = 0.03
+CORRECT_S = 0.1
+MIN_FACTOR = 0.25
+MAX_FACTOR = 1.3
+# Admission never stops entirely (a stalled subscriber is excused after SLOW_SUBSCRIBER_S).
+MIN_RATE = 100.0
+# Unspent credit is kept for at most this long: no burst after a quiet moment.
+MAX_CREDIT_S = 0.02
+# The drain estimate: exponentially weighted, about ten ticks.
+DRAIN_WEIGHT = 0.1
+# How far back the stored-publish history goes (a backlog older than this reads as no drain).
+HISTORY_S = 5.0
 SLOW_SUBSCRIBER_S = 2.0
-RELEASE_PER_TICK = 500
+# Connections resumed per tick at most (the round robin's step, and stop()'s release pace).
+RESUME_PER_TICK = 500
 CHECK_PER_TICK = 64
 
 
@@ -72,7 +115,7 @@ class Publisher(Protocol):
 
 
 class Backlogged(Protocol):
-    """A subscriber's delivery loop that a pass left with messages unsent."""
+    """A subscriber's delivery loop (or a share group) that a pass left with messages unsent."""
 
     def oldest_unsent_ms(self) -> int | None:
         """Store timestamp (ms) of the oldest message not sent yet, None when caught up."""
@@ -86,30 +129,61 @@ EXCUSED = (-1, -1.0)
 
 class OverloadGuard:
     __slots__ = (
+        "_admitted",
         "_backlogged",
+        "_credit",
         "_due",
         "_handle",
         "_held",
+        "_history",
+        "_last_tick",
         "_loop",
+        "_position",
+        "_resumed",
+        "_resumes_avg",
+        "_stored",
+        "_stored_last",
         "_to_check",
         "backlog_lag",
+        "drain",
         "holds",
         "lag",
         "overloaded",
+        "per_resume",
+        "rate",
+        "resumes",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, stored: Callable[[], int] | None = None
+    ) -> None:
+        """`stored`: how many publishes the gateway has stored so far (a counter that only
+        grows; the stats' messages_received)."""
         self._loop = loop
+        self._stored = stored if stored is not None else _nothing
         self._held: deque[Publisher] = deque()
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
+        self._last_tick = 0.0
         # Delivery loops reported behind, and the order they are checked in (round robin).
         self._backlogged: dict[Backlogged, tuple[int, float]] = {}
         self._to_check: deque[Backlogged] = deque()
+        # (wall-clock s, publishes stored by then), one per tick over HISTORY_S.
+        self._history: deque[tuple[float, int]] = deque()
+        self._position = 0.0  # publishes every subscriber has passed (see the module doc)
+        self._stored_last = 0
+        self._credit = 0.0  # publishes the round robin may still admit
+        self._resumed = 0  # connections resumed in the last tick
+        self._admitted = 0.0  # publishes stored per tick, smoothed
+        self._resumes_avg = 0.0  # connections resumed per tick, smoothed
         self.overloaded = False
         self.lag = 0.0  # the last tick's lateness, seconds
         self.backlog_lag = 0.0  # the oldest unsent message's age seen in the last tick, seconds
+        self.drain = 0.0  # publishes/s the subscribers pass, smoothed
+        self.rate = 0.0  # publishes/s admitted while holding
+        self.per_resume = 1.0  # publishes a resumed connection hands in, smoothed
         self.holds = 0  # connections held so far (a counter for metrics)
+        self.resumes = 0  # held connections resumed by the round robin while holding
 
     @property
     def held(self) -> int:
@@ -120,7 +194,10 @@ class OverloadGuard:
         return len(self._backlogged)
 
     def start(self) -> None:
-        self._due = self._loop.time() + TICK_S
+        self._last_tick = now = self._loop.time()
+        self._stored_last = stored = self._stored()
+        self._position = float(stored)
+        self._due = now + TICK_S
         self._handle = self._loop.call_at(self._due, self._tick)
 
     def stop(self) -> None:
@@ -130,7 +207,11 @@ class OverloadGuard:
         self.overloaded = False
         self._backlogged.clear()
         self._to_check.clear()
-        self._release(len(self._held))
+        held = self._held
+        while held:
+            publisher = held.popleft()
+            if not publisher.closed:
+                publisher.release_reading()
 
     def hold(self, publisher: Publisher) -> None:
         """`publisher` just handed in publishes while overloaded: stop reading from it."""
@@ -147,21 +228,88 @@ class OverloadGuard:
     def _tick(self) -> None:
         now = self._loop.time()
         self.lag = lag = now - self._due
+        dt = max(now - self._last_tick, TICK_S / 10)
+        self._last_tick = now
         backlog = self._check_backlog()
+        self._measure(backlog, dt)
         if not self.overloaded and (lag > LAG_HOLD_S or backlog > BACKLOG_HOLD_S):
             self.overloaded = True
+            self._credit = 0.0
             log.warning(
-                "overloaded (event loop %.0f ms behind, deliveries %.0f ms): holding publishers",
+                "overloaded (event loop %.0f ms behind, deliveries %.0f ms, draining %.0f "
+                "msg/s): holding publishers",
                 lag * 1000,
                 backlog * 1000,
+                self.drain,
             )
-        elif self.overloaded and lag < LAG_RELEASE_S and backlog < BACKLOG_RELEASE_S:
-            self.overloaded = False
-            log.info("caught up: releasing %d publishers", len(self._held))
-        if not self.overloaded and self._held:
-            self._release(RELEASE_PER_TICK)
+        if self.overloaded:
+            self._admit(lag, backlog, dt)
+            if (
+                lag < LAG_RELEASE_S
+                and backlog < BACKLOG_RELEASE_S
+                and not self._held
+                and self._credit > 0
+            ):
+                self.overloaded = False
+                log.info("caught up (admitting %.0f msg/s): holding no more", self.rate)
+        elif self._held:  # left from a hold that ended (stop() releases the rest)
+            self._resume(RESUME_PER_TICK)
         self._due = now + TICK_S
         self._handle = self._loop.call_at(self._due, self._tick)
+
+    def _measure(self, backlog: float, dt: float) -> None:
+        """Advance the slowest reader's position (publishes) and the drain estimate."""
+        stored = self._stored()
+        wall = time.time()
+        history = self._history
+        history.append((wall, stored))
+        while history and history[0][0] < wall - HISTORY_S:
+            history.popleft()
+        admitted = stored - self._stored_last
+        self._stored_last = stored
+        # What a resumed connection hands in, from the averages of both (a resumed connection
+        # may be read over several turns, so the two are not counted in the same tick).
+        self._admitted += DRAIN_WEIGHT * (admitted - self._admitted)
+        self._resumes_avg += DRAIN_WEIGHT * (self._resumed - self._resumes_avg)
+        if self._resumes_avg > 0.01:
+            self.per_resume = max(self._admitted / self._resumes_avg, 1.0)
+        position = float(stored) if backlog <= 0 else _stored_at(history, wall - backlog)
+        # The position only moves forward (a subscriber joining the backlogged set may read
+        # further behind than the last one did: that is no negative drain).
+        position = max(position, self._position)
+        self.drain += DRAIN_WEIGHT * ((position - self._position) / dt - self.drain)
+        self._position = position
+
+    def _admit(self, lag: float, backlog: float, dt: float) -> None:
+        """Resume held connections, round robin, for this tick's share of the drain."""
+        factor = 1.0 - (backlog - BACKLOG_TARGET_S) / CORRECT_S
+        factor = min(max(factor, MIN_FACTOR), MAX_FACTOR)
+        if lag > LAG_HOLD_S:  # the loop itself is late: admit less than it drained
+            factor = min(factor, 0.5)
+        self.rate = rate = max(self.drain * factor, MIN_RATE)
+        self._credit = min(self._credit + rate * dt, rate * MAX_CREDIT_S)
+        held = self._held
+        per_resume = self.per_resume
+        resumed = 0
+        while self._credit > 0 and held and resumed < RESUME_PER_TICK:
+            publisher = held.popleft()
+            if publisher.closed:
+                continue
+            publisher.release_reading()
+            self._credit -= per_resume
+            resumed += 1
+        self._resumed = resumed
+        self.resumes += resumed
+
+    def _resume(self, n: int) -> None:
+        held = self._held
+        resumed = 0
+        while held and resumed < n:
+            publisher = held.popleft()
+            if not publisher.closed:
+                publisher.release_reading()
+                resumed += 1
+        self._resumed = resumed
 
     def _check_backlog(self) -> float:
         """The largest delivery lag (s) among the loops checked this tick; caught-up loops are
@@ -201,9 +349,23 @@ class OverloadGuard:
         self.backlog_lag = worst
         return worst
 
-    def _release(self, n: int) -> None:
-        held = self._held
-        for _ in range(min(n, len(held))):
-            publisher = held.popleft()
-            if not publisher.closed:
-                publisher.release_reading()
+
+def _nothing() -> int:
+    return 0
+
+
+def _stored_at(history: deque[tuple[float, int]], wall: float) -> float:
+    """Publishes stored by wall-clock time `wall`, interpolated between the ticks' samples
+    (the oldest sample when `wall` is older than the history)."""
+    i = bisect_left(history, wall, key=_first)
+    if i == 0:
+        return float(history[0][1])
+    if i >= len(history):
+        return float(history[-1][1])
+    t0, c0 = history[i - 1]
+    t1, c1 = history[i]
+    return c0 + (c1 - c0) * (wall - t0) / max(t1 - t0, 1e-9)
+
+
+def _first(sample: tuple[float, int]) -> float:
+    return sample[0]
