@@ -38,12 +38,14 @@ many publishes the gateway had stored by then (`stored()`); the slowest subscrib
 unsent message was stored at time T, so every publish stored before T has been passed by every
 subscriber: `stored at T` is the position of the slowest reader in publishes, and its advance
 per second is the drain, whatever the fan-out. With nothing behind, the position is the store's
-end (the drain is what comes in) and the factor above MAX_FACTOR-1 lets the rate grow until
-every held connection is resumed in one tick; then, with the delivery lag under
-BACKLOG_RELEASE_S and the loop lag under LAG_RELEASE_S, the guard stops holding.
+end (the drain is what comes in) and a factor above 1 lets the rate grow. Once the delivery
+lag is under BACKLOG_RELEASE_S and the loop lag under LAG_RELEASE_S for CALM_TICKS in a row
+(or nobody is left held), the guard stops holding and releases who is left, RESUME_PER_TICK a
+tick: while devices publish, a resumed one is held again at its next PUBLISH, so the queue
+need not empty by itself.
 
-            loop lag > LAG_HOLD_S or                 loop lag < LAG_RELEASE_S, delivery lag
-            delivery lag > BACKLOG_HOLD_S            < BACKLOG_RELEASE_S, nobody left held
+            loop lag > LAG_HOLD_S or                 loop lag < LAG_RELEASE_S and delivery lag
+            delivery lag > BACKLOG_HOLD_S            < BACKLOG_RELEASE_S for CALM_TICKS
     normal -------------------------------> holding (held connections read at the drain rate,
        ^                                             round robin) --------------------+
        +------------------------------------------------------------------------------+
@@ -101,6 +103,9 @@ DRAIN_WEIGHT = 0.1
 # How far back the stored-publish history goes (a backlog older than this reads as no drain).
 HISTORY_S = 5.0
 SLOW_SUBSCRIBER_S = 2.0
+# Ticks in a row with both lags under their release bounds before holding stops; the connections
+# still held are then released RESUME_PER_TICK a tick.
+CALM_TICKS = 10
 # Connections resumed per tick at most (the round robin's step, and stop()'s release pace).
 RESUME_PER_TICK = 500
 CHECK_PER_TICK = 64
@@ -131,6 +136,7 @@ class OverloadGuard:
     __slots__ = (
         "_admitted",
         "_backlogged",
+        "_calm",
         "_credit",
         "_due",
         "_handle",
@@ -173,6 +179,7 @@ class OverloadGuard:
         self._position = 0.0  # publishes every subscriber has passed (see the module doc)
         self._stored_last = 0
         self._credit = 0.0  # publishes the round robin may still admit
+        self._calm = 0  # ticks in a row with both lags under their release bounds
         self._resumed = 0  # connections resumed in the last tick
         self._admitted = 0.0  # publishes stored per tick, smoothed
         self._resumes_avg = 0.0  # connections resumed per tick, smoothed
@@ -235,6 +242,7 @@ class OverloadGuard:
         if not self.overloaded and (lag > LAG_HOLD_S or backlog > BACKLOG_HOLD_S):
             self.overloaded = True
             self._credit = 0.0
+            self._calm = 0
             log.warning(
                 "overloaded (event loop %.0f ms behind, deliveries %.0f ms, draining %.0f "
                 "msg/s): holding publishers",
@@ -244,14 +252,20 @@ class OverloadGuard:
             )
         if self.overloaded:
             self._admit(lag, backlog, dt)
-            if (
-                lag < LAG_RELEASE_S
-                and backlog < BACKLOG_RELEASE_S
-                and not self._held
-                and self._credit > 0
-            ):
-                self.overloaded = False
-                log.info("caught up (admitting %.0f msg/s): holding no more", self.rate)
+            if lag < LAG_RELEASE_S and backlog < BACKLOG_RELEASE_S:
+                # Caught up: once for CALM_TICKS in a row (while publishers publish, the round
+                # robin never empties the held queue: a resumed device is held again at its
+                # next PUBLISH), or at once when nobody is left held.
+                self._calm += 1
+                if self._calm >= CALM_TICKS or not self._held:
+                    self.overloaded = False
+                    log.info(
+                        "caught up (admitting %.0f msg/s): releasing %d publishers",
+                        self.rate,
+                        len(self._held),
+                    )
+            else:
+                self._calm = 0
         elif self._held:  # left from a hold that ended (stop() releases the rest)
             self._resume(RESUME_PER_TICK)
         self._due = now + TICK_S
