@@ -16,19 +16,25 @@ Overload, seen from inside the process, shows two ways, and the guard watches bo
     each of their queues' next message), so the cost is per tick, never per message or per
     connection.
 
-While either is past its bound the guard holds the connections that publish: after a
-connection's publishes of a turn are taken in, its transport stops reading. Its socket buffers
-fill and TCP flow control slows the device down; nothing is dropped, and a held QoS 1/2
-publisher simply waits for acknowledgements that come later (MQTT puts no deadline on them; a
-device with a bounded in-flight window stops sending). Connections that only acknowledge
-deliveries are never held, so subscribers' windows keep moving and the backlog drains.
+While either is past its bound the guard holds the connections that publish, from the moment
+they hand in publishes (ClientConnection._published): the PUBACKs of what a held connection
+hands in wait (MQTT puts no deadline on them and they still leave in order), so a device with
+an in-flight window stops sending once its window is full of messages already stored and being
+delivered; it is still read, so what it sends when its PUBACKs come is taken in at once, not
+left waiting in its socket. A connection that goes on sending regardless (QoS 0, which has no
+acknowledgement to wait for, or more than HELD_READ_MAX publishes while held) is not read any
+more: its socket buffers fill and TCP flow control slows the device down. Nothing is dropped.
+Connections that only acknowledge deliveries are never held, so subscribers' windows keep
+moving and the backlog drains.
 
 Held publishers are not released all at once (that turned the hold into a cycle: a burst of
-everything that waited, a backlog, a hold again). They are read at the rate the subscribers
-drain, round robin: each tick resumes held connections from the head of the queue (who waited
-longest first) until the tick's admission credit is spent; a resumed connection hands in what
-its socket buffered and is held again, at the back. So every device is read once per round,
-whatever it has buffered, and none starves. The credit is the measured drain rate, corrected
+everything that waited, a backlog, a hold again). They are released at the rate the
+subscribers drain, round robin: each tick releases held connections from the head of the queue
+(who waited longest first) until the tick's admission credit is spent (a released connection
+costs the PUBACKs it gets, which is what its device may now send, or, when its reading was
+paused, about what such a connection handed in when released); a released connection is held
+again, at the back, when it next publishes. So every device gets its turn, and none starves.
+The credit is the measured drain rate, corrected
 toward a backlog of BACKLOG_TARGET_S:
 
     rate = drain x clamp(1 - (backlog - BACKLOG_TARGET_S) / CORRECT_S, MIN_FACTOR, MAX_FACTOR)
@@ -50,12 +56,13 @@ need not empty by itself.
        ^                                             round robin) --------------------+
        +------------------------------------------------------------------------------+
 
-QoS 0 publishers are held the same way: MQTT would allow dropping their messages, but the
+QoS 0 publishers are held by their reading: MQTT would allow dropping their messages, but the
 gateway stores QoS 0 as it stores QoS 1 (persistent sessions and replays read them from the
 log), and dropping after reading would still cost the read and the parse while the device goes
 on sending as fast as before; holding costs nothing per message and TCP flow control slows the
-device down. Memory stays bounded either way: a held connection is not read, so what waits
-does so in its kernel socket buffers (bounded per socket), never in the gateway's heap.
+device down. Memory stays bounded: a held connection's PUBACKs are packet ids (at most
+HELD_READ_MAX before its reading pauses), and a connection not read keeps what waits in its
+kernel socket buffers (bounded per socket), never in the gateway's heap.
 
 Holding helps a subscriber that is behind because of the load. A persistent session back
 online, catching up on what was stored while it was away, is behind too, but holding the fleet
@@ -112,11 +119,17 @@ CHECK_PER_TICK = 64
 
 
 class Publisher(Protocol):
+    """A connection that publishes (gateway/client.py ClientConnection)."""
+
     closed: bool
 
-    def hold_reading(self) -> None: ...
+    def hold_publishing(self) -> None:
+        """Hold its PUBACKs (and, past a bound or for QoS 0, its reading) until released."""
+        ...
 
-    def release_reading(self) -> None: ...
+    def release_publishing(self) -> int:
+        """Send what was held and read again; returns the PUBACKs it held."""
+        ...
 
 
 class Backlogged(Protocol):
@@ -218,11 +231,11 @@ class OverloadGuard:
         while held:
             publisher = held.popleft()
             if not publisher.closed:
-                publisher.release_reading()
+                publisher.release_publishing()
 
     def hold(self, publisher: Publisher) -> None:
         """`publisher` just handed in publishes while overloaded: stop reading from it."""
-        publisher.hold_reading()
+        publisher.hold_publishing()
         self._held.append(publisher)
         self.holds += 1
 
@@ -309,8 +322,10 @@ class OverloadGuard:
             publisher = held.popleft()
             if publisher.closed:
                 continue
-            publisher.release_reading()
-            self._credit -= per_resume
+            # A QoS 1 device may send as many as the PUBACKs it gets; a connection whose reading
+            # was paused hands in what its socket buffered (about per_resume).
+            acks = publisher.release_publishing()
+            self._credit -= acks if acks else per_resume
             resumed += 1
         self._resumed = resumed
         self.resumes += resumed
@@ -321,7 +336,7 @@ class OverloadGuard:
         while held and resumed < n:
             publisher = held.popleft()
             if not publisher.closed:
-                publisher.release_reading()
+                publisher.release_publishing()
                 resumed += 1
         self._resumed = resumed
 
