@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+
+import pytest
 
 from gateway.client import ClientConnection
 from gateway.overload import OverloadGuard
@@ -45,9 +48,13 @@ class _Burner:
         self.running = False
 
 
+@pytest.mark.parametrize("qos", [0, 1])
 def test_publishers_are_held_while_the_loop_lags_and_nothing_is_lost(
-    gateway: GatewayHarness,
+    gateway: GatewayHarness, qos: int
 ) -> None:
+    """A flooding publisher that never waits for a PUBACK (QoS 1) or has none to wait for
+    (QoS 0) is held by its reading: its socket fills, nothing is dropped, and everything it
+    sent arrives in order once the loop is on time again."""
     sub = RawClient(gateway.port, level=5)
     assert sub.connect("ov-sub").reason_code == 0
     sub.send(Subscribe(1, [Subscription("ov/#", 1)]))
@@ -61,7 +68,9 @@ def test_publishers_are_held_while_the_loop_lags_and_nothing_is_lost(
     def flood() -> None:
         nonlocal sent
         while not stop.is_set():
-            packet = Publish("ov/t", b"%d" % sent, qos=1, packet_id=sent % 65535 + 1)
+            packet = Publish(
+                "ov/t", b"%d" % sent, qos=qos, packet_id=sent % 65535 + 1 if qos else None
+            )
             pub.send_bytes(encode(packet, 4))  # PUBACKs are left unread: the kernel keeps them
             sent += 1
             time.sleep(0.0005)
@@ -91,8 +100,8 @@ def test_publishers_are_held_while_the_loop_lags_and_nothing_is_lost(
         # Held, but read at the rate the loop manages, round robin: it is resumed for its turns
         # (gateway/overload.py), so it is found held between them, not at every instant.
         conn = _connection(gateway, "ov-pub")
-        while not gateway.call(lambda: conn._held):
-            assert time.monotonic() < deadline, "the publisher is not kept held"
+        while not gateway.call(lambda: conn._held and conn._reading_paused):
+            assert time.monotonic() < deadline, "the publisher's reading is not held"
             drain(time.monotonic() + 0.05)
         # The subscriber acknowledges deliveries all along: it is never held.
         drain(time.monotonic() + 0.5)
@@ -113,7 +122,11 @@ def test_publishers_are_held_while_the_loop_lags_and_nothing_is_lost(
 
 
 def _slow_subscriber_run(
-    gateway: GatewayHarness, topic_filter: str, window: int, lag_bound: float
+    gateway: GatewayHarness,
+    topic_filter: str,
+    window: int,
+    lag_bound: float,
+    during: Callable[[float], None] = time.sleep,
 ) -> OverloadGuard:
     """Twelve publishers, each sending every 10 ms with at most `window` PUBLISHes not yet
     acknowledged (a device's in-flight window; 1 waits for each PUBACK), to one QoS 1
@@ -179,7 +192,7 @@ def _slow_subscriber_run(
     reader = threading.Thread(target=subscribe)
     for t in [reader, *threads]:
         t.start()
-    time.sleep(run_s)  # the load runs; what is checked below is its outcome, not timing
+    during(run_s)  # the load runs; what is checked below is its outcome, not timing
     stop.set()
     for t in threads:
         t.join(60)
@@ -217,11 +230,29 @@ def test_a_slow_shared_group_holds_publishers_like_a_subscriber(
 def test_publishers_with_deep_windows_are_read_round_robin_at_the_drain_rate(
     gateway: GatewayHarness,
 ) -> None:
-    """With ten PUBLISHes in flight per device, a held device's messages wait in its socket,
-    not its window: the guard reads the held publishers in turns (resumes while holding)
-    instead of releasing them all at once, and each still gets its share."""
-    guard = _slow_subscriber_run(gateway, "slow/#", window=10, lag_bound=2.0)
-    assert guard.resumes > 0, "held publishers were never read in turns"
+    """With ten PUBLISHes in flight per device, the guard holds a device's PUBACKs, not its
+    reading: its window fills with messages already stored and it stops by itself, while what
+    it sends at its turn is read at once. Held publishers are released in turns (resumes
+    while holding) instead of all at once, and each still gets its share."""
+    seen: list[bool] = []
+
+    def watch(run_s: float) -> None:
+        # Some held publisher is found with PUBACKs waiting and its reading on.
+        def acks_held_reading_on() -> bool:
+            assert gateway.gw is not None
+            return any(
+                c._held and c._acks and not c._reading_paused for c in gateway.gw.state.connections
+            )
+
+        until = time.monotonic() + run_s
+        while time.monotonic() < until:
+            if not seen and gateway.call(acks_held_reading_on):
+                seen.append(True)
+            time.sleep(0.01)
+
+    guard = _slow_subscriber_run(gateway, "slow/#", window=10, lag_bound=2.0, during=watch)
+    assert guard.resumes > 0, "held publishers were never released in turns"
+    assert seen, "no held publisher was found with its PUBACKs held and its reading on"
 
 
 def test_a_persistent_session_catching_up_does_not_hold_the_publishers(
