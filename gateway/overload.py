@@ -34,8 +34,7 @@ subscribers drain, round robin: each tick releases held connections from the hea
 costs the PUBACKs it gets, which is what its device may now send, or, when its reading was
 paused, about what such a connection handed in when released); a released connection is held
 again, at the back, when it next publishes. So every device gets its turn, and none starves.
-The credit is the measured drain rate, corrected
-toward a backlog of BACKLOG_TARGET_S:
+The credit is the measured drain rate, corrected toward a backlog of BACKLOG_TARGET_S:
 
     rate = drain x clamp(1 - (backlog - BACKLOG_TARGET_S) / CORRECT_S, MIN_FACTOR, MAX_FACTOR)
 
