@@ -297,16 +297,23 @@ class ClientConnection:
         window stops once the window is full of messages already stored and delivered, and
         what it sends after its turn is read at once, not left waiting in its socket. One that
         goes on sending regardless (a window over HELD_READ_MAX, or QoS 0, which has no
-        acknowledgement to wait for) is no longer read until its turn."""
+        acknowledgement to wait for) is no longer read until its turn; nor is any held
+        connection while the backlog grows past the guard's read bound (`read_hold`: deep
+        windows filling up faster than the subscribers drain)."""
         if self.closed:
             return
+        overload = self.ctx.overload
         if not self._held:
-            if not self.ctx.overload.overloaded:
+            if not overload.overloaded:
                 return
-            self.ctx.overload.hold(self)
+            overload.hold(self)
         self._held_reads += n
-        if qos0 or self._held_reads >= HELD_READ_MAX or self._ingest is None:
-            # (sync flush: PUBACKs wait for their fsync in tasks; reading pauses at once)
+        if (
+            qos0
+            or self._held_reads >= HELD_READ_MAX
+            or overload.read_hold
+            or self._ingest is None  # sync flush: PUBACKs wait for fsync tasks, not here
+        ):
             self._pause_reading()
 
     def hold_publishing(self) -> None:

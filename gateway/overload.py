@@ -23,7 +23,12 @@ an in-flight window stops sending once its window is full of messages already st
 delivered; it is still read, so what it sends when its PUBACKs come is taken in at once, not
 left waiting in its socket. A connection that goes on sending regardless (QoS 0, which has no
 acknowledgement to wait for, or more than HELD_READ_MAX publishes while held) is not read any
-more: its socket buffers fill and TCP flow control slows the device down. Nothing is dropped.
+more: its socket buffers fill and TCP flow control slows the device down. Nor is any held
+connection while the delivery lag is past READ_HOLD_BACKLOG_S or the loop lags (`read_hold`):
+devices with deep windows (50) keep sending until their windows are full, and with every
+PUBLISH read at once the backlog that fills them grows in the gateway, each message read on its
+own (at 33,750 msg/s, W = 50: p99 1.5 s, against 0.35 s when they wait in the sockets and are
+read in batches, which cost less per message). Nothing is dropped.
 Connections that only acknowledge deliveries are never held, so subscribers' windows keep
 moving and the backlog drains.
 
@@ -100,6 +105,10 @@ BACKLOG_TARGET_S = 0.03
 CORRECT_S = 0.1
 MIN_FACTOR = 0.25
 MAX_FACTOR = 1.3
+# Past these, held connections are not read either (their PUBACKs alone do not hold devices whose
+# windows are still filling; a connection read in turns also hands in its messages in batches,
+# which cost less per message).
+READ_HOLD_BACKLOG_S = 0.1
 # Admission never stops entirely (a stalled subscriber is excused after SLOW_SUBSCRIBER_S).
 MIN_RATE = 100.0
 # Unspent credit is kept for at most this long: no burst after a quiet moment.
@@ -169,6 +178,7 @@ class OverloadGuard:
         "overloaded",
         "per_resume",
         "rate",
+        "read_hold",
         "resumes",
     )
 
@@ -196,6 +206,7 @@ class OverloadGuard:
         self._admitted = 0.0  # publishes stored per tick, smoothed
         self._resumes_avg = 0.0  # connections resumed per tick, smoothed
         self.overloaded = False
+        self.read_hold = False  # holding reading too (see READ_HOLD_BACKLOG_S)
         self.lag = 0.0  # the last tick's lateness, seconds
         self.backlog_lag = 0.0  # the oldest unsent message's age seen in the last tick, seconds
         self.drain = 0.0  # publishes/s the subscribers pass, smoothed
@@ -262,6 +273,7 @@ class OverloadGuard:
                 backlog * 1000,
                 self.drain,
             )
+        self.read_hold = self.overloaded and (backlog > READ_HOLD_BACKLOG_S or lag > LAG_HOLD_S)
         if self.overloaded:
             self._admit(lag, backlog, dt)
             if lag < LAG_RELEASE_S and backlog < BACKLOG_RELEASE_S:
