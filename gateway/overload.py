@@ -107,9 +107,8 @@ MIN_FACTOR = 0.25
 MAX_FACTOR = 1.3
 # Past this, held connections are not read either (their PUBACKs alone do not hold devices whose
 # windows are still filling; a connection read in turns also hands in its messages in batches,
-# which cost less per message). 0.1 s cut into the PUBACK hold's gain at window 10 (2,000
-# devices at 33,750 msg/s: p99 315 ms against 198 at 0.2 s).
-READ_HOLD_BACKLOG_S = 0.2
+# which cost less per message).
+READ_HOLD_BACKLOG_S = 0.1
 # Admission never stops entirely (a stalled subscriber is excused after SLOW_SUBSCRIBER_S).
 MIN_RATE = 100.0
 # Unspent credit is kept for at most this long: no burst after a quiet moment.
