@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import struct
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -63,13 +61,21 @@ from rocketmq_remoting import (
     SendResult,
 )
 from rocketmq_remoting.message import MessageRecord, decode_message_id
+from topicmap.rocketmq import (
+    EMPTY_BODY_PROPERTY,
+    STATE_QUEUE,
+    STATE_START,
+    decode_lmq,
+    decode_state,
+    encode_lmq,
+    encode_state,
+)
 
 if TYPE_CHECKING:
     from gateway.config import GatewaySettings
 
 log = logging.getLogger("lmqtt.rocketmq")
 
-LMQ_PREFIX = "%LMQ%"
 #: Consumer group of the gateway's own pulls. `%LMQ%` groups need no creation on the broker
 #: (LmqSubscriptionGroupManager synthesizes them); pulls carry their subscription, so no
 #: consumer registration either.
@@ -89,8 +95,6 @@ RETAIN_QUEUE = "%RETAIN%"
 #: The gateway's state records (sessions, subscriptions, wills, retained snapshot): see
 #: RocketMqStorage.load_state. STATE_START names the consumer group whose committed offset in
 #: it is where a replay starts (the last compaction's snapshot).
-STATE_QUEUE = "%STATE%"
-STATE_START = "%STATE-START%"
 STATE_SNAPSHOT_BATCH = 1000  # records per message of a compaction's snapshot
 STATE_COMPACT_SLACK = 10_000  # history records tolerated beyond twice the live ones
 CONFIG_KEY_PREFIX = "config/"
@@ -100,7 +104,6 @@ DRAIN_S = 10.0  # a graceful stop waits this long at most for the sends in fligh
 #: A broker cannot store an empty body (5.3.3: NullPointerException in buildMsgContext, answered
 #: SYSTEM_ERROR; Java clients refuse empty bodies before sending). An empty MQTT payload (a
 #: retained message's deletion) is sent as one byte with this property, and read back empty.
-EMPTY_BODY_PROPERTY = "lmqtt.empty"
 _EMPTY_BODY_MARK = EMPTY_BODY_PROPERTY.encode() + b"\x011\x02"
 FAILED_TICKETS_KEPT = 10_000
 #: Properties the broker adds to a stored message; the gateway's readers never see them.
@@ -123,86 +126,8 @@ _BROKER_PROPERTIES = frozenset(
 
 # -- names ------------------------------------------------------------------------------------
 #
-# A gateway queue name (the router's `%LMQ%site.%2b`, or `%RETAIN%`) as a RocketMQ light queue,
-# within the namespace of the deployment's parent topic (`rocketmq_topic`, default `lmqtt`), so
-# several gateways' deployments share a cluster without seeing each other's queues:
-#
-#     %LMQ% <encoded topic> _0 [_2 if the name does not start with %LMQ%] <encoded rest>
-#     encoded: A-Z a-z 0-9 - %  as is;  .  -> _1;  _  -> _3;  | -> _4;  other bytes -> _x + 2 hex
-#     longer than MAX_LMQ_NAME:  %LMQ% <encoded topic> _5 <sha256 hex, 40 digits>
-#                                (reverse: the name table of the process that named it)
-#
-# e.g. `%LMQ%site.%2b` -> `%LMQ%lmqtt_0site_1%2b`, `%RETAIN%` -> `%LMQ%lmqtt_0_2%RETAIN%`.
-# RocketMQ topic names allow only [%|a-zA-Z0-9_-] (TopicValidator), and a `/` would make the
-# broker skip the dispatch silently (docs/rocketmq.md quirk 4). Each `_` starts an escape of a
-# known length, so the mapping is injective; `_9` is left for the probe queue.
-
-MAX_LMQ_NAME = 200
-_KEEP = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-%")
-
-
-def _escape(text: str) -> str:
-    out: list[str] = []
-    for ch in text:
-        if ch in _KEEP:
-            out.append(ch)
-        elif ch == ".":
-            out.append("_1")
-        elif ch == "_":
-            out.append("_3")
-        elif ch == "|":
-            out.append("_4")
-        else:
-            out.extend(f"_x{b:02x}" for b in ch.encode("utf-8", "surrogatepass"))
-    return "".join(out)
-
-
-def encode_lmq(queue: str, namespace: str = "lmqtt") -> str:
-    """The light queue of gateway queue `queue` in `namespace` (see the table above)."""
-    head = LMQ_PREFIX + _escape(namespace)
-    if queue.startswith(LMQ_PREFIX):
-        name = head + "_0" + _escape(queue[len(LMQ_PREFIX) :])
-    else:
-        name = head + "_0_2" + _escape(queue)
-    if len(name) > MAX_LMQ_NAME:
-        name = head + "_5" + hashlib.sha256(queue.encode("utf-8")).hexdigest()[:40]
-    return name
-
-
-def decode_lmq(name: str, namespace: str = "lmqtt") -> str | None:
-    """Inverse of encode_lmq for names not hashed; None for any other name."""
-    head = LMQ_PREFIX + _escape(namespace) + "_0"
-    if not name.startswith(head):
-        return None
-    rest = name[len(head) :]
-    prefix = LMQ_PREFIX
-    if rest.startswith("_2"):
-        rest, prefix = rest[2:], ""
-    out = bytearray()
-    i = 0
-    escapes = {"1": b".", "3": b"_", "4": b"|"}
-    while i < len(rest):
-        ch = rest[i]
-        if ch != "_":
-            out += ch.encode()
-            i += 1
-            continue
-        code = rest[i + 1 : i + 2]
-        if code in escapes:
-            out += escapes[code]
-            i += 2
-        elif code == "x":
-            try:
-                out.append(int(rest[i + 2 : i + 4], 16))
-            except ValueError:
-                return None
-            i += 4
-        else:
-            return None
-    try:
-        return prefix + out.decode("utf-8", "surrogatepass")
-    except UnicodeDecodeError:
-        return None
+# Gateway queue names as light queues in the namespace of `rocketmq_topic`, and the state
+# batches' layout: topicmap/rocketmq.py (the fan-out report reads them from the broker too).
 
 
 class _Names:
@@ -230,43 +155,12 @@ class _Names:
 
 # -- state batches ---------------------------------------------------------------------------
 
-_STATE_KEY = struct.Struct(">H")
-_STATE_VALUE = struct.Struct(">i")
-
-
-def _encode_state(records: Sequence[StateRecord]) -> bytes:
-    out = bytearray()
-    for key, value in records:
-        raw = key.encode("utf-8")
-        out += _STATE_KEY.pack(len(raw))
-        out += raw
-        if value is None:
-            out += _STATE_VALUE.pack(-1)
-        else:
-            out += _STATE_VALUE.pack(len(value))
-            out += value
-    return bytes(out)
-
 
 def _decode_state(body: bytes) -> list[StateRecord]:
-    out: list[StateRecord] = []
-    pos = 0
-    try:
-        while pos < len(body):
-            (klen,) = _STATE_KEY.unpack_from(body, pos)
-            pos += 2
-            key = body[pos : pos + klen].decode("utf-8")
-            pos += klen
-            (vlen,) = _STATE_VALUE.unpack_from(body, pos)
-            pos += 4
-            if vlen < 0:
-                out.append((key, None))
-            else:
-                out.append((key, body[pos : pos + vlen]))
-                pos += vlen
-    except (struct.error, UnicodeDecodeError):
-        log.error("state queue: a damaged batch skipped after %d record(s)", len(out))
-    return out
+    records, whole = decode_state(body)
+    if not whole:
+        log.error("state queue: a damaged batch skipped after %d record(s)", len(records))
+    return records
 
 
 # -- mirrors of light queues -------------------------------------------------------------------
@@ -797,7 +691,7 @@ class RocketMqStorage:
             else:
                 state[key] = value
         self._state_history += len(batch)
-        return self._send_state(_encode_state(batch))
+        return self._send_state(encode_state(batch))
 
     def _send_state(self, body: bytes) -> int:
         self._state_ticket += 1
@@ -854,7 +748,7 @@ class RocketMqStorage:
             items = list(self._state.items())
             ticket = self._state_ticket
             for i in range(0, len(items), STATE_SNAPSHOT_BATCH):
-                ticket = self._send_state(_encode_state(items[i : i + STATE_SNAPSHOT_BATCH]))
+                ticket = self._send_state(encode_state(items[i : i + STATE_SNAPSHOT_BATCH]))
             await self.wait_state_durable(ticket)
             await self._client.update_consumer_offset(
                 self._addr, self._names.lmq(STATE_START), lmq, start
