@@ -47,3 +47,12 @@ def test_long_names_are_hashed_and_not_decodable() -> None:
     lmq = encode_lmq(long + "z" * 100)
     assert len(lmq) <= MAX_LMQ_NAME and VALID.match(lmq)
     assert decode_lmq(lmq) is None
+
+
+def test_state_batches_round_trip_and_damage_is_reported() -> None:
+    from topicmap.rocketmq import decode_state, encode_state
+
+    records = [("session/a", b'{"x":1}'), ("session/b", None), ("k\u00fc", b"")]
+    body = encode_state(records)
+    assert decode_state(body) == (records, True)
+    assert decode_state(body[:-3]) == (records[:2], False)  # the last value cut short
