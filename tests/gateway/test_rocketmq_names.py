@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from topicmap.rocketmq import MAX_LMQ_NAME, decode_lmq, encode_lmq
 from topicmap import queue_name
+from topicmap.rocketmq import MAX_LMQ_NAME, decode_lmq, encode_lmq
 
 # TopicValidator.VALID_PATTERN_STR of RocketMQ 5.3.3
 VALID = re.compile(r"^[%|a-zA-Z0-9_-]+$")
