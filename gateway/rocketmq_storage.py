@@ -36,9 +36,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gateway.rocketmq_history import ParentHistory
 from gateway.storage import (
     ArrivalListener,
     CommittedOffsets,
@@ -73,6 +74,7 @@ from topicmap.rocketmq import (
 
 if TYPE_CHECKING:
     from gateway.config import GatewaySettings
+    from topicmap import TopicFilter
 
 log = logging.getLogger("lmqtt.rocketmq")
 
@@ -249,6 +251,9 @@ class RocketMqStorage:
         self._state_sends: dict[int, asyncio.Task[None]] = {}
         self._state_failed: dict[int, StoreError] = {}
         self._compacting = False
+        self._history = ParentHistory(
+            client, broker_addr, topic, self._names.queue, self._listeners, self._spawn
+        )
         self._spawn(self._flush_offsets_periodically())
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
@@ -321,7 +326,22 @@ class RocketMqStorage:
         if err is not None:
             raise err
 
-    async def _send(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
+    def _send(self, queues: Sequence[str], body: bytes, block: bytes) -> Awaitable[SendResult]:
+        """One SEND_MESSAGE_V2 (see _send_message), counted by the parent topic's history
+        from this call on, before its task runs: a replay pinned meanwhile must cover it."""
+        self._history.sending()
+        return self._counted(self._send_message(queues, body, block))
+
+    async def _counted(self, send: Awaitable[SendResult]) -> SendResult:
+        offset: int | None = None
+        try:
+            res = await send
+            offset = res.queue_offset
+            return res
+        finally:
+            self._history.sent(offset)
+
+    async def _send_message(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
         """One SEND_MESSAGE_V2; StoreError unless the broker answered SEND_OK."""
         lmqs = [self._names.lmq(q) for q in queues]
         if not body:
@@ -399,7 +419,11 @@ class RocketMqStorage:
     # -- the port: read --------------------------------------------------------------------------
 
     def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
-        m = self._mirrors.get(queue) or self._mirror(queue)
+        m = self._mirrors.get(queue)
+        if m is None:
+            if queue == self._topic:  # the parent topic: a replay's history
+                return self._history.get(offset, max_messages)
+            m = self._mirror(queue)
         msgs = m.msgs
         first = msgs.get(offset)
         if first is not None:
@@ -425,16 +449,33 @@ class RocketMqStorage:
         return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], offset, m.min, m.max)
 
     def min_offset(self, queue: str) -> int:
+        if queue == self._topic:
+            return self._history.min_offset()
         return (self._mirrors.get(queue) or self._mirror(queue)).min
 
     def max_offset(self, queue: str) -> int:
         m = self._mirrors.get(queue)
-        return m.max if m is not None else self._mirror(queue).max
+        if m is not None:
+            return m.max
+        if queue == self._topic:
+            return self._history.max_offset()
+        return self._mirror(queue).max
 
     def offset_by_time(self, queue: str, timestamp_ms: int) -> int:
-        # Used by replays of parent topics, which this backend does not keep apart (one
-        # parent topic): nothing to replay; see docs/rocketmq.md.
-        return self.max_offset(queue)
+        if queue == self._topic:
+            return self._history.offset_by_time(timestamp_ms)
+        return self.max_offset(queue)  # light queues are never searched by time
+
+    def history_queues(self, tf: TopicFilter) -> list[str]:
+        # Every message is in the one parent topic (gateway/rocketmq_history.py).
+        return [self._topic]
+
+    async def open_history(self, queues: Sequence[str], since_ms: int) -> None:
+        if self._topic in queues:
+            try:
+                await self._history.open(since_ms)
+            except RemotingError as exc:
+                raise StoreError(f"broker {self.broker_name}: {exc}") from exc
 
     def queues(self) -> list[str]:
         return list(self._mirrors)
@@ -837,6 +878,7 @@ async def _open(
         await _probe_light_queues(client, name, addr, topic)
         await storage.preload(RETAIN_QUEUE, RETAIN_PRELOAD)
         await storage.load_state()
+        await storage.open_history([topic], 0)  # saved replays resume with the queue's bounds
     except BaseException:
         storage.close()
         raise
