@@ -34,8 +34,10 @@ writer's sends would take offsets this count does not know of.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from gateway.storage import ArrivalListener, GetResult, GetStatus, StoredMessage
 from rocketmq_remoting import OffsetMovedError, RemotingClient, RemotingError
@@ -43,6 +45,7 @@ from rocketmq_remoting.message import MessageRecord
 from topicmap.rocketmq import EMPTY_BODY_PROPERTY
 
 log = logging.getLogger("lmqtt.rocketmq")
+T = TypeVar("T")
 
 #: Messages one history pull asks for (the broker sends fewer past its transfer limits).
 PULL_MESSAGES = 256
@@ -212,3 +215,92 @@ def to_stored(rec: MessageRecord, offset: int, queue_of: Callable[[str], str]) -
         rec.queue_offset,
         tuple(queue_of(n) for n in rec.light_queue_offsets()),
     )
+
+
+class PulledHistory:
+    """A deployment's parent topic read with blocking pulls: the reads a replay makes
+    (gateway/replay.py), for `lmqtt replay --store rocketmq` (gateway/replay_export.py).
+
+    Read-only (nothing is sent, no offset committed), so it is safe beside running gateways.
+    The export ends at the queue's end when it starts (or at --until).
+    """
+
+    def __init__(self, namesrv: str, topic: str, broker: str | None = None) -> None:
+        self.topic = topic
+        self._loop = asyncio.new_event_loop()
+        self._client = RemotingClient([namesrv], request_timeout=10.0, connect_timeout=3.0)
+        try:
+            self._addr = self._run(_broker_addr(self._client, namesrv, broker))
+            self._min = self._run(self._client.get_min_offset(self._addr, topic))
+            self._max = self._run(self._client.get_max_offset(self._addr, topic))
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, coro: Awaitable[T]) -> T:
+        return self._loop.run_until_complete(coro)
+
+    def history_queues(self, tf: object) -> list[str]:
+        return [self.topic]
+
+    def min_offset(self, queue: str) -> int:
+        return self._min
+
+    def max_offset(self, queue: str) -> int:
+        return self._max
+
+    def offset_by_time(self, queue: str, timestamp_ms: int) -> int:
+        if timestamp_ms <= 0:
+            return self._min
+        found = self._run(self._client.search_offset(self._addr, self.topic, timestamp_ms))
+        return max(self._min, min(found, self._max))
+
+    def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
+        if offset >= self._max:
+            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, self._min, self._max)
+        try:
+            res = self._run(
+                self._client.pull(
+                    self._addr,
+                    self.topic,
+                    offset,
+                    consumer_group=PULL_GROUP,
+                    max_messages=max_messages,
+                )
+            )
+        except OffsetMovedError as exc:
+            self._min = exc.min_offset
+            if offset < exc.min_offset:
+                return GetResult(GetStatus.OFFSET_TOO_SMALL, [], self._min, self._min, self._max)
+            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, self._min, self._max)
+        names = [to_stored(r, r.queue_offset, _same) for r in res.messages]
+        msgs = [m for m in names if m.queue_offset < self._max]
+        if not msgs:
+            return GetResult(
+                GetStatus.NO_MESSAGE_IN_QUEUE, [], res.next_begin_offset, self._min, self._max
+            )
+        return GetResult(GetStatus.FOUND, msgs, msgs[-1].queue_offset + 1, self._min, self._max)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.run_until_complete(self._client.close())
+        self._loop.close()
+
+
+def _same(name: str) -> str:
+    return name
+
+
+async def _broker_addr(client: RemotingClient, namesrv: str, broker: str | None) -> str:
+    """The broker a gateway with these settings uses (named, else the first by name)."""
+    info = await client.get_cluster_info()
+    masters = {name: b.master_addr for name, b in info.brokers.items() if b.master_addr}
+    if not masters:
+        raise RemotingError(f"no broker is registered at name server {namesrv}")
+    name = broker or sorted(masters)[0]
+    if name not in masters:
+        raise RemotingError(
+            f"broker {name!r} is not registered at name server {namesrv}"
+            f" (registered: {', '.join(sorted(masters))})"
+        )
+    return masters[name]

@@ -115,11 +115,18 @@ def test_replay_of_retained_message_has_retain_cleared(
 
 
 @pytest.mark.parametrize("v5", [False, True], ids=["3.1.1", "5.0"])
+@pytest.mark.parametrize("known", [False, True], ids=["new-filter", "filter-in-use"])
 def test_seam_under_concurrent_publishing(
-    gateway: GatewayHarness, clients: list[Client], v5: bool
+    gateway: GatewayHarness, clients: list[Client], v5: bool, known: bool
 ) -> None:
     """Publishers run before, during and after the SUBSCRIBE: every sequence number arrives
-    exactly once, in order, whichever side of the seam it fell on."""
+    exactly once, in order, whichever side of the seam it fell on. `filter-in-use`: another
+    session holds the filter all along, so messages on both sides of the seam are in its
+    light queue (the replay must not deliver again what the light queue delivers)."""
+    if known:
+        other = Client(gateway.port, "other")
+        clients.append(other)
+        assert other.subscribe("seam/+", 1) == [1]
     pubs = [Client(gateway.port, f"pub{i}") for i in range(2)]
     clients.extend(pubs)
     stop = threading.Event()
