@@ -330,12 +330,12 @@ class RocketMqStorage:
         """One SEND_MESSAGE_V2 (see _send_message), counted by the parent topic's history
         from this call on, before its task runs: a replay pinned meanwhile must cover it."""
         self._history.sending()
-        return self._counted(self._send_message(queues, body, block))
+        return self._counted(queues, body, block)
 
-    async def _counted(self, send: Awaitable[SendResult]) -> SendResult:
+    async def _counted(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
         offset: int | None = None
         try:
-            res = await send
+            res = await self._send_message(queues, body, block)
             offset = res.queue_offset
             return res
         finally:
