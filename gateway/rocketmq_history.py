@@ -51,7 +51,8 @@ T = TypeVar("T")
 PULL_MESSAGES = 256
 #: Messages of history kept in memory (the oldest dropped; a replay reads on from its head).
 KEEP = 8192
-PULL_GROUP = "%LMQ%lmqtt-gateway"
+#: The history pulls' consumer group (nothing is committed; `%LMQ%` groups need no creation).
+PULL_GROUP = "%LMQ%lmqtt-history"
 #: Properties the broker adds to a stored message: not the MQTT message's.
 BROKER_PROPERTIES = frozenset(
     {

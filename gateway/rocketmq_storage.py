@@ -39,6 +39,7 @@ import time
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gateway.rocketmq_history import BROKER_PROPERTIES as _BROKER_PROPERTIES
 from gateway.rocketmq_history import ParentHistory
 from gateway.storage import (
     ArrivalListener,
@@ -108,22 +109,6 @@ DRAIN_S = 10.0  # a graceful stop waits this long at most for the sends in fligh
 #: retained message's deletion) is sent as one byte with this property, and read back empty.
 _EMPTY_BODY_MARK = EMPTY_BODY_PROPERTY.encode() + b"\x011\x02"
 FAILED_TICKETS_KEPT = 10_000
-#: Properties the broker adds to a stored message; the gateway's readers never see them.
-_BROKER_PROPERTIES = frozenset(
-    {
-        "INNER_MULTI_DISPATCH",
-        "INNER_MULTI_QUEUE_OFFSET",
-        "UNIQ_KEY",
-        "WAIT",
-        "CLUSTER",
-        "MSG_REGION",
-        "TRACE_ON",
-        "__CRC32#",
-        "CONSUME_START_TIME",
-        "MIN_OFFSET",
-        "MAX_OFFSET",
-    }
-)
 
 
 # -- names ------------------------------------------------------------------------------------
