@@ -15,8 +15,8 @@ protocol (rocketmq_remoting), from any machine that reaches the name server:
     subscriptions the %STATE% queue replayed from the offset committed for %STATE-START% (the
                   last compaction's snapshot), newest record per key: the `session/` records
     committed     the broker's consumer offsets (group = the subscriber's light-queue name,
-                  topic = the queue's), which the gateway copies there every second; with the
-                  gateway's data directory given, its local table (the primary copy) instead
+                  topic = the queue's): the only copy, which the gateway sends every second
+                  (gateway/rocketmq_offsets.py; its data directory has no offsets table)
     queue ends    GET_MIN_OFFSET / GET_MAX_OFFSET of every subscribed light queue
     account       the delivery account stays in the gateway's data directory (--data-dir):
                   without it, deliveries are counted from the committed offsets alone
@@ -54,7 +54,6 @@ from analytics.snapshots import (
     SHARE_PREFIX,
     QueueEnd,
     Subscription,
-    read_committed,
     session_records,
     subscriptions_of,
 )
@@ -84,7 +83,7 @@ _TS = pa.timestamp("us", tz="UTC")
 class Deployment:
     """A gateway deployment on RocketMQ: the name server, the parent topic (`rocketmq_topic`),
     the broker (`rocketmq_broker`; None: the first registered by name, as the gateway picks),
-    and optionally the gateway's data directory (delivery account, committed offsets)."""
+    and optionally the gateway's data directory (its delivery account)."""
 
     namesrv: str
     topic: str = "lmqtt"
@@ -175,16 +174,13 @@ async def _read_deployment(dep: Deployment) -> Snapshot:
         ]
         subs = subscriptions_of(session_records(await _state(client, addr, dep), dep.label), dep)
         keys = sorted({(_subscriber(s), s.queue) for s in subs})
-        if dep.data_dir is not None:
-            committed = read_committed(dep.data_dir)
-        else:
-            committed = {}
-            for key, queue in keys:
-                found = await client.query_consumer_offset(
-                    addr, encode_lmq(key, dep.topic), encode_lmq(queue, dep.topic)
-                )
-                if found is not None:
-                    committed[(key, queue)] = found
+        committed = {}
+        for key, queue in keys:
+            found = await client.query_consumer_offset(
+                addr, encode_lmq(key, dep.topic), encode_lmq(queue, dep.topic)
+            )
+            if found is not None:
+                committed[(key, queue)] = found
         ends = []
         for queue in sorted({q for _, q in keys}):
             lmq = encode_lmq(queue, dep.topic)

@@ -8,7 +8,7 @@ log's fsync and compacting it, in worker threads so the event loop keeps serving
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,12 @@ class EmbeddedStorage(MessageStore):
 
     async def open_history(self, queues: Sequence[str], since_ms: int) -> None:
         """Nothing to do: offsets by time are read from the consume queues at once."""
+
+    def close_queue(self, queue: str) -> None:
+        """Nothing to do: a queue costs its index file, not a reader."""
+
+    async def load_offsets(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Nothing to do: the committed offsets table was read at open."""
 
     async def wait_state_durable(self, position: int) -> None:
         """Sync flush mode: fsync the state log (concurrent callers share one fsync). Async

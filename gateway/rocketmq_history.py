@@ -36,13 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable
 from typing import TypeVar
 
+from gateway.rocketmq_broker import Broker, to_stored
 from gateway.storage import ArrivalListener, GetResult, GetStatus, StoredMessage
 from rocketmq_remoting import OffsetMovedError, RemotingClient, RemotingError
 from rocketmq_remoting.message import MessageRecord
-from topicmap.rocketmq import EMPTY_BODY_PROPERTY
 
 log = logging.getLogger("lmqtt.rocketmq")
 T = TypeVar("T")
@@ -53,42 +53,21 @@ PULL_MESSAGES = 256
 KEEP = 8192
 #: The history pulls' consumer group (nothing is committed; `%LMQ%` groups need no creation).
 PULL_GROUP = "%LMQ%lmqtt-history"
-#: Properties the broker adds to a stored message: not the MQTT message's.
-BROKER_PROPERTIES = frozenset(
-    {
-        "INNER_MULTI_DISPATCH",
-        "INNER_MULTI_QUEUE_OFFSET",
-        "UNIQ_KEY",
-        "WAIT",
-        "CLUSTER",
-        "MSG_REGION",
-        "TRACE_ON",
-        "__CRC32#",
-        "CONSUME_START_TIME",
-        "MIN_OFFSET",
-        "MAX_OFFSET",
-    }
-)
 
 
 class ParentHistory:
     """The parent topic's queue 0, read for replays (see the module docstring)."""
 
-    def __init__(
-        self,
-        client: RemotingClient,
-        broker_addr: str,
-        topic: str,
-        queue_of: Callable[[str], str],
-        listeners: Sequence[ArrivalListener],
-        spawn: Callable[[object], object],
-    ) -> None:
-        self.topic = topic  # also its gateway queue name: StoredMessage.topic of its messages
-        self._client = client
-        self._addr = broker_addr
-        self._queue_of = queue_of  # light queue -> gateway queue name
-        self._listeners = listeners
-        self._spawn = spawn
+    def __init__(self, broker: Broker) -> None:
+        # The topic is also its gateway queue name (StoredMessage.topic of its messages).
+        self.topic = broker.topic
+        self._client = broker.client
+        self._addr = broker.addr
+        self._queue_of = broker.names.queue  # light queue -> gateway queue name
+        self._listeners: list[ArrivalListener] = []
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
         self._min = 0
         self._broker_max = 0
         self._answered = 0  # highest parent offset a SEND_OK answered + 1
@@ -97,7 +76,15 @@ class ParentHistory:
         self._msgs: dict[int, StoredMessage] = {}
         self._fetching: set[int] = set()
 
-    # -- the sends (gateway/rocketmq_storage.py calls these around each SEND_MESSAGE_V2) -------
+    def add_listener(self, listener: ArrivalListener) -> None:
+        self._listeners.append(listener)
+
+    def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+
+    # -- the sends (rocketmq_sender.Sender's SendCounter: told of each SEND_MESSAGE_V2) --------
 
     def sending(self) -> None:
         self._in_flight += 1
@@ -158,9 +145,11 @@ class ParentHistory:
         return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], offset, self._min, hi)
 
     def _fetch(self, offset: int) -> None:
-        if offset not in self._fetching:
+        if offset not in self._fetching and not self._closed:
             self._fetching.add(offset)
-            self._spawn(self._pull(offset))
+            task = self._loop.create_task(self._pull(offset))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _pull(self, offset: int) -> None:
         try:
@@ -199,23 +188,6 @@ class ParentHistory:
                 listener.on_arrival(self.topic, hi)
             except Exception:
                 log.exception("arrival listener failed")
-
-
-def to_stored(rec: MessageRecord, offset: int, queue_of: Callable[[str], str]) -> StoredMessage:
-    """A pulled record as the port's StoredMessage (`offset`: in the queue read)."""
-    props = {k: v for k, v in rec.properties.items() if k not in BROKER_PROPERTIES}
-    body = b"" if props.pop(EMPTY_BODY_PROPERTY, None) is not None else rec.body
-    return StoredMessage(
-        rec.topic,
-        body,
-        props,
-        offset,
-        rec.commitlog_offset,
-        rec.store_timestamp,
-        rec.born_timestamp,
-        rec.queue_offset,
-        tuple(queue_of(n) for n in rec.light_queue_offsets()),
-    )
 
 
 class PulledHistory:

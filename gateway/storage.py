@@ -118,6 +118,12 @@ class Storage(Protocol):
     @property
     def offsets(self) -> CommittedOffsets: ...
 
+    async def load_offsets(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Make `offsets.get(group, queue)` answer for these keys what a previous run
+        committed, where the backend keeps that elsewhere (RocketMQ: the broker's consumer
+        offsets, read back; the embedded store has its table in memory already)."""
+        ...
+
     @property
     def closed(self) -> bool: ...
 
@@ -191,6 +197,11 @@ class Storage(Protocol):
         """Before a replay of `queues` from `since_ms` is pinned: make `min_offset`,
         `max_offset` and `offset_by_time(q, since_ms)` of those queues answer without blocking
         (RocketMQ asks the broker: GET_MIN/MAX_OFFSET, SEARCH_OFFSET_BY_TIMESTAMP)."""
+        ...
+
+    def close_queue(self, queue: str) -> None:
+        """No subscription reads `queue` any more: drop what is kept to read it (RocketMQ: its
+        mirror and held pull); a later read opens it again."""
         ...
 
     def add_listener(self, listener: ArrivalListener) -> None:

@@ -1,10 +1,14 @@
-"""Gateway queue names as RocketMQ light queues (topicmap/rocketmq.py): valid topic
-names for the broker, injective, reversible, namespaced."""
+"""Gateway queue names as RocketMQ light queues (topicmap/rocketmq.py; the memo in
+gateway/rocketmq_names.py): valid topic names for the broker, injective, reversible,
+namespaced."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
+
+from gateway.rocketmq_names import LightQueueNames
 from topicmap import queue_name
 from topicmap.rocketmq import MAX_LMQ_NAME, decode_lmq, encode_lmq
 
@@ -56,3 +60,21 @@ def test_state_batches_round_trip_and_damage_is_reported() -> None:
     body = encode_state(records)
     assert decode_state(body) == (records, True)
     assert decode_state(body[:-3]) == (records[:2], False)  # the last value cut short
+
+
+def test_the_name_memo_is_bounded_and_hashed_names_stay_until_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway import rocketmq_names
+
+    monkeypatch.setattr(rocketmq_names, "NAME_MEMO", 10)
+    names = LightQueueNames("ns")
+    long = "%LMQ%" + "x" * 300
+    hashed = names.lmq(long)
+    assert decode_lmq(hashed, "ns") is None
+    for i in range(100):  # churn
+        assert names.queue(names.lmq(f"%LMQ%q{i}")) == f"%LMQ%q{i}"
+    assert len(names) <= 2 * 10 + 1
+    assert names.queue(hashed) == long  # the memo dropped it, the hashed table did not
+    names.forget(long)
+    assert names.queue(hashed) == hashed  # forgotten: not decodable any more

@@ -109,7 +109,7 @@ def test_report_of_a_rocketmq_deployment(
         assert backlog["plant/+/temp"]["backlog_messages"] == 18
         assert backlog["plant/#"]["backlog_messages"] == 0
 
-    # With the gateway's data directory: its delivery account and committed-offsets table.
+    # With the gateway's data directory: its delivery account (committed offsets: the broker's).
     dep = Deployment(rocketmq.namesrv_addr, topic, "broker-a", str(data))
     meta = run_fanout(spark, "", tmp_path / "with-data", rocketmq=read_deployment(dep))
     assert meta.data_dir == f"rocketmq://{rocketmq.namesrv_addr}/{topic}"
@@ -117,7 +117,7 @@ def test_report_of_a_rocketmq_deployment(
     check(tmp_path / "with-data")
 
     # The operator's command, from anywhere that reaches the name server: nothing local at
-    # all, the committed offsets are the broker's copies.
+    # all (no delivery account: deliveries counted from the committed offsets).
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "broker-only"
     done = subprocess.run(
