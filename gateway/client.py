@@ -1035,7 +1035,7 @@ class ClientConnection:
                 codes.append(refusal if level == 5 else ReasonCode.UNSPECIFIED_ERROR)
                 continue
             qos = min(req.qos, ctx.settings.max_qos)
-            await subscriptions.open_queue(session, tf)
+            await subscriptions.open_queue(session, tf, since)
             sub, cutoff = subscriptions.subscribe(
                 session, delivery, tf, req, qos, sub_id, since, start
             )

@@ -83,6 +83,8 @@ PASS_INTERVAL = 0.001
 # Below this the interval is not over: uvloop's times are whole ms in binary floating point,
 # and 10322.494 - 10322.493 < 0.001.
 _PASS_NOT_OVER = PASS_INTERVAL - 1e-6
+# A replay waiting for the backend to read its history (RocketMQ: a pull) asks again after this.
+REPLAY_WAIT_S = 0.005
 # A replay pass (gateway/replay.py) looks at up to REPLAY_STEP records and stops after
 # REPLAY_SLICE_S of wall-clock time: a live message waits at most about one slice behind it.
 REPLAY_STEP = 256
@@ -408,8 +410,13 @@ class DeliveryLoop:
                 break
             msg = replay.peek(self.ctx.cursor)
             if msg is None:
+                if replay.waiting:  # the backend's read is on its way (RocketMQ: a pull)
+                    if self._replay_timer is None:
+                        self._replay_timer = self._loop.call_later(REPLAY_WAIT_S, self._replay_due)
+                    break
                 sub.replay = None
                 sub.start_phys = store.log_max_offset  # covers from here (see _covering)
+                self._skip_replayed(sub, replay.last_phys)
                 log.info("%r: replay of %r done, live now", session.client_id, sub.topic_filter)
                 self.ctx.sessions.touch(session)
                 return True
@@ -431,6 +438,24 @@ class DeliveryLoop:
             self.ctx.sessions.mark_progress()
             self._ready[sub.queue] = None  # more to replay (paced: see _replay)
         return moved
+
+    def _skip_replayed(self, sub: SubscriptionState, last_phys: int) -> None:
+        """The replay of `sub` ended having handed over everything stored up to `last_phys`:
+        its light queue's messages stored by then were among them (see gateway/replay.py)."""
+        moved = False
+        while last_phys >= 0:
+            messages, start, _ = self.ctx.cursor.read(sub.queue, sub.next_offset, BATCH)
+            if start != sub.next_offset or not messages:
+                break
+            for msg in messages:
+                if msg.physical_offset > last_phys:
+                    last_phys = -1
+                    break
+                sub.next_offset = msg.queue_offset + 1
+                moved = True
+        if moved:
+            sub.read_phys = None
+            self._commit(sub)
 
     def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
         """Send what the window allows of `messages` (written at the end of the pass)."""
