@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.access import AccessControl
 from gateway.acl import ClientAccess
@@ -51,7 +52,7 @@ from gateway.protocol import (
 )
 from gateway.publishing import PublishPath
 from gateway.records import PublishProperties
-from gateway.session import Session, SubscriptionState
+from gateway.session import Connected, Session, SubscriptionState
 from gateway.session_lifecycle import SessionLifecycle
 from gateway.stats import GatewayStats
 from gateway.storage import StoreError
@@ -93,6 +94,46 @@ class ServerState:
     connections: set[ClientConnection] = field(default_factory=set)
 
 
+class ClusterLink(Protocol):
+    """What a connection sees of cluster mode (gateway/cluster.py Cluster); SingleNode when
+    the gateway is the only node."""
+
+    async def connected(
+        self,
+        client_id: str,
+        conn: Connected,
+        clean_start: bool,
+        save: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        """Before CONNACK: the id claimed on every node (takeover), the will durable."""
+        ...
+
+    def released(self, client_id: str, conn: Connected) -> None: ...
+
+    async def subscribed(self) -> None:
+        """Before SUBACK: every node routes to this node's new filters."""
+        ...
+
+
+class SingleNode:
+    """No cluster: nothing to tell anyone."""
+
+    async def connected(
+        self,
+        client_id: str,
+        conn: Connected,
+        clean_start: bool,
+        save: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        return None
+
+    def released(self, client_id: str, conn: Connected) -> None:
+        return None
+
+    async def subscribed(self) -> None:
+        return None
+
+
 @dataclass(slots=True)
 class ClientContext:
     """What a connection uses, built once by the composition root (gateway/app.py) and shared
@@ -110,6 +151,7 @@ class ClientContext:
     sessions: SessionLifecycle
     subscriptions: SubscriptionLifecycle
     delivery: DeliveryContext  # handed to the session's delivery loop
+    cluster: ClusterLink = field(default_factory=SingleNode)
     # publisher.topic, bound once: the inline path validates every PUBLISH's topic with it.
     topic: Callable[[str], Topic] = field(init=False)
 
@@ -414,6 +456,7 @@ class ClientConnection:
         if session is None or session.connection is not self:
             return
         session.connection = None
+        self.ctx.cluster.released(session.client_id, self)
         self.ctx.stats.clients_connected -= 1
         will = self.will if self._abnormal else None
         self.ctx.sessions.connection_ended(session, will)
@@ -618,6 +661,17 @@ class ClientConnection:
         )
         self.session = session
         self.will = will
+        if not isinstance(ctx.cluster, SingleNode):
+            registry = ctx.sessions.registry
+            save = (lambda: registry.save(session)) if will is not None else None
+            try:
+                await ctx.cluster.connected(cid, self, ev.clean_start, save)
+            except (StoreError, TimeoutError) as exc:
+                log.error("%r: CONNECT not announced to the cluster: %s", cid, exc)
+                self._refuse(ReasonCode.SERVER_UNAVAILABLE)
+                return
+            if self.closed:
+                return
         props: Properties | None = None
         if level == 5:
             server_ka: int | None = None
@@ -978,6 +1032,7 @@ class ClientConnection:
                 notes.append(cutoff.text(tf.filter))
             if since is None and subscriptions.wants_retained(tf, req, new):
                 retained_for.append((sub, tf))
+        await ctx.cluster.subscribed()  # every node routes to the new filters (cluster mode)
         if session.persistent:
             await registry.save(session)  # the subscription must survive a crash once SUBACKed
         else:

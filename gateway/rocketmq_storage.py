@@ -38,7 +38,7 @@ import hashlib
 import logging
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.storage import (
@@ -93,6 +93,10 @@ STATE_QUEUE = "%STATE%"
 STATE_START = "%STATE-START%"
 STATE_SNAPSHOT_BATCH = 1000  # records per message of a compaction's snapshot
 STATE_COMPACT_SLACK = 10_000  # history records tolerated beyond twice the live ones
+#: Property of a state batch: the id of the node that wrote it (cluster mode, gateway/cluster.py:
+#: every node tails the state log and applies the others' records; a lost node's sessions are
+#: found by it).
+NODE_PROPERTY = "lmqtt.node"
 CONFIG_KEY_PREFIX = "config/"
 SEND_ATTEMPTS = 5  # broker busy (nothing stored): retried with backoff
 OFFSET_FLUSH_S = 1.0
@@ -328,7 +332,9 @@ class RocketMqStorage:
         local: Storage,
         *,
         sync: bool,
+        node_id: str = "",
     ) -> None:
+        self.node_id = node_id
         self._client = client
         self.broker_name = broker_name
         self._addr = broker_addr
@@ -355,6 +361,14 @@ class RocketMqStorage:
         self._state_sends: dict[int, asyncio.Task[None]] = {}
         self._state_failed: dict[int, StoreError] = {}
         self._compacting = False
+        # Cluster mode: who wrote each live state record, where the replay ended (the tail of
+        # the other nodes' records reads on from there), whether this node may compact.
+        self._state_writer: dict[str, str] = {}
+        self._state_end = 0
+        self._state_wake = asyncio.Event()
+        self._state_observers: list[Callable[[str, list[StateRecord]], None]] = []
+        self._may_compact: Callable[[], bool] = lambda: True
+        self._puts: set[asyncio.Future[SendResult]] = set()
         self._spawn(self._flush_offsets_periodically())
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
@@ -480,7 +494,10 @@ class RocketMqStorage:
         if self._closed:
             raise StoreError("the RocketMQ storage is closed")
         waiter: asyncio.Future[int] | None = None
-        res = await self._send(queues, body, block)
+        send = asyncio.ensure_future(self._send(queues, body, block))
+        self._puts.add(send)  # for settle()
+        send.add_done_callback(self._puts.discard)
+        res = await send
         phys = decode_message_id(res.msg_id)[1]
         lights: dict[str, int] = {}
         if RETAIN_QUEUE in queues:
@@ -578,6 +595,8 @@ class RocketMqStorage:
             await asyncio.sleep(0.005)
 
     def _notify(self, m: _Mirror) -> None:
+        if m.queue == STATE_QUEUE:
+            self._state_wake.set()
         for listener in self._listeners:
             try:
                 listener.on_arrival(m.queue, m.max)
@@ -752,6 +771,7 @@ class RocketMqStorage:
         hi = await self._client.get_max_offset(self._addr, lmq)
         offset = max(lo, start or 0)
         state: dict[str, bytes] = {}
+        writers: dict[str, str] = {}
         history = 0
         while offset < hi:
             try:
@@ -767,14 +787,19 @@ class RocketMqStorage:
             if not res.messages:
                 break
             for rec in res.messages:
+                node = rec.properties.get(NODE_PROPERTY, "")
                 for key, value in _decode_state(rec.body):
                     history += 1
                     if value is None:
                         state.pop(key, None)
+                        writers.pop(key, None)
                     else:
                         state[key] = value
+                        writers[key] = node
             offset = res.next_begin_offset
         self._state = state
+        self._state_writer = writers
+        self._state_end = offset
         self._state_history = history
         log.info(
             "state: %d record(s) replayed from %s offsets %d..%d, %d live",
@@ -791,15 +816,19 @@ class RocketMqStorage:
         if self._closed:
             raise StoreError("the RocketMQ storage is closed")
         state = self._state
+        writers = self._state_writer
+        node = self.node_id
         for key, value in batch:
             if value is None:
                 state.pop(key, None)
+                writers.pop(key, None)
             else:
                 state[key] = value
+                writers[key] = node
         self._state_history += len(batch)
         return self._send_state(_encode_state(batch))
 
-    def _send_state(self, body: bytes) -> int:
+    def _send_state(self, body: bytes, writer: str | None = None) -> int:
         self._state_ticket += 1
         ticket = self._state_ticket
         prev = self._state_chain
@@ -807,8 +836,9 @@ class RocketMqStorage:
         async def send() -> None:
             if prev is not None:
                 await asyncio.gather(prev, return_exceptions=True)
-            await self._send((STATE_QUEUE,), body, b"")
+            await self._send((STATE_QUEUE,), body, block)
 
+        block = self._node_block(self.node_id if writer is None else writer)
         task = self._loop.create_task(send())
         self._state_chain = task
         self._state_sends[ticket] = task
@@ -843,6 +873,8 @@ class RocketMqStorage:
             return
         if self._state_history <= 2 * len(self._state) + STATE_COMPACT_SLACK:
             return
+        if not self._may_compact():
+            return  # cluster mode: the leader compacts (one node at a time)
         self._compacting = True
         try:
             if self._state_chain is not None:
@@ -853,8 +885,16 @@ class RocketMqStorage:
             start = await self._client.get_max_offset(self._addr, lmq)
             items = list(self._state.items())
             ticket = self._state_ticket
-            for i in range(0, len(items), STATE_SNAPSHOT_BATCH):
-                ticket = self._send_state(_encode_state(items[i : i + STATE_SNAPSHOT_BATCH]))
+            # Each record keeps its writer (cluster mode: a lost node's sessions are found by
+            # it), so the snapshot is one run of batches per writer.
+            by_writer: dict[str, list[StateRecord]] = {}
+            writers = self._state_writer
+            for key, value in items:
+                by_writer.setdefault(writers.get(key, self.node_id), []).append((key, value))
+            for writer, records in by_writer.items():
+                for i in range(0, len(records), STATE_SNAPSHOT_BATCH):
+                    chunk = records[i : i + STATE_SNAPSHOT_BATCH]
+                    ticket = self._send_state(_encode_state(chunk), writer)
             await self.wait_state_durable(ticket)
             await self._client.update_consumer_offset(
                 self._addr, self._names.lmq(STATE_START), lmq, start
@@ -865,6 +905,74 @@ class RocketMqStorage:
             log.warning("state compaction failed (the queue keeps its history): %s", exc)
         finally:
             self._compacting = False
+
+    # -- cluster mode (gateway/cluster.py) -------------------------------------------------------
+
+    def _node_block(self, node: str) -> bytes:
+        return self.encode_properties({NODE_PROPERTY: node}) if node else b""
+
+    async def settle(self) -> None:
+        """Wait until every send started so far was answered (stored or refused): a node
+        acknowledges a new filter only after the messages it routed without it are stored."""
+        pending: list[asyncio.Future[Any]] = [*self._batches.values(), *self._puts]
+        if pending:
+            await asyncio.wait(pending)
+
+    def written_by(self, node: str) -> list[tuple[str, bytes]]:
+        writers = self._state_writer
+        return [(k, v) for k, v in self._state.items() if writers.get(k) == node]
+
+    def writer_of(self, key: str) -> str | None:
+        return self._state_writer.get(key)
+
+    def set_compaction_gate(self, allowed: Callable[[], bool]) -> None:
+        self._may_compact = allowed
+
+    def add_state_observer(self, observer: Callable[[str, list[StateRecord]], None]) -> None:
+        """`observer(node, records)` for each state batch another node wrote, as it is read
+        (after follow_state)."""
+        self._state_observers.append(observer)
+
+    def follow_state(self) -> None:
+        """Tail the state log from where the replay ended and apply the other nodes' records
+        (this node's own are applied when written)."""
+        self._mirror(STATE_QUEUE)
+        self._spawn(self._tail_state())
+
+    async def _tail_state(self) -> None:
+        wake = self._state_wake
+        while not self._closed:
+            wake.clear()
+            res = self.get(STATE_QUEUE, self._state_end, PULL_BATCH)
+            if res.status is GetStatus.FOUND:
+                for msg in res.messages:
+                    node = msg.properties.get(NODE_PROPERTY, "")
+                    if node != self.node_id:
+                        self._apply_remote_state(node, _decode_state(msg.body))
+                self._state_end = res.next_offset
+                continue
+            if res.status is GetStatus.OFFSET_TOO_SMALL:
+                self._state_end = res.next_offset
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), 1.0)
+
+    def _apply_remote_state(self, node: str, records: list[StateRecord]) -> None:
+        state = self._state
+        writers = self._state_writer
+        for key, value in records:
+            if value is None:
+                state.pop(key, None)
+                writers.pop(key, None)
+            else:
+                state[key] = value
+                writers[key] = node
+        self._state_history += len(records)
+        for observer in self._state_observers:
+            try:
+                observer(node, records)
+            except Exception:
+                log.exception("state observer failed")
 
     def read_config(self, name: str) -> bytes | None:
         # Config documents are written by older embedded versions only (legacy imports); on
@@ -894,7 +1002,9 @@ class RocketMqStorage:
         self._local.close()
 
 
-async def open_rocketmq(settings: GatewaySettings, local: Storage) -> RocketMqStorage:
+async def open_rocketmq(
+    settings: GatewaySettings, local: Storage, *, node_id: str = ""
+) -> RocketMqStorage:
     """Connect to the cluster of `settings.namesrv`, check the broker, and return the storage.
 
     StorageUnavailable (with what to fix) when the name server does not answer, no broker is
@@ -905,7 +1015,7 @@ async def open_rocketmq(settings: GatewaySettings, local: Storage) -> RocketMqSt
         raise StorageUnavailable("store = rocketmq needs the name server address (--namesrv)")
     client = RemotingClient([namesrv], client_id=None, request_timeout=5.0, connect_timeout=3.0)
     try:
-        storage = await _open(client, settings, local)
+        storage = await _open(client, settings, local, node_id)
     except BaseException:
         client.close_nowait()
         raise
@@ -913,7 +1023,7 @@ async def open_rocketmq(settings: GatewaySettings, local: Storage) -> RocketMqSt
 
 
 async def _open(
-    client: RemotingClient, settings: GatewaySettings, local: Storage
+    client: RemotingClient, settings: GatewaySettings, local: Storage, node_id: str
 ) -> RocketMqStorage:
     namesrv = settings.namesrv
     try:
@@ -938,7 +1048,9 @@ async def _open(
             f"broker {name} ({addr}) refused to create topic {topic!r}: {exc}"
         ) from exc
     await _check_broker_config(client, name, addr, sync=settings.flush == "sync")
-    storage = RocketMqStorage(client, name, addr, topic, local, sync=settings.flush == "sync")
+    storage = RocketMqStorage(
+        client, name, addr, topic, local, sync=settings.flush == "sync", node_id=node_id
+    )
     try:
         await _probe_light_queues(client, name, addr, topic)
         await storage.preload(RETAIN_QUEUE, RETAIN_PRELOAD)

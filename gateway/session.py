@@ -479,7 +479,7 @@ class SessionRegistry:
     # -- persistence -------------------------------------------------------------------------
 
     def load(
-        self, *, materialize_all: bool = False
+        self, *, materialize_all: bool = False, skip: Callable[[str], bool] | None = None
     ) -> Iterator[tuple[Session | None, Sequence[SubscriptionEntry | SubscriptionState]]]:
         """Rebuild the sessions from the state log (a sessions.json of an older version is
         imported once); sessions that ended with the previous run are dropped.
@@ -489,7 +489,8 @@ class SessionRegistry:
         back (no will; its expiry is kept in one sorted array) stays *dormant*: its record is
         kept as bytes, the session is None here, and get() builds it when asked. A fleet of offline
         devices then costs its records, not its objects. `materialize_all`: build them all
-        (the caller must check every position against the store).
+        (the caller must check every position against the store). `skip`: client ids whose
+        sessions are not this process's (another live cluster node serves them).
         """
         raw = read_session_records(self._store.state_records(), self._meta)
         imported = False
@@ -505,6 +506,9 @@ class SessionRegistry:
         ids = self._dormant_ids
         due = array("Q")
         for cid in list(raw):
+            if skip is not None and skip(cid):
+                del dormant[cid]
+                continue
             value = raw[cid]
             try:
                 d = loads(value)
