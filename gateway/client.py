@@ -108,6 +108,10 @@ class ClusterLink(Protocol):
         """Before CONNACK: the id claimed on every node (takeover), the will durable."""
         ...
 
+    def answered(self, client_id: str, conn: Connected) -> None:
+        """`conn`'s CONNACK was written (a takeover read meanwhile closes it now)."""
+        ...
+
     def released(self, client_id: str, conn: Connected) -> None: ...
 
     async def subscribed(self) -> None:
@@ -125,6 +129,9 @@ class SingleNode:
         clean_start: bool,
         save: Callable[[], Awaitable[None]] | None,
     ) -> None:
+        return None
+
+    def answered(self, client_id: str, conn: Connected) -> None:
         return None
 
     def released(self, client_id: str, conn: Connected) -> None:
@@ -727,6 +734,7 @@ class ClientConnection:
             ctx.subscriptions.attach(session, delivery)
             delivery.start()
         ctx.sessions.registry.touch(session)
+        ctx.cluster.answered(cid, self)  # cluster mode: a takeover read meanwhile is done now
 
     def _delivery_loop(self) -> DeliveryLoop:
         delivery = self.delivery

@@ -122,6 +122,9 @@ class Cluster:
         else:
             await self.takeover.claim(client_id, conn, clean_start)
 
+    def answered(self, client_id: str, conn: Connected) -> None:
+        self.takeover.answered(client_id, conn)
+
     def released(self, client_id: str, conn: Connected) -> None:
         self.takeover.release(client_id, conn)
 

@@ -77,7 +77,6 @@ class ClusterFilters:
         self._remote: dict[str, set[str]] = {}  # node -> its filters (registered here)
         self._ops: list[tuple[str, str]] = []  # not sent yet
         self._flush_scheduled = False
-        self._unsent: asyncio.Future[None] | None = None  # done when _ops' record is acked
         self._acks: dict[int, _Pending] = {}  # our "flt" seq -> acknowledgements awaited
         self._by_seq: dict[int, asyncio.Future[None]] = {}  # sent, not read back yet
         self._open: set[asyncio.Future[None]] = set()  # registrations not acknowledged yet
@@ -102,29 +101,28 @@ class ClusterFilters:
 
     def _queue(self, op: tuple[str, str]) -> None:
         self._ops.append(op)
-        loop = asyncio.get_running_loop()
-        if self._unsent is None:
-            self._unsent = loop.create_future()
-            self._open.add(self._unsent)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            loop.call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
+        """Send the queued operations (one record per FILTERS_PER_RECORD); a record that adds
+        filters is awaited by `settled` until the live nodes acknowledged it."""
         self._flush_scheduled = False
         ops, self._ops = self._ops, []
-        done, self._unsent = self._unsent, None
-        assert done is not None
+        loop = asyncio.get_running_loop()
         for i in range(0, len(ops), FILTERS_PER_RECORD):
             chunk = ops[i : i + FILTERS_PER_RECORD]
-            last = i + FILTERS_PER_RECORD >= len(ops)
-            fut = done if last else asyncio.get_running_loop().create_future()
-            self._open.add(fut)
             seq = self._bus.send("flt", ops=[list(op) for op in chunk])
-            self._by_seq[seq] = fut
+            if any(op == "+" for op, _ in chunk):
+                fut: asyncio.Future[None] = loop.create_future()
+                self._open.add(fut)
+                self._by_seq[seq] = fut
 
     async def settled(self) -> None:
         """Wait until every filter this node added so far is known to every live node."""
+        if self._ops:
+            self._flush()
         if self._open:
             await asyncio.gather(*[asyncio.shield(f) for f in self._open])
 
@@ -148,10 +146,14 @@ class ClusterFilters:
             asyncio.get_running_loop().create_task(self._acknowledge(node, rec["i"]))
 
     async def _acknowledge(self, node: str, seq: int) -> None:
+        started = time.monotonic()
         try:
             await self._settle()
         except Exception:  # a failed send is not stored: nothing to wait for
             log.debug("settle before an acknowledgement", exc_info=True)
+        waited = time.monotonic() - started
+        if waited > 1.0:
+            log.warning("cluster: sends in flight took %.1f s to settle", waited)
         self._bus.send("ack", to=node, ack=seq)
 
     def _read_back(self, seq: int) -> None:

@@ -29,12 +29,14 @@ CLAIM_TIMEOUT_S = 10.0
 
 
 class _Claim:
-    __slots__ = ("conn", "seen", "seq")
+    __slots__ = ("answered", "conn", "seen", "seq", "superseded")
 
     def __init__(self, conn: Connected, seq: int) -> None:
         self.conn = conn
         self.seq = seq
         self.seen = False  # our record read back: every later "conn" of the id is newer
+        self.answered = False  # CONNACK written
+        self.superseded: bool = False  # a newer claim was read before our CONNACK went out
 
 
 class ClusterTakeover:
@@ -52,6 +54,17 @@ class ClusterTakeover:
         seq = self._bus.send("conn", c=client_id, cs=clean_start)
         self._claims[client_id] = _Claim(conn, seq)
         await self._bus.sent(seq, CLAIM_TIMEOUT_S)
+
+    def answered(self, client_id: str, conn: Connected) -> None:
+        """`conn`'s CONNACK is written: a takeover read in between closes it only now (a
+        client is told 0x8E after its CONNACK, never instead of it)."""
+        claim = self._claims.get(client_id)
+        if claim is None or claim.conn is not conn:
+            return
+        claim.answered = True
+        if claim.superseded:
+            del self._claims[client_id]
+            conn.close(ReasonCode.SESSION_TAKEN_OVER)
 
     def release(self, client_id: str, conn: Connected) -> None:
         """`conn` closed: it holds the id no more."""
@@ -71,8 +84,11 @@ class ClusterTakeover:
             return
         if not claim.seen:
             return  # ours is later in the log: the other connection is the one to go
-        del self._claims[cid]
         log.info("%r: session taken over by a connection on node %s", cid, rec["n"])
-        claim.conn.close(ReasonCode.SESSION_TAKEN_OVER)
+        if claim.answered:
+            del self._claims[cid]
+            claim.conn.close(ReasonCode.SESSION_TAKEN_OVER)
+        else:
+            claim.superseded = True  # closed once its CONNACK is out (answered)
         if not rec.get("cs", True):
             self._cancel_will(cid)

@@ -7,6 +7,7 @@ Each test gets its own namespace (`rocketmq_topic`), so its nodes see only each 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -28,10 +29,11 @@ from tests.rocketmq.test_gateway_rocketmq import ServeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-LEASE_S = 3.0
-HEARTBEAT_S = 0.5
+LEASE_S = 6.0
+HEARTBEAT_S = 1.0
 #: SUBSCRIBE on one node, PUBLISH on another right after each SUBACK, this many times.
 GAP_ROUNDS = 2000
+RACES = int(os.environ.get("LMQTT_TEST_RACES", "20"))
 
 Nodes = Callable[[int], list[ServeProcess]]
 
@@ -146,12 +148,24 @@ def test_same_client_id_on_another_node_takes_the_session_over(nodes: Nodes) -> 
     second.close()
 
 
+def _watch(closed: dict[str, Any], name: str, raw: RawClient) -> None:
+    """What `raw` reads next (None: closed), into closed[name]."""
+    try:
+        closed[name] = raw.recv(timeout=LEASE_S * 3)
+    except TimeoutError:
+        pass
+
+
+def _wait_one(closed: dict[str, Any], cid: str) -> None:
+    wait_until(lambda: len(closed) >= 1, what=f"{cid}: a takeover")
+
+
 def test_racing_connects_on_two_nodes_leave_exactly_one_connection(nodes: Nodes) -> None:
     """Point 3, the race: the same id's CONNECTs sent to two nodes at once, 20 times: each
     time both are answered and exactly one connection is closed with 0x8E."""
     a, b = nodes(2)
     survivors = {"a": 0, "b": 0}
-    for i in range(20):
+    for i in range(RACES):
         cid = f"race-{i}"
         ca, cb = RawClient(a.port, level=5), RawClient(b.port, level=5)
         for raw in (ca, cb):
@@ -161,17 +175,13 @@ def test_racing_connects_on_two_nodes_leave_exactly_one_connection(nodes: Nodes)
             assert ack is not None and ack.reason_code == 0
         # Exactly one of them is told 0x8E and closed.
         closed: dict[str, Any] = {}
-
-        def watch(name: str, raw: RawClient) -> None:
-            try:
-                closed[name] = raw.recv(timeout=LEASE_S * 3)
-            except TimeoutError:
-                pass
-
-        threads = [threading.Thread(target=watch, args=x) for x in (("a", ca), ("b", cb))]
+        threads = [
+            threading.Thread(target=_watch, args=(closed, name, raw))
+            for name, raw in (("a", ca), ("b", cb))
+        ]
         for t in threads:
             t.start()
-        wait_until(lambda: len(closed) >= 1, what=f"{cid}: a takeover")
+        _wait_one(closed, cid)
         (loser,) = closed
         ev = closed[loser]
         assert isinstance(ev, Disconnect) and ev.reason_code == 0x8E
@@ -181,11 +191,11 @@ def test_racing_connects_on_two_nodes_leave_exactly_one_connection(nodes: Nodes)
         wraw.send(Subscribe(1, [Subscription(f"race/{i}/+", 0)]))
         for t in threads:
             t.join(LEASE_S * 3 + 5)
-        assert winner not in closed or isinstance(closed[winner], SubAck), closed
+        assert isinstance(closed.get(winner), SubAck), closed
         survivors[winner] += 1
         ca.close()
         cb.close()
-    assert sum(survivors.values()) == 20
+    assert sum(survivors.values()) == RACES
 
 
 def test_wills_of_a_killed_node_are_published_by_a_survivor_in_time(
@@ -194,7 +204,7 @@ def test_wills_of_a_killed_node_are_published_by_a_survivor_in_time(
     """Point 4: SIGKILL of node A; the wills of its clients (3.1.1 without delay, MQTT 5 with a
     2 s will delay) are published by node B within keep-alive x 1.5 (+ the will delay)."""
     a, b = nodes(2)
-    keepalive = 5
+    keepalive = 10
     watcher = Client(b.port, "will-watcher")
     clients.append(watcher)
     assert watcher.subscribe("wills/#", 1) == [1]
