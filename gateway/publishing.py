@@ -63,12 +63,14 @@ class PublishPath:
             self.on_filter(tf if isinstance(tf, str) else tf.text, True)
         return queue
 
-    def remove_filter(self, text: str, *, remote: bool = False) -> None:
-        """One subscriber less of a filter (registered with add_filter)."""
-        self.router.remove(text)
+    def remove_filter(self, text: str, *, remote: bool = False) -> bool:
+        """One subscriber less of a filter (registered with add_filter); True when it was the
+        last one (nothing reads the filter's queue any more)."""
+        last = self.router.remove(text)
         self._routes.clear()
         if not remote and self.on_filter is not None:
             self.on_filter(text, False)
+        return last
 
     def _check_fence(self) -> None:
         if self.fenced is not None and self.fenced():

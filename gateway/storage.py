@@ -117,6 +117,12 @@ class Storage(Protocol):
     @property
     def offsets(self) -> CommittedOffsets: ...
 
+    async def load_offsets(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Make `offsets.get(group, queue)` answer for these keys what a previous run
+        committed, where the backend keeps that elsewhere (RocketMQ: the broker's consumer
+        offsets, read back; the embedded store has its table in memory already)."""
+        ...
+
     @property
     def closed(self) -> bool: ...
 
@@ -178,6 +184,11 @@ class Storage(Protocol):
 
     async def open_queue(self, queue: str) -> None:
         """Make `max_offset(queue)` exact from now on (see the module docstring)."""
+        ...
+
+    def close_queue(self, queue: str) -> None:
+        """No subscription reads `queue` any more: drop what is kept to read it (RocketMQ: its
+        mirror and held pull); a later read opens it again."""
         ...
 
     def add_listener(self, listener: ArrivalListener) -> None:
