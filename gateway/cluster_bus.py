@@ -6,14 +6,15 @@ tails that queue with the storage's held pull (the same long poll that delivers 
 a record reaches every node in milliseconds and every node reads all records in the one order
 the broker stored them. Nothing else connects the nodes: no node addresses, no extra port.
 
-    record (message body, UTF-8 JSON)  {"k": kind, "n": sending node id, "i": its sequence
-                                        number at that node, ...the kind's fields}
+    message body (UTF-8 JSON)  [record, ...]  (the records a node queued during its last send)
+    record                     {"k": kind, "n": sending node id, "i": its sequence number at
+                                that node, ...the kind's fields}
 
 Kinds (each handled by the module named): "join", "hb", "hello", "bye" (gateway/membership.py),
 "flt", "ack" (gateway/filter_registry.py), "conn" (gateway/takeover.py).
 
-A node's records are sent one after the other (each waits for the previous SEND_OK), so the
-queue holds them in the order the node made them, whatever the broker's send threads do; the
+A node's messages are sent one after the other (each waits for the previous SEND_OK), so the
+queue holds its records in the order the node made them, whatever the broker's send threads do; the
 records of different nodes interleave in the broker's order, which every reader sees alike.
 `sent(seq)` resolves when the node has read its own record `seq` back from the queue: from
 then on every record stored before it has been handled here too (the point the registry's
@@ -44,6 +45,7 @@ CLUSTER_QUEUE = "%CLUSTER%"
 #: deployment's one parent topic whatever this says).
 CLUSTER_TOPIC = "$cluster"
 READ_BATCH = 64
+RECORDS_PER_MESSAGE = 500
 #: A reader with no arrival notice looks again after this long (a notice lost to a broker
 #: reconnect costs this much delay, never a record).
 IDLE_POLL_S = 0.5
@@ -60,7 +62,8 @@ class ClusterBus:
         self._store = store
         self._handlers: dict[str, list[Handler]] = {}
         self._seq = 0
-        self._chain: asyncio.Future[None] | None = None
+        self._queued: list[Record] = []  # not sent yet
+        self._writer: asyncio.Task[None] | None = None
         self._readback: dict[int, asyncio.Future[None]] = {}
         self._offset = 0
         self._wake = asyncio.Event()
@@ -90,29 +93,28 @@ class ClusterBus:
         `sent`. A failed send is logged; its read-back waiter fails."""
         self._seq += 1
         seq = self._seq
-        body = to_json({"k": kind, "n": self.node_id, "i": seq, **fields})
-        prev = self._chain
+        self._queued.append({"k": kind, "n": self.node_id, "i": seq, **fields})
         loop = asyncio.get_running_loop()
         self._readback[seq] = loop.create_future()
-
-        async def run() -> None:
-            if prev is not None:
-                with contextlib.suppress(Exception):
-                    await prev
-            try:
-                await self._store.put_async(CLUSTER_TOPIC, body, (CLUSTER_QUEUE,))
-            except StoreError as exc:
-                log.error("cluster record %s not sent: %s", kind, exc)
-                waiter = self._readback.pop(seq, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_exception(exc)
-                    waiter.exception()  # retrieved: a caller may not wait for it
-                raise
-
-        task = loop.create_task(run())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        self._chain = task
+        if self._writer is None or self._writer.done():
+            self._writer = loop.create_task(self._write())
         return seq
+
+    async def _write(self) -> None:
+        """One send at a time; the records queued meanwhile go out together in the next (a
+        burst of CONNECTs costs a few sends, not one broker round trip each)."""
+        while self._queued and not self._closed:
+            batch = self._queued[:RECORDS_PER_MESSAGE]
+            del self._queued[:RECORDS_PER_MESSAGE]
+            try:
+                await self._store.put_async(CLUSTER_TOPIC, to_json(batch), (CLUSTER_QUEUE,))
+            except StoreError as exc:
+                log.error("%d cluster record(s) not sent: %s", len(batch), exc)
+                for rec in batch:
+                    waiter = self._readback.pop(rec["i"], None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_exception(exc)
+                        waiter.exception()  # retrieved: a caller may not wait for it
 
     async def sent(self, seq: int, timeout: float) -> None:
         """Wait until record `seq` of this node was read back from the queue (StoreError if
@@ -147,10 +149,18 @@ class ClusterBus:
 
     def _handle(self, body: bytes) -> None:
         try:
-            rec = from_json(body)
+            records = from_json(body)
+        except ValueError:
+            log.error("cluster queue: an unreadable message skipped")
+            return
+        for rec in records if isinstance(records, list) else ():
+            self._handle_record(rec)
+
+    def _handle_record(self, rec: Record) -> None:
+        try:
             kind = rec["k"]
             node = rec["n"]
-        except (ValueError, KeyError, TypeError):
+        except (KeyError, TypeError):
             log.error("cluster queue: an unreadable record skipped")
             return
         if node == self.node_id:
@@ -165,9 +175,9 @@ class ClusterBus:
 
     async def drain(self, timeout: float = 5.0) -> None:
         """Wait (bounded) for the records sent so far (a graceful stop's last words)."""
-        if self._chain is not None:
+        if self._writer is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._chain), timeout)
+                await asyncio.wait_for(asyncio.shield(self._writer), timeout)
 
     def close(self) -> None:
         self._closed = True
