@@ -271,3 +271,22 @@ def test_a_stalled_node_is_fenced_its_wills_taken_over_and_it_stops(
     wait_until(lambda: len(watcher.messages) >= 2, what="the marker")
     assert [m.topic for m in watcher.messages] == ["fence/will", "fence/marker"]
     dev.close()
+
+
+def test_a_joining_node_leaves_the_sessions_of_live_nodes_alone(
+    nodes: Nodes, clients: list[Client]
+) -> None:
+    """A node that starts reads every session record of the namespace; those a live node wrote
+    are that node's: not restored, their wills not taken for a crash's orphans."""
+    (a,) = nodes(1)
+    watcher = Client(a.port, "join-watcher")
+    dev = Client(a.port, "join-dev", will=("join/will", b"not yet", 1, False))
+    clients += [watcher, dev]
+    assert watcher.subscribe("join/#", 1) == [1]
+    (b,) = nodes(1)
+    pub = Client(b.port, "join-pub")
+    clients.append(pub)
+    pub.publish("join/marker", b"after B started", 1)
+    # A will published by B's start would be in the log before the marker.
+    assert [m.topic for m in watcher.wait_messages(1)] == ["join/marker"]
+    assert any("0 sessions restored" in line for line in b.output), "".join(b.output)
