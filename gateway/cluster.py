@@ -76,7 +76,9 @@ class Cluster:
         self.store = store
         self.bus = ClusterBus(store, store.node_id)
         self.membership = Membership(self.bus, lease_s=lease_s, heartbeat_s=heartbeat_s)
-        self.filters = ClusterFilters(self.bus, self.membership, publisher, store.settle)
+        self.filters = ClusterFilters(
+            self.bus, self.membership, publisher, store.settle, store.close_queue
+        )
         self._cancel_will: Callable[[str], None] = lambda _cid: None
         self.takeover = ClusterTakeover(self.bus, lambda cid: self._cancel_will(cid))
         self.wills = NodeWills(self.bus, self.membership, store, publisher.store_publish)

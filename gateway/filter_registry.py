@@ -68,8 +68,10 @@ class ClusterFilters:
         membership: Membership,
         publisher: PublishPath,
         settle: Callable[[], Awaitable[None]],
+        close_queue: Callable[[str], None],
     ) -> None:
         self._bus = bus
+        self._close_queue = close_queue
         self._members = membership
         self._publisher = publisher
         self._settle = settle
@@ -141,7 +143,7 @@ class ClusterFilters:
                 publisher.add_filter(text, remote=True)
             elif op == "-" and text in mine:
                 mine.discard(text)
-                publisher.remove_filter(text, remote=True)
+                self._remove_remote(text)
         if any(op == "+" for op, _ in rec.get("ops", ())):
             asyncio.get_running_loop().create_task(self._acknowledge(node, rec["i"]))
 
@@ -217,8 +219,13 @@ class ClusterFilters:
         for text in theirs - mine:
             self._publisher.add_filter(text, remote=True)
         for text in mine - theirs:
-            self._publisher.remove_filter(text, remote=True)
+            self._remove_remote(text)
         self._remote[node] = theirs
+
+    def _remove_remote(self, text: str) -> None:
+        queue = self._publisher.router.queue_of(text)
+        if self._publisher.remove_filter(text, remote=True) and queue is not None:
+            self._close_queue(queue)  # a local subscriber that left kept its mirror for us
 
     def _answer_join(self, node: str) -> None:
         self._bus.send("hello", to=node, filters=sorted(self._local))
