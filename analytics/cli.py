@@ -2,6 +2,10 @@
 
     lmqtt report fanout  --data-dir D [--out DIR] [--since T] [--until T] [--window S]
                          [--master URL] [--no-progress]
+    lmqtt report fanout  --store rocketmq --namesrv HOST:PORT [--rocketmq-topic T]
+                         [--rocketmq-broker B] [--data-dir D] [--out DIR] ...
+                         (the deployment's messages and sessions pulled from its broker:
+                         analytics/rocketmq.py)
     lmqtt report compact --data-dir D [--out DIR] [--master URL]
     lmqtt report show    [--out DIR] [--device ID] [--top N]
                          [--by messages|bytes|fanout|deliveries|backlog] [--html FILE]
@@ -81,7 +85,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     fan = sub.add_parser("fanout", help="run the fan-out job and write the report tables")
     fan.add_argument(
-        "--data-dir", default=default_data, type=absolute, help="the gateway's data directory"
+        "--data-dir",
+        type=absolute,
+        help=f"the gateway's data directory (default {default_data}; with --store rocketmq: "
+        "optional, where the gateway keeps its delivery account and committed offsets)",
+    )
+    fan.add_argument(
+        "--store",
+        choices=("embedded", "rocketmq"),
+        default=os.environ.get("LMQTT_STORE", "embedded"),
+        help="the gateway's store: its data directory (embedded, default) or a RocketMQ "
+        "deployment, read through pulls from its broker",
+    )
+    fan.add_argument(
+        "--namesrv",
+        default=os.environ.get("LMQTT_NAMESRV"),
+        help="RocketMQ name server host:port (--store rocketmq)",
+    )
+    fan.add_argument(
+        "--rocketmq-topic",
+        default=os.environ.get("LMQTT_ROCKETMQ_TOPIC", "lmqtt"),
+        help="the gateway's rocketmq_topic (default %(default)s)",
+    )
+    fan.add_argument(
+        "--rocketmq-broker",
+        default=os.environ.get("LMQTT_ROCKETMQ_BROKER"),
+        help="the gateway's rocketmq_broker (default: the first registered, by name)",
     )
     fan.add_argument(
         "--out", default=default_out, type=absolute, help="report directory (default %(default)s)"
@@ -200,12 +229,34 @@ def _fanout(args: argparse.Namespace, err: Console) -> int:
         raise UsageError("--since must be before --until")
     if args.window is not None and args.window < 1:
         raise UsageError("--window must be at least 1 second")
-    check_data_dir(args.data_dir)  # before starting a JVM: bad input fails in milliseconds
+    deployment = None
+    if args.store == "rocketmq":
+        from analytics.rocketmq import Deployment, read_deployment
+
+        if not args.namesrv:
+            raise UsageError("--store rocketmq needs the name server: --namesrv host:port")
+        # Read before starting a JVM: a deployment that cannot be read fails in a second.
+        deployment = read_deployment(
+            Deployment(args.namesrv, args.rocketmq_topic, args.rocketmq_broker, args.data_dir)
+        )
+    else:
+        if args.data_dir is None:
+            args.data_dir = absolute(os.environ.get("LMQTT_DATA_DIR", "lmqtt-data"))
+        check_data_dir(args.data_dir)  # before starting a JVM: bad input fails in milliseconds
     Path(args.out).mkdir(parents=True, exist_ok=True)
     err.print("starting Spark ...", highlight=False)
     spark = get_spark(args.master)
     with SparkProgress(spark.sparkContext, err, enabled=not args.no_progress) as progress:
-        meta = run_fanout(spark, args.data_dir, args.out, since, until, args.window, progress)
+        meta = run_fanout(
+            spark,
+            args.data_dir or "",
+            args.out,
+            since,
+            until,
+            args.window,
+            progress,
+            rocketmq=deployment,
+        )
     err.print(
         f"report: {meta.messages:,} messages from {meta.devices:,} devices, "
         f"{meta.deliveries:,} deliveries, in {meta.duration_s:.1f}s -> "

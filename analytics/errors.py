@@ -46,6 +46,11 @@ class SnapshotError(AnalyticsError):
     """A config snapshot (sessions.json, consumer_offsets.json) cannot be read."""
 
 
+class ClusterError(AnalyticsError):
+    """A RocketMQ deployment cannot be read (name server or broker unreachable, unknown
+    broker, no messages under the deployment's topic)."""
+
+
 class ReportNotFoundError(AnalyticsError):
     """`report show` found no finished fan-out report."""
 
@@ -61,6 +66,7 @@ _BY_NAME: dict[str, type[AnalyticsError]] = {
         DataDirError,
         CorruptSegmentError,
         SnapshotError,
+        ClusterError,
         ReportNotFoundError,
         UnknownDeviceError,
     )

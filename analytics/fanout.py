@@ -48,11 +48,12 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from analytics.compaction import COMPACTED_DIR, compacted_segments
+from analytics.compaction import COMPACTED_DIR, CompactedSegment, compacted_segments
 from analytics.datasource import SOURCE_NAME, SPARK_SCHEMA
 from analytics.errors import DataDirError
 from analytics.pruning import backlog_segments, segment_spans, segments_in_window
 from analytics.reportfiles import META_FILE, REPORT_DIR, TABLES
+from analytics.rocketmq import PullRange, Snapshot
 from analytics.scratch import (
     BACKLOG_DDL,
     BACKLOG_DIR,
@@ -197,22 +198,37 @@ def run_fanout(
     until_ms: int | None = None,
     window_s: int | None = None,
     progress: SparkProgress | None = None,
+    rocketmq: Snapshot | None = None,
 ) -> ReportMeta:
-    """Compute every table and swap them into <out_dir>/report atomically."""
+    """Compute every table and swap them into <out_dir>/report atomically. With `rocketmq`
+    (analytics.rocketmq.read_deployment) the messages and sessions are those of a RocketMQ
+    deployment, pulled from its broker, and `data_dir` is not read."""
     from pyspark.sql import functions as F
 
     started = time.monotonic()
     generated_at_ms = int(time.time() * 1000)
     data_dir = Path(data_dir)
     out_dir = Path(out_dir)
-    segments = check_data_dir(data_dir)
-    compacted_dir = out_dir / COMPACTED_DIR
-    done = compacted_segments(compacted_dir, segments)
+    segments: list[SegmentFile] | list[PullRange]
+    if rocketmq is not None:
+        # The deployment's messages are pulled from its broker, one task per range of its
+        # parent queue; its sessions, offsets and queue ends come from the broker too.
+        snap = rocketmq
+        segments = snap.ranges
+        done: dict[int, CompactedSegment] = {}
+        account = snap.account
+        pcs = pieces("", snap.subscriptions, snap.committed, account)
+        ends = snap.ends
+        source_label = rocketmq.deployment.label
+    else:
+        segments = check_data_dir(data_dir)
+        done = compacted_segments(out_dir / COMPACTED_DIR, segments)
+        account = read_account(data_dir)
+        pcs = pieces(data_dir, account=account)
+        ends = queue_ends(data_dir)
+        source_label = str(data_dir.resolve())
     n_compacted = len(done)
-    account = read_account(data_dir)
-    pcs = pieces(data_dir, account=account)
     subs = open_subscribers(pcs)
-    ends = queue_ends(data_dir)
 
     def phase(name: str):  # type: ignore[no-untyped-def]
         from contextlib import nullcontext
@@ -225,13 +241,14 @@ def run_fanout(
     scratch = staging / "_scratch"
     # Time pruning: only segments that can hold messages of the window, plus (the backlog is
     # the queues' current state) those from the oldest undelivered message on.
-    windowed = since_ms is not None or until_ms is not None
-    window = (
-        segments_in_window(segment_spans(segments, done), since_ms, until_ms)
+    # (A RocketMQ deployment's ranges are all read: rows are filtered, nothing pruned yet.)
+    windowed = (since_ms is not None or until_ms is not None) and rocketmq is None
+    window: list[SegmentFile] | list[PullRange] = (
+        segments_in_window(segment_spans(segments, done), since_ms, until_ms)  # type: ignore[arg-type]
         if windowed
         else segments
     )
-    tail = backlog_segments(data_dir, segments, subs, ends) if windowed else []
+    tail = backlog_segments(data_dir, segments, subs, ends) if windowed else []  # type: ignore[arg-type]
     wanted = {s.start_offset for s in window} | {s.start_offset for s in tail}
     read = [s for s in segments if s.start_offset in wanted]
     sources = [
@@ -432,7 +449,7 @@ def run_fanout(
         )
         meta = ReportMeta(
             generated_at_ms=generated_at_ms,
-            data_dir=str(data_dir.resolve()),
+            data_dir=source_label,
             since_ms=since_ms,
             until_ms=until_ms,
             window_s=window_s,

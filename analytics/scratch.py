@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analytics.errors import AnalyticsError
+from analytics.rocketmq import PullRange, pull_batches
 from analytics.segments import SegmentFile, SegmentParser
 from analytics.snapshots import LIGHT_QUEUE_PREFIX
 
@@ -126,9 +127,10 @@ _BATCH_ROWS = 65_536
 
 @dataclass(frozen=True, slots=True)
 class ScratchInput:
-    """One segment to read: raw, or from its compacted Parquet file."""
+    """One segment to read: raw, or from its compacted Parquet file; or a range of a RocketMQ
+    deployment's parent queue, pulled from its broker (analytics/rocketmq.py)."""
 
-    segment: SegmentFile
+    segment: SegmentFile | PullRange
     parquet: str | None = None
 
 
@@ -541,6 +543,9 @@ def _rollup(table: pa.Table, directory: str) -> pa.Table:
 
 
 def _batches(source: ScratchInput) -> Iterator[pa.RecordBatch]:
+    if isinstance(source.segment, PullRange):
+        yield from pull_batches(source.segment, batch_rows=_BATCH_ROWS)
+        return
     if source.parquet is None:
         yield from SegmentParser(source.segment, batch_rows=_BATCH_ROWS).batches()
         return

@@ -88,13 +88,23 @@ def read_subscriptions(data_dir: str | Path) -> list[Subscription]:
     sessions: dict[str, object]
     source = path
     if raw or has_state_log(path):
-        try:
-            sessions = {cid: json.loads(value) for cid, value in raw.items()}
-        except ValueError as e:
-            raise SnapshotError(f"{path}: unreadable session record: {e}") from None
+        sessions = session_records(raw, path)
     else:
         source = Path(data_dir) / CONFIG_DIR / SESSIONS_FILE
         sessions = _read_sessions_json(source)
+    return subscriptions_of(sessions, source)
+
+
+def session_records(raw: dict[str, bytes], source: object) -> dict[str, object]:
+    """The gateway's session records (client id -> JSON value of its `session/` key)."""
+    try:
+        return {cid: json.loads(value) for cid, value in raw.items()}
+    except ValueError as e:
+        raise SnapshotError(f"{source}: unreadable session record: {e}") from None
+
+
+def subscriptions_of(sessions: dict[str, object], source: object) -> list[Subscription]:
+    """Every subscription of the sessions (client id -> the gateway's session as JSON)."""
     out: list[Subscription] = []
     try:
         for client_id, session in sessions.items():

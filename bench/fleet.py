@@ -288,6 +288,9 @@ class FleetRun:
         lag = max(float((r["send_lag_ms"] or {}).get("p99", 0.0)) for r in results)
         puback = max(float((r.get("puback_ms") or {}).get("p99", 0.0)) for r in results)
         held_back = sum(int(r.get("held_back", 0)) for r in results)
+        # Each device's publish rate: a broker that holds publishers must not starve some.
+        window = max(pub_end - start, 1e-6)
+        rates = sorted(int(c) / window for r in results for c in r.get("per_device", []))
         metrics: Metrics = {
             "offered_per_s": rate,
             "publish_per_s": round(sent / max(pub_end - start, 1e-6)),
@@ -308,6 +311,10 @@ class FleetRun:
             # Turns a device skipped, waiting for PUBACKs (in-flight window; see fleetgen).
             "held_back_pct": round(100.0 * held_back / max(sent + held_back, 1), 2),
             "puback_p99_ms": round(puback, 3),
+            "device_rate_min": round(rates[0], 2) if rates else 0.0,
+            "device_rate_p1": round(rates[len(rates) // 100], 2) if rates else 0.0,
+            "device_rate_p50": round(rates[len(rates) // 2], 2) if rates else 0.0,
+            "device_rate_max": round(rates[-1], 2) if rates else 0.0,
             "lost_connections": sum(int(r["lost_connections"]) for r in results),
             **cpu,
         }

@@ -148,6 +148,7 @@ class Fleet:
         window, unacked = self.window, self.unacked
         self.puback_ns = []
         held_back = 0
+        per_device = [0] * n  # messages each device wrote (the fairness of a broker's holds)
         lag_ns: list[int] = []
         sent = 0
         expected = 0
@@ -182,6 +183,7 @@ class Fleet:
                     failed_sends += 1
                 else:
                     expected += fanout[index]
+                    per_device[index] += 1
                     if self.qos:
                         waiting.append(stamp)
                 lag_ns.append(stamp - start_ns - int((sent + 1) * interval_ns))
@@ -199,6 +201,7 @@ class Fleet:
             "sent": written,
             "failed_sends": failed_sends,
             "held_back": held_back,
+            "per_device": per_device,
             "puback_ms": percentiles_ms(self.puback_ns),
             "acked": (self.received - received0) // 4 if self.qos else written,
             "expected": expected,

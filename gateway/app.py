@@ -131,7 +131,8 @@ class Gateway:
             await cluster.join()
             cluster.on_fenced(self._on_fenced)
         self.ingest = IngestBatch(loop, publisher.append_publishes) if s.flush == "async" else None
-        self.overload = OverloadGuard(loop)
+        stats = self.stats
+        self.overload = OverloadGuard(loop, lambda: stats.messages_received)
         self.timers = TimerWheel(loop)
         self.gc.start(loop, self.state.connections.__len__)
         account = self.account = (
@@ -139,7 +140,7 @@ class Gateway:
             if s.delivery_account
             else NoDeliveryAccount()
         )
-        shared = self.shared = SharedSubscriptions(store, cursor, arrivals, account)
+        shared = self.shared = SharedSubscriptions(store, cursor, arrivals, account, self.overload)
         registry = self.sessions = SessionRegistry(store)
         subscriptions = self.subscriptions = SubscriptionLifecycle(
             publisher, store, shared, account, self.stats, cursor, self.recent

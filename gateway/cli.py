@@ -143,6 +143,20 @@ def _parser() -> argparse.ArgumentParser:
         "running gateway. Times: 'earliest', epoch milliseconds or RFC 3339.",
     )
     replay.add_argument("--data-dir", type=Path, metavar="DIR", default=Path("lmqtt-data"))
+    replay.add_argument(
+        "--store",
+        choices=("embedded", "rocketmq"),
+        default=os.environ.get("LMQTT_STORE", "embedded"),
+        help="the gateway's store: its data directory (embedded, default) or a RocketMQ "
+        "deployment, pulled from its broker (--namesrv, --rocketmq-topic, --rocketmq-broker)",
+    )
+    replay.add_argument("--namesrv", default=os.environ.get("LMQTT_NAMESRV"), metavar="HOST:PORT")
+    replay.add_argument(
+        "--rocketmq-topic", default=os.environ.get("LMQTT_ROCKETMQ_TOPIC", "lmqtt"), metavar="T"
+    )
+    replay.add_argument(
+        "--rocketmq-broker", default=os.environ.get("LMQTT_ROCKETMQ_BROKER"), metavar="B"
+    )
     replay.add_argument("--filter", required=True, metavar="FILTER", help="MQTT topic filter")
     replay.add_argument("--since", required=True, metavar="T", help="first store time")
     replay.add_argument("--until", metavar="T", help="stop before this store time")
@@ -430,7 +444,13 @@ def _cmd_passwd(args: argparse.Namespace) -> int:
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     from gateway.protocol import ReasonCode
-    from gateway.replay_export import open_store, replay_rows, write_jsonl, write_parquet
+    from gateway.replay_export import (
+        open_rocketmq_history,
+        open_store,
+        replay_rows,
+        write_jsonl,
+        write_parquet,
+    )
     from gateway.storage import StoreError
     from topicmap import TopicError, TopicFilter, parse_replay_from
 
@@ -449,14 +469,26 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.format == "parquet" and args.output is None:
         _err("--format parquet needs --output FILE")
         return EXIT_USAGE
-    if not (args.data_dir / "commitlog").is_dir():
-        _err(f"{_shown_dir(args.data_dir)} is not an lmqtt data directory (no commitlog/)")
-        return EXIT_FAILURE
-    try:
-        store = open_store(args.data_dir)
-    except StoreError as exc:
-        _err(f"data directory {_shown_dir(args.data_dir)}: {exc}")
-        return EXIT_FAILURE
+    if args.store == "rocketmq":
+        from rocketmq_remoting import RemotingError
+
+        if not args.namesrv:
+            _err("--store rocketmq needs the name server: --namesrv HOST:PORT")
+            return EXIT_USAGE
+        try:
+            store = open_rocketmq_history(args.namesrv, args.rocketmq_topic, args.rocketmq_broker)
+        except RemotingError as exc:
+            _err(f"RocketMQ name server {args.namesrv}: {exc}")
+            return EXIT_FAILURE
+    else:
+        if not (args.data_dir / "commitlog").is_dir():
+            _err(f"{_shown_dir(args.data_dir)} is not an lmqtt data directory (no commitlog/)")
+            return EXIT_FAILURE
+        try:
+            store = open_store(args.data_dir)
+        except StoreError as exc:
+            _err(f"data directory {_shown_dir(args.data_dir)}: {exc}")
+            return EXIT_FAILURE
     try:
         rows, note = replay_rows(store, tf, since, until, args.since)
         if note is not None:

@@ -8,13 +8,14 @@ log's fsync and compacting it, in worker threads so the event loop keeps serving
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from gateway.config import GatewaySettings
 from gateway.storage import Storage
 from store import AccountWriter, FlushMode, MessageStore, StoreConfig
+from topicmap import TopicFilter, replay_parents
 
 
 class EmbeddedStorage(MessageStore):
@@ -31,6 +32,13 @@ class EmbeddedStorage(MessageStore):
 
     async def open_queue(self, queue: str) -> None:
         """Nothing to do: every queue's end is in memory."""
+
+    def history_queues(self, tf: TopicFilter) -> list[str]:
+        """The parent topics (first topic levels) whose messages `tf` may match."""
+        return replay_parents(tf, self.queues())
+
+    async def open_history(self, queues: Sequence[str], since_ms: int) -> None:
+        """Nothing to do: offsets by time are read from the consume queues at once."""
 
     def close_queue(self, queue: str) -> None:
         """Nothing to do: a queue costs its index file, not a reader."""

@@ -66,6 +66,10 @@ class IngestBatch:
     def __len__(self) -> int:
         return len(self._pubs)
 
+    def last_qos(self) -> int:
+        """QoS of the last publish added (the overload guard's question, once per read)."""
+        return self._pubs[-1].qos
+
     def add(self, owner: Publisher, pub: Publish) -> None:
         self._pubs.append(pub)
         self._owners.append(owner)

@@ -17,6 +17,24 @@ L at or after `next`; a message appended after it is at or after `next` in L (th
 knew the filter). So replaying `[offset_by_time(P, since), end[P])` of every parent, then reading
 L from `next`, delivers every matching message exactly once: no gap, no duplicate.
 
+Which queues hold a filter's history is the storage's answer (`history_queues`): the embedded
+store's parent topics (one per first topic level; a filter with a literal first level reads
+one), RocketMQ's one parent topic of the deployment (gateway/rocketmq_history.py). Messages of
+other topics in them are read and passed over, as are messages stored before `since` (a
+backend whose offset_by_time is a lower bound costs reading, not correctness).
+
+A backend whose reads complete later (RocketMQ: a pull) answers a read of history "nothing
+yet": the replay then `waits` (peek returns None with `waiting` set) and the delivery loop
+asks again shortly.
+
+A backend that learns the pin's ends after the appends they cover (RocketMQ: sends in flight,
+see gateway/rocketmq_history.py) may pin a parent's end past a message stored after the pin,
+or a light queue's `next` below a message stored before it: such a message is replayed and
+also in the light queue's live part. The replay reads in store order, so every light-queue
+message stored at or before the last one it handed over (`last_phys`) was handed over by it:
+the delivery loop passes over those when it takes over from the replay. (On the embedded store
+there are none: everything in L from `next` was stored after the pin.)
+
 Several parents (`#`, `+/...`) are merged in store order (CommitLog physical offset; a
 multi-broker backend would merge by store timestamp). Only a few messages per parent are held
 (`_head_size`), never the history; the position (`todo`: parent -> [next, end]) moves as each
@@ -33,12 +51,13 @@ the subscription's `start_phys` is REPLAYING: a live message it shares with anot
 session's subscriptions is delivered by that one at once (not held until the replay ends), and
 skipped when the light queue is read after the replay (DeliveryLoop._covering).
 
-The only storage calls are `queues`, `max_offset`, `min_offset`, `offset_by_time` and `get`
-(read a queue from an offset): what a RocketMQ backend offers as the topic list,
+The only storage calls are `history_queues`, `max_offset`, `min_offset`, `offset_by_time` and
+`get` (read a queue from an offset), after SUBSCRIBE awaited `open_history`: on RocketMQ
 GET_MAX_OFFSET, GET_MIN_OFFSET, SEARCH_OFFSET_BY_TIMESTAMP and PULL_MESSAGE. The seam above
-relies on appends and the pin not interleaving; a backend whose appends come from other gateway
-nodes needs the seam pinned by store position instead (each parent's and the light queue's
-offset for one CommitLog position), which such a backend does not offer yet.
+relies on appends and the pin not interleaving (on RocketMQ: on this gateway's sends being
+stored in the order they were made); a backend whose appends come from other gateway nodes
+needs the seam pinned by store position instead (each parent's and the light queue's offset
+for one CommitLog position), which such a backend does not offer yet.
 """
 
 from __future__ import annotations
@@ -55,7 +74,7 @@ from typing import Any
 from gateway.cursor import QueueCursor
 from gateway.records import RecordedPublish, read_record
 from gateway.storage import Storage, StoredMessage
-from topicmap import TopicFilter, matches_levels, replay_parents
+from topicmap import TopicFilter, matches_levels
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -133,6 +152,8 @@ class Replay:
     since_ms: int
     start: str  # `{from}` as requested
     todo: dict[str, list[int]]  # parent -> [next offset, end offset (exclusive)]
+    last_phys: int = -1  # physical offset of the last message handed over
+    waiting: bool = False  # peek found nothing yet in a queue with more to read: ask again
     _levels: tuple[str, ...] = field(default=(), repr=False)
     _heads: dict[str, deque[StoredMessage]] = field(default_factory=dict, repr=False)
     _heap: list[tuple[int, str]] | None = field(default=None, repr=False)
@@ -149,12 +170,19 @@ class Replay:
             "since_ms": self.since_ms,
             "start": self.start,
             "todo": {p: list(pos) for p, pos in self.todo.items()},
+            "last_phys": self.last_phys,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Replay:
         todo = {str(p): [int(pos[0]), int(pos[1])] for p, pos in d.get("todo", {}).items()}
-        return cls(str(d["filter"]), int(d["since_ms"]), str(d.get("start", "")), todo)
+        return cls(
+            str(d["filter"]),
+            int(d["since_ms"]),
+            str(d.get("start", "")),
+            todo,
+            int(d.get("last_phys", -1)),
+        )
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -166,7 +194,8 @@ class Replay:
         return max(1, min(HEAD_SIZE, HEADS_TOTAL // max(1, len(self.todo))))
 
     def _fill(self, cursor: QueueCursor, parent: str) -> bool:
-        """Read ahead in `parent`; False when it has nothing left (removed from `todo`)."""
+        """Read ahead in `parent`; False when it has nothing left (removed from `todo`) or
+        nothing yet (`waiting`: a read the backend completes later)."""
         pos = self.todo[parent]
         while pos[0] < pos[1]:
             messages, start, next_offset = cursor.read(
@@ -184,6 +213,9 @@ class Replay:
                 self._heads[parent] = deque(msgs)
                 return True
             if next_offset <= start:
+                if cursor.end(parent) > pos[0]:
+                    self.waiting = True  # not read yet (RocketMQ: the pull is on its way)
+                    return False
                 break  # the queue is gone: nothing more
             pos[0] = next_offset  # unreadable units: skipped by the store
         del self.todo[parent]
@@ -191,14 +223,19 @@ class Replay:
         return False
 
     def peek(self, cursor: QueueCursor) -> StoredMessage | None:
-        """The next message in store order, or None when the replay is done."""
+        """The next message in store order, or None when the replay is done, or when the
+        next is not read yet (`waiting`: ask again later)."""
+        self.waiting = False
         heap = self._heap
         if heap is None:
-            heap = self._heap = []
+            heads: list[tuple[int, str]] = []
             for parent in list(self.todo):
                 if parent in self._heads or self._fill(cursor, parent):
-                    heap.append((self._heads[parent][0].physical_offset, parent))
-            heapq.heapify(heap)
+                    heads.append((self._heads[parent][0].physical_offset, parent))
+                if self.waiting:  # every parent's head is needed to know the store order
+                    return None
+            heapq.heapify(heads)
+            heap = self._heap = heads
         while heap:
             parent = heap[0][1]
             head = self._heads.get(parent)
@@ -206,6 +243,8 @@ class Replay:
                 return head[0]
             if self._fill(cursor, parent):
                 heapq.heapreplace(heap, (self._heads[parent][0].physical_offset, parent))
+            elif self.waiting:
+                return None
             else:
                 heapq.heappop(heap)
         return None
@@ -216,6 +255,8 @@ class Replay:
         heap = self._heap
         if not heap or msg.topic != heap[0][1]:
             return None
+        if msg.store_timestamp < self.since_ms:
+            return None  # before the start (offset_by_time was a lower bound)
         rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
         if rec is None:
             return None
@@ -230,12 +271,14 @@ class Replay:
         parent = heap[0][1]
         msg = self._heads[parent].popleft()
         self.todo[parent][0] = msg.queue_offset + 1
+        self.last_phys = max(self.last_phys, msg.physical_offset)
         if self._heads[parent]:
             heapq.heapreplace(heap, (self._heads[parent][0].physical_offset, parent))
         # else: peek() refills (or drops) this parent, keeping its place in the heap meanwhile.
 
     def messages(self, cursor: QueueCursor) -> Iterator[tuple[StoredMessage, RecordedPublish]]:
-        """Every matching message left, in store order (the offline export)."""
+        """Every matching message left, in store order (the offline export, of a backend
+        whose reads complete at once: the embedded store)."""
         while (msg := self.peek(cursor)) is not None:
             rec = self.record(msg)
             self.advance()
@@ -256,7 +299,7 @@ def start_replay(
     todo: dict[str, list[int]] = {}
     oldest: int | None = None
     cut = False
-    for parent in replay_parents(tf, store.queues()):
+    for parent in store.history_queues(tf):
         end = store.max_offset(parent)
         if until_ms is not None:
             end = min(end, store.offset_by_time(parent, until_ms))

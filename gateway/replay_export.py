@@ -1,9 +1,10 @@
 """`lmqtt replay`: export what a replay would deliver, offline, without a gateway or Spark.
 
 The store is opened read-only (safe beside a running gateway), and the same cursor as a live
-replay (gateway/replay.py) walks the parent topics from `--since` to `--until` (or the end) in
-store order, matching the filter. Rows stream out: JSON Lines one at a time, Parquet in row
-groups of ROW_GROUP rows, so memory stays bounded whatever the history's size.
+replay (gateway/replay.py) walks the parent topics (a RocketMQ deployment's one parent topic,
+pulled from its broker: gateway/rocketmq_history.py PulledHistory) from `--since` to `--until`
+(or the end) in store order, matching the filter. Rows stream out: JSON Lines one at a time,
+Parquet in row groups of ROW_GROUP rows, so memory stays bounded whatever the history's size.
 
 One row per message:
 
@@ -29,7 +30,7 @@ import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from gateway.cursor import QueueCursor
 from gateway.embedded import open_read_only
@@ -119,3 +120,12 @@ def write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
 
 def open_store(data_dir: Path) -> Storage:
     return open_read_only(data_dir)
+
+
+def open_rocketmq_history(namesrv: str, topic: str, broker: str | None) -> Storage:
+    """A RocketMQ deployment's parent topic, read with blocking pulls (read-only): it makes the
+    reads a replay makes (history_queues, min/max_offset, offset_by_time, get), which is all
+    replay_rows asks of a Storage. RemotingError when the cluster cannot be read."""
+    from gateway.rocketmq_history import PulledHistory
+
+    return cast("Storage", PulledHistory(namesrv, topic, broker))

@@ -16,8 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway.rocketmq_broker import PULL_BATCH, PULL_GROUP, Broker
-from gateway.rocketmq_sender import EMPTY_BODY_PROPERTY
+from gateway.rocketmq_broker import PULL_BATCH, PULL_GROUP, Broker, to_stored
 from gateway.storage import ArrivalListener, GetResult, GetStatus, StoredMessage, StoreError
 from rocketmq_remoting import OffsetMovedError, RemotingError
 from rocketmq_remoting.message import MessageRecord
@@ -29,22 +28,6 @@ log = logging.getLogger("lmqtt.rocketmq")
 SUSPEND_S = 15.0
 #: Messages a mirror keeps per queue (oldest dropped; a reader behind them pulls them again).
 MIRROR_SIZE = 4096
-#: Properties the broker adds to a stored message; the gateway's readers never see them.
-_BROKER_PROPERTIES = frozenset(
-    {
-        "INNER_MULTI_DISPATCH",
-        "INNER_MULTI_QUEUE_OFFSET",
-        "UNIQ_KEY",
-        "WAIT",
-        "CLUSTER",
-        "MSG_REGION",
-        "TRACE_ON",
-        "__CRC32#",
-        "CONSUME_START_TIME",
-        "MIN_OFFSET",
-        "MAX_OFFSET",
-    }
-)
 
 
 class Mirror:
@@ -282,21 +265,8 @@ class Mirrors:
             off = offsets.get(m.lmq)
             if off is None:
                 continue
-            props = {k: v for k, v in rec.properties.items() if k not in _BROKER_PROPERTIES}
-            body = b"" if props.pop(EMPTY_BODY_PROPERTY, None) is not None else rec.body
-            queues = tuple(names.queue(n) for n in offsets)
             phys = rec.commitlog_offset
-            msgs[off] = StoredMessage(
-                rec.topic,
-                body,
-                props,
-                off,
-                phys,
-                rec.store_timestamp,
-                rec.born_timestamp,
-                rec.queue_offset,
-                queues,
-            )
+            msgs[off] = to_stored(rec, off, names.queue, offsets)
             self._saw_phys(phys)
             if self._phys_waiters:
                 waiter = self._phys_waiters.get((m.queue, phys))

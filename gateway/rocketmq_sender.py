@@ -8,6 +8,9 @@
              connection lost: maybe stored, not acknowledged; the client sends it again).
     busy     SYSTEM_BUSY (nothing stored) is retried with backoff, SEND_ATTEMPTS times.
     sync     `--flush sync` sends WAIT=true: on a SYNC_FLUSH broker SEND_OK follows the flush.
+    counted  every send is told to a SendCounter when it is made and when it is answered (its
+             offset in the parent queue, or None): the parent topic's history
+             (gateway/rocketmq_history.py) bounds a replay's pin by the sends in flight.
 
 Physical offsets are the broker's CommitLog offsets (unique on one broker), so the delivery
 loop's cross-queue ordering (`start_phys`, `read_phys`) works unchanged; `log_max` is the
@@ -20,12 +23,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import Protocol
 
 from gateway.rocketmq_broker import Broker
 from gateway.storage import EncodedMessage, StoreError
 from rocketmq_remoting import BrokerBusyError, BrokerError, RemotingError, SendResult
 from rocketmq_remoting.message import decode_message_id
+from topicmap.rocketmq import EMPTY_BODY_PROPERTY
 
 log = logging.getLogger("lmqtt.rocketmq")
 
@@ -33,8 +38,8 @@ SEND_ATTEMPTS = 5  # broker busy (nothing stored): retried with backoff
 FAILED_TICKETS_KEPT = 10_000
 #: A broker cannot store an empty body (5.3.3: NullPointerException in buildMsgContext, answered
 #: SYSTEM_ERROR; Java clients refuse empty bodies before sending). An empty MQTT payload (a
-#: retained message's deletion) is sent as one byte with this property, and read back empty.
-EMPTY_BODY_PROPERTY = "lmqtt.empty"
+#: retained message's deletion) is sent as one byte with EMPTY_BODY_PROPERTY, and read back
+#: empty (rocketmq_broker.to_stored).
 _EMPTY_BODY_MARK = EMPTY_BODY_PROPERTY.encode() + b"\x011\x02"
 
 
@@ -42,11 +47,21 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+class SendCounter(Protocol):
+    """Told of every send: made (before its task runs) and answered."""
+
+    def sending(self) -> None: ...
+
+    def sent(self, queue_offset: int | None) -> None:
+        """Answered with its offset in the parent queue, or failed (None)."""
+
+
 class Sender:
     """Sends messages to `broker` and keeps the tickets of batches in flight."""
 
-    def __init__(self, broker: Broker, *, sync: bool) -> None:
+    def __init__(self, broker: Broker, counter: SendCounter, *, sync: bool) -> None:
         self._broker = broker
+        self._counter = counter
         self._sync = sync
         self._loop = asyncio.get_running_loop()
         self._ticket = 0
@@ -106,7 +121,22 @@ class Sender:
         if self._sending:
             await asyncio.wait(list(self._sending))
 
-    async def send(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
+    def send(self, queues: Sequence[str], body: bytes, block: bytes) -> Awaitable[SendResult]:
+        """One SEND_MESSAGE_V2 (see _send_message), counted from this call on, before its task
+        runs: a replay pinned meanwhile must cover it."""
+        self._counter.sending()
+        return self._counted(queues, body, block)
+
+    async def _counted(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
+        offset: int | None = None
+        try:
+            res = await self._send_message(queues, body, block)
+            offset = res.queue_offset
+            return res
+        finally:
+            self._counter.sent(offset)
+
+    async def _send_message(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
         """One SEND_MESSAGE_V2; StoreError unless the broker answered SEND_OK."""
         answered: asyncio.Future[None] = self._loop.create_future()
         self._sending.add(answered)

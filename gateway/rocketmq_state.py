@@ -2,7 +2,8 @@
 
 Sessions with their subscriptions, positions and wills, the retained snapshot and config
 documents are state records (gateway/storage.py StateRecord). Each append() batch is one
-message to the state light queue (gateway name STATE_QUEUE), its body the batch's records:
+message to the state light queue (gateway name STATE_QUEUE), its body the batch's records
+(the layout is drawn in topicmap/rocketmq.py, which the fan-out report reads it with too):
 
     record := u16 key length, key (UTF-8), i32 value length (-1: the key is deleted), value
 
@@ -20,19 +21,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.rocketmq_broker import Broker
 from gateway.storage import GetResult, GetStatus, StateRecord, StoreError
 from rocketmq_remoting import RemotingError
+from topicmap.rocketmq import STATE_QUEUE, STATE_START, decode_state, encode_state
 
 log = logging.getLogger("lmqtt.rocketmq")
 
-STATE_QUEUE = "%STATE%"
-#: The consumer group whose committed offset in STATE_QUEUE is where a replay starts (the
-#: last compaction's snapshot).
-STATE_START = "%STATE-START%"
 STATE_SNAPSHOT_BATCH = 1000  # records per message of a compaction's snapshot
 STATE_COMPACT_SLACK = 10_000  # history records tolerated beyond twice the live ones
 FAILED_TICKETS_KEPT = 10_000
@@ -41,46 +38,15 @@ FAILED_TICKETS_KEPT = 10_000
 #: are found by it). A compaction's snapshot keeps each record's writer.
 NODE_PROPERTY = "lmqtt.node"
 
-_STATE_KEY = struct.Struct(">H")
-_STATE_VALUE = struct.Struct(">i")
-
 #: Sends one message (light queues, body, property block) and returns once it is SEND_OK.
 Send = Callable[[Sequence[str], bytes, bytes], Awaitable[object]]
 
 
-def encode_state(records: Sequence[StateRecord]) -> bytes:
-    out = bytearray()
-    for key, value in records:
-        raw = key.encode("utf-8")
-        out += _STATE_KEY.pack(len(raw))
-        out += raw
-        if value is None:
-            out += _STATE_VALUE.pack(-1)
-        else:
-            out += _STATE_VALUE.pack(len(value))
-            out += value
-    return bytes(out)
-
-
-def decode_state(body: bytes) -> list[StateRecord]:
-    out: list[StateRecord] = []
-    pos = 0
-    try:
-        while pos < len(body):
-            (klen,) = _STATE_KEY.unpack_from(body, pos)
-            pos += 2
-            key = body[pos : pos + klen].decode("utf-8")
-            pos += klen
-            (vlen,) = _STATE_VALUE.unpack_from(body, pos)
-            pos += 4
-            if vlen < 0:
-                out.append((key, None))
-            else:
-                out.append((key, body[pos : pos + vlen]))
-                pos += vlen
-    except (struct.error, UnicodeDecodeError):
-        log.error("state queue: a damaged batch skipped after %d record(s)", len(out))
-    return out
+def _decode_state(body: bytes) -> list[StateRecord]:
+    records, whole = decode_state(body)
+    if not whole:
+        log.error("state queue: a damaged batch skipped after %d record(s)", len(records))
+    return records
 
 
 class StateLog:
@@ -120,7 +86,7 @@ class StateLog:
         async for batch in broker.read(lmq, max(lo, start or 0), hi):
             for rec in batch:
                 node = rec.properties.get(NODE_PROPERTY, "")
-                for key, value in decode_state(rec.body):
+                for key, value in _decode_state(rec.body):
                     history += 1
                     if value is None:
                         state.pop(key, None)
@@ -260,7 +226,7 @@ class StateLog:
                 for msg in res.messages:
                     node = msg.properties.get(NODE_PROPERTY, "")
                     if node != self.node_id:
-                        self._apply_remote(node, decode_state(msg.body))
+                        self._apply_remote(node, _decode_state(msg.body))
                 self.end = res.next_offset
                 continue
             if res.status is GetStatus.OFFSET_TOO_SMALL:

@@ -5,9 +5,11 @@ to with rocketmq_remoting (docs/rocketmq.md has the verified protocol facts this
 This module composes the parts, each in its own module, and opens them (`open_rocketmq`):
 
     gateway/rocketmq_broker.py   the one broker: client, address, namespace (parent topic)
-    gateway/rocketmq_names.py    gateway queue names <-> light queue names
+    gateway/rocketmq_names.py    gateway queue names <-> light queue names (the memo; the
+                                 encoding: topicmap/rocketmq.py)
     gateway/rocketmq_sender.py   append: SEND_MESSAGE_V2 with INNER_MULTI_DISPATCH, tickets
     gateway/rocketmq_mirrors.py  read: a mirror per opened light queue, its held long poll
+    gateway/rocketmq_history.py  read: the parent topic as the replays' history queue
     gateway/rocketmq_offsets.py  committed offsets, copied to the broker's consumer offsets
     gateway/rocketmq_state.py    the state log: the %STATE% light queue, replay, compaction
 
@@ -27,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.rocketmq_broker import Broker
+from gateway.rocketmq_history import ParentHistory
 from gateway.rocketmq_mirrors import Mirrors
 from gateway.rocketmq_names import PROBE_QUEUE
 from gateway.rocketmq_offsets import BrokerOffsets
@@ -48,6 +51,7 @@ from rocketmq_remoting.message import decode_message_id
 
 if TYPE_CHECKING:
     from gateway.config import GatewaySettings
+    from topicmap import TopicFilter
 
 log = logging.getLogger("lmqtt.rocketmq")
 
@@ -78,7 +82,9 @@ class RocketMqStorage:
         self.broker_name = broker.name
         self._local = local
         self._closed = False
-        self._sender = Sender(broker, sync=sync)
+        # The parent topic as replay history: told of every send (Sender's SendCounter).
+        self._history = ParentHistory(broker)
+        self._sender = Sender(broker, self._history, sync=sync)
         self._mirrors = Mirrors(broker, self._sender.saw_phys)
         self._state_log = StateLog(broker, self._sender.send, node_id)
         self._state_tail: asyncio.Task[None] | None = None
@@ -147,19 +153,39 @@ class RocketMqStorage:
 
     # -- the port: read --------------------------------------------------------------------------
 
+    # The parent topic (named like the gateway queue of its history) is read by replays only
+    # (gateway/rocketmq_history.py); every other queue is a light queue's mirror.
+
     def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
+        if queue == self._broker.topic:
+            return self._history.get(offset, max_messages)
         return self._mirrors.get(queue, offset, max_messages)
 
     def min_offset(self, queue: str) -> int:
+        if queue == self._broker.topic:
+            return self._history.min_offset()
         return self._mirrors.min_offset(queue)
 
     def max_offset(self, queue: str) -> int:
+        if queue == self._broker.topic:
+            return self._history.max_offset()
         return self._mirrors.max_offset(queue)
 
     def offset_by_time(self, queue: str, timestamp_ms: int) -> int:
-        # Used by replays of parent topics, which this backend does not keep apart (one
-        # parent topic): nothing to replay; see docs/rocketmq.md.
-        return self.max_offset(queue)
+        if queue == self._broker.topic:
+            return self._history.offset_by_time(timestamp_ms)
+        return self.max_offset(queue)  # light queues are never searched by time
+
+    def history_queues(self, tf: TopicFilter) -> list[str]:
+        # Every message is in the one parent topic (gateway/rocketmq_history.py).
+        return [self._broker.topic]
+
+    async def open_history(self, queues: Sequence[str], since_ms: int) -> None:
+        if self._broker.topic in queues:
+            try:
+                await self._history.open(since_ms)
+            except RemotingError as exc:
+                raise StoreError(f"broker {self.broker_name}: {exc}") from exc
 
     def queues(self) -> list[str]:
         return self._mirrors.queues()
@@ -174,6 +200,7 @@ class RocketMqStorage:
 
     def add_listener(self, listener: ArrivalListener) -> None:
         self._mirrors.add_listener(listener)
+        self._history.add_listener(listener)
 
     async def open_queue(self, queue: str) -> None:
         await self._mirrors.open_queue(queue)
@@ -265,6 +292,7 @@ class RocketMqStorage:
             self._state_tail.cancel()
         self._offsets.close()
         self._mirrors.close()
+        self._history.close()
         self._broker.client.close_nowait()
         self._local.close()
 
@@ -322,6 +350,7 @@ async def _open(
         await _probe_light_queues(client, name, addr, topic)
         await storage.preload(RETAIN_QUEUE, RETAIN_PRELOAD)
         await storage.load_state()
+        await storage.open_history([topic], 0)  # saved replays resume with the queue's bounds
     except BaseException:
         storage.close()
         raise

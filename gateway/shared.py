@@ -6,6 +6,13 @@ A message sent at QoS > 0 stays `pending` until the member acknowledges it (not 
 were written: rocketmq-mqtt #248); when a member leaves with messages in flight they go back to
 `returned` and are given to another member. Members that are offline get nothing; the backlog
 waits in the store. The committed group offset is the smallest offset not yet done.
+
+A group whose members cannot take its messages as fast as they come (windows full, slow
+acknowledgements) is a subscriber falling behind like any other: a pump that leaves messages
+unsent reports the group to the overload guard (gateway/overload.py), which asks for the age of
+its oldest unsent message and holds publishers as for a normal subscriber's backlog; as a
+delivery loop does, only once the group has been caught up since it was created (a group
+resumed with a backlog after a restart catches up without stopping the fleet).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Protocol
 
 from gateway.arrivals import ArrivalHub
 from gateway.cursor import QueueCursor
+from gateway.overload import OverloadGuard
 from gateway.session import Session, SubscriptionState
 from gateway.storage import Storage, StoredMessage
 
@@ -75,6 +83,7 @@ class SharedGroup:
         self._buffer: deque[tuple[int, StoredMessage]] = deque()
         self._rr = 0
         self._scheduled = False
+        self._live = False  # caught up once since created: its backlog counts as overload
 
     def committed(self) -> int:
         candidates = [self.next_offset]
@@ -160,10 +169,47 @@ class SharedGroup:
         self.next_offset = next_offset
         return self._buffer.popleft() if self._buffer else None
 
+    def _unsent(self) -> bool:
+        return bool(self.returned or self._buffer) or (
+            self.next_offset < self.owner.cursor.end(self.queue)
+        )
+
+    def oldest_unsent_ms(self) -> int | None:
+        """Store timestamp (ms) of the oldest message not handed to a member yet, or None
+        (the overload guard's question, per guard tick; an offline group is not behind the
+        load of the moment: its backlog waits in the store)."""
+        if not self.members:
+            return None
+        cursor = self.owner.cursor
+        oldest: int | None = None
+        if self.returned:
+            msg = cursor.one(self.queue, self.returned[0])
+            if msg is not None:
+                oldest = msg.store_timestamp
+        first = (
+            self._buffer[0][1]
+            if self._buffer
+            else cursor.one(self.queue, self.next_offset)
+            if self.next_offset < cursor.end(self.queue)
+            else None
+        )
+        if first is not None and (oldest is None or first.store_timestamp < oldest):
+            oldest = first.store_timestamp
+        return oldest
+
     def _pump(self) -> None:
         self._scheduled = False
         if not self.members:
             return
+        self._hand_out()
+        if self._unsent():
+            if self._live:
+                self.owner.overload.behind(self)
+        else:
+            self._live = True
+
+    def _hand_out(self) -> None:
+        """Give messages to members with window space, round robin, until none has any."""
         changed = False
         try:
             while True:
@@ -201,9 +247,15 @@ class SharedSubscriptions:
     """Share groups by (group, filter), created with their first subscriber."""
 
     def __init__(
-        self, store: Storage, cursor: QueueCursor, arrivals: ArrivalHub, account: GroupAccount
+        self,
+        store: Storage,
+        cursor: QueueCursor,
+        arrivals: ArrivalHub,
+        account: GroupAccount,
+        overload: OverloadGuard,
     ) -> None:
         self.store = store
+        self.overload = overload  # told when a group falls behind (gateway/overload.py)
         self.cursor = cursor
         self.arrivals = arrivals
         self.account = account

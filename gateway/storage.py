@@ -66,6 +66,7 @@ from store import (
     StoreError,
     StoreLockedError,
 )
+from topicmap import TopicFilter
 
 __all__ = [
     "FLAG_CLEAN",
@@ -184,6 +185,18 @@ class Storage(Protocol):
 
     async def open_queue(self, queue: str) -> None:
         """Make `max_offset(queue)` exact from now on (see the module docstring)."""
+        ...
+
+    def history_queues(self, tf: TopicFilter) -> list[str]:
+        """The queues that hold the history of filter `tf`, which a replay reads (matching
+        each message against the filter): the embedded store's parent topics (one per first
+        topic level), RocketMQ's one parent topic of the deployment."""
+        ...
+
+    async def open_history(self, queues: Sequence[str], since_ms: int) -> None:
+        """Before a replay of `queues` from `since_ms` is pinned: make `min_offset`,
+        `max_offset` and `offset_by_time(q, since_ms)` of those queues answer without blocking
+        (RocketMQ asks the broker: GET_MIN/MAX_OFFSET, SEARCH_OFFSET_BY_TIMESTAMP)."""
         ...
 
     def close_queue(self, queue: str) -> None:

@@ -87,11 +87,15 @@ class SubscriptionLifecycle:
         for group, text, queue in todo:
             self.shared.acquire(group, TopicFilter(text).filter, queue, resume=True)
 
-    async def open_queue(self, session: Session, tf: TopicFilter) -> None:
+    async def open_queue(self, session: Session, tf: TopicFilter, since: int | None = None) -> None:
         """Before a new subscription starts at its queue's end: open the queue (RocketMQ
-        learns the end from the broker; the embedded store knows it already)."""
+        learns the end from the broker; the embedded store knows it already); before a
+        replay from `since` is pinned, the queues of its history likewise."""
         if tf.text not in session.subscriptions:
             await self._store.open_queue(self._publisher.router.queue_name(tf))
+        if since is not None:
+            store = self._store
+            await store.open_history(store.history_queues(tf), since)
 
     def attach(self, session: Session, delivery: DeliveryLoop) -> None:
         """`session` connected with its loop: the loop joins its shared groups (its own queues

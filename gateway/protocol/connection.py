@@ -320,6 +320,15 @@ class Connection:
         queue = self._queue
         if queue:
             return queue.popleft()
+        if (
+            self._off == len(self._buf)
+            and self._phase is CONNECTED
+            and not self._eof
+            and self._pending_error is None
+        ):
+            # Drained: a device's one packet per read was handed out; skip _batch's setup
+            # (0.3 us of the 2.0 us a device PUBLISH costs to decode and acknowledge).
+            return NEED_DATA
         batch = self._batch(stop_after_connect=True)
         if not batch:
             return NEED_DATA

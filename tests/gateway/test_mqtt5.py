@@ -320,7 +320,9 @@ def test_message_expiry(gateway: GatewayHarness) -> None:
     s.connect("exp", clean=False, properties=Properties(session_expiry_interval=60))
     got = s.recv()
     assert got.payload == b"long"
-    assert 98 <= got.properties.message_expiry_interval <= 100
+    # Counted down by the >= 1.1 s it waited (so below 100), with slack for a loaded host
+    # (RocketMQ's store time, a slow CI machine), not reset and not expired.
+    assert 90 <= got.properties.message_expiry_interval <= 99
     s.close()
 
 

@@ -10,27 +10,35 @@ from pathlib import Path
 import pytest
 
 from gateway.cursor import QueueCursor
+from gateway.embedded import EmbeddedStorage
 from gateway.protocol import Publish
 from gateway.records import message_properties
 from gateway.replay import HEADS_TOTAL, Replay, ReplayPacer, start_replay
 from gateway.session import SubscriptionState
-from store import MessageStore, StoreConfig
+from store import StoreConfig
 from topicmap import TopicFilter, parent_topic
 
 
+def _open(config: StoreConfig) -> EmbeddedStorage:
+    """The embedded store as the gateway's Storage (replays ask it for their history)."""
+    s = EmbeddedStorage.open(config)
+    assert isinstance(s, EmbeddedStorage)
+    return s
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[MessageStore]:
-    s = MessageStore.open(StoreConfig(data_dir=tmp_path / "data", segment_size=1 << 20))
+def store(tmp_path: Path) -> Iterator[EmbeddedStorage]:
+    s = _open(StoreConfig(data_dir=tmp_path / "data", segment_size=1 << 20))
     yield s
     s.close()
 
 
-def _put(store: MessageStore, topic: str, i: int) -> int:
+def _put(store: EmbeddedStorage, topic: str, i: int) -> int:
     props = message_properties(Publish(topic=topic, payload=b"%d" % i, qos=1, packet_id=1), "c")
     return store.put(parent_topic(topic), b"%d" % i, properties=props).physical_offset
 
 
-def test_store_order_across_parents_and_bounded_read_ahead(store: MessageStore) -> None:
+def test_store_order_across_parents_and_bounded_read_ahead(store: EmbeddedStorage) -> None:
     expected = []
     for i in range(3000):
         topic = f"p{i % 7}/x" if i % 5 else "other/y"
@@ -53,7 +61,7 @@ def test_store_order_across_parents_and_bounded_read_ahead(store: MessageStore) 
     assert replay.done
 
 
-def test_position_survives_serialisation_and_the_seam_is_pinned(store: MessageStore) -> None:
+def test_position_survives_serialisation_and_the_seam_is_pinned(store: EmbeddedStorage) -> None:
     for i in range(100):
         _put(store, "s/a", i)
     replay, _ = start_replay(store, TopicFilter("s/#"), 0, "earliest")
@@ -71,9 +79,7 @@ def test_position_survives_serialisation_and_the_seam_is_pinned(store: MessageSt
 
 
 def test_retention_under_a_running_replay_moves_it_forward(tmp_path: Path) -> None:
-    s = MessageStore.open(
-        StoreConfig(data_dir=tmp_path / "data", segment_size=4096, retention_bytes=2 * 4096)
-    )
+    s = _open(StoreConfig(data_dir=tmp_path / "data", segment_size=4096, retention_bytes=2 * 4096))
     try:
         for i in range(20):
             _put(s, "r/t", i)
@@ -92,7 +98,7 @@ def test_retention_under_a_running_replay_moves_it_forward(tmp_path: Path) -> No
         s.close()
 
 
-def test_until_bounds_the_export(store: MessageStore) -> None:
+def test_until_bounds_the_export(store: EmbeddedStorage) -> None:
     for i in range(10):
         _put(store, "u/t", i)
     assert Replay.from_json({"filter": "u/t", "since_ms": 0, "todo": {}}).done

@@ -1,5 +1,6 @@
-"""Gateway queue names as RocketMQ light queues (gateway/rocketmq_names.py): valid topic
-names for the broker, injective, reversible, namespaced."""
+"""Gateway queue names as RocketMQ light queues (topicmap/rocketmq.py; the memo in
+gateway/rocketmq_names.py): valid topic names for the broker, injective, reversible,
+namespaced."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import re
 
 import pytest
 
-from gateway.rocketmq_names import MAX_LMQ_NAME, LightQueueNames, decode_lmq, encode_lmq
+from gateway.rocketmq_names import LightQueueNames
 from topicmap import queue_name
+from topicmap.rocketmq import MAX_LMQ_NAME, decode_lmq, encode_lmq
 
 # TopicValidator.VALID_PATTERN_STR of RocketMQ 5.3.3
 VALID = re.compile(r"^[%|a-zA-Z0-9_-]+$")
@@ -49,6 +51,15 @@ def test_long_names_are_hashed_and_not_decodable() -> None:
     lmq = encode_lmq(long + "z" * 100)
     assert len(lmq) <= MAX_LMQ_NAME and VALID.match(lmq)
     assert decode_lmq(lmq) is None
+
+
+def test_state_batches_round_trip_and_damage_is_reported() -> None:
+    from topicmap.rocketmq import decode_state, encode_state
+
+    records = [("session/a", b'{"x":1}'), ("session/b", None), ("k\u00fc", b"")]
+    body = encode_state(records)
+    assert decode_state(body) == (records, True)
+    assert decode_state(body[:-3]) == (records[:2], False)  # the last value cut short
 
 
 def test_the_name_memo_is_bounded_and_hashed_names_stay_until_forgotten(

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from gateway.protocol import PubAck, Publish
-from gateway.rocketmq_names import encode_lmq
 from rocketmq_remoting import RemotingClient
 from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
+from topicmap.rocketmq import encode_lmq
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.rocketmq_names import encode_lmq
 from rocketmq_remoting import RemotingClient
 from tests.gateway.conftest import Client, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
 from tests.rocketmq.test_gateway_rocketmq import ServeProcess
 from topicmap import queue_name
+from topicmap.rocketmq import encode_lmq
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -21,6 +21,7 @@ from tests.gateway import (
     test_flow,
     test_mqtt5,
     test_qos,
+    test_replay,
     test_sessions,
     test_shared,
     test_will_retain,
@@ -32,7 +33,7 @@ from tests.rocketmq.cluster import RocketMQCluster
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODULES: tuple[ModuleType, ...] = (test_basic, test_qos, test_sessions, test_will_retain)
-MODULES += (test_mqtt5, test_shared, test_flow)
+MODULES += (test_mqtt5, test_shared, test_flow, test_replay)
 
 EXCLUDED = {
     # Asserts the queue's end equals the count right after the PUBACKs: in async mode a
