@@ -21,6 +21,7 @@ from gateway.access import AccessControl
 from gateway.arrivals import ArrivalHub
 from gateway.backends import open_backend
 from gateway.client import ClientConnection, ClientContext, ServerState
+from gateway.cluster_sessions import ClusterSessions, SharedState
 from gateway.config import GatewaySettings
 from gateway.cursor import QueueCursor
 from gateway.delivery import DeliveryContext
@@ -77,6 +78,7 @@ class Gateway:
         self.retained: RetainedIndex
         self.sessions: SessionRegistry
         self.session_lifecycle: SessionLifecycle
+        self.cluster: ClusterSessions | None = None
         self.subscriptions: SubscriptionLifecycle
         self.shared: SharedSubscriptions
         self.wills: Wills
@@ -137,6 +139,13 @@ class Gateway:
         publisher.retained = subscriptions.retained = retained
         wills.restore()
         self.stats.retained_count = len(retained)
+        # Other gateway processes share this storage's state log (RocketMQ): sessions and
+        # retained messages on any node (gateway/cluster_sessions.py).
+        cluster = self.cluster = (
+            ClusterSessions(store, registry, publisher, self.stats)
+            if isinstance(store, SharedState)
+            else None
+        )
         delivery = DeliveryContext(
             store=store,
             cursor=cursor,
@@ -163,6 +172,7 @@ class Gateway:
             sessions=lifecycle,
             subscriptions=subscriptions,
             delivery=delivery,
+            cluster=cluster,
         )
         self._server = await loop.create_server(
             lambda: MqttServerProtocol(context), s.host, s.default_port, reuse_address=True
@@ -179,6 +189,8 @@ class Gateway:
         await self.listeners.start(context, sources)
         self.overload.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
+        if cluster is not None:
+            self._tasks.append(loop.create_task(cluster.tail()))
         self.timers.start()
         self._tasks.append(
             loop.create_task(account.run(registry.sessions.values, shared.groups.values))
@@ -241,6 +253,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.wills.stop()
+        if self.cluster is not None:
+            await self.cluster.stop()
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from gateway.access import AccessControl
 from gateway.acl import ClientAccess
+from gateway.cluster_sessions import ClusterSessions
 from gateway.config import GatewaySettings
 from gateway.delivery import DeliveryContext, DeliveryLoop
 from gateway.ingest import IngestBatch
@@ -110,6 +111,8 @@ class ClientContext:
     sessions: SessionLifecycle
     subscriptions: SubscriptionLifecycle
     delivery: DeliveryContext  # handed to the session's delivery loop
+    # Sessions shared with other gateway nodes (RocketMQ backend); None: one node.
+    cluster: ClusterSessions | None = None
     # publisher.topic, bound once: the inline path validates every PUBLISH's topic with it.
     topic: Callable[[str], Topic] = field(init=False)
 
@@ -417,6 +420,8 @@ class ClientConnection:
         self.ctx.stats.clients_connected -= 1
         will = self.will if self._abnormal else None
         self.ctx.sessions.connection_ended(session, will)
+        if self.ctx.cluster is not None:
+            self.ctx.cluster.connection_ended(session)
 
     def on_due(self, now: float) -> float | None:
         """Timer wheel: close a socket that sent no CONNECT in time, or a client silent for
@@ -613,11 +618,20 @@ class ClientConnection:
             self._refuse(code)
             return
         self.acl = ctx.access.client_access(cid, self.username)
+        cluster = ctx.cluster
+        if cluster is not None:
+            await cluster.before_connect(cid)  # the session as another node left it
+            if self.closed:
+                return
         session, present = ctx.sessions.connect(
             cid, level, expiry, ev.clean_start, self, will, self.peer
         )
         self.session = session
         self.will = will
+        if cluster is not None:
+            await cluster.claimed(session)  # the other nodes learn it is here
+            if self.closed:
+                return
         props: Properties | None = None
         if level == 5:
             server_ka: int | None = None
@@ -984,6 +998,10 @@ class ClientConnection:
             registry.touch(session)
         if self.closed:
             return
+        if retained_for and ctx.cluster is not None:
+            await ctx.cluster.retained_caught_up()  # set through another node a moment ago
+            if self.closed:
+                return
         props = Properties(reason_string="; ".join(notes)) if notes and level == 5 else None
         self.write(self.conn.send(SubAck(ev.packet_id, codes, props)))
         subscriptions.send_retained(delivery, retained_for)

@@ -38,6 +38,7 @@ import hashlib
 import logging
 import struct
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +95,10 @@ STATE_START = "%STATE-START%"
 STATE_SNAPSHOT_BATCH = 1000  # records per message of a compaction's snapshot
 STATE_COMPACT_SLACK = 10_000  # history records tolerated beyond twice the live ones
 CONFIG_KEY_PREFIX = "config/"
+#: Property of every state batch: the process that wrote it (a random id per start), so a
+#: node catching up with the state log (catch_up_state) skips its own batches, which it
+#: applied when it made them (gateway/cluster_sessions.py).
+NODE_PROPERTY = "lmqtt.node"
 SEND_ATTEMPTS = 5  # broker busy (nothing stored): retried with backoff
 OFFSET_FLUSH_S = 1.0
 DRAIN_S = 10.0  # a graceful stop waits this long at most for the sends in flight
@@ -355,6 +360,10 @@ class RocketMqStorage:
         self._state_sends: dict[int, asyncio.Task[None]] = {}
         self._state_failed: dict[int, StoreError] = {}
         self._compacting = False
+        self.node_id = uuid.uuid4().hex[:16]
+        self._node_block = local.encode_properties({NODE_PROPERTY: self.node_id})
+        self._state_next = 0  # the state queue's offset read up to (load_state, catch_up_state)
+        self._catch_up_lock = asyncio.Lock()
         self._spawn(self._flush_offsets_periodically())
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
@@ -776,10 +785,114 @@ class RocketMqStorage:
             offset = res.next_begin_offset
         self._state = state
         self._state_history = history
+        self._state_next = offset
         log.info(
             "state: %d record(s) replayed from %s offsets %d..%d, %d live",
             history, STATE_QUEUE, max(lo, start or 0), offset, len(state),
         )  # fmt: skip
+
+    async def catch_up_state(self) -> list[StateRecord]:
+        """Read the state queue from where this process last read it to the broker's end now,
+        and return the records other gateway processes wrote there (oldest first), folded into
+        our state as well. Our own batches are skipped (NODE_PROPERTY): we applied them when we
+        made them, and re-applying an older one of ours could undo a newer one still in flight.
+
+        "The end now" is GET_MAX_OFFSET, asked after the call: a batch another node had SEND_OK
+        for before we asked is read (modulo the broker's dispatch, milliseconds: quirk 3)."""
+        try:
+            return await self._catch_up_state()
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading the state queue: {exc}") from exc
+
+    async def _catch_up_state(self) -> list[StateRecord]:
+        async with self._catch_up_lock:
+            lmq = self._names.lmq(STATE_QUEUE)
+            hi = await self._client.get_max_offset(self._addr, lmq)
+            offset = self._state_next
+            out: list[StateRecord] = []
+            state = self._state
+            while offset < hi:
+                try:
+                    res = await self._client.pull(
+                        self._addr, lmq, offset, consumer_group=PULL_GROUP, max_messages=PULL_BATCH
+                    )
+                except OffsetMovedError as exc:
+                    log.warning("state queue: offset %d moved, reading on from %d",
+                                offset, exc.next_begin_offset)  # fmt: skip
+                    offset = exc.next_begin_offset
+                    continue
+                if not res.messages:
+                    break
+                for rec in res.messages:
+                    if rec.properties.get(NODE_PROPERTY) == self.node_id:
+                        continue
+                    for key, value in _decode_state(rec.body):
+                        if value is None:
+                            state.pop(key, None)
+                        else:
+                            state[key] = value
+                        out.append((key, value))
+                offset = max(offset, res.next_begin_offset)
+            self._state_next = offset
+            self._state_history += len(out)
+            return out
+
+    async def catch_up_queue(self, queue: str) -> None:
+        """Bring `queue`'s mirror up to the broker's end now (reads of it then see every
+        message stored before the call): the retained index before it answers a SUBSCRIBE,
+        so a retained message set through another gateway process is never missed."""
+        try:
+            await self._catch_up_queue(self._mirror(queue))
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
+
+    async def prefetch(self, queue: str, offsets: Iterable[int]) -> None:
+        """Read the messages at `offsets` of `queue` into its mirror now: the in-flight
+        messages of a session resumed here are re-sent (with DUP) by synchronous reads
+        (`get`), which would find nothing in a mirror that never saw them (another node
+        delivered them, or this process is new). Offsets deleted by retention are skipped."""
+        try:
+            await self._prefetch(self._mirror(queue), sorted(set(offsets)))
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
+
+    async def _prefetch(self, m: _Mirror, offsets: list[int]) -> None:
+        await self._ready(m)
+        todo = [o for o in offsets if o not in m.msgs and o < m.max]
+        while todo:
+            try:
+                res = await self._client.pull(
+                    self._addr, m.lmq, todo[0], consumer_group=PULL_GROUP, max_messages=PULL_BATCH
+                )
+            except OffsetMovedError as exc:
+                m.min = exc.min_offset
+                todo = [o for o in todo if o >= exc.next_begin_offset]
+                continue
+            if not res.messages:
+                break
+            self._keep(m, res.messages)
+            after = max(todo[0] + 1, res.next_begin_offset)
+            todo = [o for o in todo if o not in m.msgs and o >= after]
+
+    async def _catch_up_queue(self, m: _Mirror) -> None:
+        await self._ready(m)
+        hi = await self._client.get_max_offset(self._addr, m.lmq)
+        offset = m.max
+        while offset < hi:
+            try:
+                res = await self._client.pull(
+                    self._addr, m.lmq, offset, consumer_group=PULL_GROUP, max_messages=PULL_BATCH
+                )
+            except OffsetMovedError as exc:
+                m.min = exc.min_offset
+                offset = exc.next_begin_offset
+                continue
+            if not res.messages:
+                break
+            self._keep(m, res.messages)
+            offset = max(offset, res.next_begin_offset)
+        if m.max < offset:
+            m.max = offset
 
     def state_records(self) -> Iterable[StateRecord]:
         return list(self._state.items())
@@ -807,7 +920,7 @@ class RocketMqStorage:
         async def send() -> None:
             if prev is not None:
                 await asyncio.gather(prev, return_exceptions=True)
-            await self._send((STATE_QUEUE,), body, b"")
+            await self._send((STATE_QUEUE,), body, self._node_block)
 
         task = self._loop.create_task(send())
         self._state_chain = task
