@@ -992,8 +992,10 @@ class ClientConnection:
                 notes.append(cutoff.text(tf.filter))
             if since is None and subscriptions.wants_retained(tf, req, new):
                 retained_for.append((sub, tf))
-        if session.persistent:
-            await registry.save(session)  # the subscription must survive a crash once SUBACKed
+        if session.persistent or ctx.cluster is not None:
+            # The subscription must survive a crash once SUBACKed; with other nodes, they
+            # register its filter when they read the record (gateway/cluster_sessions.py).
+            await registry.save(session)
         else:
             registry.touch(session)
         if self.closed:

@@ -26,10 +26,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 class Nodes:
-    """Gateway processes sharing one namespace (`rocketmq_topic`) on broker-a."""
+    """Gateway processes sharing one namespace (`rocketmq_topic`) on one broker."""
 
-    def __init__(self, rocketmq: RocketMQCluster, tmp_path: Path) -> None:
+    def __init__(self, rocketmq: RocketMQCluster, tmp_path: Path, broker: str = "broker-a") -> None:
         self.namesrv = rocketmq.namesrv_addr
+        self.broker = broker
         self.topic = f"c{uuid.uuid4().hex[:12]}"
         self.tmp_path = tmp_path
         self.nodes: list[ServeProcess] = []
@@ -38,7 +39,7 @@ class Nodes:
         g = ServeProcess(
             self.tmp_path / f"node{len(self.nodes)}",
             "--store", "rocketmq", "--namesrv", self.namesrv, *args,
-            env={"LMQTT_ROCKETMQ_TOPIC": self.topic, "LMQTT_ROCKETMQ_BROKER": "broker-a"},
+            env={"LMQTT_ROCKETMQ_TOPIC": self.topic, "LMQTT_ROCKETMQ_BROKER": self.broker},
         )  # fmt: skip
         self.nodes.append(g)
         return g.start()
@@ -54,7 +55,7 @@ class Nodes:
             client = RemotingClient([self.namesrv], client_id=None, request_timeout=5.0)
             try:
                 route = await client.get_cluster_info()
-                addr = route.brokers["broker-a"].master_addr
+                addr = route.brokers[self.broker].master_addr
                 assert addr is not None
                 lmq = encode_lmq(STATE_QUEUE, self.topic)
                 offset = await client.get_min_offset(addr, lmq)
