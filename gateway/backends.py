@@ -1,8 +1,8 @@
 """The storage backend the settings choose (`store`): opened here for the composition root.
 
 embedded  the CommitLog store under `data_dir` (gateway/embedded.py), one machine.
-rocketmq  messages on an Apache RocketMQ 5 broker (gateway/rocketmq_storage.py); the gateway's
-          state log stays in an embedded store under `data_dir` for now.
+rocketmq  messages and state on an Apache RocketMQ 5 broker (gateway/rocketmq_storage.py); an
+          embedded store under `data_dir` is still opened beside it (see that module).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ log's fsync and compacting it, in worker threads so the event loop keeps serving
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,9 @@ class EmbeddedStorage(MessageStore):
 
     async def open_queue(self, queue: str) -> None:
         """Nothing to do: every queue's end is in memory."""
+
+    async def load_offsets(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Nothing to do: the committed offsets table was read at open."""
 
     async def wait_state_durable(self, position: int) -> None:
         """Sync flush mode: fsync the state log (concurrent callers share one fsync). Async

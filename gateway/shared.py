@@ -26,6 +26,11 @@ log = logging.getLogger("lmqtt.gateway")
 BATCH = 32
 
 
+def consumer_of(group: str) -> str:
+    """The consumer (store.offsets group) of share group `group`: its committed position."""
+    return f"$share/{group}"
+
+
 class Member(Protocol):
     """A connected member of a group: its session's delivery loop (gateway/delivery.py)."""
 
@@ -60,7 +65,7 @@ class SharedGroup:
         self.topic_filter = topic_filter  # underlying filter, without $share/<group>/
         self.subscription = f"$share/{group}/{topic_filter}"
         self.queue = queue
-        self.consumer = f"$share/{group}"
+        self.consumer = consumer_of(group)
         self.refs = 0  # sessions (live or offline) holding this subscription
         self.members: list[Member] = []
         self.next_offset = 0

@@ -117,6 +117,12 @@ class Storage(Protocol):
     @property
     def offsets(self) -> CommittedOffsets: ...
 
+    async def load_offsets(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Make `offsets.get(group, queue)` answer for these keys what a previous run
+        committed, where the backend keeps that elsewhere (RocketMQ: the broker's consumer
+        offsets, read back; the embedded store has its table in memory already)."""
+        ...
+
     @property
     def closed(self) -> bool: ...
 

@@ -31,7 +31,7 @@ from gateway.recent import RecentMessages
 from gateway.replay import REPLAYING, CutOff, iso_ms, start_replay
 from gateway.retained import RetainedIndex
 from gateway.session import Session, SubscriptionEntry, SubscriptionState
-from gateway.shared import SharedSubscriptions
+from gateway.shared import SharedSubscriptions, consumer_of
 from gateway.stats import GatewayStats
 from gateway.storage import Storage
 from topicmap import TopicFilter
@@ -78,7 +78,12 @@ class SubscriptionLifecycle:
         """Shared groups resume at their saved offsets, bounded by their queues' ends: opened
         first (RocketMQ: a queue's end is known once asked; the embedded store knows it)."""
         todo, self._to_resume = self._to_resume, []
-        await asyncio.gather(*(self._store.open_queue(q) for q in {q for _, _, q in todo}))
+        store = self._store
+        await asyncio.gather(
+            *(store.open_queue(q) for q in {q for _, _, q in todo}),
+            # RocketMQ: the broker keeps the groups' positions (gateway/rocketmq_offsets.py).
+            store.load_offsets((consumer_of(group), q) for group, _, q in todo),
+        )
         for group, text, queue in todo:
             self.shared.acquire(group, TopicFilter(text).filter, queue, resume=True)
 

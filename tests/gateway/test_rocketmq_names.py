@@ -1,11 +1,11 @@
-"""Gateway queue names as RocketMQ light queues (gateway/rocketmq_storage.py): valid topic
+"""Gateway queue names as RocketMQ light queues (gateway/rocketmq_names.py): valid topic
 names for the broker, injective, reversible, namespaced."""
 
 from __future__ import annotations
 
 import re
 
-from gateway.rocketmq_storage import MAX_LMQ_NAME, decode_lmq, encode_lmq
+from gateway.rocketmq_names import MAX_LMQ_NAME, decode_lmq, encode_lmq
 from topicmap import queue_name
 
 # TopicValidator.VALID_PATTERN_STR of RocketMQ 5.3.3

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from gateway.protocol import PubAck, Publish, SubAck, Subscribe, Subscription
-from gateway.rocketmq_storage import PULL_GROUP, STATE_QUEUE, _decode_state, encode_lmq
+from gateway.rocketmq_broker import PULL_GROUP
+from gateway.rocketmq_names import encode_lmq
+from gateway.rocketmq_state import STATE_QUEUE, decode_state
 from rocketmq_remoting import RemotingClient
 from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
@@ -66,7 +68,7 @@ class Nodes:
                     if not res.messages:
                         break
                     for rec in res.messages:
-                        for key, value in _decode_state(rec.body):
+                        for key, value in decode_state(rec.body):
                             if key == "session/" + client_id:
                                 found = value
                     offset = res.next_begin_offset

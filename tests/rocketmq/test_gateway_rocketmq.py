@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from gateway.protocol import PubAck, Publish
-from gateway.rocketmq_storage import encode_lmq
+from gateway.rocketmq_names import encode_lmq
 from rocketmq_remoting import RemotingClient
 from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
@@ -444,11 +444,11 @@ def test_state_compaction_bounds_the_replay_and_keeps_every_session(
 ) -> None:
     import shutil
 
-    from gateway import rocketmq_storage
+    from gateway import rocketmq_state
     from gateway.rocketmq_storage import RocketMqStorage
     from tests.gateway.conftest import GatewayHarness
 
-    monkeypatch.setattr(rocketmq_storage, "STATE_COMPACT_SLACK", 0)
+    monkeypatch.setattr(rocketmq_state, "STATE_COMPACT_SLACK", 0)
     h = GatewayHarness(
         tmp_path / "data",
         store="rocketmq",
@@ -466,7 +466,7 @@ def test_state_compaction_bounds_the_replay_and_keeps_every_session(
         def history() -> int:
             store = h.gw.store if h.gw is not None else None
             assert isinstance(store, RocketMqStorage)
-            return store._state_history
+            return store._state_log.history
 
         def live() -> int:
             assert h.gw is not None
