@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.protocol import PubAck, Publish, SubAck, Subscribe, Subscription
+from gateway.protocol import Connect, PubAck, Publish, SubAck, Subscribe, Subscription
 from gateway.rocketmq_broker import PULL_GROUP
 from gateway.rocketmq_names import encode_lmq
 from gateway.rocketmq_state import STATE_QUEUE, decode_state
@@ -208,3 +208,35 @@ def test_a_retained_message_set_through_one_node_reaches_a_subscriber_on_another
     late.subscribe("r/#", 1)
     got = late.wait_messages(19)
     assert sorted(m.topic for m in got) == sorted(f"r/{i}" for i in range(1, 20))
+
+
+def test_a_burst_of_connects_shares_state_log_messages(nodes: Nodes) -> None:
+    """Each CONNECT writes its session's record before CONNACK; records made while a state
+    send is in flight join one message (group commit), so a fleet reconnecting at once (a
+    node died) costs a few round trips, not one per device."""
+    a = nodes.start()
+    state = encode_lmq(STATE_QUEUE, nodes.topic)
+
+    async def state_end() -> int:
+        client = RemotingClient([nodes.namesrv], client_id=None, request_timeout=5.0)
+        try:
+            info = await client.get_cluster_info()
+            addr = info.brokers[nodes.broker].master_addr
+            assert addr is not None
+            return await client.get_max_offset(addr, state)
+        finally:
+            await client.close()
+
+    before = asyncio.run(state_end())
+    socks = [RawClient(a.port, level=4) for _ in range(60)]
+    try:
+        for i, sock in enumerate(socks):  # all CONNECTs on the wire before any CONNACK
+            sock.send(Connect(4, f"burst-{i}", False, 60))
+        assert all(s.recv().reason_code == 0 for s in socks)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert nodes.session_record("burst-0") is not None
+    assert nodes.session_record("burst-59") is not None
+    written = asyncio.run(state_end()) - before
+    assert 0 < written < 30, f"{written} state messages for 60 CONNECTs"
