@@ -71,13 +71,17 @@ class SharedState(Protocol):
 
     async def prefetch(self, queue: str, offsets: Iterable[int]) -> None: ...
 
+    def close_queue(self, queue: str) -> None: ...
+
 
 class Filters(Protocol):
     """The filter registry of this node's publishes (gateway/publishing.py PublishPath)."""
 
     def add_filter(self, tf: str) -> str: ...
 
-    def remove_filter(self, text: str) -> None: ...
+    def remove_filter(self, text: str) -> bool:
+        """True when it was the filter's last subscriber."""
+        ...
 
 
 class Counted(Protocol):
@@ -148,7 +152,8 @@ class ClusterSessions:
         for sub in after:
             self._filters.add_filter(sub.topic_filter)
         for sub in before:
-            self._filters.remove_filter(sub.topic_filter)
+            if self._filters.remove_filter(sub.topic_filter):
+                self._state.close_queue(sub.queue)  # nothing here reads it any more
         self._stats.subscriptions += len(after) - len(before)
 
     async def before_connect(self, client_id: str) -> None:

@@ -32,6 +32,9 @@ class EmbeddedStorage(MessageStore):
     async def open_queue(self, queue: str) -> None:
         """Nothing to do: every queue's end is in memory."""
 
+    def close_queue(self, queue: str) -> None:
+        """Nothing to do: a queue costs its index file, not a reader."""
+
     async def load_offsets(self, keys: Iterable[tuple[str, str]]) -> None:
         """Nothing to do: the committed offsets table was read at open."""
 

@@ -52,10 +52,12 @@ class PublishPath:
         self._routes.clear()
         return queue
 
-    def remove_filter(self, text: str) -> None:
-        """One subscriber less of a filter (registered with add_filter)."""
-        self.router.remove(text)
+    def remove_filter(self, text: str) -> bool:
+        """One subscriber less of a filter (registered with add_filter); True when it was the
+        last one (nothing reads the filter's queue any more)."""
+        last = self.router.remove(text)
         self._routes.clear()
+        return last
 
     # -- topics and routes -------------------------------------------------------------------
 

@@ -77,6 +77,7 @@ class Mirrors:
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._phys_waiters: dict[tuple[str, int], asyncio.Future[int]] = {}
+        self._pinned: set[str] = set()  # queues the gateway itself reads (never released)
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
         task: asyncio.Task[None] = self._loop.create_task(coro)  # type: ignore[arg-type]
@@ -137,6 +138,19 @@ class Mirrors:
         if not m.ready:
             await self._ready(m)
 
+    def release(self, queue: str) -> None:
+        """Nothing reads `queue` now: drop its mirror, stop its held pull (the broker answers
+        it into the void) and forget its name; a later read makes a new mirror. So memory
+        and held pulls follow the subscriptions, not every queue ever subscribed."""
+        if queue in self._pinned:
+            return
+        m = self._mirrors.pop(queue, None)
+        if m is None:
+            return
+        if m.task is not None:
+            m.task.cancel()
+        self._broker.names.forget(queue)
+
     def mirror(self, queue: str) -> Mirror:
         """The mirror of `queue`, created (and its long poll started) on first use."""
         m = self._mirrors.get(queue)
@@ -166,6 +180,7 @@ class Mirrors:
     async def preload(self, queue: str, count: int) -> None:
         """Read the last `count` messages of `queue` into its mirror now (the retained index's
         start-up catch-up reads %RETAIN% without waiting)."""
+        self._pinned.add(queue)
         m = self.mirror(queue)
         m.limit = max(m.limit, count + MIRROR_SIZE)  # all of them stay for the catch-up
         await self._ready(m)

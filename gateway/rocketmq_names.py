@@ -92,24 +92,48 @@ def decode_lmq(name: str, namespace: str = "lmqtt") -> str | None:
         return None
 
 
+#: Names remembered per direction before the memo starts over (bounded memory under
+#: subscription churn: every queue ever used would stay otherwise).
+NAME_MEMO = 65_536
+
+
 class LightQueueNames:
-    """Gateway queue <-> light queue, both ways, for every name this process used."""
+    """Gateway queue <-> light queue, both ways, memoized (encoding is per message and queue
+    on the send path). A hashed name cannot be decoded: its queue is kept in `_hashed` until
+    `forget` (the queue is not read any more), whatever the memo drops."""
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self._to_lmq: dict[str, str] = {}
         self._to_queue: dict[str, str] = {}
+        self._hashed: dict[str, str] = {}  # hashed light queue name -> gateway queue
 
     def lmq(self, queue: str) -> str:
         name = self._to_lmq.get(queue)
         if name is None:
+            if len(self._to_lmq) >= NAME_MEMO:
+                self._to_lmq.clear()
             name = self._to_lmq[queue] = encode_lmq(queue, self.namespace)
-            self._to_queue[name] = queue
+            if decode_lmq(name, self.namespace) is None:
+                self._hashed[name] = queue
+                self._to_queue.pop(name, None)  # it may have been read as unknown
         return name
+
+    def forget(self, queue: str) -> None:
+        """`queue` is not read any more: drop what is remembered of it."""
+        name = self._to_lmq.pop(queue, None) or encode_lmq(queue, self.namespace)
+        self._to_queue.pop(name, None)
+        self._hashed.pop(name, None)
 
     def queue(self, lmq: str) -> str:
         queue = self._to_queue.get(lmq)
         if queue is None:
-            queue = decode_lmq(lmq, self.namespace) or lmq
+            if len(self._to_queue) >= NAME_MEMO:
+                self._to_queue.clear()
+            queue = self._hashed.get(lmq) or decode_lmq(lmq, self.namespace) or lmq
             self._to_queue[lmq] = queue
         return queue
+
+    def __len__(self) -> int:
+        """Names remembered (memo and hashed ones)."""
+        return len(self._to_lmq) + len(self._to_queue) + len(self._hashed)

@@ -120,20 +120,25 @@ class BrokerOffsets:
             return
         broker = self._broker
         names = broker.names
-        sends = [
-            broker.client.update_consumer_offset(
-                broker.addr, names.lmq(group), names.lmq(queue), offset, oneway=oneway
-            )
-            for (group, queue), offset in dirty.items()
-        ]
-        failed = [a for a in await asyncio.gather(*sends, return_exceptions=True) if a is not None]
-        if failed:
+        update = broker.client.update_consumer_offset
+        try:
+            if oneway:
+                # One after the other, no task each: one-way calls only queue a frame.
+                for (group, queue), offset in dirty.items():
+                    await update(
+                        broker.addr, names.lmq(group), names.lmq(queue), offset, oneway=True
+                    )
+            else:
+                await asyncio.gather(
+                    *(
+                        update(broker.addr, names.lmq(group), names.lmq(queue), offset)
+                        for (group, queue), offset in dirty.items()
+                    )
+                )
+        except RemotingError as exc:
             for key, offset in dirty.items():  # sent again by the next flush
                 self._dirty.setdefault(key, offset)
-            log.warning(
-                "committing %d offset(s) to broker %s failed: %s", len(failed), broker.name,
-                failed[0],
-            )  # fmt: skip
+            log.warning("committing offsets to broker %s failed: %s", broker.name, exc)
 
     def close(self) -> None:
         self._task.cancel()

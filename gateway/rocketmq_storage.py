@@ -168,6 +168,9 @@ class RocketMqStorage:
     async def open_queue(self, queue: str) -> None:
         await self._mirrors.open_queue(queue)
 
+    def close_queue(self, queue: str) -> None:
+        self._mirrors.release(queue)
+
     async def preload(self, queue: str, count: int) -> None:
         """Read the last `count` messages of `queue` now (see Mirrors.preload)."""
         await self._mirrors.preload(queue, count)

@@ -186,6 +186,11 @@ class Storage(Protocol):
         """Make `max_offset(queue)` exact from now on (see the module docstring)."""
         ...
 
+    def close_queue(self, queue: str) -> None:
+        """No subscription reads `queue` any more: drop what is kept to read it (RocketMQ: its
+        mirror and held pull); a later read opens it again."""
+        ...
+
     def add_listener(self, listener: ArrivalListener) -> None:
         """Arrival notices: `listener.on_arrival(queue, max_offset)` after each append."""
         ...

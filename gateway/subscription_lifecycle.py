@@ -223,7 +223,7 @@ class SubscriptionLifecycle:
         unless `keep_inflight` is False (the whole session is ending)."""
         self._account.ended(session, sub)
         session.remove_subscription(sub.topic_filter)
-        self._publisher.remove_filter(sub.topic_filter)
+        last = self._publisher.remove_filter(sub.topic_filter)
         self._stats.subscriptions -= 1
         # Acks for messages in flight on this subscription only free their packet ids now.
         for inf in session.inflight.values():
@@ -248,3 +248,5 @@ class SubscriptionLifecycle:
             self.shared.release(sub.share_group, tf.filter)
         else:
             self._store.offsets.remove(session.client_id, sub.queue)
+        if last:  # no subscription reads the queue now (RocketMQ: its mirror and pull go)
+            self._store.close_queue(sub.queue)

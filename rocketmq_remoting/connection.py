@@ -1,11 +1,13 @@
 """One TCP connection to a name server or broker: requests pipelined, answers matched by opaque.
 
 Any number of requests may be in flight on a connection: each gets a fresh ``opaque``, its frame
-is written at once, and the reader task completes the waiting future whose opaque the answer
-carries, in whatever order the server answers (a long-polling pull held for seconds does not
-hold up the sends behind it). A one-way request (flag bit 1) gets no answer. Requests the server
-sends us (it may ask a client for its running info, or notify it) are answered with
-REQUEST_CODE_NOT_SUPPORTED unless they are one-way, so the server never waits on us.
+is queued and the frames of one event-loop turn leave in one write (one send() system call for a
+burst of pipelined sends instead of one per frame), and the reader task completes the waiting
+future whose opaque the answer carries, in whatever order the server answers (a long-polling
+pull held for seconds does not hold up the sends behind it). A one-way request (flag bit 1)
+gets no answer. Requests the server sends us (it may ask a client for its running info, or
+notify it) are answered with REQUEST_CODE_NOT_SUPPORTED unless they are one-way, so the server
+never waits on us.
 
 When the connection drops, every waiting request fails with :class:`RemotingClosedError`; the
 client above opens a new connection for the next request (nothing is retried blindly: a send
@@ -53,6 +55,8 @@ class Connection:
         self._opaque = 0
         self._closed = False
         self._close_reason = "connection closed"
+        self._loop = asyncio.get_running_loop()
+        self._out: list[bytes] = []  # frames of this loop turn, written by _flush_out
         self._read_task = asyncio.get_running_loop().create_task(
             self._read_loop(), name=f"rocketmq-remoting-read-{addr}"
         )
@@ -74,6 +78,24 @@ class Connection:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    def _write(self, frame: bytes) -> None:
+        if not self._out:
+            self._loop.call_soon(self._flush_out)
+        self._out.append(frame)
+
+    def _flush_out(self) -> None:
+        out, self._out = self._out, []
+        if out and not self._closed:
+            try:
+                self._writer.write(out[0] if len(out) == 1 else b"".join(out))
+            except (ConnectionError, OSError) as exc:
+                self._abort(f"write failed: {exc}")
+
+    @staticmethod
+    def _expire(future: asyncio.Future[RemotingCommand]) -> None:
+        if not future.done():
+            future.set_exception(TimeoutError())
+
     def _next_opaque(self) -> int:
         self._opaque = (self._opaque + 1) & 0x7FFFFFFF
         return self._opaque
@@ -84,18 +106,21 @@ class Connection:
             raise RemotingClosedError(self.addr, self._close_reason)
         cmd.opaque = self._next_opaque()
         cmd.flag &= ~(FLAG_RESPONSE | FLAG_ONEWAY)
-        future: asyncio.Future[RemotingCommand] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[RemotingCommand] = self._loop.create_future()
         self._pending[cmd.opaque] = future
+        # One timer handle per request (wait_for + shield cost a task and two futures more).
+        timer = self._loop.call_later(timeout, self._expire, future)
         try:
-            self._writer.write(cmd.encode())
+            self._write(cmd.encode())
             await self._writer.drain()
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
+            return await future
         except TimeoutError:
             raise RemotingTimeoutError(self.addr, cmd.code, timeout) from None
         except (ConnectionError, OSError) as exc:
             self._abort(f"write failed: {exc}")
             raise RemotingClosedError(self.addr, self._close_reason) from exc
         finally:
+            timer.cancel()
             self._pending.pop(cmd.opaque, None)
             if not future.done():
                 future.cancel()
@@ -107,7 +132,7 @@ class Connection:
         cmd.opaque = self._next_opaque()
         cmd.flag = (cmd.flag | FLAG_ONEWAY) & ~FLAG_RESPONSE
         try:
-            self._writer.write(cmd.encode())
+            self._write(cmd.encode())
             await self._writer.drain()
         except (ConnectionError, OSError) as exc:
             self._abort(f"write failed: {exc}")
@@ -147,8 +172,7 @@ class Connection:
             flag=FLAG_RESPONSE,
             remark=f"request code {request.code} not supported by this client",
         )
-        with contextlib.suppress(ConnectionError, OSError):
-            self._writer.write(answer.encode())
+        self._write(answer.encode())
 
     def _abort(self, reason: str) -> None:
         if self._closed:
@@ -162,11 +186,14 @@ class Connection:
         self._writer.close()
 
     def close_nowait(self) -> None:
-        """Drop the connection without waiting for its reader to finish."""
+        """Drop the connection without waiting for its reader to finish (frames queued in
+        this loop turn, one-way ones included, are written first)."""
+        self._flush_out()
         self._abort("closed")
         self._read_task.cancel()
 
     async def close(self) -> None:
+        self._flush_out()
         self._abort("closed")
         self._read_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError):

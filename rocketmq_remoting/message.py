@@ -32,6 +32,7 @@ this package free of the project's packages so it can be used (and tested) on it
 from __future__ import annotations
 
 import ipaddress
+import socket
 import struct
 import zlib
 from collections.abc import Iterator, Mapping
@@ -141,7 +142,9 @@ class MessageRecord:
 
 def _host(buf: bytes | memoryview, pos: int, v6: bool) -> tuple[tuple[str, int], int]:
     n = 16 if v6 else 4
-    addr = str(ipaddress.ip_address(bytes(buf[pos : pos + n])))
+    raw = bytes(buf[pos : pos + n])
+    # inet_ntoa: the same text as ipaddress for IPv4, at a tenth of the cost (twice a record).
+    addr = str(ipaddress.ip_address(raw)) if v6 else socket.inet_ntoa(raw)
     (port,) = struct.unpack_from(">i", buf, pos + n)
     return (addr, port), pos + n + 4
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 
-from gateway.rocketmq_names import MAX_LMQ_NAME, decode_lmq, encode_lmq
+import pytest
+
+from gateway.rocketmq_names import MAX_LMQ_NAME, LightQueueNames, decode_lmq, encode_lmq
 from topicmap import queue_name
 
 # TopicValidator.VALID_PATTERN_STR of RocketMQ 5.3.3
@@ -47,3 +49,21 @@ def test_long_names_are_hashed_and_not_decodable() -> None:
     lmq = encode_lmq(long + "z" * 100)
     assert len(lmq) <= MAX_LMQ_NAME and VALID.match(lmq)
     assert decode_lmq(lmq) is None
+
+
+def test_the_name_memo_is_bounded_and_hashed_names_stay_until_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway import rocketmq_names
+
+    monkeypatch.setattr(rocketmq_names, "NAME_MEMO", 10)
+    names = LightQueueNames("ns")
+    long = "%LMQ%" + "x" * 300
+    hashed = names.lmq(long)
+    assert decode_lmq(hashed, "ns") is None
+    for i in range(100):  # churn
+        assert names.queue(names.lmq(f"%LMQ%q{i}")) == f"%LMQ%q{i}"
+    assert len(names) <= 2 * 10 + 1
+    assert names.queue(hashed) == long  # the memo dropped it, the hashed table did not
+    names.forget(long)
+    assert names.queue(hashed) == hashed  # forgotten: not decodable any more

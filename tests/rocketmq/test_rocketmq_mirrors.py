@@ -1,0 +1,71 @@
+"""A light queue's mirror and its held pull (gateway/rocketmq_mirrors.py) live as long as a
+subscription reads the queue: subscription churn leaves no mirrors or held pulls behind (the
+name memo is bounded on its own: tests/gateway/test_rocketmq_names.py).
+A real gateway (in-process, to count them) on the session's RocketMQ cluster, paho clients."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.rocketmq_storage import RocketMqStorage
+from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
+from tests.rocketmq.cluster import RocketMQCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def harness(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[GatewayHarness]:
+    h = GatewayHarness(
+        tmp_path / "data",
+        store="rocketmq",
+        namesrv=rocketmq.namesrv_addr,
+        rocketmq_broker="broker-a",
+        rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
+    ).start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+def test_mirrors_and_held_pulls_are_released_with_the_last_reader(
+    harness: GatewayHarness,
+) -> None:
+    h = harness
+    assert h.gw is not None
+    store = h.gw.store
+    assert isinstance(store, RocketMqStorage)
+    mirrors = store._mirrors
+
+    def counts() -> tuple[int, int]:
+        return len(mirrors.queues()), len(mirrors._tasks)
+
+    base = h.call(counts)
+    made: list[Client] = []
+    try:
+        a = Client(h.port, "a")
+        b = Client(h.port, "b", clean=False)
+        pub = Client(h.port, "pub")
+        made += [a, b, pub]
+        for i in range(20):  # churn: each filter subscribed, used, unsubscribed
+            topic = f"churn/{i}"
+            assert a.subscribe(topic, 1) == [1]
+            assert b.subscribe(f"$share/g/{topic}", 1) == [1]
+            pub.publish(topic, f"m{i}", 1)
+            wait_until(lambda i=i: f"m{i}".encode() in a.payloads(), what=f"m{i} at a")
+            wait_until(lambda i=i: f"m{i}".encode() in b.payloads(), what=f"m{i} at b")
+            a.unsubscribe(topic)
+            assert h.call(lambda: len(mirrors.queues())) > base[0]  # b still reads it
+            b.unsubscribe(f"$share/g/{topic}")
+        wait_until(lambda: h.call(counts) == base, what=f"{base} (mirrors, held pulls)")
+        # A queue subscribed again gets a new mirror that delivers.
+        assert a.subscribe("churn/0", 1) == [1]
+        pub.publish("churn/0", "again", 1)
+        wait_until(lambda: b"again" in a.payloads(), what="a message after resubscribing")
+    finally:
+        stop_clients(made)
