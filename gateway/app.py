@@ -148,6 +148,9 @@ class Gateway:
         wills = self.wills = Wills(registry, publisher.store_publish)
         lifecycle = self.session_lifecycle = SessionLifecycle(registry, subscriptions, wills, store)
         lifecycle.restore(cluster.foreign if cluster is not None else None)
+        if cluster is not None:
+            # No await since restore(): no session record another node writes falls between.
+            cluster.share_sessions(registry, self.stats)
         await subscriptions.resume_shared()  # after their queues are open (RocketMQ)
         # The state log was read once, by the session load: the retained snapshot is in it.
         retained = self.retained = RetainedIndex.open(store, registry.other_records())
@@ -265,6 +268,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.wills.stop()
+        if self.cluster is not None and self.cluster.sessions is not None:
+            await self.cluster.sessions.stop()  # the records written at disconnects
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,14 +104,15 @@ class ClusterLink(Protocol):
     """What a connection sees of cluster mode (gateway/cluster.py Cluster); SingleNode when
     the gateway is the only node."""
 
+    async def before_connect(self, client_id: str) -> None:
+        """A CONNECT arrived: the session records other nodes wrote so far applied here."""
+        ...
+
     async def connected(
-        self,
-        client_id: str,
-        conn: Connected,
-        clean_start: bool,
-        save: Callable[[], Awaitable[None]] | None,
+        self, client_id: str, conn: Connected, clean_start: bool, session: Session
     ) -> None:
-        """Before CONNACK: the id claimed on every node (takeover), the will durable."""
+        """Before CONNACK: the id claimed on every node (takeover), the session record
+        durable, its in-flight messages read for their resend."""
         ...
 
     def answered(self, client_id: str, conn: Connected) -> None:
@@ -124,16 +125,23 @@ class ClusterLink(Protocol):
         """Before SUBACK: every node routes to this node's new filters."""
         ...
 
+    async def retained_caught_up(self) -> None:
+        """Before a SUBSCRIBE's retained messages: those set through other nodes known."""
+        ...
+
+    def connection_ended(self, session: Session) -> None:
+        """After SessionLifecycle.connection_ended: the other nodes learn it."""
+        ...
+
 
 class SingleNode:
     """No cluster: nothing to tell anyone."""
 
+    async def before_connect(self, client_id: str) -> None:
+        return None
+
     async def connected(
-        self,
-        client_id: str,
-        conn: Connected,
-        clean_start: bool,
-        save: Callable[[], Awaitable[None]] | None,
+        self, client_id: str, conn: Connected, clean_start: bool, session: Session
     ) -> None:
         return None
 
@@ -144,6 +152,12 @@ class SingleNode:
         return None
 
     async def subscribed(self) -> None:
+        return None
+
+    async def retained_caught_up(self) -> None:
+        return None
+
+    def connection_ended(self, session: Session) -> None:
         return None
 
 
@@ -530,6 +544,7 @@ class ClientConnection:
         self.ctx.stats.clients_connected -= 1
         will = self.will if self._abnormal else None
         self.ctx.sessions.connection_ended(session, will)
+        self.ctx.cluster.connection_ended(session)
 
     def on_due(self, now: float) -> float | None:
         """Timer wheel: close a socket that sent no CONNECT in time, or a client silent for
@@ -728,16 +743,20 @@ class ClientConnection:
             self._refuse(code)
             return
         self.acl = ctx.access.client_access(cid, self.username)
+        cluster = ctx.cluster
+        clustered = not isinstance(cluster, SingleNode)
+        if clustered:
+            await cluster.before_connect(cid)  # the session as another node left it
+            if self.closed:
+                return
         session, present = ctx.sessions.connect(
             cid, level, expiry, ev.clean_start, self, will, self.peer
         )
         self.session = session
         self.will = will
-        if not isinstance(ctx.cluster, SingleNode):
-            registry = ctx.sessions.registry
-            save = (lambda: registry.save(session)) if will is not None else None
+        if clustered:
             try:
-                await ctx.cluster.connected(cid, self, ev.clean_start, save)
+                await cluster.connected(cid, self, ev.clean_start, session)
             except (StoreError, TimeoutError) as exc:
                 log.error("%r: CONNECT not announced to the cluster: %s", cid, exc)
                 self._refuse(ReasonCode.SERVER_UNAVAILABLE)
@@ -1114,6 +1133,10 @@ class ClientConnection:
             registry.touch(session)
         if self.closed:
             return
+        if retained_for and not isinstance(ctx.cluster, SingleNode):
+            await ctx.cluster.retained_caught_up()  # set through another node a moment ago
+            if self.closed:
+                return
         props = Properties(reason_string="; ".join(notes)) if notes and level == 5 else None
         self.write(self.conn.send(SubAck(ev.packet_id, codes, props)))
         subscriptions.send_retained(delivery, retained_for)

@@ -8,6 +8,8 @@ The parts, each in its module:
                                 the live nodes' acknowledgements (no gap after SUBACK)
     gateway/takeover.py         a client id connecting on one node closes it on the others
     gateway/node_wills.py       the wills of a lost node's clients, published by the leader
+    gateway/cluster_sessions.py a persistent session resumes on any node (the other nodes'
+                                session records adopted); retained messages caught up
     gateway/rocketmq_storage.py the state log: records stamped with their writer, tailed by
                                 every node, compacted by the leader only
 
@@ -21,16 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from gateway.cluster_bus import ClusterBus
+from gateway.cluster_sessions import ClusterSessions, Counted
 from gateway.filter_registry import ClusterFilters
 from gateway.membership import Membership
 from gateway.node_wills import NodeWills
 from gateway.publishing import PublishPath
-from gateway.session import Connected
-from gateway.storage import Storage
+from gateway.session import SESSION_KEY_PREFIX, Connected, Session, SessionRegistry
+from gateway.storage import StateRecord, Storage
 from gateway.takeover import ClusterTakeover
 
 log = logging.getLogger("lmqtt.cluster")
@@ -57,6 +60,14 @@ class ClusterStorage(Storage, Protocol):
         """Tail the state log, applying the other nodes' records."""
         ...
 
+    def add_state_observer(self, observer: Callable[[str, list[StateRecord]], None]) -> None: ...
+
+    async def catch_up_state(self) -> None: ...
+
+    async def catch_up_queue(self, queue: str) -> None: ...
+
+    async def prefetch(self, queue: str, offsets: Iterable[int]) -> None: ...
+
 
 def supports_cluster(store: Storage) -> bool:
     return callable(getattr(store, "settle", None)) and hasattr(store, "node_id")
@@ -74,13 +85,15 @@ class Cluster:
         heartbeat_s: float,
     ) -> None:
         self.store = store
+        self._publisher = publisher
+        self.sessions: ClusterSessions | None = None  # share_sessions
         self.bus = ClusterBus(store, store.node_id)
         self.membership = Membership(self.bus, lease_s=lease_s, heartbeat_s=heartbeat_s)
         self.filters = ClusterFilters(
             self.bus, self.membership, publisher, store.settle, store.close_queue
         )
         self._cancel_will: Callable[[str], None] = lambda _cid: None
-        self.takeover = ClusterTakeover(self.bus, lambda cid: self._cancel_will(cid))
+        self.takeover = ClusterTakeover(self.bus, lambda cid: self._cancel_will(cid), self._moved)
         self.wills = NodeWills(self.bus, self.membership, store, publisher.store_publish)
         publisher.fenced = self.membership.is_fenced
         store.set_compaction_gate(self.membership.is_leader)
@@ -105,24 +118,41 @@ class Cluster:
     def set_will_canceller(self, cancel: Callable[[str], None]) -> None:
         self._cancel_will = cancel
 
+    def share_sessions(self, registry: SessionRegistry, stats: Counted) -> None:
+        """After the sessions were restored (without the live nodes' ones, `foreign`): adopt
+        those and every session record other nodes write from now on (cluster_sessions.py).
+        Called with no await since the restore, so no record falls in between."""
+        sessions = self.sessions = ClusterSessions(self.store, registry, self._publisher, stats)
+        n = len(SESSION_KEY_PREFIX)
+        for key, value in self.store.state_records():
+            if key.startswith(SESSION_KEY_PREFIX) and self.foreign(key[n:]):
+                sessions.adopt(key[n:], value)
+        self.store.add_state_observer(sessions.observe)
+
+    def _moved(self, client_id: str) -> None:
+        if self.sessions is not None:
+            self.sessions.taken_over(client_id)
+
     def on_fenced(self, callback: Callable[[], None]) -> None:
         self.membership.on_fenced.append(callback)
 
     # -- ClusterLink (gateway/client.py) -----------------------------------------------------
 
+    async def before_connect(self, client_id: str) -> None:
+        if self.sessions is not None:
+            await self.sessions.before_connect(client_id)
+
     async def connected(
-        self,
-        client_id: str,
-        conn: Connected,
-        clean_start: bool,
-        save: Callable[[], Awaitable[None]] | None,
+        self, client_id: str, conn: Connected, clean_start: bool, session: Session
     ) -> None:
-        """Before CONNACK: claim the id cluster-wide (takeover) and, for a will, make the
-        session record durable (a survivor publishes it if this node dies)."""
-        if save is not None:
-            await asyncio.gather(self.takeover.claim(client_id, conn, clean_start), save())
+        """Before CONNACK: claim the id cluster-wide (takeover) and make the session record
+        durable (the other nodes adopt it; a survivor publishes its will if this node dies),
+        its in-flight messages read for their resend."""
+        claim = self.takeover.claim(client_id, conn, clean_start)
+        if self.sessions is not None:
+            await asyncio.gather(claim, self.sessions.claimed(session))
         else:
-            await self.takeover.claim(client_id, conn, clean_start)
+            await claim
 
     def answered(self, client_id: str, conn: Connected) -> None:
         self.takeover.answered(client_id, conn)
@@ -132,6 +162,14 @@ class Cluster:
 
     async def subscribed(self) -> None:
         await self.filters.settled()
+
+    async def retained_caught_up(self) -> None:
+        if self.sessions is not None:
+            await self.sessions.retained_caught_up()
+
+    def connection_ended(self, session: Session) -> None:
+        if self.sessions is not None:
+            self.sessions.connection_ended(session)
 
     # -- stop ------------------------------------------------------------------------------
 

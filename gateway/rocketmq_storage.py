@@ -273,6 +273,31 @@ class RocketMqStorage:
             self._state_log.follow(self._mirrors.get)
         )
 
+    async def catch_up_state(self) -> None:
+        """Return once the tail (follow_state) applied every state batch stored before this
+        call: a session record another node wrote a moment ago is known here (the broker's
+        end is asked after the call; its dispatch to the light queue lags SEND_OK by
+        milliseconds, docs/rocketmq.md quirk 3)."""
+        try:
+            end = await self._mirrors.catch_up(STATE_QUEUE)
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading the state queue: {exc}") from exc
+        await self._state_log.reached(end)
+
+    async def catch_up_queue(self, queue: str) -> None:
+        """`queue`'s mirror read up to the broker's end now (Mirrors.catch_up)."""
+        try:
+            await self._mirrors.catch_up(queue)
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
+
+    async def prefetch(self, queue: str, offsets: Iterable[int]) -> None:
+        """The messages at `offsets` of `queue` read now (Mirrors.prefetch)."""
+        try:
+            await self._mirrors.prefetch(queue, offsets)
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
+
     async def drain(self) -> None:
         pending: list[asyncio.Future[Any]] = [
             *self._sender.in_flight(),

@@ -42,9 +42,17 @@ class _Claim:
 class ClusterTakeover:
     """Claims of client ids by this node's connections (see the module docstring)."""
 
-    def __init__(self, bus: ClusterBus, cancel_will: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        bus: ClusterBus,
+        cancel_will: Callable[[str], None],
+        moved: Callable[[str], None] = lambda _cid: None,
+    ) -> None:
+        """`moved(client id)`: a connection here is closed for another node's (its session
+        record is the other node's from now on)."""
         self._bus = bus
         self._cancel_will = cancel_will
+        self._moved = moved
         self._claims: dict[str, _Claim] = {}
         bus.on("conn", self._on_connect)
 
@@ -85,6 +93,7 @@ class ClusterTakeover:
         if not claim.seen:
             return  # ours is later in the log: the other connection is the one to go
         log.info("%r: session taken over by a connection on node %s", cid, rec["n"])
+        self._moved(cid)
         if claim.answered:
             del self._claims[cid]
             claim.conn.close(ReasonCode.SESSION_TAKEN_OVER)
