@@ -18,12 +18,12 @@ import pytest
 from gateway.protocol import Connect, PubAck, Publish, SubAck, Subscribe, Subscription
 from gateway.rocketmq_broker import PULL_GROUP
 from gateway.rocketmq_names import encode_lmq
-from gateway.rocketmq_state import STATE_QUEUE, decode_state
 from rocketmq_remoting import RemotingClient
 from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
 from tests.rocketmq.test_cluster import HEARTBEAT_S, LEASE_S
 from tests.rocketmq.test_gateway_rocketmq import ServeProcess
+from topicmap.rocketmq import STATE_QUEUE, decode_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -75,7 +75,7 @@ class Nodes:
                     if not res.messages:
                         break
                     for rec in res.messages:
-                        for key, value in decode_state(rec.body):
+                        for key, value in decode_state(rec.body)[0]:
                             if key == "session/" + client_id:
                                 found = value
                     offset = res.next_begin_offset

@@ -1,6 +1,6 @@
 """Failover under load (issue #18, point 6): `lmqtt sim` spread over three gateway processes in
-sync mode on one RocketMQ deployment; one node is SIGKILLed mid-run; its devices and subscribers
-reconnect to the surviving nodes and the run judges every acknowledged message.
+cluster mode and sync mode on one RocketMQ deployment; one node is SIGKILLed mid-run; its devices
+and subscribers reconnect to the surviving nodes and the run judges every acknowledged message.
 """
 
 from __future__ import annotations
@@ -22,22 +22,12 @@ from tests.rocketmq.test_gateway_rocketmq import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-REGISTRY_GAP = (
-    "missing piece: the no-gap cluster-wide filter registry (issue #18 point 1, the cluster"
-    " core, not merged here): a clean subscriber that (re)subscribes on one node is known to"
-    " the other nodes' publishes only after their next state-log catch-up (up to 1 s), and"
-    " what they publish meanwhile misses it"
-)
-
-
 def _judge(subscribers: list[tuple[str, bool, int]]) -> None:
-    """(name, persistent, lost) per subscriber: persistent sessions must lose nothing (they
-    resume on the survivors); a clean one's loss is the registry gap above (xfail)."""
-    lost = [(name, n) for name, persistent, n in subscribers if n and persistent]
-    assert not lost, f"persistent subscribers lost acknowledged messages: {lost}"
-    gap = [(name, n) for name, persistent, n in subscribers if n and not persistent]
-    if gap:
-        pytest.xfail(f"{REGISTRY_GAP}: {gap}")
+    """(name, persistent, lost) per subscriber: nothing acknowledged is lost. Persistent sessions
+    resume on the survivors; a clean one counts what was published after its (re)SUBACK, which
+    the cluster's filter registry routes from every node (gateway/filter_registry.py)."""
+    lost = [(name, persistent, n) for name, persistent, n in subscribers if n]
+    assert not lost, f"subscribers lost acknowledged messages: {lost}"
 
 
 def _sync_nodes(rocketmq: RocketMQCluster, tmp_path: Path, n: int) -> Nodes:
