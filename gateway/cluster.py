@@ -54,6 +54,10 @@ class ClusterStorage(Storage, Protocol):
         """The node whose record of `key` is the newest (None: unknown or deleted)."""
         ...
 
+    def state_value(self, key: str) -> bytes | None:
+        """The newest value of state record `key` (None: none)."""
+        ...
+
     def set_compaction_gate(self, allowed: Callable[[], bool]) -> None: ...
 
     def follow_state(self) -> None:
@@ -122,7 +126,23 @@ class Cluster:
         """After the sessions were restored (without the live nodes' ones, `foreign`): adopt
         those and every session record other nodes write from now on (cluster_sessions.py).
         Called with no await since the restore, so no record falls in between."""
-        sessions = self.sessions = ClusterSessions(self.store, registry, self._publisher, stats)
+        store = self.store
+
+        def newest(client_id: str) -> tuple[str | None, bytes | None]:
+            key = SESSION_KEY_PREFIX + client_id
+            writer = store.writer_of(key)
+            if writer == self.node_id:
+                return None, None  # this node's own: nothing to adopt
+            return writer, store.state_value(key)
+
+        sessions = self.sessions = ClusterSessions(
+            store,
+            registry,
+            self._publisher,
+            stats,
+            newest=newest,
+            cancel_will=lambda cid: self._cancel_will(cid),
+        )
         n = len(SESSION_KEY_PREFIX)
         for key, value in self.store.state_records():
             if key.startswith(SESSION_KEY_PREFIX) and self.foreign(key[n:]):

@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from gateway.session import SESSION_KEY_PREFIX, Session, SessionRegistry
@@ -84,9 +84,20 @@ class ClusterSessions:
     """This node's side of the sessions shared through the state log (module docstring)."""
 
     def __init__(
-        self, state: SharedState, registry: SessionRegistry, filters: Filters, stats: Counted
+        self,
+        state: SharedState,
+        registry: SessionRegistry,
+        filters: Filters,
+        stats: Counted,
+        *,
+        newest: Callable[[str], tuple[str | None, bytes | None]],
+        cancel_will: Callable[[str], None],
     ) -> None:
+        """`newest(client id)`: the writer and value of the session's newest record (None:
+        unknown); `cancel_will(client id)`: drop this node's pending will of that client."""
         self._state = state
+        self._newest = newest
+        self._cancel_will = cancel_will
         self._registry = registry
         self._filters = filters
         self._stats = stats
@@ -114,12 +125,19 @@ class ClusterSessions:
             log.info("session %r: record from another node while connected here", client_id)
             return
         self._moved.discard(client_id)
+        # The session is the other node's now: a will this node still had pending for an
+        # earlier connection here is not published (the client came back there), and the
+        # copy's will is the writer's to publish (or, if it dies, the leader's: node_wills).
+        self._cancel_will(client_id)
         before = registry.entries(client_id)
         try:
-            registry.adopt(client_id, value)
+            session = registry.adopt(client_id, value)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             log.error("session %r from another node unreadable (%s); ignored", client_id, exc)
             return
+        if session is not None:
+            session.will = None
+            session.will_due_ms = None
         after = registry.entries(client_id)
         for sub in after:
             self._filters.add_filter(sub.topic_filter)
@@ -183,7 +201,12 @@ class ClusterSessions:
         registry = self._registry
         cid = session.client_id
         if cid in self._moved:
-            registry.drop_changes(cid)  # the taker's record comes through the tail (adopt)
+            # The taker's record is the session's: adopt it now if the tail read it while the
+            # connection here was still open (adopt skips connected sessions), else it comes.
+            registry.drop_changes(cid)
+            writer, value = self._newest(cid)
+            if writer is not None:
+                self.adopt(cid, value)
             return
         if registry.sessions.get(cid) is not session:
             return  # ended (its deletion is written by the housekeeping pass)

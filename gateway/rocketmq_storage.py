@@ -255,6 +255,9 @@ class RocketMqStorage:
     def writer_of(self, key: str) -> str | None:
         return self._state_log.writers.get(key)
 
+    def state_value(self, key: str) -> bytes | None:
+        return self._state_log.records.get(key)
+
     def set_compaction_gate(self, allowed: Callable[[], bool]) -> None:
         self._state_log.may_compact = allowed
 

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from gateway.protocol import Connect, PubAck, Publish, SubAck, Subscribe, Subscription
+from gateway.protocol import (
+    Connect,
+    Disconnect,
+    PubAck,
+    Publish,
+    SubAck,
+    Subscribe,
+    Subscription,
+)
+from gateway.protocol import Properties as PProperties
 from gateway.rocketmq_broker import PULL_GROUP
 from gateway.rocketmq_names import encode_lmq
 from rocketmq_remoting import RemotingClient
@@ -189,6 +198,44 @@ def test_a_session_resumes_on_another_node_after_the_first_stopped(nodes: Nodes)
     _publish(b.port, "m/t", [b"after"])
     assert again.recv().payload == b"after"
     again.close()
+
+
+def test_a_session_taken_over_by_another_node_resumes_there(nodes: Nodes) -> None:
+    """Points 2 and 3: the same persistent session connecting on B while connected on A: A's
+    connection is closed (0x8E), B's CONNACK has session present, the messages in flight on A
+    are re-sent with DUP on B, and A writes nothing after the takeover (the newest record is
+    B's, connected), so publishes through A keep reaching the session on B."""
+    a = nodes.start()
+    b = nodes.start()
+    old = RawClient(a.port, level=5)
+    assert old.connect("taken", clean=False, properties=_expiry(3600)).reason_code == 0
+    old.send(Subscribe(1, [Subscription("m/#", 1)]))
+    assert isinstance(old.recv(), SubAck)
+    _publish(a.port, "m/t", [b"m0", b"m1"])
+    inflight = [old.recv() for _ in range(2)]
+    assert [m.payload for m in inflight] == [b"m0", b"m1"]
+    new = RawClient(b.port, level=5)
+    ack = new.connect("taken", clean=False, properties=_expiry(3600))
+    assert ack.reason_code == 0 and ack.session_present
+    ev = old.recv()
+    assert isinstance(ev, Disconnect) and ev.reason_code == 0x8E
+    assert old.is_closed()
+    resent = [new.recv() for _ in range(2)]
+    assert [(m.payload, m.dup) for m in resent] == [(b"m0", True), (b"m1", True)]
+    for m in resent:
+        new.send(PubAck(m.packet_id))
+    _publish(a.port, "m/x", [b"through-a"])
+    got = new.recv()
+    assert (got.payload, got.dup) == (b"through-a", False)
+    new.send(PubAck(got.packet_id))
+    record = nodes.session_record("taken")
+    assert record is not None and record.get("disconnected_at_ms") is None, record
+    old.close()
+    new.close()
+
+
+def _expiry(seconds: int) -> PProperties:
+    return PProperties(session_expiry_interval=seconds)
 
 
 def test_a_retained_message_set_through_one_node_reaches_a_subscriber_on_another(
