@@ -148,6 +148,7 @@ class Gateway:
         wills = self.wills = Wills(registry, publisher.store_publish)
         lifecycle = self.session_lifecycle = SessionLifecycle(registry, subscriptions, wills, store)
         lifecycle.restore(cluster.foreign if cluster is not None else None)
+        restored = len(registry)
         if cluster is not None:
             # No await since restore(): no session record another node writes falls between.
             cluster.share_sessions(registry, self.stats)
@@ -221,12 +222,13 @@ class Gateway:
             )
             self._sys.start()
         log.info(
-            "lmqtt gateway listening on %s:%d (data %s, flush %s, %d sessions restored)",
+            "lmqtt gateway listening on %s:%d (data %s, flush %s, %d sessions restored%s)",
             s.host,
             self.port,
             s.data_dir,
             s.flush,
-            len(registry),
+            restored,
+            f", {len(registry) - restored} adopted from live nodes" if cluster is not None else "",
         )
 
     @property

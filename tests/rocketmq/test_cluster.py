@@ -277,7 +277,8 @@ def test_a_joining_node_leaves_the_sessions_of_live_nodes_alone(
     nodes: Nodes, clients: list[Client]
 ) -> None:
     """A node that starts reads every session record of the namespace; those a live node wrote
-    are that node's: not restored, their wills not taken for a crash's orphans."""
+    are that node's: adopted as copies (gateway/cluster_sessions.py), not restored as its own,
+    their wills not taken for a crash's orphans."""
     (a,) = nodes(1)
     watcher = Client(a.port, "join-watcher")
     dev = Client(a.port, "join-dev", will=("join/will", b"not yet", 1, False))
@@ -289,4 +290,5 @@ def test_a_joining_node_leaves_the_sessions_of_live_nodes_alone(
     pub.publish("join/marker", b"after B started", 1)
     # A will published by B's start would be in the log before the marker.
     assert [m.topic for m in watcher.wait_messages(1)] == ["join/marker"]
-    assert any("0 sessions restored" in line for line in b.output), "".join(b.output)
+    line = next(line for line in b.output if "sessions restored" in line)
+    assert "0 sessions restored, 2 adopted from live nodes" in line, line
