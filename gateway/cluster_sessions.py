@@ -50,6 +50,9 @@ from gateway.storage import StateRecord, StoreError
 log = logging.getLogger("lmqtt.cluster")
 
 RETAIN_QUEUE = "%RETAIN%"
+#: A CONNECT waits this long at most for the state log's tail (a broker that does not answer):
+#: then it is answered with the session as this node knows it.
+CATCH_UP_TIMEOUT_S = 10.0
 
 
 class SharedState(Protocol):
@@ -154,7 +157,7 @@ class ClusterSessions:
             fut = self._wanted = asyncio.get_running_loop().create_future()
             if self._runner is None or self._runner.done():
                 self._runner = asyncio.get_running_loop().create_task(self._run())
-        await asyncio.shield(fut)
+        await asyncio.wait_for(asyncio.shield(fut), CATCH_UP_TIMEOUT_S)
 
     async def _run(self) -> None:
         while self._wanted is not None:
