@@ -10,6 +10,12 @@ whole run with the test suite's launcher (tests/rocketmq/cluster.py: the pinned 
 heaps, loopback only; bench/rocketmq_remoting_bench.py uses it the same way). Each run gets a
 fresh ``rocketmq_topic``, so no run replays an earlier one's state. The JVMs' CPU is measured
 beside the gateway's (``store_cpu_seconds``): on this backend the work is split between them.
+
+``lmqtt-rocketmq-2n`` and ``lmqtt-rocketmq-3n`` are two and three such gateway processes (nodes,
+issue #18) in cluster mode (``LMQTT_CLUSTER``) on one ``rocketmq_topic`` of the same cluster:
+clients are spread over their ports (``ports``), a message published on one node reaches
+subscribers on another through the broker, and the CPU, RSS and exit figures are the sum over
+the nodes.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ BROKERS = ("lmqtt", "mosquitto", "amqtt")
 #: lmqtt with its delivery account turned off (--no-delivery-account): `bench --account-cost`
 #: runs it beside lmqtt to price the account.
 LMQTT_NO_ACCOUNT = "lmqtt-noaccount"
+#: The gateway on RocketMQ with 1, 2 or 3 nodes (gateway processes sharing one namespace).
+ROCKETMQ_NODES = {"lmqtt-rocketmq": 1, "lmqtt-rocketmq-2n": 2, "lmqtt-rocketmq-3n": 3}
 #: Brokers run only when named in --brokers (they need Java and Maven: RocketMQ's JVMs).
-OPTIONAL_BROKERS = ("lmqtt-rocketmq",)
-LMQTT_BROKERS = ("lmqtt", "lmqtt-rocketmq", LMQTT_NO_ACCOUNT)
+OPTIONAL_BROKERS = tuple(ROCKETMQ_NODES)
+LMQTT_BROKERS = ("lmqtt", *ROCKETMQ_NODES, LMQTT_NO_ACCOUNT)
 
 
 class BrokerUnavailable(Exception):
@@ -81,26 +89,43 @@ class BrokerProcess:
         #: (bench.realtime); ``realtime_applied`` says whether the kernel allowed it.
         self.realtime = realtime
         self.realtime_applied = False
-        self.port = free_port()
+        self.nodes = ROCKETMQ_NODES.get(name, 1)
+        #: Where clients connect: one port per node (clients are spread over them).
+        self.ports = [free_port() for _ in range(self.nodes)]
+        self.port = self.ports[0]
         self.admin_port = free_port() if options.admin and name in LMQTT_BROKERS else None
-        self.process: asyncio.subprocess.Process | None = None
-        self.ps: psutil.Process | None = None
+        self.processes: list[asyncio.subprocess.Process] = []
+        self.pss: list[psutil.Process] = []
+
+    @property
+    def process(self) -> asyncio.subprocess.Process | None:
+        """The first node's process (the only one but for the multi-node brokers)."""
+        return self.processes[0] if self.processes else None
+
+    @property
+    def ps(self) -> psutil.Process | None:
+        return self.pss[0] if self.pss else None
 
     @property
     def pid(self) -> int:
         assert self.process is not None
         return self.process.pid
 
-    def command(self) -> list[str]:
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def command(self, node: int = 0) -> list[str]:
+        """The command line of node `node` (0: the only one of a single-process broker)."""
         if self.name in LMQTT_BROKERS:
             exe = Path(sys.executable).parent / "lmqtt"
             if not exe.exists():
                 raise BrokerUnavailable("lmqtt console script not installed")
-            admin = ["--admin-port", str(self.admin_port)] if self.admin_port else []
+            admin = ["--admin-port", str(self.admin_port)] if self.admin_port and not node else []
             if not self.options.delivery_account or self.name == LMQTT_NO_ACCOUNT:
                 admin.append("--no-delivery-account")
             store: list[str] = []
-            if self.name == "lmqtt-rocketmq":
+            if self.name in ROCKETMQ_NODES:
                 if self.rocketmq is None:
                     raise BrokerUnavailable("no RocketMQ cluster (needs Java and Maven)")
                 store = ["--store", "rocketmq", "--namesrv", self.rocketmq.namesrv_addr]
@@ -112,9 +137,9 @@ class BrokerProcess:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(self.port),
+                str(self.ports[node]),
                 "--data-dir",
-                str(self.workdir / "data"),
+                str(self.workdir / ("data" if not node else f"data{node}")),
                 "--flush",
                 self.options.flush,
                 "--log-level",
@@ -163,18 +188,20 @@ class BrokerProcess:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if self.name == "lmqtt-rocketmq":
+        if self.name in ROCKETMQ_NODES:
             # Sync mode on the SYNC_FLUSH broker (SEND_OK after its flush), async mode on the
             # ASYNC_FLUSH one, as an operator would pair them (tests/rocketmq/cluster.py).
             sync = self.options.flush == "sync"
             env["LMQTT_ROCKETMQ_BROKER"] = "broker-b" if sync else "broker-a"
             env["LMQTT_ROCKETMQ_TOPIC"] = f"bench-{os.getpid()}-{self.port}"
+            if self.nodes > 1:
+                env["LMQTT_CLUSTER"] = "true"  # several nodes on one namespace: cluster mode
         return env
 
     def store_cpu_seconds(self) -> float:
         """CPU time of the processes the broker stores through (RocketMQ's name server and
         brokers for ``lmqtt-rocketmq``; 0 for the brokers that store in their own process)."""
-        if self.rocketmq is None or self.name != "lmqtt-rocketmq":
+        if self.rocketmq is None or self.name not in ROCKETMQ_NODES:
             return 0.0
         total = 0.0
         for proc in self.rocketmq.procs.values():
@@ -186,14 +213,19 @@ class BrokerProcess:
         return total
 
     async def start(self, timeout: float = 20.0) -> None:
-        if self.name == "lmqtt-rocketmq":
+        if self.name in ROCKETMQ_NODES:
             # Topic creation, the light-queue probe and the state replay go through the broker.
             timeout = max(timeout, 60.0)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.processes, self.pss = [], []  # a restart (durability) replaces ended ones
+        for node in range(self.nodes):
+            await self._start_node(node, timeout)
+
+    async def _start_node(self, node: int, timeout: float) -> None:
         log = open(self.workdir / f"{self.name}.log", "ab")  # noqa: SIM115 - owned by the child
         env = self.environment()
-        self.process = await asyncio.create_subprocess_exec(
-            *self.command(),
+        process = await asyncio.create_subprocess_exec(
+            *self.command(node),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -201,16 +233,17 @@ class BrokerProcess:
             start_new_session=True,
         )
         log.close()
-        self.ps = psutil.Process(self.process.pid)
+        self.processes.append(process)
+        self.pss.append(psutil.Process(process.pid))
         if self.realtime:
-            self.realtime_applied = make_realtime(self.process.pid)
+            self.realtime_applied = make_realtime(process.pid)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
-            if self.process.returncode is not None:
+            if process.returncode is not None:
                 break
             try:
-                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                _, writer = await asyncio.open_connection("127.0.0.1", self.ports[node])
             except OSError:
                 await asyncio.sleep(0.05)
                 continue
@@ -218,7 +251,7 @@ class BrokerProcess:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
             if self.realtime_applied:
-                make_realtime(self.process.pid)  # threads started during startup
+                make_realtime(process.pid)  # threads started during startup
             return
         await self.stop()
         tail = self.log_tail()
@@ -232,49 +265,56 @@ class BrokerProcess:
         return " | ".join(text[-lines:])[-600:]
 
     def rss(self) -> int:
-        assert self.ps is not None
-        try:
-            return int(self.ps.memory_info().rss)
-        except psutil.Error:
-            return 0
+        """Resident memory, summed over the nodes."""
+        total = 0
+        for ps in self.pss:
+            with contextlib.suppress(psutil.Error):
+                total += int(ps.memory_info().rss)
+        return total
 
     def anon(self) -> int:
-        """Anonymous resident memory (heap, stacks): RSS minus file-backed and shared pages.
+        """Anonymous resident memory (heap, stacks): RSS minus file-backed and shared pages,
+        summed over the nodes.
 
         lmqtt maps its CommitLog segments; the pages it writes count in RSS but are page cache
         the kernel can write back and drop, unlike heap.
         """
-        assert self.ps is not None
-        try:
-            info = self.ps.memory_info()
-        except psutil.Error:
-            return 0
-        return int(info.rss - getattr(info, "shared", 0))
+        total = 0
+        for ps in self.pss:
+            with contextlib.suppress(psutil.Error):
+                info = ps.memory_info()
+                total += int(info.rss - getattr(info, "shared", 0))
+        return total
 
     def cpu_seconds(self) -> float:
-        assert self.ps is not None
-        try:
-            times = self.ps.cpu_times()
-        except psutil.Error:
-            return 0.0
-        return float(times.user + times.system)
+        """CPU time of the broker's processes (every node's)."""
+        total = 0.0
+        for ps in self.pss:
+            with contextlib.suppress(psutil.Error):
+                times = ps.cpu_times()
+                total += float(times.user + times.system)
+        return total
 
-    def kill(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGKILL)
+    def kill(self, node: int | None = None) -> None:
+        """SIGKILL every node (or node `node`)."""
+        for i, process in enumerate(self.processes):
+            if (node is None or i == node) and process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGKILL)
 
     async def wait(self) -> None:
-        if self.process is not None:
-            await self.process.wait()
+        for process in self.processes:
+            await process.wait()
 
     async def stop(self, timeout: float = 10.0) -> None:
-        if self.process is None or self.process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.process.wait(), timeout)
-        except TimeoutError:
-            self.kill()
-            await self.process.wait()
+        running = [p for p in self.processes if p.returncode is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        for process in running:
+            try:
+                await asyncio.wait_for(process.wait(), timeout)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGKILL)
+                await process.wait()

@@ -25,6 +25,7 @@ from bench.brokers import (
     BROKERS,
     LMQTT_NO_ACCOUNT,
     OPTIONAL_BROKERS,
+    ROCKETMQ_NODES,
     BrokerOptions,
     BrokerProcess,
     BrokerUnavailable,
@@ -123,7 +124,8 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="lmqtt-bench-") as tmp:
-        async with rocketmq_cluster("lmqtt-rocketmq" in brokers, Path(tmp) / "rocketmq") as rmq:
+        wanted = any(b in ROCKETMQ_NODES for b in brokers)
+        async with rocketmq_cluster(wanted, Path(tmp) / "rocketmq") as rmq:
             await _run_scenarios(args, settings, brokers, Path(tmp), rmq, results)
     return results
 
@@ -165,7 +167,7 @@ async def _run_scenarios(
                     continue
                 entry = results[name][broker_name]
                 workdir = tmp / f"{name}-{broker_name}-{attempt}"
-                if broker_name == "lmqtt-rocketmq" and isinstance(rocketmq, str):
+                if broker_name in ROCKETMQ_NODES and isinstance(rocketmq, str):
                     entry["notes"].append(f"skipped: {rocketmq}")
                     skipped.add(broker_name)
                     continue
@@ -226,7 +228,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(BROKERS),
         help=f"comma-separated, any of: {', '.join((*BROKERS, *OPTIONAL_BROKERS))}"
         " (lmqtt-rocketmq: the gateway with --store rocketmq on a RocketMQ cluster the bench"
-        " starts; needs Java and Maven)",
+        " starts; needs Java and Maven; lmqtt-rocketmq-2n / -3n: 2 or 3 gateway processes on"
+        " it, clients spread over them)",
     )
     parser.add_argument("--backlog", type=int, default=1_000_000, help="offline backlog size")
     parser.add_argument(

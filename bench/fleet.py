@@ -196,9 +196,12 @@ class FleetRun:
         self, broker: BrokerProcess, devices: int, qos: int, payload: int, window: int = 0
     ) -> None:
         self.broker = broker
-        host, port = "127.0.0.1", broker.port
-        self.backends = [Worker(s) for s in backend_specs(host, port, qos, "fleet-backend")]
-        processes = max(2, math.ceil(devices / DEVICES_PER_PROCESS))
+        host, ports = "127.0.0.1", broker.ports
+        # Several nodes (lmqtt-rocketmq-2n, -3n): backends and device processes are spread
+        # over them, so most deliveries cross from one node to another through the broker.
+        specs = backend_specs(host, ports[0], qos, "fleet-backend")
+        self.backends = [Worker({**s, "port": ports[i % len(ports)]}) for i, s in enumerate(specs)]
+        processes = max(2, len(ports), math.ceil(devices / DEVICES_PER_PROCESS))
         # Each generator process connects from its own loopback address: one source address
         # has ~28,000 ephemeral ports, fewer than a 50,000-device fleet needs.
         self.generators = [
@@ -206,7 +209,7 @@ class FleetRun:
                 {
                     "role": "fleet",
                     "host": host,
-                    "port": port,
+                    "port": ports[i % len(ports)],
                     "source": f"127.0.0.{2 + i}",
                     "first": first,
                     "last": last,
@@ -230,7 +233,7 @@ class FleetRun:
         """SCHED_FIFO (bench.realtime) for broker and generators during a paced phase, or back
         to normal (connects and the capacity search: an overloaded broker at real-time
         priority would starve the shared host). True if the kernel allowed it."""
-        pids = [self.broker.pid] + [w.process.pid for w in self.workers if w.process]
+        pids = self.broker.pids + [w.process.pid for w in self.workers if w.process]
         if not realtime:
             for pid in pids:
                 make_normal(pid)

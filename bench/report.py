@@ -24,6 +24,8 @@ THROUGHPUT = ("1to1_qos0", "1to1_qos1", "1to100_qos0", "1to100_qos1", "wildcard"
 NAMES = {
     "lmqtt": "lmqtt",
     "lmqtt-rocketmq": "lmqtt on RocketMQ",
+    "lmqtt-rocketmq-2n": "lmqtt on RocketMQ, 2 nodes",
+    "lmqtt-rocketmq-3n": "lmqtt on RocketMQ, 3 nodes",
     "mosquitto": "Mosquitto",
     "amqtt": "amqtt",
 }

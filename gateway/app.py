@@ -20,7 +20,8 @@ import logging
 from gateway.access import AccessControl
 from gateway.arrivals import ArrivalHub
 from gateway.backends import open_backend
-from gateway.client import ClientConnection, ClientContext, ServerState
+from gateway.client import ClientConnection, ClientContext, ClusterLink, ServerState, SingleNode
+from gateway.cluster import Cluster, supports_cluster
 from gateway.config import GatewaySettings
 from gateway.cursor import QueueCursor
 from gateway.delivery import DeliveryContext
@@ -41,7 +42,7 @@ from gateway.session import SessionRegistry
 from gateway.session_lifecycle import SessionLifecycle
 from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
-from gateway.storage import Storage
+from gateway.storage import Storage, StorageUnavailable
 from gateway.subscription_lifecycle import SubscriptionLifecycle
 from gateway.sys_topics import SysPublisher
 from gateway.timers import TimerWheel
@@ -71,6 +72,8 @@ class Gateway:
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._sys: SysPublisher | None = None
+        self.cluster: Cluster | None = None  # cluster mode (settings.cluster)
+        self.fenced = False  # cluster mode: this node's lease ran out (the gateway stops)
         # Set by start():
         self.store: Storage
         self.publisher: PublishPath
@@ -114,6 +117,19 @@ class Gateway:
         store.add_listener(arrivals)
         cursor = QueueCursor(store, self.recent.run)
         publisher = self.publisher = PublishPath(store, self.recent, self.stats)
+        cluster: Cluster | None = None
+        if s.cluster:
+            if not supports_cluster(store):
+                raise StorageUnavailable("cluster = true needs store = rocketmq")
+            cluster = self.cluster = Cluster(
+                store,  # type: ignore[arg-type]
+                publisher,
+                lease_s=s.cluster_lease,
+                heartbeat_s=s.cluster_heartbeat,
+            )
+            # Before anything is restored or routed: the other nodes' filters and sessions.
+            await cluster.join()
+            cluster.on_fenced(self._on_fenced)
         self.ingest = IngestBatch(loop, publisher.append_publishes) if s.flush == "async" else None
         stats = self.stats
         self.overload = OverloadGuard(loop, lambda: stats.messages_received)
@@ -131,12 +147,20 @@ class Gateway:
         )
         wills = self.wills = Wills(registry, publisher.store_publish)
         lifecycle = self.session_lifecycle = SessionLifecycle(registry, subscriptions, wills, store)
-        lifecycle.restore()
+        lifecycle.restore(cluster.foreign if cluster is not None else None)
+        restored = len(registry)
+        if cluster is not None:
+            # No await since restore(): no session record another node writes falls between.
+            cluster.share_sessions(registry, self.stats)
         await subscriptions.resume_shared()  # after their queues are open (RocketMQ)
         # The state log was read once, by the session load: the retained snapshot is in it.
         retained = self.retained = RetainedIndex.open(store, registry.other_records())
         publisher.retained = subscriptions.retained = retained
         wills.restore()
+        link: ClusterLink = SingleNode()
+        if cluster is not None:
+            cluster.set_will_canceller(wills.cancel)
+            link = cluster
         self.stats.retained_count = len(retained)
         delivery = DeliveryContext(
             store=store,
@@ -164,6 +188,7 @@ class Gateway:
             sessions=lifecycle,
             subscriptions=subscriptions,
             delivery=delivery,
+            cluster=link,
         )
         self._server = await loop.create_server(
             lambda: MqttServerProtocol(context), s.host, s.default_port, reuse_address=True
@@ -197,12 +222,13 @@ class Gateway:
             )
             self._sys.start()
         log.info(
-            "lmqtt gateway listening on %s:%d (data %s, flush %s, %d sessions restored)",
+            "lmqtt gateway listening on %s:%d (data %s, flush %s, %d sessions restored%s)",
             s.host,
             self.port,
             s.data_dir,
             s.flush,
-            len(registry),
+            restored,
+            f", {len(registry) - restored} adopted from live nodes" if cluster is not None else "",
         )
 
     @property
@@ -220,6 +246,8 @@ class Gateway:
             return
         self.state.stopping = True
         self.session_lifecycle.stop()
+        if self.cluster is not None:
+            await self.cluster.leave()
         self.wills.stop_publishing()
         if self._server is not None:
             self._server.close()
@@ -242,6 +270,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.wills.stop()
+        if self.cluster is not None and self.cluster.sessions is not None:
+            await self.cluster.sessions.stop()  # the records written at disconnects
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
@@ -251,12 +281,22 @@ class Gateway:
             self.retained.close()
             await self.store.drain()  # sends still in flight (RocketMQ)
         finally:
+            if self.cluster is not None:
+                self.cluster.close()
             # close() stops the flusher, then flushes and checkpoints (a separate flush() here
             # would race the flusher thread on the checkpoint file).
             self.store.close()
             self._stopped.set()
         self.gc.uninstall()
         log.info("lmqtt gateway stopped; garbage collector: %s", self.gc.summary())
+
+    def _on_fenced(self) -> None:
+        """Cluster mode: our lease ran out, so the other nodes may already act for us (our
+        clients' wills, their sessions). Stop: every connection closed, exit non-zero."""
+        self.fenced = True
+        for client in list(self.state.connections):
+            client.close(ReasonCode.SERVER_SHUTTING_DOWN)
+        asyncio.get_running_loop().create_task(self.stop())
 
     async def _housekeeping(self) -> None:
         while True:

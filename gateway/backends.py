@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from gateway.config import GatewaySettings
 from gateway.embedded import open_storage
+from gateway.membership import new_node_id
 from gateway.storage import Storage
 
 
@@ -20,7 +21,7 @@ async def open_backend(settings: GatewaySettings) -> Storage:
     from gateway.rocketmq_storage import open_rocketmq
 
     try:
-        return await open_rocketmq(settings, local)
+        return await open_rocketmq(settings, local, node_id=settings.node_id or new_node_id())
     except BaseException:
         local.close()
         raise

@@ -293,6 +293,9 @@ async def _serve(settings: GatewaySettings, fell_back: bool) -> int:
             await serving
         except asyncio.CancelledError:
             pass
+    if gateway.fenced:
+        _err("stopped: this node's cluster lease ran out (fenced); start it again")
+        return EXIT_FAILURE
     return EXIT_OK
 
 

@@ -17,6 +17,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.access import AccessControl
 from gateway.acl import ClientAccess
@@ -51,7 +52,7 @@ from gateway.protocol import (
 )
 from gateway.publishing import PublishPath
 from gateway.records import PublishProperties
-from gateway.session import Session, SubscriptionState
+from gateway.session import Connected, Session, SubscriptionState
 from gateway.session_lifecycle import SessionLifecycle
 from gateway.stats import GatewayStats
 from gateway.storage import StoreError
@@ -99,6 +100,67 @@ class ServerState:
     connections: set[ClientConnection] = field(default_factory=set)
 
 
+class ClusterLink(Protocol):
+    """What a connection sees of cluster mode (gateway/cluster.py Cluster); SingleNode when
+    the gateway is the only node."""
+
+    async def before_connect(self, client_id: str) -> None:
+        """A CONNECT arrived: the session records other nodes wrote so far applied here."""
+        ...
+
+    async def connected(
+        self, client_id: str, conn: Connected, clean_start: bool, session: Session
+    ) -> None:
+        """Before CONNACK: the id claimed on every node (takeover), the session record
+        durable, its in-flight messages read for their resend."""
+        ...
+
+    def answered(self, client_id: str, conn: Connected) -> None:
+        """`conn`'s CONNACK was written (a takeover read meanwhile closes it now)."""
+        ...
+
+    def released(self, client_id: str, conn: Connected) -> None: ...
+
+    async def subscribed(self) -> None:
+        """Before SUBACK: every node routes to this node's new filters."""
+        ...
+
+    async def retained_caught_up(self) -> None:
+        """Before a SUBSCRIBE's retained messages: those set through other nodes known."""
+        ...
+
+    def connection_ended(self, session: Session) -> None:
+        """After SessionLifecycle.connection_ended: the other nodes learn it."""
+        ...
+
+
+class SingleNode:
+    """No cluster: nothing to tell anyone."""
+
+    async def before_connect(self, client_id: str) -> None:
+        return None
+
+    async def connected(
+        self, client_id: str, conn: Connected, clean_start: bool, session: Session
+    ) -> None:
+        return None
+
+    def answered(self, client_id: str, conn: Connected) -> None:
+        return None
+
+    def released(self, client_id: str, conn: Connected) -> None:
+        return None
+
+    async def subscribed(self) -> None:
+        return None
+
+    async def retained_caught_up(self) -> None:
+        return None
+
+    def connection_ended(self, session: Session) -> None:
+        return None
+
+
 @dataclass(slots=True)
 class ClientContext:
     """What a connection uses, built once by the composition root (gateway/app.py) and shared
@@ -116,6 +178,7 @@ class ClientContext:
     sessions: SessionLifecycle
     subscriptions: SubscriptionLifecycle
     delivery: DeliveryContext  # handed to the session's delivery loop
+    cluster: ClusterLink = field(default_factory=SingleNode)
     # publisher.topic, bound once: the inline path validates every PUBLISH's topic with it.
     topic: Callable[[str], Topic] = field(init=False)
 
@@ -477,9 +540,11 @@ class ClientConnection:
         if session is None or session.connection is not self:
             return
         session.connection = None
+        self.ctx.cluster.released(session.client_id, self)
         self.ctx.stats.clients_connected -= 1
         will = self.will if self._abnormal else None
         self.ctx.sessions.connection_ended(session, will)
+        self.ctx.cluster.connection_ended(session)
 
     def on_due(self, now: float) -> float | None:
         """Timer wheel: close a socket that sent no CONNECT in time, or a client silent for
@@ -678,11 +743,26 @@ class ClientConnection:
             self._refuse(code)
             return
         self.acl = ctx.access.client_access(cid, self.username)
+        cluster = ctx.cluster
+        clustered = not isinstance(cluster, SingleNode)
+        if clustered:
+            await cluster.before_connect(cid)  # the session as another node left it
+            if self.closed:
+                return
         session, present = ctx.sessions.connect(
             cid, level, expiry, ev.clean_start, self, will, self.peer
         )
         self.session = session
         self.will = will
+        if clustered:
+            try:
+                await cluster.connected(cid, self, ev.clean_start, session)
+            except (StoreError, TimeoutError) as exc:
+                log.error("%r: CONNECT not announced to the cluster: %s", cid, exc)
+                self._refuse(ReasonCode.SERVER_UNAVAILABLE)
+                return
+            if self.closed:
+                return
         props: Properties | None = None
         if level == 5:
             server_ka: int | None = None
@@ -738,6 +818,7 @@ class ClientConnection:
             ctx.subscriptions.attach(session, delivery)
             delivery.start()
         ctx.sessions.registry.touch(session)
+        ctx.cluster.answered(cid, self)  # cluster mode: a takeover read meanwhile is done now
 
     def _delivery_loop(self) -> DeliveryLoop:
         delivery = self.delivery
@@ -1045,12 +1126,17 @@ class ClientConnection:
                 notes.append(cutoff.text(tf.filter))
             if since is None and subscriptions.wants_retained(tf, req, new):
                 retained_for.append((sub, tf))
+        await ctx.cluster.subscribed()  # every node routes to the new filters (cluster mode)
         if session.persistent:
             await registry.save(session)  # the subscription must survive a crash once SUBACKed
         else:
             registry.touch(session)
         if self.closed:
             return
+        if retained_for and not isinstance(ctx.cluster, SingleNode):
+            await ctx.cluster.retained_caught_up()  # set through another node a moment ago
+            if self.closed:
+                return
         props = Properties(reason_string="; ".join(notes)) if notes and level == 5 else None
         self.write(self.conn.send(SubAck(ev.packet_id, codes, props)))
         subscriptions.send_retained(delivery, retained_for)

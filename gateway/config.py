@@ -102,6 +102,13 @@ class GatewaySettings(BaseSettings):
     namesrv: str | None = None  # RocketMQ name server, host:port
     rocketmq_broker: str | None = None  # broker name; default: the first registered, by name
     rocketmq_topic: str = Field(default="lmqtt", pattern=r"^[%|a-zA-Z0-9_-]{1,127}$")
+    # Cluster mode (store = rocketmq): several gateway nodes on one rocketmq_topic, each with
+    # `cluster = true` (gateway/cluster.py). A node fenced by its lease stops; a lost node's
+    # wills are out within the lease (keep it under 1.5 x the clients' keep-alive).
+    cluster: bool = False
+    cluster_lease: float = Field(default=5.0, gt=0.2, le=300)  # seconds
+    cluster_heartbeat: float = Field(default=1.0, gt=0.05, le=60)  # seconds, < lease / 2
+    node_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$")  # default: random
 
     # --- MQTT limits
     max_packet_size: int = Field(default=1_048_576, ge=64, le=MQTT_MAX_PACKET_SIZE)
@@ -217,6 +224,10 @@ class GatewaySettings(BaseSettings):
             raise ValueError("tls_port and wss_port need tls_certfile and tls_keyfile")
         if self.tls_require_certificate and self.tls_cafile is None:
             raise ValueError("tls_require_certificate needs tls_cafile (the CA of the clients)")
+        if self.cluster and self.store != "rocketmq":
+            raise ValueError("cluster = true needs store = rocketmq (the nodes share its broker)")
+        if self.cluster and self.cluster_heartbeat * 2 >= self.cluster_lease:
+            raise ValueError("cluster_heartbeat must be under half of cluster_lease")
         if self.store == "rocketmq" and not self.namesrv:
             raise ValueError("store = rocketmq needs namesrv (the name server's host:port)")
         if self.namesrv is not None and not re.fullmatch(r"[^\s:;]+:\d{1,5}", self.namesrv):

@@ -14,13 +14,15 @@ which clear it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gateway.protocol import Publish
 from gateway.recent import RecentMessages
 from gateway.records import PublishProperties, message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
 from gateway.session import now_ms
 from gateway.stats import GatewayStats
-from gateway.storage import EncodedMessage, PutResult, Storage
+from gateway.storage import EncodedMessage, PutResult, Storage, StoreError
 from topicmap import Router, Topic, TopicFilter, parent_topic
 
 # Validated topic names and their parent topics remembered (cleared when full): validating
@@ -43,21 +45,36 @@ class PublishPath:
         self._topics: dict[str, tuple[Topic, str]] = {}  # name -> (Topic, parent topic)
         # name -> (parent topic, light queues): valid until the router changes (cleared then).
         self._routes: dict[str, tuple[str, tuple[str, ...]]] = {}
+        # Cluster mode (gateway/filter_registry.py): told of each local filter reference
+        # added (True) or dropped (False), so other nodes route to it too.
+        self.on_filter: Callable[[str, bool], None] | None = None
+        # Cluster mode (gateway/membership.py): True once this node's lease ran out; a fenced
+        # node may hold a stale filter registry, so it stores no publish any more.
+        self.fenced: Callable[[], bool] | None = None
 
     # -- filters -----------------------------------------------------------------------------
 
-    def add_filter(self, tf: TopicFilter | str) -> str:
-        """Register a filter (one more subscriber of it); returns its light queue."""
+    def add_filter(self, tf: TopicFilter | str, *, remote: bool = False) -> str:
+        """Register a filter (one more subscriber of it); returns its light queue. `remote`:
+        a subscriber on another node of the cluster."""
         queue = self.router.add(tf)
         self._routes.clear()
+        if not remote and self.on_filter is not None:
+            self.on_filter(tf if isinstance(tf, str) else tf.text, True)
         return queue
 
-    def remove_filter(self, text: str) -> bool:
+    def remove_filter(self, text: str, *, remote: bool = False) -> bool:
         """One subscriber less of a filter (registered with add_filter); True when it was the
         last one (nothing reads the filter's queue any more)."""
         last = self.router.remove(text)
         self._routes.clear()
+        if not remote and self.on_filter is not None:
+            self.on_filter(text, False)
         return last
+
+    def _check_fence(self) -> None:
+        if self.fenced is not None and self.fenced():
+            raise StoreError("this gateway node is fenced (its cluster lease ran out)")
 
     # -- topics and routes -------------------------------------------------------------------
 
@@ -99,6 +116,8 @@ class PublishPath:
         Does not wait for the fsync (sync mode: the caller awaits wait_durable of the
         last end offset before acknowledging). StoreError: none of them was stored.
         """
+        if self.fenced is not None:
+            self._check_fence()
         routes = self._routes
         messages: list[EncodedMessage] = []
         add = messages.append
@@ -118,6 +137,8 @@ class PublishPath:
     async def store_publish(self, pub: Publish, client_id: str) -> None:
         """Append one PUBLISH to the store (awaits the covering fsync in sync mode). The topic
         name's validation and parent topic come from the same cache `topic()` fills."""
+        if self.fenced is not None:
+            self._check_fence()
         parent, routed = self._routes.get(pub.topic) or self.publish_route(pub.topic)
         queues = list(routed)
         if pub.retain:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from gateway.rocketmq_broker import PULL_BATCH, PULL_GROUP, Broker, to_stored
 from gateway.storage import ArrivalListener, GetResult, GetStatus, StoredMessage, StoreError
@@ -169,6 +169,36 @@ class Mirrors:
         await self._ready(m)
         async for records in self._broker.read(m.lmq, max(m.min, m.max - count), m.max):
             self._keep(m, records)
+
+    async def catch_up(self, queue: str) -> int:
+        """Bring `queue`'s mirror up to the broker's end now (reads of it then see every
+        message stored before the call) and return that end: the retained index before it
+        answers a SUBSCRIBE, so a retained message set through another gateway process is
+        never missed; the state log before a CONNACK (a session another node wrote)."""
+        m = self.mirror(queue)
+        await self._ready(m)
+        broker = self._broker
+        hi = await broker.client.get_max_offset(broker.addr, m.lmq)
+        async for records in broker.read(m.lmq, m.max, hi):
+            self._keep(m, records)
+        return hi
+
+    async def prefetch(self, queue: str, offsets: Iterable[int]) -> None:
+        """Read the messages at `offsets` of `queue` into its mirror now: the in-flight
+        messages of a session resumed here are re-sent (with DUP) by synchronous reads
+        (`get`), which find nothing in a mirror that never saw them (another node delivered
+        them, or this process is new), and the resend would be skipped. Offsets deleted by
+        age are skipped."""
+        m = self.mirror(queue)
+        await self._ready(m)
+        todo = sorted(o for o in set(offsets) if o not in m.msgs and o < m.max)
+        while todo:
+            first = todo[0]
+            async for records in self._broker.read(m.lmq, first, todo[-1] + 1):
+                self._keep(m, records)
+            todo = [o for o in todo if o not in m.msgs and o > first]
+            if todo and todo[0] == first:
+                break  # defensive: never spin
 
     # -- following the broker --------------------------------------------------------------------
 

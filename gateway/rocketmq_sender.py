@@ -67,6 +67,7 @@ class Sender:
         self._ticket = 0
         self._batches: dict[int, asyncio.Future[None]] = {}
         self._failed: dict[int, StoreError] = {}
+        self._sending: set[asyncio.Future[None]] = set()  # one per send not answered yet
         self.log_max = 0
 
     def send_batch(self, messages: Sequence[EncodedMessage]) -> int:
@@ -113,6 +114,13 @@ class Sender:
         """The batches not answered yet (a graceful stop waits for them)."""
         return list(self._batches.values())
 
+    async def settle(self) -> None:
+        """Wait until every send started so far was answered (stored or refused): cluster
+        mode acknowledges a new filter only once the messages routed without it are stored
+        (gateway/filter_registry.py)."""
+        if self._sending:
+            await asyncio.wait(list(self._sending))
+
     def send(self, queues: Sequence[str], body: bytes, block: bytes) -> Awaitable[SendResult]:
         """One SEND_MESSAGE_V2 (see _send_message), counted from this call on, before its task
         runs: a replay pinned meanwhile must cover it."""
@@ -130,6 +138,15 @@ class Sender:
 
     async def _send_message(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
         """One SEND_MESSAGE_V2; StoreError unless the broker answered SEND_OK."""
+        answered: asyncio.Future[None] = self._loop.create_future()
+        self._sending.add(answered)
+        try:
+            return await self._send(queues, body, block)
+        finally:
+            self._sending.discard(answered)
+            answered.set_result(None)
+
+    async def _send(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
         broker = self._broker
         lmqs = [broker.names.lmq(q) for q in queues]
         if not body:

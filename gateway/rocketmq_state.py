@@ -19,11 +19,12 @@ a longer replay from the previous start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.rocketmq_broker import Broker
-from gateway.storage import StateRecord, StoreError
+from gateway.storage import GetResult, GetStatus, StateRecord, StoreError
 from rocketmq_remoting import RemotingError
 from topicmap.rocketmq import STATE_QUEUE, STATE_START, decode_state, encode_state
 
@@ -32,6 +33,13 @@ log = logging.getLogger("lmqtt.rocketmq")
 STATE_SNAPSHOT_BATCH = 1000  # records per message of a compaction's snapshot
 STATE_COMPACT_SLACK = 10_000  # history records tolerated beyond twice the live ones
 FAILED_TICKETS_KEPT = 10_000
+#: Property of a state batch: the id of the node that wrote it (cluster mode, gateway/cluster.py:
+#: every node tails the state log and applies the other nodes' records; a lost node's sessions
+#: are found by it). A compaction's snapshot keeps each record's writer.
+NODE_PROPERTY = "lmqtt.node"
+#: Batches queued behind a send in flight are merged into one message up to this size (the
+#: broker's default maxMessageSize is 4 MiB).
+MERGED_BATCH_BYTES = 1 << 20
 
 #: Sends one message (light queues, body, property block) and returns once it is SEND_OK.
 Send = Callable[[Sequence[str], bytes, bytes], Awaitable[object]]
@@ -47,9 +55,18 @@ def _decode_state(body: bytes) -> list[StateRecord]:
 class StateLog:
     """The live state records (key -> newest value) and their log on the broker."""
 
-    def __init__(self, broker: Broker, send: Send) -> None:
+    def __init__(self, broker: Broker, send: Send, node_id: str = "") -> None:
         self._broker = broker
         self._send = send
+        self.node_id = node_id
+        # Cluster mode: who wrote each live record; where the replay ended (the tail of the
+        # other nodes' records reads on from there); whether this node may compact.
+        self.writers: dict[str, str] = {}
+        self.end = 0
+        self.observers: list[Callable[[str, list[StateRecord]], None]] = []
+        self.may_compact: Callable[[], bool] = lambda: True
+        self._wake = asyncio.Event()
+        self._reached: list[tuple[int, asyncio.Future[None]]] = []  # (offset, tail got there)
         self._loop = asyncio.get_running_loop()
         self.records: dict[str, bytes] = {}
         self.history = 0  # records in the log from the replay's start (live or not)
@@ -58,6 +75,8 @@ class StateLog:
         self._sends: dict[int, asyncio.Task[None]] = {}
         self._failed: dict[int, StoreError] = {}
         self._compacting = False
+        self._open: list[bytes] | None = None  # the queued batch later ones may join
+        self._open_size = 0
 
     async def load(self) -> None:
         """Replay the state queue (before the gateway reads state)."""
@@ -68,16 +87,22 @@ class StateLog:
         lo = await client.get_min_offset(addr, lmq)
         hi = await client.get_max_offset(addr, lmq)
         state: dict[str, bytes] = {}
+        writers: dict[str, str] = {}
         history = 0
         async for batch in broker.read(lmq, max(lo, start or 0), hi):
             for rec in batch:
+                node = rec.properties.get(NODE_PROPERTY, "")
                 for key, value in _decode_state(rec.body):
                     history += 1
                     if value is None:
                         state.pop(key, None)
+                        writers.pop(key, None)
                     else:
                         state[key] = value
+                        writers[key] = node
         self.records = state
+        self.writers = writers
+        self.end = hi
         self.history = history
         log.info(
             "state: %d record(s) replayed from %s offsets %d..%d, %d live",
@@ -87,11 +112,15 @@ class StateLog:
     def append(self, batch: Sequence[StateRecord]) -> int:
         """Apply `batch` and send it; returns the ticket for wait_durable."""
         state = self.records
+        writers = self.writers
+        node = self.node_id
         for key, value in batch:
             if value is None:
                 state.pop(key, None)
+                writers.pop(key, None)
             else:
                 state[key] = value
+                writers[key] = node
         self.history += len(batch)
         return self._send_batch(encode_state(batch))
 
@@ -100,15 +129,37 @@ class StateLog:
         """The ticket of the last batch sent."""
         return self._ticket
 
-    def _send_batch(self, body: bytes) -> int:
+    def _send_batch(self, body: bytes, writer: str | None = None) -> int:
+        # Group commit: batches made while the previous send is in flight join the one queued
+        # behind it (records concatenate), so N sessions saved at once (a fleet connecting,
+        # each CONNECT writing its session before CONNACK in cluster mode) cost a few round
+        # trips, not N one after the other. Only this node's own batches join: a compaction's
+        # snapshot keeps each record's writer.
+        joining = self._open
+        if (
+            writer is None
+            and joining is not None
+            and self._open_size + len(body) <= MERGED_BATCH_BYTES
+        ):
+            joining.append(body)
+            self._open_size += len(body)
+            return self._ticket
+        node = self.node_id if writer is None else writer
+        # The property block in RocketMQ's format (`name \x01 value \x02`); ids are [A-Za-z0-9._-].
+        block = f"{NODE_PROPERTY}\x01{node}\x02".encode() if node else b""
         self._ticket += 1
         ticket = self._ticket
         prev = self._chain
+        parts = [body]
+        self._open = parts if writer is None else None
+        self._open_size = len(body)
 
         async def send() -> None:
             if prev is not None:
                 await asyncio.gather(prev, return_exceptions=True)
-            await self._send((STATE_QUEUE,), body, b"")
+            if self._open is parts:
+                self._open = None  # sending: later batches queue behind this one
+            await self._send((STATE_QUEUE,), b"".join(parts), block)
 
         task = self._loop.create_task(send())
         self._chain = task
@@ -146,6 +197,8 @@ class StateLog:
             return
         if self.history <= 2 * len(self.records) + STATE_COMPACT_SLACK:
             return
+        if not self.may_compact():
+            return  # cluster mode: the leader compacts (one node at a time)
         self._compacting = True
         broker = self._broker
         try:
@@ -157,8 +210,15 @@ class StateLog:
             start = await broker.client.get_max_offset(broker.addr, lmq)
             items = list(self.records.items())
             ticket = self._ticket
-            for i in range(0, len(items), STATE_SNAPSHOT_BATCH):
-                ticket = self._send_batch(encode_state(items[i : i + STATE_SNAPSHOT_BATCH]))
+            # One run of batches per writer: each record keeps who wrote it.
+            by_writer: dict[str, list[StateRecord]] = {}
+            writers = self.writers
+            for key, value in items:
+                by_writer.setdefault(writers.get(key, self.node_id), []).append((key, value))
+            for writer, records in by_writer.items():
+                for i in range(0, len(records), STATE_SNAPSHOT_BATCH):
+                    chunk = records[i : i + STATE_SNAPSHOT_BATCH]
+                    ticket = self._send_batch(encode_state(chunk), writer)
             await self.wait_durable(ticket)
             await broker.client.update_consumer_offset(
                 broker.addr, broker.names.lmq(STATE_START), lmq, start
@@ -169,3 +229,74 @@ class StateLog:
             log.warning("state compaction failed (the queue keeps its history): %s", exc)
         finally:
             self._compacting = False
+
+    # -- cluster mode: the other nodes' records ------------------------------------------------
+
+    def written_by(self, node: str) -> list[tuple[str, bytes]]:
+        writers = self.writers
+        return [(k, v) for k, v in self.records.items() if writers.get(k) == node]
+
+    def wake(self) -> None:
+        """The state queue's mirror has news (its arrival notice)."""
+        self._wake.set()
+
+    async def reached(self, offset: int) -> None:
+        """Wait until the tail (`follow`) applied every batch below `offset`."""
+        if self.end >= offset:
+            return
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._reached.append((offset, fut))
+        self._wake.set()
+        await fut
+
+    def _release_reached(self) -> None:
+        end = self.end
+        waiting = []
+        for offset, fut in self._reached:
+            if offset <= end:
+                if not fut.done():
+                    fut.set_result(None)
+            elif not fut.done():
+                waiting.append((offset, fut))
+        self._reached = waiting
+
+    async def follow(self, get: Callable[[str, int, int], GetResult]) -> None:
+        """Read the state queue on from where the replay ended (`get`: the mirrors' try-read)
+        and apply what other nodes wrote; this node's records were applied when written."""
+        wake = self._wake
+        while True:
+            wake.clear()
+            res = get(STATE_QUEUE, self.end, 32)
+            if res.status is GetStatus.FOUND:
+                for msg in res.messages:
+                    node = msg.properties.get(NODE_PROPERTY, "")
+                    if node != self.node_id:
+                        self._apply_remote(node, _decode_state(msg.body))
+                self.end = res.next_offset
+                if self._reached:
+                    self._release_reached()
+                continue
+            if res.status is GetStatus.OFFSET_TOO_SMALL:
+                self.end = res.next_offset
+                continue
+            if self._reached:
+                self._release_reached()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), 1.0)
+
+    def _apply_remote(self, node: str, records: list[StateRecord]) -> None:
+        state = self.records
+        writers = self.writers
+        for key, value in records:
+            if value is None:
+                state.pop(key, None)
+                writers.pop(key, None)
+            else:
+                state[key] = value
+                writers[key] = node
+        self.history += len(records)
+        for observer in self.observers:
+            try:
+                observer(node, records)
+            except Exception:
+                log.exception("state observer failed")

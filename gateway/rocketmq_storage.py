@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.rocketmq_broker import Broker
@@ -34,7 +34,7 @@ from gateway.rocketmq_mirrors import Mirrors
 from gateway.rocketmq_names import PROBE_QUEUE
 from gateway.rocketmq_offsets import BrokerOffsets
 from gateway.rocketmq_sender import Sender, now_ms
-from gateway.rocketmq_state import StateLog
+from gateway.rocketmq_state import STATE_QUEUE, StateLog
 from gateway.storage import (
     ArrivalListener,
     CommittedOffsets,
@@ -62,10 +62,22 @@ CONFIG_KEY_PREFIX = "config/"
 DRAIN_S = 10.0  # a graceful stop waits this long at most for the sends in flight
 
 
+class _StateWake:
+    """Arrival listener: wakes the state log's tail when the state queue has news."""
+
+    def __init__(self, state_log: StateLog) -> None:
+        self._state_log = state_log
+
+    def on_arrival(self, queue: str, max_offset: int) -> None:
+        if queue == STATE_QUEUE:
+            self._state_log.wake()
+
+
 class RocketMqStorage:
     """The Storage port on one RocketMQ broker; create with :func:`open_rocketmq`."""
 
-    def __init__(self, broker: Broker, local: Storage, *, sync: bool) -> None:
+    def __init__(self, broker: Broker, local: Storage, *, sync: bool, node_id: str = "") -> None:
+        self.node_id = node_id  # cluster mode: stamped on this process's state records
         self._broker = broker
         self.broker_name = broker.name
         self._local = local
@@ -74,7 +86,8 @@ class RocketMqStorage:
         self._history = ParentHistory(broker)
         self._sender = Sender(broker, self._history, sync=sync)
         self._mirrors = Mirrors(broker, self._sender.saw_phys)
-        self._state_log = StateLog(broker, self._sender.send)
+        self._state_log = StateLog(broker, self._sender.send, node_id)
+        self._state_tail: asyncio.Task[None] | None = None
         self._offsets = BrokerOffsets(broker)
 
     # -- the port: properties --------------------------------------------------------------------
@@ -231,6 +244,63 @@ class RocketMqStorage:
     def write_config(self, name: str, data: bytes) -> None:
         self.append_state([(CONFIG_KEY_PREFIX + name, data)])
 
+    # -- cluster mode (gateway/cluster.py ClusterStorage) ----------------------------------------
+
+    async def settle(self) -> None:
+        await self._sender.settle()
+
+    def written_by(self, node: str) -> list[tuple[str, bytes]]:
+        return self._state_log.written_by(node)
+
+    def writer_of(self, key: str) -> str | None:
+        return self._state_log.writers.get(key)
+
+    def state_value(self, key: str) -> bytes | None:
+        return self._state_log.records.get(key)
+
+    def set_compaction_gate(self, allowed: Callable[[], bool]) -> None:
+        self._state_log.may_compact = allowed
+
+    def add_state_observer(self, observer: Callable[[str, list[StateRecord]], None]) -> None:
+        """`observer(node, records)` for each state batch another node wrote, as it is read
+        (after follow_state)."""
+        self._state_log.observers.append(observer)
+
+    def follow_state(self) -> None:
+        """Tail the state log from where the replay ended, applying the other nodes' records."""
+        if self._state_tail is not None or self._closed:
+            return
+        self._mirrors.add_listener(_StateWake(self._state_log))
+        self._mirrors.mirror(STATE_QUEUE)
+        self._state_tail = asyncio.get_running_loop().create_task(
+            self._state_log.follow(self._mirrors.get)
+        )
+
+    async def catch_up_state(self) -> None:
+        """Return once the tail (follow_state) applied every state batch stored before this
+        call: a session record another node wrote a moment ago is known here (the broker's
+        end is asked after the call; its dispatch to the light queue lags SEND_OK by
+        milliseconds, docs/rocketmq.md quirk 3)."""
+        try:
+            end = await self._mirrors.catch_up(STATE_QUEUE)
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading the state queue: {exc}") from exc
+        await self._state_log.reached(end)
+
+    async def catch_up_queue(self, queue: str) -> None:
+        """`queue`'s mirror read up to the broker's end now (Mirrors.catch_up)."""
+        try:
+            await self._mirrors.catch_up(queue)
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
+
+    async def prefetch(self, queue: str, offsets: Iterable[int]) -> None:
+        """The messages at `offsets` of `queue` read now (Mirrors.prefetch)."""
+        try:
+            await self._mirrors.prefetch(queue, offsets)
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
+
     async def drain(self) -> None:
         pending: list[asyncio.Future[Any]] = [
             *self._sender.in_flight(),
@@ -246,6 +316,8 @@ class RocketMqStorage:
         if self._closed:
             return
         self._closed = True
+        if self._state_tail is not None:
+            self._state_tail.cancel()
         self._offsets.close()
         self._mirrors.close()
         self._history.close()
@@ -253,7 +325,9 @@ class RocketMqStorage:
         self._local.close()
 
 
-async def open_rocketmq(settings: GatewaySettings, local: Storage) -> RocketMqStorage:
+async def open_rocketmq(
+    settings: GatewaySettings, local: Storage, *, node_id: str = ""
+) -> RocketMqStorage:
     """Connect to the cluster of `settings.namesrv`, check the broker, and return the storage.
 
     StorageUnavailable (with what to fix) when the name server does not answer, no broker is
@@ -264,7 +338,7 @@ async def open_rocketmq(settings: GatewaySettings, local: Storage) -> RocketMqSt
         raise StorageUnavailable("store = rocketmq needs the name server address (--namesrv)")
     client = RemotingClient([namesrv], client_id=None, request_timeout=5.0, connect_timeout=3.0)
     try:
-        storage = await _open(client, settings, local)
+        storage = await _open(client, settings, local, node_id)
     except BaseException:
         client.close_nowait()
         raise
@@ -272,7 +346,7 @@ async def open_rocketmq(settings: GatewaySettings, local: Storage) -> RocketMqSt
 
 
 async def _open(
-    client: RemotingClient, settings: GatewaySettings, local: Storage
+    client: RemotingClient, settings: GatewaySettings, local: Storage, node_id: str
 ) -> RocketMqStorage:
     namesrv = settings.namesrv
     try:
@@ -298,7 +372,7 @@ async def _open(
         ) from exc
     await _check_broker_config(client, name, addr, sync=settings.flush == "sync")
     storage = RocketMqStorage(
-        Broker(client, name, addr, topic), local, sync=settings.flush == "sync"
+        Broker(client, name, addr, topic), local, sync=settings.flush == "sync", node_id=node_id
     )
     try:
         await _probe_light_queues(client, name, addr, topic)

@@ -479,7 +479,7 @@ class SessionRegistry:
     # -- persistence -------------------------------------------------------------------------
 
     def load(
-        self, *, materialize_all: bool = False
+        self, *, materialize_all: bool = False, skip: Callable[[str], bool] | None = None
     ) -> Iterator[tuple[Session | None, Sequence[SubscriptionEntry | SubscriptionState]]]:
         """Rebuild the sessions from the state log (a sessions.json of an older version is
         imported once); sessions that ended with the previous run are dropped.
@@ -489,7 +489,8 @@ class SessionRegistry:
         back (no will; its expiry is kept in one sorted array) stays *dormant*: its record is
         kept as bytes, the session is None here, and get() builds it when asked. A fleet of offline
         devices then costs its records, not its objects. `materialize_all`: build them all
-        (the caller must check every position against the store).
+        (the caller must check every position against the store). `skip`: client ids whose
+        sessions are not this process's (another live cluster node serves them).
         """
         raw = read_session_records(self._store.state_records(), self._meta)
         imported = False
@@ -505,6 +506,9 @@ class SessionRegistry:
         ids = self._dormant_ids
         due = array("Q")
         for cid in list(raw):
+            if skip is not None and skip(cid):
+                del dormant[cid]
+                continue
             value = raw[cid]
             try:
                 d = loads(value)
@@ -550,6 +554,52 @@ class SessionRegistry:
         the other owners of state (the retained index) start from them."""
         out, self._meta = self._meta, {}
         return out
+
+    # -- sessions kept by other gateway nodes (gateway/cluster_sessions.py) -------------------
+
+    def entries(self, client_id: str) -> list[SubscriptionEntry | SubscriptionState]:
+        """The subscriptions this registry holds for `client_id` (dormant or not)."""
+        s = self.sessions.get(client_id)
+        if s is not None:
+            return list(s.subscriptions.values())
+        value = self._dormant.get(client_id)
+        if value is None:
+            return []
+        return [_entry(sd) for sd in from_json(value).get("subscriptions", [])]
+
+    def adopt(self, client_id: str, value: bytes | None) -> Session | None:
+        """Another node wrote `client_id`'s record (None: ended it): replace our copy with it,
+        without writing anything (the record is the other node's), and forget the changes of
+        ours still due (they are older). A session disconnected there expires here on time
+        unless a newer record comes first; one connected there has no expiry here. A clean
+        session disconnected there is over (its record's deletion follows). Returns the
+        session now held, or None."""
+        old = self.sessions.pop(client_id, None)
+        if old is not None:
+            self.cancel_expiry(old)
+        self._dormant.pop(client_id, None)
+        self.settle(client_id)
+        self._dirty.discard(client_id)
+        if value is None:
+            return None
+        s = Session.from_json(client_id, from_json(value))
+        if not s.persistent and s.disconnected_at_ms is not None:
+            return None
+        self.sessions[client_id] = s
+        self.schedule_expiry(s)  # none while connected there (no disconnected_at_ms)
+        return s
+
+    def drop_changes(self, client_id: str) -> None:
+        """Write nothing more of `client_id`: another node took the session over, and its
+        record is the session's (gateway/cluster_sessions.py)."""
+        self.settle(client_id)
+        self._dirty.discard(client_id)
+
+    def settle(self, client_id: str) -> None:
+        """`client_id`'s record was just written and is not ours to rewrite at the next
+        progress pass (it disconnected: another node may resume it at any moment)."""
+        self._live.discard(client_id)
+        self._progress.discard(client_id)
 
     def client_ids(self) -> list[str]:
         """Every session's client id, dormant ones included."""

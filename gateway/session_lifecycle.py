@@ -19,6 +19,7 @@ gateway/will.py's: this module decides *when* each of them happens.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from gateway.protocol import ReasonCode, Will
 from gateway.session import Connected, Session, SessionRegistry, now_ms
@@ -46,15 +47,16 @@ class SessionLifecycle:
         self._stopping = False
         registry.on_expire = self.end
 
-    def restore(self) -> None:
+    def restore(self, foreign: Callable[[str], bool] | None = None) -> None:
         """At start: rebuild the sessions from the state log, register their subscriptions,
-        arm their expiry."""
+        arm their expiry. `foreign(client id)`: True for a session another live node serves
+        (cluster mode, gateway/cluster.py): left to it."""
         registry = self.registry
         # A clean stop saved no position past a queue end; after a crash the log may end
         # before positions the session records saved.
         clamp = self._store.tail_may_be_lost
         restore = self._subscriptions.restore
-        for session, subs in registry.load(materialize_all=clamp):
+        for session, subs in registry.load(materialize_all=clamp, skip=foreign):
             if session is not None and clamp:
                 self._clamp_to_store(session)
             for sub in subs:

@@ -48,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="gateway host (default: %(default)s)")
     add("--port", type=int, default=1883, help="gateway MQTT port (default: %(default)s)")
+    add(
+        "--gateway",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        type=parse_address,
+        help="a node of a gateway cluster (repeat for each; replaces --host/--port): devices "
+        "and subscribers are spread over them and reconnect to the next one when theirs fails",
+    )
     add("--devices", type=int, default=10, help=f"devices, 0..{MAX_DEVICES} (default: %(default)s)")
     add(
         "--rate",
@@ -101,10 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """`host:port` or `[v6 address]:port`."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         host=args.host,
         port=args.port,
+        gateways=tuple(args.gateway),
         devices=args.devices,
         rate=args.rate,
         duration=args.duration,

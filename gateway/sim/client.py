@@ -10,13 +10,20 @@ amqtt quirks are contained here and nowhere else:
 - `deliver_message()` bookkeeps its task in a shared deque that `disconnect()` cancels, so
   deliveries are read straight from the Session's queue instead, which survives reconnects;
 - a QoS>0 publish raises `TimeoutError` after 5 s without acknowledgement, and errors of many
-  types when the connection is gone: all become `PublishFailed`.
+  types when the connection is gone: all become `PublishFailed`;
+- `reconnect()` dials the Session's `broker_uri`: failing over to another gateway node keeps
+  the Session (and its unread deliveries) by changing that URI first.
+
+Several gateway addresses (nodes of one cluster): a client starts at the one it is given and,
+when a connect there fails, tries the next ones in turn; the one that answered is where it
+reconnects first next time (a node that died refuses at once, so failing over costs little).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -73,11 +80,16 @@ class SimClient:
         keep_alive: int = 30,
         username: str | None = None,
         password: str | None = None,
+        others: Sequence[tuple[str, int]] = (),
     ) -> None:
+        """`others`: more gateway addresses to fail over to, tried in this order."""
         silence_amqtt()
         self.client_id = client_id
-        self._uri = broker_uri(host, port, username, password)
-        self._where = broker_uri(host, port)  # for messages: without the password
+        addresses = [(host, port), *others]
+        self._uris = [broker_uri(h, p, username, password) for h, p in addresses]
+        self._wheres = [broker_uri(h, p) for h, p in addresses]  # without the password
+        self._at = 0  # the address connected to (or tried) last
+        self.failovers = 0  # connects that landed on another address than the previous one
         self._clean_session = clean_session
         config: dict[str, Any] = {
             "keep_alive": keep_alive,
@@ -91,18 +103,43 @@ class SimClient:
         self._has_session = False
         self.connected = False
 
+    @property
+    def address(self) -> str:
+        """Where this client connects (first) now, without credentials."""
+        return self._wheres[self._at]
+
     async def connect(self, timeout: float = 10.0) -> None:
-        """Connect, or reconnect keeping amqtt's Session (and its unread deliveries)."""
+        """Connect, or reconnect keeping amqtt's Session (and its unread deliveries); with
+        several addresses, the next ones are tried in turn when one fails."""
+        start = self._at
+        error: SimError | None = None
+        for step in range(len(self._uris)):
+            self._at = (start + step) % len(self._uris)
+            try:
+                await self._connect_once(timeout)
+            except SimError as exc:
+                error = exc
+                continue
+            if step:
+                self.failovers += 1
+            return
+        assert error is not None
+        raise error
+
+    async def _connect_once(self, timeout: float) -> None:
+        uri = self._uris[self._at]
         try:
-            if self._has_session:
+            if self._has_session and self._client.session is not None:
+                self._client.session.broker_uri = uri
                 await asyncio.wait_for(self._client.reconnect(), timeout)
             else:
                 await asyncio.wait_for(
-                    self._client.connect(self._uri, cleansession=self._clean_session), timeout
+                    self._client.connect(uri, cleansession=self._clean_session), timeout
                 )
                 self._has_session = True
         except (ConnectError, ClientError, AMQTTError, OSError, TimeoutError) as exc:
-            raise SimError(f"{self.client_id}: cannot connect to {self._where}: {exc!r}") from exc
+            where = self._wheres[self._at]
+            raise SimError(f"{self.client_id}: cannot connect to {where}: {exc!r}") from exc
         self.connected = True
 
     async def subscribe(self, filters: tuple[str, ...], qos: int) -> None:

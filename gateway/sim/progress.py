@@ -130,6 +130,10 @@ def verdict(report: SimReport) -> Text:
             " were not counted)",
             "yellow",
         )
+    if report.failovers:
+        text.append(
+            f"\n({report.failovers:,} connects failed over to another gateway node)", "yellow"
+        )
     if report.interrupted:
         text.append("\n(interrupted: publishing stopped early)", "yellow")
     if report.qos == 0:

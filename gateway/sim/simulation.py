@@ -43,6 +43,10 @@ class SimConfig:
 
     host: str = "127.0.0.1"
     port: int = 1883
+    # Nodes of one gateway cluster, (host, port) each; empty: just `host`:`port`. Devices and
+    # subscribers are spread over them (client i starts at address i mod n) and fail over to
+    # the next address when theirs stops answering.
+    gateways: tuple[tuple[str, int], ...] = ()
     devices: int = 10
     rate: float = 1.0
     duration: float = 10.0
@@ -79,7 +83,7 @@ class SimConfig:
             problems.append(f"max messages must be 1..{MAX_MESSAGES}")
         if not 0 <= self.drain_timeout <= 600:
             problems.append("drain timeout must be 0..600 seconds")
-        if not 0 < self.port < 65536:
+        if not all(0 < port < 65536 for _host, port in self.addresses):
             problems.append("port must be 1..65535")
         if self.max_inflight < 1:
             problems.append("max inflight must be >= 1")
@@ -87,6 +91,10 @@ class SimConfig:
             problems.append("name must be 1-32 letters, digits, '-' or '_'")
         if problems:
             raise SimError("; ".join(problems))
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        return self.gateways or ((self.host, self.port),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +149,7 @@ class SimReport:
     forgiven: int  # undelivered when a clean session was dropped: not counted as lost
     interrupted: bool
     subscribers: tuple[SubscriberReport, ...] = field(default=())
+    failovers: int = 0  # connects that landed on another gateway address than before
 
     @property
     def ok(self) -> bool:
@@ -191,7 +200,7 @@ class Simulation:
                 # A device's client id is its name, stable across runs like a real device's,
                 # so the analytics report lists d0001, d0002, ... The price: two device
                 # simulators on one gateway would take over each other's connections.
-                client=self._new_client(identity.device),
+                client=self._new_client(identity.device, spread=i),
             )
             for i in range(config.devices)
         ]
@@ -202,7 +211,11 @@ class Simulation:
                 # Stable ids too: the persistent sessions stay on the gateway after the run (one
                 # per subscriber, not one per run), so the analytics report still sees their
                 # deliveries and backlogs; each run starts them afresh.
-                self._new_client(f"{config.name}-{plan.name}", clean_session=not plan.persistent),
+                self._new_client(
+                    f"{config.name}-{plan.name}",
+                    clean_session=not plan.persistent,
+                    spread=plan.index,
+                ),
             )
             for plan in self._plans
         ]
@@ -218,15 +231,20 @@ class Simulation:
         self._background: set[asyncio.Task[None]] = set()
         self._receivers: list[asyncio.Task[None]] = []
 
-    def _new_client(self, client_id: str, clean_session: bool = True) -> SimClient:
+    def _new_client(self, client_id: str, clean_session: bool = True, spread: int = 0) -> SimClient:
+        """A client starting at gateway address `spread` mod n, failing over to the others."""
         config = self.config
+        addresses = config.addresses
+        first = spread % len(addresses)
+        (host, port), *others = addresses[first:] + addresses[:first]
         return SimClient(
             client_id,
-            config.host,
-            config.port,
+            host,
+            port,
             clean_session=clean_session,
             username=config.username,
             password=config.password,
+            others=others,
         )
 
     # -- control ------------------------------------------------------------------------
@@ -535,6 +553,8 @@ class Simulation:
             forgiven=self.ledger.forgiven,
             interrupted=self._interrupted,
             subscribers=tuple(subscribers),
+            failovers=sum(d.client.failovers for d in self._devices)
+            + sum(s.client.failovers for s in self._subscribers),
         )
 
 

@@ -113,6 +113,12 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
             {"default_session_expiry": 100, "max_session_expiry": 10},
             "default_session_expiry (100) must not exceed max_session_expiry (10)",
         ),
+        ({"cluster": True}, "cluster = true needs store = rocketmq"),
+        (
+            {"cluster": True, "store": "rocketmq", "namesrv": "h:9876", "cluster_lease": 1.0},
+            "cluster_heartbeat must be under half of cluster_lease",
+        ),
+        ({"node_id": "a/b"}, "node_id: String should match pattern"),
     ],
 )
 def test_validation_messages(overrides: dict[str, object], expected: str) -> None:

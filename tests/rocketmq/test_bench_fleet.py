@@ -41,3 +41,24 @@ async def test_the_fleet_runs_on_the_rocketmq_backend(
 def test_without_a_cluster_the_rocketmq_broker_is_unavailable(tmp_path: Path) -> None:
     with pytest.raises(BrokerUnavailable, match="RocketMQ"):
         BrokerProcess("lmqtt-rocketmq", tmp_path, BrokerOptions()).command()
+
+
+async def test_the_fleet_runs_through_three_gateway_nodes(
+    rocketmq: RocketMQCluster, tmp_path: Path
+) -> None:
+    """lmqtt-rocketmq-3n: three gateway processes on one namespace; backends and devices
+    spread over them, so deliveries cross nodes through the broker; nothing lost."""
+    broker = BrokerProcess("lmqtt-rocketmq-3n", tmp_path, BrokerOptions(), rocketmq=rocketmq)
+    ports = [broker.command(n)[broker.command(n).index("--port") + 1] for n in range(3)]
+    assert len(set(ports)) == 3 and [int(p) for p in ports] == broker.ports
+    await broker.start()
+    try:
+        assert len(broker.pids) == 3
+        metrics = await fleet(broker, devices=60, rate=120.0, duration=1.0, qos=1, capacity=False)
+        assert all(p.returncode is None for p in broker.processes)
+    finally:
+        await broker.stop()
+    assert metrics["connected"] == 60 and metrics["connect_failures"] == 0
+    assert metrics["delivered"] == metrics["expected"] == 2 * (60 * 2 + 10)
+    assert metrics["loss_pct"] == 0.0
+    assert metrics["broker_cpu_s"] > 0 and metrics["store_cpu_s"] > 0

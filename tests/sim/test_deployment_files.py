@@ -265,3 +265,99 @@ def test_the_rocketmq_profiles_gateways_store_on_its_brokers(
         assert service["restart"] == "unless-stopped"  # a failed start-up check is retried
         ports.update(p.split(":")[0] for p in service["ports"])
     assert len(topics) == 2 and len(ports) == 2
+
+
+# --- profile rocketmq-cluster: several gateway nodes behind one address ------------------------
+
+
+def cluster_services() -> dict[str, dict[str, Any]]:
+    return {
+        n: s
+        for n, s in compose()["services"].items()
+        if "rocketmq-cluster" in s.get("profiles", [])
+    }
+
+
+def haproxy_config() -> str:
+    (mount,) = cluster_services()["rmq-lb"]["configs"]
+    assert mount["target"] == "/usr/local/etc/haproxy/haproxy.cfg"  # where the image reads it
+    return str(compose()["configs"][mount["source"]]["content"])
+
+
+def test_the_cluster_profile_runs_gateway_nodes_on_one_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway.cli import _parser as lmqtt_parser
+    from gateway.config import load_settings
+
+    services = cluster_services()
+    # The name server and brokers come with the profile (they are in both RocketMQ profiles).
+    jvms = [n for n, s in services.items() if str(s.get("image", "")).startswith("apache/rocketmq")]
+    assert {"rmq-namesrv", "rmq-broker-a", "rmq-broker-b"} <= set(jvms)
+    nodes = {n: s for n, s in services.items() if n.startswith("rmq-node-")}
+    assert 2 <= len(nodes) <= 3
+    namespaces = set()
+    for name, service in nodes.items():
+        assert service["image"] == "lmqtt:demo" and "ports" not in service, name  # via the LB only
+        args = lmqtt_parser().parse_args(service["command"])
+        for key in list(os.environ):
+            if key.startswith("LMQTT_"):
+                monkeypatch.delenv(key)
+        for key, value in service["environment"].items():
+            monkeypatch.setenv(key, str(value))
+        settings = load_settings(store=args.store, namesrv=args.namesrv, flush=args.flush)
+        assert settings.store == "rocketmq" and settings.flush == "sync", name
+        assert settings.host == "0.0.0.0" and settings.port == 1883, name
+        namespaces.add((settings.rocketmq_broker, settings.rocketmq_topic))
+        assert service["healthcheck"]["test"][:3] == ["CMD", "python", "-c"], name
+        assert service["restart"] == "unless-stopped", name
+    # One deployment: every node on the same broker and namespace, none shared with the
+    # independent gateways of profile `rocketmq`.
+    assert len(namespaces) == 1
+    (_broker, topic) = namespaces.pop()
+    assert topic not in {
+        s["environment"]["LMQTT_ROCKETMQ_TOPIC"] for s in rocketmq_services().values()
+        if "LMQTT_ROCKETMQ_TOPIC" in s.get("environment", {})
+    }  # fmt: skip
+
+
+def test_the_cluster_profile_balances_mqtt_over_every_node() -> None:
+    services = cluster_services()
+    lb = services["rmq-lb"]
+    assert str(lb["image"]).startswith("haproxy:")
+    assert "1886:1883" in lb["ports"]
+    nodes = sorted(n for n in services if n.startswith("rmq-node-"))
+    for node in nodes:
+        assert lb["depends_on"][node]["condition"] == "service_healthy"
+    lines = [line.split() for line in haproxy_config().splitlines() if line.strip()]
+    assert ["mode", "tcp"] in lines  # MQTT passes through
+    assert ["bind", ":1883"] in lines
+    servers = [words[2] for words in lines if words[0] == "server"]
+    assert servers == [f"{n}:1883" for n in nodes]
+    assert ["option", "redispatch"] in lines  # a connect to a dead node goes to another
+    timeouts = {words[1]: words[2] for words in lines if words[0] == "timeout"}
+    assert int(timeouts["client"].rstrip("s")) >= 45  # above the sim's keep-alive 30 s x 1.5
+    # The simulator reaches the cluster through the balancer's one address.
+    sim = services["cluster-devices"]["command"]
+    assert sim[0] == "sim" and sim[sim.index("--host") + 1] == "rmq-lb"
+    assert sim[sim.index("--port") + 1] == "1883"
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
+def test_haproxy_accepts_the_balancers_configuration(tmp_path: Path) -> None:
+    cfg = tmp_path / "haproxy.cfg"
+    # Docker's DNS (127.0.0.11) is not here: the check resolves nothing (init-addr none).
+    cfg.write_text(haproxy_config())
+    out = subprocess.run(
+        ["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_demo_walkthrough_kills_a_gateway_node() -> None:
+    demo = (REPO / "docs" / "demo.md").read_text()
+    assert "docker compose --profile rocketmq-cluster up" in demo
+    killed = [
+        line for line in demo.splitlines() if line.startswith("docker compose kill rmq-node-")
+    ]
+    assert killed and killed[0].split()[3] in cluster_services()

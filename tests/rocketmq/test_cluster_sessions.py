@@ -1,0 +1,297 @@
+"""Several gateway processes on one RocketMQ deployment (issue #18, points 2 and 4): a persistent
+session resumes on another node (session present, its backlog, in-flight QoS 1 messages re-sent
+with DUP), with the first node running or stopped; a retained message set through one node
+reaches a new subscriber on another. Real `lmqtt serve` processes sharing one `rocketmq_topic`
+on the session's RocketMQ cluster, real MQTT clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.protocol import (
+    Connect,
+    Disconnect,
+    PubAck,
+    Publish,
+    SubAck,
+    Subscribe,
+    Subscription,
+)
+from gateway.protocol import Properties as PProperties
+from gateway.rocketmq_broker import PULL_GROUP
+from gateway.rocketmq_names import encode_lmq
+from rocketmq_remoting import RemotingClient
+from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
+from tests.rocketmq.cluster import RocketMQCluster
+from tests.rocketmq.test_cluster import HEARTBEAT_S, LEASE_S
+from tests.rocketmq.test_gateway_rocketmq import ServeProcess
+from topicmap.rocketmq import STATE_QUEUE, decode_state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+class Nodes:
+    """Gateway processes in cluster mode on one namespace (`rocketmq_topic`) of one broker."""
+
+    def __init__(self, rocketmq: RocketMQCluster, tmp_path: Path, broker: str = "broker-a") -> None:
+        self.namesrv = rocketmq.namesrv_addr
+        self.broker = broker
+        self.topic = f"c{uuid.uuid4().hex[:12]}"
+        self.tmp_path = tmp_path
+        self.nodes: list[ServeProcess] = []
+
+    def start(self, *args: str) -> ServeProcess:
+        g = ServeProcess(
+            self.tmp_path / f"node{len(self.nodes)}",
+            "--store", "rocketmq", "--namesrv", self.namesrv, *args,
+            env={
+                "LMQTT_ROCKETMQ_TOPIC": self.topic,
+                "LMQTT_ROCKETMQ_BROKER": self.broker,
+                "LMQTT_CLUSTER": "true",
+                "LMQTT_CLUSTER_LEASE": str(LEASE_S),
+                "LMQTT_CLUSTER_HEARTBEAT": str(HEARTBEAT_S),
+            },
+        )  # fmt: skip
+        self.nodes.append(g)
+        return g.start()
+
+    def stop(self) -> None:
+        for g in self.nodes:
+            g.stop()
+
+    def session_record(self, client_id: str) -> dict[str, object] | None:
+        """The newest record of `client_id`'s session in the state log, read from the broker."""
+
+        async def read() -> dict[str, object] | None:
+            client = RemotingClient([self.namesrv], client_id=None, request_timeout=5.0)
+            try:
+                route = await client.get_cluster_info()
+                addr = route.brokers[self.broker].master_addr
+                assert addr is not None
+                lmq = encode_lmq(STATE_QUEUE, self.topic)
+                offset = await client.get_min_offset(addr, lmq)
+                end = await client.get_max_offset(addr, lmq)
+                found: bytes | None = None
+                while offset < end:
+                    res = await client.pull(addr, lmq, offset, consumer_group=PULL_GROUP)
+                    if not res.messages:
+                        break
+                    for rec in res.messages:
+                        for key, value in decode_state(rec.body)[0]:
+                            if key == "session/" + client_id:
+                                found = value
+                    offset = res.next_begin_offset
+                return None if found is None else json.loads(found)
+            finally:
+                await client.close()
+
+        return asyncio.run(read())
+
+    def wait_record(self, client_id: str, cond: Callable[[dict[str, object]], bool]) -> None:
+        def ok() -> bool:
+            rec = self.session_record(client_id)
+            return rec is not None and cond(rec)
+
+        wait_until(ok, 20, f"{client_id}'s session record in the state log")
+
+
+@pytest.fixture
+def nodes(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[Nodes]:
+    made = Nodes(rocketmq, tmp_path)
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+@pytest.fixture
+def clients() -> Iterator[list[Client]]:
+    made: list[Client] = []
+    yield made
+    stop_clients(made)
+
+
+def _publish(port: int, topic: str, payloads: list[bytes]) -> None:
+    pub = RawClient(port, level=4)
+    try:
+        assert pub.connect(f"pub-{uuid.uuid4().hex[:6]}").reason_code == 0
+        for i, payload in enumerate(payloads):
+            pub.send(Publish(topic, payload, qos=1, packet_id=i + 1))
+            assert pub.recv() == PubAck(i + 1)
+    finally:
+        pub.close()
+
+
+def _subscribed_with_two_unacked(port: int, client_id: str) -> list[Publish]:
+    """A persistent session on `port` subscribed to m/# that got m0..m2 and acknowledged m0."""
+    sub = RawClient(port, level=4)
+    assert sub.connect(client_id, clean=False).reason_code == 0
+    sub.send(Subscribe(1, [Subscription("m/#", 1)]))
+    assert isinstance(sub.recv(), SubAck)
+    _publish(port, "m/t", [b"m0", b"m1", b"m2"])
+    first = [sub.recv() for _ in range(3)]
+    assert [m.payload for m in first] == [b"m0", b"m1", b"m2"]
+    sub.send(PubAck(first[0].packet_id))
+    sub.close()
+    return first
+
+
+def _resumed_elsewhere(port: int, client_id: str, first: list[Publish], backlog: int) -> RawClient:
+    again = RawClient(port, level=4)
+    ack = again.connect(client_id, clean=False)
+    assert ack.reason_code == 0 and ack.session_present
+    resent = [again.recv() for _ in range(2)]
+    assert [(m.payload, m.dup) for m in resent] == [(b"m1", True), (b"m2", True)]
+    assert [m.packet_id for m in resent] == [first[1].packet_id, first[2].packet_id]
+    for m in resent:
+        again.send(PubAck(m.packet_id))
+    rest = [again.recv() for _ in range(backlog)]
+    assert [(m.payload, m.dup) for m in rest] == [(f"b{i}".encode(), False) for i in range(backlog)]
+    for m in rest:
+        again.send(PubAck(m.packet_id))
+    return again
+
+
+def test_a_session_resumes_on_another_node_while_the_first_runs(nodes: Nodes) -> None:
+    a = nodes.start()
+    b = nodes.start()
+    first = _subscribed_with_two_unacked(a.port, "mover")
+    # A writes the record at the disconnect; B reads the state log to its end before CONNACK.
+    nodes.wait_record("mover", lambda r: r.get("disconnected_at_ms") is not None)
+    _publish(a.port, "m/t", [f"b{i}".encode() for i in range(5)])  # the backlog, through A
+    again = _resumed_elsewhere(b.port, "mover", first, backlog=5)
+    # Live on B, published through A and through B (B registered the session's filter).
+    _publish(a.port, "m/x", [b"live-a"])
+    _publish(b.port, "m/y", [b"live-b"])
+    live = [again.recv() for _ in range(2)]
+    assert [m.payload for m in live] == [b"live-a", b"live-b"]
+    again.send(PubAck(live[0].packet_id))  # live-b stays in flight
+    again.close()
+    # B wrote where the session went; A's copy follows it (no expiry, no rewrite by A).
+    nodes.wait_record("mover", lambda r: r.get("disconnected_at_ms") is not None)
+    back = RawClient(a.port, level=4)
+    ack = back.connect("mover", clean=False)
+    assert ack.reason_code == 0 and ack.session_present
+    resent = back.recv()
+    assert (resent.payload, resent.dup) == (b"live-b", True)  # in flight when it left B
+    back.send(PubAck(resent.packet_id))
+    _publish(a.port, "m/z", [b"home"])
+    got = back.recv()
+    assert (got.payload, got.dup) == (b"home", False)  # nothing B had acknowledged again
+    back.close()
+
+
+def test_a_session_resumes_on_another_node_after_the_first_stopped(nodes: Nodes) -> None:
+    a = nodes.start()
+    b = nodes.start()
+    first = _subscribed_with_two_unacked(a.port, "survivor")
+    _publish(a.port, "m/t", [f"b{i}".encode() for i in range(3)])
+    a.stop()
+    again = _resumed_elsewhere(b.port, "survivor", first, backlog=3)
+    _publish(b.port, "m/t", [b"after"])
+    assert again.recv().payload == b"after"
+    again.close()
+
+
+def test_a_session_taken_over_by_another_node_resumes_there(nodes: Nodes) -> None:
+    """Points 2 and 3: the same persistent session connecting on B while connected on A: A's
+    connection is closed (0x8E), B's CONNACK has session present, the messages A had in
+    flight come again on B (from the position in A's record, which may predate them: at least
+    once, DUP not promised), and A writes nothing after the takeover (the newest record is B's,
+    connected), so publishes through A keep reaching the session on B."""
+    a = nodes.start()
+    b = nodes.start()
+    old = RawClient(a.port, level=5)
+    assert old.connect("taken", clean=False, properties=_expiry(3600)).reason_code == 0
+    old.send(Subscribe(1, [Subscription("m/#", 1)]))
+    assert isinstance(old.recv(), SubAck)
+    _publish(a.port, "m/t", [b"m0", b"m1"])
+    inflight = [old.recv() for _ in range(2)]
+    assert [m.payload for m in inflight] == [b"m0", b"m1"]
+    new = RawClient(b.port, level=5)
+    ack = new.connect("taken", clean=False, properties=_expiry(3600))
+    assert ack.reason_code == 0 and ack.session_present
+    ev = old.recv()
+    assert isinstance(ev, Disconnect) and ev.reason_code == 0x8E
+    assert old.is_closed()
+    resent = [new.recv() for _ in range(2)]
+    assert [m.payload for m in resent] == [b"m0", b"m1"]
+    for m in resent:
+        new.send(PubAck(m.packet_id))
+    _publish(a.port, "m/x", [b"through-a"])
+    got = new.recv()
+    assert (got.payload, got.dup) == (b"through-a", False)
+    new.send(PubAck(got.packet_id))
+    record = nodes.session_record("taken")
+    assert record is not None and record.get("disconnected_at_ms") is None, record
+    old.close()
+    new.close()
+
+
+def _expiry(seconds: int) -> PProperties:
+    return PProperties(session_expiry_interval=seconds)
+
+
+def test_a_retained_message_set_through_one_node_reaches_a_subscriber_on_another(
+    nodes: Nodes, clients: list[Client]
+) -> None:
+    a = nodes.start()
+    b = nodes.start()
+    setter = Client(a.port, "setter")
+    clients.append(setter)
+    for i in range(20):
+        topic = f"r/{i}"
+        setter.publish(topic, f"kept {i}", 1, retain=True)  # PUBACKed by A
+        late = Client(b.port, f"late{i}")  # at once, on B
+        clients.append(late)
+        late.subscribe(topic, 1)
+        got = late.wait_messages(1)
+        assert [(m.topic, bytes(m.payload), m.retain) for m in got] == [
+            (topic, f"kept {i}".encode(), True)
+        ]
+        late.disconnect()
+    setter.publish("r/0", "", 1, retain=True)  # deleted through A
+    late = Client(b.port, "after-delete")
+    clients.append(late)
+    late.subscribe("r/#", 1)
+    got = late.wait_messages(19)
+    assert sorted(m.topic for m in got) == sorted(f"r/{i}" for i in range(1, 20))
+
+
+def test_a_burst_of_connects_shares_state_log_messages(nodes: Nodes) -> None:
+    """Each CONNECT writes its session's record before CONNACK; records made while a state
+    send is in flight join one message (group commit), so a fleet reconnecting at once (a
+    node died) costs a few round trips, not one per device."""
+    a = nodes.start()
+    state = encode_lmq(STATE_QUEUE, nodes.topic)
+
+    async def state_end() -> int:
+        client = RemotingClient([nodes.namesrv], client_id=None, request_timeout=5.0)
+        try:
+            info = await client.get_cluster_info()
+            addr = info.brokers[nodes.broker].master_addr
+            assert addr is not None
+            return await client.get_max_offset(addr, state)
+        finally:
+            await client.close()
+
+    before = asyncio.run(state_end())
+    socks = [RawClient(a.port, level=4) for _ in range(60)]
+    try:
+        for i, sock in enumerate(socks):  # all CONNECTs on the wire before any CONNACK
+            sock.send(Connect(4, f"burst-{i}", False, 60))
+        assert all(s.recv().reason_code == 0 for s in socks)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert nodes.session_record("burst-0") is not None
+    assert nodes.session_record("burst-59") is not None
+    written = asyncio.run(state_end()) - before
+    assert 0 < written < 30, f"{written} state messages for 60 CONNECTs"
