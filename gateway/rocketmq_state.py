@@ -111,18 +111,21 @@ class StateLog:
 
     def append(self, batch: Sequence[StateRecord]) -> int:
         """Apply `batch` and send it; returns the ticket for wait_durable."""
+        self._apply(self.node_id, batch)
+        return self._send_batch(encode_state(batch))
+
+    def _apply(self, node: str, records: Sequence[StateRecord]) -> None:
+        """Make `records`, written by `node`, the live ones."""
         state = self.records
         writers = self.writers
-        node = self.node_id
-        for key, value in batch:
+        for key, value in records:
             if value is None:
                 state.pop(key, None)
                 writers.pop(key, None)
             else:
                 state[key] = value
                 writers[key] = node
-        self.history += len(batch)
-        return self._send_batch(encode_state(batch))
+        self.history += len(records)
 
     @property
     def ticket(self) -> int:
@@ -285,16 +288,7 @@ class StateLog:
                 await asyncio.wait_for(wake.wait(), 1.0)
 
     def _apply_remote(self, node: str, records: list[StateRecord]) -> None:
-        state = self.records
-        writers = self.writers
-        for key, value in records:
-            if value is None:
-                state.pop(key, None)
-                writers.pop(key, None)
-            else:
-                state[key] = value
-                writers[key] = node
-        self.history += len(records)
+        self._apply(node, records)
         for observer in self.observers:
             try:
                 observer(node, records)
