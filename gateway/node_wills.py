@@ -31,7 +31,7 @@ from pydantic_core import from_json, to_json
 from gateway.cluster_bus import ClusterBus, Record
 from gateway.membership import Membership
 from gateway.protocol import Publish
-from gateway.session import SESSION_KEY_PREFIX, now_ms, will_from_json
+from gateway.session import SESSION_KEY_PREFIX, now_ms, will_from_json, will_publish
 from gateway.storage import StateRecord
 
 log = logging.getLogger("lmqtt.cluster")
@@ -120,13 +120,7 @@ class NodeWills:
     async def _publish(self, cid: str, key: str, d: dict[str, object]) -> None:
         will = will_from_json(d["will"])  # type: ignore[arg-type]
         log.info("publishing the will of %r (its node was lost) to %r", cid, will.topic)
-        pub = Publish(
-            topic=will.topic,
-            payload=will.payload,
-            qos=will.qos,
-            retain=will.retain,
-            properties=will.properties,
-        )
+        pub = will_publish(will)
         try:
             await self._store_publish(pub, cid)
         except Exception:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pydantic_core import from_json, to_json
 
-from gateway.protocol import Properties, Will
+from gateway.protocol import Properties, Publish, Will
 from gateway.records import RecordedPublish
 from gateway.replay import Replay
 
@@ -138,6 +138,17 @@ def will_from_json(d: dict[str, Any]) -> Will:
         qos=int(d.get("qos", 0)),
         retain=bool(d.get("retain", False)),
         properties=props,
+    )
+
+
+def will_publish(will: Will) -> Publish:
+    """The PUBLISH a will becomes when it is published (by its node, or a survivor's leader)."""
+    return Publish(
+        topic=will.topic,
+        payload=will.payload,
+        qos=will.qos,
+        retain=will.retain,
+        properties=will.properties,
     )
 
 

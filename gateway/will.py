@@ -22,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gateway.protocol import Publish, Will
-from gateway.session import Session, SessionRegistry, now_ms
+from gateway.session import Session, SessionRegistry, now_ms, will_publish
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -169,13 +169,7 @@ class Wills:
             session.will_due_ms = None
             self._sessions.mark_dirty(session)
         log.info("publishing the will of %r to %r", client_id, will.topic)
-        pub = Publish(
-            topic=will.topic,
-            payload=will.payload,
-            qos=will.qos,
-            retain=will.retain,
-            properties=will.properties,
-        )
+        pub = will_publish(will)
         await self._store_publish(pub, client_id)
 
     def stop_publishing(self) -> None:
