@@ -23,29 +23,36 @@ TRAFFIC = {  # device -> [(topic, count)]
 }
 
 
+def drive_traffic(port: int, made: list[Client]) -> tuple[Client, Client, Client, Client]:
+    """The report tests' fleet on the gateway at `port`: a persistent `plant/#` subscriber, an
+    offline one on `plant/+/temp` (its queue keeps everything), a shared group of two
+    persistent MQTT 5 members, then TRAFFIC published at QoS 1. Every client goes to `made`."""
+    everything = Client(port, "sub-all", clean=False)
+    offline = Client(port, "sub-temp", clean=False)
+    g1 = Client(port, "g1", v5=True, clean=False, session_expiry=3600)
+    g2 = Client(port, "g2", v5=True, clean=False, session_expiry=3600)
+    made += [everything, offline, g1, g2]
+    everything.subscribe("plant/#", qos=1)
+    offline.subscribe("plant/+/temp", qos=1)
+    offline.disconnect()  # keeps its session: everything for it waits in its queue
+    g1.subscribe("$share/grp/plant/1/#", qos=1)
+    g2.subscribe("$share/grp/plant/1/#", qos=1)
+    for device, topics in TRAFFIC.items():
+        pub = Client(port, device)
+        made.append(pub)
+        for topic, count in topics:
+            for i in range(count):
+                pub.publish(topic, f"{device}:{i}".encode(), qos=1)
+    return everything, offline, g1, g2
+
+
 def test_report_matches_what_subscribers_received(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from analytics.fanout import run_fanout
 
     h = GatewayHarness(tmp_path / "data").start()
     made: list[Client] = []
     try:
-        everything = Client(h.port, "sub-all", clean=False)
-        offline = Client(h.port, "sub-temp", clean=False)
-        # Persistent sessions: the report counts what the saved sessions (sessions.json) hold.
-        g1 = Client(h.port, "g1", v5=True, clean=False, session_expiry=3600)
-        g2 = Client(h.port, "g2", v5=True, clean=False, session_expiry=3600)
-        made += [everything, offline, g1, g2]
-        everything.subscribe("plant/#", qos=1)
-        offline.subscribe("plant/+/temp", qos=1)
-        offline.disconnect()  # keeps its session: everything for it waits in its queue
-        g1.subscribe("$share/grp/plant/1/#", qos=1)
-        g2.subscribe("$share/grp/plant/1/#", qos=1)
-        for device, topics in TRAFFIC.items():
-            pub = Client(h.port, device)
-            made.append(pub)
-            for topic, count in topics:
-                for i in range(count):
-                    pub.publish(topic, f"{device}:{i}".encode(), qos=1)
+        everything, offline, g1, g2 = drive_traffic(h.port, made)
         plant = sum(n for d, ts in TRAFFIC.items() for t, n in ts if t.startswith("plant/"))
         plant1 = sum(n for t, n in TRAFFIC["dev-1"])
         everything.wait_messages(plant)

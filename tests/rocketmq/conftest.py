@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.gateway.conftest import GatewayHarness
 from tests.rocketmq.cluster import (
     HERE,
     REQUIRE_ENV,
@@ -64,3 +66,15 @@ def rocketmq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RocketMQClust
         yield cluster
     finally:
         cluster.stop()
+
+
+def start_gateway(rocketmq: RocketMQCluster, tmp_path: Path) -> GatewayHarness:
+    """A started gateway storing on broker-a of the test cluster, in a namespace
+    (`rocketmq_topic`) of its own, so tests sharing the cluster do not see each other."""
+    return GatewayHarness(
+        tmp_path / "data",
+        store="rocketmq",
+        namesrv=rocketmq.namesrv_addr,
+        rocketmq_broker="broker-a",
+        rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
+    ).start()

@@ -9,7 +9,6 @@ assertions: the guarantees do not depend on the backend. EXCLUDED says which are
 from __future__ import annotations
 
 import inspect
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +28,7 @@ from tests.gateway import (
 from tests.gateway.conftest import GatewayHarness
 from tests.gateway.conftest import clients as clients  # the fixture, for the collected tests
 from tests.rocketmq.cluster import RocketMQCluster
+from tests.rocketmq.conftest import start_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -61,13 +61,7 @@ for _module in MODULES:
 
 @pytest.fixture
 def gateway(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[GatewayHarness]:
-    h = GatewayHarness(
-        tmp_path / "data",
-        store="rocketmq",
-        namesrv=rocketmq.namesrv_addr,
-        rocketmq_broker="broker-a",
-        rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
-    ).start()
+    h = start_gateway(rocketmq, tmp_path)
     try:
         yield h
     finally:

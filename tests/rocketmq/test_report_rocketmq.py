@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pyarrow.parquet as pq
 import pytest
 
+from tests.analytics.test_gateway_traffic import TRAFFIC, drive_traffic
 from tests.gateway.conftest import Client, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
 from tests.rocketmq.test_gateway_rocketmq import ROOT, ServeProcess
@@ -25,12 +26,6 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.timeout(900)]
-
-TRAFFIC = {  # device -> [(topic, count)]
-    "dev-1": [("plant/1/temp", 10), ("plant/1/hum", 5)],
-    "dev-2": [("plant/2/temp", 8)],
-    "dev-3": [("office/9/door", 4)],  # nobody subscribes
-}
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +52,7 @@ def test_report_of_a_rocketmq_deployment(
     ).start()  # fmt: skip
     made: list[Client] = []
     try:
-        everything = Client(g.port, "sub-all", clean=False)
-        offline = Client(g.port, "sub-temp", clean=False)
-        g1 = Client(g.port, "g1", v5=True, clean=False, session_expiry=3600)
-        g2 = Client(g.port, "g2", v5=True, clean=False, session_expiry=3600)
-        made += [everything, offline, g1, g2]
-        everything.subscribe("plant/#", qos=1)
-        offline.subscribe("plant/+/temp", qos=1)
-        offline.disconnect()  # keeps its session: everything for it waits in its queue
-        g1.subscribe("$share/grp/plant/1/#", qos=1)
-        g2.subscribe("$share/grp/plant/1/#", qos=1)
-        for device, topics in TRAFFIC.items():
-            pub = Client(g.port, device)
-            made.append(pub)
-            for t, count in topics:
-                for i in range(count):
-                    pub.publish(t, f"{device}:{i}".encode(), qos=1)
+        everything, offline, g1, g2 = drive_traffic(g.port, made)
         plant = sum(n for ts in TRAFFIC.values() for t, n in ts if t.startswith("plant/"))
         plant1 = sum(n for _, n in TRAFFIC["dev-1"])
         everything.wait_messages(plant)

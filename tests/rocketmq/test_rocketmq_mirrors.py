@@ -5,7 +5,6 @@ A real gateway (in-process, to count them) on the session's RocketMQ cluster, pa
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,19 +13,14 @@ import pytest
 from gateway.rocketmq_storage import RocketMqStorage
 from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
+from tests.rocketmq.conftest import start_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
 def harness(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[GatewayHarness]:
-    h = GatewayHarness(
-        tmp_path / "data",
-        store="rocketmq",
-        namesrv=rocketmq.namesrv_addr,
-        rocketmq_broker="broker-a",
-        rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
-    ).start()
+    h = start_gateway(rocketmq, tmp_path)
     try:
         yield h
     finally:
