@@ -57,7 +57,13 @@ from analytics.snapshots import (
     session_records,
     subscriptions_of,
 )
-from rocketmq_remoting import MessageRecord, OffsetMovedError, RemotingClient, RemotingError
+from rocketmq_remoting import (
+    BrokerNotFoundError,
+    MessageRecord,
+    OffsetMovedError,
+    RemotingClient,
+    RemotingError,
+)
 from store.delivery_account import AccountRecord, read_account
 from topicmap.rocketmq import (
     EMPTY_BODY_PROPERTY,
@@ -131,21 +137,15 @@ def _client(dep: Deployment) -> RemotingClient:
 
 
 async def _broker(client: RemotingClient, dep: Deployment) -> str:
-    """The address of the deployment's broker (the gateway's rule: named, else first by name)."""
+    """The address of the deployment's broker (the gateway's rule: ClusterInfo.choose_broker)."""
     try:
         info = await client.get_cluster_info()
     except RemotingError as exc:
         raise ClusterError(f"RocketMQ name server {dep.namesrv} unreachable: {exc}") from None
-    masters = {name: b.master_addr for name, b in info.brokers.items() if b.master_addr}
-    if not masters:
-        raise ClusterError(f"no RocketMQ broker is registered at name server {dep.namesrv}")
-    name = dep.broker or sorted(masters)[0]
-    if name not in masters:
-        raise ClusterError(
-            f"broker {name!r} is not registered at name server {dep.namesrv}"
-            f" (registered: {', '.join(sorted(masters))})"
-        )
-    return masters[name]
+    try:
+        return info.choose_broker(dep.broker, f"name server {dep.namesrv}")[1]
+    except BrokerNotFoundError as exc:
+        raise ClusterError(str(exc)) from None
 
 
 def read_deployment(dep: Deployment) -> Snapshot:

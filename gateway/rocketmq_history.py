@@ -265,15 +265,6 @@ def _same(name: str) -> str:
 
 
 async def _broker_addr(client: RemotingClient, namesrv: str, broker: str | None) -> str:
-    """The broker a gateway with these settings uses (named, else the first by name)."""
+    """The broker a gateway with these settings uses (ClusterInfo.choose_broker)."""
     info = await client.get_cluster_info()
-    masters = {name: b.master_addr for name, b in info.brokers.items() if b.master_addr}
-    if not masters:
-        raise RemotingError(f"no broker is registered at name server {namesrv}")
-    name = broker or sorted(masters)[0]
-    if name not in masters:
-        raise RemotingError(
-            f"broker {name!r} is not registered at name server {namesrv}"
-            f" (registered: {', '.join(sorted(masters))})"
-        )
-    return masters[name]
+    return info.choose_broker(broker, f"name server {namesrv}")[1]

@@ -46,7 +46,7 @@ from gateway.storage import (
     StorageUnavailable,
     StoreError,
 )
-from rocketmq_remoting import BrokerError, RemotingClient, RemotingError
+from rocketmq_remoting import BrokerError, BrokerNotFoundError, RemotingClient, RemotingError
 from rocketmq_remoting.message import decode_message_id
 
 if TYPE_CHECKING:
@@ -353,16 +353,10 @@ async def _open(
         info = await client.get_cluster_info()
     except RemotingError as exc:
         raise StorageUnavailable(f"RocketMQ name server {namesrv} unreachable: {exc}") from exc
-    masters = {name: b.master_addr for name, b in info.brokers.items() if b.master_addr}
-    if not masters:
-        raise StorageUnavailable(f"no RocketMQ broker is registered at name server {namesrv}")
-    name = settings.rocketmq_broker or sorted(masters)[0]
-    addr = masters.get(name)
-    if addr is None:
-        raise StorageUnavailable(
-            f"broker {name!r} is not registered at name server {namesrv}"
-            f" (registered: {', '.join(sorted(masters))})"
-        )
+    try:
+        name, addr = info.choose_broker(settings.rocketmq_broker, f"name server {namesrv}")
+    except BrokerNotFoundError as exc:
+        raise StorageUnavailable(str(exc)) from None
     topic = settings.rocketmq_topic
     try:
         await client.create_topic(addr, topic, queues=1)

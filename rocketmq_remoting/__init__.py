@@ -10,6 +10,7 @@ from rocketmq_remoting.command import RemotingCommand, decode_frame
 from rocketmq_remoting.errors import (
     BrokerBusyError,
     BrokerError,
+    BrokerNotFoundError,
     OffsetMovedError,
     ProtocolError,
     RemotingClosedError,
@@ -19,11 +20,12 @@ from rocketmq_remoting.errors import (
     TopicNotExistError,
 )
 from rocketmq_remoting.message import MessageRecord, decode_records
-from rocketmq_remoting.route import ClusterInfo, TopicRoute
+from rocketmq_remoting.route import ClusterInfo, TopicRoute, broker_for
 
 __all__ = [
     "BrokerBusyError",
     "BrokerError",
+    "BrokerNotFoundError",
     "ClusterInfo",
     "MessageRecord",
     "OffsetMovedError",
@@ -40,6 +42,7 @@ __all__ = [
     "SendResult",
     "TopicNotExistError",
     "TopicRoute",
+    "broker_for",
     "decode_frame",
     "decode_records",
 ]

@@ -7,6 +7,11 @@ class RemotingError(Exception):
     """Base of every error this package raises."""
 
 
+class BrokerNotFoundError(RemotingError):
+    """The name server knows no (master of the) broker a deployment needs; the message names
+    the registered ones."""
+
+
 class RemotingConnectError(RemotingError):
     """The TCP connection to a name server or broker could not be opened."""
 

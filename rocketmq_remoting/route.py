@@ -17,10 +17,17 @@ bare (``{0:"..."}``) unless asked for standard JSON, which a route request does
 from __future__ import annotations
 
 import json
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rocketmq_remoting.codes import PERM_READ, PERM_WRITE
+from rocketmq_remoting.errors import BrokerNotFoundError
+
 MASTER_ID = 0
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: the multiplier of Fibonacci hashing
+_MASK64 = (1 << 64) - 1
 
 
 def loads_lenient(raw: bytes | str) -> Any:
@@ -121,6 +128,27 @@ class TopicRoute:
         """Broker name -> master address, for the brokers that have a master online."""
         return {b.broker_name: a for b in self.brokers if (a := b.master_addr) is not None}
 
+    def writable_brokers(self) -> list[str]:
+        """The names, sorted, of the brokers a message of this topic can be sent to now: a
+        master online and write permission (an operator empties a broker by taking its
+        PERM_WRITE away, `mqadmin updateBrokerConfig -k brokerPermission -v 4`)."""
+        masters = self.master_addrs()
+        return sorted(
+            q.broker_name
+            for q in self.queues
+            if q.perm & PERM_WRITE and q.write_queue_nums > 0 and q.broker_name in masters
+        )
+
+    def readable_brokers(self) -> list[str]:
+        """The names, sorted, of the brokers whose copy of this topic can be read now (a broker
+        that stopped taking writes still serves what it holds)."""
+        masters = self.master_addrs()
+        return sorted(
+            q.broker_name
+            for q in self.queues
+            if q.perm & PERM_READ and q.read_queue_nums > 0 and q.broker_name in masters
+        )
+
 
 @dataclass(slots=True)
 class ClusterInfo:
@@ -128,6 +156,27 @@ class ClusterInfo:
 
     brokers: dict[str, BrokerData]
     clusters: dict[str, list[str]]
+
+    def master_addrs(self) -> dict[str, str]:
+        """Broker name -> master address, for the brokers that have a master online."""
+        return {name: a for name, b in self.brokers.items() if (a := b.master_addr) is not None}
+
+    def choose_broker(self, preferred: str | None, where: str) -> tuple[str, str]:
+        """(name, master address) of a deployment's home broker: `preferred` when named, else
+        the first registered master by name, the one rule the gateway, `lmqtt replay` and the
+        fan-out report share so they agree without configuration. BrokerNotFoundError (naming
+        `where`, e.g. "name server 127.0.0.1:9876", and the registered brokers) otherwise."""
+        masters = self.master_addrs()
+        if not masters:
+            raise BrokerNotFoundError(f"no RocketMQ broker is registered at {where}")
+        name = preferred or min(masters)
+        addr = masters.get(name)
+        if addr is None:
+            raise BrokerNotFoundError(
+                f"broker {name!r} is not registered at {where}"
+                f" (registered: {', '.join(sorted(masters))})"
+            )
+        return name, addr
 
     @classmethod
     def from_body(cls, body: bytes) -> ClusterInfo:
@@ -142,3 +191,23 @@ class ClusterInfo:
                 for name, members in (raw.get("clusterAddrTable") or {}).items()
             },
         )
+
+
+def _weight(key_hash: int, broker: str) -> int:
+    x = ((key_hash ^ zlib.crc32(broker.encode())) * _GOLDEN) & _MASK64
+    return x ^ (x >> 29)
+
+
+def broker_for(key: bytes, brokers: Sequence[str]) -> str:
+    """The broker, among `brokers`, that the messages keyed by `key` go to (rendezvous hashing:
+    each broker's weight is a hash of the key and the broker's name, the heaviest wins).
+
+    Every caller that knows the same brokers picks the same one, with no shared table; adding
+    a broker moves only the keys it now wins (about 1/N of them) and removing one moves only
+    its own keys, where `hash % N` would move most keys on any change. The weights are
+    zlib.crc32 mixed by Fibonacci hashing: stable across processes and Python versions
+    (unlike `hash()`), and cheap enough per message."""
+    if len(brokers) == 1:
+        return brokers[0]
+    h = zlib.crc32(key)
+    return max(brokers, key=lambda b: _weight(h, b))
