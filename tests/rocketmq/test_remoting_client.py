@@ -20,6 +20,7 @@ from rocketmq_remoting import (
     RemotingTimeoutError,
     ResponseCode,
     TopicNotExistError,
+    broker_for,
 )
 from rocketmq_remoting.codes import RequestCode
 from rocketmq_remoting.command import RemotingCommand
@@ -377,3 +378,65 @@ async def test_broker_config_says_how_the_broker_runs(
     assert config["namesrvAddr"] == rocketmq.namesrv_addr
     config_a = await client.get_broker_config(rocketmq.brokers["broker-a"])
     assert config_a["flushDiskType"] == "ASYNC_FLUSH"
+
+
+async def test_messages_spread_over_the_routes_brokers_and_each_indexes_its_own_light_queue(
+    client: RemotingClient, rocketmq: RocketMQCluster
+) -> None:
+    """The premise of a deployment over several brokers (docs/rocketmq.md "Several brokers"):
+    messages keyed by MQTT topic go to one broker each (`broker_for` over the parent topic's
+    writable brokers), every broker's dispatch indexes what it stored into its OWN copy of a
+    light queue (offsets 0.. on each), and a reader that pulls the queue from every broker
+    gets each message once, each topic's messages in the order they were sent."""
+    parent = _name("lmqtt-spread-")
+    for addr in rocketmq.brokers.values():
+        await client.create_topic(addr, parent, queues=1)
+
+    async def both_writable() -> bool:
+        try:
+            return len((await client.get_route(parent)).writable_brokers()) == 2
+        except TopicNotExistError:
+            return False
+
+    await _eventually(both_writable)
+    route = await client.get_route(parent)
+    brokers = route.writable_brokers()
+    assert brokers == ["broker-a", "broker-b"] and route.readable_brokers() == brokers
+    addrs = route.master_addrs()
+
+    lmq = _name("%LMQ%all-")  # a `#` subscriber's queue: every message is dispatched to it
+    topics = [f"site/{i}/temp" for i in range(40)]
+    homes = {t: broker_for(t.encode(), brokers) for t in topics}
+    sends = []
+    for n in range(3):
+        for t in topics:
+            sends.append(
+                client.send_message(
+                    addrs[homes[t]], parent, f"{t} {n}".encode(), light_queues=[lmq]
+                )
+            )
+    # Pipelined, as the gateway sends; one connection per broker keeps each broker's order.
+    results = await asyncio.gather(*sends)
+    assert all(r.ok for r in results)
+    per_broker = {b: sum(1 for t in topics if homes[t] == b) * 3 for b in brokers}
+    assert all(count > 0 for count in per_broker.values()), per_broker
+    for b, count in per_broker.items():
+        await _dispatched(client, addrs[b], lmq, count)
+        assert await client.get_max_offset(addrs[b], lmq) == count  # its own offsets 0..count
+        assert await client.get_max_offset(addrs[b], parent) == count
+
+    got: dict[str, list[int]] = {}
+    for b in brokers:
+        offsets: list[int] = []
+        while len(offsets) < per_broker[b]:  # the broker sends at most 32 per pull
+            res = await client.pull(
+                addrs[b], lmq, len(offsets), consumer_group=_name(GROUP_PREFIX), max_messages=64
+            )
+            assert res.messages
+            for m in res.messages:
+                offsets.append(m.light_queue_offsets()[lmq])
+                topic, n = m.body.decode().rsplit(" ", 1)
+                assert homes[topic] == b
+                got.setdefault(topic, []).append(int(n))
+        assert offsets == list(range(per_broker[b]))
+    assert got == {t: [0, 1, 2] for t in topics}
