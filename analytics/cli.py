@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     fan.add_argument(
         "--rocketmq-broker",
         default=os.environ.get("LMQTT_ROCKETMQ_BROKER"),
-        help="the gateway's rocketmq_broker (default: the first registered, by name)",
+        help="the gateway's rocketmq_broker (default: the broker holding the topic, as the gateway picks)",
     )
     fan.add_argument(
         "--out", default=default_out, type=absolute, help="report directory (default %(default)s)"

@@ -88,7 +88,8 @@ _TS = pa.timestamp("us", tz="UTC")
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """A gateway deployment on RocketMQ: the name server, the parent topic (`rocketmq_topic`),
-    the broker (`rocketmq_broker`; None: the first registered by name, as the gateway picks),
+    the broker (`rocketmq_broker`; None: the one holding the topic, else the first registered by
+    name, as the gateway picks: RemotingClient.home_broker),
     and optionally the gateway's data directory (its delivery account)."""
 
     namesrv: str
@@ -137,15 +138,13 @@ def _client(dep: Deployment) -> RemotingClient:
 
 
 async def _broker(client: RemotingClient, dep: Deployment) -> str:
-    """The address of the deployment's broker (the gateway's rule: ClusterInfo.choose_broker)."""
+    """The address of the deployment's broker (the gateway's rule: RemotingClient.home_broker)."""
     try:
-        info = await client.get_cluster_info()
-    except RemotingError as exc:
-        raise ClusterError(f"RocketMQ name server {dep.namesrv} unreachable: {exc}") from None
-    try:
-        return info.choose_broker(dep.broker, f"name server {dep.namesrv}")[1]
+        return (await client.home_broker(dep.topic, dep.broker))[1]
     except BrokerNotFoundError as exc:
         raise ClusterError(str(exc)) from None
+    except RemotingError as exc:
+        raise ClusterError(f"RocketMQ name server {dep.namesrv} unreachable: {exc}") from None
 
 
 def read_deployment(dep: Deployment) -> Snapshot:

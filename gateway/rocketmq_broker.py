@@ -3,7 +3,8 @@ the other rocketmq_* modules share: the plain range read and a pulled record as 
 StoredMessage (`to_stored`).
 
 Light queues are per broker (docs/rocketmq.md): the gateway writes and reads ONE broker (named
-by `rocketmq_broker`, else the first in the cluster by name), so each light queue has one
+by `rocketmq_broker`, else the one already holding the parent topic, else the first in the
+cluster by name: RemotingClient.home_broker), so each light queue has one
 home, one offset sequence and a total order. Spreading over brokers needs per-broker offsets.
 """
 

@@ -203,7 +203,7 @@ class PulledHistory:
         self._loop = asyncio.new_event_loop()
         self._client = RemotingClient([namesrv], request_timeout=10.0, connect_timeout=3.0)
         try:
-            self._addr = self._run(_broker_addr(self._client, namesrv, broker))
+            self._addr = self._run(_broker_addr(self._client, topic, broker))
             self._min = self._run(self._client.get_min_offset(self._addr, topic))
             self._max = self._run(self._client.get_max_offset(self._addr, topic))
         except BaseException:
@@ -264,7 +264,6 @@ def _same(name: str) -> str:
     return name
 
 
-async def _broker_addr(client: RemotingClient, namesrv: str, broker: str | None) -> str:
-    """The broker a gateway with these settings uses (ClusterInfo.choose_broker)."""
-    info = await client.get_cluster_info()
-    return info.choose_broker(broker, f"name server {namesrv}")[1]
+async def _broker_addr(client: RemotingClient, topic: str, broker: str | None) -> str:
+    """The broker a gateway with these settings uses (RemotingClient.home_broker)."""
+    return (await client.home_broker(topic, broker))[1]

@@ -349,15 +349,13 @@ async def _open(
     client: RemotingClient, settings: GatewaySettings, local: Storage, node_id: str
 ) -> RocketMqStorage:
     namesrv = settings.namesrv
+    topic = settings.rocketmq_topic
     try:
-        info = await client.get_cluster_info()
-    except RemotingError as exc:
-        raise StorageUnavailable(f"RocketMQ name server {namesrv} unreachable: {exc}") from exc
-    try:
-        name, addr = info.choose_broker(settings.rocketmq_broker, f"name server {namesrv}")
+        name, addr = await client.home_broker(topic, settings.rocketmq_broker)
     except BrokerNotFoundError as exc:
         raise StorageUnavailable(str(exc)) from None
-    topic = settings.rocketmq_topic
+    except RemotingError as exc:
+        raise StorageUnavailable(f"RocketMQ name server {namesrv} unreachable: {exc}") from exc
     try:
         await client.create_topic(addr, topic, queues=1)
     except RemotingError as exc:

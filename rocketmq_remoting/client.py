@@ -273,6 +273,21 @@ class RemotingClient:
         raise_for(answer, addr)
         return ClusterInfo.from_body(answer.body)
 
+    async def home_broker(self, topic: str, preferred: str | None = None) -> tuple[str, str]:
+        """(name, master address) of the home broker of the deployment whose parent topic is
+        `topic` (ClusterInfo.choose_broker: `preferred`, else the first by name of the
+        brokers the topic's route lists, else the first registered). BrokerNotFoundError
+        when there is none; other RemotingErrors when the name server does not answer."""
+        info = await self.get_cluster_info()
+        serving: list[str] = []
+        if preferred is None:
+            try:
+                serving = (await self.get_route(topic)).readable_brokers()
+            except TopicNotExistError:
+                pass  # a new deployment
+        where = "name server " + ", ".join(self.namesrv_addrs)
+        return info.choose_broker(preferred, where, serving)
+
     # -- broker: messages ---------------------------------------------------------------------
 
     async def send_message(

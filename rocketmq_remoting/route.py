@@ -161,15 +161,21 @@ class ClusterInfo:
         """Broker name -> master address, for the brokers that have a master online."""
         return {name: a for name, b in self.brokers.items() if (a := b.master_addr) is not None}
 
-    def choose_broker(self, preferred: str | None, where: str) -> tuple[str, str]:
-        """(name, master address) of a deployment's home broker: `preferred` when named, else
-        the first registered master by name, the one rule the gateway, `lmqtt replay` and the
-        fan-out report share so they agree without configuration. BrokerNotFoundError (naming
-        `where`, e.g. "name server 127.0.0.1:9876", and the registered brokers) otherwise."""
+    def choose_broker(
+        self, preferred: str | None, where: str, serving: Sequence[str] = ()
+    ) -> tuple[str, str]:
+        """(name, master address) of a deployment's home broker, the one rule the gateway,
+        `lmqtt replay` and the fan-out report share so they agree without configuration:
+        `preferred` when named; else the first by name of the brokers already `serving` the
+        deployment's parent topic (its route), so a deployment stays where its data is when
+        a broker whose name sorts first joins the cluster; else (a new deployment) the first
+        registered master by name. BrokerNotFoundError (naming `where`, e.g. "name server
+        127.0.0.1:9876", and the registered brokers) when there is none."""
         masters = self.master_addrs()
         if not masters:
             raise BrokerNotFoundError(f"no RocketMQ broker is registered at {where}")
-        name = preferred or min(masters)
+        home = [b for b in serving if b in masters]
+        name = preferred or (min(home) if home else min(masters))
         addr = masters.get(name)
         if addr is None:
             raise BrokerNotFoundError(

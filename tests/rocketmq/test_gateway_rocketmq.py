@@ -521,3 +521,52 @@ def test_shared_group_resumes_at_its_position_after_a_restart(
     assert [bytes(m.payload) for m in member.wait_messages(1)] == [b"new"]
     pub.publish("sh/1", "marker", 1)
     assert [bytes(m.payload) for m in member.wait_messages(2)] == [b"new", b"marker"]
+
+
+def test_a_deployment_stays_on_the_broker_that_holds_its_topic(
+    rocketmq: RocketMQCluster, tmp_path: Path, clients: list[Client]
+) -> None:
+    """Without `rocketmq_broker`, a gateway picks the broker the deployment's parent topic is
+    already on (its route), not the first registered by name: a deployment started on
+    broker-b (named then) is found there again once the setting is gone, as after a broker
+    whose name sorts first joined the cluster; its session and backlog resume."""
+    topic = f"t{uuid.uuid4().hex[:12]}"
+    data = tmp_path / "data"
+    first = ServeProcess(
+        data, "--store", "rocketmq", "--namesrv", rocketmq.namesrv_addr,
+        env={"LMQTT_ROCKETMQ_TOPIC": topic, "LMQTT_ROCKETMQ_BROKER": "broker-b"},
+    )  # fmt: skip
+    first.start()
+    try:
+        keeper = Client(first.port, "keeper", v5=True, clean=False, session_expiry=3600)
+        clients.append(keeper)
+        keeper.subscribe("h/#", 1)
+        keeper.disconnect()
+        pub = Client(first.port, "pub")
+        clients.append(pub)
+        for i in range(5):
+            pub.publish("h/1", f"m{i}", 1)
+        pub.disconnect()
+    finally:
+        first.stop()
+
+    async def route_brokers() -> list[str]:
+        async with RemotingClient([rocketmq.namesrv_addr]) as c:
+            return (await c.get_route(topic)).readable_brokers()
+
+    assert asyncio.run(route_brokers()) == ["broker-b"]
+    again = ServeProcess(
+        data, "--store", "rocketmq", "--namesrv", rocketmq.namesrv_addr,
+        env={"LMQTT_ROCKETMQ_TOPIC": topic},
+    )  # fmt: skip
+    again.start()
+    try:
+        assert any("broker-b" in line and "storage:" in line for line in again.output), again.output
+        keeper.port = again.port
+        keeper.connect()
+        assert keeper.connack == (True, 0)
+        msgs = keeper.wait_messages(5)
+        assert [bytes(m.payload) for m in msgs] == [f"m{i}".encode() for i in range(5)]
+    finally:
+        again.stop()
+    assert asyncio.run(route_brokers()) == ["broker-b"]  # nothing created on broker-a

@@ -26,6 +26,14 @@ def test_choose_broker_named_else_first_master_by_name() -> None:
     assert info.master_addrs() == {"broker-a": "127.0.0.1:20011", "broker-b": "127.0.0.1:20021"}
     assert info.choose_broker(None, "ns") == ("broker-a", "127.0.0.1:20011")
     assert info.choose_broker("broker-b", "ns") == ("broker-b", "127.0.0.1:20021")
+    # A deployment whose parent topic is on broker-b stays there; brokers without a master
+    # online in its route do not count.
+    assert info.choose_broker(None, "ns", ["broker-s", "broker-b"]) == (
+        "broker-b",
+        "127.0.0.1:20021",
+    )
+    assert info.choose_broker(None, "ns", ["broker-s"])[0] == "broker-a"
+    assert info.choose_broker("broker-a", "ns", ["broker-b"])[0] == "broker-a"
     with pytest.raises(
         BrokerNotFoundError,
         match=r"'broker-s' is not registered at ns \(registered: broker-a, broker-b\)",
