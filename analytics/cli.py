@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     fan.add_argument(
         "--rocketmq-broker",
         default=os.environ.get("LMQTT_ROCKETMQ_BROKER"),
-        help="the gateway's rocketmq_broker (default: the broker holding the topic, as the gateway picks)",
+        help="the gateway's rocketmq_broker (default: the one holding the topic, as the gateway)",
     )
     fan.add_argument(
         "--out", default=default_out, type=absolute, help="report directory (default %(default)s)"

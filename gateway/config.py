@@ -100,7 +100,8 @@ class GatewaySettings(BaseSettings):
     # the session state stays under data_dir for now.
     store: Literal["embedded", "rocketmq"] = "embedded"
     namesrv: str | None = None  # RocketMQ name server, host:port
-    rocketmq_broker: str | None = None  # broker name; default: the one holding rocketmq_topic, else the first registered by name
+    # Broker name; default: the one holding rocketmq_topic, else the first registered by name.
+    rocketmq_broker: str | None = None
     rocketmq_topic: str = Field(default="lmqtt", pattern=r"^[%|a-zA-Z0-9_-]{1,127}$")
     # Cluster mode (store = rocketmq): several gateway nodes on one rocketmq_topic, each with
     # `cluster = true` (gateway/cluster.py). A node fenced by its lease stops; a lost node's
