@@ -140,7 +140,7 @@ def _client(dep: Deployment) -> RemotingClient:
 async def _broker(client: RemotingClient, dep: Deployment) -> str:
     """The address of the deployment's broker (the gateway's rule: RemotingClient.home_broker)."""
     try:
-        return (await client.home_broker(dep.topic, dep.broker))[1]
+        return (await client.home_broker(dep.topic, dep.broker)).addr
     except BrokerNotFoundError as exc:
         raise ClusterError(str(exc)) from None
     except RemotingError as exc:

@@ -266,4 +266,4 @@ def _same(name: str) -> str:
 
 async def _broker_addr(client: RemotingClient, topic: str, broker: str | None) -> str:
     """The broker a gateway with these settings uses (RemotingClient.home_broker)."""
-    return (await client.home_broker(topic, broker))[1]
+    return (await client.home_broker(topic, broker)).addr

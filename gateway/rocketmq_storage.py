@@ -351,11 +351,21 @@ async def _open(
     namesrv = settings.namesrv
     topic = settings.rocketmq_topic
     try:
-        name, addr = await client.home_broker(topic, settings.rocketmq_broker)
+        home = await client.home_broker(topic, settings.rocketmq_broker)
     except BrokerNotFoundError as exc:
         raise StorageUnavailable(str(exc)) from None
     except RemotingError as exc:
         raise StorageUnavailable(f"RocketMQ name server {namesrv} unreachable: {exc}") from exc
+    name, addr = home.name, home.addr
+    others = [b for b in home.serving if b != name]
+    if others:
+        # A deployment reads and writes its home broker only (docs/rocketmq.md "Several
+        # brokers"): what an earlier run stored elsewhere (another rocketmq_broker) is not read.
+        log.warning(
+            "topic %s is also on broker(s) %s: this gateway stores on and reads %s only;"
+            " messages and sessions kept there are not read",
+            topic, ", ".join(others), name,
+        )  # fmt: skip
     try:
         await client.create_topic(addr, topic, queues=1)
     except RemotingError as exc:

@@ -4,7 +4,7 @@ Standalone: it imports nothing of lmqtt. See docs/rocketmq.md for what was verif
 RocketMQ 5.3.3 and how lmqtt's storage operations map onto these calls.
 """
 
-from rocketmq_remoting.client import PullResult, RemotingClient, SendResult
+from rocketmq_remoting.client import HomeBroker, PullResult, RemotingClient, SendResult
 from rocketmq_remoting.codes import RequestCode, ResponseCode
 from rocketmq_remoting.command import RemotingCommand, decode_frame
 from rocketmq_remoting.errors import (
@@ -27,6 +27,7 @@ __all__ = [
     "BrokerError",
     "BrokerNotFoundError",
     "ClusterInfo",
+    "HomeBroker",
     "MessageRecord",
     "OffsetMovedError",
     "ProtocolError",

@@ -102,6 +102,16 @@ class PullResult:
         return self.code == ResponseCode.SUCCESS
 
 
+@dataclass(frozen=True, slots=True)
+class HomeBroker:
+    """A deployment's home broker (RemotingClient.home_broker) and every broker its parent
+    topic is on now (`serving`, sorted; empty for a new deployment)."""
+
+    name: str
+    addr: str
+    serving: list[str]
+
+
 def _int(cmd: RemotingCommand, name: str, default: int = 0) -> int:
     value = cmd.ext_fields.get(name)
     return int(value) if value not in (None, "", "null") else default
@@ -273,20 +283,20 @@ class RemotingClient:
         raise_for(answer, addr)
         return ClusterInfo.from_body(answer.body)
 
-    async def home_broker(self, topic: str, preferred: str | None = None) -> tuple[str, str]:
-        """(name, master address) of the home broker of the deployment whose parent topic is
-        `topic` (ClusterInfo.choose_broker: `preferred`, else the first by name of the
-        brokers the topic's route lists, else the first registered). BrokerNotFoundError
-        when there is none; other RemotingErrors when the name server does not answer."""
+    async def home_broker(self, topic: str, preferred: str | None = None) -> HomeBroker:
+        """The home broker of the deployment whose parent topic is `topic`
+        (ClusterInfo.choose_broker: `preferred`, else the first by name of the brokers the
+        topic's route lists, else the first registered), and the brokers the topic is on.
+        BrokerNotFoundError when there is none; other RemotingErrors when the name server
+        does not answer."""
         info = await self.get_cluster_info()
-        serving: list[str] = []
-        if preferred is None:
-            try:
-                serving = (await self.get_route(topic)).readable_brokers()
-            except TopicNotExistError:
-                pass  # a new deployment
+        try:
+            serving = (await self.get_route(topic)).readable_brokers()
+        except TopicNotExistError:
+            serving = []  # a new deployment
         where = "name server " + ", ".join(self.namesrv_addrs)
-        return info.choose_broker(preferred, where, serving)
+        name, addr = info.choose_broker(preferred, where, serving)
+        return HomeBroker(name, addr, serving)
 
     # -- broker: messages ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ other's messages or retained state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from gateway.protocol import PubAck, Publish
-from rocketmq_remoting import RemotingClient
+from rocketmq_remoting import RemotingClient, TopicNotExistError
 from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
 from topicmap.rocketmq import encode_lmq
@@ -570,3 +571,44 @@ def test_a_deployment_stays_on_the_broker_that_holds_its_topic(
     finally:
         again.stop()
     assert asyncio.run(route_brokers()) == ["broker-b"]  # nothing created on broker-a
+
+
+def test_a_topic_on_several_brokers_is_served_from_the_first_with_a_warning(
+    rocketmq: RocketMQCluster, tmp_path: Path, clients: list[Client]
+) -> None:
+    """A parent topic already on both brokers (e.g. runs with different `rocketmq_broker`s):
+    the gateway stores on the first by name and says that the other's data is not read."""
+    topic = f"t{uuid.uuid4().hex[:12]}"
+
+    async def create_on_both() -> list[str]:
+        async with RemotingClient([rocketmq.namesrv_addr]) as c:
+            for addr in rocketmq.brokers.values():
+                await c.create_topic(addr, topic, queues=1)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                with contextlib.suppress(TopicNotExistError):
+                    found = (await c.get_route(topic)).readable_brokers()
+                    if len(found) == 2:
+                        return found
+                await asyncio.sleep(0.1)
+            raise AssertionError("the route never listed both brokers")
+
+    assert asyncio.run(create_on_both()) == ["broker-a", "broker-b"]
+    g = ServeProcess(
+        tmp_path / "data", "--store", "rocketmq", "--namesrv", rocketmq.namesrv_addr,
+        env={"LMQTT_ROCKETMQ_TOPIC": topic},
+    )  # fmt: skip
+    g.start()
+    try:
+        warned = [line for line in g.output if "also on broker(s) broker-b" in line]
+        assert warned and "stores on and reads broker-a only" in warned[0], g.output
+        assert any("storage: RocketMQ broker broker-a" in line for line in g.output), g.output
+        sub = Client(g.port, "sub")
+        clients.append(sub)
+        sub.subscribe("s/#", 1)
+        pub = Client(g.port, "pub")
+        clients.append(pub)
+        pub.publish("s/1", "x", 1)
+        assert [bytes(m.payload) for m in sub.wait_messages(1)] == [b"x"]
+    finally:
+        g.stop()
