@@ -104,8 +104,9 @@ class ClusterLink(Protocol):
     """What a connection sees of cluster mode (gateway/cluster.py Cluster); SingleNode when
     the gateway is the only node."""
 
-    async def before_connect(self, client_id: str) -> None:
-        """A CONNECT arrived: the session records other nodes wrote so far applied here."""
+    async def before_connect(self, client_id: str, conn: Connected, clean_start: bool) -> None:
+        """A CONNECT arrived: the session records other nodes wrote so far applied here (a
+        session connected on another node handed over by it)."""
         ...
 
     async def connected(
@@ -137,7 +138,7 @@ class ClusterLink(Protocol):
 class SingleNode:
     """No cluster: nothing to tell anyone."""
 
-    async def before_connect(self, client_id: str) -> None:
+    async def before_connect(self, client_id: str, conn: Connected, clean_start: bool) -> None:
         return None
 
     async def connected(
@@ -746,7 +747,8 @@ class ClientConnection:
         cluster = ctx.cluster
         clustered = not isinstance(cluster, SingleNode)
         if clustered:
-            await cluster.before_connect(cid)  # the session as another node left it
+            # The session as another node left it (or hands it over).
+            await cluster.before_connect(cid, self, ev.clean_start)
             if self.closed:
                 return
         session, present = ctx.sessions.connect(

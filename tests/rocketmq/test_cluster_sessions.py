@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from gateway.protocol import (
     Connect,
@@ -203,9 +205,9 @@ def test_a_session_resumes_on_another_node_after_the_first_stopped(nodes: Nodes)
 def test_a_session_taken_over_by_another_node_resumes_there(nodes: Nodes) -> None:
     """Points 2 and 3: the same persistent session connecting on B while connected on A: A's
     connection is closed (0x8E), B's CONNACK has session present, the messages A had in
-    flight come again on B (from the position in A's record, which may predate them: at least
-    once, DUP not promised), and A writes nothing after the takeover (the newest record is B's,
-    connected), so publishes through A keep reaching the session on B."""
+    flight come again on B with DUP (A handed the session over), and A writes nothing after
+    the takeover (the newest record is B's, connected), so publishes through A keep reaching
+    the session on B."""
     a = nodes.start()
     b = nodes.start()
     old = RawClient(a.port, level=5)
@@ -222,7 +224,7 @@ def test_a_session_taken_over_by_another_node_resumes_there(nodes: Nodes) -> Non
     assert isinstance(ev, Disconnect) and ev.reason_code == 0x8E
     assert old.is_closed()
     resent = [new.recv() for _ in range(2)]
-    assert [m.payload for m in resent] == [b"m0", b"m1"]
+    assert [(m.payload, m.dup) for m in resent] == [(b"m0", True), (b"m1", True)]
     for m in resent:
         new.send(PubAck(m.packet_id))
     _publish(a.port, "m/x", [b"through-a"])
@@ -233,6 +235,47 @@ def test_a_session_taken_over_by_another_node_resumes_there(nodes: Nodes) -> Non
     assert record is not None and record.get("disconnected_at_ms") is None, record
     old.close()
     new.close()
+
+
+def test_a_session_taken_over_while_connected_resumes_exactly(
+    nodes: Nodes, clients: list[Client]
+) -> None:
+    """Takeover with the client still connected on A (gateway/handover.py): A closes the
+    connection and hands the session as it stands to B, so B resends exactly what was in
+    flight, with DUP, nothing already acknowledged, then the backlog. (A's newest record was
+    written at SUBACK: resuming from it would send m0..m9 again, without DUP.)"""
+    a = nodes.start()
+    b = nodes.start()
+    window = Properties(PacketTypes.CONNECT)
+    window.ReceiveMaximum = 4  # A holds back the rest once 4 are in flight
+    old = Client(
+        a.port, "exact", v5=True, clean=False, session_expiry=3600, connect_props=window,
+        auto_ack=False,
+    )  # fmt: skip
+    clients.append(old)
+    old.c.reconnect_delay_set(60, 120)  # told 0x8E, it must not come back within the test
+    assert old.subscribe("e/#", 1) == [1]
+    _publish(a.port, "e/t", [f"m{i}".encode() for i in range(10)])
+    first = old.wait_messages(4)
+    assert [bytes(m.payload) for m in first] == [b"m0", b"m1", b"m2", b"m3"]
+    old.c.ack(first[0].mid, 1)
+    old.c.ack(first[1].mid, 1)
+    sent = old.wait_messages(6)  # the two acknowledgements freed the window for m4, m5
+    assert [bytes(m.payload) for m in sent[4:]] == [b"m4", b"m5"]
+    new = Client(b.port, "exact", v5=True, clean=False, session_expiry=3600)
+    clients.append(new)
+    assert new.connack == (True, 0)
+    got = new.wait_messages(8)
+    assert [(bytes(m.payload), bool(m.dup)) for m in got] == [
+        *[(f"m{i}".encode(), True) for i in range(2, 6)],
+        *[(f"m{i}".encode(), False) for i in range(6, 10)],
+    ]
+    wait_until(lambda: old.disconnected is not None, what="A's connection closed")
+    assert old.disconnected.value == 0x8E
+    _publish(b.port, "e/t", [b"marker"])
+    got = new.wait_messages(9)
+    assert len(got) == 9 and bytes(got[8].payload) == b"marker", [m.payload for m in got]
+    assert len(old.messages) == 6  # A sent nothing after the takeover
 
 
 def _expiry(seconds: int) -> PProperties:
