@@ -54,6 +54,8 @@ class ClusterStorage(Storage, Protocol):
 
     def written_by(self, node: str) -> list[tuple[str, bytes]]: ...
 
+    def state_writers(self) -> set[str]: ...
+
     def writer_of(self, key: str) -> str | None:
         """The node whose record of `key` is the newest (None: unknown or deleted)."""
         ...
@@ -103,7 +105,9 @@ class Cluster:
         self._cancel_will: Callable[[str], None] = lambda _cid: None
         self.takeover = ClusterTakeover(self.bus, lambda cid: self._cancel_will(cid), self._moved)
         self.handover = Handover(self.bus, self._state_durable)
-        self.wills = NodeWills(self.bus, self.membership, store, publisher.store_publish)
+        self.wills = NodeWills(
+            self.bus, self.membership, store, publisher.store_publish, self._adopt_own
+        )
         publisher.fenced = self.membership.is_fenced
         store.set_compaction_gate(self.membership.is_leader)
 
@@ -161,6 +165,12 @@ class Cluster:
                 sessions.claimed_elsewhere(rec)
 
         self.bus.on("conn", claimed)
+
+    def _adopt_own(self, client_id: str, value: bytes | None) -> None:
+        """A record this node wrote for a gone node's session (node_wills.py): this node's copy
+        follows it as the other nodes' do."""
+        if self.sessions is not None:
+            self.sessions.adopt(client_id, value)
 
     def _moved(self, client_id: str, claim: Record) -> None:
         if self.sessions is not None:

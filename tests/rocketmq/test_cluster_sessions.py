@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ from gateway.protocol import (
     SubAck,
     Subscribe,
     Subscription,
+    Will,
 )
 from gateway.protocol import Properties as PProperties
 from gateway.rocketmq_broker import PULL_GROUP
@@ -49,7 +52,8 @@ class Nodes:
         self.tmp_path = tmp_path
         self.nodes: list[ServeProcess] = []
 
-    def start(self, *args: str) -> ServeProcess:
+    def start(self, *args: str, node_id: str | None = None) -> ServeProcess:
+        """`node_id`: the leader is the live node with the smallest id."""
         g = ServeProcess(
             self.tmp_path / f"node{len(self.nodes)}",
             "--store", "rocketmq", "--namesrv", self.namesrv, *args,
@@ -59,6 +63,7 @@ class Nodes:
                 "LMQTT_CLUSTER": "true",
                 "LMQTT_CLUSTER_LEASE": str(LEASE_S),
                 "LMQTT_CLUSTER_HEARTBEAT": str(HEARTBEAT_S),
+                **({"LMQTT_NODE_ID": node_id} if node_id else {}),
             },
         )  # fmt: skip
         self.nodes.append(g)
@@ -96,12 +101,19 @@ class Nodes:
 
         return asyncio.run(read())
 
-    def wait_record(self, client_id: str, cond: Callable[[dict[str, object]], bool]) -> None:
+    def wait_record(
+        self,
+        client_id: str,
+        cond: Callable[[dict[str, object]], bool] | None,
+        timeout: float = 20,
+    ) -> None:
+        """Until `client_id`'s newest record satisfies `cond` (None: until it is deleted)."""
+
         def ok() -> bool:
             rec = self.session_record(client_id)
-            return rec is not None and cond(rec)
+            return rec is None if cond is None else rec is not None and cond(rec)
 
-        wait_until(ok, 20, f"{client_id}'s session record in the state log")
+        wait_until(ok, timeout, f"{client_id}'s session record in the state log")
 
 
 @pytest.fixture
@@ -276,6 +288,74 @@ def test_a_session_taken_over_while_connected_resumes_exactly(
     got = new.wait_messages(9)
     assert len(got) == 9 and bytes(got[8].payload) == b"marker", [m.payload for m in got]
     assert len(old.messages) == 6  # A sent nothing after the takeover
+
+
+def test_a_lost_nodes_sessions_are_disconnected_and_expire_on_every_node(nodes: Nodes) -> None:
+    """Sessions connected on a node that dies (no will): the leader rewrites them as
+    disconnected at the loss (gateway/node_wills.py), so every node runs their expiry: a clean
+    one ends at once, one with a 4 s expiry ends on every node 4 s later, a long one stays and
+    resumes on another node. (Before, they stayed connected copies for ever.)"""
+    lead = nodes.start(node_id="n1")
+    a = nodes.start(node_id="n2")
+    c = nodes.start(node_id="n3")
+    socks = []
+    for cid, level, clean, expiry in [
+        ("keep", 5, False, 3600), ("short", 5, False, 4), ("clean", 4, True, 0),
+    ]:  # fmt: skip
+        sock = RawClient(a.port, level=level)
+        props = _expiry(expiry) if level == 5 else None
+        assert sock.connect(cid, clean=clean, properties=props).reason_code == 0
+        sock.send(Subscribe(1, [Subscription(f"{cid}/#", 1)]))
+        assert isinstance(sock.recv(), SubAck)
+        socks.append(sock)
+    a.stop(signal.SIGKILL)
+    timeout = LEASE_S * 2 + 10
+    nodes.wait_record("clean", None, timeout)  # ended with its node
+    nodes.wait_record("keep", lambda r: r.get("disconnected_at_ms") is not None, timeout)
+    nodes.wait_record("short", None, timeout + 4)  # expired
+    for g in (lead, c):  # each node ended its copy when due, not only the leader
+        wait_until(lambda g=g: any("'short' expired" in x for x in g.output), 10, "expiry")
+    for port, cid, present in [(c.port, "keep", True), (lead.port, "short", False)]:
+        again = RawClient(port, level=5)
+        ack = again.connect(cid, clean=False, properties=_expiry(3600))
+        assert (ack.reason_code, ack.session_present) == (0, present), cid
+        again.close()
+    for sock in socks:
+        sock.close()
+
+
+def test_a_will_pending_on_a_leader_that_dies_is_published_by_the_next_once(
+    nodes: Nodes, clients: list[Client]
+) -> None:
+    """Node A dies with a client whose will has a 20 s delay; the leader takes the will over
+    (its record rewritten with the due time, gateway/node_wills.py) and dies too before it is
+    due: the survivor, leader now, publishes it when due, once."""
+    delay = 20
+    lead = nodes.start(node_id="n1")
+    a = nodes.start(node_id="n2")
+    survivor = nodes.start(node_id="n3")
+    watcher = Client(survivor.port, "lw-watcher")
+    clients.append(watcher)
+    assert watcher.subscribe("lw/#", 1) == [1]
+    dev = RawClient(a.port, level=5)
+    will = Will("lw/dev", b"gone", qos=1, properties=PProperties(will_delay_interval=delay))
+    assert dev.connect("lw-dev", clean=False, properties=_expiry(60), will=will).reason_code == 0
+    killed = time.monotonic()
+    a.stop(signal.SIGKILL)
+    nodes.wait_record("lw-dev", lambda r: r.get("will_due_ms") is not None, LEASE_S * 2 + 5)
+    assert time.monotonic() - killed < delay - LEASE_S, "too late to kill the leader in time"
+    lead.stop(signal.SIGKILL)
+    watcher.wait_messages(1, timeout=delay + LEASE_S * 2 + 10)
+    assert time.monotonic() - killed >= delay
+    pub = Client(survivor.port, "lw-pub")
+    clients.append(pub)
+    pub.publish("lw/marker", b"after", 1)
+    got = watcher.wait_messages(2)
+    assert [(m.topic, bytes(m.payload)) for m in got] == [
+        ("lw/dev", b"gone"),
+        ("lw/marker", b"after"),
+    ]
+    dev.close()
 
 
 def _expiry(seconds: int) -> PProperties:
