@@ -756,6 +756,11 @@ class ClientConnection:
         )
         self.session = session
         self.will = will
+        if present and session.behind:
+            # From the record of a node that crashed: acknowledged since are not sent again.
+            await ctx.sessions.skip_acknowledged(session)
+            if self.closed:
+                return
         if clustered:
             try:
                 await cluster.connected(cid, self, ev.clean_start, session)

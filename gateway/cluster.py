@@ -180,12 +180,12 @@ class Cluster:
         store = self.store
         await store.wait_state_durable(store.append_state([]))
 
-    def _holder(self, client_id: str) -> str | None:
-        """The live node other than this one on which `client_id` is connected, by the
-        newest record of its session (None: none, or not known here)."""
+    def _connected_at(self, client_id: str) -> str | None:
+        """The node other than this one on which `client_id` is connected by the newest record
+        of its session, live or not (None: none, or not known here)."""
         key = SESSION_KEY_PREFIX + client_id
         writer = self.store.writer_of(key)
-        if writer is None or writer == self.node_id or writer not in self.membership.live_peers():
+        if writer is None or writer == self.node_id:
             return None
         value = self.store.state_value(key)
         try:
@@ -206,10 +206,14 @@ class Cluster:
         if sessions is None:
             return
         await sessions.before_connect(client_id)
-        holder = None if clean_start else self._holder(client_id)
+        holder = None if clean_start else self._connected_at(client_id)
         if holder is None:
-            return  # the record is exact (written at the disconnect), or its node is gone
-        takeover, handover, live = self.takeover, self.handover, self.membership.live_peers
+            return  # the record is exact (written at the disconnect)
+        live = self.membership.live_peers
+        if holder not in live():
+            sessions.mark_behind(client_id)  # its node crashed: the broker's offsets are fresher
+            return
+        takeover, handover = self.takeover, self.handover
         wait = handover.expect(client_id)
         try:
             try:
@@ -230,6 +234,7 @@ class Cluster:
                 "%r: node %s did not hand the session over; resuming from its last record",
                 client_id, holder,
             )  # fmt: skip
+            sessions.mark_behind(client_id)
             return
         sessions.adopt(client_id, None if doc is None else to_json(doc))
 

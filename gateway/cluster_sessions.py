@@ -204,6 +204,13 @@ class ClusterSessions:
                 # forgotten like one deleted by retention: the session still resumes.
                 log.warning("session %r: resuming here: %s", session.client_id, res)
 
+    def mark_behind(self, client_id: str) -> None:
+        """The copy of `client_id` is the record of a node that crashed with it connected (or
+        did not hand it over): its positions may lag (gateway/session.py `behind`)."""
+        session = self._registry.get(client_id)
+        if session is not None and session.connection is None:
+            session.behind = True
+
     def taken_over(self, client_id: str, claim: Record) -> None:
         """Another node's connection took `client_id` over (its `claim`, gateway/takeover.py):
         its record is the session's. The connection here is closing; its end hands the

@@ -11,7 +11,9 @@ gracefully: it wrote its sessions as disconnected, without wills):
     connected there (disconnected_at_ms null)   -> rewritten by the leader as disconnected at
                                                    the loss: its expiry runs on every node
                                                    (each adopts the record); a clean session's
-                                                   record deleted (it ended with its node)
+                                                   record deleted (it ended with its node);
+                                                   marked `behind` (its next CONNECT takes the
+                                                   broker's fresher committed offsets)
         ... with a will                         -> the rewrite keeps it, with its due time
                                                    (will_due_ms: the loss + its will delay,
                                                    MQTT 5; none: now)
@@ -187,7 +189,8 @@ def _taken_over(d: dict[str, Any], now: int) -> tuple[dict[str, Any], bool]:
         if d.get("will") and d.get("will_due_ms") is None:
             return {**d, "will_due_ms": now}, True  # (not written so: published now)
         return d, False
-    d = {**d, "disconnected_at_ms": now}
+    # `behind`: its positions may lag the broker's committed offsets (gateway/session.py).
+    d = {**d, "disconnected_at_ms": now, "behind": True}
     if d.get("will"):
         delay = 0
         if int(d.get("protocol_level", 4)) == 5:

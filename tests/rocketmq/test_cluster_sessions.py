@@ -358,6 +358,46 @@ def test_a_will_pending_on_a_leader_that_dies_is_published_by_the_next_once(
     dev.close()
 
 
+def test_acknowledged_messages_do_not_come_again_after_a_crash(nodes: Nodes) -> None:
+    """SIGKILL of node A after its client acknowledged messages its session record does not
+    know of yet (records of connected sessions are rewritten every 10 s): B resumes the session
+    from the broker's committed offsets where they are fresher (sent every second), so the
+    messages acknowledged more than ~1.5 s before the crash are not delivered again; the ones
+    in flight at the crash come again, then the rest."""
+    a = nodes.start()
+    b = nodes.start()
+    sub = RawClient(a.port, level=4)
+    assert sub.connect("crashed", clean=False).reason_code == 0
+    sub.send(Subscribe(1, [Subscription("k/#", 1)]))
+    assert isinstance(sub.recv(), SubAck)
+    acked = 0
+    for _ in range(3):  # until A's record lags the acknowledgements (a progress pass may not)
+        _publish(a.port, "k/t", [f"k{acked + i}".encode() for i in range(4)])
+        for _ in range(4):
+            sub.send(PubAck(sub.recv().packet_id))
+        acked += 4
+        time.sleep(1.5)  # the broker has the committed offset (sent every second)
+        rec = nodes.session_record("crashed")
+        assert rec is not None
+        (sd,) = rec["subscriptions"]  # type: ignore[misc]
+        pending = [i["offset"] for i in rec["inflight"]]  # type: ignore[attr-defined]
+        if min([sd["next_offset"], *pending]) < acked:
+            break
+    else:
+        pytest.fail("A's record kept up with the acknowledgements: nothing to test")
+    _publish(a.port, "k/t", [b"open0", b"open1"])  # in flight at the crash: not acknowledged
+    assert [sub.recv().payload for _ in range(2)] == [b"open0", b"open1"]
+    a.stop(signal.SIGKILL)
+    sub.close()
+    _publish(b.port, "k/t", [b"after"])
+    again = RawClient(b.port, level=4)
+    ack = again.connect("crashed", clean=False)
+    assert ack.reason_code == 0 and ack.session_present
+    got = [again.recv() for _ in range(3)]
+    assert [m.payload for m in got] == [b"open0", b"open1", b"after"]
+    again.close()
+
+
 def _expiry(seconds: int) -> PProperties:
     return PProperties(session_expiry_interval=seconds)
 
