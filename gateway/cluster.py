@@ -42,6 +42,10 @@ from gateway.takeover import ClusterTakeover
 
 log = logging.getLogger("lmqtt.cluster")
 
+#: How long a CONNECT waits for the hand-over of a session connected on another node, in
+#: heartbeat periods (at most the lease).
+HANDOVER_HEARTBEATS = 3
+
 
 class ClusterStorage(Storage, Protocol):
     """What cluster mode needs of storage beyond the port (RocketMqStorage has it)."""
@@ -221,10 +225,14 @@ class Cluster:
             except (StoreError, TimeoutError):
                 takeover.release(client_id, conn)  # connected() claims again (or refuses)
                 return
+            # A live holder answers within a broker round trip or two; one that does not
+            # answer within a few heartbeats is most likely dead (a client reconnecting after
+            # its node died must not wait out the whole lease): resume from the record then.
+            members = self.membership
             doc = await handover.receive(
                 wait,
                 seq,
-                self.membership.lease_s,
+                min(members.lease_s, HANDOVER_HEARTBEATS * members.heartbeat_s),
                 lambda: holder in live() and takeover.holds(client_id, conn),
             )
         finally:

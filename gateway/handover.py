@@ -9,8 +9,8 @@ node that holds the session hands over its state as it stands when its connectio
 
     node B: CONNECT "c" (no clean start); the newest record of c, by live node A, says connected
         "conn" {c, cs: false, h: true}        the claim asks for a hand-over
-        waits for "hand" addressed to it      (deadline: the lease; A lost meanwhile or B's
-                                               claim superseded: no wait)
+        waits for "hand" addressed to it      (deadline: 3 heartbeats; A lost meanwhile or
+                                               B's claim superseded: no longer)
     node A, reading the claim:
         c connected here -> closed with 0x8E (takeover.py); once the connection has ended:
         c not connected here, A wrote its newest record -> at once:
@@ -20,8 +20,9 @@ node that holds the session hands over its state as it stands when its connectio
             session present, the in-flight window re-sent with DUP (MQTT-4.4.0-1), the backlog
             from the handed positions; B's record (connected on B) follows A's in the log
 
-Without an answer (A killed, or silent for a lease: then it has fenced itself) B resumes
-from A's newest record: at least once, what A delivered after it comes again without DUP.
+Without an answer (A killed, or too slow) B resumes from A's newest record, marked `behind`
+(gateway/session.py: the broker's committed offsets are taken where fresher): what A had in
+flight, and what was acknowledged in the last second, comes again without DUP.
 The hand travels on the cluster bus (an event for one node), not the state log: A writes
 nothing for a session taken from it, so no late record of A's can follow B's.
 """
