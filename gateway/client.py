@@ -750,6 +750,7 @@ class ClientConnection:
             # The session as another node left it (or hands it over).
             await cluster.before_connect(cid, self, ev.clean_start)
             if self.closed:
+                cluster.released(cid, self)  # a claim made while it waited for a hand-over
                 return
         session, present = ctx.sessions.connect(
             cid, level, expiry, ev.clean_start, self, will, self.peer

@@ -225,9 +225,11 @@ class ClusterSessions:
         cid = claim.get("c")
         if not claim.get("h") or not isinstance(cid, str) or self._moved.get(cid) is claim:
             return
+        if not self._mine(cid):
+            return  # another node's record: that node hands it over
         session = self._registry.get(cid)  # a dormant one is built: unchanged, but here
-        if (session is not None and session.connection is not None) or not self._mine(cid):
-            return  # connected here by a newer claim (that claim's node wins), or not ours
+        if session is not None and session.connection is not None:
+            return  # connected here by a newer claim: that claim's connection wins
         doc = session.to_json() if session is not None else None  # None: ended here
         self._handover.give(cid, claim["n"], claim["i"], doc)
 
