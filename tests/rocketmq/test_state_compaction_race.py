@@ -44,11 +44,12 @@ def test_a_snapshot_record_older_than_a_write_after_the_compaction_start_is_skip
 
     async def race() -> dict[str, bytes]:
         lmq = broker.names.lmq(STATE_QUEUE)
-        await state.wait_durable(state._send_batch(encode_state([("race/k", b"old")]), "X"))
+        log = StateLog(broker, state._send, "X")  # writes as node X would
+        await log.wait_durable(log._send_batch(encode_state([("race/k", b"old")])))
         start = await broker.client.get_max_offset(broker.addr, lmq)
-        await state.wait_durable(state._send_batch(encode_state([("race/k", b"new")]), "X"))
+        await log.wait_durable(log._send_batch(encode_state([("race/k", b"new")])))
         snapshot = encode_state([("race/k", b"old"), ("race/other", b"kept")])
-        await state.wait_durable(state._send_batch(snapshot, "X", start))
+        await log.wait_durable(log._send_batch(snapshot, "X", start))
         await broker.client.update_consumer_offset(
             broker.addr, broker.names.lmq(STATE_START), lmq, start
         )
