@@ -104,8 +104,9 @@ class ClusterLink(Protocol):
     """What a connection sees of cluster mode (gateway/cluster.py Cluster); SingleNode when
     the gateway is the only node."""
 
-    async def before_connect(self, client_id: str) -> None:
-        """A CONNECT arrived: the session records other nodes wrote so far applied here."""
+    async def before_connect(self, client_id: str, conn: Connected, clean_start: bool) -> None:
+        """A CONNECT arrived: the session records other nodes wrote so far applied here (a
+        session connected on another node handed over by it)."""
         ...
 
     async def connected(
@@ -137,7 +138,7 @@ class ClusterLink(Protocol):
 class SingleNode:
     """No cluster: nothing to tell anyone."""
 
-    async def before_connect(self, client_id: str) -> None:
+    async def before_connect(self, client_id: str, conn: Connected, clean_start: bool) -> None:
         return None
 
     async def connected(
@@ -746,14 +747,21 @@ class ClientConnection:
         cluster = ctx.cluster
         clustered = not isinstance(cluster, SingleNode)
         if clustered:
-            await cluster.before_connect(cid)  # the session as another node left it
+            # The session as another node left it (or hands it over).
+            await cluster.before_connect(cid, self, ev.clean_start)
             if self.closed:
+                cluster.released(cid, self)  # a claim made while it waited for a hand-over
                 return
         session, present = ctx.sessions.connect(
             cid, level, expiry, ev.clean_start, self, will, self.peer
         )
         self.session = session
         self.will = will
+        if present and session.behind:
+            # From the record of a node that crashed: acknowledged since are not sent again.
+            await ctx.sessions.skip_acknowledged(session)
+            if self.closed:
+                return
         if clustered:
             try:
                 await cluster.connected(cid, self, ev.clean_start, session)

@@ -7,6 +7,7 @@ The parts, each in its module:
     gateway/filter_registry.py  every node routes to every node's filters; SUBACK waits for
                                 the live nodes' acknowledgements (no gap after SUBACK)
     gateway/takeover.py         a client id connecting on one node closes it on the others
+    gateway/handover.py         ... and that node hands the session's exact state over
     gateway/node_wills.py       the wills of a lost node's clients, published by the leader
     gateway/cluster_sessions.py a persistent session resumes on any node (the other nodes'
                                 session records adopted); retained messages caught up
@@ -26,17 +27,24 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from gateway.cluster_bus import ClusterBus
+from pydantic_core import from_json, to_json
+
+from gateway.cluster_bus import ClusterBus, Record
 from gateway.cluster_sessions import ClusterSessions, Counted
 from gateway.filter_registry import ClusterFilters
+from gateway.handover import NO_HAND, Handover
 from gateway.membership import Membership
 from gateway.node_wills import NodeWills
 from gateway.publishing import PublishPath
 from gateway.session import SESSION_KEY_PREFIX, Connected, Session, SessionRegistry
-from gateway.storage import StateRecord, Storage
+from gateway.storage import StateRecord, Storage, StoreError
 from gateway.takeover import ClusterTakeover
 
 log = logging.getLogger("lmqtt.cluster")
+
+#: How long a CONNECT waits for the hand-over of a session connected on another node, in
+#: heartbeat periods (at most the lease).
+HANDOVER_HEARTBEATS = 3
 
 
 class ClusterStorage(Storage, Protocol):
@@ -49,6 +57,8 @@ class ClusterStorage(Storage, Protocol):
         ...
 
     def written_by(self, node: str) -> list[tuple[str, bytes]]: ...
+
+    def state_writers(self) -> set[str]: ...
 
     def writer_of(self, key: str) -> str | None:
         """The node whose record of `key` is the newest (None: unknown or deleted)."""
@@ -98,7 +108,10 @@ class Cluster:
         )
         self._cancel_will: Callable[[str], None] = lambda _cid: None
         self.takeover = ClusterTakeover(self.bus, lambda cid: self._cancel_will(cid), self._moved)
-        self.wills = NodeWills(self.bus, self.membership, store, publisher.store_publish)
+        self.handover = Handover(self.bus, self._state_durable)
+        self.wills = NodeWills(
+            self.bus, self.membership, store, publisher.store_publish, self._adopt_own
+        )
         publisher.fenced = self.membership.is_fenced
         store.set_compaction_gate(self.membership.is_leader)
 
@@ -142,6 +155,8 @@ class Cluster:
             stats,
             newest=newest,
             cancel_will=lambda cid: self._cancel_will(cid),
+            handover=self.handover,
+            mine=lambda cid: store.writer_of(SESSION_KEY_PREFIX + cid) == self.node_id,
         )
         n = len(SESSION_KEY_PREFIX)
         for key, value in self.store.state_records():
@@ -149,18 +164,87 @@ class Cluster:
                 sessions.adopt(key[n:], value)
         self.store.add_state_observer(sessions.observe)
 
-    def _moved(self, client_id: str) -> None:
+        def claimed(rec: Record) -> None:  # after the takeover's handler (registered first)
+            if rec["n"] != self.node_id:
+                sessions.claimed_elsewhere(rec)
+
+        self.bus.on("conn", claimed)
+
+    def _adopt_own(self, client_id: str, value: bytes | None) -> None:
+        """A record this node wrote for a gone node's session (node_wills.py): this node's copy
+        follows it as the other nodes' do."""
         if self.sessions is not None:
-            self.sessions.taken_over(client_id)
+            self.sessions.adopt(client_id, value)
+
+    def _moved(self, client_id: str, claim: Record) -> None:
+        if self.sessions is not None:
+            self.sessions.taken_over(client_id, claim)
+
+    async def _state_durable(self) -> None:
+        store = self.store
+        await store.wait_state_durable(store.append_state([]))
+
+    def _connected_at(self, client_id: str) -> str | None:
+        """The node other than this one on which `client_id` is connected by the newest record
+        of its session, live or not (None: none, or not known here)."""
+        key = SESSION_KEY_PREFIX + client_id
+        writer = self.store.writer_of(key)
+        if writer is None or writer == self.node_id:
+            return None
+        value = self.store.state_value(key)
+        try:
+            connected = value is not None and from_json(value).get("disconnected_at_ms") is None
+        except ValueError:
+            return None
+        return writer if connected else None
 
     def on_fenced(self, callback: Callable[[], None]) -> None:
         self.membership.on_fenced.append(callback)
 
     # -- ClusterLink (gateway/client.py) -----------------------------------------------------
 
-    async def before_connect(self, client_id: str) -> None:
-        if self.sessions is not None:
-            await self.sessions.before_connect(client_id)
+    async def before_connect(self, client_id: str, conn: Connected, clean_start: bool) -> None:
+        """A CONNECT arrived: the state log applied to its end; a session connected on another
+        live node is claimed now and handed over by that node (gateway/handover.py)."""
+        sessions = self.sessions
+        if sessions is None:
+            return
+        await sessions.before_connect(client_id)
+        holder = None if clean_start else self._connected_at(client_id)
+        if holder is None:
+            return  # the record is exact (written at the disconnect)
+        live = self.membership.live_peers
+        if holder not in live():
+            sessions.mark_behind(client_id)  # its node crashed: the broker's offsets are fresher
+            return
+        takeover, handover = self.takeover, self.handover
+        wait = handover.expect(client_id)
+        try:
+            try:
+                seq = await takeover.claim(client_id, conn, clean_start, handover=True)
+            except (StoreError, TimeoutError):
+                takeover.release(client_id, conn)  # connected() claims again (or refuses)
+                return
+            # A live holder answers within a broker round trip or two; one that does not
+            # answer within a few heartbeats is most likely dead (a client reconnecting after
+            # its node died must not wait out the whole lease): resume from the record then.
+            members = self.membership
+            doc = await handover.receive(
+                wait,
+                seq,
+                min(members.lease_s, HANDOVER_HEARTBEATS * members.heartbeat_s),
+                lambda: holder in live() and takeover.holds(client_id, conn),
+            )
+        finally:
+            handover.forget(client_id, wait)
+        if doc is NO_HAND:
+            log.warning(
+                "%r: node %s did not hand the session over; resuming from its last record",
+                client_id, holder,
+            )  # fmt: skip
+            sessions.mark_behind(client_id)
+            return
+        sessions.adopt(client_id, None if doc is None else to_json(doc))
 
     async def connected(
         self, client_id: str, conn: Connected, clean_start: bool, session: Session

@@ -11,7 +11,8 @@ the broker stored them. Nothing else connects the nodes: no node addresses, no e
                                 that node, ...the kind's fields}
 
 Kinds (each handled by the module named): "join", "hb", "hello", "bye" (gateway/membership.py),
-"flt", "ack" (gateway/filter_registry.py), "conn" (gateway/takeover.py).
+"flt", "ack" (gateway/filter_registry.py), "conn" (gateway/takeover.py), "hand"
+(gateway/handover.py).
 
 A node's messages are sent one after the other (each waits for the previous SEND_OK), so the
 queue holds its records in the order the node made them, whatever the broker's send threads do; the
@@ -46,6 +47,9 @@ CLUSTER_QUEUE = "%CLUSTER%"
 CLUSTER_TOPIC = "$cluster"
 READ_BATCH = 64
 RECORDS_PER_MESSAGE = 500
+#: ... and at most about this many bytes (a hand-over carries a session's in-flight window,
+#: gateway/handover.py; the broker's default maxMessageSize is 4 MiB).
+MESSAGE_BYTES = 1 << 20
 #: A reader with no arrival notice looks again after this long (a notice lost to a broker
 #: reconnect costs this much delay, never a record).
 IDLE_POLL_S = 0.5
@@ -104,10 +108,20 @@ class ClusterBus:
         """One send at a time; the records queued meanwhile go out together in the next (a
         burst of CONNECTs costs a few sends, not one broker round trip each)."""
         while self._queued and not self._closed:
-            batch = self._queued[:RECORDS_PER_MESSAGE]
-            del self._queued[:RECORDS_PER_MESSAGE]
+            queued = self._queued
+            parts = [to_json(queued[0])]
+            size = len(parts[0])
+            while len(parts) < min(RECORDS_PER_MESSAGE, len(queued)):
+                part = to_json(queued[len(parts)])
+                if size + len(part) > MESSAGE_BYTES:
+                    break
+                parts.append(part)
+                size += len(part) + 1
+            batch = queued[: len(parts)]
+            del queued[: len(parts)]
+            body = b"[" + b",".join(parts) + b"]"
             try:
-                await self._store.put_async(CLUSTER_TOPIC, to_json(batch), (CLUSTER_QUEUE,))
+                await self._store.put_async(CLUSTER_TOPIC, body, (CLUSTER_QUEUE,))
             except StoreError as exc:
                 log.error("%d cluster record(s) not sent: %s", len(batch), exc)
                 for rec in batch:

@@ -44,6 +44,8 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+from gateway.cluster_bus import Record
+from gateway.handover import Handover
 from gateway.session import SESSION_KEY_PREFIX, Session, SessionRegistry
 from gateway.storage import StateRecord, StoreError
 
@@ -95,17 +97,24 @@ class ClusterSessions:
         *,
         newest: Callable[[str], tuple[str | None, bytes | None]],
         cancel_will: Callable[[str], None],
+        handover: Handover,
+        mine: Callable[[str], bool],
     ) -> None:
         """`newest(client id)`: the writer and value of the session's newest record (None:
-        unknown); `cancel_will(client id)`: drop this node's pending will of that client."""
+        unknown); `cancel_will(client id)`: drop this node's pending will of that client;
+        `mine(client id)`: this node wrote the session's newest record."""
         self._state = state
         self._newest = newest
         self._cancel_will = cancel_will
+        self._handover = handover
+        self._mine = mine
         self._registry = registry
         self._filters = filters
         self._stats = stats
         self._tasks: set[asyncio.Task[None]] = set()
-        self._moved: set[str] = set()  # taken over by another node: write nothing at the end
+        # Taken over by another node: write nothing at the end (the claim that took it: its
+        # node may want the session handed over, gateway/handover.py).
+        self._moved: dict[str, Record] = {}
         # Catch-ups asked for while one runs share the next one (a fleet connecting at once
         # costs a few reads of the state log, not one per CONNECT).
         self._wanted: asyncio.Future[None] | None = None
@@ -127,7 +136,7 @@ class ClusterSessions:
             # whichever connection claimed the id first; the live one's session stays.
             log.info("session %r: record from another node while connected here", client_id)
             return
-        self._moved.discard(client_id)
+        self._moved.pop(client_id, None)
         # The session is the other node's now: a will this node still had pending for an
         # earlier connection here is not published (the client came back there), and the
         # copy's will is the writer's to publish (or, if it dies, the leader's: node_wills).
@@ -182,7 +191,7 @@ class ClusterSessions:
     async def claimed(self, session: Session) -> None:
         """The session connected here: its record goes out before CONNACK, and the messages
         it has in flight are read (they are re-sent with DUP at once)."""
-        self._moved.discard(session.client_id)
+        self._moved.pop(session.client_id, None)
         by_queue: dict[str, list[int]] = {}
         for inf in session.inflight.values():
             if inf.queue is not None and not inf.pubrel:
@@ -195,15 +204,45 @@ class ClusterSessions:
                 # forgotten like one deleted by retention: the session still resumes.
                 log.warning("session %r: resuming here: %s", session.client_id, res)
 
-    def taken_over(self, client_id: str) -> None:
-        """Another node's connection took `client_id` over: its record is the session's."""
-        self._moved.add(client_id)
+    def mark_behind(self, client_id: str) -> None:
+        """The copy of `client_id` is the record of a node that crashed with it connected (or
+        did not hand it over): its positions may lag (gateway/session.py `behind`)."""
+        session = self._registry.get(client_id)
+        if session is not None and session.connection is None:
+            session.behind = True
+
+    def taken_over(self, client_id: str, claim: Record) -> None:
+        """Another node's connection took `client_id` over (its `claim`, gateway/takeover.py):
+        its record is the session's. The connection here is closing; its end hands the
+        session over if the claim asked for it (connection_ended)."""
+        self._moved[client_id] = claim
+
+    def claimed_elsewhere(self, claim: Record) -> None:
+        """A "conn" record (after takeover.py's handler): a claim by another node that wants
+        the session handed over, of a session not connected here whose newest record this
+        node wrote, gets it now (one connected here is handed at its end, one whose record
+        another node wrote is that node's to hand)."""
+        cid = claim.get("c")
+        if not claim.get("h") or not isinstance(cid, str) or self._moved.get(cid) is claim:
+            return
+        if not self._mine(cid):
+            return  # another node's record: that node hands it over
+        session = self._registry.get(cid)  # a dormant one is built: unchanged, but here
+        if session is not None and session.connection is not None:
+            return  # connected here by a newer claim: that claim's connection wins
+        doc = session.to_json() if session is not None else None  # None: ended here
+        self._handover.give(cid, claim["n"], claim["i"], doc)
 
     def connection_ended(self, session: Session) -> None:
         """Write the disconnected session's record now, and not again unless it changes here."""
         registry = self._registry
         cid = session.client_id
-        if cid in self._moved:
+        claim = self._moved.get(cid)
+        if claim is not None:
+            if claim.get("h"):
+                # The session as it stands, exactly (None: it ended with the connection).
+                doc = session.to_json() if registry.sessions.get(cid) is session else None
+                self._handover.give(cid, claim["n"], claim["i"], doc)
             # The taker's record is the session's: adopt it now if the tail read it while the
             # connection here was still open (adopt skips connected sessions), else it comes.
             registry.drop_changes(cid)

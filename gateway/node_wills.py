@@ -1,22 +1,37 @@
-"""Wills of a lost node's clients, published by a surviving node.
+"""A lost node's sessions: rewritten as disconnected by a surviving node, their wills published.
 
 A session's record in the state log holds the will of its live connection (gateway/session.py;
 in cluster mode the record is written before CONNACK when the CONNECT carries a will) and
 says which node wrote it (gateway/rocketmq_storage.py tails the log with the writers' ids).
 When a node's lease runs out (gateway/membership.py), the leader among the survivors takes
-over its wills:
+over the session records of every node that is gone (the lost one, and any earlier one whose
+records nobody took over, e.g. a leader that died while doing so; not a node that stopped
+gracefully: it wrote its sessions as disconnected, without wills):
 
-    every session record last written by the lost node
-        connected there (disconnected_at_ms null) with a will -> published after its will delay
-                                                                 (MQTT 5; none: now)
-        disconnected with a delayed will (will_due_ms)        -> published when due
-    then the record is rewritten by the leader: a persistent session disconnected now without
-    its will, a clean one deleted (so a later loss of the leader does not publish it again)
+    connected there (disconnected_at_ms null)   -> rewritten by the leader as disconnected at
+                                                   the loss: its expiry runs on every node
+                                                   (each adopts the record); a clean session's
+                                                   record deleted (it ended with its node);
+                                                   marked `behind` (its next CONNECT takes the
+                                                   broker's fresher committed offsets)
+        ... with a will                         -> the rewrite keeps it, with its due time
+                                                   (will_due_ms: the loss + its will delay,
+                                                   MQTT 5; none: now)
+    disconnected with a pending will           -> kept (its will_due_ms says when)
+    each pending will, when due                 -> published, then the record rewritten
+                                                   without it (a clean session's deleted)
+
+The rewrite is what makes a pending will durable: it is in the state log, written by the
+leader, before its delay runs. If the leader dies too, the next leader finds the will in the
+records of a node that is gone and publishes it when due, once (the dead leader's rewrite
+after publishing removes it; only a leader killed between publishing and that rewrite being
+stored leaves it to be published again).
 
 A connection of the same client id on any node before a delayed will is due cancels it (the
-session continues: gateway/takeover.py's "conn" record). The timing promise: a client's will
-is out within the lease (`cluster_lease`, shorter than keep-alive x 1.5 for the keep-alives in
-use) plus its will delay after its node died.
+session continues: gateway/takeover.py's "conn" record; the new node's record replaces the
+leader's). The timing promise: a client's will is out within the lease (`cluster_lease`,
+shorter than keep-alive x 1.5 for the keep-alives in use) plus its will delay after its node
+died.
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic_core import from_json, to_json
 
@@ -44,6 +59,10 @@ class WrittenState(Protocol):
         """The live records (key, value) whose newest version `node` wrote."""
         ...
 
+    def state_writers(self) -> set[str]:
+        """The nodes that wrote the newest version of some live record."""
+        ...
+
     def append_state(self, records: Iterable[StateRecord]) -> int: ...
 
 
@@ -51,7 +70,8 @@ StorePublish = Callable[[Publish, str], Awaitable[None]]
 
 
 class NodeWills:
-    """Takes over the wills of lost nodes when this node leads (see the module docstring)."""
+    """Takes over the sessions and wills of gone nodes when this node leads (see the module
+    docstring)."""
 
     def __init__(
         self,
@@ -59,49 +79,70 @@ class NodeWills:
         membership: Membership,
         state: WrittenState,
         store_publish: StorePublish,
+        adopt: Callable[[str, bytes | None], None] = lambda _cid, _value: None,
     ) -> None:
+        """`adopt(client id, record)`: a record this node rewrote, for its own session copies
+        (the other nodes adopt it from the state log)."""
         self._members = membership
         self._state = state
         self._store_publish = store_publish
+        self._adopt = adopt
         self._pending: dict[str, asyncio.TimerHandle] = {}
+        self._publishing: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        membership.on_lost.append(self._node_lost)
+        # Nodes that stopped gracefully ("bye"): they write their sessions as disconnected,
+        # without wills, after saying goodbye; nothing of theirs is taken over.
+        self._left: set[str] = set()
+        membership.on_lost.append(self._node_gone)
+        membership.on_left.append(self._left.add)
         bus.on("conn", self._on_connect)
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def _node_lost(self, node: str) -> None:
+    def _node_gone(self, node: str) -> None:
         if not self._members.is_leader():
             return
-        loop = asyncio.get_running_loop()
+        # Not gone: this node, the live ones, those that left, "" (a record of no cluster node).
+        here = {self._members.node_id, *self._members.live_peers(), *self._left, ""}
+        rewrites: list[StateRecord] = []
+        wills = 0
         now = now_ms()
-        taken = 0
-        for key, value in self._state.written_by(node):
-            if not key.startswith(SESSION_KEY_PREFIX):
-                continue
-            cid = key[len(SESSION_KEY_PREFIX) :]
-            try:
-                d = from_json(value)
-                if not d.get("will"):
+        for writer in sorted(self._state.state_writers() - here):
+            for key, value in self._state.written_by(writer):
+                if not key.startswith(SESSION_KEY_PREFIX):
                     continue
-                due = d.get("will_due_ms")
-                if d.get("disconnected_at_ms") is None or due is None:
-                    delay = 0
-                    props = d["will"].get("properties") or {}
-                    if int(d.get("protocol_level", 4)) == 5:
-                        delay = int(props.get("will_delay_interval") or 0)
-                    delay = min(delay, int(d.get("expiry_interval", 0)))
-                    due = now + delay * 1000
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                log.error("session %r of lost node %s unreadable (%s)", cid, node, exc)
-                continue
-            taken += 1
-            self._pending[cid] = loop.call_later(
-                max(0, int(due) - now) / 1000, self._due, cid, key, d
-            )
-        if taken:
-            log.warning("cluster: taking over %d will(s) of lost node %s", taken, node)
+                cid = key[len(SESSION_KEY_PREFIX) :]
+                if cid in self._pending or cid in self._publishing:
+                    continue  # taken over at an earlier loss
+                try:
+                    d, rewrite = _taken_over(from_json(value), now)
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    log.error("session %r of lost node %s unreadable (%s)", cid, writer, exc)
+                    continue
+                if rewrite:
+                    keep = d.get("will") or int(d.get("expiry_interval", 0) or 0) > 0
+                    rewrites.append((key, to_json(d) if keep else None))
+                if d.get("will"):
+                    wills += 1
+                    self._schedule(cid, key, d, now)
+        if rewrites:
+            # Before any will is due (the timers run after this call): the pending wills are
+            # in the log with their due times, and every node starts the sessions' expiry.
+            self._state.append_state(rewrites)
+            for key, new in rewrites:
+                self._adopt(key[len(SESSION_KEY_PREFIX) :], new)
+        if rewrites or wills:
+            log.warning(
+                "cluster: node %s gone: %d session(s) of gone nodes rewritten as disconnected,"
+                " %d will(s) taken over",
+                node, len(rewrites), wills,
+            )  # fmt: skip
+
+    def _schedule(self, cid: str, key: str, d: dict[str, Any], now: int) -> None:
+        due = int(d.get("will_due_ms") or now)
+        loop = asyncio.get_running_loop()
+        self._pending[cid] = loop.call_later(max(0, due - now) / 1000, self._due, cid, key, d)
 
     def _on_connect(self, rec: Record) -> None:
         cid = rec.get("c")
@@ -111,30 +152,48 @@ class NodeWills:
                 handle.cancel()
                 log.info("%r reconnected: the will of its lost connection is not published", cid)
 
-    def _due(self, cid: str, key: str, d: dict[str, object]) -> None:
+    def _due(self, cid: str, key: str, d: dict[str, Any]) -> None:
         self._pending.pop(cid, None)
+        self._publishing.add(cid)
         task = asyncio.get_running_loop().create_task(self._publish(cid, key, d))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _publish(self, cid: str, key: str, d: dict[str, object]) -> None:
-        will = will_from_json(d["will"])  # type: ignore[arg-type]
-        log.info("publishing the will of %r (its node was lost) to %r", cid, will.topic)
-        pub = will_publish(will)
+    async def _publish(self, cid: str, key: str, d: dict[str, Any]) -> None:
         try:
-            await self._store_publish(pub, cid)
-        except Exception:
-            log.exception("publishing the will of %r failed", cid)
-            return
-        if int(d.get("expiry_interval", 0) or 0) > 0:  # type: ignore[call-overload]
-            d = {**d, "will": None, "will_due_ms": None}
-            if d.get("disconnected_at_ms") is None:
-                d["disconnected_at_ms"] = now_ms()
-            self._state.append_state([(key, to_json(d))])
-        else:
-            self._state.append_state([(key, None)])
+            will = will_from_json(d["will"])
+            log.info("publishing the will of %r (its node was lost) to %r", cid, will.topic)
+            try:
+                await self._store_publish(will_publish(will), cid)
+            except Exception:
+                log.exception("publishing the will of %r failed", cid)
+                return
+            record: bytes | None = None
+            if int(d.get("expiry_interval", 0) or 0) > 0:
+                record = to_json({**d, "will": None, "will_due_ms": None})
+            self._state.append_state([(key, record)])
+            self._adopt(cid, record)
+        finally:
+            self._publishing.discard(cid)
 
     def stop(self) -> None:
         for handle in self._pending.values():
             handle.cancel()
         self._pending.clear()
+
+
+def _taken_over(d: dict[str, Any], now: int) -> tuple[dict[str, Any], bool]:
+    """The record of a gone node's session as the leader keeps it, and whether it changed: a
+    connected one disconnected at `now`, its will (if any) due after its delay."""
+    if d.get("disconnected_at_ms") is not None:
+        if d.get("will") and d.get("will_due_ms") is None:
+            return {**d, "will_due_ms": now}, True  # (not written so: published now)
+        return d, False
+    # `behind`: its positions may lag the broker's committed offsets (gateway/session.py).
+    d = {**d, "disconnected_at_ms": now, "behind": True}
+    if d.get("will"):
+        delay = 0
+        if int(d.get("protocol_level", 4)) == 5:
+            delay = int((d["will"].get("properties") or {}).get("will_delay_interval") or 0)
+        d["will_due_ms"] = now + min(delay, int(d.get("expiry_interval", 0))) * 1000
+    return d, True

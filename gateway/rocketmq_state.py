@@ -14,6 +14,14 @@ STATE_START (or its minimum) and folded into `records` (key -> newest value); co
 re-sends every live record and then commits the offset it started at, so a replay reads
 the last complete snapshot and what followed it. A crash before that commit only means
 a longer replay from the previous start.
+
+Cluster mode: other nodes keep writing while the leader compacts, so a record of theirs can
+land in the log between the compaction's start and the snapshot's copy of the same key, which
+holds the value the leader knew before. Each snapshot batch says where its compaction started
+(SNAPSHOT_PROPERTY): a replay skips a snapshot record whose key an ordinary batch at or after
+that start wrote (that record is newer), and the tails skip snapshot batches altogether (a
+node that tails the log has every record already). The leader applies the log up to the
+start before it copies its records, so none stored before the start is missing.
 """
 
 from __future__ import annotations
@@ -37,12 +45,25 @@ FAILED_TICKETS_KEPT = 10_000
 #: every node tails the state log and applies the other nodes' records; a lost node's sessions
 #: are found by it). A compaction's snapshot keeps each record's writer.
 NODE_PROPERTY = "lmqtt.node"
+#: Property of a compaction's snapshot batch: the state queue offset that compaction started
+#: at (see the module docstring).
+SNAPSHOT_PROPERTY = "lmqtt.snap"
 #: Batches queued behind a send in flight are merged into one message up to this size (the
 #: broker's default maxMessageSize is 4 MiB).
 MERGED_BATCH_BYTES = 1 << 20
+#: A compaction in cluster mode waits this long at most for the tail to reach its start.
+COMPACT_CATCH_UP_S = 30.0
 
 #: Sends one message (light queues, body, property block) and returns once it is SEND_OK.
 Send = Callable[[Sequence[str], bytes, bytes], Awaitable[object]]
+
+
+def _snapshot_start(properties: dict[str, str]) -> int | None:
+    value = properties.get(SNAPSHOT_PROPERTY)
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
 
 
 def _decode_state(body: bytes) -> list[StateRecord]:
@@ -75,6 +96,7 @@ class StateLog:
         self._sends: dict[int, asyncio.Task[None]] = {}
         self._failed: dict[int, StoreError] = {}
         self._compacting = False
+        self._following = False  # follow() runs: reached() answers
         self._open: list[bytes] | None = None  # the queued batch later ones may join
         self._open_size = 0
 
@@ -89,17 +111,27 @@ class StateLog:
         state: dict[str, bytes] = {}
         writers: dict[str, str] = {}
         history = 0
-        async for batch in broker.read(lmq, max(lo, start or 0), hi):
+        written_at: dict[str, int] = {}  # key -> offset of its newest ordinary batch
+        offset = max(lo, start or 0)
+        async for batch in broker.read(lmq, offset, hi):
             for rec in batch:
+                # The entries of a light queue are consecutive; the broker says so too.
+                offset = rec.light_queue_offsets().get(lmq, offset)
                 node = rec.properties.get(NODE_PROPERTY, "")
+                snapshot = _snapshot_start(rec.properties)
                 for key, value in _decode_state(rec.body):
                     history += 1
+                    if snapshot is None:
+                        written_at[key] = offset
+                    elif written_at.get(key, -1) >= snapshot:
+                        continue  # written again after the compaction started: that is newer
                     if value is None:
                         state.pop(key, None)
                         writers.pop(key, None)
                     else:
                         state[key] = value
                         writers[key] = node
+                offset += 1
         self.records = state
         self.writers = writers
         self.end = hi
@@ -132,7 +164,9 @@ class StateLog:
         """The ticket of the last batch sent."""
         return self._ticket
 
-    def _send_batch(self, body: bytes, writer: str | None = None) -> int:
+    def _send_batch(
+        self, body: bytes, writer: str | None = None, snapshot: int | None = None
+    ) -> int:
         # Group commit: batches made while the previous send is in flight join the one queued
         # behind it (records concatenate), so N sessions saved at once (a fleet connecting,
         # each CONNECT writing its session before CONNACK in cluster mode) cost a few round
@@ -150,6 +184,8 @@ class StateLog:
         node = self.node_id if writer is None else writer
         # The property block in RocketMQ's format (`name \x01 value \x02`); ids are [A-Za-z0-9._-].
         block = f"{NODE_PROPERTY}\x01{node}\x02".encode() if node else b""
+        if snapshot is not None:
+            block += f"{SNAPSHOT_PROPERTY}\x01{snapshot}\x02".encode()
         self._ticket += 1
         ticket = self._ticket
         prev = self._chain
@@ -211,6 +247,9 @@ class StateLog:
             # The queue's end before the snapshot (it may lag the sends just made: then the
             # replay reads a few older records first, which the snapshot overrides).
             start = await broker.client.get_max_offset(broker.addr, lmq)
+            if self._following:
+                # Every record stored before the start applied here (other nodes' included).
+                await asyncio.wait_for(self.reached(start), COMPACT_CATCH_UP_S)
             items = list(self.records.items())
             ticket = self._ticket
             # One run of batches per writer: each record keeps who wrote it.
@@ -221,17 +260,18 @@ class StateLog:
             for writer, records in by_writer.items():
                 for i in range(0, len(records), STATE_SNAPSHOT_BATCH):
                     chunk = records[i : i + STATE_SNAPSHOT_BATCH]
-                    ticket = self._send_batch(encode_state(chunk), writer)
+                    ticket = self._send_batch(encode_state(chunk), writer, start)
             await self.wait_durable(ticket)
             await broker.client.update_consumer_offset(
                 broker.addr, broker.names.lmq(STATE_START), lmq, start
             )
             self.history = len(items)
             log.info("state: compacted to %d record(s), replay starts at %d", len(items), start)
-        except (RemotingError, StoreError) as exc:
+        except (RemotingError, StoreError, TimeoutError) as exc:
             log.warning("state compaction failed (the queue keeps its history): %s", exc)
         finally:
             self._compacting = False
+        self._following = False  # follow() runs: reached() answers
 
     # -- cluster mode: the other nodes' records ------------------------------------------------
 
@@ -267,11 +307,14 @@ class StateLog:
         """Read the state queue on from where the replay ended (`get`: the mirrors' try-read)
         and apply what other nodes wrote; this node's records were applied when written."""
         wake = self._wake
+        self._following = True
         while True:
             wake.clear()
             res = get(STATE_QUEUE, self.end, 32)
             if res.status is GetStatus.FOUND:
                 for msg in res.messages:
+                    if SNAPSHOT_PROPERTY in msg.properties:
+                        continue  # a compaction's copy of records applied here already
                     node = msg.properties.get(NODE_PROPERTY, "")
                     if node != self.node_id:
                         self._apply_remote(node, _decode_state(msg.body))

@@ -252,6 +252,9 @@ class RocketMqStorage:
     def written_by(self, node: str) -> list[tuple[str, bytes]]:
         return self._state_log.written_by(node)
 
+    def state_writers(self) -> set[str]:
+        return set(self._state_log.writers.values())
+
     def writer_of(self, key: str) -> str | None:
         return self._state_log.writers.get(key)
 

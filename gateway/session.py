@@ -22,10 +22,17 @@ record ends the session. Earlier versions kept them all in `config/sessions.json
                       "message": {"topic", "payload" (base64), ...}, "retain": true,
                       "sub_ids": [subscription identifiers]}],
         "will": null | {"topic", "payload" (base64), "qos", "retain", "properties"},
-        "will_due_ms": null | int}
+        "will_due_ms": null | int,
+        "behind": absent | true}
 
 `will` is the will of the live connection (kept so a crash still publishes it after restart)
 or, with `will_due_ms`, a delayed will waiting to be published.
+
+`behind`: the record was the newest of a session whose node crashed while it was connected
+(read back at a restart, or rewritten by the cluster's leader, gateway/node_wills.py): its
+positions may lag what the client acknowledged by up to PROGRESS_SAVE_S, and the committed
+offsets (RocketMQ: the broker's, sent every second) are fresher. The session's next CONNECT
+takes them where they are higher (SessionLifecycle.skip_acknowledged).
 
 An in-flight entry with `"queue": null` has no queue position to read its message back from (a
 retained copy sent on subscribe, or a delivery whose subscription was removed): it carries the
@@ -271,6 +278,7 @@ class Session:
 
     __slots__ = (
         "_next_packet_id",
+        "behind",
         "by_queue",
         "client_id",
         "connection",
@@ -298,6 +306,7 @@ class Session:
         self.expiry_timer: asyncio.TimerHandle | None = None
         self.will: Will | None = None  # of the live connection, or pending after it ended
         self.will_due_ms: int | None = None  # set while a delayed will waits
+        self.behind = False  # from a crashed node's record (module docstring)
         self._next_packet_id = 1
 
     @property
@@ -333,8 +342,20 @@ class Session:
             return None
         return self.disconnected_at_ms + self.expiry_interval * 1000
 
+    def skip_acknowledged(self, sub: SubscriptionState, committed: int) -> int:
+        """`committed` is a committed offset of `sub`'s queue fresher than this session's
+        record (everything below it was acknowledged): move the position up to it and drop
+        the in-flight entries below it. Returns how many offsets were skipped."""
+        if committed <= sub.committed():
+            return 0
+        skipped = committed - sub.committed()
+        for off in [o for o in sub.pending if o < committed]:
+            self.inflight.pop(sub.pending.pop(off), None)
+        sub.next_offset = max(sub.next_offset, committed)
+        return skipped
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "protocol_level": self.protocol_level,
             "expiry_interval": self.expiry_interval,
             "disconnected_at_ms": self.disconnected_at_ms,
@@ -344,11 +365,15 @@ class Session:
             "will": will_to_json(self.will) if self.will is not None else None,
             "will_due_ms": self.will_due_ms,
         }
+        if self.behind:
+            d["behind"] = True
+        return d
 
     @classmethod
     def from_json(cls, client_id: str, d: dict[str, Any]) -> Session:
         s = cls(client_id, int(d.get("protocol_level", 4)), int(d.get("expiry_interval", 0)))
         s.disconnected_at_ms = d.get("disconnected_at_ms")
+        s.behind = bool(d.get("behind", False))
         for sd in d.get("subscriptions", []):
             s.add_subscription(SubscriptionState.from_json(sd))
         s.qos2_inbound = {int(x) for x in d.get("qos2_inbound", [])}
@@ -543,6 +568,7 @@ class SessionRegistry:
                 continue
             if crashed:
                 s.disconnected_at_ms = now
+                s.behind = True
                 self._dirty.add(cid)
             if not s.persistent:
                 if crashed and s.will is not None:

@@ -10,6 +10,8 @@
     expiry / Clean Start      -> ended (`end`): subscriptions removed, a delayed will
                                  published now, the record deleted
     restart                   -> every saved session is rebuilt from the state log (`restore`)
+    CONNECT of a session from a crashed node's record -> the committed offsets where they are
+                                 fresher than its positions (`skip_acknowledged`)
 
 The session's state and its persistence are gateway/session.py's (Session, SessionRegistry);
 its subscriptions' lifecycle is gateway/subscription_lifecycle.py's and its will's
@@ -23,7 +25,7 @@ from collections.abc import Callable
 
 from gateway.protocol import ReasonCode, Will
 from gateway.session import Connected, Session, SessionRegistry, now_ms
-from gateway.storage import Storage
+from gateway.storage import Storage, StorageUnavailable, StoreError
 from gateway.subscription_lifecycle import SubscriptionLifecycle
 from gateway.will import Wills
 
@@ -119,6 +121,44 @@ class SessionLifecycle:
         session.connection = connection
         self._wills.store(session, will)  # persisted: a crash must not lose it
         return session, present
+
+    async def skip_acknowledged(self, session: Session) -> None:
+        """`session` comes from the record of a node that crashed while it was connected
+        (`Session.behind`): its positions may lag what its client acknowledged since (records
+        of connected sessions are rewritten every PROGRESS_SAVE_S). The committed offsets are
+        fresher (RocketMQ: the broker's consumer offsets, sent every second, read back here):
+        where one is higher, what lies below it was acknowledged and is not sent again. An
+        offset this process committed itself is its own (not read back): it is older than the
+        crash's, or the session was here since. Called before CONNACK."""
+        session.behind = False
+        subs = [
+            sub
+            for sub in session.subscriptions.values()
+            if sub.share_group is None and sub.replay is None
+        ]
+        if not subs:
+            return
+        store = self._store
+        cid = session.client_id
+        try:
+            await store.load_offsets([(cid, sub.queue) for sub in subs])
+        except (StoreError, StorageUnavailable, OSError, TimeoutError) as exc:
+            log.warning("session %r: committed offsets not read (%s): resuming from its record",
+                        cid, exc)  # fmt: skip
+            return
+        skipped = 0
+        for sub in subs:
+            committed = store.offsets.get(cid, sub.queue)
+            if committed is not None:
+                if store.tail_may_be_lost:  # never past the end of a log that lost its tail
+                    committed = min(committed, store.max_offset(sub.queue))
+                skipped += session.skip_acknowledged(sub, committed)
+        if skipped:
+            log.info(
+                "session %r: %d message(s) acknowledged after its last record not sent again",
+                cid, skipped,
+            )  # fmt: skip
+            self.registry.mark_dirty(session)
 
     def end(self, session: Session) -> None:
         """The session is over (clean start, expiry, clean disconnect): drop its state."""

@@ -1,7 +1,8 @@
 """Takeover across nodes: a client id connected on one node is closed when it connects on another
 (MQTT-3.1.4-3), and of two CONNECTs racing on two nodes exactly one connection survives.
 
-    node B: CONNECT "c" accepted  -> "conn" record {c: "c", t: token, cs: clean start}
+    node B: CONNECT "c" accepted  -> "conn" record {c: "c", cs: clean start, h: hand-over
+                                     wanted (gateway/handover.py)}
                                      CONNACK once B read its own record back
     every node reading a "conn" record for "c" with another token:
         its own connection of "c" whose record it has read already (older in the log)
@@ -46,22 +47,35 @@ class ClusterTakeover:
         self,
         bus: ClusterBus,
         cancel_will: Callable[[str], None],
-        moved: Callable[[str], None] = lambda _cid: None,
+        moved: Callable[[str, Record], None] = lambda _cid, _rec: None,
     ) -> None:
-        """`moved(client id)`: a connection here is closed for another node's (its session
-        record is the other node's from now on)."""
+        """`moved(client id, claim record)`: a connection here is closed for another node's
+        (its session record is the other node's from now on)."""
         self._bus = bus
         self._cancel_will = cancel_will
         self._moved = moved
         self._claims: dict[str, _Claim] = {}
         bus.on("conn", self._on_connect)
 
-    async def claim(self, client_id: str, conn: Connected, clean_start: bool) -> None:
-        """Announce that `conn` now holds `client_id`; returns once the claim is in the log
-        and read back (TimeoutError / StoreError: not announced, refuse the CONNECT)."""
-        seq = self._bus.send("conn", c=client_id, cs=clean_start)
-        self._claims[client_id] = _Claim(conn, seq)
-        await self._bus.sent(seq, CLAIM_TIMEOUT_S)
+    async def claim(
+        self, client_id: str, conn: Connected, clean_start: bool, *, handover: bool = False
+    ) -> int:
+        """Announce that `conn` now holds `client_id`; returns its sequence number once the
+        claim is in the log and read back (TimeoutError / StoreError: not announced, refuse
+        the CONNECT; `drop` it). A second call for the same connection waits for the first
+        claim. `handover`: the node holding the session is asked to hand it over."""
+        claim = self._claims.get(client_id)
+        if claim is None or claim.conn is not conn:
+            fields = {"h": True} if handover else {}
+            seq = self._bus.send("conn", c=client_id, cs=clean_start, **fields)
+            claim = self._claims[client_id] = _Claim(conn, seq)
+        await self._bus.sent(claim.seq, CLAIM_TIMEOUT_S)
+        return claim.seq
+
+    def holds(self, client_id: str, conn: Connected) -> bool:
+        """`conn`'s claim of `client_id` stands (no newer claim was read)."""
+        claim = self._claims.get(client_id)
+        return claim is not None and claim.conn is conn and not claim.superseded
 
     def answered(self, client_id: str, conn: Connected) -> None:
         """`conn`'s CONNACK is written: a takeover read in between closes it only now (a
@@ -75,7 +89,7 @@ class ClusterTakeover:
             conn.close(ReasonCode.SESSION_TAKEN_OVER)
 
     def release(self, client_id: str, conn: Connected) -> None:
-        """`conn` closed: it holds the id no more."""
+        """`conn` closed (or its claim failed): it holds the id no more."""
         claim = self._claims.get(client_id)
         if claim is not None and claim.conn is conn:
             del self._claims[client_id]
@@ -93,7 +107,7 @@ class ClusterTakeover:
         if not claim.seen:
             return  # ours is later in the log: the other connection is the one to go
         log.info("%r: session taken over by a connection on node %s", cid, rec["n"])
-        self._moved(cid)
+        self._moved(cid, rec)
         if claim.answered:
             del self._claims[cid]
             claim.conn.close(ReasonCode.SESSION_TAKEN_OVER)

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from gateway.protocol import (
     Connect,
@@ -23,6 +27,7 @@ from gateway.protocol import (
     SubAck,
     Subscribe,
     Subscription,
+    Will,
 )
 from gateway.protocol import Properties as PProperties
 from gateway.rocketmq_broker import PULL_GROUP
@@ -47,7 +52,8 @@ class Nodes:
         self.tmp_path = tmp_path
         self.nodes: list[ServeProcess] = []
 
-    def start(self, *args: str) -> ServeProcess:
+    def start(self, *args: str, node_id: str | None = None) -> ServeProcess:
+        """`node_id`: the leader is the live node with the smallest id."""
         g = ServeProcess(
             self.tmp_path / f"node{len(self.nodes)}",
             "--store", "rocketmq", "--namesrv", self.namesrv, *args,
@@ -57,6 +63,7 @@ class Nodes:
                 "LMQTT_CLUSTER": "true",
                 "LMQTT_CLUSTER_LEASE": str(LEASE_S),
                 "LMQTT_CLUSTER_HEARTBEAT": str(HEARTBEAT_S),
+                **({"LMQTT_NODE_ID": node_id} if node_id else {}),
             },
         )  # fmt: skip
         self.nodes.append(g)
@@ -94,12 +101,19 @@ class Nodes:
 
         return asyncio.run(read())
 
-    def wait_record(self, client_id: str, cond: Callable[[dict[str, object]], bool]) -> None:
+    def wait_record(
+        self,
+        client_id: str,
+        cond: Callable[[dict[str, object]], bool] | None,
+        timeout: float = 20,
+    ) -> None:
+        """Until `client_id`'s newest record satisfies `cond` (None: until it is deleted)."""
+
         def ok() -> bool:
             rec = self.session_record(client_id)
-            return rec is not None and cond(rec)
+            return rec is None if cond is None else rec is not None and cond(rec)
 
-        wait_until(ok, 20, f"{client_id}'s session record in the state log")
+        wait_until(ok, timeout, f"{client_id}'s session record in the state log")
 
 
 @pytest.fixture
@@ -203,9 +217,9 @@ def test_a_session_resumes_on_another_node_after_the_first_stopped(nodes: Nodes)
 def test_a_session_taken_over_by_another_node_resumes_there(nodes: Nodes) -> None:
     """Points 2 and 3: the same persistent session connecting on B while connected on A: A's
     connection is closed (0x8E), B's CONNACK has session present, the messages A had in
-    flight come again on B (from the position in A's record, which may predate them: at least
-    once, DUP not promised), and A writes nothing after the takeover (the newest record is B's,
-    connected), so publishes through A keep reaching the session on B."""
+    flight come again on B with DUP (A handed the session over), and A writes nothing after
+    the takeover (the newest record is B's, connected), so publishes through A keep reaching
+    the session on B."""
     a = nodes.start()
     b = nodes.start()
     old = RawClient(a.port, level=5)
@@ -222,7 +236,7 @@ def test_a_session_taken_over_by_another_node_resumes_there(nodes: Nodes) -> Non
     assert isinstance(ev, Disconnect) and ev.reason_code == 0x8E
     assert old.is_closed()
     resent = [new.recv() for _ in range(2)]
-    assert [m.payload for m in resent] == [b"m0", b"m1"]
+    assert [(m.payload, m.dup) for m in resent] == [(b"m0", True), (b"m1", True)]
     for m in resent:
         new.send(PubAck(m.packet_id))
     _publish(a.port, "m/x", [b"through-a"])
@@ -233,6 +247,155 @@ def test_a_session_taken_over_by_another_node_resumes_there(nodes: Nodes) -> Non
     assert record is not None and record.get("disconnected_at_ms") is None, record
     old.close()
     new.close()
+
+
+def test_a_session_taken_over_while_connected_resumes_exactly(
+    nodes: Nodes, clients: list[Client]
+) -> None:
+    """Takeover with the client still connected on A (gateway/handover.py): A closes the
+    connection and hands the session as it stands to B, so B resends exactly what was in
+    flight, with DUP, nothing already acknowledged, then the backlog. (A's newest record was
+    written at SUBACK: resuming from it would send m0..m9 again, without DUP.)"""
+    a = nodes.start()
+    b = nodes.start()
+    window = Properties(PacketTypes.CONNECT)
+    window.ReceiveMaximum = 4  # A holds back the rest once 4 are in flight
+    old = Client(
+        a.port, "exact", v5=True, clean=False, session_expiry=3600, connect_props=window,
+        auto_ack=False,
+    )  # fmt: skip
+    clients.append(old)
+    old.c.reconnect_delay_set(60, 120)  # told 0x8E, it must not come back within the test
+    assert old.subscribe("e/#", 1) == [1]
+    _publish(a.port, "e/t", [f"m{i}".encode() for i in range(10)])
+    first = old.wait_messages(4)
+    assert [bytes(m.payload) for m in first] == [b"m0", b"m1", b"m2", b"m3"]
+    old.c.ack(first[0].mid, 1)
+    old.c.ack(first[1].mid, 1)
+    sent = old.wait_messages(6)  # the two acknowledgements freed the window for m4, m5
+    assert [bytes(m.payload) for m in sent[4:]] == [b"m4", b"m5"]
+    new = Client(b.port, "exact", v5=True, clean=False, session_expiry=3600)
+    clients.append(new)
+    assert new.connack == (True, 0)
+    got = new.wait_messages(8)
+    assert [(bytes(m.payload), bool(m.dup)) for m in got] == [
+        *[(f"m{i}".encode(), True) for i in range(2, 6)],
+        *[(f"m{i}".encode(), False) for i in range(6, 10)],
+    ]
+    wait_until(lambda: old.disconnected is not None, what="A's connection closed")
+    assert old.disconnected.value == 0x8E
+    _publish(b.port, "e/t", [b"marker"])
+    got = new.wait_messages(9)
+    assert len(got) == 9 and bytes(got[8].payload) == b"marker", [m.payload for m in got]
+    assert len(old.messages) == 6  # A sent nothing after the takeover
+
+
+def test_a_lost_nodes_sessions_are_disconnected_and_expire_on_every_node(nodes: Nodes) -> None:
+    """Sessions connected on a node that dies (no will): the leader rewrites them as
+    disconnected at the loss (gateway/node_wills.py), so every node runs their expiry: a clean
+    one ends at once, one with a 4 s expiry ends on every node 4 s later, a long one stays and
+    resumes on another node. (Before, they stayed connected copies for ever.)"""
+    lead = nodes.start(node_id="n1")
+    a = nodes.start(node_id="n2")
+    c = nodes.start(node_id="n3")
+    socks = []
+    for cid, level, clean, expiry in [
+        ("keep", 5, False, 3600), ("short", 5, False, 4), ("clean", 4, True, 0),
+    ]:  # fmt: skip
+        sock = RawClient(a.port, level=level)
+        props = _expiry(expiry) if level == 5 else None
+        assert sock.connect(cid, clean=clean, properties=props).reason_code == 0
+        sock.send(Subscribe(1, [Subscription(f"{cid}/#", 1)]))
+        assert isinstance(sock.recv(), SubAck)
+        socks.append(sock)
+    a.stop(signal.SIGKILL)
+    timeout = LEASE_S * 2 + 10
+    nodes.wait_record("clean", None, timeout)  # ended with its node
+    nodes.wait_record("keep", lambda r: r.get("disconnected_at_ms") is not None, timeout)
+    nodes.wait_record("short", None, timeout + 4)  # expired
+    for g in (lead, c):  # each node ended its copy when due, not only the leader
+        wait_until(lambda g=g: any("'short' expired" in x for x in g.output), 10, "expiry")
+    for port, cid, present in [(c.port, "keep", True), (lead.port, "short", False)]:
+        again = RawClient(port, level=5)
+        ack = again.connect(cid, clean=False, properties=_expiry(3600))
+        assert (ack.reason_code, ack.session_present) == (0, present), cid
+        again.close()
+    for sock in socks:
+        sock.close()
+
+
+def test_a_will_pending_on_a_leader_that_dies_is_published_by_the_next_once(
+    nodes: Nodes, clients: list[Client]
+) -> None:
+    """Node A dies with a client whose will has a 20 s delay; the leader takes the will over
+    (its record rewritten with the due time, gateway/node_wills.py) and dies too before it is
+    due: the survivor, leader now, publishes it when due, once."""
+    delay = 20
+    lead = nodes.start(node_id="n1")
+    a = nodes.start(node_id="n2")
+    survivor = nodes.start(node_id="n3")
+    watcher = Client(survivor.port, "lw-watcher")
+    clients.append(watcher)
+    assert watcher.subscribe("lw/#", 1) == [1]
+    dev = RawClient(a.port, level=5)
+    will = Will("lw/dev", b"gone", qos=1, properties=PProperties(will_delay_interval=delay))
+    assert dev.connect("lw-dev", clean=False, properties=_expiry(60), will=will).reason_code == 0
+    killed = time.monotonic()
+    a.stop(signal.SIGKILL)
+    nodes.wait_record("lw-dev", lambda r: r.get("will_due_ms") is not None, LEASE_S * 2 + 5)
+    assert time.monotonic() - killed < delay - LEASE_S, "too late to kill the leader in time"
+    lead.stop(signal.SIGKILL)
+    watcher.wait_messages(1, timeout=delay + LEASE_S * 2 + 10)
+    assert time.monotonic() - killed >= delay
+    pub = Client(survivor.port, "lw-pub")
+    clients.append(pub)
+    pub.publish("lw/marker", b"after", 1)
+    got = watcher.wait_messages(2)
+    assert [(m.topic, bytes(m.payload)) for m in got] == [
+        ("lw/dev", b"gone"),
+        ("lw/marker", b"after"),
+    ]
+    dev.close()
+
+
+def test_acknowledged_messages_do_not_come_again_after_a_crash(nodes: Nodes) -> None:
+    """SIGKILL of node A after its client acknowledged messages its session record does not
+    know of yet (records of connected sessions are rewritten every 10 s): B resumes the session
+    from the broker's committed offsets where they are fresher (sent every second), so the
+    messages acknowledged more than ~1.5 s before the crash are not delivered again; the ones
+    in flight at the crash come again, then the rest."""
+    a = nodes.start()
+    b = nodes.start()
+    sub = RawClient(a.port, level=4)
+    assert sub.connect("crashed", clean=False).reason_code == 0
+    sub.send(Subscribe(1, [Subscription("k/#", 1)]))
+    assert isinstance(sub.recv(), SubAck)
+    acked = 0
+    for _ in range(3):  # until A's record lags the acknowledgements (a progress pass may not)
+        _publish(a.port, "k/t", [f"k{acked + i}".encode() for i in range(4)])
+        for _ in range(4):
+            sub.send(PubAck(sub.recv().packet_id))
+        acked += 4
+        time.sleep(1.5)  # the broker has the committed offset (sent every second)
+        rec = nodes.session_record("crashed")
+        assert rec is not None
+        (sd,) = rec["subscriptions"]  # type: ignore[misc]
+        pending = [i["offset"] for i in rec["inflight"]]  # type: ignore[attr-defined]
+        if min([sd["next_offset"], *pending]) < acked:
+            break
+    else:
+        pytest.fail("A's record kept up with the acknowledgements: nothing to test")
+    _publish(a.port, "k/t", [b"open0", b"open1"])  # in flight at the crash: not acknowledged
+    assert [sub.recv().payload for _ in range(2)] == [b"open0", b"open1"]
+    a.stop(signal.SIGKILL)
+    sub.close()
+    _publish(b.port, "k/t", [b"after"])
+    again = RawClient(b.port, level=4)
+    ack = again.connect("crashed", clean=False)
+    assert ack.reason_code == 0 and ack.session_present
+    got = [again.recv() for _ in range(3)]
+    assert [m.payload for m in got] == [b"open0", b"open1", b"after"]
+    again.close()
 
 
 def _expiry(seconds: int) -> PProperties:

@@ -57,10 +57,10 @@ def test_shared_group_resumes_from_the_broker_with_data_dir_wiped(
     """30 messages to a shared group, the first 20 acknowledged; the gateway stops (or is
     killed once the broker has the group's offset) and starts again on an empty data
     directory: the group resumes at 20, so the member gets 20..29 again (never acknowledged)
-    and 30..39 (published after the restart), and none of the 20 it acknowledged. After the
-    graceful stop a persistent session's own subscription (its position is in its session
-    record, on the broker too) resumes the same way."""
-    graceful = stop == signal.SIGTERM
+    and 30..39 (published after the restart), and none of the 20 it acknowledged. A persistent
+    session's own subscription resumes the same way: after the graceful stop from its session
+    record, after the kill from the broker's offset where it is fresher than the record
+    (which may predate the acknowledgements: gateway/session.py `behind`)."""
     topic = f"t{uuid.uuid4().hex[:12]}"
     data = tmp_path / "data"
     serve = ServeProcess(
@@ -87,6 +87,7 @@ def test_shared_group_resumes_from_the_broker_with_data_dir_wiped(
         group = encode_lmq("$share/g", topic)
         lmq = encode_lmq(queue_name("sh/t"), topic)
         assert _broker_offset(rocketmq, group, lmq, 20) == 20
+        assert _broker_offset(rocketmq, encode_lmq("own", topic), lmq, 20) == 20
         pub.disconnect()
         assert serve.stop(stop) in (0, -signal.SIGKILL)
         member.drop()
@@ -108,15 +109,14 @@ def test_shared_group_resumes_from_the_broker_with_data_dir_wiped(
         got = again.payloads()
         assert not {f"m{i}".encode() for i in range(20)} & set(got), got  # acknowledged ones
         assert len(got) == len(set(got)), got  # each once
-        if graceful:
-            own = Client(serve.port, "own", clean=False)
-            clients.append(own)
-            assert own.connack == (True, 0)
-            wait_until(
-                lambda: {f"m{i}".encode() for i in range(20, 40)} <= set(own.payloads()),
-                what="the own subscription's messages 20..39 after the restart",
-            )
-            got = own.payloads()
-            assert not {f"m{i}".encode() for i in range(20)} & set(got), got
+        own = Client(serve.port, "own", clean=False)
+        clients.append(own)
+        assert own.connack == (True, 0)
+        wait_until(
+            lambda: {f"m{i}".encode() for i in range(20, 40)} <= set(own.payloads()),
+            what="the own subscription's messages 20..39 after the restart",
+        )
+        got = own.payloads()
+        assert not {f"m{i}".encode() for i in range(20)} & set(got), got
     finally:
         serve.stop()
