@@ -8,6 +8,7 @@ The parts, each in its module:
                                 the live nodes' acknowledgements (no gap after SUBACK)
     gateway/takeover.py         a client id connecting on one node closes it on the others
     gateway/node_wills.py       the wills of a lost node's clients, published by the leader
+    gateway/cluster_shared.py   a share group's members on every node get each message once
     gateway/cluster_sessions.py a persistent session resumes on any node (the other nodes'
                                 session records adopted); retained messages caught up
     gateway/rocketmq_storage.py the state log: records stamped with their writer, tailed by
@@ -26,13 +27,16 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from gateway.arrivals import ArrivalHub
 from gateway.cluster_bus import ClusterBus
 from gateway.cluster_sessions import ClusterSessions, Counted
+from gateway.cluster_shared import ClusterShares
 from gateway.filter_registry import ClusterFilters
 from gateway.membership import Membership
 from gateway.node_wills import NodeWills
 from gateway.publishing import PublishPath
 from gateway.session import SESSION_KEY_PREFIX, Connected, Session, SessionRegistry
+from gateway.shared import SharedSubscriptions
 from gateway.storage import StateRecord, Storage
 from gateway.takeover import ClusterTakeover
 
@@ -99,6 +103,8 @@ class Cluster:
         self._cancel_will: Callable[[str], None] = lambda _cid: None
         self.takeover = ClusterTakeover(self.bus, lambda cid: self._cancel_will(cid), self._moved)
         self.wills = NodeWills(self.bus, self.membership, store, publisher.store_publish)
+        # Built before the bus is tailed: it must read this node's own "join".
+        self.shares = ClusterShares(self.bus, self.membership, store)
         publisher.fenced = self.membership.is_fenced
         store.set_compaction_gate(self.membership.is_leader)
 
@@ -118,6 +124,10 @@ class Cluster:
         that node serves it; this one does not restore it."""
         writer = self.store.writer_of("session/" + client_id)
         return writer is not None and writer in self.membership.live_peers()
+
+    def share_groups(self, shared: SharedSubscriptions, arrivals: ArrivalHub) -> None:
+        """Share groups span the nodes (cluster_shared.py); before any group is created."""
+        self.shares.attach(shared, arrivals)
 
     def set_will_canceller(self, cancel: Callable[[str], None]) -> None:
         self._cancel_will = cancel
@@ -198,4 +208,5 @@ class Cluster:
         await self.membership.leave()
 
     def close(self) -> None:
+        self.shares.close()
         self.bus.close()

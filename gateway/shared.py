@@ -13,6 +13,11 @@ unsent reports the group to the overload guard (gateway/overload.py), which asks
 its oldest unsent message and holds publishers as for a normal subscriber's backlog; as a
 delivery loop does, only once the group has been caught up since it was created (a group
 resumed with a backlog after a restart catches up without stopping the fleet).
+
+In cluster mode (gateway/cluster_shared.py) a group does not read its queue itself: one node
+of the cluster assigns each message to a node, and a group hands out the offsets *granted* to
+its node; acknowledgements and messages its members give up go back through its `link`, and
+the dispatcher, not the group, commits the position.
 """
 
 from __future__ import annotations
@@ -54,6 +59,22 @@ class Member(Protocol):
     ) -> str: ...
 
 
+class GroupLink(Protocol):
+    """The cluster's side of a group (gateway/cluster_shared.py ClusterShares)."""
+
+    def created(self, group: SharedGroup) -> None: ...
+
+    def ended(self, group: SharedGroup) -> None: ...
+
+    def members_changed(self, group: SharedGroup) -> None:
+        """A member joined or left (with none left the node gives back what it holds)."""
+        ...
+
+    def acked(self, group: SharedGroup, offsets: list[int]) -> None:
+        """Granted messages done: acknowledged, or finished without an acknowledgement."""
+        ...
+
+
 class GroupAccount(Protocol):
     """Where a group's progress is accounted (gateway/delivery_account.py DeliveryAccount)."""
 
@@ -84,6 +105,8 @@ class SharedGroup:
         self._rr = 0
         self._scheduled = False
         self._live = False  # caught up once since created: its backlog counts as overload
+        self.link = owner.link  # cluster mode: the cluster's side of the group (or None)
+        self.granted: list[int] = []  # heap: offsets the dispatcher gave this node (cluster)
 
     def committed(self) -> int:
         candidates = [self.next_offset]
@@ -97,7 +120,8 @@ class SharedGroup:
 
     def _commit(self) -> None:
         owner = self.owner
-        owner.store.offsets.commit(self.consumer, self.queue, self.committed())
+        if self.link is None:  # cluster mode: the dispatcher commits (cluster_shared.py)
+            owner.store.offsets.commit(self.consumer, self.queue, self.committed())
         owner.account.group_moved(self)
 
     # -- membership --------------------------------------------------------------------------
@@ -107,13 +131,16 @@ class SharedGroup:
             self.members.append(member)
             if self not in member.groups:
                 member.groups.append(self)
+            if self.link is not None:
+                self.link.members_changed(self)
         if len(self.members) == 1:
             self.owner.arrivals.watch(self.queue, self)
         self.schedule_pump()
 
     def leave(self, member: Member) -> None:
         """A member disconnected or unsubscribed: its in-flight messages go to the others."""
-        if member in self.members:
+        was_member = member in self.members
+        if was_member:
             self.members.remove(member)
         if self in member.groups:
             member.groups.remove(self)
@@ -127,6 +154,18 @@ class SharedGroup:
                 heapq.heappush(self.returned, off)
         if not self.members:
             self.owner.arrivals.unwatch(self.queue, self)
+            if self.link is not None:  # all it holds goes back to the cluster's dispatcher
+                self.granted.clear()
+                self.returned.clear()
+                self._buffer.clear()
+        if was_member and self.link is not None:
+            self.link.members_changed(self)
+        self.schedule_pump()
+
+    def grant(self, offsets: list[int]) -> None:
+        """Cluster mode: the dispatcher assigned these offsets to this node's members."""
+        for off in offsets:
+            heapq.heappush(self.granted, off)
         self.schedule_pump()
 
     def give_back(self, offset: int) -> None:
@@ -137,6 +176,8 @@ class SharedGroup:
 
     def ack(self, offset: int) -> None:
         if self.pending.pop(offset, None) is not None:
+            if self.link is not None:
+                self.link.acked(self, [offset])
             self._commit()
         self.schedule_pump()
 
@@ -158,6 +199,8 @@ class SharedGroup:
             msg = cursor.one(self.queue, off)
             if msg is not None:
                 return off, msg
+        if self.link is not None:
+            return self._next_granted()
         if self._buffer:
             return self._buffer.popleft()
         if self.next_offset >= cursor.end(self.queue):
@@ -169,7 +212,26 @@ class SharedGroup:
         self.next_offset = next_offset
         return self._buffer.popleft() if self._buffer else None
 
+    def _next_granted(self) -> tuple[int, StoredMessage] | None:
+        """Cluster mode: the lowest granted offset this node's copy of the queue has (one
+        beyond its end waits for the arrival notice)."""
+        cursor = self.owner.cursor
+        granted = self.granted
+        while granted:
+            off = granted[0]
+            if off >= cursor.end(self.queue):
+                return None
+            heapq.heappop(granted)
+            msg = cursor.one(self.queue, off)
+            if msg is not None:
+                return off, msg
+            assert self.link is not None
+            self.link.acked(self, [off])  # deleted by retention: nothing to deliver
+        return None
+
     def _unsent(self) -> bool:
+        if self.link is not None:
+            return bool(self.returned or self.granted)
         return bool(self.returned or self._buffer) or (
             self.next_offset < self.owner.cursor.end(self.queue)
         )
@@ -186,6 +248,11 @@ class SharedGroup:
             msg = cursor.one(self.queue, self.returned[0])
             if msg is not None:
                 oldest = msg.store_timestamp
+        if self.link is not None:
+            msg = cursor.one(self.queue, self.granted[0]) if self.granted else None
+            if msg is not None and (oldest is None or msg.store_timestamp < oldest):
+                oldest = msg.store_timestamp
+            return oldest
         first = (
             self._buffer[0][1]
             if self._buffer
@@ -211,6 +278,7 @@ class SharedGroup:
     def _hand_out(self) -> None:
         """Give messages to members with window space, round robin, until none has any."""
         changed = False
+        done: list[int] = []  # cluster mode: finished without an acknowledgement
         try:
             while True:
                 candidates = [m for m in self.members if m.capacity() > 0 and m.can_send()]
@@ -232,13 +300,20 @@ class SharedGroup:
                     self._rr = (self._rr + i + 1) % max(1, len(self.members))
                     if outcome == "pending":
                         self.pending[off] = member
+                    elif self.link is not None:
+                        done.append(off)
                     delivered = True
                     changed = True
                     break
                 if not delivered:
-                    self._buffer.appendleft((off, msg))
+                    if self.link is not None:
+                        heapq.heappush(self.returned, off)
+                    else:
+                        self._buffer.appendleft((off, msg))
                     return
         finally:
+            if done and self.link is not None:
+                self.link.acked(self, done)
             if changed:
                 self._commit()
 
@@ -260,6 +335,7 @@ class SharedSubscriptions:
         self.arrivals = arrivals
         self.account = account
         self.groups: dict[tuple[str, str], SharedGroup] = {}
+        self.link: GroupLink | None = None  # cluster mode (gateway/cluster_shared.py)
 
     def acquire(self, group: str, topic_filter: str, queue: str, resume: bool) -> SharedGroup:
         """Take a reference; a new group starts at the queue's end, or at its saved offset
@@ -273,6 +349,8 @@ class SharedSubscriptions:
             g.next_offset = min(saved, end) if saved is not None else end
             g.start_offset = g.next_offset
             self.groups[key] = g
+            if g.link is not None:
+                g.link.created(g)
             g._commit()
         g.refs += 1
         return g
@@ -288,5 +366,7 @@ class SharedSubscriptions:
         if g.refs <= 0:
             for m in list(g.members):
                 g.leave(m)
+            if g.link is not None:
+                g.link.ended(g)
             self.account.group_ended(g)
             del self.groups[(group, topic_filter)]
