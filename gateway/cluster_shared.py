@@ -20,17 +20,20 @@ Every node applies the records in the bus's one order, the sender's own on read-
 
     shd  offset -> node, unless the offset is assigned already (first assignment wins: two
          dispatchers, which membership's fencing should prevent, still hand a message once)
-    sha  unassigned if assigned to n;   shr  unassigned if assigned to x
+         nor done (acknowledged, or below a dispatcher's committed position "c": a stale
+         proposal read after the acknowledgement of the same offset is no second delivery)
+    sha  unassigned (and done) if assigned to n;   shr  unassigned if assigned to x
 
 A node hands out the offsets assigned to itself (read back: the dispatcher's own members too).
 QoS 1/2 stay assigned until the member's PUBACK/PUBCOMP, so at most the window is in flight.
 
 The dispatcher is the *oldest* live node: the one whose "join" every other live node's "join"
-followed on the bus. Every node can tell whether it is the oldest (it read the others' joins
-after its own), no two nodes can both be, and the oldest has read every record any live node
-read: its table is the most complete. It gives each node at most WINDOW messages per member
-connected there, to the node least loaded per member, and commits the group's position on the
-broker (the smallest offset not done) for a restart of the whole cluster.
+followed on the bus (judged only once membership's join heard the nodes already there). Every
+node can tell whether it is the oldest (it read the others' joins after its own), no two nodes
+can both be, and the oldest has read every record any live node read: its table is the most
+complete. It gives each node at most WINDOW messages per member connected there, to the node
+least loaded per member, and commits the group's position on the broker (the smallest offset
+not done) for a restart of the whole cluster.
 
 Handover:
 - A member leaves (disconnect, unsubscribe): its node gives its unacknowledged messages to its
@@ -108,8 +111,8 @@ class ClusterGroup:
         for off, node in pairs:
             off = int(off)
             self.proposed.pop(off, None)
-            if off in self.assigned:
-                continue  # first assignment wins
+            if off in self.assigned or off in self.done or (self.c is not None and off < self.c):
+                continue  # first assignment wins; done stays done
             self.assigned[off] = node
             self.done.discard(off)
             self.hi = max(self.hi, off + 1)
@@ -311,6 +314,7 @@ class ClusterShares:
         self.arrivals = arrivals
         shared.link = self
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        self._check()
 
     # -- who dispatches ----------------------------------------------------------------------
 
@@ -321,6 +325,7 @@ class ClusterShares:
         was = self.dispatching
         now = (
             self._joined
+            and self._ticker is not None  # attached: after membership.join heard the others
             and not self.membership.fenced
             and all(n in self._younger for n in self.membership.live_peers())
         )

@@ -36,6 +36,13 @@ def _all(members: list[Client]) -> list[bytes]:
     return [p for m in members for p in m.payloads()]
 
 
+def _each_once(members: list[Client], sent: list[bytes]) -> None:
+    got = Counter(_all(members))
+    twice = [p for p, n in got.items() if n > 1]
+    assert not twice, f"{len(twice)} delivered more than once, e.g. {twice[:5]}"
+    assert set(got) == set(sent), f"missing: {sorted(set(sent) - set(got))[:5]}"
+
+
 def test_members_on_three_nodes_get_each_message_of_the_group_once(
     nodes: Nodes,  # noqa: F811
     clients: list[Client],  # noqa: F811
@@ -53,10 +60,7 @@ def test_members_on_three_nodes_get_each_message_of_the_group_once(
     # More traffic after: a duplicate of the first round would be in by the time it is.
     sent += _publish(pubs, 10, "late")
     wait_until(lambda: len(_all(members)) >= len(sent), 60, f"{len(sent)} messages")
-    got = Counter(_all(members))
-    twice = [p for p, n in got.items() if n > 1]
-    assert not twice, f"{len(twice)} delivered more than once, e.g. {twice[:5]}"
-    assert set(got) == set(sent)
+    _each_once(members, sent)
     assert all(m.payloads() for m in members), [len(m.payloads()) for m in members]
 
 
@@ -75,8 +79,8 @@ def test_a_member_that_leaves_hands_its_unacknowledged_messages_to_the_others(
         assert m.subscribe(GROUP, 1) == [1]
     sent = _publish([pub], 60)
     wait_until(lambda: len(_all([acking, silent])) >= len(sent), 60, "every message once")
-    held = silent.payloads()
-    assert held, "the silent member got nothing to hold"
+    assert silent.payloads(), "the silent member got nothing to hold"
+    _each_once([acking, silent], sent)
     silent.disconnect()
     wait_until(lambda: set(acking.payloads()) >= set(sent), 60, "the held messages at A")
     assert set(acking.payloads()) == set(sent)
@@ -104,11 +108,9 @@ def test_a_killed_nodes_unacknowledged_messages_go_to_the_surviving_members(
     sent = _publish([pub], 60)
     wait_until(lambda: len(_all([acking, silent])) >= len(sent), 60, "every message once")
     assert silent.payloads(), "the silent member got nothing to hold"
-    assert len(Counter(_all([acking, silent]))) == len(sent)
+    _each_once([acking, silent], sent)
     doomed.stop(signal.SIGKILL)
-    wait_until(
-        lambda: set(acking.payloads()) >= set(sent), LEASE_S * 3 + 30, "the held messages"
-    )
+    wait_until(lambda: set(acking.payloads()) >= set(sent), LEASE_S * 3 + 30, "the held messages")
     # The group goes on: new messages reach the surviving member.
     more = _publish([pub], 5, "after")
     wait_until(lambda: set(acking.payloads()) >= set(more), 30, "messages after the kill")
