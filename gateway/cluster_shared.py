@@ -58,6 +58,7 @@ import asyncio
 import contextlib
 import heapq
 import logging
+import time
 from typing import Any
 
 from gateway.arrivals import ArrivalHub
@@ -74,6 +75,13 @@ WINDOW = 32
 ASSIGN_BATCH = 256
 #: The dispatcher re-checks who dispatches and re-pumps this often (a notice lost costs this).
 TICK_S = 0.5
+#: Acknowledged offsets remembered above the committed position (a member that never
+#: acknowledges holds the position down): beyond this the oldest are forgotten, which costs
+#: at most a second delivery of them when the dispatch moves to another node.
+DONE_MAX = 65536
+#: Assignments sent and not read back after this long (their bus send failed) are assigned
+#: again.
+PROPOSAL_TIMEOUT_S = 10.0
 
 Key = tuple[str, str]  # (group, filter)
 
@@ -99,6 +107,8 @@ class ClusterGroup:
         self._opening = False
         self._scheduled = False
         self._committed = -1
+        # The lowest assignment not read back, and since when it is (lost sends, below).
+        self._stuck: tuple[int, float] | None = None
 
     # -- the table (every node) --------------------------------------------------------------
 
@@ -131,6 +141,8 @@ class ClusterGroup:
                 del self.assigned[off]
                 if self.c is None or off >= self.c:
                     self.done.add(off)
+        if len(self.done) > DONE_MAX:
+            self.done = set(sorted(self.done)[DONE_MAX // 2 :])
         self.schedule()
 
     def apply_returned(self, node: str, offsets: list[int]) -> None:
@@ -215,6 +227,22 @@ class ClusterGroup:
             self.key[0], self.key[1], base, len(self.returned) + sum(map(len, by_dead.values())),
         )  # fmt: skip
         self.schedule()
+
+    def retry_lost_proposals(self) -> None:
+        """Assignments never read back (their bus send failed): assign them again (one read
+        back late is the first assignment; the new one is then ignored)."""
+        if not self.proposed:
+            self._stuck = None
+            return
+        lowest, now = min(self.proposed), time.monotonic()
+        if self._stuck is None or self._stuck[0] != lowest:
+            self._stuck = (lowest, now)
+        elif now - self._stuck[1] > PROPOSAL_TIMEOUT_S:
+            for off in self.proposed:
+                heapq.heappush(self.returned, off)
+            self.proposed.clear()
+            self._stuck = None
+            self.schedule()
 
     def committed(self) -> int:
         assert self.next_offset is not None
@@ -343,6 +371,9 @@ class ClusterShares:
         while True:
             await asyncio.sleep(TICK_S)
             self._check()
+            if self.dispatching:
+                for g in self.groups.values():
+                    g.retry_lost_proposals()
 
     def _node_gone(self, node: str) -> None:
         for g in self.groups.values():
