@@ -116,8 +116,12 @@ class ClusterGroup:
         return [o for o, n in self.assigned.items() if n == node]
 
     def apply_assign(self, pairs: list[list[Any]], c: int) -> None:
-        me = self.shares.node_id
+        shares = self.shares
+        me = shares.node_id
         mine: list[int] = []
+        # Assigned to a node lost since (the dispatcher read the loss first): given back.
+        live = shares.live_nodes() if shares.dispatching else None
+        dead: dict[str, list[int]] = {}
         for off, node in pairs:
             off = int(off)
             self.proposed.pop(off, None)
@@ -128,11 +132,15 @@ class ClusterGroup:
             self.hi = max(self.hi, off + 1)
             if node == me:
                 mine.append(off)
+            elif live is not None and node not in live:
+                dead.setdefault(node, []).append(off)
+        for node, offs in dead.items():
+            shares.send_returned(self, node, offs)
         if self.c is None or c > self.c:
             self.c = c
             self.done = {o for o in self.done if o >= c}
         if mine:
-            self.shares.hand_to_members(self, mine)
+            shares.hand_to_members(self, mine)
         self.schedule()
 
     def apply_done(self, node: str, offsets: list[int]) -> None:

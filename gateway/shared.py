@@ -26,13 +26,13 @@ import asyncio
 import heapq
 import logging
 from collections import deque
-from typing import Protocol
+from typing import Literal, Protocol
 
 from gateway.arrivals import ArrivalHub
 from gateway.cursor import QueueCursor
 from gateway.overload import OverloadGuard
 from gateway.session import Session, SubscriptionState
-from gateway.storage import Storage, StoredMessage
+from gateway.storage import GetStatus, Storage, StoredMessage
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -194,13 +194,13 @@ class SharedGroup:
 
     def _next_message(self) -> tuple[int, StoredMessage] | None:
         cursor = self.owner.cursor
+        if self.link is not None:
+            return self._next_granted()
         while self.returned:
             off = heapq.heappop(self.returned)
             msg = cursor.one(self.queue, off)
             if msg is not None:
                 return off, msg
-        if self.link is not None:
-            return self._next_granted()
         if self._buffer:
             return self._buffer.popleft()
         if self.next_offset >= cursor.end(self.queue):
@@ -213,20 +213,33 @@ class SharedGroup:
         return self._buffer.popleft() if self._buffer else None
 
     def _next_granted(self) -> tuple[int, StoredMessage] | None:
-        """Cluster mode: the lowest granted offset this node's copy of the queue has (one
-        beyond its end waits for the arrival notice)."""
-        cursor = self.owner.cursor
-        granted = self.granted
-        while granted:
-            off = granted[0]
-            if off >= cursor.end(self.queue):
-                return None
-            heapq.heappop(granted)
-            msg = cursor.one(self.queue, off)
-            if msg is not None:
-                return off, msg
-            assert self.link is not None
-            self.link.acked(self, [off])  # deleted by retention: nothing to deliver
+        """Cluster mode: the lowest offset given back by a member here, or granted to this
+        node, that this node's copy of the queue has. One it does not have yet (beyond the
+        end it knows, or a miss the store is reading now) waits for the arrival notice; one
+        deleted by retention is done."""
+        for heap in (self.returned, self.granted):
+            while heap:
+                off = heap[0]
+                msg = self._read(off)
+                if msg is None:
+                    return None
+                heapq.heappop(heap)
+                if msg != "gone":
+                    return off, msg
+                assert self.link is not None
+                self.link.acked(self, [off])  # nothing to deliver
+        return None
+
+    def _read(self, off: int) -> StoredMessage | Literal["gone"] | None:
+        """The message at `off`; "gone" when retention deleted it; None: not here yet."""
+        owner = self.owner
+        if off >= owner.cursor.end(self.queue):
+            return None
+        msg = owner.cursor.one(self.queue, off)
+        if msg is not None:
+            return msg
+        if owner.store.get(self.queue, off, 1).status is GetStatus.OFFSET_TOO_SMALL:
+            return "gone"
         return None
 
     def _unsent(self) -> bool:
