@@ -114,3 +114,33 @@ def test_a_killed_nodes_unacknowledged_messages_go_to_the_surviving_members(
     # The group goes on: new messages reach the surviving member.
     more = _publish([pub], 5, "after")
     wait_until(lambda: set(acking.payloads()) >= set(more), 30, "messages after the kill")
+
+
+def test_the_dispatchers_death_keeps_what_live_members_hold(
+    nodes: Nodes,  # noqa: F811
+    clients: list[Client],  # noqa: F811
+) -> None:
+    """Three nodes; the first (the dispatcher) is killed while a member on the second holds
+    messages without PUBACK. The new dispatcher leaves them with it (no second delivery to the
+    member on the third node) and dispatches new messages; once the holder disconnects, the
+    other member gets what it held."""
+    (first,) = nodes(1)
+    second, third = nodes(2)
+    silent = Client(second.port, "silent", auto_ack=False)
+    acking = Client(third.port, "acking")
+    pub = Client(third.port, "pub")
+    clients += [silent, acking, pub]
+    for m in (silent, acking):
+        assert m.subscribe(GROUP, 1) == [1]
+    sent = _publish([pub], 60)
+    wait_until(lambda: len(_all([acking, silent])) >= len(sent), 60, "every message once")
+    held = silent.payloads()
+    assert held, "the silent member got nothing to hold"
+    first.stop(signal.SIGKILL)
+    # Dispatched by the survivors once the first node's lease ran out.
+    sent += _publish([pub], 10, "after")
+    wait_until(lambda: len(_all([acking, silent])) >= len(sent), LEASE_S * 3 + 30, "new ones")
+    _each_once([acking, silent], sent)
+    silent.disconnect()
+    wait_until(lambda: set(acking.payloads()) >= set(sent), 60, "the held messages")
+    assert set(held) <= set(acking.payloads())
