@@ -64,15 +64,17 @@ def test_members_on_three_nodes_get_each_message_of_the_group_once(
     assert all(m.payloads() for m in members), [len(m.payloads()) for m in members]
 
 
+@pytest.mark.parametrize("how", ["disconnect", "unsubscribe"])
 def test_a_member_that_leaves_hands_its_unacknowledged_messages_to_the_others(
+    how: str,
     nodes: Nodes,  # noqa: F811
     clients: list[Client],  # noqa: F811
 ) -> None:
-    """A member on node B that never acknowledges disconnects: what it held goes to the member
-    on node A, so A's member ends up with every message."""
+    """A member on node B that never acknowledges disconnects or unsubscribes: what it held
+    goes to the member on node A, so A's member ends up with every message."""
     a, b = nodes(2)
     acking = Client(a.port, "acking")
-    silent = Client(b.port, "silent", auto_ack=False)
+    silent = Client(b.port, "silent", auto_ack=False, v5=True)
     pub = Client(a.port, "pub")
     clients += [acking, silent, pub]
     for m in (acking, silent):
@@ -81,7 +83,10 @@ def test_a_member_that_leaves_hands_its_unacknowledged_messages_to_the_others(
     wait_until(lambda: len(_all([acking, silent])) >= len(sent), 60, "every message once")
     assert silent.payloads(), "the silent member got nothing to hold"
     _each_once([acking, silent], sent)
-    silent.disconnect()
+    if how == "disconnect":
+        silent.disconnect()
+    else:
+        silent.unsubscribe(GROUP)
     wait_until(lambda: set(acking.payloads()) >= set(sent), 60, "the held messages at A")
     assert set(acking.payloads()) == set(sent)
 
