@@ -141,6 +141,8 @@ class Gateway:
             else NoDeliveryAccount()
         )
         shared = self.shared = SharedSubscriptions(store, cursor, arrivals, account, self.overload)
+        if cluster is not None:
+            cluster.share_groups(shared, arrivals)
         registry = self.sessions = SessionRegistry(store)
         subscriptions = self.subscriptions = SubscriptionLifecycle(
             publisher, store, shared, account, self.stats, cursor, self.recent

@@ -9,6 +9,7 @@ The parts, each in its module:
     gateway/takeover.py         a client id connecting on one node closes it on the others
     gateway/handover.py         ... and that node hands the session's exact state over
     gateway/node_wills.py       the wills of a lost node's clients, published by the leader
+    gateway/cluster_shared.py   a share group's members on every node get each message once
     gateway/cluster_sessions.py a persistent session resumes on any node (the other nodes'
                                 session records adopted); retained messages caught up
     gateway/rocketmq_storage.py the state log: records stamped with their writer, tailed by
@@ -29,14 +30,17 @@ from typing import Protocol
 
 from pydantic_core import from_json, to_json
 
+from gateway.arrivals import ArrivalHub
 from gateway.cluster_bus import ClusterBus, Record
 from gateway.cluster_sessions import ClusterSessions, Counted
+from gateway.cluster_shared import ClusterShares
 from gateway.filter_registry import ClusterFilters
 from gateway.handover import NO_HAND, Handover
 from gateway.membership import Membership
 from gateway.node_wills import NodeWills
 from gateway.publishing import PublishPath
 from gateway.session import SESSION_KEY_PREFIX, Connected, Session, SessionRegistry
+from gateway.shared import SharedSubscriptions
 from gateway.storage import StateRecord, Storage, StoreError
 from gateway.takeover import ClusterTakeover
 
@@ -112,6 +116,8 @@ class Cluster:
         self.wills = NodeWills(
             self.bus, self.membership, store, publisher.store_publish, self._adopt_own
         )
+        # Built before the bus is tailed: it must read this node's own "join".
+        self.shares = ClusterShares(self.bus, self.membership, store)
         publisher.fenced = self.membership.is_fenced
         store.set_compaction_gate(self.membership.is_leader)
 
@@ -131,6 +137,10 @@ class Cluster:
         that node serves it; this one does not restore it."""
         writer = self.store.writer_of("session/" + client_id)
         return writer is not None and writer in self.membership.live_peers()
+
+    def share_groups(self, shared: SharedSubscriptions, arrivals: ArrivalHub) -> None:
+        """Share groups span the nodes (cluster_shared.py); before any group is created."""
+        self.shares.attach(shared, arrivals)
 
     def set_will_canceller(self, cancel: Callable[[str], None]) -> None:
         self._cancel_will = cancel
@@ -282,4 +292,5 @@ class Cluster:
         await self.membership.leave()
 
     def close(self) -> None:
+        self.shares.close()
         self.bus.close()

@@ -13,6 +13,11 @@ unsent reports the group to the overload guard (gateway/overload.py), which asks
 its oldest unsent message and holds publishers as for a normal subscriber's backlog; as a
 delivery loop does, only once the group has been caught up since it was created (a group
 resumed with a backlog after a restart catches up without stopping the fleet).
+
+In cluster mode (gateway/cluster_shared.py) a group does not read its queue itself: one node
+of the cluster assigns each message to a node, and a group hands out the offsets *granted* to
+its node; acknowledgements and messages its members give up go back through its `link`, and
+the dispatcher, not the group, commits the position.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import asyncio
 import heapq
 import logging
 from collections import deque
-from typing import Protocol
+from typing import Literal, Protocol
 
 from gateway.arrivals import ArrivalHub
 from gateway.cursor import QueueCursor
 from gateway.overload import OverloadGuard
 from gateway.session import Session, SubscriptionState
-from gateway.storage import Storage, StoredMessage
+from gateway.storage import GetStatus, Storage, StoredMessage
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -52,6 +57,22 @@ class Member(Protocol):
     def deliver_shared(
         self, group: SharedGroup, sub: SubscriptionState, off: int, msg: StoredMessage
     ) -> str: ...
+
+
+class GroupLink(Protocol):
+    """The cluster's side of a group (gateway/cluster_shared.py ClusterShares)."""
+
+    def created(self, group: SharedGroup) -> None: ...
+
+    def ended(self, group: SharedGroup) -> None: ...
+
+    def members_changed(self, group: SharedGroup) -> None:
+        """A member joined or left (with none left the node gives back what it holds)."""
+        ...
+
+    def acked(self, group: SharedGroup, offsets: list[int]) -> None:
+        """Granted messages done: acknowledged, or finished without an acknowledgement."""
+        ...
 
 
 class GroupAccount(Protocol):
@@ -84,6 +105,8 @@ class SharedGroup:
         self._rr = 0
         self._scheduled = False
         self._live = False  # caught up once since created: its backlog counts as overload
+        self.link = owner.link  # cluster mode: the cluster's side of the group (or None)
+        self.granted: list[int] = []  # heap: offsets the dispatcher gave this node (cluster)
 
     def committed(self) -> int:
         candidates = [self.next_offset]
@@ -97,7 +120,8 @@ class SharedGroup:
 
     def _commit(self) -> None:
         owner = self.owner
-        owner.store.offsets.commit(self.consumer, self.queue, self.committed())
+        if self.link is None:  # cluster mode: the dispatcher commits (cluster_shared.py)
+            owner.store.offsets.commit(self.consumer, self.queue, self.committed())
         owner.account.group_moved(self)
 
     # -- membership --------------------------------------------------------------------------
@@ -107,13 +131,16 @@ class SharedGroup:
             self.members.append(member)
             if self not in member.groups:
                 member.groups.append(self)
+            if self.link is not None:
+                self.link.members_changed(self)
         if len(self.members) == 1:
             self.owner.arrivals.watch(self.queue, self)
         self.schedule_pump()
 
     def leave(self, member: Member) -> None:
         """A member disconnected or unsubscribed: its in-flight messages go to the others."""
-        if member in self.members:
+        was_member = member in self.members
+        if was_member:
             self.members.remove(member)
         if self in member.groups:
             member.groups.remove(self)
@@ -127,6 +154,18 @@ class SharedGroup:
                 heapq.heappush(self.returned, off)
         if not self.members:
             self.owner.arrivals.unwatch(self.queue, self)
+            if self.link is not None:  # all it holds goes back to the cluster's dispatcher
+                self.granted.clear()
+                self.returned.clear()
+                self._buffer.clear()
+        if was_member and self.link is not None:
+            self.link.members_changed(self)
+        self.schedule_pump()
+
+    def grant(self, offsets: list[int]) -> None:
+        """Cluster mode: the dispatcher assigned these offsets to this node's members."""
+        for off in offsets:
+            heapq.heappush(self.granted, off)
         self.schedule_pump()
 
     def give_back(self, offset: int) -> None:
@@ -137,6 +176,8 @@ class SharedGroup:
 
     def ack(self, offset: int) -> None:
         if self.pending.pop(offset, None) is not None:
+            if self.link is not None:
+                self.link.acked(self, [offset])
             self._commit()
         self.schedule_pump()
 
@@ -153,6 +194,8 @@ class SharedGroup:
 
     def _next_message(self) -> tuple[int, StoredMessage] | None:
         cursor = self.owner.cursor
+        if self.link is not None:
+            return self._next_granted()
         while self.returned:
             off = heapq.heappop(self.returned)
             msg = cursor.one(self.queue, off)
@@ -169,7 +212,39 @@ class SharedGroup:
         self.next_offset = next_offset
         return self._buffer.popleft() if self._buffer else None
 
+    def _next_granted(self) -> tuple[int, StoredMessage] | None:
+        """Cluster mode: the lowest offset given back by a member here, or granted to this
+        node, that this node's copy of the queue has. One it does not have yet (beyond the
+        end it knows, or a miss the store is reading now) waits for the arrival notice; one
+        deleted by retention is done."""
+        for heap in (self.returned, self.granted):
+            while heap:
+                off = heap[0]
+                msg = self._read(off)
+                if msg is None:
+                    return None
+                heapq.heappop(heap)
+                if msg != "gone":
+                    return off, msg
+                assert self.link is not None
+                self.link.acked(self, [off])  # nothing to deliver
+        return None
+
+    def _read(self, off: int) -> StoredMessage | Literal["gone"] | None:
+        """The message at `off`; "gone" when retention deleted it; None: not here yet."""
+        owner = self.owner
+        if off >= owner.cursor.end(self.queue):
+            return None
+        msg = owner.cursor.one(self.queue, off)
+        if msg is not None:
+            return msg
+        if owner.store.get(self.queue, off, 1).status is GetStatus.OFFSET_TOO_SMALL:
+            return "gone"
+        return None
+
     def _unsent(self) -> bool:
+        if self.link is not None:
+            return bool(self.returned or self.granted)
         return bool(self.returned or self._buffer) or (
             self.next_offset < self.owner.cursor.end(self.queue)
         )
@@ -186,6 +261,11 @@ class SharedGroup:
             msg = cursor.one(self.queue, self.returned[0])
             if msg is not None:
                 oldest = msg.store_timestamp
+        if self.link is not None:
+            msg = cursor.one(self.queue, self.granted[0]) if self.granted else None
+            if msg is not None and (oldest is None or msg.store_timestamp < oldest):
+                oldest = msg.store_timestamp
+            return oldest
         first = (
             self._buffer[0][1]
             if self._buffer
@@ -211,6 +291,7 @@ class SharedGroup:
     def _hand_out(self) -> None:
         """Give messages to members with window space, round robin, until none has any."""
         changed = False
+        done: list[int] = []  # cluster mode: finished without an acknowledgement
         try:
             while True:
                 candidates = [m for m in self.members if m.capacity() > 0 and m.can_send()]
@@ -232,13 +313,20 @@ class SharedGroup:
                     self._rr = (self._rr + i + 1) % max(1, len(self.members))
                     if outcome == "pending":
                         self.pending[off] = member
+                    elif self.link is not None:
+                        done.append(off)
                     delivered = True
                     changed = True
                     break
                 if not delivered:
-                    self._buffer.appendleft((off, msg))
+                    if self.link is not None:
+                        heapq.heappush(self.returned, off)
+                    else:
+                        self._buffer.appendleft((off, msg))
                     return
         finally:
+            if done and self.link is not None:
+                self.link.acked(self, done)
             if changed:
                 self._commit()
 
@@ -260,6 +348,7 @@ class SharedSubscriptions:
         self.arrivals = arrivals
         self.account = account
         self.groups: dict[tuple[str, str], SharedGroup] = {}
+        self.link: GroupLink | None = None  # cluster mode (gateway/cluster_shared.py)
 
     def acquire(self, group: str, topic_filter: str, queue: str, resume: bool) -> SharedGroup:
         """Take a reference; a new group starts at the queue's end, or at its saved offset
@@ -273,6 +362,8 @@ class SharedSubscriptions:
             g.next_offset = min(saved, end) if saved is not None else end
             g.start_offset = g.next_offset
             self.groups[key] = g
+            if g.link is not None:
+                g.link.created(g)
             g._commit()
         g.refs += 1
         return g
@@ -288,5 +379,7 @@ class SharedSubscriptions:
         if g.refs <= 0:
             for m in list(g.members):
                 g.leave(m)
+            if g.link is not None:
+                g.link.ended(g)
             self.account.group_ended(g)
             del self.groups[(group, topic_filter)]
