@@ -12,8 +12,9 @@ identifiers) is encoded once for all the subscribers that receive it.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import islice
 
 from gateway.protocol import PreparedPublish
 from gateway.records import RecordedPublish, read_record
@@ -30,14 +31,23 @@ PREPARED_CACHE_SIZE = 4096
 
 
 class PreparedCache:
-    """Recently encoded PUBLISH packets, so a fan-out encodes each variant once."""
+    """Recently encoded PUBLISH packets, so a fan-out encodes each variant once.
+
+    A plain dict in insertion order, trimmed in bulk: past `size` entries the oldest quarter
+    goes at once, by rebuilding the dict from the rest. An OrderedDict's popitem(last=False)
+    per put cost ~2% of the broker's samples at 2,000 devices and 10,000 msg/s; a rebuild of
+    3/4 of `size` entries every `size`/4 puts is a few C-level steps per put."""
 
     def __init__(self, size: int = PREPARED_CACHE_SIZE) -> None:
         self._size = size
-        self._items: OrderedDict[tuple[object, ...], PreparedPublish] = OrderedDict()
-        # The dict's own get, bound once: a fan-out looks a packet up per delivery, and a
-        # method wrapping it cost a Python call each time.
+        self._keep = size - size // 4
+        self._items: dict[tuple[object, ...], PreparedPublish] = {}
+        # The dict's own get, bound once per dict: a fan-out looks a packet up per delivery,
+        # and a method wrapping it cost a Python call each time. Callers read it per use.
         self.lookup: Callable[[tuple[object, ...]], PreparedPublish | None] = self._items.get
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def get(self, key: tuple[object, ...], make: Callable[[], PreparedPublish]) -> PreparedPublish:
         p = self._items.get(key)
@@ -47,9 +57,11 @@ class PreparedCache:
         return p
 
     def put(self, key: tuple[object, ...], p: PreparedPublish) -> None:
-        self._items[key] = p
-        if len(self._items) > self._size:
-            self._items.popitem(last=False)
+        items = self._items
+        items[key] = p
+        if len(items) > self._size:
+            items = self._items = dict(islice(items.items(), len(items) - self._keep, None))
+            self.lookup = items.get
 
 
 class _Window:

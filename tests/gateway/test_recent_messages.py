@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.recent import RecentMessages
+from gateway.protocol import PreparedPublish, Publish
+from gateway.recent import PreparedCache, RecentMessages
 from store import PutResult
 
 QUEUES = ["%LMQ%a", "%LMQ%b", "%LMQ%c"]
@@ -84,3 +85,18 @@ def test_gap_starts_the_window_over() -> None:
     recent.add("t", b"five", {}, r5)
     assert recent.run("%LMQ%a", 0, 10) == []
     assert [m.body for m in recent.run("%LMQ%a", 5, 10)] == [b"five"]
+
+
+def test_prepared_cache_keeps_the_newest_packets_within_its_size() -> None:
+    cache = PreparedCache(size=8)
+    packets = {}
+    for i in range(30):
+        packets[i] = PreparedPublish(4, Publish(f"t/{i}", b"x", qos=1))
+        cache.put((i,), packets[i])
+        assert len(cache) <= 8
+        # The latest put is always there, found through the lookup bound to the current dict.
+        assert cache.lookup((i,)) is packets[i]
+    # The 9th entry makes it drop the oldest 3 at once (6 kept): last at the put of 29.
+    assert [i for i in range(30) if cache.lookup((i,)) is not None] == list(range(24, 30))
+    made = cache.get((29,), lambda: PreparedPublish(4, Publish("other", b"y", qos=1)))
+    assert made is packets[29]
