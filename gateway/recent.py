@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import islice
 
 from gateway.protocol import PreparedPublish
 from gateway.records import RecordedPublish, read_record
@@ -33,17 +32,18 @@ PREPARED_CACHE_SIZE = 4096
 class PreparedCache:
     """Recently encoded PUBLISH packets, so a fan-out encodes each variant once.
 
-    A plain dict in insertion order, trimmed in bulk: past `size` entries the oldest quarter
-    goes at once, by rebuilding the dict from the rest. An OrderedDict's popitem(last=False)
-    per put cost ~2% of the broker's samples at 2,000 devices and 10,000 msg/s; a rebuild of
-    3/4 of `size` entries every `size`/4 puts is a few C-level steps per put."""
+    A plain dict with its keys in a deque, oldest first: past `size` entries, the oldest goes.
+    Per put that is 0.16 us against 0.21 us for an OrderedDict's popitem(last=False) (timeit,
+    200,000 fan-out keys), which showed as ~2% of the broker's samples at 2,000 devices and
+    10,000 msg/s. (Rebuilding the dict from its newest entries instead cost 0.9 us per put:
+    every key tuple is hashed again.)"""
 
     def __init__(self, size: int = PREPARED_CACHE_SIZE) -> None:
         self._size = size
-        self._keep = size - size // 4
         self._items: dict[tuple[object, ...], PreparedPublish] = {}
-        # The dict's own get, bound once per dict: a fan-out looks a packet up per delivery,
-        # and a method wrapping it cost a Python call each time. Callers read it per use.
+        self._order: deque[tuple[object, ...]] = deque()
+        # The dict's own get, bound once: a fan-out looks a packet up per delivery, and a
+        # method wrapping it cost a Python call each time.
         self.lookup: Callable[[tuple[object, ...]], PreparedPublish | None] = self._items.get
 
     def __len__(self) -> int:
@@ -58,10 +58,12 @@ class PreparedCache:
 
     def put(self, key: tuple[object, ...], p: PreparedPublish) -> None:
         items = self._items
+        if key not in items:
+            order = self._order
+            order.append(key)
+            if len(order) > self._size:
+                del items[order.popleft()]
         items[key] = p
-        if len(items) > self._size:
-            items = self._items = dict(islice(items.items(), len(items) - self._keep, None))
-            self.lookup = items.get
 
 
 class _Window:

@@ -94,9 +94,12 @@ def test_prepared_cache_keeps_the_newest_packets_within_its_size() -> None:
         packets[i] = PreparedPublish(4, Publish(f"t/{i}", b"x", qos=1))
         cache.put((i,), packets[i])
         assert len(cache) <= 8
-        # The latest put is always there, found through the lookup bound to the current dict.
+        # The latest put is always there.
         assert cache.lookup((i,)) is packets[i]
-    # The 9th entry makes it drop the oldest 3 at once (6 kept): last at the put of 29.
-    assert [i for i in range(30) if cache.lookup((i,)) is not None] == list(range(24, 30))
-    made = cache.get((29,), lambda: PreparedPublish(4, Publish("other", b"y", qos=1)))
-    assert made is packets[29]
+    assert [i for i in range(30) if cache.lookup((i,)) is not None] == list(range(22, 30))
+    cache.put((29,), packets[28])  # a key put again keeps one place in the order
+    cache.put((30,), packets[0])
+    assert [i for i in range(31) if cache.lookup((i,)) is not None] == list(range(23, 31))
+    assert cache.lookup((29,)) is packets[28] and len(cache) == 8
+    made = cache.get((30,), lambda: PreparedPublish(4, Publish("other", b"y", qos=1)))
+    assert made is packets[0]
