@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from gateway.protocol import packet_types as pt
-from gateway.protocol import wire
+from gateway.protocol import wire, writers
 from gateway.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from gateway.protocol.events import (
     Auth,
@@ -68,6 +69,30 @@ from gateway.protocol.readers import (
 from gateway.protocol.reason_codes import ALLOWED_REASON_CODES, ReasonCode
 from gateway.protocol.wire import PACKET_ID_BYTES
 from gateway.protocol.writers import WRITERS, write_connack, write_disconnect, write_publish
+
+# Connection._batch's inline loop in C (gateway/protocol/_speedups.c), or None: built
+# optionally by setup.py; LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_READ (this
+# one, for A/B runs) keeps the Python loop, which stays the reference.
+Scan = Callable[
+    [bytes, int, list[int | None], int, bool, dict[bytes, str], "set[int] | None",
+     "dict[int, int] | None", int, int, list[Event]],
+    int,
+]  # fmt: skip
+
+
+def _load_scan() -> Scan | None:
+    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_READ"):
+        if os.environ.get(name, "") not in ("", "0"):
+            return None
+    if not writers.SPEEDUPS:
+        return None  # not built: configure() (which binds Publish) never ran
+    from gateway.protocol import _speedups
+
+    _speedups.configure_scan(PubAck)
+    return _speedups.scan
+
+
+_SCAN = _load_scan()
 
 
 class _Slow(Exception):
@@ -413,7 +438,17 @@ class Connection:
             if fast
             else _NO_FAST_PUBLISH
         )
+        # The C twin of this loop (`scan` in _speedups.c) decodes the same packets of a bytes
+        # buffer and stops at the first one it does not, which the loop below handles.
+        scan = _SCAN if is_bytes and fast else None
         while n - off >= 2:
+            if scan is not None:
+                off = scan(
+                    buf, off, fast_qos, limit, v5, topics, in_qos1, out_flight,  # type: ignore[arg-type]
+                    receive_maximum, in_flight_others, out,
+                )  # fmt: skip
+                if n - off < 2:
+                    break
             first = buf[off]
             qos = fast_qos[first]
             if qos is None:
@@ -527,6 +562,7 @@ class Connection:
                 if fast
                 else _NO_FAST_PUBLISH
             )
+            scan = _SCAN if is_bytes and fast else None
             v5 = self.protocol_level == 5
             id_size = 3 if v5 else 2
             ids = self._ids
