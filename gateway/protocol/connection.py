@@ -354,6 +354,42 @@ class Connection:
             # Drained: a device's one packet per read was handed out; skip _batch's setup
             # (0.3 us of the 2.0 us a device PUBLISH costs to decode and acknowledge).
             return NEED_DATA
+        scan = _SCAN
+        buf = self._buf
+        ids = self._ids
+        if (
+            scan is not None
+            and ids is not None
+            and type(buf) is bytes
+            and self._phase is CONNECTED
+            and not self._eof
+            and self._pending_error is None
+            and self.max_packet_size >= 130
+        ):
+            # A device read in one C call, without _batch's setup; what scan leaves (an
+            # unusual or partial packet) goes on through _batch, which handles it.
+            out: list[Event] = []
+            in_qos1 = ids.inbound_qos1
+            off = scan(
+                buf, self._off, _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
+                self.max_packet_size, self.protocol_level == 5, TOPIC_CACHE, in_qos1,
+                ids.outbound, self.receive_maximum, ids.inbound_in_flight() - len(in_qos1), out,
+            )  # fmt: skip
+            if out:
+                if off == len(buf):
+                    self._buf = b""
+                    self._off = 0
+                else:
+                    self._off = off
+                    try:
+                        out += self._batch(stop_after_connect=True)
+                    except RemoteProtocolError as err:
+                        self._pending_error = err
+                if len(out) > 1:
+                    if queue is None:
+                        queue = self._queue = deque()
+                    queue.extend(out[1:])
+                return out[0]
         batch = self._batch(stop_after_connect=True)
         if not batch:
             return NEED_DATA

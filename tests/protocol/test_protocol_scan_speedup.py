@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.protocol import (
+    NEED_DATA,
     Connection,
     Properties,
     PubAck,
@@ -99,7 +100,15 @@ other = st.sampled_from(
 stream = st.lists(st.one_of(simple_publish, simple_publish, publish, other), max_size=12)
 
 
-def observe(conn: Connection, data: bytes, cuts: list[int]) -> list[Any]:
+def next_events(conn: Connection) -> list[Any]:
+    """The gateway's way: next_event until NEED_DATA (its own C path for a device read)."""
+    out: list[Any] = []
+    while (event := conn.next_event()) is not NEED_DATA:
+        out.append(event)
+    return out
+
+
+def observe(conn: Connection, data: bytes, cuts: list[int], one_by_one: bool) -> list[Any]:
     """What a gateway sees: per read the events (or the error), then the state."""
     seen: list[Any] = []
     points = sorted({c % (len(data) + 1) for c in cuts} | {len(data)})
@@ -109,7 +118,7 @@ def observe(conn: Connection, data: bytes, cuts: list[int]) -> list[Any]:
             continue  # b"" would mean EOF
         try:
             conn.receive_data(data[last:point])
-            seen.append(("events", conn.events()))
+            seen.append(("events", next_events(conn) if one_by_one else conn.events()))
         except RemoteProtocolError as err:
             seen.append(("error", type(err).__name__, int(err.reason_code), str(err)))
             break
@@ -128,6 +137,13 @@ def observe(conn: Connection, data: bytes, cuts: list[int]) -> list[Any]:
 
 
 def both(make: Any, data: bytes, cuts: list[int], cached: bool) -> None:
+    for one_by_one in (True, False):
+        same_in_c_and_python(make, data, cuts, cached, one_by_one)
+
+
+def same_in_c_and_python(
+    make: Any, data: bytes, cuts: list[int], cached: bool, one_by_one: bool
+) -> None:
     outcomes = []
     loaded = connection._SCAN
     try:
@@ -136,7 +152,7 @@ def both(make: Any, data: bytes, cuts: list[int], cached: bool) -> None:
             if cached:
                 TOPIC_CACHE.update({t: t.decode() for t in TOPICS[:3]})
             connection._SCAN = scan
-            outcomes.append(observe(make(), data, cuts))
+            outcomes.append(observe(make(), data, cuts, one_by_one))
     finally:
         connection._SCAN = loaded
     assert outcomes[0] == outcomes[1]
