@@ -333,7 +333,8 @@ class ClientConnection:
                         continue
                 elif ev is NEED_DATA:
                     self._unparsed = 0
-                    self._resume_reading()
+                    if self._reading_paused:  # checked here: once per device read
+                        self._resume_reading()
                     return
                 elif kind is PubAck:
                     assert isinstance(ev, PubAck)
@@ -345,7 +346,7 @@ class ClientConnection:
         finally:
             if acked:
                 self._pubacks(acked)
-            if len(ingest) > taken:
+            if len(ingest) > taken and (self._held or self.ctx.overload.overloaded):
                 self._published(len(ingest) - taken, ingest.last_qos() == 0)
 
     def _pubacks(self, packet_ids: list[int]) -> None:

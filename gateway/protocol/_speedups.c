@@ -215,12 +215,293 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
+/*
+ * scan(buf, off, table, limit, v5, topics, in_qos1, out_flight, receive_maximum, in_flight_others,
+ *      out) -> off: the inline loop of connection.Connection._batch over a `bytes` buffer, in C.
+ *
+ * It decodes, from `off` on, the packets the Python loop decodes inline -- PUBLISH whose first
+ * byte `table` maps to a QoS (the connection's _FAST_PUBLISH_QOS table), with a remaining
+ * length of 1-2 bytes, a topic already in the readers' TOPIC_CACHE, a non-zero packet id for
+ * QoS 1, no MQTT 5 properties; and PUBACK without reason code -- appends one event per packet
+ * to `out` (Publish / PubAck built as bare instances with every slot set, as in Python), records
+ * QoS 1 ids in `in_qos1` and drops acknowledged ids from `out_flight`, exactly as the Python loop
+ * does. It returns the offset of the first packet it did not decode: incomplete, or anything
+ * the Python loop would hand to `_Slow` / the general path, or a QoS 1 PUBLISH before the
+ * connection has packet ids (`in_qos1` None). Nothing about that packet is changed (every check
+ * comes before any side effect), and the caller's Python loop handles it, with every rule and
+ * the precise error. So the C code never raises a protocol error and never decides one.
+ *
+ *     PUBLISH  | 0x3X | rem. len 1-2 B | topic len 2 B | topic | [packet id 2 B] | [0x00] | payload
+ *     PUBACK   | 0x40 | 0x02 | packet id 2 B
+ */
+static PyTypeObject *puback_type = NULL;
+enum { A_PACKET_ID, A_REASON_CODE, A_PROPERTIES, A_COUNT };
+static const char *const ack_field_names[A_COUNT] = {"packet_id", "reason_code", "properties"};
+static Py_ssize_t ack_offsets[A_COUNT];
+static PyObject *small_ints[4]; /* 0..3, owned */
+
+#define ACK_SLOT(obj, field) (*(PyObject **)((char *)(obj) + ack_offsets[field]))
+
+static PyObject *
+new_bare(PyTypeObject *type)
+{
+    /* object.__new__(type): the slots start NULL and are all filled by the caller. */
+    return type->tp_alloc(type, 0);
+}
+
+static PyObject *
+scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "scan takes 11 arguments");
+        return NULL;
+    }
+    if (publish_type == NULL || puback_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "scan: configure_scan was not called");
+        return NULL;
+    }
+    PyObject *buf_obj = args[0], *table = args[2], *topics = args[5], *in_qos1 = args[6];
+    PyObject *out_flight = args[7], *out = args[10];
+    if (!PyBytes_CheckExact(buf_obj) || !PyList_CheckExact(table) || PyList_GET_SIZE(table) != 256
+        || !PyDict_CheckExact(topics) || !PyList_CheckExact(out)
+        || (in_qos1 != Py_None && !PySet_CheckExact(in_qos1))
+        || (out_flight != Py_None && !PyDict_CheckExact(out_flight))) {
+        PyErr_SetString(PyExc_TypeError, "scan: unexpected argument types");
+        return NULL;
+    }
+    Py_ssize_t off = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    int v5 = PyObject_IsTrue(args[4]);
+    Py_ssize_t receive_maximum = PyLong_AsSsize_t(args[8]);
+    Py_ssize_t others = PyLong_AsSsize_t(args[9]);
+    if (PyErr_Occurred() || v5 < 0) {
+        return NULL;
+    }
+    const unsigned char *buf = (const unsigned char *)PyBytes_AS_STRING(buf_obj);
+    Py_ssize_t n = PyBytes_GET_SIZE(buf_obj);
+    if (off < 0 || off > n) {
+        PyErr_SetString(PyExc_ValueError, "scan: offset outside the buffer");
+        return NULL;
+    }
+    int limited = receive_maximum < 0xFFFF;
+    Py_ssize_t id_size = v5 ? 3 : 2;
+    while (n - off >= 2) {
+        unsigned int first = buf[off];
+        PyObject *qos_obj = PyList_GET_ITEM(table, first);
+        if (qos_obj == Py_None) {
+            if (first == 0x40 && buf[off + 1] == 2 && n - off >= 4) {
+                long acked = (long)buf[off + 2] << 8 | buf[off + 3];
+                if (!acked) {
+                    break;
+                }
+                PyObject *id_obj = PyLong_FromLong(acked);
+                if (id_obj == NULL) {
+                    return NULL;
+                }
+                if (out_flight != Py_None) { /* out_flight.pop(acked, None) */
+                    PyObject *held = PyDict_GetItemWithError(out_flight, id_obj); /* borrowed */
+                    if ((held == NULL && PyErr_Occurred())
+                        || (held != NULL && PyDict_DelItem(out_flight, id_obj) < 0)) {
+                        Py_DECREF(id_obj);
+                        return NULL;
+                    }
+                }
+                PyObject *ack = new_bare(puback_type);
+                if (ack == NULL) {
+                    Py_DECREF(id_obj);
+                    return NULL;
+                }
+                ACK_SLOT(ack, A_PACKET_ID) = id_obj;
+                Py_INCREF(small_ints[0]);
+                ACK_SLOT(ack, A_REASON_CODE) = small_ints[0];
+                Py_INCREF(Py_None);
+                ACK_SLOT(ack, A_PROPERTIES) = Py_None;
+                int failed = PyList_Append(out, ack);
+                Py_DECREF(ack);
+                if (failed) {
+                    return NULL;
+                }
+                off += 4;
+                continue;
+            }
+            break;
+        }
+        long qos = PyLong_AsLong(qos_obj);
+        if (qos < 0 || qos > 1) {
+            PyErr_Clear();
+            break; /* the table holds 0 and 1 only; anything else: the Python loop */
+        }
+        Py_ssize_t length = buf[off + 1], start;
+        if (length < 128) {
+            start = off + 2;
+        }
+        else {
+            if (n - off < 3) {
+                break;
+            }
+            unsigned int second = buf[off + 2];
+            if (second > 127 || !second) {
+                break;
+            }
+            length = (length & 0x7F) | (Py_ssize_t)second << 7;
+            start = off + 3;
+            if (length + 3 > limit) {
+                break;
+            }
+        }
+        Py_ssize_t end = start + length;
+        if (end > n || length < 2) {
+            break;
+        }
+        Py_ssize_t pos = start + 2 + ((Py_ssize_t)buf[start] << 8 | buf[start + 1]);
+        if (pos > end) {
+            break;
+        }
+        PyObject *raw = PyBytes_FromStringAndSize((const char *)buf + start + 2, pos - start - 2);
+        if (raw == NULL) {
+            return NULL;
+        }
+        PyObject *topic = PyDict_GetItemWithError(topics, raw); /* borrowed */
+        Py_DECREF(raw);
+        if (topic == NULL) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            break; /* not cached yet: the Python loop validates and caches it */
+        }
+        PyObject *packet_id;
+        if (qos) {
+            if (pos + id_size > end) {
+                break;
+            }
+            long pid = (long)buf[pos] << 8 | buf[pos + 1];
+            if (!pid || (v5 && buf[pos + 2]) || in_qos1 == Py_None) {
+                break; /* properties, id 0, or no packet ids yet: the Python loop */
+            }
+            packet_id = PyLong_FromLong(pid);
+            if (packet_id == NULL) {
+                return NULL;
+            }
+            if (limited) {
+                int has = PySet_Contains(in_qos1, packet_id);
+                if (has < 0) {
+                    Py_DECREF(packet_id);
+                    return NULL;
+                }
+                if (!has && PySet_GET_SIZE(in_qos1) + others >= receive_maximum) {
+                    Py_DECREF(packet_id);
+                    break;
+                }
+            }
+            if (PySet_Add(in_qos1, packet_id) < 0) {
+                Py_DECREF(packet_id);
+                return NULL;
+            }
+            pos += id_size;
+        }
+        else {
+            if (v5) {
+                if (pos >= end || buf[pos]) {
+                    break;
+                }
+                pos += 1;
+            }
+            Py_INCREF(Py_None);
+            packet_id = Py_None;
+        }
+        PyObject *payload = PyBytes_FromStringAndSize((const char *)buf + pos, end - pos);
+        if (payload == NULL) {
+            Py_DECREF(packet_id);
+            return NULL;
+        }
+        PyObject *pub = new_bare(publish_type);
+        if (pub == NULL) {
+            Py_DECREF(packet_id);
+            Py_DECREF(payload);
+            return NULL;
+        }
+        Py_INCREF(topic);
+        SLOT(pub, F_TOPIC) = topic;
+        SLOT(pub, F_PAYLOAD) = payload;
+        Py_INCREF(small_ints[qos]);
+        SLOT(pub, F_QOS) = small_ints[qos];
+        PyObject *retain = first & 1 ? Py_True : Py_False;
+        PyObject *dup = first & 8 ? Py_True : Py_False;
+        Py_INCREF(retain);
+        SLOT(pub, F_RETAIN) = retain;
+        Py_INCREF(dup);
+        SLOT(pub, F_DUP) = dup;
+        SLOT(pub, F_PACKET_ID) = packet_id;
+        Py_INCREF(Py_None);
+        SLOT(pub, F_PROPERTIES) = Py_None;
+        int failed = PyList_Append(out, pub);
+        Py_DECREF(pub);
+        if (failed) {
+            return NULL;
+        }
+        off = end;
+    }
+    return PyLong_FromSsize_t(off);
+}
+
+static PyObject *
+configure_scan(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *type_obj;
+    if (!PyArg_ParseTuple(args, "O!:configure_scan", &PyType_Type, &type_obj)) {
+        return NULL;
+    }
+    if (publish_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "configure_scan: call configure first");
+        return NULL;
+    }
+    Py_ssize_t found[A_COUNT];
+    for (int i = 0; i < A_COUNT; i++) {
+        PyObject *descr = PyObject_GetAttrString(type_obj, ack_field_names[i]);
+        if (descr == NULL) {
+            return NULL;
+        }
+        int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type)
+                 && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX
+                 && !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
+        if (ok) {
+            found[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
+        }
+        Py_DECREF(descr);
+        if (!ok) {
+            PyErr_Format(PyExc_TypeError, "configure_scan: %s.%s is not a plain object slot",
+                         ((PyTypeObject *)type_obj)->tp_name, ack_field_names[i]);
+            return NULL;
+        }
+    }
+    /* The slots of a bare instance must be exactly these fields (plus nothing with a
+     * __dict__), else an unset slot would surface as an AttributeError later. */
+    if (((PyTypeObject *)type_obj)->tp_dictoffset != 0 || publish_type->tp_dictoffset != 0) {
+        PyErr_SetString(PyExc_TypeError, "configure_scan: event classes must use slots only");
+        return NULL;
+    }
+    for (int i = 0; i < 4; i++) {
+        if (small_ints[i] == NULL && (small_ints[i] = PyLong_FromLong(i)) == NULL) {
+            return NULL;
+        }
+    }
+    memcpy(ack_offsets, found, sizeof(ack_offsets));
+    Py_INCREF(type_obj);
+    Py_XSETREF(puback_type, (PyTypeObject *)type_obj);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL | METH_KEYWORDS,
      "encode(event, level) -> bytes: writers.encode, with the common PUBLISH shapes in C."},
     {"configure", configure, METH_VARARGS,
      "configure(publish_type, topic_cache, fallback): bind the Publish class, the writers' "
      "encoded-topic cache and the Python encoder used for every other shape."},
+    {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
+     "scan(buf, off, table, limit, v5, topics, in_qos1, out_flight, receive_maximum, "
+     "in_flight_others, out) -> off: Connection._batch's inline loop over bytes, in C."},
+    {"configure_scan", configure_scan, METH_VARARGS,
+     "configure_scan(puback_type): bind the PubAck class (after configure)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,3 +8,17 @@ def encode(event: Any, level: int) -> bytes: ...
 def configure(
     publish_type: type, topic_cache: dict[str, bytes], fallback: Callable[[Any, int], bytes]
 ) -> None: ...
+def scan(
+    buf: bytes,
+    off: int,
+    table: list[int | None],
+    limit: int,
+    v5: bool,
+    topics: dict[bytes, str],
+    in_qos1: set[int] | None,
+    out_flight: dict[int, int] | None,
+    receive_maximum: int,
+    in_flight_others: int,
+    out: list[Any],
+) -> int: ...
+def configure_scan(puback_type: type) -> None: ...

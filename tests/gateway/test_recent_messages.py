@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.recent import RecentMessages
+from gateway.protocol import PreparedPublish, Publish
+from gateway.recent import PreparedCache, RecentMessages
 from store import PutResult
 
 QUEUES = ["%LMQ%a", "%LMQ%b", "%LMQ%c"]
@@ -84,3 +85,21 @@ def test_gap_starts_the_window_over() -> None:
     recent.add("t", b"five", {}, r5)
     assert recent.run("%LMQ%a", 0, 10) == []
     assert [m.body for m in recent.run("%LMQ%a", 5, 10)] == [b"five"]
+
+
+def test_prepared_cache_keeps_the_newest_packets_within_its_size() -> None:
+    cache = PreparedCache(size=8)
+    packets = {}
+    for i in range(30):
+        packets[i] = PreparedPublish(4, Publish(f"t/{i}", b"x", qos=1))
+        cache.put((i,), packets[i])
+        assert len(cache) <= 8
+        # The latest put is always there.
+        assert cache.lookup((i,)) is packets[i]
+    assert [i for i in range(30) if cache.lookup((i,)) is not None] == list(range(22, 30))
+    cache.put((29,), packets[28])  # a key put again keeps one place in the order
+    cache.put((30,), packets[0])
+    assert [i for i in range(31) if cache.lookup((i,)) is not None] == list(range(23, 31))
+    assert cache.lookup((29,)) is packets[28] and len(cache) == 8
+    made = cache.get((30,), lambda: PreparedPublish(4, Publish("other", b"y", qos=1)))
+    assert made is packets[0]
