@@ -113,7 +113,7 @@ def watchers() -> Iterator[list[Client]]:
 
 
 def test_compose_balancer_spreads_devices_and_survives_sigkill_of_a_node(
-    rocketmq: RocketMQCluster, haproxy: str, tmp_path: Path, watchers: list[Client]
+    haproxy: str, rocketmq: RocketMQCluster, tmp_path: Path, watchers: list[Client]
 ) -> None:
     nodes = _sync_nodes(rocketmq, tmp_path, 3)  # as the compose nodes: cluster mode, --flush sync
     names = sorted(n for n in cluster_services() if n.startswith("rmq-node-"))
