@@ -116,18 +116,19 @@ def test_compose_balancer_spreads_devices_and_survives_sigkill_of_a_node(
     haproxy: str, rocketmq: RocketMQCluster, tmp_path: Path, watchers: list[Client]
 ) -> None:
     nodes = _sync_nodes(rocketmq, tmp_path, 3)  # as the compose nodes: cluster mode, --flush sync
-    names = sorted(n for n in cluster_services() if n.startswith("rmq-node-"))
-    assert len(names) == 3
-    # compose's `server node1 rmq-node-1:1883` ... in the order of the nodes' names
-    servers = {
-        f"node{name.rsplit('-', 1)[1]}": g.port for name, g in zip(names, nodes.nodes, strict=True)
-    }
-    cfg = tmp_path / "haproxy.cfg"
-    port = _free_port()
-    cfg.write_text(balancer_config(port, servers))
-    balancer = Balancer(haproxy, cfg, port)
+    balancer: Balancer | None = None
     sim: subprocess.Popen[str] | None = None
     try:
+        names = sorted(n for n in cluster_services() if n.startswith("rmq-node-"))
+        assert len(names) == 3
+        # compose's `server node1 rmq-node-1:1883` ... in the order of the nodes' names
+        servers = {
+            f"node{n.rsplit('-', 1)[1]}": g.port for n, g in zip(names, nodes.nodes, strict=True)
+        }
+        cfg = tmp_path / "haproxy.cfg"
+        port = _free_port()
+        cfg.write_text(balancer_config(port, servers))
+        balancer = Balancer(haproxy, cfg, port)
         balancer.wait_listening()
         report_file = tmp_path / "report.json"
         argv = compose_sim_command(**SCALE, **{"--host": "127.0.0.1", "--port": str(port)})
@@ -155,7 +156,8 @@ def test_compose_balancer_spreads_devices_and_survives_sigkill_of_a_node(
         if sim is not None and sim.poll() is None:
             sim.kill()
             sim.wait(10)
-        balancer.stop()
+        if balancer is not None:
+            balancer.stop()
         nodes.stop()
     print(out, "clients per node before the kill:", [sorted(ids) for ids in before])
     assert report_file.exists(), out
