@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 CORE   := $(VENV)/.installed-core
 DEV    := $(VENV)/.installed-dev
 
-.PHONY: run test lint unit bench clean
+.PHONY: run test lint unit test-tools bench clean
 
 $(PY):
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lmqtt needs Python 3.11+"'
@@ -39,8 +39,14 @@ lint: $(DEV)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-unit: $(DEV)
+unit: $(DEV) test-tools
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The Debian programs end-to-end tests run, installed when missing (best effort: without root or
+# network the tests that need them skip, and fail under .ci/run's LMQTT_REQUIRE_ROCKETMQ=1).
+# haproxy: tests/rocketmq/test_balancer_failover.py runs the compose balancer's configuration.
+test-tools:
+	command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || (apt-get update -qq && apt-get install -y -qq haproxy) || true
 
 ## bench: compare lmqtt with amqtt and Mosquitto (installs mosquitto from Debian if missing)
 bench: $(DEV)

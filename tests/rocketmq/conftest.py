@@ -1,7 +1,8 @@
 """The session's RocketMQ cluster (see cluster.py): started once, stopped at the end.
 
-Without Java or Maven the tests here skip with the reason; with LMQTT_REQUIRE_ROCKETMQ=1 (set by
-.ci/run) that skip is a failure instead, so CI cannot pass without running them.
+Without Java or Maven (or HAProxy, for the balancer test) the tests here skip with the reason;
+with LMQTT_REQUIRE_ROCKETMQ=1 (set by .ci/run) that skip is a failure instead, so CI cannot pass
+without running them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def rocketmq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RocketMQClust
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def haproxy() -> str:
+    """The haproxy executable (Debian's is in /usr/sbin); `make test` installs it when missing."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin"])
+    found = shutil.which("haproxy", path=path)
+    if found is None:
+        _unavailable("HAProxy is not installed (`make test` installs Debian's haproxy)")
+    assert found is not None
+    return found
 
 
 def start_gateway(rocketmq: RocketMQCluster, tmp_path: Path) -> GatewayHarness:

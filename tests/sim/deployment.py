@@ -35,6 +35,22 @@ def compose() -> dict[str, Any]:
     return document
 
 
+def cluster_services() -> dict[str, dict[str, Any]]:
+    """The services of profile `rocketmq-cluster`: gateway nodes behind one balancer."""
+    return {
+        n: s
+        for n, s in compose()["services"].items()
+        if "rocketmq-cluster" in s.get("profiles", [])
+    }
+
+
+def haproxy_config() -> str:
+    """The balancer's (`rmq-lb`) haproxy.cfg, as compose mounts it into the image."""
+    (mount,) = cluster_services()["rmq-lb"]["configs"]
+    assert mount["target"] == "/usr/local/etc/haproxy/haproxy.cfg"  # where the image reads it
+    return str(compose()["configs"][mount["source"]]["content"])
+
+
 @dataclass(frozen=True)
 class Instruction:
     keyword: str

@@ -17,9 +17,11 @@ from tests.sim.deployment import (
     COMPOSE,
     DOCKERIGNORE,
     REPO,
+    cluster_services,
     compose,
     dockerfile_instructions,
     dockerfile_stages,
+    haproxy_config,
     lmqtt_commands_in_compose,
     lmqtt_commands_in_dockerfile,
     lmqtt_executable,
@@ -268,20 +270,6 @@ def test_the_rocketmq_profiles_gateways_store_on_its_brokers(
 
 
 # --- profile rocketmq-cluster: several gateway nodes behind one address ------------------------
-
-
-def cluster_services() -> dict[str, dict[str, Any]]:
-    return {
-        n: s
-        for n, s in compose()["services"].items()
-        if "rocketmq-cluster" in s.get("profiles", [])
-    }
-
-
-def haproxy_config() -> str:
-    (mount,) = cluster_services()["rmq-lb"]["configs"]
-    assert mount["target"] == "/usr/local/etc/haproxy/haproxy.cfg"  # where the image reads it
-    return str(compose()["configs"][mount["source"]]["content"])
 
 
 def test_the_cluster_profile_runs_gateway_nodes_on_one_namespace(
