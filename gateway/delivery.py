@@ -419,7 +419,9 @@ class DeliveryLoop:
                     break
                 sub.replay = None
                 sub.start_phys = store.log_max_offset  # covers from here (see _covering)
-                self._skip_replayed(sub, replay.last_phys)
+                # Passed over as the light queue is read (_pass_replayed), whenever its
+                # messages reach the store's reads: on RocketMQ they may not be there yet.
+                sub.replayed_phys = replay.last_phys
                 log.info("%r: replay of %r done, live now", session.client_id, sub.topic_filter)
                 self.ctx.sessions.touch(session)
                 return True
@@ -442,27 +444,32 @@ class DeliveryLoop:
             self._ready[sub.queue] = None  # more to replay (paced: see _replay)
         return moved
 
-    def _skip_replayed(self, sub: SubscriptionState, last_phys: int) -> None:
-        """The replay of `sub` ended having handed over everything stored up to `last_phys`:
-        its light queue's messages stored by then were among them (see gateway/replay.py)."""
-        moved = False
-        while last_phys >= 0:
-            messages, start, _ = self.ctx.cursor.read(sub.queue, sub.next_offset, BATCH)
-            if start != sub.next_offset or not messages:
+    def _pass_replayed(
+        self, sub: SubscriptionState, messages: list[StoredMessage]
+    ) -> list[StoredMessage]:
+        """Pass over the leading `messages` the replay of `sub` handed over (stored at or
+        before `sub.replayed_phys`, see gateway/replay.py; the queue is in store order, so
+        they come first) and return the rest. The first message past it ends the check."""
+        last = sub.replayed_phys
+        skip = 0
+        for msg in messages:
+            if msg.physical_offset > last:
+                sub.replayed_phys = -1
                 break
-            for msg in messages:
-                if msg.physical_offset > last_phys:
-                    last_phys = -1
-                    break
+            if msg.queue_offset >= sub.next_offset:
                 sub.next_offset = msg.queue_offset + 1
-                moved = True
-        if moved:
-            sub.read_phys = None
-            self._commit(sub)
+                sub.read_phys = msg.physical_offset + 1
+            skip += 1
+        return messages[skip:] if skip else messages
 
     def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
         """Send what the window allows of `messages` (written at the end of the pass)."""
         moved = None
+        passed = False
+        if sub.replayed_phys >= 0:  # just after a replay (one int test per batch otherwise)
+            before = sub.next_offset
+            messages = self._pass_replayed(sub, messages)
+            passed = sub.next_offset != before
         # Whether other loops read this queue too, asked once per batch: nothing in it awaits,
         # so the answer holds for every message (per message it cost ~5% of a fan-out's CPU).
         shared = self.ctx.arrivals.watchers(sub.queue) > 1
@@ -477,7 +484,7 @@ class DeliveryLoop:
         if moved is not None:
             sub.read_phys = moved.physical_offset + 1
         self._commit(sub)
-        return moved is not None
+        return passed or moved is not None
 
     def _commit(self, sub: SubscriptionState) -> None:
         self._uncommitted.pop(sub.queue, None)

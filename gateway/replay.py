@@ -32,8 +32,11 @@ see gateway/rocketmq_history.py) may pin a parent's end past a message stored af
 or a light queue's `next` below a message stored before it: such a message is replayed and
 also in the light queue's live part. The replay reads in store order, so every light-queue
 message stored at or before the last one it handed over (`last_phys`) was handed over by it:
-the delivery loop passes over those when it takes over from the replay. (On the embedded store
-there are none: everything in L from `next` was stored after the pin.)
+when the replay ends, the subscription keeps that position (`replayed_phys`) and the delivery
+loop passes over those messages whenever it reads them, not only those the store's reads hold
+at that moment (on RocketMQ the mirror may not have pulled them yet, or may have dropped them
+during a long replay: they were delivered twice). (On the embedded store there are none:
+everything in L from `next` was stored after the pin.)
 
 Several parents (`#`, `+/...`) are merged in store order (CommitLog physical offset; a
 multi-broker backend would merge by store timestamp). Only a few messages per parent are held

@@ -25,7 +25,8 @@ the parent queue. So the queue's end as the pin sees it (`max_offset`) is
 which is exact when no send fails: the unanswered sends take the next offsets, in order. A send
 that fails (no offset taken) makes the bound one too high: the replay then reads one message
 stored after the pin, which the light queue also delivers; the delivery loop passes over such
-a message when the replay hands over to the light queue (`Replay.last_phys`). A broker-busy
+a message when it reads it after the replay (`Replay.last_phys`, kept as the subscription's
+`replayed_phys`: the message need not be in the mirror when the replay ends). A broker-busy
 retry stores a message after later ones: the replay may end before it (it is delivered live
 only if its route had the filter). One gateway per `rocketmq_topic` (docs/rocketmq.md): another
 writer's sends would take offsets this count does not know of.

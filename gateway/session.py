@@ -191,6 +191,12 @@ class SubscriptionState:
     read_phys: int | None = field(default=None, compare=False, repr=False)
     # A replay still running before the light queue is read (gateway/replay.py); persisted.
     replay: Replay | None = field(default=None, compare=False)
+    # After a replay: the light queue's messages stored at or before this CommitLog position
+    # were handed over by the replay and are passed over when read (-1: none). Kept until
+    # read, not just applied to what the store holds when the replay ends: on RocketMQ they
+    # may not be in the gateway's mirror then (not pulled yet, or dropped from it during a
+    # long replay). Persisted, so a session saved in between does not deliver them twice.
+    replayed_phys: int = field(default=-1, compare=False)
 
     def committed(self) -> int:
         """Highest offset below which everything is acknowledged (O(1): see `pending`)."""
@@ -212,6 +218,8 @@ class SubscriptionState:
         }
         if self.replay is not None:
             d["replay"] = self.replay.to_json()
+        if self.replayed_phys >= 0:
+            d["replayed_phys"] = self.replayed_phys
         return d
 
     @classmethod
@@ -230,6 +238,7 @@ class SubscriptionState:
             next_offset=int(d.get("next_offset", start)),
             start_phys=int(d.get("start_phys", 0)),
             replay=Replay.from_json(d["replay"]) if d.get("replay") else None,
+            replayed_phys=int(d.get("replayed_phys", -1)),
         )
 
 
