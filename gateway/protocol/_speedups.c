@@ -174,6 +174,34 @@ encode(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs, PyO
     return out;
 }
 
+/* The offsets of `names` in instances of `type_obj`, each of which must be a plain writable
+ * object slot (__slots__), so C can read and set them without attribute lookups. -1 with
+ * TypeError (naming `fname`) when one is not. */
+static int
+slot_offsets(const char *fname, PyObject *type_obj, const char *const *names, int n,
+             Py_ssize_t *found)
+{
+    for (int i = 0; i < n; i++) {
+        PyObject *descr = PyObject_GetAttrString(type_obj, names[i]);
+        if (descr == NULL) {
+            return -1;
+        }
+        int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type)
+                 && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX
+                 && !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
+        if (ok) {
+            found[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
+        }
+        Py_DECREF(descr);
+        if (!ok) {
+            PyErr_Format(PyExc_TypeError, "%s: %s.%s is not a plain object slot", fname,
+                         ((PyTypeObject *)type_obj)->tp_name, names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 configure(PyObject *Py_UNUSED(module), PyObject *args)
 {
@@ -187,23 +215,8 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t found[F_COUNT];
-    for (int i = 0; i < F_COUNT; i++) {
-        PyObject *descr = PyObject_GetAttrString(type_obj, field_names[i]);
-        if (descr == NULL) {
-            return NULL;
-        }
-        int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type)
-                 && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX
-                 && !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
-        if (ok) {
-            found[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
-        }
-        Py_DECREF(descr);
-        if (!ok) {
-            PyErr_Format(PyExc_TypeError, "configure: %s.%s is not a plain object slot",
-                         ((PyTypeObject *)type_obj)->tp_name, field_names[i]);
-            return NULL;
-        }
+    if (slot_offsets("configure", type_obj, field_names, F_COUNT, found) < 0) {
+        return NULL;
     }
     memcpy(offsets, found, sizeof(offsets));
     Py_INCREF(type_obj);
@@ -456,23 +469,8 @@ configure_scan(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t found[A_COUNT];
-    for (int i = 0; i < A_COUNT; i++) {
-        PyObject *descr = PyObject_GetAttrString(type_obj, ack_field_names[i]);
-        if (descr == NULL) {
-            return NULL;
-        }
-        int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type)
-                 && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX
-                 && !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
-        if (ok) {
-            found[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
-        }
-        Py_DECREF(descr);
-        if (!ok) {
-            PyErr_Format(PyExc_TypeError, "configure_scan: %s.%s is not a plain object slot",
-                         ((PyTypeObject *)type_obj)->tp_name, ack_field_names[i]);
-            return NULL;
-        }
+    if (slot_offsets("configure_scan", type_obj, ack_field_names, A_COUNT, found) < 0) {
+        return NULL;
     }
     /* The slots of a bare instance must be exactly these fields (plus nothing with a
      * __dict__), else an unset slot would surface as an AttributeError later. */

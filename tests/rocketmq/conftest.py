@@ -90,3 +90,13 @@ def start_gateway(rocketmq: RocketMQCluster, tmp_path: Path) -> GatewayHarness:
         rocketmq_broker="broker-a",
         rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
     ).start()
+
+
+@pytest.fixture
+def rocketmq_gateway(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[GatewayHarness]:
+    """A gateway of `start_gateway`, stopped after the test."""
+    h = start_gateway(rocketmq, tmp_path)
+    try:
+        yield h
+    finally:
+        h.stop()

@@ -9,8 +9,6 @@ assertions: the guarantees do not depend on the backend. EXCLUDED says which are
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -27,8 +25,6 @@ from tests.gateway import (
 )
 from tests.gateway.conftest import GatewayHarness
 from tests.gateway.conftest import clients as clients  # the fixture, for the collected tests
-from tests.rocketmq.cluster import RocketMQCluster
-from tests.rocketmq.conftest import start_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -60,9 +56,5 @@ for _module in MODULES:
 
 
 @pytest.fixture
-def gateway(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[GatewayHarness]:
-    h = start_gateway(rocketmq, tmp_path)
-    try:
-        yield h
-    finally:
-        h.stop()
+def gateway(rocketmq_gateway: GatewayHarness) -> GatewayHarness:
+    return rocketmq_gateway

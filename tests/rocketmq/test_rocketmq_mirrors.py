@@ -5,32 +5,18 @@ A real gateway (in-process, to count them) on the session's RocketMQ cluster, pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from gateway.rocketmq_storage import RocketMqStorage
 from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
-from tests.rocketmq.cluster import RocketMQCluster
-from tests.rocketmq.conftest import start_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-@pytest.fixture
-def harness(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[GatewayHarness]:
-    h = start_gateway(rocketmq, tmp_path)
-    try:
-        yield h
-    finally:
-        h.stop()
-
-
 def test_mirrors_and_held_pulls_are_released_with_the_last_reader(
-    harness: GatewayHarness,
+    rocketmq_gateway: GatewayHarness,
 ) -> None:
-    h = harness
+    h = rocketmq_gateway
     assert h.gw is not None
     store = h.gw.store
     assert isinstance(store, RocketMqStorage)

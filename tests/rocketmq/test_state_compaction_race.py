@@ -5,38 +5,24 @@ reach its state log) on the session's RocketMQ cluster; the batches are real bro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from gateway.rocketmq_state import StateLog
 from gateway.rocketmq_storage import RocketMqStorage
 from tests.gateway.conftest import GatewayHarness
-from tests.rocketmq.cluster import RocketMQCluster
-from tests.rocketmq.conftest import start_gateway
 from topicmap.rocketmq import STATE_QUEUE, STATE_START, encode_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-@pytest.fixture
-def harness(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[GatewayHarness]:
-    h = start_gateway(rocketmq, tmp_path)
-    try:
-        yield h
-    finally:
-        h.stop()
-
-
 def test_a_snapshot_record_older_than_a_write_after_the_compaction_start_is_skipped(
-    harness: GatewayHarness,
+    rocketmq_gateway: GatewayHarness,
 ) -> None:
     """The layout of the race, written to the real state queue: key k written by node X
     (old), the compaction starts (its replay start committed), X writes k again (new), then
     the leader's snapshot copy of k (old: it had not read X's second write) follows it in the
     log. A replay keeps "new" for k and the snapshot's values for the keys nobody wrote again."""
-    h = harness
+    h = rocketmq_gateway
     store = h.gw.store if h.gw is not None else None
     assert isinstance(store, RocketMqStorage)
     state = store._state_log
