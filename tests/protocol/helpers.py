@@ -45,3 +45,14 @@ def drain_one_by_one(conn: Connection) -> list[Event]:
         if event is NEED_DATA:
             return out
         out.append(event)
+
+
+def remaining_length(n: int) -> bytes:
+    """MQTT's Variable Byte Integer (spec 1.5.5), written here rather than taken from
+    gateway.protocol.wire, so the tests that build raw packets do not trust the code they test."""
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)

@@ -22,6 +22,7 @@ from gateway.protocol import (
     decode_packet,
     encode,
 )
+from tests.protocol.helpers import remaining_length
 
 from .helpers import connect_packet
 from .test_protocol_connection import client_stream
@@ -123,20 +124,11 @@ def test_decode_packet_random(level: int, data: bytes) -> None:
 @FUZZ
 @given(level=LEVELS, first=st.integers(0, 255), body=st.binary(max_size=200))
 def test_decode_packet_framed_random_body(level: int, first: int, body: bytes) -> None:
-    data = bytes((first,)) + encode_length(len(body)) + body
+    data = bytes((first,)) + remaining_length(len(body)) + body
     try:
         decode_packet(data, level)
     except RemoteProtocolError:
         pass
-
-
-def encode_length(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 TOPIC = st.text(

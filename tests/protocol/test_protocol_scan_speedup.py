@@ -29,6 +29,7 @@ from gateway.protocol import (
     encode,
 )
 from gateway.protocol.readers import TOPIC_CACHE
+from tests.protocol.helpers import remaining_length
 
 from .helpers import open_connection
 
@@ -43,18 +44,9 @@ if SCAN is None:  # pure-Python mode: bind the module here, as connection does o
     SCAN = speedups.scan
 
 
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def raw_publish(first: int, topic: bytes, packet_id: bytes, props: bytes, payload: bytes) -> bytes:
     body = len(topic).to_bytes(2, "big") + topic + packet_id + props + payload
-    return bytes([first]) + varint(len(body)) + body
+    return bytes([first]) + remaining_length(len(body)) + body
 
 
 TOPICS = [b"site/1/dev/7/temp", b"cmd/3", b"a", b"bad/+", b"bad/#", b"nul\x00", b"\xff\xfe", b""]
