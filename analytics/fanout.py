@@ -44,16 +44,17 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 
 from analytics.compaction import COMPACTED_DIR, CompactedSegment, compacted_segments
+from analytics.copies import base_queue
 from analytics.datasource import SOURCE_NAME, SPARK_SCHEMA
 from analytics.errors import DataDirError
 from analytics.pruning import backlog_segments, segment_spans, segments_in_window
 from analytics.reportfiles import META_FILE, REPORT_DIR, TABLES
-from analytics.rocketmq import PullRange, Snapshot
+from analytics.rocketmq import PullRange, Snapshot, plan_ranges
 from analytics.scratch import (
     BACKLOG_DDL,
     BACKLOG_DIR,
@@ -202,7 +203,8 @@ def run_fanout(
 ) -> ReportMeta:
     """Compute every table and swap them into <out_dir>/report atomically. With `rocketmq`
     (analytics.rocketmq.read_deployment) the messages and sessions are those of a RocketMQ
-    deployment, pulled from its broker, and `data_dir` is not read."""
+    deployment, pulled from its brokers, and `data_dir` is not read: its light queues are
+    one per broker (analytics.copies), in every table that names a queue."""
     from pyspark.sql import functions as F
 
     started = time.monotonic()
@@ -211,8 +213,8 @@ def run_fanout(
     out_dir = Path(out_dir)
     segments: list[SegmentFile] | list[PullRange]
     if rocketmq is not None:
-        # The deployment's messages are pulled from its broker, one task per range of its
-        # parent queue; its sessions, offsets and queue ends come from the broker too.
+        # The deployment's messages are pulled from its brokers, one task per range of the
+        # parent queue on each; its sessions, offsets and queue ends come from them too.
         snap = rocketmq
         segments = snap.ranges
         done: dict[int, CompactedSegment] = {}
@@ -240,26 +242,34 @@ def run_fanout(
     shutil.rmtree(staging, ignore_errors=True)
     scratch = staging / "_scratch"
     # Time pruning: only segments that can hold messages of the window, plus (the backlog is
-    # the queues' current state) those from the oldest undelivered message on.
-    # (A RocketMQ deployment's ranges are all read: rows are filtered, nothing pruned yet.)
-    windowed = (since_ms is not None or until_ms is not None) and rocketmq is None
-    window: list[SegmentFile] | list[PullRange] = (
-        segments_in_window(segment_spans(segments, done), since_ms, until_ms)  # type: ignore[arg-type]
-        if windowed
-        else segments
-    )
-    tail = backlog_segments(data_dir, segments, subs, ends) if windowed else []  # type: ignore[arg-type]
-    wanted = {s.start_offset for s in window} | {s.start_offset for s in tail}
-    read = [s for s in segments if s.start_offset in wanted]
+    # the queues' current state) those from the oldest undelivered message on. A RocketMQ
+    # deployment's brokers say both by SEARCH_OFFSET_BY_TIMESTAMP and pulls (plan_ranges).
+    windowed = since_ms is not None or until_ms is not None
+    window: list[SegmentFile] | list[PullRange]
+    read: list[SegmentFile] | list[PullRange]
+    if rocketmq is not None:
+        plan_read = plan_ranges(rocketmq, since_ms, until_ms, _backlog_from(subs, ends))
+        window, read = plan_read.window, plan_read.read
+    else:
+        files = cast(list[SegmentFile], segments)
+        window = (
+            segments_in_window(segment_spans(files, done), since_ms, until_ms)
+            if windowed
+            else files
+        )
+        tail = backlog_segments(data_dir, files, subs, ends) if windowed else []
+        wanted = {s.start_offset for s in window} | {s.start_offset for s in tail}
+        read = [s for s in files if s.start_offset in wanted]
     sources = [
         ScratchInput(s, done[s.start_offset].parquet if s.start_offset in done else None)
         for s in read
     ]
     n_read_compacted = sum(1 for src in sources if src.parquet is not None)
-    # Only a subscriber holding several queues can be reached twice by one message.
+    # Only a subscriber holding several queues can be reached twice by one message (a
+    # RocketMQ message is in one broker's copies: a queue's copies on several brokers cannot).
     queues_of: dict[str, set[str]] = {}
     for piece in pcs:
-        queues_of.setdefault(piece.subscriber, set()).add(piece.queue)
+        queues_of.setdefault(piece.subscriber, set()).add(base_queue(piece.queue))
     plan = ScratchPlan(
         since_ms=since_ms,
         until_ms=until_ms,

@@ -1,32 +1,55 @@
 """The fan-out report's inputs read from a RocketMQ deployment, through pulls.
 
-A gateway started with `--store rocketmq` keeps its messages and its sessions on one RocketMQ
-broker (gateway/rocketmq_storage.py): every message is sent to the deployment's parent topic
-(`rocketmq_topic`, one queue) with INNER_MULTI_DISPATCH = its light queues, and the sessions
-are the records of the %STATE% light queue. The report reads exactly that, over the remoting
-protocol (rocketmq_remoting), from any machine that reaches the name server:
+A gateway started with `--store rocketmq` sends every message to the deployment's parent topic
+(`rocketmq_topic`, one queue) with INNER_MULTI_DISPATCH = its light queues, on one of the
+topic's brokers (one broker today; over several: `broker_for(mqtt topic, writable brokers)`,
+docs/rocketmq.md "Several brokers"), and keeps its sessions in the %STATE% light queue of its
+home broker. The report reads exactly that, over the remoting protocol (rocketmq_remoting), from
+any machine that reaches the name server:
 
-    messages      PULL_MESSAGE of the parent topic's queue 0, cut into PullRanges of
-                  RANGE_MESSAGES offsets, one Spark task each (like one segment each on the
-                  embedded store). Each pulled record is a stored CommitLog record (v1 or v2,
-                  IPv4 or IPv6 hosts: rocketmq_remoting.message.decode_records); it becomes a
-                  row of analytics.segments.ARROW_SCHEMA, its light queues named back to the
-                  gateway's queue names (topicmap.rocketmq.decode_lmq).
-    subscriptions the %STATE% queue replayed from the offset committed for %STATE-START% (the
-                  last compaction's snapshot), newest record per key: the `session/` records
+    messages      PULL_MESSAGE of the parent topic's queue 0 on EVERY readable broker of its
+                  route (TopicRoute.readable_brokers: a broker drained of writes still holds
+                  messages), each cut into PullRanges of RANGE_MESSAGES offsets, one Spark task
+                  each (like one segment each on the embedded store). Each pulled record is a
+                  stored CommitLog record (v1 or v2, IPv4 or IPv6 hosts:
+                  rocketmq_remoting.message.decode_records); it becomes a row of
+                  analytics.segments.ARROW_SCHEMA, its light queues named back to the gateway's
+                  queue names (topicmap.rocketmq.decode_lmq) and then to its broker's copies
+                  (analytics.copies: `Q` on the home broker, `Q\\x00b` on broker b), its light
+                  queue offsets being that copy's. Its physical offset is `k << 48 | CommitLog
+                  offset` (k: the broker's rank by name among the readable ones), unique across
+                  brokers. Rows of different brokers are not ordered by offset; where order
+                  matters (the timeline, --since/--until) the store timestamp gives it.
+    subscriptions the %STATE% queue of the home broker, replayed from the offset committed for
+                  %STATE-START% (the last compaction's snapshot), newest record per key: the
+                  `session/` records. A subscription's positions on a broker's copy are a
+                  subscription entry of their own, its queue the copy's name.
     committed     the broker's consumer offsets (group = the subscriber's light-queue name,
-                  topic = the queue's): the only copy, which the gateway sends every second
-                  (gateway/rocketmq_offsets.py; its data directory has no offsets table)
-    queue ends    GET_MIN_OFFSET / GET_MAX_OFFSET of every subscribed light queue
+                  topic = the queue's), per copy from that copy's broker: the only copy, which
+                  the gateway sends every second (gateway/rocketmq_offsets.py)
+    queue ends    GET_MIN_OFFSET / GET_MAX_OFFSET of every copy of every subscribed light
+                  queue, on its broker
     account       the delivery account stays in the gateway's data directory (--data-dir):
                   without it, deliveries are counted from the committed offsets alone
+
+A message is stored on one broker, so it is in that broker's copies only: a subscriber holding
+`Q` and `Q\\x00b` is due it through one of them, and every count (fan-out, deliveries per
+device and per subscriber) counts it once whichever broker it was on.
+
+Time pruning (plan_ranges): with --since/--until, SEARCH_OFFSET_BY_TIMESTAMP per broker finds
+the parent-queue offsets of the window (the first stored at or after `since`, the last at or
+before `until` - 1 ms; store timestamps never decrease along one broker's queue), and only the
+ranges overlapping them are pulled, plus those holding the backlog (the queues' current state,
+whatever the window): from the parent offset of the first undelivered message of each
+subscribed copy, found by pulling that one message from the copy. Rows are then filtered
+exactly, as on the embedded store.
 
 Why pulls rather than the brokers' store directories: the report then needs neither a shell on
 the broker hosts nor their disks mounted (nor a copy of them), it reads only the deployment's
 own topic where a broker's CommitLog holds every topic of the cluster, a broker's retention and
 file layout (v2 records, IPv6 hosts, no CRC property) stay the broker's business, and the
-numbers are the ones the gateway itself reads. The cost is the broker serving the pulls: a
-report reads every kept message of the deployment once (no time pruning yet).
+numbers are the ones the gateway itself reads. The cost is the brokers serving the pulls: a
+report reads every kept message of the deployment in its window (all of them without one) once.
 
 Records that are no MQTT message (the state batches, the gateway's start-up probe: no
 `mqtt.topic` property) are left out: on the embedded store they live outside the CommitLog.
@@ -35,12 +58,13 @@ Records that are no MQTT message (the state batches, the gateway's start-up prob
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 
+from analytics.copies import COPY_SEPARATOR, base_queue, copy_name, split_copy
 from analytics.errors import ClusterError, SnapshotError
 from analytics.segments import (
     ARROW_SCHEMA,
@@ -63,6 +87,7 @@ from rocketmq_remoting import (
     OffsetMovedError,
     RemotingClient,
     RemotingError,
+    TopicNotExistError,
 )
 from store.delivery_account import AccountRecord, read_account
 from topicmap.rocketmq import (
@@ -80,6 +105,8 @@ RANGE_MESSAGES = 200_000
 PULL_MESSAGES = 256
 #: The report's pulls: a `%LMQ%` group needs no creation on the broker, and nothing is committed.
 PULL_GROUP = "%LMQ%lmqtt-report"
+#: A row's physical offset: the broker's rank above, its CommitLog offset below (2**48 B = 256 TiB).
+BROKER_SHIFT = 48
 _DISPATCH = "INNER_MULTI_DISPATCH"
 _DISPATCH_OFFSETS = "INNER_MULTI_QUEUE_OFFSET"
 _TS = pa.timestamp("us", tz="UTC")
@@ -88,8 +115,8 @@ _TS = pa.timestamp("us", tz="UTC")
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """A gateway deployment on RocketMQ: the name server, the parent topic (`rocketmq_topic`),
-    the broker (`rocketmq_broker`; None: the one holding the topic, else the first registered by
-    name, as the gateway picks: RemotingClient.home_broker),
+    the home broker (`rocketmq_broker`; None: the first by name of those holding the topic,
+    else the first registered, as the gateway picks: RemotingClient.home_broker),
     and optionally the gateway's data directory (its delivery account)."""
 
     namesrv: str
@@ -110,14 +137,22 @@ class PullRange:
     topic: str
     start: int
     end: int
+    broker: str = ""  # its name
+    rank: int = 0  # the broker's rank by name among the readable ones (BROKER_SHIFT)
+    home: bool = True  # the home broker: its rows name light queues without a broker
 
     @property
     def name(self) -> str:
-        return f"pull-{self.start:020d}"
+        return f"pull-{self.rank:02d}-{self.start:020d}"
 
     @property
     def start_offset(self) -> int:
-        return self.start
+        """Unique among the ranges of all brokers (the report's key of a task's input)."""
+        return self.rank << BROKER_SHIFT | self.start
+
+    def copy_of(self, queue: str) -> str:
+        """The name of `queue`'s copy on this range's broker."""
+        return queue if self.home else f"{queue}{COPY_SEPARATOR}{self.broker}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,74 +161,191 @@ class Snapshot:
     Spark job starts: a deployment that cannot be read fails in a second, without a JVM)."""
 
     deployment: Deployment
-    ranges: list[PullRange]
+    ranges: list[PullRange]  # every broker's, in broker order
     subscriptions: list[Subscription]
-    committed: dict[tuple[str, str], int]
-    ends: list[QueueEnd]
+    committed: dict[tuple[str, str], int]  # (subscriber, copy) -> offset in that copy
+    ends: list[QueueEnd]  # per copy
     account: list[AccountRecord]
+    home: str = ""  # the home broker's name
+    brokers: dict[str, str] = field(default_factory=dict)  # readable broker -> address
+
+
+@dataclass(frozen=True, slots=True)
+class RangePlan:
+    """The ranges a windowed report pulls (plan_ranges): those that can hold rows of the
+    window, and those holding the backlog; `read` is both, each range once, in snap order."""
+
+    window: list[PullRange]
+    tail: list[PullRange]
+    read: list[PullRange]
 
 
 def _client(dep: Deployment) -> RemotingClient:
     return RemotingClient([dep.namesrv], request_timeout=10.0, connect_timeout=3.0)
 
 
-async def _broker(client: RemotingClient, dep: Deployment) -> str:
-    """The address of the deployment's broker (the gateway's rule: RemotingClient.home_broker)."""
-    try:
-        return (await client.home_broker(dep.topic, dep.broker)).addr
-    except BrokerNotFoundError as exc:
-        raise ClusterError(str(exc)) from None
-    except RemotingError as exc:
-        raise ClusterError(f"RocketMQ name server {dep.namesrv} unreachable: {exc}") from None
-
-
-def read_deployment(dep: Deployment) -> Snapshot:
+def read_deployment(dep: Deployment, range_messages: int = RANGE_MESSAGES) -> Snapshot:
     """Everything but the messages, and the ranges their tasks pull (ClusterError when the
     deployment cannot be read or holds no messages)."""
     try:
-        return asyncio.run(_read_deployment(dep))
+        return asyncio.run(_read_deployment(dep, range_messages))
     except RemotingError as exc:
         raise ClusterError(f"reading {dep.label} failed: {exc}") from None
 
 
-async def _read_deployment(dep: Deployment) -> Snapshot:
+async def _brokers(client: RemotingClient, dep: Deployment) -> tuple[str, str, dict[str, str]]:
+    """(home broker, its address, readable broker -> address by name): the gateway's rule for
+    the home broker (RemotingClient.home_broker), the parent topic's route for the rest."""
+    try:
+        home = await client.home_broker(dep.topic, dep.broker)
+        try:
+            route = await client.get_route(dep.topic)
+        except TopicNotExistError:
+            return home.name, home.addr, {}
+    except BrokerNotFoundError as exc:
+        raise ClusterError(str(exc)) from None
+    except RemotingError as exc:
+        raise ClusterError(f"RocketMQ name server {dep.namesrv} unreachable: {exc}") from None
+    addrs = route.master_addrs()
+    return home.name, home.addr, {b: addrs[b] for b in route.readable_brokers()}
+
+
+async def _read_deployment(dep: Deployment, range_messages: int) -> Snapshot:
     client = _client(dep)
     try:
-        addr = await _broker(client, dep)
-        lo = await client.get_min_offset(addr, dep.topic)
-        hi = await client.get_max_offset(addr, dep.topic)
-        if hi <= lo:
+        home, home_addr, brokers = await _brokers(client, dep)
+        ranges: list[PullRange] = []
+        for rank, (name, addr) in enumerate(brokers.items()):
+            lo = await client.get_min_offset(addr, dep.topic)
+            hi = await client.get_max_offset(addr, dep.topic)
+            ranges += [
+                PullRange(addr, dep.topic, start, min(hi, start + range_messages), name, rank,
+                          name == home)
+                for start in range(lo, hi, range_messages)
+            ]  # fmt: skip
+        if not ranges:
+            held = ", ".join(brokers) or "no broker"
             raise ClusterError(
                 f"{dep.label} holds no messages (topic {dep.topic!r} is empty or unknown on"
-                f" broker {addr}): is --rocketmq-topic the gateway's rocketmq_topic?"
+                f" {held}): is --rocketmq-topic the gateway's rocketmq_topic?"
             )
-        ranges = [
-            PullRange(addr, dep.topic, start, min(hi, start + RANGE_MESSAGES))
-            for start in range(lo, hi, RANGE_MESSAGES)
-        ]
-        subs = subscriptions_of(session_records(await _state(client, addr, dep), dep.label), dep)
+        subs = subscriptions_of(
+            session_records(await _state(client, home_addr, dep), dep.label), dep
+        )
+        at = dict(brokers)
+        at.setdefault(home, home_addr)
+
+        def where(copy: str) -> tuple[str | None, str]:
+            """(the address of the copy's broker, None if not readable now; the copy's %LMQ%
+            name there: every broker names its copy as the gateway queue)."""
+            queue, broker = split_copy(copy)
+            return at.get(broker or home), encode_lmq(queue, dep.topic)
+
         keys = sorted({(_subscriber(s), s.queue) for s in subs})
         committed = {}
-        for key, queue in keys:
-            found = await client.query_consumer_offset(
-                addr, encode_lmq(key, dep.topic), encode_lmq(queue, dep.topic)
-            )
+        for key, copy in keys:
+            on, lmq = where(copy)
+            if on is None:
+                continue
+            found = await client.query_consumer_offset(on, encode_lmq(key, dep.topic), lmq)
             if found is not None:
-                committed[(key, queue)] = found
+                committed[(key, copy)] = found
+        # Every copy of every subscribed queue, on every readable broker.
+        copies = {copy_name(base_queue(q), b, home) for _, q in keys for b in brokers}
+        copies |= {q for _, q in keys}
         ends = []
-        for queue in sorted({q for _, q in keys}):
-            lmq = encode_lmq(queue, dep.topic)
-            ends.append(
-                QueueEnd(
-                    queue,
-                    await client.get_min_offset(addr, lmq),
-                    await client.get_max_offset(addr, lmq),
-                )
-            )
+        for copy in sorted(copies):
+            on, lmq = where(copy)
+            if on is None:
+                continue
+            lo = await client.get_min_offset(on, lmq)
+            ends.append(QueueEnd(copy, lo, await client.get_max_offset(on, lmq)))
     finally:
         await client.close()
     account = read_account(Path(dep.data_dir)) if dep.data_dir is not None else []
-    return Snapshot(dep, ranges, subs, committed, ends, account)
+    return Snapshot(dep, ranges, subs, committed, ends, account, home, brokers)
+
+
+def plan_ranges(
+    snap: Snapshot,
+    since_ms: int | None,
+    until_ms: int | None,
+    backlog_from: Iterable[tuple[str, int]] = (),
+) -> RangePlan:
+    """The ranges a report of [since_ms, until_ms) pulls (see the module doc): per broker, the
+    ranges overlapping the offsets SEARCH_OFFSET_BY_TIMESTAMP gives for the window, and those
+    from the parent offset of each copy's first undelivered message (`backlog_from`: copy ->
+    offset) on. Every range without a window."""
+    if since_ms is None and until_ms is None:
+        return RangePlan(list(snap.ranges), [], list(snap.ranges))
+    try:
+        window, tail = asyncio.run(_plan(snap, since_ms, until_ms, dict(backlog_from)))
+    except RemotingError as exc:
+        raise ClusterError(f"reading {snap.deployment.label} failed: {exc}") from None
+    keep = {r.start_offset for r in window} | {r.start_offset for r in tail}
+    return RangePlan(window, tail, [r for r in snap.ranges if r.start_offset in keep])
+
+
+async def _plan(
+    snap: Snapshot, since_ms: int | None, until_ms: int | None, backlog_from: dict[str, int]
+) -> tuple[list[PullRange], list[PullRange]]:
+    client = _client(snap.deployment)
+    topic = snap.deployment.topic
+    window: list[PullRange] = []
+    tail: list[PullRange] = []
+    try:
+        for broker, addr in snap.brokers.items():
+            mine = [r for r in snap.ranges if r.broker == broker]
+            if not mine:
+                continue
+            # lower: the first offset stored at or after the time (the queue's end when none
+            # is); upper: the last at or before it (the queue's first when none is, which
+            # only widens the plan). Checked against the broker in the report's tests.
+            lo, hi = mine[0].start, mine[-1].end
+            if since_ms is not None:
+                lo = max(lo, await client.search_offset(addr, topic, since_ms, boundary="lower"))
+            if until_ms is not None:
+                last = await client.search_offset(addr, topic, until_ms - 1, boundary="upper")
+                hi = min(hi, last + 1)
+            window += [r for r in mine if r.end > lo and r.start < hi]
+            first = await _backlog_start(client, snap, broker, addr, backlog_from)
+            if first is not None:
+                tail += [r for r in mine if r.end > first]
+    finally:
+        await client.close()
+    return window, tail
+
+
+async def _backlog_start(
+    client: RemotingClient, snap: Snapshot, broker: str, addr: str, backlog_from: dict[str, int]
+) -> int | None:
+    """The parent offset on `broker` from which every message a subscriber of one of its copies
+    has not committed is held (None: nothing waits there). A record pulled from a light queue
+    carries its parent-queue offset (`queue_offset`): the copy's first undelivered message
+    says where its backlog starts."""
+    ends = {q.queue: q for q in snap.ends}
+    lowest: int | None = None
+    for copy, begin in backlog_from.items():
+        queue, on = split_copy(copy)
+        if (on or snap.home) != broker:
+            continue
+        end = ends.get(copy)
+        if end is None:
+            return 0  # a copy whose end is unknown: all of this broker's ranges
+        if max(begin, end.min_offset) >= end.end_offset:
+            continue  # nothing waiting in this copy
+        lmq = encode_lmq(queue, snap.deployment.topic)
+        try:
+            res = await client.pull(
+                addr, lmq, max(begin, end.min_offset), consumer_group=PULL_GROUP, max_messages=1
+            )
+        except OffsetMovedError:
+            return 0  # retention moved it meanwhile: read all that is left
+        if not res.messages:
+            return 0
+        parent = res.messages[0].queue_offset
+        lowest = parent if lowest is None else min(lowest, parent)
+    return lowest
 
 
 def _subscriber(sub: Subscription) -> str:
@@ -309,10 +461,10 @@ def to_batch(records: list[MessageRecord], rng: PullRange) -> pa.RecordBatch:
         for name, off in zip(names.split(",") if names else [], offsets.split(","), strict=False):
             if not off.lstrip("-").isdigit():
                 continue
-            queues.append(decode_lmq(name, namespace) or name)
+            queues.append(rng.copy_of(decode_lmq(name, namespace) or name))
             queue_offsets.append(int(off))
-        cols["segment"].append(rng.start)
-        cols["physical_offset"].append(rec.commitlog_offset)
+        cols["segment"].append(rng.start_offset)
+        cols["physical_offset"].append(rng.rank << BROKER_SHIFT | rec.commitlog_offset)
         cols["store_timestamp"].append(rec.store_timestamp * 1000)
         cols["born_timestamp"].append(rec.born_timestamp * 1000)
         cols["parent_topic"].append(rec.topic)

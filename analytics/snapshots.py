@@ -25,6 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from analytics.copies import base_queue
 from analytics.errors import SnapshotError
 from store.consumequeue import queue_extents
 from store.delivery_account import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, read_account
@@ -265,11 +266,12 @@ def _opt_int(value: object) -> int | None:
 
 
 def _filter_of(queue: str) -> str | None:
-    """The filter a light queue was named after (None for other queues or unknown names)."""
+    """The filter a light queue (or its copy on a broker: analytics.copies) was named after
+    (None for other queues or unknown names)."""
     if not queue.startswith(LMQ_PREFIX):
         return None
     try:
-        return filter_of(queue)
+        return filter_of(base_queue(queue))
     except (ValueError, KeyError):
         return None
 
