@@ -30,3 +30,11 @@ def split_copy(name: str) -> tuple[str, str | None]:
 def base_queue(name: str) -> str:
     """The gateway queue a copy belongs to (a name without a broker is its own)."""
     return name.partition(COPY_SEPARATOR)[0]
+
+
+def shown(name: str, text: str | None = None) -> str:
+    """How the report's pages show a queue: `text` (its filter) else the queue's name, and
+    ` @b` for its copy on broker b (U+0000 shows as nothing on a terminal or a web page)."""
+    queue, broker = split_copy(name)
+    label = text or queue
+    return f"{label} @{broker}" if broker else label

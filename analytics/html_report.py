@@ -21,6 +21,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from analytics.copies import shown
 from analytics.show import Report, _fmt_age, _fmt_bytes, _fmt_ms, _fmt_ratio, _fmt_ts
 
 _W = 720
@@ -162,7 +163,7 @@ def _backlog_chart(report: Report, top: int) -> str:
     return _hbars(
         [
             (
-                r["filter"] or r["queue"],
+                shown(r["queue"], r["filter"]),
                 float(r["backlog_messages"]),
                 f"{r['backlog_messages']:,} msgs, {_fmt_bytes(r['backlog_bytes'])}, "
                 f"oldest {_fmt_age(r['oldest_age_s'])}",
@@ -276,7 +277,7 @@ def _filter_chart(report: Report, top: int) -> str:
     return _hbars(
         [
             (
-                r["filter"] or r["queue"],
+                shown(r["queue"], r["filter"]),
                 float(r["deliveries"]),
                 f"{r['deliveries']:,} ({r['deliveries_acked']:,} acked, "
                 f"{r['deliveries_qos0']:,} QoS 0)",
@@ -313,7 +314,7 @@ def _lag_chart(report: Report, lines: int) -> str:
         hist = report.lag_history(r["subscriber"], r["queue"])
         pts = list(zip(hist["window_start"].to_pylist(), hist["lag_max"].to_pylist(), strict=True))
         if pts:
-            series.append((f"{r['subscriber']} ({r['filter'] or r['queue']})", pts))
+            series.append((f"{r['subscriber']} ({shown(r['queue'], r['filter'])})", pts))
     if not series:
         return "<p class=empty>no subscriber is behind</p>"
     h, pad = 220, 36
@@ -360,7 +361,7 @@ def _unreached_table(report: Report, n: int) -> str:
 
 def _lagging_table(report: Report, n: int) -> str:
     rows = [
-        (r["subscriber"], r["filter"] or r["queue"], r["kind"], "yes" if r["online"] else "no",
+        (r["subscriber"], shown(r["queue"], r["filter"]), r["kind"], "yes" if r["online"] else "no",
          f"{r['lag']:,}", _fmt_ts(r["behind_since"]))
         for r in report.lagging().to_pylist()[:n]
     ]  # fmt: skip

@@ -20,6 +20,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from analytics.copies import shown
 from analytics.errors import ReportNotFoundError, UnknownDeviceError
 from analytics.reportfiles import META_FILE, REPORT_DIR
 
@@ -172,7 +173,7 @@ def render_top(report: Report, by: str, n: int, console: Console) -> None:
                 table.add_column(col, justify="right")
         for r in rows:
             table.add_row(
-                r["queue"],
+                shown(r["queue"]),
                 r["filter"] or "",
                 f"{r['end_offset']:,}",
                 str(r["subscribers"]),
@@ -301,7 +302,7 @@ def render_lagging(report: Report, n: int, console: Console) -> None:
     for r in rows[:n]:
         history = report.lag_history(r["subscriber"], r["queue"])["lag_max"].to_pylist()
         table.add_row(
-            r["subscriber"], r["filter"] or r["queue"], r["kind"][:5],
+            r["subscriber"], shown(r["queue"], r["filter"]), r["kind"][:5],
             "yes" if r["online"] else "no", f"{r['lag']:,}",
             _fmt_ts(r["behind_since"], short=True), _spark(history[-16:]),
         )  # fmt: skip
@@ -314,7 +315,7 @@ def render_filters(report: Report, n: int, console: Console) -> None:
                    ("filter", "deliveries", "acked", "QoS 0", "due", "subs"))  # fmt: skip
     for r in rows[:n]:
         table.add_row(
-            r["filter"] or r["queue"], f"{r['deliveries']:,}", f"{r['deliveries_acked']:,}",
+            shown(r["queue"], r["filter"]), f"{r['deliveries']:,}", f"{r['deliveries_acked']:,}",
             f"{r['deliveries_qos0']:,}", f"{r['eligible']:,}", str(r["subscribers_reached"]),
         )  # fmt: skip
     console.print(table)

@@ -290,6 +290,7 @@ def test_report_of_a_deployment_on_two_brokers(
     waiting = {r["queue"]: r["backlog_messages"] for r in backlog}
     copy_b = copy_name(queue_name("plant/+/temp"), "broker-b", HOME)
     assert waiting[copy_b] == len(spread.copies[copy_b]) - 2
+    assert {r["queue"]: r["filter"] for r in backlog}[copy_b] == "plant/+/temp"
     assert sum(waiting.values()) == len(spread.copies[copy_b]) - 2
 
     # Windowed, with small ranges: the rows of the window only, read from fewer ranges, and
