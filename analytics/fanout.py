@@ -33,7 +33,8 @@ second and fan-out; per device, topic, second, subscriber and queue; per queue),
 scratch Parquet: no message rows cross from Python into the JVM. Spark rolls those up into
 every table.
 With --since/--until only the segments that can hold the window's messages, plus the
-backlog's tail, are read at all (analytics.pruning); rows are then filtered exactly.
+backlog's tail, are read at all (analytics.pruning; a RocketMQ deployment's ranges, per broker:
+analytics.rocketmq.plan_ranges); rows are then filtered exactly.
 """
 
 from __future__ import annotations
