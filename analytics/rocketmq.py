@@ -64,7 +64,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from analytics.copies import COPY_SEPARATOR, base_queue, copy_name, split_copy
+from analytics.copies import base_queue, copy_name, split_copy
 from analytics.errors import ClusterError, SnapshotError
 from analytics.segments import (
     ARROW_SCHEMA,
@@ -139,7 +139,7 @@ class PullRange:
     end: int
     broker: str = ""  # its name
     rank: int = 0  # the broker's rank by name among the readable ones (BROKER_SHIFT)
-    home: bool = True  # the home broker: its rows name light queues without a broker
+    home: str = ""  # the deployment's home broker (its copies are named without a broker)
 
     @property
     def name(self) -> str:
@@ -152,7 +152,7 @@ class PullRange:
 
     def copy_of(self, queue: str) -> str:
         """The name of `queue`'s copy on this range's broker."""
-        return queue if self.home else f"{queue}{COPY_SEPARATOR}{self.broker}"
+        return copy_name(queue, self.broker, self.home)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +220,7 @@ async def _read_deployment(dep: Deployment, range_messages: int) -> Snapshot:
             hi = await client.get_max_offset(addr, dep.topic)
             ranges += [
                 PullRange(addr, dep.topic, start, min(hi, start + range_messages), name, rank,
-                          name == home)
+                          home)
                 for start in range(lo, hi, range_messages)
             ]  # fmt: skip
         if not ranges:
