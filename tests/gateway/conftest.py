@@ -141,7 +141,11 @@ class Client:
         self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, **kwargs)
         self.c.manual_ack_set(not auto_ack)
         self.messages: list[mqtt.MQTTMessage] = []
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a wait_for condition may take it (payloads())
+        # Notified by every callback below: a wait wakes when its packet is read, not at the
+        # next tick of a polling loop (a few ms per CONNACK, SUBACK or message, thousands of
+        # times a run, on a loaded host far more).
+        self.changed = threading.Condition(self.lock)
         self.connack: tuple[bool, int] | None = None
         self.connack_props: Any = None
         self.disconnected: Any = None
@@ -166,25 +170,49 @@ class Client:
 
     # callbacks (paho's thread)
     def _on_connect(self, c: Any, u: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        self.connack = (bool(flags.session_present), int(rc.value))
-        self.connack_props = props
+        with self.changed:
+            self.connack = (bool(flags.session_present), int(rc.value))
+            self.connack_props = props
+            self.changed.notify_all()
 
     def _on_message(self, c: Any, u: Any, msg: mqtt.MQTTMessage) -> None:
-        with self.lock:
+        with self.changed:
             self.messages.append(msg)
+            self.changed.notify_all()
 
     def _on_disconnect(self, c: Any, u: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        self.disconnected = rc
-        self.disconnect_props = props
+        with self.changed:
+            self.disconnected = rc
+            self.disconnect_props = props
+            self.changed.notify_all()
 
     def _on_subscribe(self, c: Any, u: Any, mid: int, rcs: Any, props: Any = None) -> None:
-        self.subacks[mid] = [int(r.value) for r in rcs]
+        with self.changed:
+            self.subacks[mid] = [int(r.value) for r in rcs]
+            self.changed.notify_all()
 
     def _on_unsubscribe(self, c: Any, u: Any, mid: int, rcs: Any, props: Any = None) -> None:
-        self.unsubacks[mid] = [int(r.value) for r in rcs]
+        with self.changed:
+            self.unsubacks[mid] = [int(r.value) for r in rcs]
+            self.changed.notify_all()
 
     def _on_publish(self, c: Any, u: Any, mid: int, rc: Any, props: Any = None) -> None:
-        self.acked.add(mid)
+        with self.changed:
+            self.acked.add(mid)
+            self.changed.notify_all()
+
+    def wait_for(
+        self, cond: Callable[[], object], timeout: float = TIMEOUT, what: str = ""
+    ) -> None:
+        """Wait until `cond` holds, woken by this client's callbacks; fail after `timeout`.
+        Checked at least every 50 ms too, for a state a test's own callback changes."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not cond():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"timed out waiting for {what or cond}")
+                self.changed.wait(min(left, 0.05))
 
     # actions (test thread)
     def connect(self, wait: bool = True) -> tuple[bool, int] | None:
@@ -206,7 +234,7 @@ class Client:
             self.c.connect("127.0.0.1", self.port, keepalive=self.keepalive)
         self.c.loop_start()
         if wait:
-            wait_until(lambda: self.connack is not None, what="CONNACK")
+            self.wait_for(lambda: self.connack is not None, what="CONNACK")
         return self.connack
 
     def subscribe(self, topic: str | list[tuple[str, Any]], qos: int = 0, **kw: Any) -> list[int]:
@@ -215,12 +243,12 @@ class Client:
         else:
             rc, mid = self.c.subscribe(topic, qos, **kw)
         assert rc == mqtt.MQTT_ERR_SUCCESS and mid is not None
-        wait_until(lambda: mid in self.subacks, what="SUBACK")
+        self.wait_for(lambda: mid in self.subacks, what="SUBACK")
         return self.subacks[mid]
 
     def unsubscribe(self, topic: str) -> None:
         _rc, mid = self.c.unsubscribe(topic)
-        wait_until(lambda: mid in self.unsubacks or not self.v5, what="UNSUBACK")
+        self.wait_for(lambda: mid in self.unsubacks or not self.v5, what="UNSUBACK")
 
     def publish(
         self, topic: str, payload: bytes | str, qos: int = 0, retain: bool = False, **kw: Any
@@ -232,7 +260,7 @@ class Client:
         return info
 
     def wait_messages(self, n: int, timeout: float = TIMEOUT) -> list[mqtt.MQTTMessage]:
-        wait_until(lambda: len(self.messages) >= n, timeout, f"{n} messages")
+        self.wait_for(lambda: len(self.messages) >= n, timeout, f"{n} messages")
         with self.lock:
             return list(self.messages)
 
