@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import threading
 import time
@@ -21,8 +22,10 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from gateway import app
 from gateway.app import Gateway
 from gateway.config import GatewaySettings, load_settings
+from gateway.delivery_account import DeliveryAccount
 from gateway.protocol import Connect, decode_packet, encode
 from gateway.protocol import Properties as PProperties
 
@@ -41,6 +44,19 @@ def wait_until(cond: Callable[[], object], timeout: float = TIMEOUT, what: str =
             raise AssertionError(f"timed out waiting for {what or cond}")
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
+
+
+def quick_account(
+    monkeypatch: pytest.MonkeyPatch, record_s: float = 0.5, sample_s: float = 0.5
+) -> None:
+    """In-process gateways started by this test write their delivery account's periodic
+    records every `record_s` and sample every `sample_s` (the constructor's parameters;
+    defaults 5 s and 10 s), for a test that waits for those records: same records, sooner."""
+    monkeypatch.setattr(
+        app,
+        "DeliveryAccount",
+        functools.partial(DeliveryAccount, record_s=record_s, sample_s=sample_s),
+    )
 
 
 class GatewayHarness:
