@@ -6,6 +6,7 @@ gateway's own $SYS messages are never a device."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,7 +14,7 @@ import pytest
 pytest.importorskip("gateway.app")
 
 from store import FLAG_CLEAN, FLAG_CLOSED, read_account
-from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
+from tests.gateway.conftest import Client, GatewayHarness, quick_account, stop_clients, wait_until
 from topicmap import queue_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
@@ -29,8 +30,12 @@ def _acked(data: Path, subscriber: str, flt: str) -> int:
     )
 
 
-def test_every_delivery_counted_clean_sessions_included(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_every_delivery_counted_clean_sessions_included(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from analytics.fanout import run_fanout
+
+    quick_account(monkeypatch)  # the lag sample waited for below comes every sample_s
 
     data = tmp_path / "data"
     h = GatewayHarness(data, sys_interval=0.2).start()

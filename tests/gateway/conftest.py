@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import threading
 import time
@@ -21,8 +22,10 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from gateway import app
 from gateway.app import Gateway
 from gateway.config import GatewaySettings, load_settings
+from gateway.delivery_account import DeliveryAccount
 from gateway.protocol import Connect, decode_packet, encode
 from gateway.protocol import Properties as PProperties
 
@@ -31,12 +34,29 @@ TIMEOUT = 10.0
 
 
 def wait_until(cond: Callable[[], object], timeout: float = TIMEOUT, what: str = "") -> None:
-    """Poll `cond` until it is truthy; fail after `timeout` seconds."""
+    """Poll `cond` until it is truthy; fail after `timeout` seconds. The first looks come
+    0.5 ms apart, doubling up to 5 ms: most conditions hold within a few milliseconds, and a
+    fixed 5 ms tick added its wait to every one."""
     deadline = time.monotonic() + timeout
+    pause = 0.0005
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or cond}")
-        time.sleep(0.005)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+
+
+def quick_account(
+    monkeypatch: pytest.MonkeyPatch, record_s: float = 0.5, sample_s: float = 0.5
+) -> None:
+    """In-process gateways started by this test write their delivery account's periodic
+    records every `record_s` and sample every `sample_s` (the constructor's parameters;
+    defaults 5 s and 10 s), for a test that waits for those records: same records, sooner."""
+    monkeypatch.setattr(
+        app,
+        "DeliveryAccount",
+        functools.partial(DeliveryAccount, record_s=record_s, sample_s=sample_s),
+    )
 
 
 class GatewayHarness:
@@ -141,7 +161,11 @@ class Client:
         self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, **kwargs)
         self.c.manual_ack_set(not auto_ack)
         self.messages: list[mqtt.MQTTMessage] = []
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a wait_for condition may take it (payloads())
+        # Notified by every callback below: a wait wakes when its packet is read, not at the
+        # next tick of a polling loop (a few ms per CONNACK, SUBACK or message, thousands of
+        # times a run, on a loaded host far more).
+        self.changed = threading.Condition(self.lock)
         self.connack: tuple[bool, int] | None = None
         self.connack_props: Any = None
         self.disconnected: Any = None
@@ -166,25 +190,49 @@ class Client:
 
     # callbacks (paho's thread)
     def _on_connect(self, c: Any, u: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        self.connack = (bool(flags.session_present), int(rc.value))
-        self.connack_props = props
+        with self.changed:
+            self.connack = (bool(flags.session_present), int(rc.value))
+            self.connack_props = props
+            self.changed.notify_all()
 
     def _on_message(self, c: Any, u: Any, msg: mqtt.MQTTMessage) -> None:
-        with self.lock:
+        with self.changed:
             self.messages.append(msg)
+            self.changed.notify_all()
 
     def _on_disconnect(self, c: Any, u: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        self.disconnected = rc
-        self.disconnect_props = props
+        with self.changed:
+            self.disconnected = rc
+            self.disconnect_props = props
+            self.changed.notify_all()
 
     def _on_subscribe(self, c: Any, u: Any, mid: int, rcs: Any, props: Any = None) -> None:
-        self.subacks[mid] = [int(r.value) for r in rcs]
+        with self.changed:
+            self.subacks[mid] = [int(r.value) for r in rcs]
+            self.changed.notify_all()
 
     def _on_unsubscribe(self, c: Any, u: Any, mid: int, rcs: Any, props: Any = None) -> None:
-        self.unsubacks[mid] = [int(r.value) for r in rcs]
+        with self.changed:
+            self.unsubacks[mid] = [int(r.value) for r in rcs]
+            self.changed.notify_all()
 
     def _on_publish(self, c: Any, u: Any, mid: int, rc: Any, props: Any = None) -> None:
-        self.acked.add(mid)
+        with self.changed:
+            self.acked.add(mid)
+            self.changed.notify_all()
+
+    def wait_for(
+        self, cond: Callable[[], object], timeout: float = TIMEOUT, what: str = ""
+    ) -> None:
+        """Wait until `cond` holds, woken by this client's callbacks; fail after `timeout`.
+        Checked at least every 50 ms too, for a state a test's own callback changes."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not cond():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"timed out waiting for {what or cond}")
+                self.changed.wait(min(left, 0.05))
 
     # actions (test thread)
     def connect(self, wait: bool = True) -> tuple[bool, int] | None:
@@ -206,7 +254,7 @@ class Client:
             self.c.connect("127.0.0.1", self.port, keepalive=self.keepalive)
         self.c.loop_start()
         if wait:
-            wait_until(lambda: self.connack is not None, what="CONNACK")
+            self.wait_for(lambda: self.connack is not None, what="CONNACK")
         return self.connack
 
     def subscribe(self, topic: str | list[tuple[str, Any]], qos: int = 0, **kw: Any) -> list[int]:
@@ -215,12 +263,12 @@ class Client:
         else:
             rc, mid = self.c.subscribe(topic, qos, **kw)
         assert rc == mqtt.MQTT_ERR_SUCCESS and mid is not None
-        wait_until(lambda: mid in self.subacks, what="SUBACK")
+        self.wait_for(lambda: mid in self.subacks, what="SUBACK")
         return self.subacks[mid]
 
     def unsubscribe(self, topic: str) -> None:
         _rc, mid = self.c.unsubscribe(topic)
-        wait_until(lambda: mid in self.unsubacks or not self.v5, what="UNSUBACK")
+        self.wait_for(lambda: mid in self.unsubacks or not self.v5, what="UNSUBACK")
 
     def publish(
         self, topic: str, payload: bytes | str, qos: int = 0, retain: bool = False, **kw: Any
@@ -232,7 +280,7 @@ class Client:
         return info
 
     def wait_messages(self, n: int, timeout: float = TIMEOUT) -> list[mqtt.MQTTMessage]:
-        wait_until(lambda: len(self.messages) >= n, timeout, f"{n} messages")
+        self.wait_for(lambda: len(self.messages) >= n, timeout, f"{n} messages")
         with self.lock:
             return list(self.messages)
 
@@ -253,13 +301,24 @@ class Client:
 
 
 def stop_clients(made: Iterable[Client]) -> None:
-    """Stops the network threads of clients a test made (already closed ones included)."""
-    for c in made:
+    """Stops the network threads of clients a test made (already closed ones included).
+
+    All at once: the thread of a client the server closed sleeps in paho's reconnect wait (up
+    to 1 s, not woken by anything) before it sees the stop, so one after the other a test's
+    teardown took a second per such client."""
+
+    def stop(c: Client) -> None:
         try:
             c.c.disconnect()  # wakes paho's select, so loop_stop returns at once
             c.c.loop_stop()
         except Exception:
             pass
+
+    threads = [threading.Thread(target=stop, args=(c,)) for c in made]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 @pytest.fixture

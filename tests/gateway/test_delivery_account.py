@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from store import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, read_account
-from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
+from tests.gateway.conftest import Client, GatewayHarness, quick_account, stop_clients, wait_until
 from topicmap import queue_name
 
 N = 10
@@ -17,7 +19,10 @@ def _newest(data: Path, subscriber: str, flt: str) -> AccountRecord | None:
     return mine[-1] if mine else None
 
 
-def test_ranges_of_every_kind_of_subscription(tmp_path: Path) -> None:
+def test_ranges_of_every_kind_of_subscription(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quick_account(monkeypatch)  # the settled() wait is for the next periodic records
     data = tmp_path / "data"
     h = GatewayHarness(data).start()
     made: list[Client] = []

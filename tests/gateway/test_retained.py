@@ -38,7 +38,16 @@ def _crash(s: MessageStore, dest: Path) -> Path:
     """The data directory as a crash of the process leaves it: copied while the store is open
     (abort marker present, consume-queue units still in memory, no final checkpoint and no
     retained snapshot written on the way out), then the original closed."""
-    shutil.copytree(s.data_dir, dest, ignore=shutil.ignore_patterns(LOCK_FILE))
+    for attempt in range(3):
+        try:
+            shutil.copytree(s.data_dir, dest, ignore=shutil.ignore_patterns(LOCK_FILE))
+            break
+        except shutil.Error:
+            # A file renamed under the copy (the store's flush writes its checkpoint as
+            # checkpoint.tmp, then renames it): copy the directory again.
+            shutil.rmtree(dest, ignore_errors=True)
+            if attempt == 2:
+                raise
     s.close()
     assert (dest / ABORT_FILE).exists()
     return dest

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,7 +67,7 @@ def rocketmq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RocketMQClust
         cluster.start()
         yield cluster
     finally:
-        cluster.stop()
+        cluster.stop(signal.SIGKILL)  # thrown away: no graceful stop to wait for
 
 
 @pytest.fixture(scope="session")

@@ -90,6 +90,7 @@ def test_subscription_on_one_node_routes_publishes_of_another_with_no_gap(
     topics: dict[int, str] = {}
     lock = threading.Lock()
     subacked: list[int] = []
+    acked = threading.Condition(lock)
     published: list[mqtt.MQTTMessageInfo] = []
 
     def on_subscribe(c: Any, u: Any, mid: int, rcs: Any, props: Any = None) -> None:
@@ -97,7 +98,9 @@ def test_subscription_on_one_node_routes_publishes_of_another_with_no_gap(
         with lock:
             topic = topics[mid]
         published.append(pub.c.publish(topic, topic.encode(), 1))
-        subacked.append(mid)
+        with acked:
+            subacked.append(mid)
+            acked.notify()
 
     sub.c.on_subscribe = on_subscribe
     for i in range(GAP_ROUNDS):
@@ -106,7 +109,9 @@ def test_subscription_on_one_node_routes_publishes_of_another_with_no_gap(
             rc, mid = sub.c.subscribe(f"gap/{i}/+", 1)
             assert rc == mqtt.MQTT_ERR_SUCCESS and mid is not None
             topics[mid] = f"gap/{i}/x"
-        wait_until(lambda n=i: len(subacked) > n, what=f"SUBACK {i}")
+        # Woken by the SUBACK itself: a polling wait would add its interval to every round.
+        with acked:
+            assert acked.wait_for(lambda n=i: len(subacked) > n, 10), f"timed out: SUBACK {i}"
     wait_until(lambda: all(p.is_published() for p in published), 120, "every PUBACK")
     sub.wait_messages(GAP_ROUNDS, timeout=120)
     got = sorted(bytes(m.payload).decode() for m in sub.messages)

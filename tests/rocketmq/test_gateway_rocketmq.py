@@ -333,7 +333,7 @@ def test_broker_without_light_queues_is_refused_with_what_to_fix(
             env={**os.environ, "PYTHONPATH": str(ROOT), "LMQTT_ROCKETMQ_BROKER": "broker-nolmq"},
         )  # fmt: skip
     finally:
-        rocketmq.stop_broker("broker-nolmq")
+        rocketmq.stop_broker("broker-nolmq", signal.SIGKILL)  # done with: no graceful stop
     assert done.returncode == 1, done.stderr
     assert "broker broker-nolmq" in done.stderr
     assert "enableLmq=true" in done.stderr
@@ -389,7 +389,7 @@ def test_broker_restart_loses_no_acknowledged_message(
         assert [p for p in firsts if p in acked] == acked
     finally:
         g.stop()
-        rocketmq.stop_broker("broker-r")
+        rocketmq.stop_broker("broker-r", signal.SIGKILL)  # done with: no graceful stop
 
 
 def test_sync_mode_on_an_async_flush_broker_warns(
