@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -473,18 +474,84 @@ class DeliveryLoop:
         # Whether other loops read this queue too, asked once per batch: nothing in it awaits,
         # so the answer holds for every message (per message it cost ~5% of a fan-out's CPU).
         shared = self.ctx.arrivals.watchers(sub.queue) > 1
-        for msg in messages:
-            off = msg.queue_offset
-            if off < sub.next_offset:
-                continue
-            if not self._deliver(sub, off, msg, shared):
-                break
-            sub.next_offset = off + 1
-            moved = msg
+        codec = self._plain_outbound(sub)
+        if codec is not None and type(messages) is list:
+            moved = self._deliver_run(sub, messages, shared, *codec)
+        else:
+            for msg in messages:
+                off = msg.queue_offset
+                if off < sub.next_offset:
+                    continue
+                if not self._deliver(sub, off, msg, shared):
+                    break
+                sub.next_offset = off + 1
+                moved = msg
         if moved is not None:
             sub.read_phys = moved.physical_offset + 1
         self._commit(sub)
         return passed or moved is not None
+
+    def _plain_outbound(self, sub: SubscriptionState) -> tuple[dict[int, int], int] | None:
+        """The codec's outbound packet ids when this batch may go by `PLAIN_RUN` (what
+        `_deliver_plain` sends without a check of its own: no ACL, topic aliases, packet size
+        limit or subscription identifier, the pass's batch open), else None."""
+        if not self._plain or sub.subscription_identifier or self._batch is None:
+            return None
+        client = self.client
+        if client.acl is not None or client.conn.protocol_level != self.level:
+            return None
+        return client.conn.prepared_outbound()
+
+    def _deliver_run(
+        self,
+        sub: SubscriptionState,
+        messages: list[StoredMessage],
+        shared: bool,
+        outbound: dict[int, int],
+        unacked: int,
+    ) -> StoredMessage | None:
+        """`_deliver_batch`'s loop with the plain path in one `PLAIN_RUN` call per run of
+        messages it takes; `_deliver` takes the message a run stops at (then the next run
+        goes on). Returns the last message passed, or None."""
+        session = self.session
+        ctx = self.ctx
+        recent = ctx.recent
+        prepared = ctx.prepared
+        conn = self.client.conn
+        batch = self._batch
+        assert batch is not None
+        single = len(session.by_queue) == 1
+        state = [sub.next_offset, session.next_packet_id, 0, -1]
+        moved: StoredMessage | None = None
+        i = 0
+        n = len(messages)
+        while i < n:
+            try:
+                i, full = PLAIN_RUN(
+                    messages, i, state, shared, single, self.window, self.level, sub.qos,
+                    sub.no_local, sub.retain_as_published, session.client_id, sub.queue,
+                    session.inflight, sub.pending, Inflight, recent.decoded, recent.record,
+                    read_record, prepared.entries, prepared.put, _prepare, outbound,
+                    conn.client_receive_maximum, unacked, batch,
+                )  # fmt: skip
+            finally:
+                sub.next_offset, session.next_packet_id, sent, last = state
+                ctx.stats.messages_sent += sent
+                state[2] = 0
+                if last >= 0:
+                    moved = messages[last]
+            if full or i >= n:
+                break
+            msg = messages[i]  # what the run does not take: the general path
+            if not self._deliver(sub, msg.queue_offset, msg, shared):
+                break
+            sub.next_offset = msg.queue_offset + 1
+            moved = msg
+            i += 1
+            state[0] = sub.next_offset
+            state[1] = session.next_packet_id
+            state[3] = -1
+        return moved
 
     def _commit(self, sub: SubscriptionState) -> None:
         self._uncommitted.pop(sub.queue, None)
@@ -923,3 +990,127 @@ def _prepare(
         props.topic_alias = alias
     pub = Publish(topic=topic, payload=rec.payload, qos=qos, retain=retain, properties=props)
     return PreparedPublish(level, pub)
+
+
+def plain_run_py(
+    messages: list[StoredMessage],
+    i: int,
+    state: list[int],
+    shared: bool,
+    single: bool,
+    window: int,
+    level: int,
+    sub_qos: int,
+    no_local: bool,
+    rap: bool,
+    client_id: str,
+    queue: str,
+    inflight: dict[int, Inflight],
+    pending: dict[int, int],
+    inflight_new: Callable[[int, str, int, int], Inflight],
+    records: dict[int, RecordedPublish | None],
+    record: Callable[[StoredMessage], RecordedPublish | None],
+    read: Callable[[str, bytes, dict[str, str], int], RecordedPublish | None],
+    cache: dict[tuple[object, ...], PreparedPublish],
+    cache_put: Callable[[tuple[object, ...], PreparedPublish], None],
+    prepare: Callable[..., PreparedPublish],
+    outbound: dict[int, int],
+    receive_maximum: int,
+    unacked: int,
+    batch: list[bytes],
+) -> tuple[int, bool]:
+    """The plain path (`_deliver` -> `_deliver_plain` -> `Connection.send_prepared`) over
+    `messages[i:]` for one subscription, until a message it does not take: the reference of
+    `plain_run` in gateway/protocol/_speedups.c, which must do exactly this (the same calls
+    in the same order, the same dict changes, the same bytes; tests/gateway/
+    test_delivery_plain_run.py compares them with hypothesis).
+
+    Stops without touching the message at `i` (the general path takes it) when another of
+    the session's subscriptions may cover it (not `single`, several queues), its record has
+    an expiry, the packet id to allocate is in use (in flight, or in the codec's `outbound`),
+    the codec's Receive Maximum is reached or the prepared packet has another level; stops
+    with `full` = True when it needs a window slot and none is free. `state` is [next offset,
+    next packet id, packets sent, index of the last message passed] and is written back on
+    every exit, errors included. Returns (index of the first message not taken, full)."""
+    next_offset, next_pid, sent, moved = state
+    n = len(messages)
+    full = False
+    try:
+        while i < n:
+            msg = messages[i]
+            off = msg[3]
+            if off < next_offset:
+                i += 1
+                continue
+            queues = msg[8]
+            if not single and len(queues) > 1:
+                break
+            fanout = shared or len(queues) > 1
+            if fanout:
+                rec = records.get(msg[4], _MISSING)
+                if rec is _MISSING:
+                    rec = record(msg)
+            else:
+                rec = read(msg[0], msg[1], msg[2], msg[5])
+            if rec is not None:
+                assert isinstance(rec, RecordedPublish)
+                if rec.expiry is not None:
+                    break
+                if not (no_local and rec.client_id == client_id):
+                    qos = rec.qos
+                    if sub_qos < qos:
+                        qos = sub_qos
+                    if qos > 0 and window - len(inflight) <= 0:
+                        full = True
+                        break
+                    retain = bool(level == 5 and rap and rec.retain)
+                    topic = rec.topic
+                    if fanout:
+                        key = (msg[4], level, qos, retain, topic, None, (), None)
+                        prepared = cache.get(key)
+                        if prepared is None:
+                            prepared = prepare(rec, level, qos, retain, topic, None, [], None)
+                            cache_put(key, prepared)
+                    else:
+                        prepared = prepare(rec, level, qos, retain, topic, None, [], None)
+                    if prepared.level != level:
+                        break
+                    if qos > 0:
+                        pid = next_pid
+                        if pid in inflight or pid in outbound or len(outbound) >= receive_maximum:
+                            break
+                        data = prepared.packet(pid, False)
+                        outbound[pid] = unacked
+                        next_pid = pid % 65535 + 1
+                        inflight[pid] = inflight_new(pid, queue, off, qos)
+                        pending[off] = pid
+                    else:
+                        data = prepared.packet(None, False)
+                    batch.append(data)
+                    sent += 1
+            next_offset = off + 1
+            moved = i
+            i += 1
+    finally:
+        state[:] = (next_offset, next_pid, sent, moved)
+    return i, full
+
+
+_MISSING = object()
+
+
+def _load_plain_run() -> PlainRun:
+    """The C `plain_run` when it was built, else the reference; LMQTT_PURE_PYTHON (every
+    accelerator) or LMQTT_PURE_PYTHON_DELIVERY (this one, for A/B runs) keep the reference."""
+    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_DELIVERY"):
+        if os.environ.get(name, "") not in ("", "0"):
+            return plain_run_py
+    try:
+        from gateway.protocol import _speedups
+    except ImportError:
+        return plain_run_py
+    return _speedups.plain_run
+
+
+PlainRun = Callable[..., tuple[int, bool]]
+PLAIN_RUN: PlainRun = _load_plain_run()

@@ -489,6 +489,410 @@ configure_scan(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
+/*
+ * plain_run: the delivery loop's plain path over a batch (gateway/delivery.py
+ * `DeliveryLoop._deliver_batch` -> `_deliver` -> `_deliver_plain` -> `Connection.send_prepared`),
+ * one C call for the run of messages that path sends. Its Python reference is
+ * gateway/delivery.py `plain_run_py`: the same arguments, the same calls of the same
+ * callables in the same order, the same dict changes and the same bytes
+ * (tests/gateway/test_delivery_plain_run.py, hypothesis).
+ *
+ * Per message (a StoredMessage tuple: topic, body, properties, queue_offset,
+ * physical_offset, store_timestamp, born_timestamp, parent_offset, queues):
+ *   - skipped if queue_offset < next offset;
+ *   - stop, untouched ("not mine": the caller's general path takes it) when another of the
+ *     session's subscriptions may cover it (not `single` and more than one queue), when its
+ *     record has an expiry, when the packet id to allocate is in use (in flight or in the
+ *     codec's outbound map), the codec's Receive Maximum is reached, or the prepared packet is
+ *     for another protocol level: the Python path then does (or refuses) exactly that;
+ *   - stop with `full` when it needs a window slot and none is free;
+ *   - else delivered: record (cached `records` for a fan-out, else `read_record`), no-local,
+ *     QoS = min, RETAIN as published, the prepared packet (fan-out: from `cache` by the key
+ *     `send()` uses, else `prepare`d), the packet bytes, and for QoS > 0 the packet id:
+ *     outbound[pid] = unacked, inflight[pid] = inflight_new(pid, queue, offset, qos),
+ *     pending[offset] = pid.
+ * `state` = [next offset, next packet id, packets sent, index of the last message passed]
+ * is written back on every exit, errors included, so the caller keeps its bookkeeping
+ * exact whatever a callable raised.
+ */
+enum {
+    R_MESSAGES, R_INDEX, R_STATE, R_SHARED, R_SINGLE, R_WINDOW, R_LEVEL, R_SUB_QOS, R_NO_LOCAL,
+    R_RAP, R_CLIENT_ID, R_QUEUE, R_INFLIGHT, R_PENDING, R_INFLIGHT_NEW, R_RECORDS, R_RECORD,
+    R_READ_RECORD, R_CACHE, R_CACHE_PUT, R_PREPARE, R_OUTBOUND, R_RECEIVE_MAXIMUM, R_UNACKED,
+    R_BATCH, R_COUNT
+};
+
+static PyObject *s_expiry, *s_client_id, *s_qos, *s_retain, *s_topic, *s_level, *s_heads,
+    *s_block, *s_payload, *s_whole;
+
+static int
+intern_names(void)
+{
+    if (s_whole != NULL) {
+        return 0;
+    }
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&s_expiry, "expiry"}, {&s_client_id, "client_id"}, {&s_qos, "qos"},
+        {&s_retain, "retain"}, {&s_topic, "topic"}, {&s_level, "level"},
+        {&s_heads, "_heads"}, {&s_block, "_block"}, {&s_payload, "_payload"},
+        {&s_whole, "_whole"},
+    };
+    for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++) {
+        if ((*names[k].slot = PyUnicode_InternFromString(names[k].text)) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* An int attribute of `obj` as a C long; -1 with an exception set on failure. */
+static int
+long_attr(PyObject *obj, PyObject *name, long *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        return -1;
+    }
+    *out = PyLong_AsLong(v);
+    Py_DECREF(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* The packet `prepared.packet(pid, False)` returns: head + id + block + payload (QoS > 0),
+ * or the whole QoS 0 packet. NULL with no exception: not a shape this knows (the caller
+ * stops and the Python path handles it). */
+static PyObject *
+packet_of(PyObject *prepared, long qos, long pid)
+{
+    if (!qos) {
+        PyObject *whole = PyObject_GetAttr(prepared, s_whole);
+        if (whole != NULL && (!PyBytes_Check(whole) || PyBytes_GET_SIZE(whole) == 0)) {
+            Py_DECREF(whole);
+            return NULL;
+        }
+        return whole;
+    }
+    PyObject *heads = PyObject_GetAttr(prepared, s_heads);
+    if (heads == NULL) {
+        return NULL;
+    }
+    PyObject *block = PyObject_GetAttr(prepared, s_block);
+    PyObject *payload = block ? PyObject_GetAttr(prepared, s_payload) : NULL;
+    PyObject *result = NULL;
+    if (payload != NULL && PyTuple_Check(heads) && PyTuple_GET_SIZE(heads) == 2
+        && PyBytes_Check(PyTuple_GET_ITEM(heads, 0)) && PyBytes_Check(block)
+        && PyBytes_Check(payload)) {
+        PyObject *head = PyTuple_GET_ITEM(heads, 0);
+        Py_ssize_t hn = PyBytes_GET_SIZE(head), bn = PyBytes_GET_SIZE(block);
+        Py_ssize_t pn = PyBytes_GET_SIZE(payload);
+        result = PyBytes_FromStringAndSize(NULL, hn + 2 + bn + pn);
+        if (result != NULL) {
+            char *p = PyBytes_AS_STRING(result);
+            memcpy(p, PyBytes_AS_STRING(head), hn);
+            p[hn] = (char)(pid >> 8);
+            p[hn + 1] = (char)(pid & 0xFF);
+            memcpy(p + hn + 2, PyBytes_AS_STRING(block), bn);
+            memcpy(p + hn + 2 + bn, PyBytes_AS_STRING(payload), pn);
+        }
+    }
+    Py_DECREF(heads);
+    Py_XDECREF(block);
+    Py_XDECREF(payload);
+    return result;
+}
+
+static PyObject *
+plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != R_COUNT) {
+        PyErr_Format(PyExc_TypeError, "plain_run takes %d arguments", R_COUNT);
+        return NULL;
+    }
+    if (intern_names() < 0) {
+        return NULL;
+    }
+    PyObject *messages = args[R_MESSAGES], *state = args[R_STATE];
+    PyObject *inflight = args[R_INFLIGHT], *pending = args[R_PENDING];
+    PyObject *records = args[R_RECORDS], *cache = args[R_CACHE];
+    PyObject *outbound = args[R_OUTBOUND], *batch = args[R_BATCH];
+    if (!PyList_Check(messages) || !PyList_Check(state) || PyList_GET_SIZE(state) != 4
+        || !PyDict_Check(inflight) || !PyDict_Check(pending) || !PyDict_Check(records)
+        || !PyDict_Check(cache) || !PyDict_Check(outbound) || !PyList_Check(batch)) {
+        PyErr_SetString(PyExc_TypeError, "plain_run: unexpected argument types");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[R_INDEX]);
+    long long next_offset = PyLong_AsLongLong(PyList_GET_ITEM(state, 0));
+    long next_pid = PyLong_AsLong(PyList_GET_ITEM(state, 1));
+    long long sent = PyLong_AsLongLong(PyList_GET_ITEM(state, 2));
+    Py_ssize_t moved = PyLong_AsSsize_t(PyList_GET_ITEM(state, 3));
+    long window = PyLong_AsLong(args[R_WINDOW]);
+    long level = PyLong_AsLong(args[R_LEVEL]);
+    long sub_qos = PyLong_AsLong(args[R_SUB_QOS]);
+    long receive_maximum = PyLong_AsLong(args[R_RECEIVE_MAXIMUM]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    int shared = PyObject_IsTrue(args[R_SHARED]);
+    int single = PyObject_IsTrue(args[R_SINGLE]);
+    int no_local = PyObject_IsTrue(args[R_NO_LOCAL]);
+    int rap = PyObject_IsTrue(args[R_RAP]);
+    if (shared < 0 || single < 0 || no_local < 0 || rap < 0) {
+        return NULL;
+    }
+    PyObject *level_obj = args[R_LEVEL];
+    PyObject *rec = NULL, *prepared = NULL, *data = NULL, *key = NULL;
+    PyObject *pid_obj = NULL, *off_obj = NULL, *flight = NULL;
+    int full = 0, failed = 0;
+    Py_ssize_t n = PyList_GET_SIZE(messages);
+    for (; i < n; i++) {
+        PyObject *msg = PyList_GET_ITEM(messages, i);
+        if (!PyTuple_Check(msg) || PyTuple_GET_SIZE(msg) < 9) {
+            break;
+        }
+        PyObject *queues = PyTuple_GET_ITEM(msg, 8);
+        if (!PyTuple_Check(queues)) {
+            break;
+        }
+        off_obj = PyTuple_GET_ITEM(msg, 3);
+        long long off = PyLong_AsLongLong(off_obj);
+        if (off == -1 && PyErr_Occurred()) {
+            off_obj = NULL;
+            failed = 1;
+            break;
+        }
+        if (off < next_offset) {
+            off_obj = NULL;
+            continue;
+        }
+        Py_INCREF(off_obj);
+        Py_ssize_t nq = PyTuple_GET_SIZE(queues);
+        if (!single && nq > 1) {
+            break; /* maybe covered by another subscription: _covering() decides */
+        }
+        int fanout = shared || nq > 1;
+        PyObject *phys = PyTuple_GET_ITEM(msg, 4);
+        if (fanout) { /* RecentMessages.record: the cached record, or decode and cache it */
+            rec = PyDict_GetItemWithError(records, phys);
+            if (rec != NULL) {
+                Py_INCREF(rec);
+            }
+            else if (PyErr_Occurred()) {
+                failed = 1;
+                break;
+            }
+            else if ((rec = PyObject_CallOneArg(args[R_RECORD], msg)) == NULL) {
+                failed = 1;
+                break;
+            }
+        }
+        else {
+            PyObject *rargs[4] = {PyTuple_GET_ITEM(msg, 0), PyTuple_GET_ITEM(msg, 1),
+                                  PyTuple_GET_ITEM(msg, 2), PyTuple_GET_ITEM(msg, 5)};
+            if ((rec = PyObject_Vectorcall(args[R_READ_RECORD], rargs, 4, NULL)) == NULL) {
+                failed = 1;
+                break;
+            }
+        }
+        if (rec == Py_None) { /* not an MQTT record: passed over */
+            Py_CLEAR(rec);
+            goto passed;
+        }
+        PyObject *expiry = PyObject_GetAttr(rec, s_expiry);
+        if (expiry == NULL) {
+            failed = 1;
+            break;
+        }
+        Py_DECREF(expiry);
+        if (expiry != Py_None) {
+            break; /* decide_one() works out what is left of it */
+        }
+        if (no_local) {
+            PyObject *cid = PyObject_GetAttr(rec, s_client_id);
+            if (cid == NULL) {
+                failed = 1;
+                break;
+            }
+            int same = PyObject_RichCompareBool(cid, args[R_CLIENT_ID], Py_EQ);
+            Py_DECREF(cid);
+            if (same < 0) {
+                failed = 1;
+                break;
+            }
+            if (same) {
+                Py_CLEAR(rec);
+                goto passed;
+            }
+        }
+        long qos;
+        if (long_attr(rec, s_qos, &qos) < 0) {
+            failed = 1;
+            break;
+        }
+        if (sub_qos < qos) {
+            qos = sub_qos;
+        }
+        if (qos > 0 && window - PyDict_GET_SIZE(inflight) <= 0) {
+            full = 1;
+            break;
+        }
+        int retain = 0;
+        if (level == 5 && rap) {
+            PyObject *r = PyObject_GetAttr(rec, s_retain);
+            if (r == NULL || (retain = PyObject_IsTrue(r)) < 0) {
+                Py_XDECREF(r);
+                failed = 1;
+                break;
+            }
+            Py_DECREF(r);
+        }
+        PyObject *topic = PyObject_GetAttr(rec, s_topic);
+        if (topic == NULL) {
+            failed = 1;
+            break;
+        }
+        PyObject *qos_obj = PyLong_FromLong(qos);
+        PyObject *ids = qos_obj ? PyList_New(0) : NULL;
+        if (ids == NULL) {
+            Py_DECREF(topic);
+            Py_XDECREF(qos_obj);
+            failed = 1;
+            break;
+        }
+        PyObject *retain_obj = retain ? Py_True : Py_False;
+        PyObject *pargs[8] = {rec, level_obj, qos_obj, retain_obj, topic, Py_None, ids, Py_None};
+        if (fanout) { /* send()'s key: no alias, no identifiers, no expiry */
+            PyObject *empty = PyTuple_New(0);
+            key = empty ? PyTuple_Pack(8, phys, level_obj, qos_obj, retain_obj, topic, Py_None,
+                                       empty, Py_None)
+                        : NULL;
+            Py_XDECREF(empty);
+            if (key != NULL) {
+                prepared = PyDict_GetItemWithError(cache, key);
+                if (prepared != NULL) {
+                    Py_INCREF(prepared);
+                }
+                else if (!PyErr_Occurred()
+                         && (prepared = PyObject_Vectorcall(args[R_PREPARE], pargs, 8, NULL))
+                                != NULL) {
+                    PyObject *put = PyObject_CallFunctionObjArgs(args[R_CACHE_PUT], key,
+                                                                 prepared, NULL);
+                    if (put == NULL) {
+                        Py_CLEAR(prepared);
+                    }
+                    Py_XDECREF(put);
+                }
+            }
+            Py_CLEAR(key);
+        }
+        else {
+            prepared = PyObject_Vectorcall(args[R_PREPARE], pargs, 8, NULL);
+        }
+        Py_DECREF(topic);
+        Py_DECREF(qos_obj);
+        Py_DECREF(ids);
+        if (prepared == NULL) {
+            failed = 1;
+            break;
+        }
+        long plevel;
+        if (long_attr(prepared, s_level, &plevel) < 0) {
+            failed = 1;
+            break;
+        }
+        if (plevel != level) {
+            break; /* send_prepared refuses it */
+        }
+        if (qos > 0) {
+            /* Session.allocate_packet_id, the common case; publish_sent's checks. */
+            if ((pid_obj = PyLong_FromLong(next_pid)) == NULL) {
+                failed = 1;
+                break;
+            }
+            int used = PyDict_Contains(inflight, pid_obj);
+            int sent_already = used ? used : PyDict_Contains(outbound, pid_obj);
+            if (used < 0 || sent_already < 0) {
+                failed = 1;
+                break;
+            }
+            if (used || sent_already || PyDict_GET_SIZE(outbound) >= receive_maximum) {
+                break;
+            }
+        }
+        data = packet_of(prepared, qos, next_pid);
+        if (data == NULL) {
+            if (PyErr_Occurred()) {
+                failed = 1;
+            }
+            break;
+        }
+        if (qos > 0) {
+            if (PyDict_SetItem(outbound, pid_obj, args[R_UNACKED]) < 0) {
+                failed = 1;
+                break;
+            }
+            next_pid = next_pid % 65535 + 1;
+            PyObject *fargs[4] = {pid_obj, args[R_QUEUE], off_obj, NULL};
+            fargs[3] = PyLong_FromLong(qos);
+            if (fargs[3] == NULL) {
+                failed = 1;
+                break;
+            }
+            flight = PyObject_Vectorcall(args[R_INFLIGHT_NEW], fargs, 4, NULL);
+            Py_DECREF(fargs[3]);
+            if (flight == NULL || PyDict_SetItem(inflight, pid_obj, flight) < 0
+                || PyDict_SetItem(pending, off_obj, pid_obj) < 0) {
+                failed = 1;
+                break;
+            }
+            Py_CLEAR(flight);
+            Py_CLEAR(pid_obj);
+        }
+        if (PyList_Append(batch, data) < 0) {
+            failed = 1;
+            break;
+        }
+        Py_CLEAR(data);
+        Py_CLEAR(prepared);
+        Py_CLEAR(rec);
+        sent++;
+    passed:
+        next_offset = off + 1;
+        moved = i;
+        Py_CLEAR(off_obj);
+    }
+    Py_XDECREF(rec);
+    Py_XDECREF(prepared);
+    Py_XDECREF(data);
+    Py_XDECREF(pid_obj);
+    Py_XDECREF(off_obj);
+    Py_XDECREF(flight);
+    /* Written back whatever happened, so the caller's bookkeeping is exact. */
+    PyObject *exc_type = NULL, *exc = NULL, *exc_tb = NULL;
+    if (failed) {
+        PyErr_Fetch(&exc_type, &exc, &exc_tb);
+    }
+    PyObject *values[4] = {PyLong_FromLongLong(next_offset), PyLong_FromLong(next_pid),
+                           PyLong_FromLongLong(sent), PyLong_FromSsize_t(moved)};
+    for (int k = 0; k < 4; k++) {
+        if (values[k] == NULL) {
+            for (int j = k + 1; j < 4; j++) {
+                Py_XDECREF(values[j]);
+            }
+            Py_XDECREF(exc_type);
+            Py_XDECREF(exc);
+            Py_XDECREF(exc_tb);
+            return NULL;
+        }
+        PyList_SetItem(state, k, values[k]); /* steals */
+    }
+    if (failed) {
+        PyErr_Restore(exc_type, exc, exc_tb);
+        return NULL;
+    }
+    return Py_BuildValue("(nO)", i, full ? Py_True : Py_False);
+}
+
 static PyMethodDef methods[] = {
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL | METH_KEYWORDS,
      "encode(event, level) -> bytes: writers.encode, with the common PUBLISH shapes in C."},
@@ -500,6 +904,11 @@ static PyMethodDef methods[] = {
      "in_flight_others, out) -> off: Connection._batch's inline loop over bytes, in C."},
     {"configure_scan", configure_scan, METH_VARARGS,
      "configure_scan(puback_type): bind the PubAck class (after configure)."},
+    {"plain_run", (PyCFunction)(void (*)(void))plain_run, METH_FASTCALL,
+     "plain_run(messages, i, state, shared, single, window, level, sub_qos, no_local, rap, "
+     "client_id, queue, inflight, pending, inflight_new, records, record, read_record, cache, "
+     "cache_put, prepare, outbound, receive_maximum, unacked, batch) -> (i, full): "
+     "the delivery loop's plain path over a batch (gateway/delivery.py plain_run_py)."},
     {NULL, NULL, 0, NULL},
 };
 
