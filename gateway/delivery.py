@@ -51,6 +51,7 @@ from gateway.delivery_account import DeliveryAccount
 from gateway.outbound import decide, decide_one, identifiers, retain_flag
 from gateway.overload import OverloadGuard
 from gateway.protocol import (
+    ENCODED_TOPICS,
     Connection,
     PreparedPublish,
     Properties,
@@ -515,8 +516,6 @@ class DeliveryLoop:
         goes on). Returns the last message passed, or None."""
         session = self.session
         ctx = self.ctx
-        recent = ctx.recent
-        prepared = ctx.prepared
         conn = self.client.conn
         batch = self._batch
         assert batch is not None
@@ -528,10 +527,9 @@ class DeliveryLoop:
         while i < n:
             try:
                 i, full = PLAIN_RUN(
-                    messages, i, state, shared, single, self.window, self.level, sub.qos,
-                    sub.no_local, sub.retain_as_published, session.client_id, sub.queue,
-                    session.inflight, sub.pending, Inflight, recent.decoded, recent.record,
-                    read_record, prepared.entries, prepared.put, _prepare, outbound,
+                    messages, i, state, single, self.window, self.level, sub.qos, sub.no_local,
+                    sub.retain_as_published, session.client_id, sub.queue, session.inflight,
+                    sub.pending, Inflight, ENCODED_TOPICS, outbound,
                     conn.client_receive_maximum, unacked, batch,
                 )  # fmt: skip
             finally:
@@ -996,7 +994,6 @@ def plain_run_py(
     messages: list[StoredMessage],
     i: int,
     state: list[int],
-    shared: bool,
     single: bool,
     window: int,
     level: int,
@@ -1008,30 +1005,27 @@ def plain_run_py(
     inflight: dict[int, Inflight],
     pending: dict[int, int],
     inflight_new: Callable[[int, str, int, int], Inflight],
-    records: dict[int, RecordedPublish | None],
-    record: Callable[[StoredMessage], RecordedPublish | None],
-    read: Callable[[str, bytes, dict[str, str], int], RecordedPublish | None],
-    cache: dict[tuple[object, ...], PreparedPublish],
-    cache_put: Callable[[tuple[object, ...], PreparedPublish], None],
-    prepare: Callable[..., PreparedPublish],
+    topics: dict[str, bytes],
     outbound: dict[int, int],
     receive_maximum: int,
     unacked: int,
     batch: list[bytes],
 ) -> tuple[int, bool]:
     """The plain path (`_deliver` -> `_deliver_plain` -> `Connection.send_prepared`) over
-    `messages[i:]` for one subscription, until a message it does not take: the reference of
-    `plain_run` in gateway/protocol/_speedups.c, which must do exactly this (the same calls
-    in the same order, the same dict changes, the same bytes; tests/gateway/
-    test_delivery_plain_run.py compares them with hypothesis).
+    `messages[i:]` for one subscription, for records of the canonical shape, until a message
+    it does not take: the reference of `plain_run` in gateway/protocol/_speedups.c, which
+    must do exactly this without the RecordedPublish and the PreparedPublish (the same dict
+    changes, the same bytes; tests/gateway/test_delivery_plain_run.py compares them).
 
-    Stops without touching the message at `i` (the general path takes it) when another of
-    the session's subscriptions may cover it (not `single`, several queues), its record has
-    an expiry, the packet id to allocate is in use (in flight, or in the codec's `outbound`),
-    the codec's Receive Maximum is reached or the prepared packet has another level; stops
-    with `full` = True when it needs a window slot and none is free. `state` is [next offset,
-    next packet id, packets sent, index of the last message passed] and is written back on
-    every exit, errors included. Returns (index of the first message not taken, full)."""
+    Stops without touching the message at `i` (the general path takes it, with every rule)
+    unless one subscription covers it (`single`, or one queue), its "mqtt.qos" is "0", "1"
+    or "2" (or absent), it has no "mqtt.expiry" and at level 5 none of _MQTT5_KEYS, its topic
+    is in the writers' encoded-topic cache `topics` (valid, encoded), its body is bytes, and
+    for QoS > 0 the next packet id is free (in flight, or in the codec's `outbound`) and the
+    codec's Receive Maximum not reached. Stops with `full` = True when it needs a window slot
+    and none is free. `state` is [next offset, next packet id, packets sent, index of the
+    last message passed] and is written back on every exit, errors included. Returns (index
+    of the first message not taken, full)."""
     next_offset, next_pid, sent, moved = state
     n = len(messages)
     full = False
@@ -1042,52 +1036,38 @@ def plain_run_py(
             if off < next_offset:
                 i += 1
                 continue
-            queues = msg[8]
-            if not single and len(queues) > 1:
+            props = msg[2]
+            if not single and len(msg[8]) > 1:
                 break
-            fanout = shared or len(queues) > 1
-            if fanout:
-                rec = records.get(msg[4], _MISSING)
-                if rec is _MISSING:
-                    rec = record(msg)
-            else:
-                rec = read(msg[0], msg[1], msg[2], msg[5])
-            if rec is not None:
-                assert isinstance(rec, RecordedPublish)
-                if rec.expiry is not None:
+            qos_text = props.get("mqtt.qos", "0")
+            if type(qos_text) is not str or qos_text not in ("0", "1", "2"):
+                break
+            if "mqtt.expiry" in props or (level == 5 and any(k in props for k in _MQTT5_KEYS)):
+                break
+            topic = props.get("mqtt.topic", msg[0])
+            if type(topic) is not str or topic not in topics or type(msg[1]) is not bytes:
+                break
+            if not (no_local and props.get("mqtt.client", "") == client_id):
+                qos = int(qos_text)
+                if sub_qos < qos:
+                    qos = sub_qos
+                if qos > 0 and window - len(inflight) <= 0:
+                    full = True
                     break
-                if not (no_local and rec.client_id == client_id):
-                    qos = rec.qos
-                    if sub_qos < qos:
-                        qos = sub_qos
-                    if qos > 0 and window - len(inflight) <= 0:
-                        full = True
+                retain = level == 5 and rap and props.get("mqtt.retain") == "1"
+                pid = None
+                if qos > 0:
+                    pid = next_pid
+                    if pid in inflight or pid in outbound or len(outbound) >= receive_maximum:
                         break
-                    retain = bool(level == 5 and rap and rec.retain)
-                    topic = rec.topic
-                    if fanout:
-                        key = (msg[4], level, qos, retain, topic, None, (), None)
-                        prepared = cache.get(key)
-                        if prepared is None:
-                            prepared = prepare(rec, level, qos, retain, topic, None, [], None)
-                            cache_put(key, prepared)
-                    else:
-                        prepared = prepare(rec, level, qos, retain, topic, None, [], None)
-                    if prepared.level != level:
-                        break
-                    if qos > 0:
-                        pid = next_pid
-                        if pid in inflight or pid in outbound or len(outbound) >= receive_maximum:
-                            break
-                        data = prepared.packet(pid, False)
-                        outbound[pid] = unacked
-                        next_pid = pid % 65535 + 1
-                        inflight[pid] = inflight_new(pid, queue, off, qos)
-                        pending[off] = pid
-                    else:
-                        data = prepared.packet(None, False)
-                    batch.append(data)
-                    sent += 1
+                packet = PreparedPublish(level, Publish(topic, msg[1], qos, retain)).packet(pid)
+                if pid is not None:
+                    outbound[pid] = unacked
+                    next_pid = pid % 65535 + 1
+                    inflight[pid] = inflight_new(pid, queue, off, qos)
+                    pending[off] = pid
+                batch.append(packet)
+                sent += 1
             next_offset = off + 1
             moved = i
             i += 1
@@ -1096,6 +1076,8 @@ def plain_run_py(
     return i, full
 
 
+# The stored properties an MQTT 5 PUBLISH carries out (RecordedPublish.mqtt5_properties).
+_MQTT5_KEYS = ("mqtt.pfi", "mqtt.ct", "mqtt.rt", "mqtt.cd", "mqtt.up")
 _MISSING = object()
 
 

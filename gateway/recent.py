@@ -45,9 +45,6 @@ class PreparedCache:
         # The dict's own get, bound once: a fan-out looks a packet up per delivery, and a
         # method wrapping it cost a Python call each time.
         self.lookup: Callable[[tuple[object, ...]], PreparedPublish | None] = self._items.get
-        # The dict itself, for the delivery loop's C run (gateway/delivery.py PLAIN_RUN): it
-        # looks up there and calls put() on a miss, as lookup() and put() would.
-        self.entries = self._items
 
     def __len__(self) -> int:
         return len(self._items)
@@ -107,9 +104,6 @@ class RecentMessages:
         # every subscriber of a fan-out; oldest first.
         self._records: dict[int, RecordedPublish | None] = {}
         self._record_order: deque[int] = deque()
-        # The same dict, for the delivery loop's C run (gateway/delivery.py PLAIN_RUN): a hit
-        # there is what record() returns; a miss calls record().
-        self.decoded = self._records
 
     def record(self, msg: StoredMessage) -> RecordedPublish | None:
         """read_record() of `msg`, decoded once for all the subscribers reading it."""

@@ -491,51 +491,50 @@ configure_scan(PyObject *Py_UNUSED(module), PyObject *args)
 
 /*
  * plain_run: the delivery loop's plain path over a batch (gateway/delivery.py
- * `DeliveryLoop._deliver_batch` -> `_deliver` -> `_deliver_plain` -> `Connection.send_prepared`),
- * one C call for the run of messages that path sends. Its Python reference is
- * gateway/delivery.py `plain_run_py`: the same arguments, the same calls of the same
- * callables in the same order, the same dict changes and the same bytes
- * (tests/gateway/test_delivery_plain_run.py, hypothesis).
+ * `DeliveryLoop._deliver_batch` -> `_deliver` -> `_deliver_plain` -> `Connection.send_prepared`)
+ * in one C call, for the records of the canonical shape, straight from the stored properties
+ * to the PUBLISH bytes: no RecordedPublish, no PreparedPublish. Its Python reference is
+ * gateway/delivery.py `plain_run_py` (which encodes with PreparedPublish): the same result,
+ * the same dict changes, the same bytes (tests/gateway/test_delivery_plain_run.py, hypothesis).
  *
- * Per message (a StoredMessage tuple: topic, body, properties, queue_offset,
- * physical_offset, store_timestamp, born_timestamp, parent_offset, queues):
- *   - skipped if queue_offset < next offset;
- *   - stop, untouched ("not mine": the caller's general path takes it) when another of the
- *     session's subscriptions may cover it (not `single` and more than one queue), when its
- *     record has an expiry, when the packet id to allocate is in use (in flight or in the
- *     codec's outbound map), the codec's Receive Maximum is reached, or the prepared packet is
- *     for another protocol level: the Python path then does (or refuses) exactly that;
+ * Per message (a StoredMessage tuple: topic, body, properties, queue_offset, ...):
+ *   - skipped if queue_offset < the next offset;
+ *   - stop, untouched (the caller's general path takes it, with every rule) unless: one
+ *     subscription covers it (`single`, or one queue), its properties are a dict whose
+ *     "mqtt.qos" is "0", "1" or "2" (or absent: 0), with no "mqtt.expiry" and, at level 5,
+ *     none of the properties an MQTT 5 PUBLISH carries (mqtt.pfi/ct/rt/cd/up), its topic
+ *     ("mqtt.topic", else the record's) is in the writers' encoded-topic cache `topics` (so
+ *     it is valid), its body is bytes, and for QoS > 0 the next packet id is free (not in
+ *     flight, not in the codec's outbound map) and the codec's Receive Maximum not reached;
  *   - stop with `full` when it needs a window slot and none is free;
- *   - else delivered: record (cached `records` for a fan-out, else `read_record`), no-local,
- *     QoS = min, RETAIN as published, the prepared packet (fan-out: from `cache` by the key
- *     `send()` uses, else `prepare`d), the packet bytes, and for QoS > 0 the packet id:
- *     outbound[pid] = unacked, inflight[pid] = inflight_new(pid, queue, offset, qos),
- *     pending[offset] = pid.
+ *   - passed over without a packet for its publisher under no-local;
+ *   - else its PUBLISH (QoS = min, RETAIN as published at level 5, DUP 0) goes to `batch`,
+ *     and for QoS > 0: outbound[pid] = unacked, inflight[pid] = inflight_new(pid, queue,
+ *     offset, qos), pending[offset] = pid.
  * `state` = [next offset, next packet id, packets sent, index of the last message passed]
- * is written back on every exit, errors included, so the caller keeps its bookkeeping
- * exact whatever a callable raised.
+ * is written back on every exit, errors included.
+ *
+ *     [0x30 | qos << 1 | retain][remaining length][topic, length-prefixed][id][0x00 at v5][body]
  */
 enum {
-    R_MESSAGES, R_INDEX, R_STATE, R_SHARED, R_SINGLE, R_WINDOW, R_LEVEL, R_SUB_QOS, R_NO_LOCAL,
-    R_RAP, R_CLIENT_ID, R_QUEUE, R_INFLIGHT, R_PENDING, R_INFLIGHT_NEW, R_RECORDS, R_RECORD,
-    R_READ_RECORD, R_CACHE, R_CACHE_PUT, R_PREPARE, R_OUTBOUND, R_RECEIVE_MAXIMUM, R_UNACKED,
-    R_BATCH, R_COUNT
+    R_MESSAGES, R_INDEX, R_STATE, R_SINGLE, R_WINDOW, R_LEVEL, R_SUB_QOS, R_NO_LOCAL, R_RAP,
+    R_CLIENT_ID, R_QUEUE, R_INFLIGHT, R_PENDING, R_INFLIGHT_NEW, R_TOPICS, R_OUTBOUND,
+    R_RECEIVE_MAXIMUM, R_UNACKED, R_BATCH, R_COUNT
 };
 
-static PyObject *s_expiry, *s_client_id, *s_qos, *s_retain, *s_topic, *s_level, *s_heads,
-    *s_block, *s_payload, *s_whole;
+static PyObject *k_qos, *k_expiry, *k_client, *k_retain, *k_topic, *k_v5[5];
 
 static int
-intern_names(void)
+intern_keys(void)
 {
-    if (s_whole != NULL) {
+    if (k_v5[4] != NULL) {
         return 0;
     }
     struct { PyObject **slot; const char *text; } names[] = {
-        {&s_expiry, "expiry"}, {&s_client_id, "client_id"}, {&s_qos, "qos"},
-        {&s_retain, "retain"}, {&s_topic, "topic"}, {&s_level, "level"},
-        {&s_heads, "_heads"}, {&s_block, "_block"}, {&s_payload, "_payload"},
-        {&s_whole, "_whole"},
+        {&k_qos, "mqtt.qos"}, {&k_expiry, "mqtt.expiry"}, {&k_client, "mqtt.client"},
+        {&k_retain, "mqtt.retain"}, {&k_topic, "mqtt.topic"}, {&k_v5[0], "mqtt.pfi"},
+        {&k_v5[1], "mqtt.ct"}, {&k_v5[2], "mqtt.rt"}, {&k_v5[3], "mqtt.cd"},
+        {&k_v5[4], "mqtt.up"},
     };
     for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++) {
         if ((*names[k].slot = PyUnicode_InternFromString(names[k].text)) == NULL) {
@@ -545,60 +544,23 @@ intern_names(void)
     return 0;
 }
 
-/* An int attribute of `obj` as a C long; -1 with an exception set on failure. */
+/* "0", "1", "2" -> 0..2; anything else -> -1 (not the canonical shape). */
 static int
-long_attr(PyObject *obj, PyObject *name, long *out)
+qos_of(PyObject *value)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) {
+    if (!PyUnicode_CheckExact(value) || PyUnicode_GET_LENGTH(value) != 1) {
         return -1;
     }
-    *out = PyLong_AsLong(v);
-    Py_DECREF(v);
-    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+    Py_UCS4 c = PyUnicode_READ_CHAR(value, 0);
+    return c >= '0' && c <= '2' ? (int)(c - '0') : -1;
 }
 
-/* The packet `prepared.packet(pid, False)` returns: head + id + block + payload (QoS > 0),
- * or the whole QoS 0 packet. NULL with no exception: not a shape this knows (the caller
- * stops and the Python path handles it). */
-static PyObject *
-packet_of(PyObject *prepared, long qos, long pid)
+/* 1 if `value` is the str "1" (what read_record calls retained), else 0. */
+static int
+is_one(PyObject *value)
 {
-    if (!qos) {
-        PyObject *whole = PyObject_GetAttr(prepared, s_whole);
-        if (whole != NULL && (!PyBytes_Check(whole) || PyBytes_GET_SIZE(whole) == 0)) {
-            Py_DECREF(whole);
-            return NULL;
-        }
-        return whole;
-    }
-    PyObject *heads = PyObject_GetAttr(prepared, s_heads);
-    if (heads == NULL) {
-        return NULL;
-    }
-    PyObject *block = PyObject_GetAttr(prepared, s_block);
-    PyObject *payload = block ? PyObject_GetAttr(prepared, s_payload) : NULL;
-    PyObject *result = NULL;
-    if (payload != NULL && PyTuple_Check(heads) && PyTuple_GET_SIZE(heads) == 2
-        && PyBytes_Check(PyTuple_GET_ITEM(heads, 0)) && PyBytes_Check(block)
-        && PyBytes_Check(payload)) {
-        PyObject *head = PyTuple_GET_ITEM(heads, 0);
-        Py_ssize_t hn = PyBytes_GET_SIZE(head), bn = PyBytes_GET_SIZE(block);
-        Py_ssize_t pn = PyBytes_GET_SIZE(payload);
-        result = PyBytes_FromStringAndSize(NULL, hn + 2 + bn + pn);
-        if (result != NULL) {
-            char *p = PyBytes_AS_STRING(result);
-            memcpy(p, PyBytes_AS_STRING(head), hn);
-            p[hn] = (char)(pid >> 8);
-            p[hn + 1] = (char)(pid & 0xFF);
-            memcpy(p + hn + 2, PyBytes_AS_STRING(block), bn);
-            memcpy(p + hn + 2 + bn, PyBytes_AS_STRING(payload), pn);
-        }
-    }
-    Py_DECREF(heads);
-    Py_XDECREF(block);
-    Py_XDECREF(payload);
-    return result;
+    return value != NULL && PyUnicode_CheckExact(value) && PyUnicode_GET_LENGTH(value) == 1
+           && PyUnicode_READ_CHAR(value, 0) == '1';
 }
 
 static PyObject *
@@ -608,16 +570,15 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "plain_run takes %d arguments", R_COUNT);
         return NULL;
     }
-    if (intern_names() < 0) {
+    if (intern_keys() < 0) {
         return NULL;
     }
     PyObject *messages = args[R_MESSAGES], *state = args[R_STATE];
     PyObject *inflight = args[R_INFLIGHT], *pending = args[R_PENDING];
-    PyObject *records = args[R_RECORDS], *cache = args[R_CACHE];
-    PyObject *outbound = args[R_OUTBOUND], *batch = args[R_BATCH];
+    PyObject *topics = args[R_TOPICS], *outbound = args[R_OUTBOUND], *batch = args[R_BATCH];
     if (!PyList_Check(messages) || !PyList_Check(state) || PyList_GET_SIZE(state) != 4
-        || !PyDict_Check(inflight) || !PyDict_Check(pending) || !PyDict_Check(records)
-        || !PyDict_Check(cache) || !PyDict_Check(outbound) || !PyList_Check(batch)) {
+        || !PyDict_Check(inflight) || !PyDict_Check(pending) || !PyDict_Check(topics)
+        || !PyDict_Check(outbound) || !PyList_Check(batch)) {
         PyErr_SetString(PyExc_TypeError, "plain_run: unexpected argument types");
         return NULL;
     }
@@ -633,16 +594,14 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred()) {
         return NULL;
     }
-    int shared = PyObject_IsTrue(args[R_SHARED]);
     int single = PyObject_IsTrue(args[R_SINGLE]);
     int no_local = PyObject_IsTrue(args[R_NO_LOCAL]);
     int rap = PyObject_IsTrue(args[R_RAP]);
-    if (shared < 0 || single < 0 || no_local < 0 || rap < 0) {
+    if (single < 0 || no_local < 0 || rap < 0) {
         return NULL;
     }
-    PyObject *level_obj = args[R_LEVEL];
-    PyObject *rec = NULL, *prepared = NULL, *data = NULL, *key = NULL;
-    PyObject *pid_obj = NULL, *off_obj = NULL, *flight = NULL;
+    int v5 = level == 5;
+    PyObject *pid_obj = NULL, *flight = NULL, *data = NULL;
     int full = 0, failed = 0;
     Py_ssize_t n = PyList_GET_SIZE(messages);
     for (; i < n; i++) {
@@ -650,158 +609,91 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         if (!PyTuple_Check(msg) || PyTuple_GET_SIZE(msg) < 9) {
             break;
         }
-        PyObject *queues = PyTuple_GET_ITEM(msg, 8);
-        if (!PyTuple_Check(queues)) {
+        PyObject *queues = PyTuple_GET_ITEM(msg, 8), *off_obj = PyTuple_GET_ITEM(msg, 3);
+        PyObject *props = PyTuple_GET_ITEM(msg, 2), *body = PyTuple_GET_ITEM(msg, 1);
+        if (!PyTuple_Check(queues) || !PyLong_CheckExact(off_obj) || !PyDict_Check(props)) {
             break;
         }
-        off_obj = PyTuple_GET_ITEM(msg, 3);
         long long off = PyLong_AsLongLong(off_obj);
         if (off == -1 && PyErr_Occurred()) {
-            off_obj = NULL;
             failed = 1;
             break;
         }
         if (off < next_offset) {
-            off_obj = NULL;
             continue;
         }
-        Py_INCREF(off_obj);
-        Py_ssize_t nq = PyTuple_GET_SIZE(queues);
-        if (!single && nq > 1) {
+        if (!single && PyTuple_GET_SIZE(queues) > 1) {
             break; /* maybe covered by another subscription: _covering() decides */
         }
-        int fanout = shared || nq > 1;
-        PyObject *phys = PyTuple_GET_ITEM(msg, 4);
-        if (fanout) { /* RecentMessages.record: the cached record, or decode and cache it */
-            rec = PyDict_GetItemWithError(records, phys);
-            if (rec != NULL) {
-                Py_INCREF(rec);
+        /* read_record's fields, the canonical shape only (borrowed references). */
+        PyObject *v = PyDict_GetItemWithError(props, k_qos);
+        int qos = v == NULL ? 0 : qos_of(v);
+        if (PyErr_Occurred()) {
+            failed = 1;
+            break;
+        }
+        if (qos < 0) {
+            break;
+        }
+        int has = PyDict_Contains(props, k_expiry);
+        for (int k = 0; v5 && !has && k < 5; k++) {
+            has = PyDict_Contains(props, k_v5[k]);
+        }
+        if (has) {
+            failed = has < 0;
+            break;
+        }
+        PyObject *topic = PyDict_GetItemWithError(props, k_topic);
+        if (topic == NULL) {
+            if (PyErr_Occurred()) {
+                failed = 1;
+                break;
+            }
+            topic = PyTuple_GET_ITEM(msg, 0);
+        }
+        PyObject *encoded = PyUnicode_CheckExact(topic)
+                                ? PyDict_GetItemWithError(topics, topic) : NULL;
+        if (encoded == NULL || !PyBytes_CheckExact(encoded) || !PyBytes_CheckExact(body)) {
+            failed = PyErr_Occurred() != NULL;
+            break; /* a topic the writers have not encoded (and checked) yet */
+        }
+        if (no_local) {
+            PyObject *client = PyDict_GetItemWithError(props, k_client);
+            int same;
+            if (client != NULL) {
+                same = PyObject_RichCompareBool(client, args[R_CLIENT_ID], Py_EQ);
             }
             else if (PyErr_Occurred()) {
                 failed = 1;
                 break;
             }
-            else if ((rec = PyObject_CallOneArg(args[R_RECORD], msg)) == NULL) {
-                failed = 1;
-                break;
+            else { /* absent: "" */
+                same = PyUnicode_Check(args[R_CLIENT_ID])
+                       && PyUnicode_GET_LENGTH(args[R_CLIENT_ID]) == 0;
             }
-        }
-        else {
-            PyObject *rargs[4] = {PyTuple_GET_ITEM(msg, 0), PyTuple_GET_ITEM(msg, 1),
-                                  PyTuple_GET_ITEM(msg, 2), PyTuple_GET_ITEM(msg, 5)};
-            if ((rec = PyObject_Vectorcall(args[R_READ_RECORD], rargs, 4, NULL)) == NULL) {
-                failed = 1;
-                break;
-            }
-        }
-        if (rec == Py_None) { /* not an MQTT record: passed over */
-            Py_CLEAR(rec);
-            goto passed;
-        }
-        PyObject *expiry = PyObject_GetAttr(rec, s_expiry);
-        if (expiry == NULL) {
-            failed = 1;
-            break;
-        }
-        Py_DECREF(expiry);
-        if (expiry != Py_None) {
-            break; /* decide_one() works out what is left of it */
-        }
-        if (no_local) {
-            PyObject *cid = PyObject_GetAttr(rec, s_client_id);
-            if (cid == NULL) {
-                failed = 1;
-                break;
-            }
-            int same = PyObject_RichCompareBool(cid, args[R_CLIENT_ID], Py_EQ);
-            Py_DECREF(cid);
             if (same < 0) {
                 failed = 1;
                 break;
             }
             if (same) {
-                Py_CLEAR(rec);
                 goto passed;
             }
         }
-        long qos;
-        if (long_attr(rec, s_qos, &qos) < 0) {
-            failed = 1;
-            break;
-        }
         if (sub_qos < qos) {
-            qos = sub_qos;
+            qos = (int)sub_qos;
         }
         if (qos > 0 && window - PyDict_GET_SIZE(inflight) <= 0) {
             full = 1;
             break;
         }
         int retain = 0;
-        if (level == 5 && rap) {
-            PyObject *r = PyObject_GetAttr(rec, s_retain);
-            if (r == NULL || (retain = PyObject_IsTrue(r)) < 0) {
-                Py_XDECREF(r);
+        if (v5 && rap) {
+            PyObject *r = PyDict_GetItemWithError(props, k_retain);
+            if (r == NULL && PyErr_Occurred()) {
                 failed = 1;
                 break;
             }
-            Py_DECREF(r);
-        }
-        PyObject *topic = PyObject_GetAttr(rec, s_topic);
-        if (topic == NULL) {
-            failed = 1;
-            break;
-        }
-        PyObject *qos_obj = PyLong_FromLong(qos);
-        PyObject *ids = qos_obj ? PyList_New(0) : NULL;
-        if (ids == NULL) {
-            Py_DECREF(topic);
-            Py_XDECREF(qos_obj);
-            failed = 1;
-            break;
-        }
-        PyObject *retain_obj = retain ? Py_True : Py_False;
-        PyObject *pargs[8] = {rec, level_obj, qos_obj, retain_obj, topic, Py_None, ids, Py_None};
-        if (fanout) { /* send()'s key: no alias, no identifiers, no expiry */
-            PyObject *empty = PyTuple_New(0);
-            key = empty ? PyTuple_Pack(8, phys, level_obj, qos_obj, retain_obj, topic, Py_None,
-                                       empty, Py_None)
-                        : NULL;
-            Py_XDECREF(empty);
-            if (key != NULL) {
-                prepared = PyDict_GetItemWithError(cache, key);
-                if (prepared != NULL) {
-                    Py_INCREF(prepared);
-                }
-                else if (!PyErr_Occurred()
-                         && (prepared = PyObject_Vectorcall(args[R_PREPARE], pargs, 8, NULL))
-                                != NULL) {
-                    PyObject *put = PyObject_CallFunctionObjArgs(args[R_CACHE_PUT], key,
-                                                                 prepared, NULL);
-                    if (put == NULL) {
-                        Py_CLEAR(prepared);
-                    }
-                    Py_XDECREF(put);
-                }
-            }
-            Py_CLEAR(key);
-        }
-        else {
-            prepared = PyObject_Vectorcall(args[R_PREPARE], pargs, 8, NULL);
-        }
-        Py_DECREF(topic);
-        Py_DECREF(qos_obj);
-        Py_DECREF(ids);
-        if (prepared == NULL) {
-            failed = 1;
-            break;
-        }
-        long plevel;
-        if (long_attr(prepared, s_level, &plevel) < 0) {
-            failed = 1;
-            break;
-        }
-        if (plevel != level) {
-            break; /* send_prepared refuses it */
+            retain = is_one(r);
         }
         if (qos > 0) {
             /* Session.allocate_packet_id, the common case; publish_sent's checks. */
@@ -810,30 +702,53 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                 break;
             }
             int used = PyDict_Contains(inflight, pid_obj);
-            int sent_already = used ? used : PyDict_Contains(outbound, pid_obj);
-            if (used < 0 || sent_already < 0) {
+            int taken = used ? used : PyDict_Contains(outbound, pid_obj);
+            if (used < 0 || taken < 0) {
                 failed = 1;
                 break;
             }
-            if (used || sent_already || PyDict_GET_SIZE(outbound) >= receive_maximum) {
+            if (used || taken || PyDict_GET_SIZE(outbound) >= receive_maximum) {
                 break;
             }
         }
-        data = packet_of(prepared, qos, next_pid);
-        if (data == NULL) {
-            if (PyErr_Occurred()) {
-                failed = 1;
-            }
+        Py_ssize_t tn = PyBytes_GET_SIZE(encoded), bn = PyBytes_GET_SIZE(body);
+        Py_ssize_t remaining = tn + (qos ? 2 : 0) + v5 + bn;
+        if (remaining > MAX_REMAINING_LENGTH) {
             break;
         }
+        unsigned char head[5];
+        int hn = 1;
+        head[0] = (unsigned char)(0x30 | qos << 1 | retain);
+        Py_ssize_t rl = remaining;
+        do {
+            unsigned char b = rl & 0x7F;
+            rl >>= 7;
+            head[hn++] = rl ? b | 0x80 : b;
+        } while (rl);
+        if ((data = PyBytes_FromStringAndSize(NULL, hn + remaining)) == NULL) {
+            failed = 1;
+            break;
+        }
+        char *p = PyBytes_AS_STRING(data);
+        memcpy(p, head, hn);
+        p += hn;
+        memcpy(p, PyBytes_AS_STRING(encoded), tn);
+        p += tn;
+        if (qos) {
+            *p++ = (char)(next_pid >> 8);
+            *p++ = (char)(next_pid & 0xFF);
+        }
+        if (v5) {
+            *p++ = 0;
+        }
+        memcpy(p, PyBytes_AS_STRING(body), bn);
         if (qos > 0) {
             if (PyDict_SetItem(outbound, pid_obj, args[R_UNACKED]) < 0) {
                 failed = 1;
                 break;
             }
             next_pid = next_pid % 65535 + 1;
-            PyObject *fargs[4] = {pid_obj, args[R_QUEUE], off_obj, NULL};
-            fargs[3] = PyLong_FromLong(qos);
+            PyObject *fargs[4] = {pid_obj, args[R_QUEUE], off_obj, PyLong_FromLong(qos)};
             if (fargs[3] == NULL) {
                 failed = 1;
                 break;
@@ -853,20 +768,14 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         Py_CLEAR(data);
-        Py_CLEAR(prepared);
-        Py_CLEAR(rec);
         sent++;
     passed:
         next_offset = off + 1;
         moved = i;
-        Py_CLEAR(off_obj);
     }
-    Py_XDECREF(rec);
-    Py_XDECREF(prepared);
-    Py_XDECREF(data);
     Py_XDECREF(pid_obj);
-    Py_XDECREF(off_obj);
     Py_XDECREF(flight);
+    Py_XDECREF(data);
     /* Written back whatever happened, so the caller's bookkeeping is exact. */
     PyObject *exc_type = NULL, *exc = NULL, *exc_tb = NULL;
     if (failed) {
@@ -876,7 +785,7 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                            PyLong_FromLongLong(sent), PyLong_FromSsize_t(moved)};
     for (int k = 0; k < 4; k++) {
         if (values[k] == NULL) {
-            for (int j = k + 1; j < 4; j++) {
+            for (int j = 0; j < 4; j++) {
                 Py_XDECREF(values[j]);
             }
             Py_XDECREF(exc_type);
@@ -884,6 +793,8 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(exc_tb);
             return NULL;
         }
+    }
+    for (int k = 0; k < 4; k++) {
         PyList_SetItem(state, k, values[k]); /* steals */
     }
     if (failed) {
@@ -905,10 +816,10 @@ static PyMethodDef methods[] = {
     {"configure_scan", configure_scan, METH_VARARGS,
      "configure_scan(puback_type): bind the PubAck class (after configure)."},
     {"plain_run", (PyCFunction)(void (*)(void))plain_run, METH_FASTCALL,
-     "plain_run(messages, i, state, shared, single, window, level, sub_qos, no_local, rap, "
-     "client_id, queue, inflight, pending, inflight_new, records, record, read_record, cache, "
-     "cache_put, prepare, outbound, receive_maximum, unacked, batch) -> (i, full): "
-     "the delivery loop's plain path over a batch (gateway/delivery.py plain_run_py)."},
+     "plain_run(messages, i, state, single, window, level, sub_qos, no_local, rap, "
+     "client_id, queue, inflight, pending, inflight_new, topics, outbound, receive_maximum, "
+     "unacked, batch) -> (i, full): the delivery loop's plain path over a batch "
+     "(gateway/delivery.py plain_run_py)."},
     {NULL, NULL, 0, NULL},
 };
 
