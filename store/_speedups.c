@@ -568,12 +568,142 @@ write_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(i);
 }
 
+/*
+ * stored_runs(messages, props, results, stored_message) -> {queue: (messages, body bytes)}
+ *
+ * The StoredMessages an appended batch adds to each of its light queues, built from what
+ * the append had and returned (no read back): message k is (parent topic, light queues,
+ * body, property block) with its properties dict props[k] and its PutResult results[k]
+ * (physical offset, parent queue offset, {light queue: offset}, end, store timestamp). Per
+ * light queue, in batch order: StoredMessage(parent, body, props, light offset, physical
+ * offset, timestamp, timestamp, parent offset, queues), where queues is the message's own
+ * tuple when it names each light queue once, else the queues in dispatch order; with the
+ * sum of their body lengths. The reference is store.results.stored_runs_py
+ * (tests/store/test_stored_runs.py, hypothesis); gateway/recent.py fills its cache with it.
+ */
+static PyObject *
+stored_runs(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "stored_runs takes 4 arguments, not %zd", nargs);
+        return NULL;
+    }
+    PyObject *messages = args[0], *props = args[1], *results = args[2], *type = args[3];
+    if (!PyList_Check(messages) || !PyList_Check(props) || !PyList_Check(results)
+        || !PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "stored_runs: unexpected argument types");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(messages);
+    if (PyList_GET_SIZE(props) != n || PyList_GET_SIZE(results) != n) {
+        PyErr_SetString(PyExc_ValueError, "stored_runs: messages, props and results differ in length");
+        return NULL;
+    }
+    PyTypeObject *stored = (PyTypeObject *)type;
+    PyObject *runs = PyDict_New();
+    if (runs == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *m = PyList_GET_ITEM(messages, k), *r = PyList_GET_ITEM(results, k);
+        if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) != 4 || !PyTuple_Check(r)
+            || PyTuple_GET_SIZE(r) < 5 || !PyDict_Check(PyTuple_GET_ITEM(r, 2))) {
+            PyErr_SetString(PyExc_TypeError, "stored_runs: a message or result of another shape");
+            goto fail;
+        }
+        PyObject *lights = PyTuple_GET_ITEM(r, 2);
+        Py_ssize_t nl = PyDict_GET_SIZE(lights);
+        if (!nl) {
+            continue;
+        }
+        PyObject *routed = PyTuple_GET_ITEM(m, 1);
+        PyObject *queues;
+        if (PyObject_Length(routed) == nl) {
+            Py_INCREF(routed);
+            queues = routed;
+        }
+        else if (PyErr_Occurred() || (queues = PySequence_Tuple(lights)) == NULL) {
+            goto fail;
+        }
+        PyObject *fields[9] = {PyTuple_GET_ITEM(m, 0), PyTuple_GET_ITEM(m, 2),
+                               PyList_GET_ITEM(props, k), NULL, PyTuple_GET_ITEM(r, 0),
+                               PyTuple_GET_ITEM(r, 4), PyTuple_GET_ITEM(r, 4),
+                               PyTuple_GET_ITEM(r, 1), queues};
+        Py_ssize_t pos = 0;
+        PyObject *q, *off;
+        while (PyDict_Next(lights, &pos, &q, &off)) {
+            PyObject *sm = stored->tp_alloc(stored, 9);
+            if (sm == NULL) {
+                Py_DECREF(queues);
+                goto fail;
+            }
+            fields[3] = off;
+            for (int f = 0; f < 9; f++) {
+                Py_INCREF(fields[f]);
+                PyTuple_SET_ITEM(sm, f, fields[f]);
+            }
+            PyObject *run = PyDict_GetItemWithError(runs, q);
+            int failed;
+            if (run != NULL) {
+                failed = PyList_Append(run, sm);
+            }
+            else if (PyErr_Occurred()) {
+                failed = -1;
+            }
+            else {
+                PyObject *fresh = PyList_New(1);
+                failed = fresh == NULL ? -1 : 0;
+                if (fresh != NULL) {
+                    Py_INCREF(sm);
+                    PyList_SET_ITEM(fresh, 0, sm);
+                    failed = PyDict_SetItem(runs, q, fresh);
+                    Py_DECREF(fresh);
+                }
+            }
+            Py_DECREF(sm);
+            if (failed < 0) {
+                Py_DECREF(queues);
+                goto fail;
+            }
+        }
+        Py_DECREF(queues);
+    }
+    /* {queue: run} -> {queue: (run, body bytes)} */
+    {
+        Py_ssize_t pos = 0;
+        PyObject *q, *run;
+        while (PyDict_Next(runs, &pos, &q, &run)) {
+            long long nbytes = 0;
+            for (Py_ssize_t j = 0; j < PyList_GET_SIZE(run); j++) {
+                Py_ssize_t len = PyObject_Length(PyTuple_GET_ITEM(PyList_GET_ITEM(run, j), 1));
+                if (len < 0) {
+                    goto fail;
+                }
+                nbytes += len;
+            }
+            PyObject *pair = Py_BuildValue("(OL)", run, nbytes);
+            if (pair == NULL || PyDict_SetItem(runs, q, pair) < 0) { /* same key: no resize */
+                Py_XDECREF(pair);
+                goto fail;
+            }
+            Py_DECREF(pair);
+        }
+    }
+    return runs;
+fail:
+    Py_DECREF(runs);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"append_record", (PyCFunction)(void (*)(void))append_record, METH_FASTCALL,
      "append_record(buf, room, queue_offset, physical_offset, born, stored, body, "
      "topic_field, user_props, inner_head, light_offsets) -> record size, or -1 (nothing "
      "appended) if it is larger than room. See store.format.append_record."},
     {"crc32", crc32, METH_O, "crc32(data) -> zlib.crc32(data), by this module's tables."},
+    {"stored_runs", (PyCFunction)(void (*)(void))stored_runs, METH_FASTCALL,
+     "stored_runs(messages, props, results, stored_message) -> {queue: (messages, bytes)}: "
+     "the StoredMessages an appended batch adds per light queue (store.results.stored_runs_py)."},
     {"write_run", (PyCFunction)(void (*)(void))write_run, METH_FASTCALL,
      "write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result) "
      "-> i: MessageStore._write_locked's loop, its common case (store.store.write_run_py)."},

@@ -30,3 +30,6 @@ def write_run(
     results: list[Any],
     put_result: type,
 ) -> int: ...
+def stored_runs(
+    messages: list[Any], props: list[Any], results: list[Any], stored_message: type, /
+) -> dict[str, tuple[list[Any], int]]: ...
