@@ -49,3 +49,11 @@ def plain_run(
     unacked: int,
     batch: list[bytes],
 ) -> tuple[int, bool]: ...
+def encode_publishes(
+    pubs: list[Any],
+    blocks: list[Any],
+    routes: dict[str, tuple[str, tuple[str, ...]]],
+    messages: list[Any],
+    props: list[dict[str, str]],
+    i: int,
+) -> int: ...
