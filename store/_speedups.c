@@ -695,6 +695,89 @@ fail:
     return NULL;
 }
 
+/*
+ * prepare_run(messages, i, routes, max_body, born, batch, touched) -> index of the first left
+ *
+ * MessageStore._append_batch's validation loop, its common case: for each (topic, light
+ * queues, body, property block) from `messages[i]` on whose route is cached (`routes`,
+ * keyed by (topic, light queues)) and whose body and properties fit the route's worst-case
+ * room (`size_room`, `props_room`) and `max_body`, append (route, body, block, born) to
+ * `batch` and mark the route in `touched`. Stops untouched at a message to route or to check
+ * in full: the Python loop does it (and raises what it must). The reference is
+ * store.store.prepare_run_py (tests/store/test_write_run.py runs stores on both).
+ */
+static PyObject *w_size_room, *w_props_room;
+
+static PyObject *
+prepare_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "prepare_run takes 7 arguments, not %zd", nargs);
+        return NULL;
+    }
+    PyObject *messages = args[0], *routes = args[2], *born = args[4];
+    PyObject *batch = args[5], *touched = args[6];
+    if (!PyList_Check(messages) || !PyDict_Check(routes) || !PyList_Check(batch)
+        || !PyDict_Check(touched)) {
+        PyErr_SetString(PyExc_TypeError, "prepare_run: unexpected argument types");
+        return NULL;
+    }
+    if (w_props_room == NULL
+        && ((w_size_room = PyUnicode_InternFromString("size_room")) == NULL
+            || (w_props_room = PyUnicode_InternFromString("props_room")) == NULL)) {
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    long long max_body;
+    if ((i == -1 && PyErr_Occurred()) || as_ll(args[3], &max_body)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(messages);
+    for (; i < n; i++) {
+        PyObject *m = PyList_GET_ITEM(messages, i);
+        if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) != 4) {
+            break;
+        }
+        PyObject *body = PyTuple_GET_ITEM(m, 2), *uprops = PyTuple_GET_ITEM(m, 3);
+        if (!PyBytes_Check(body) || !PyBytes_Check(uprops)) {
+            break;
+        }
+        PyObject *key = PyTuple_Pack(2, PyTuple_GET_ITEM(m, 0), PyTuple_GET_ITEM(m, 1));
+        if (key == NULL) {
+            return NULL;
+        }
+        PyObject *route = PyDict_GetItemWithError(routes, key);
+        Py_DECREF(key);
+        if (route == NULL) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            break; /* a new route: validated and cached by the Python loop */
+        }
+        long long blen = PyBytes_GET_SIZE(body), plen = PyBytes_GET_SIZE(uprops);
+        long long size_room, props_room;
+        PyObject *a = PyObject_GetAttr(route, w_size_room);
+        PyObject *b = a ? PyObject_GetAttr(route, w_props_room) : NULL;
+        int bad = b == NULL || as_ll(a, &size_room) || as_ll(b, &props_room);
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        if (bad) {
+            return NULL;
+        }
+        if (blen > max_body || blen + plen > size_room || plen > props_room) {
+            break; /* checked in full (and refused, or not) by the Python loop */
+        }
+        PyObject *item = PyTuple_Pack(4, route, body, uprops, born);
+        if (item == NULL || PyList_Append(batch, item) < 0
+            || PyDict_SetItem(touched, route, Py_None) < 0) {
+            Py_XDECREF(item);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
     {"append_record", (PyCFunction)(void (*)(void))append_record, METH_FASTCALL,
      "append_record(buf, room, queue_offset, physical_offset, born, stored, body, "
@@ -704,6 +787,9 @@ static PyMethodDef methods[] = {
     {"stored_runs", (PyCFunction)(void (*)(void))stored_runs, METH_FASTCALL,
      "stored_runs(messages, props, results, stored_message) -> {queue: (messages, bytes)}: "
      "the StoredMessages an appended batch adds per light queue (store.results.stored_runs_py)."},
+    {"prepare_run", (PyCFunction)(void (*)(void))prepare_run, METH_FASTCALL,
+     "prepare_run(messages, i, routes, max_body, born, batch, touched) -> i: "
+     "MessageStore._append_batch's validation loop, its common case (prepare_run_py)."},
     {"write_run", (PyCFunction)(void (*)(void))write_run, METH_FASTCALL,
      "write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result) "
      "-> i: MessageStore._write_locked's loop, its common case (store.store.write_run_py)."},

@@ -33,3 +33,13 @@ def write_run(
 def stored_runs(
     messages: list[Any], props: list[Any], results: list[Any], stored_message: type, /
 ) -> dict[str, tuple[list[Any], int]]: ...
+def prepare_run(
+    messages: list[Any],
+    i: int,
+    routes: dict[Any, Any],
+    max_body: int,
+    born: int | None,
+    batch: list[Any],
+    touched: dict[Any, None],
+    /,
+) -> int: ...

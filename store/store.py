@@ -165,21 +165,52 @@ def write_run_py(
     return i
 
 
-def _load_write_run() -> Callable[..., int]:
-    """store/_speedups.c's write_run when it was built, else write_run_py; LMQTT_PURE_PYTHON
-    (every accelerator) or LMQTT_PURE_PYTHON_APPEND (this one, for A/B runs) keep the
-    reference."""
+def prepare_run_py(
+    messages: list[EncodedMessage],
+    i: int,
+    routes: dict[tuple[str, tuple[str, ...]], _Route],
+    max_body: int,
+    born: int | None,
+    batch: list[_Prepared],
+    touched: dict[_Route, None],
+) -> int:
+    """MessageStore._append_batch's validation loop, its common case: from ``messages[i]``
+    on, while a message's route is cached and its body and properties fit the route's
+    worst-case room and ``max_body``, append (route, body, block, born) to ``batch`` and mark
+    the route in ``touched``; return the index of the first message left (the caller routes
+    it or checks it in full, and raises what it must). The reference of store/_speedups.c
+    ``prepare_run``."""
+    n = len(messages)
+    while i < n:
+        topic, lights, body, uprops = messages[i]
+        route = routes.get((topic, lights))
+        if route is None:
+            break
+        blen = len(body)
+        plen = len(uprops)
+        if blen > max_body or blen + plen > route.size_room or plen > route.props_room:
+            break
+        batch.append((route, body, uprops, born))
+        touched[route] = None
+        i += 1
+    return i
+
+
+def _load_runs() -> tuple[Callable[..., int], Callable[..., int]]:
+    """store/_speedups.c's write_run and prepare_run when it was built, else write_run_py and
+    prepare_run_py; LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_APPEND (this
+    path's, for A/B runs) keep the references."""
     for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_APPEND"):
         if os.environ.get(name, "") not in ("", "0"):
-            return write_run_py
+            return write_run_py, prepare_run_py
     try:
         from store import _speedups
     except ImportError:
-        return write_run_py
-    return _speedups.write_run
+        return write_run_py, prepare_run_py
+    return _speedups.write_run, _speedups.prepare_run
 
 
-_write_run = _load_write_run()
+_write_run, _prepare_run = _load_runs()
 #: Builds PutResult / StoredMessage without the Python-level NamedTuple __new__ (one call
 #: less per message on the hot paths); same type, same fields.
 _tuple_new = tuple.__new__
@@ -777,10 +808,15 @@ class MessageStore:
         routes = self._routes
         max_body = self._max_body
         batch: list[_Prepared] = []
-        add = batch.append
         touched: dict[_Route, None] = {}
-        last: _Route | None = None
-        for topic, lights, body, uprops in messages:
+        items = messages if type(messages) is list else list(messages)
+        n = len(items)
+        i = 0
+        while True:
+            i = _prepare_run(items, i, routes, max_body, born, batch, touched)
+            if i >= n:
+                break
+            topic, lights, body, uprops = items[i]  # a new route, or a size to check in full
             route = routes.get((topic, lights))
             if route is None:
                 route = self._new_route((topic, tuple(lights)))
@@ -789,10 +825,9 @@ class MessageStore:
                 raise MessageTooLargeError(blen, max_body)
             if blen + len(uprops) > route.size_room or len(uprops) > route.props_room:
                 self._check_size(route, blen, len(uprops))
-            if route is not last:
-                touched[route] = None
-                last = route
-            add((route, body, uprops, born))
+            touched[route] = None
+            batch.append((route, body, uprops, born))
+            i += 1
         results = self._append(batch)
         if self._listeners:
             self._notify(touched)

@@ -1,5 +1,6 @@
-"""store/_speedups.c `write_run` (MessageStore._write_locked's loop in C) against its Python
-reference `write_run_py`: two stores fed the same batches, one per implementation, must
+"""store/_speedups.c `write_run` and `prepare_run` (MessageStore._write_locked's and
+_append_batch's loops in C) against their Python references `write_run_py` and
+`prepare_run_py`: two stores fed the same batches, one per implementation, must
 return the same PutResults, leave the same CommitLog and consume-queue bytes on disk, the
 same queue ends, and read back the same messages; small segments make the runs stop for
 rolls, new queues make them stop for routes to resolve."""
@@ -63,8 +64,12 @@ def test_c_run_writes_what_the_reference_writes(
     seen = []
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
         patch.setattr(store_module, "_time", lambda: 1_700_000_000.0)  # one store time
-        for name, run in (("c", speedups.write_run), ("py", store_module.write_run_py)):
+        for name, run, prepare in (
+            ("c", speedups.write_run, speedups.prepare_run),
+            ("py", store_module.write_run_py, store_module.prepare_run_py),
+        ):
             patch.setattr(store_module, "_write_run", run)
+            patch.setattr(store_module, "_prepare_run", prepare)
             root = Path(tmp) / name
             seen.append((_feed(root, batches), _files(root)))
     (c_out, c_files), (py_out, py_files) = seen
