@@ -10,6 +10,7 @@ every shape read_record meets (canonical or not: the run must leave the others a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,3 +206,14 @@ def test_plain_run_takes_a_canonical_batch() -> None:
         assert side.batch == [
             encode(Publish("t/x", b"m%d" % i, 1, packet_id=i + 1), 4) for i in range(5)
         ]
+
+
+@pytest.mark.skipif(
+    any(
+        os.environ.get(n, "") not in ("", "0")
+        for n in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_DELIVERY")
+    ),
+    reason="a LMQTT_PURE_PYTHON switch is set: the gateway runs the reference",
+)
+def test_the_gateway_uses_the_c_run() -> None:
+    assert delivery.PLAIN_RUN is C_RUN

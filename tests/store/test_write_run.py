@@ -7,6 +7,7 @@ rolls, new queues make them stop for routes to resolve."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store import MessageStore, StoreConfig
+from store import results as results_module
 from store import store as store_module
 
 speedups = pytest.importorskip("store._speedups")
@@ -105,3 +107,16 @@ def test_a_run_stops_for_a_roll_and_a_new_route() -> None:
             assert stale == 0  # a route resolved for another generation: left to Python
         finally:
             store.close()
+
+
+PURE = any(
+    os.environ.get(name, "") not in ("", "0")
+    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_APPEND")
+)
+
+
+@pytest.mark.skipif(PURE, reason="a LMQTT_PURE_PYTHON switch is set: the store runs the reference")
+def test_the_store_uses_the_c_runs() -> None:
+    assert store_module._write_run is speedups.write_run
+    assert store_module._prepare_run is speedups.prepare_run
+    assert results_module._STORED_RUNS is speedups.stored_runs
