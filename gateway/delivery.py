@@ -682,8 +682,10 @@ class DeliveryLoop:
         subscription covers the message, which has no expiry, the subscription no identifier,
         and the connection no ACL, topic aliases or packet size limit. What it sends, caches
         and records is exactly what that chain does (tests/gateway/test_delivery_plain.py
-        runs both); it saves their calls and the per-delivery Outbound, list and tuple (at
-        2,000 devices and 10,000 msg/s every delivery takes this path)."""
+        runs both); it saves their calls and the per-delivery Outbound, list and tuple. Most
+        such deliveries go by PLAIN_RUN (see _deliver_run); this takes what a run leaves
+        with these conditions met (a topic the writers have not encoded yet, a packet id in
+        use, a record of another shape)."""
         session = self.session
         if sub.no_local and rec.client_id == session.client_id:  # decide_one's rules
             return True
