@@ -601,10 +601,11 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int v5 = level == 5;
-    PyObject *pid_obj = NULL, *flight = NULL, *data = NULL;
+    PyObject *pid_obj = NULL, *flight = NULL, *data = NULL, *encoded = NULL;
     int full = 0, failed = 0;
     Py_ssize_t n = PyList_GET_SIZE(messages);
     for (; i < n; i++) {
+        Py_CLEAR(encoded);
         PyObject *msg = PyList_GET_ITEM(messages, i);
         if (!PyTuple_Check(msg) || PyTuple_GET_SIZE(msg) < 9) {
             break;
@@ -651,12 +652,13 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             }
             topic = PyTuple_GET_ITEM(msg, 0);
         }
-        PyObject *encoded = PyUnicode_CheckExact(topic)
-                                ? PyDict_GetItemWithError(topics, topic) : NULL;
+        encoded = PyUnicode_CheckExact(topic) ? PyDict_GetItemWithError(topics, topic) : NULL;
         if (encoded == NULL || !PyBytes_CheckExact(encoded) || !PyBytes_CheckExact(body)) {
+            encoded = NULL; /* borrowed: not ours to release */
             failed = PyErr_Occurred() != NULL;
             break; /* a topic the writers have not encoded (and checked) yet */
         }
+        Py_INCREF(encoded); /* the cache may be cleared while this message is built */
         if (no_local) {
             PyObject *client = PyDict_GetItemWithError(props, k_client);
             int same;
@@ -776,6 +778,7 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_XDECREF(pid_obj);
     Py_XDECREF(flight);
     Py_XDECREF(data);
+    Py_XDECREF(encoded);
     /* Written back whatever happened, so the caller's bookkeeping is exact. */
     PyObject *exc_type = NULL, *exc = NULL, *exc_tb = NULL;
     if (failed) {
