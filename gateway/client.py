@@ -313,7 +313,7 @@ class ClientConnection:
         window slots. The first packet that needs anything else, and whatever follows it,
         goes to the reader task, which runs after the batch is stored."""
         conn = self.conn
-        taken = len(ingest)
+        added = 0  # publishes this read added to the batch (counted here: len() is a call)
         acked: list[int] = []  # PUBACKs of this read: one delivery-loop call for all of them
         try:
             for _ in range(EVENTS_PER_TURN):
@@ -321,6 +321,7 @@ class ClientConnection:
                     ev = conn.next_event()
                 except RemoteProtocolError as err:
                     ingest.flush()  # what came before the bad packet is stored and acknowledged
+                    added = 0
                     self._pubacks(acked)
                     acked = []
                     self._protocol_error(err)
@@ -330,6 +331,7 @@ class ClientConnection:
                     assert isinstance(ev, Publish)
                     if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
                         ingest.add(self, ev)
+                        added += 1
                         continue
                 elif ev is NEED_DATA:
                     self._unparsed = 0
@@ -346,8 +348,8 @@ class ClientConnection:
         finally:
             if acked:
                 self._pubacks(acked)
-            if len(ingest) > taken and (self._held or self.ctx.overload.overloaded):
-                self._published(len(ingest) - taken, ingest.last_qos() == 0)
+            if added and (self._held or self.ctx.overload.overloaded):
+                self._published(added, ingest.last_qos() == 0)
 
     def _pubacks(self, packet_ids: list[int]) -> None:
         if packet_ids and self.delivery is not None:

@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +51,7 @@ from gateway.delivery_account import DeliveryAccount
 from gateway.outbound import decide, decide_one, identifiers, retain_flag
 from gateway.overload import OverloadGuard
 from gateway.protocol import (
+    ENCODED_TOPICS,
     Connection,
     PreparedPublish,
     Properties,
@@ -473,18 +475,81 @@ class DeliveryLoop:
         # Whether other loops read this queue too, asked once per batch: nothing in it awaits,
         # so the answer holds for every message (per message it cost ~5% of a fan-out's CPU).
         shared = self.ctx.arrivals.watchers(sub.queue) > 1
-        for msg in messages:
-            off = msg.queue_offset
-            if off < sub.next_offset:
-                continue
-            if not self._deliver(sub, off, msg, shared):
-                break
-            sub.next_offset = off + 1
-            moved = msg
+        codec = self._plain_outbound(sub)
+        if codec is not None and type(messages) is list:
+            moved = self._deliver_run(sub, messages, shared, *codec)
+        else:
+            for msg in messages:
+                off = msg.queue_offset
+                if off < sub.next_offset:
+                    continue
+                if not self._deliver(sub, off, msg, shared):
+                    break
+                sub.next_offset = off + 1
+                moved = msg
         if moved is not None:
             sub.read_phys = moved.physical_offset + 1
         self._commit(sub)
         return passed or moved is not None
+
+    def _plain_outbound(self, sub: SubscriptionState) -> tuple[dict[int, int], int] | None:
+        """The codec's outbound packet ids when this batch may go by `PLAIN_RUN` (what
+        `_deliver_plain` sends without a check of its own: no ACL, topic aliases, packet size
+        limit or subscription identifier, the pass's batch open), else None."""
+        if not self._plain or sub.subscription_identifier or self._batch is None:
+            return None
+        client = self.client
+        if client.acl is not None or client.conn.protocol_level != self.level:
+            return None
+        return client.conn.prepared_outbound()
+
+    def _deliver_run(
+        self,
+        sub: SubscriptionState,
+        messages: list[StoredMessage],
+        shared: bool,
+        outbound: dict[int, int],
+        unacked: int,
+    ) -> StoredMessage | None:
+        """`_deliver_batch`'s loop with the plain path in one `PLAIN_RUN` call per run of
+        messages it takes; `_deliver` takes the message a run stops at (then the next run
+        goes on). Returns the last message passed, or None."""
+        session = self.session
+        ctx = self.ctx
+        conn = self.client.conn
+        batch = self._batch
+        assert batch is not None
+        single = len(session.by_queue) == 1
+        state = [sub.next_offset, session.next_packet_id, 0, -1]
+        moved: StoredMessage | None = None
+        i = 0
+        n = len(messages)
+        while i < n:
+            try:
+                i, full = PLAIN_RUN(
+                    messages, i, state, single, self.window, self.level, sub.qos, sub.no_local,
+                    sub.retain_as_published, session.client_id, sub.queue, session.inflight,
+                    sub.pending, Inflight, ENCODED_TOPICS, outbound,
+                    conn.client_receive_maximum, unacked, batch,
+                )  # fmt: skip
+            finally:
+                sub.next_offset, session.next_packet_id, sent, last = state
+                ctx.stats.messages_sent += sent
+                state[2] = 0
+                if last >= 0:
+                    moved = messages[last]
+            if full or i >= n:
+                break
+            msg = messages[i]  # what the run does not take: the general path
+            if not self._deliver(sub, msg.queue_offset, msg, shared):
+                break
+            sub.next_offset = msg.queue_offset + 1
+            moved = msg
+            i += 1
+            state[0] = sub.next_offset
+            state[1] = session.next_packet_id
+            state[3] = -1
+        return moved
 
     def _commit(self, sub: SubscriptionState) -> None:
         self._uncommitted.pop(sub.queue, None)
@@ -617,8 +682,10 @@ class DeliveryLoop:
         subscription covers the message, which has no expiry, the subscription no identifier,
         and the connection no ACL, topic aliases or packet size limit. What it sends, caches
         and records is exactly what that chain does (tests/gateway/test_delivery_plain.py
-        runs both); it saves their calls and the per-delivery Outbound, list and tuple (at
-        2,000 devices and 10,000 msg/s every delivery takes this path)."""
+        runs both); it saves their calls and the per-delivery Outbound, list and tuple. Most
+        such deliveries go by PLAIN_RUN (see _deliver_run); this takes what a run leaves
+        with these conditions met (a topic the writers have not encoded yet, a packet id in
+        use, a record of another shape)."""
         session = self.session
         if sub.no_local and rec.client_id == session.client_id:  # decide_one's rules
             return True
@@ -923,3 +990,111 @@ def _prepare(
         props.topic_alias = alias
     pub = Publish(topic=topic, payload=rec.payload, qos=qos, retain=retain, properties=props)
     return PreparedPublish(level, pub)
+
+
+def plain_run_py(
+    messages: list[StoredMessage],
+    i: int,
+    state: list[int],
+    single: bool,
+    window: int,
+    level: int,
+    sub_qos: int,
+    no_local: bool,
+    rap: bool,
+    client_id: str,
+    queue: str,
+    inflight: dict[int, Inflight],
+    pending: dict[int, int],
+    inflight_new: Callable[[int, str, int, int], Inflight],
+    topics: dict[str, bytes],
+    outbound: dict[int, int],
+    receive_maximum: int,
+    unacked: int,
+    batch: list[bytes],
+) -> tuple[int, bool]:
+    """The plain path (`_deliver` -> `_deliver_plain` -> `Connection.send_prepared`) over
+    `messages[i:]` for one subscription, for records of the canonical shape, until a message
+    it does not take: the reference of `plain_run` in gateway/protocol/_speedups.c, which
+    must do exactly this without the RecordedPublish and the PreparedPublish (the same dict
+    changes, the same bytes; tests/gateway/test_delivery_plain_run.py compares them).
+
+    Stops without touching the message at `i` (the general path takes it, with every rule)
+    unless one subscription covers it (`single`, or one queue), its "mqtt.qos" is "0", "1"
+    or "2" (or absent), it has no "mqtt.expiry" and at level 5 none of _MQTT5_KEYS, its topic
+    is in the writers' encoded-topic cache `topics` (valid, encoded), its body is bytes, and
+    for QoS > 0 the next packet id is free (in flight, or in the codec's `outbound`) and the
+    codec's Receive Maximum not reached. Stops with `full` = True when it needs a window slot
+    and none is free. `state` is [next offset, next packet id, packets sent, index of the
+    last message passed] and is written back on every exit, errors included. Returns (index
+    of the first message not taken, full)."""
+    next_offset, next_pid, sent, moved = state
+    n = len(messages)
+    full = False
+    try:
+        while i < n:
+            msg = messages[i]
+            off = msg[3]
+            if off < next_offset:
+                i += 1
+                continue
+            props = msg[2]
+            if not single and len(msg[8]) > 1:
+                break
+            qos_text = props.get("mqtt.qos", "0")
+            if type(qos_text) is not str or qos_text not in ("0", "1", "2"):
+                break
+            if "mqtt.expiry" in props or (level == 5 and any(k in props for k in _MQTT5_KEYS)):
+                break
+            topic = props.get("mqtt.topic", msg[0])
+            if type(topic) is not str or topic not in topics or type(msg[1]) is not bytes:
+                break
+            if not (no_local and props.get("mqtt.client", "") == client_id):
+                qos = int(qos_text)
+                if sub_qos < qos:
+                    qos = sub_qos
+                if qos > 0 and window - len(inflight) <= 0:
+                    full = True
+                    break
+                retain = level == 5 and rap and props.get("mqtt.retain") == "1"
+                pid = None
+                if qos > 0:
+                    pid = next_pid
+                    if pid in inflight or pid in outbound or len(outbound) >= receive_maximum:
+                        break
+                packet = PreparedPublish(level, Publish(topic, msg[1], qos, retain)).packet(pid)
+                if pid is not None:
+                    outbound[pid] = unacked
+                    next_pid = pid % 65535 + 1
+                    inflight[pid] = inflight_new(pid, queue, off, qos)
+                    pending[off] = pid
+                batch.append(packet)
+                sent += 1
+            next_offset = off + 1
+            moved = i
+            i += 1
+    finally:
+        state[:] = (next_offset, next_pid, sent, moved)
+    return i, full
+
+
+# The stored properties an MQTT 5 PUBLISH carries out (RecordedPublish.mqtt5_properties).
+_MQTT5_KEYS = ("mqtt.pfi", "mqtt.ct", "mqtt.rt", "mqtt.cd", "mqtt.up")
+_MISSING = object()
+
+
+def _load_plain_run() -> PlainRun:
+    """The C `plain_run` when it was built, else the reference; LMQTT_PURE_PYTHON (every
+    accelerator) or LMQTT_PURE_PYTHON_DELIVERY (this one, for A/B runs) keep the reference."""
+    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_DELIVERY"):
+        if os.environ.get(name, "") not in ("", "0"):
+            return plain_run_py
+    try:
+        from gateway.protocol import _speedups
+    except ImportError:
+        return plain_run_py
+    return _speedups.plain_run
+
+
+PlainRun = Callable[..., tuple[int, bool]]
+PLAIN_RUN: PlainRun = _load_plain_run()

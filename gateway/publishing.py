@@ -14,6 +14,7 @@ which clear it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from gateway.protocol import Publish
@@ -28,6 +29,62 @@ from topicmap import Router, Topic, TopicFilter, parent_topic
 # Validated topic names and their parent topics remembered (cleared when full): validating
 # and naming the parent cost more per PUBLISH than the rest of the gateway's put path.
 TOPIC_CACHE_SIZE = 16_384
+
+
+def encode_publishes_py(
+    pubs: list[Publish],
+    blocks: list[PublishProperties],
+    routes: dict[str, tuple[str, tuple[str, ...]]],
+    messages: list[EncodedMessage],
+    props: list[dict[str, str]],
+    i: int,
+) -> int:
+    """PublishPath.append_publishes's loop, its common case: from `pubs[i]` on, while a
+    PUBLISH has no MQTT 5 properties, its topic a cached route and its publisher
+    (`blocks[k]`) the block of its (topic, QoS, retain), append (parent, light queues,
+    payload, block + the packet id pair for QoS > 0) to `messages` and the block's properties
+    to `props`; returns the index of the first PUBLISH left (the caller routes it and has its
+    block encoded). The reference of gateway/protocol/_speedups.c `encode_publishes`, which
+    must do exactly this (tests/gateway/test_encode_publishes.py)."""
+    if len(blocks) != len(pubs):
+        raise ValueError("encode_publishes: pubs and blocks differ in length")
+    n = len(pubs)
+    while i < n:
+        pub = pubs[i]
+        if type(pub) is not Publish or pub.properties is not None:
+            break
+        route = routes.get(pub.topic)
+        if route is None:
+            break
+        hit = blocks[i].blocks.get((pub.topic, pub.qos, pub.retain))
+        if hit is None:
+            break
+        block = (
+            hit[0] + b"mqtt.pid\x01%d\x02" % pub.packet_id
+            if pub.qos and pub.packet_id is not None
+            else hit[0]
+        )
+        messages.append((route[0], route[1], pub.payload, block))
+        props.append(hit[1])
+        i += 1
+    return i
+
+
+def _load_encode_publishes() -> Callable[..., int]:
+    """The C `encode_publishes` when it was built, else encode_publishes_py; LMQTT_PURE_PYTHON
+    (every accelerator) or LMQTT_PURE_PYTHON_APPEND (the append path's, for A/B runs) keep the
+    reference."""
+    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_APPEND"):
+        if os.environ.get(name, "") not in ("", "0"):
+            return encode_publishes_py
+    try:
+        from gateway.protocol import _speedups
+    except ImportError:
+        return encode_publishes_py
+    return _speedups.encode_publishes
+
+
+_ENCODE_PUBLISHES = _load_encode_publishes()
 
 
 class PublishPath:
@@ -120,15 +177,23 @@ class PublishPath:
             self._check_fence()
         routes = self._routes
         messages: list[EncodedMessage] = []
-        add = messages.append
         props: list[dict[str, str]] = []
-        for pub, publisher in zip(pubs, blocks, strict=True):
+        if type(pubs) is not list or type(blocks) is not list:
+            pubs, blocks = list(pubs), list(blocks)
+        n = len(pubs)
+        i = 0
+        while True:
+            i = _ENCODE_PUBLISHES(pubs, blocks, routes, messages, props, i)
+            if i >= n:
+                break
+            pub = pubs[i]  # a route or a block to make: this loop does it
             route = routes.get(pub.topic)
             if route is None:
                 route = self.publish_route(pub.topic)
-            block, p = publisher.of(pub)
-            add((route[0], route[1], pub.payload, block))
+            block, p = blocks[i].of(pub)
+            messages.append((route[0], route[1], pub.payload, block))
             props.append(p)
+            i += 1
         results = self.store.append_encoded(messages)
         self.recent.add_many(messages, props, results)
         self.stats.messages_received += len(results)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from gateway.protocol import PreparedPublish
 from gateway.records import RecordedPublish, read_record
-from gateway.storage import EncodedMessage, PutResult, StoredMessage
+from gateway.storage import EncodedMessage, PutResult, StoredMessage, stored_runs
 
 # RecentMessages bounds: entries and body bytes.
 RECENT_MESSAGES = 16_384
@@ -140,26 +140,8 @@ class RecentMessages:
         results: Sequence[PutResult],
     ) -> None:
         """add() for a batch appended with MessageStore.append_encoded."""
-        runs: dict[str, list[StoredMessage]] = {}
-        for (parent, routed, body, _), p, r in zip(messages, props, results, strict=True):
-            lights = r.light_offsets
-            if not lights:
-                continue
-            # The route's tuple is the dispatch order when it has no duplicates (the router's
-            # queue names are distinct): no new tuple per message.
-            queues = routed if len(routed) == len(lights) else tuple(lights)
-            ts = r.store_timestamp
-            phys = r.physical_offset
-            qoff = r.queue_offset
-            for q, off in lights.items():
-                m = _tuple_new(StoredMessage, (parent, body, p, off, phys, ts, ts, qoff, queues))
-                run = runs.get(q)
-                if run is None:
-                    runs[q] = [m]
-                else:
-                    run.append(m)
-        for q, run in runs.items():
-            self._extend(q, run, sum([len(m[1]) for m in run]))
+        for q, (run, nbytes) in stored_runs(messages, props, results).items():
+            self._extend(q, run, nbytes)
         self._evict()
 
     def _extend(self, queue: str, run: list[StoredMessage], nbytes: int) -> None:

@@ -95,12 +95,15 @@ class PublishProperties:
     may be mutated. A PUBLISH with properties is encoded in full every time.
     """
 
-    __slots__ = ("_blocks", "_client_id", "_encode")
+    __slots__ = ("_client_id", "_encode", "blocks")
 
     def __init__(self, client_id: str, encode: Callable[[dict[str, str]], bytes]) -> None:
         self._client_id = client_id
         self._encode = encode
-        self._blocks: dict[tuple[str, int, bool], tuple[bytes, dict[str, str]]] = {}
+        # (topic, QoS, retain) -> (block, properties); read by PublishPath's batch loop too
+        # (gateway/publishing.py encode_publishes_py and its C twin), which call of() on a
+        # miss.
+        self.blocks: dict[tuple[str, int, bool], tuple[bytes, dict[str, str]]] = {}
 
     def of(self, pub: Publish) -> tuple[bytes, dict[str, str]]:
         """(encoded block, properties) of `pub`; InvalidPropertyError (a StoreError) if the
@@ -109,13 +112,13 @@ class PublishProperties:
             props = message_properties(pub, self._client_id)
             return self._encode(props), props
         key = (pub.topic, pub.qos, pub.retain)
-        hit = self._blocks.get(key)
+        hit = self.blocks.get(key)
         if hit is None:
             props = _base_properties(pub.topic, pub.qos, pub.retain, self._client_id)
             hit = (self._encode(props), props)
-            if len(self._blocks) >= PROPERTY_BLOCKS_SIZE:
-                self._blocks.clear()
-            self._blocks[key] = hit
+            if len(self.blocks) >= PROPERTY_BLOCKS_SIZE:
+                self.blocks.clear()
+            self.blocks[key] = hit
         if pub.qos and pub.packet_id is not None:
             return hit[0] + _PID_BLOCK % pub.packet_id, hit[1]
         return hit

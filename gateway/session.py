@@ -333,6 +333,16 @@ class Session:
             self.by_queue.pop(sub.queue, None)
         return sub
 
+    @property
+    def next_packet_id(self) -> int:
+        """The id allocate_packet_id() tries first (a batch allocating outside it, in
+        gateway/delivery.py, reads and writes it back)."""
+        return self._next_packet_id
+
+    @next_packet_id.setter
+    def next_packet_id(self, pid: int) -> None:
+        self._next_packet_id = pid
+
     def allocate_packet_id(self) -> int:
         """Next free outbound packet id (1..65535); caller guarantees the window is not full."""
         pid = self._next_packet_id

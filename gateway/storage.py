@@ -65,6 +65,7 @@ from store import (
     StoredMessage,
     StoreError,
     StoreLockedError,
+    stored_runs,
 )
 from topicmap import TopicFilter
 
@@ -86,6 +87,7 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StoredMessage",
+    "stored_runs",
 ]
 
 

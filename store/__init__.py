@@ -27,6 +27,7 @@ from store.results import (
     GetStatus,
     PutResult,
     StoredMessage,
+    stored_runs,
 )
 from store.statelog import (
     STATE_DIR,
@@ -68,4 +69,5 @@ __all__ = [
     "read_account",
     "read_state",
     "read_state_records",
+    "stored_runs",
 ]

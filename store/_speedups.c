@@ -1,7 +1,7 @@
 /*
  * Optional C accelerator of the store: `append_record`, the per-message step of
  * MessageStore._write_locked (build one CommitLog record, both CRCs included, onto the batch
- * buffer).
+ * buffer), and `write_run`, that loop's common case over a whole batch (below).
  *
  * Why C: in a publisher flood the batch writer spent ~1.9 us per message in Python, a quarter
  * of the gateway's CPU per message, nearly all of it interpreter overhead around a header
@@ -273,12 +273,526 @@ crc32(PyObject *Py_UNUSED(module), PyObject *arg)
     return PyLong_FromUnsignedLong(crc);
 }
 
+/*
+ * write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result)
+ *   -> index of the first message not written
+ *
+ * MessageStore._write_locked's loop over a batch (store/store.py), its common case in one
+ * call: for each prepared message (route, body, user properties, born) from `i` whose route
+ * is resolved for `generation` and whose record fits before `limit`, append the record (as
+ * append_record does), dispatch its consume-queue unit to the route's queues (parent first:
+ * ConsumeQueueTable.dispatch, `dirty` marking a queue's first pending unit), and append its
+ * PutResult(physical offset, queue offset, light offsets, end, now) to `results`. Stops
+ * untouched at a route to resolve again or a record that needs the next segment: the Python
+ * loop does that one (it rolls). `state` = [next physical offset, units dispatched] is
+ * written back on every exit, errors included. The reference is store.store.write_run_py:
+ * the same files, queues and results (tests/store/test_write_run.py, hypothesis).
+ *
+ * A consume-queue unit (store/format.py CQ_UNIT, ">qiq"): physical offset 8 | size 4 | tag 8 (0).
+ */
+#define CQ_UNIT_SIZE 20
+
+static PyObject *small_one;
+
+static PyObject *w_generation, *w_parent, *w_cqs, *w_topic_field, *w_inner_head, *w_queues,
+    *w_units, *w_max_offset, *w_name, *w_pending;
+
+static int
+intern_write_names(void)
+{
+    if (w_pending != NULL) {
+        return 0;
+    }
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&w_generation, "generation"}, {&w_parent, "parent"}, {&w_cqs, "cqs"},
+        {&w_topic_field, "topic_field"}, {&w_inner_head, "inner_head"},
+        {&w_queues, "queues"}, {&w_units, "units"}, {&w_max_offset, "max_offset"},
+        {&w_name, "name"}, {&w_pending, "pending"},
+    };
+    for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++) {
+        if ((*names[k].slot = PyUnicode_InternFromString(names[k].text)) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* cq.pending += unit; cq.max_offset += 1; a queue's first pending unit marks it dirty. */
+static int
+dispatch_unit(PyObject *cq, const unsigned char *unit, PyObject *dirty)
+{
+    PyObject *pending = PyObject_GetAttr(cq, w_pending);
+    if (pending == NULL) {
+        return -1;
+    }
+    if (!PyByteArray_Check(pending)) {
+        PyErr_SetString(PyExc_TypeError, "write_run: ConsumeQueue.pending must be a bytearray");
+        Py_DECREF(pending);
+        return -1;
+    }
+    Py_ssize_t old = PyByteArray_GET_SIZE(pending);
+    if (!old) {
+        PyObject *name = PyObject_GetAttr(cq, w_name);
+        int failed = name == NULL || PyDict_SetItem(dirty, name, cq) < 0;
+        Py_XDECREF(name);
+        if (failed) {
+            Py_DECREF(pending);
+            return -1;
+        }
+    }
+    if (PyByteArray_Resize(pending, old + CQ_UNIT_SIZE) < 0) {
+        Py_DECREF(pending);
+        return -1;
+    }
+    memcpy(PyByteArray_AS_STRING(pending) + old, unit, CQ_UNIT_SIZE);
+    Py_DECREF(pending);
+    PyObject *max = PyObject_GetAttr(cq, w_max_offset);
+    if (max == NULL) {
+        return -1;
+    }
+    PyObject *next = PyNumber_Add(max, small_one);
+    Py_DECREF(max);
+    if (next == NULL) {
+        return -1;
+    }
+    int failed = PyObject_SetAttr(cq, w_max_offset, next);
+    Py_DECREF(next);
+    return failed;
+}
+
+static PyObject *
+write_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "write_run takes 10 arguments, not %zd", nargs);
+        return NULL;
+    }
+    if (intern_write_names() < 0) {
+        return NULL;
+    }
+    if (small_one == NULL && (small_one = PyLong_FromLong(1)) == NULL) {
+        return NULL;
+    }
+    PyObject *batch = args[0], *now = args[2], *buf = args[3], *state = args[5];
+    PyObject *gen = args[6], *dirty = args[7], *results = args[8];
+    PyObject *put_result = args[9];
+    if (!PyList_Check(batch) || !PyList_Check(state) || PyList_GET_SIZE(state) != 2
+        || !PyDict_Check(dirty) || !PyList_Check(results) || !PyType_Check(put_result)
+        || !PyType_IsSubtype((PyTypeObject *)put_result, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "write_run: unexpected argument types");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    long long limit, phys, units;
+    if ((i == -1 && PyErr_Occurred()) || as_ll(args[4], &limit)
+        || as_ll(PyList_GET_ITEM(state, 0), &phys) || as_ll(PyList_GET_ITEM(state, 1), &units)) {
+        return NULL;
+    }
+    PyTypeObject *result_type = (PyTypeObject *)put_result;
+    int failed = 0;
+    Py_ssize_t n = PyList_GET_SIZE(batch);
+    for (; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(batch, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+            PyErr_SetString(PyExc_TypeError, "write_run: a batch item is not a 4-tuple");
+            failed = 1;
+            break;
+        }
+        PyObject *route = PyTuple_GET_ITEM(item, 0), *born = PyTuple_GET_ITEM(item, 3);
+        PyObject *rgen = PyObject_GetAttr(route, w_generation);
+        if (rgen == NULL) {
+            failed = 1;
+            break;
+        }
+        int same = PyObject_RichCompareBool(rgen, gen, Py_EQ);
+        Py_DECREF(rgen);
+        if (same <= 0) {
+            failed = same < 0;
+            break; /* resolve the route first: the Python loop */
+        }
+        PyObject *parent = PyObject_GetAttr(route, w_parent);
+        PyObject *cqs = parent ? PyObject_GetAttr(route, w_cqs) : NULL;
+        PyObject *qoff = cqs ? PyObject_GetAttr(parent, w_max_offset) : NULL;
+        PyObject *lo = qoff ? PyDict_New() : NULL;
+        PyObject *offsets = NULL, *size_obj = NULL, *result = NULL;
+        PyObject *room = NULL, *phys_obj = NULL, *queues = NULL;
+        Py_ssize_t size = -1;
+        if (lo == NULL || !PyTuple_Check(cqs)) {
+            if (lo != NULL) {
+                PyErr_SetString(PyExc_TypeError, "write_run: route.cqs must be a tuple");
+            }
+            failed = 1;
+            goto next;
+        }
+        Py_ssize_t ncq = PyTuple_GET_SIZE(cqs);
+        if ((offsets = PyTuple_New(ncq)) == NULL) {
+            failed = 1;
+            goto next;
+        }
+        for (Py_ssize_t k = 0; k < ncq; k++) {
+            PyObject *cq = PyTuple_GET_ITEM(cqs, k);
+            PyObject *name = PyObject_GetAttr(cq, w_name);
+            PyObject *off = name ? PyObject_GetAttr(cq, w_max_offset) : NULL;
+            if (off == NULL || PyDict_SetItem(lo, name, off) < 0) {
+                Py_XDECREF(name);
+                Py_XDECREF(off);
+                failed = 1;
+                goto next;
+            }
+            Py_DECREF(name);
+            Py_DECREF(off);
+        }
+        /* tuple(lo.values()): a name twice in cqs keeps its first place, as in a dict */
+        {
+            Py_ssize_t pos = 0, k = 0;
+            PyObject *key, *value;
+            while (PyDict_Next(lo, &pos, &key, &value)) {
+                Py_INCREF(value);
+                PyTuple_SET_ITEM(offsets, k++, value);
+            }
+            if (k != ncq && _PyTuple_Resize(&offsets, k) < 0) {
+                failed = 1;
+                goto next;
+            }
+        }
+        room = PyLong_FromLongLong(limit - phys);
+        phys_obj = room ? PyLong_FromLongLong(phys) : NULL;
+        PyObject *topic_field = phys_obj ? PyObject_GetAttr(route, w_topic_field) : NULL;
+        PyObject *inner_head = topic_field ? PyObject_GetAttr(route, w_inner_head) : NULL;
+        if (inner_head == NULL) {
+            Py_XDECREF(topic_field);
+            failed = 1;
+            goto next;
+        }
+        PyObject *argv[11] = {buf, room, qoff, phys_obj, born == Py_None ? now : born, now,
+                              PyTuple_GET_ITEM(item, 1), topic_field, PyTuple_GET_ITEM(item, 2),
+                              inner_head, offsets};
+        size_obj = append_record(module, argv, 11);
+        Py_DECREF(topic_field);
+        Py_DECREF(inner_head);
+        if (size_obj == NULL || ((size = PyLong_AsSsize_t(size_obj)) == -1 && PyErr_Occurred())) {
+            failed = 1;
+            goto next;
+        }
+        if (size < 0) {
+            goto next; /* the next segment: the Python loop rolls */
+        }
+        {
+            unsigned char unit[CQ_UNIT_SIZE];
+            put64(unit, phys);
+            put32(unit + 8, (uint32_t)size);
+            memset(unit + 12, 0, 8);
+            queues = PyObject_GetAttr(route, w_queues);
+            if (queues == NULL || !PyTuple_Check(queues)) {
+                if (queues != NULL) {
+                    PyErr_SetString(PyExc_TypeError, "write_run: route.queues must be a tuple");
+                }
+                failed = 1;
+                goto next;
+            }
+            for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(queues); k++) {
+                if (dispatch_unit(PyTuple_GET_ITEM(queues, k), unit, dirty) < 0) {
+                    failed = 1;
+                    goto next;
+                }
+            }
+        }
+        {
+            long long route_units;
+            PyObject *u = PyObject_GetAttr(route, w_units);
+            int bad = u == NULL || as_ll(u, &route_units);
+            Py_XDECREF(u);
+            if (bad) {
+                failed = 1;
+                goto next;
+            }
+            units += route_units;
+        }
+        if ((result = result_type->tp_alloc(result_type, 5)) == NULL) {
+            failed = 1;
+            goto next;
+        }
+        PyObject *end = PyLong_FromLongLong(phys + size);
+        if (end == NULL) {
+            failed = 1;
+            goto next;
+        }
+        Py_INCREF(phys_obj);
+        PyTuple_SET_ITEM(result, 0, phys_obj);
+        Py_INCREF(qoff);
+        PyTuple_SET_ITEM(result, 1, qoff);
+        Py_INCREF(lo);
+        PyTuple_SET_ITEM(result, 2, lo);
+        PyTuple_SET_ITEM(result, 3, end);
+        Py_INCREF(now);
+        PyTuple_SET_ITEM(result, 4, now);
+        if (PyList_Append(results, result) < 0) {
+            failed = 1;
+            goto next;
+        }
+        phys += size;
+    next:
+        Py_XDECREF(parent);
+        Py_XDECREF(cqs);
+        Py_XDECREF(qoff);
+        Py_XDECREF(lo);
+        Py_XDECREF(offsets);
+        Py_XDECREF(size_obj);
+        Py_XDECREF(result);
+        Py_XDECREF(room);
+        Py_XDECREF(phys_obj);
+        Py_XDECREF(queues);
+        if (failed || size < 0) {
+            break;
+        }
+    }
+    PyObject *exc_type = NULL, *exc = NULL, *exc_tb = NULL;
+    if (failed) {
+        PyErr_Fetch(&exc_type, &exc, &exc_tb);
+    }
+    PyObject *p = PyLong_FromLongLong(phys), *u = PyLong_FromLongLong(units);
+    if (p == NULL || u == NULL) {
+        Py_XDECREF(p);
+        Py_XDECREF(u);
+        Py_XDECREF(exc_type);
+        Py_XDECREF(exc);
+        Py_XDECREF(exc_tb);
+        return NULL;
+    }
+    PyList_SetItem(state, 0, p);
+    PyList_SetItem(state, 1, u);
+    if (failed) {
+        PyErr_Restore(exc_type, exc, exc_tb);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
+/*
+ * stored_runs(messages, props, results, stored_message) -> {queue: (messages, body bytes)}
+ *
+ * The StoredMessages an appended batch adds to each of its light queues, built from what
+ * the append had and returned (no read back): message k is (parent topic, light queues,
+ * body, property block) with its properties dict props[k] and its PutResult results[k]
+ * (physical offset, parent queue offset, {light queue: offset}, end, store timestamp). Per
+ * light queue, in batch order: StoredMessage(parent, body, props, light offset, physical
+ * offset, timestamp, timestamp, parent offset, queues), where queues is the message's own
+ * tuple when it names each light queue once, else the queues in dispatch order; with the
+ * sum of their body lengths. The reference is store.results.stored_runs_py
+ * (tests/store/test_stored_runs.py, hypothesis); gateway/recent.py fills its cache with it.
+ */
+static PyObject *
+stored_runs(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "stored_runs takes 4 arguments, not %zd", nargs);
+        return NULL;
+    }
+    PyObject *messages = args[0], *props = args[1], *results = args[2], *type = args[3];
+    if (!PyList_Check(messages) || !PyList_Check(props) || !PyList_Check(results)
+        || !PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "stored_runs: unexpected argument types");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(messages);
+    if (PyList_GET_SIZE(props) != n || PyList_GET_SIZE(results) != n) {
+        PyErr_SetString(PyExc_ValueError, "stored_runs: messages, props and results differ in length");
+        return NULL;
+    }
+    PyTypeObject *stored = (PyTypeObject *)type;
+    PyObject *runs = PyDict_New();
+    if (runs == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *m = PyList_GET_ITEM(messages, k), *r = PyList_GET_ITEM(results, k);
+        if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) != 4 || !PyTuple_Check(r)
+            || PyTuple_GET_SIZE(r) < 5 || !PyDict_Check(PyTuple_GET_ITEM(r, 2))) {
+            PyErr_SetString(PyExc_TypeError, "stored_runs: a message or result of another shape");
+            goto fail;
+        }
+        PyObject *lights = PyTuple_GET_ITEM(r, 2);
+        Py_ssize_t nl = PyDict_GET_SIZE(lights);
+        if (!nl) {
+            continue;
+        }
+        PyObject *routed = PyTuple_GET_ITEM(m, 1);
+        PyObject *queues;
+        if (PyObject_Length(routed) == nl) {
+            Py_INCREF(routed);
+            queues = routed;
+        }
+        else if (PyErr_Occurred() || (queues = PySequence_Tuple(lights)) == NULL) {
+            goto fail;
+        }
+        PyObject *fields[9] = {PyTuple_GET_ITEM(m, 0), PyTuple_GET_ITEM(m, 2),
+                               PyList_GET_ITEM(props, k), NULL, PyTuple_GET_ITEM(r, 0),
+                               PyTuple_GET_ITEM(r, 4), PyTuple_GET_ITEM(r, 4),
+                               PyTuple_GET_ITEM(r, 1), queues};
+        Py_ssize_t pos = 0;
+        PyObject *q, *off;
+        while (PyDict_Next(lights, &pos, &q, &off)) {
+            PyObject *sm = stored->tp_alloc(stored, 9);
+            if (sm == NULL) {
+                Py_DECREF(queues);
+                goto fail;
+            }
+            fields[3] = off;
+            for (int f = 0; f < 9; f++) {
+                Py_INCREF(fields[f]);
+                PyTuple_SET_ITEM(sm, f, fields[f]);
+            }
+            PyObject *run = PyDict_GetItemWithError(runs, q);
+            int failed;
+            if (run != NULL) {
+                failed = PyList_Append(run, sm);
+            }
+            else if (PyErr_Occurred()) {
+                failed = -1;
+            }
+            else {
+                PyObject *fresh = PyList_New(1);
+                failed = fresh == NULL ? -1 : 0;
+                if (fresh != NULL) {
+                    Py_INCREF(sm);
+                    PyList_SET_ITEM(fresh, 0, sm);
+                    failed = PyDict_SetItem(runs, q, fresh);
+                    Py_DECREF(fresh);
+                }
+            }
+            Py_DECREF(sm);
+            if (failed < 0) {
+                Py_DECREF(queues);
+                goto fail;
+            }
+        }
+        Py_DECREF(queues);
+    }
+    /* {queue: run} -> {queue: (run, body bytes)} */
+    {
+        Py_ssize_t pos = 0;
+        PyObject *q, *run;
+        while (PyDict_Next(runs, &pos, &q, &run)) {
+            long long nbytes = 0;
+            for (Py_ssize_t j = 0; j < PyList_GET_SIZE(run); j++) {
+                Py_ssize_t len = PyObject_Length(PyTuple_GET_ITEM(PyList_GET_ITEM(run, j), 1));
+                if (len < 0) {
+                    goto fail;
+                }
+                nbytes += len;
+            }
+            PyObject *pair = Py_BuildValue("(OL)", run, nbytes);
+            if (pair == NULL || PyDict_SetItem(runs, q, pair) < 0) { /* same key: no resize */
+                Py_XDECREF(pair);
+                goto fail;
+            }
+            Py_DECREF(pair);
+        }
+    }
+    return runs;
+fail:
+    Py_DECREF(runs);
+    return NULL;
+}
+
+/*
+ * prepare_run(messages, i, routes, max_body, born, batch, touched) -> index of the first left
+ *
+ * MessageStore._append_batch's validation loop, its common case: for each (topic, light
+ * queues, body, property block) from `messages[i]` on whose route is cached (`routes`,
+ * keyed by (topic, light queues)) and whose body and properties fit the route's worst-case
+ * room (`size_room`, `props_room`) and `max_body`, append (route, body, block, born) to
+ * `batch` and mark the route in `touched`. Stops untouched at a message to route or to check
+ * in full: the Python loop does it (and raises what it must). The reference is
+ * store.store.prepare_run_py (tests/store/test_write_run.py runs stores on both).
+ */
+static PyObject *w_size_room, *w_props_room;
+
+static PyObject *
+prepare_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "prepare_run takes 7 arguments, not %zd", nargs);
+        return NULL;
+    }
+    PyObject *messages = args[0], *routes = args[2], *born = args[4];
+    PyObject *batch = args[5], *touched = args[6];
+    if (!PyList_Check(messages) || !PyDict_Check(routes) || !PyList_Check(batch)
+        || !PyDict_Check(touched)) {
+        PyErr_SetString(PyExc_TypeError, "prepare_run: unexpected argument types");
+        return NULL;
+    }
+    if (w_props_room == NULL
+        && ((w_size_room = PyUnicode_InternFromString("size_room")) == NULL
+            || (w_props_room = PyUnicode_InternFromString("props_room")) == NULL)) {
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    long long max_body;
+    if ((i == -1 && PyErr_Occurred()) || as_ll(args[3], &max_body)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(messages);
+    for (; i < n; i++) {
+        PyObject *m = PyList_GET_ITEM(messages, i);
+        if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) != 4) {
+            break;
+        }
+        PyObject *body = PyTuple_GET_ITEM(m, 2), *uprops = PyTuple_GET_ITEM(m, 3);
+        if (!PyBytes_Check(body) || !PyBytes_Check(uprops)) {
+            break;
+        }
+        PyObject *key = PyTuple_Pack(2, PyTuple_GET_ITEM(m, 0), PyTuple_GET_ITEM(m, 1));
+        if (key == NULL) {
+            return NULL;
+        }
+        PyObject *route = PyDict_GetItemWithError(routes, key);
+        Py_DECREF(key);
+        if (route == NULL) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            break; /* a new route: validated and cached by the Python loop */
+        }
+        long long blen = PyBytes_GET_SIZE(body), plen = PyBytes_GET_SIZE(uprops);
+        long long size_room, props_room;
+        PyObject *a = PyObject_GetAttr(route, w_size_room);
+        PyObject *b = a ? PyObject_GetAttr(route, w_props_room) : NULL;
+        int bad = b == NULL || as_ll(a, &size_room) || as_ll(b, &props_room);
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        if (bad) {
+            return NULL;
+        }
+        if (blen > max_body || blen + plen > size_room || plen > props_room) {
+            break; /* checked in full (and refused, or not) by the Python loop */
+        }
+        PyObject *item = PyTuple_Pack(4, route, body, uprops, born);
+        if (item == NULL || PyList_Append(batch, item) < 0
+            || PyDict_SetItem(touched, route, Py_None) < 0) {
+            Py_XDECREF(item);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
     {"append_record", (PyCFunction)(void (*)(void))append_record, METH_FASTCALL,
      "append_record(buf, room, queue_offset, physical_offset, born, stored, body, "
      "topic_field, user_props, inner_head, light_offsets) -> record size, or -1 (nothing "
      "appended) if it is larger than room. See store.format.append_record."},
     {"crc32", crc32, METH_O, "crc32(data) -> zlib.crc32(data), by this module's tables."},
+    {"stored_runs", (PyCFunction)(void (*)(void))stored_runs, METH_FASTCALL,
+     "stored_runs(messages, props, results, stored_message) -> {queue: (messages, bytes)}: "
+     "the StoredMessages an appended batch adds per light queue (store.results.stored_runs_py)."},
+    {"prepare_run", (PyCFunction)(void (*)(void))prepare_run, METH_FASTCALL,
+     "prepare_run(messages, i, routes, max_body, born, batch, touched) -> i: "
+     "MessageStore._append_batch's validation loop, its common case (prepare_run_py)."},
+    {"write_run", (PyCFunction)(void (*)(void))write_run, METH_FASTCALL,
+     "write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result) "
+     "-> i: MessageStore._write_locked's loop, its common case (store.store.write_run_py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,6 @@
 # Stub of the optional C accelerator (_speedups.c), built by setup.py when a compiler exists.
+from typing import Any
+
 SOURCE_SHA256: str
 
 def append_record(
@@ -16,3 +18,28 @@ def append_record(
     /,
 ) -> int: ...
 def crc32(data: bytes, /) -> int: ...
+def write_run(
+    batch: list[Any],
+    i: int,
+    now: int,
+    buf: bytearray,
+    limit: int,
+    state: list[int],
+    generation: int,
+    dirty: dict[str, Any],
+    results: list[Any],
+    put_result: type,
+) -> int: ...
+def stored_runs(
+    messages: list[Any], props: list[Any], results: list[Any], stored_message: type, /
+) -> dict[str, tuple[list[Any], int]]: ...
+def prepare_run(
+    messages: list[Any],
+    i: int,
+    routes: dict[Any, Any],
+    max_body: int,
+    born: int | None,
+    batch: list[Any],
+    touched: dict[Any, None],
+    /,
+) -> int: ...

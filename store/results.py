@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -70,3 +72,70 @@ class ArrivalListener(Protocol):
     """
 
     def on_arrival(self, queue: str, max_offset: int) -> None: ...
+
+
+#: (parent topic, light queues, body, property block): one message of an appended batch
+#: (MessageStore.append_encoded).
+_Encoded = tuple[str, tuple[str, ...], bytes, bytes]
+_tuple_new = tuple.__new__
+
+
+def stored_runs_py(
+    messages: Sequence[_Encoded],
+    props: Sequence[dict[str, str]],
+    results: Sequence[PutResult],
+    stored_message: type[StoredMessage] = StoredMessage,
+) -> dict[str, tuple[list[StoredMessage], int]]:
+    """The StoredMessages an appended batch adds to each light queue, in batch order, with
+    the sum of their body lengths, built from what the append had and returned (no read
+    back): `props[k]` is message k's properties, `results[k]` its PutResult. A message's
+    `queues` is its own tuple when that names each light queue once, else the queues in
+    dispatch order. The reference of store/_speedups.c `stored_runs`
+    (tests/store/test_stored_runs.py)."""
+    runs: dict[str, list[StoredMessage]] = {}
+    for (parent, routed, body, _), p, r in zip(messages, props, results, strict=True):
+        lights = r.light_offsets
+        if not lights:
+            continue
+        queues = routed if len(routed) == len(lights) else tuple(lights)
+        ts = r.store_timestamp
+        phys = r.physical_offset
+        qoff = r.queue_offset
+        for q, off in lights.items():
+            m = _tuple_new(stored_message, (parent, body, p, off, phys, ts, ts, qoff, queues))
+            run = runs.get(q)
+            if run is None:
+                runs[q] = [m]
+            else:
+                run.append(m)
+    return {q: (run, sum([len(m[1]) for m in run])) for q, run in runs.items()}
+
+
+StoredRuns = Callable[..., dict[str, tuple[list[StoredMessage], int]]]
+
+
+def _load_stored_runs() -> StoredRuns:
+    """store/_speedups.c's stored_runs when it was built, else stored_runs_py;
+    LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_APPEND keep the reference."""
+    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_APPEND"):
+        if os.environ.get(name, "") not in ("", "0"):
+            return stored_runs_py
+    try:
+        from store import _speedups
+    except ImportError:
+        return stored_runs_py
+    return _speedups.stored_runs
+
+
+_STORED_RUNS = _load_stored_runs()
+
+
+def stored_runs(
+    messages: Sequence[_Encoded],
+    props: Sequence[dict[str, str]],
+    results: Sequence[PutResult],
+) -> dict[str, tuple[list[StoredMessage], int]]:
+    """stored_runs_py, in C when built (lists only; other sequences take the reference)."""
+    if type(messages) is list and type(props) is list and type(results) is list:
+        return _STORED_RUNS(messages, props, results, StoredMessage)
+    return stored_runs_py(messages, props, results)

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from store.commitlog import CommitLog
+from store.commitlog import BatchWriter, CommitLog
 from store.config import FlushMode, StoreConfig
 from store.consumequeue import ConsumeQueue, ConsumeQueueTable
 from store.errors import (
@@ -109,6 +109,108 @@ def _load_append_record() -> Callable[..., int]:
 
 _append_record = _load_append_record()
 SPEEDUPS = _append_record is not append_record
+
+
+def write_run_py(
+    batch: list[_Prepared],
+    i: int,
+    now: int,
+    buf: bytearray,
+    limit: int,
+    state: list[int],
+    generation: int,
+    dirty: dict[str, ConsumeQueue],
+    results: list[PutResult],
+    put_result: type[PutResult],
+) -> int:
+    """MessageStore._write_locked's common case: from ``batch[i]`` on, while a message's
+    route is resolved for ``generation`` and its record fits before ``limit``, append the
+    record, dispatch its unit to the route's queues (ConsumeQueueTable.dispatch) and add its
+    PutResult to ``results``; return the index of the first message left (a route to resolve
+    again, a record for the next segment). ``state`` = [next physical offset, units
+    dispatched] is written back on every exit, errors included. The reference of
+    store/_speedups.c ``write_run``, which must give the same bytes, queues and results
+    (tests/store/test_write_run.py)."""
+    phys, units = state
+    n = len(batch)
+    try:
+        while i < n:
+            route, body, uprops, born = batch[i]
+            if route.generation != generation:
+                break
+            qoff = route.parent.max_offset
+            lo: dict[str, int] = {}
+            for cq in route.cqs:
+                lo[cq.name] = cq.max_offset
+            size = _append_record(
+                buf, limit - phys, qoff, phys, now if born is None else born, now, body,
+                route.topic_field, uprops, route.inner_head, tuple(lo.values()),
+            )  # fmt: skip
+            if size < 0:
+                break
+            unit = _pack_unit(phys, size, 0)
+            for cq in route.queues:  # ConsumeQueueTable.dispatch, inlined
+                if not cq.pending:
+                    dirty[cq.name] = cq
+                cq.pending += unit
+                cq.max_offset += 1
+            units += route.units
+            end = phys + size
+            results.append(_tuple_new(put_result, (phys, qoff, lo, end, now)))
+            phys = end
+            i += 1
+    finally:
+        state[0] = phys
+        state[1] = units
+    return i
+
+
+def prepare_run_py(
+    messages: list[EncodedMessage],
+    i: int,
+    routes: dict[tuple[str, tuple[str, ...]], _Route],
+    max_body: int,
+    born: int | None,
+    batch: list[_Prepared],
+    touched: dict[_Route, None],
+) -> int:
+    """MessageStore._append_batch's validation loop, its common case: from ``messages[i]``
+    on, while a message's route is cached and its body and properties fit the route's
+    worst-case room and ``max_body``, append (route, body, block, born) to ``batch`` and mark
+    the route in ``touched``; return the index of the first message left (the caller routes
+    it or checks it in full, and raises what it must). The reference of store/_speedups.c
+    ``prepare_run``."""
+    n = len(messages)
+    while i < n:
+        topic, lights, body, uprops = messages[i]
+        route = routes.get((topic, lights))
+        if route is None:
+            break
+        blen = len(body)
+        plen = len(uprops)
+        if blen > max_body or blen + plen > route.size_room or plen > route.props_room:
+            break
+        batch.append((route, body, uprops, born))
+        touched[route] = None
+        i += 1
+    return i
+
+
+def _load_runs() -> tuple[Callable[..., int], Callable[..., int]]:
+    """store/_speedups.c's write_run and prepare_run when it was built, else write_run_py and
+    prepare_run_py; LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_APPEND (this
+    path's, for A/B runs) keep the references."""
+    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_APPEND"):
+        if os.environ.get(name, "") not in ("", "0"):
+            return write_run_py, prepare_run_py
+    try:
+        from store import _speedups
+    except ImportError:
+        return write_run_py, prepare_run_py
+    return _speedups.write_run, _speedups.prepare_run
+
+
+_write_run, _prepare_run = _load_runs()
 #: Builds PutResult / StoredMessage without the Python-level NamedTuple __new__ (one call
 #: less per message on the hot paths); same type, same fields.
 _tuple_new = tuple.__new__
@@ -521,55 +623,79 @@ class MessageStore:
         The layers: the CommitLog's BatchWriter places the records (segment, roll, one write
         per batch), the record step ``_append_record`` builds each one (store/_speedups.c, or
         its Python reference format.append_record: the same bytes), and the consume-queue
-        table's ``dispatch`` gives it a unit in its parent and light queues. This loop only
-        hands out the offsets, on locals since it runs per message. Sizes were checked against
-        the worst case when the batch was prepared, so nothing here should fail; should it
-        anyway, each record is complete in the buffer before its queues move and ``finally``
-        writes out the records whose queues moved, leaving those written and dispatched.
+        table's ``dispatch`` gives it a unit in its parent and light queues. The common case
+        of this loop, a run of records that fit in the segment on routes resolved already, is
+        ``_write_run`` (store/_speedups.c ``write_run``, or its reference ``write_run_py``);
+        the record it stops at (a route to resolve, a segment to roll) is done here. Sizes
+        were checked against the worst case when the batch was prepared, so nothing here
+        should fail; should it anyway, each record is complete in the buffer before its
+        queues move and ``finally`` writes out the records whose queues moved, leaving those
+        written and dispatched.
         """
         table = self.queues_table
         gen = table.generation
-        dispatch = table.dispatch
         results: list[PutResult] = []
-        add_result = results.append
         writer = self.commitlog.batch()
-        buf, limit = writer.buf, writer.limit
-        phys = writer.start
-        units = 0
+        state = [writer.start, 0]  # next physical offset, units dispatched
+        items = batch if type(batch) is list else list(batch)
+        n = len(items)
+        i = 0
         try:
-            for route, body, uprops, born in batch:
-                if route.generation != gen:
-                    route.resolve(table)
-                qoff = route.parent.max_offset
-                # The light offsets, as PutResult reports them (a queue's name is its key).
-                lo: dict[str, int] = {}
-                for cq in route.cqs:
-                    lo[cq.name] = cq.max_offset
-                stamp = now if born is None else born
-                size = _append_record(
-                    buf, limit - phys, qoff, phys, stamp, now, body, route.topic_field,
-                    uprops, route.inner_head, tuple(lo.values()),
+            while True:
+                i = _write_run(
+                    items, i, now, writer.buf, writer.limit, state, gen, table.dirty, results,
+                    PutResult,
                 )  # fmt: skip
-                if size < 0:
-                    phys = writer.roll(
-                        phys, route.fixed_size + len(body) + len(uprops) + route.max_inner
-                    )
-                    buf, limit = writer.buf, writer.limit
-                    size = _append_record(
-                        buf, limit - phys, qoff, phys, stamp, now, body, route.topic_field,
-                        uprops, route.inner_head, tuple(lo.values()),
-                    )  # fmt: skip
-                    if size < 0:  # unreachable: _check_size saw the worst case
-                        raise MessageTooLargeError(route.fixed_size + len(body), limit - phys)
-                dispatch(route.queues, _pack_unit(phys, size, 0))
-                units += route.units
-                end = phys + size
-                add_result(_tuple_new(PutResult, (phys, qoff, lo, end, now)))
-                phys = end
+                if i >= n:
+                    break
+                self._write_one(writer, items[i], now, gen, state, results)
+                i += 1
         finally:
-            writer.finish(phys)
-            self._units_total += units
+            writer.finish(state[0])
+            self._units_total += state[1]
         return results
+
+    def _write_one(
+        self,
+        writer: BatchWriter,
+        item: _Prepared,
+        now: int,
+        gen: int,
+        state: list[int],
+        results: list[PutResult],
+    ) -> None:
+        """One record of _write_locked that ``_write_run`` left: resolve its route, or roll
+        to the next segment for it."""
+        table = self.queues_table
+        route, body, uprops, born = item
+        if route.generation != gen:
+            route.resolve(table)
+        phys = state[0]
+        qoff = route.parent.max_offset
+        # The light offsets, as PutResult reports them (a queue's name is its key).
+        lo: dict[str, int] = {}
+        for cq in route.cqs:
+            lo[cq.name] = cq.max_offset
+        stamp = now if born is None else born
+        size = _append_record(
+            writer.buf, writer.limit - phys, qoff, phys, stamp, now, body, route.topic_field,
+            uprops, route.inner_head, tuple(lo.values()),
+        )  # fmt: skip
+        if size < 0:
+            phys = state[0] = writer.roll(
+                phys, route.fixed_size + len(body) + len(uprops) + route.max_inner
+            )
+            size = _append_record(
+                writer.buf, writer.limit - phys, qoff, phys, stamp, now, body,
+                route.topic_field, uprops, route.inner_head, tuple(lo.values()),
+            )  # fmt: skip
+            if size < 0:  # unreachable: _check_size saw the worst case
+                raise MessageTooLargeError(route.fixed_size + len(body), writer.limit - phys)
+        table.dispatch(route.queues, _pack_unit(phys, size, 0))
+        state[1] += route.units
+        end = phys + size
+        results.append(_tuple_new(PutResult, (phys, qoff, lo, end, now)))
+        state[0] = end
 
     def _append(self, batch: Sequence[_Prepared]) -> list[PutResult]:
         """Write a prepared batch under one lock acquisition."""
@@ -682,10 +808,15 @@ class MessageStore:
         routes = self._routes
         max_body = self._max_body
         batch: list[_Prepared] = []
-        add = batch.append
         touched: dict[_Route, None] = {}
-        last: _Route | None = None
-        for topic, lights, body, uprops in messages:
+        items = messages if type(messages) is list else list(messages)
+        n = len(items)
+        i = 0
+        while True:
+            i = _prepare_run(items, i, routes, max_body, born, batch, touched)
+            if i >= n:
+                break
+            topic, lights, body, uprops = items[i]  # a new route, or a size to check in full
             route = routes.get((topic, lights))
             if route is None:
                 route = self._new_route((topic, tuple(lights)))
@@ -694,10 +825,9 @@ class MessageStore:
                 raise MessageTooLargeError(blen, max_body)
             if blen + len(uprops) > route.size_room or len(uprops) > route.props_room:
                 self._check_size(route, blen, len(uprops))
-            if route is not last:
-                touched[route] = None
-                last = route
-            add((route, body, uprops, born))
+            touched[route] = None
+            batch.append((route, body, uprops, born))
+            i += 1
         results = self._append(batch)
         if self._listeners:
             self._notify(touched)

@@ -27,9 +27,10 @@ from gateway.protocol.prepared import PreparedPublish
 from gateway.protocol.properties import Properties
 from gateway.protocol.readers import decode_packet
 from gateway.protocol.reason_codes import ReasonCode
-from gateway.protocol.writers import encode
+from gateway.protocol.writers import ENCODED_TOPICS, encode
 
 __all__ = [
+    "ENCODED_TOPICS",
     "NEED_DATA",
     "Auth",
     "ConnAck",

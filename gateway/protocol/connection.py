@@ -54,7 +54,7 @@ from gateway.protocol.events import (
     Subscribe,
     UnsubAck,
 )
-from gateway.protocol.packet_ids import PacketIds
+from gateway.protocol.packet_ids import UNACKED, PacketIds
 from gateway.protocol.prepared import PreparedPublish
 from gateway.protocol.readers import (
     READERS,
@@ -934,6 +934,20 @@ class Connection:
             # Ids come from decoded PUBLISH packets: ints in 1..65535 (the readers check).
             return b"".join([_PUBACK_HEADER + PACKET_ID_BYTES[i] for i in packet_ids])
         return b"".join([self.send(PubAck(i)) for i in packet_ids])
+
+    def prepared_outbound(self) -> tuple[dict[int, int], int] | None:
+        """For a run of `send_prepared` calls done outside it (gateway/delivery.py PLAIN_RUN):
+        (the outbound packet-id map, the value of an id in flight), or None unless every
+        check of send_prepared that is not per packet passes (open, CONNACK sent, no maximum
+        packet size). Per packet the runner checks the level, the id (not in the map) and the
+        client's Receive Maximum (the map's size), and adds the id to the map."""
+        if (
+            self._sending_closed
+            or not self._connack_sent
+            or self.client_max_packet_size is not None
+        ):
+            return None
+        return self._packet_ids().outbound, UNACKED
 
     def send_prepared(
         self, prepared: PreparedPublish, packet_id: int | None = None, dup: bool = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway import delivery
 from gateway.client import ClientConnection
 from gateway.protocol import PubAck, Publish, Subscribe, Subscription, encode
 from tests.gateway.conftest import GatewayHarness, RawClient
@@ -103,10 +104,15 @@ def _run(gateway: GatewayHarness, level: int, plain: bool) -> list[list[bytes]]:
     return received
 
 
+@pytest.mark.parametrize("run", ["loaded", "reference"])
 @pytest.mark.parametrize("level", [4, 5])
 def test_the_plain_path_sends_what_the_general_path_sends(
-    gateway: GatewayHarness, level: int
+    gateway: GatewayHarness, level: int, run: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """`loaded`: the plain runs as the gateway loads them (the C `plain_run` when built);
+    `reference`: its Python reference, `plain_run_py`."""
+    if run == "reference":
+        monkeypatch.setattr(delivery, "PLAIN_RUN", delivery.plain_run_py)
     plain = _run(gateway, level, plain=True)
     general = _run(gateway, level, plain=False)
     assert plain == general
