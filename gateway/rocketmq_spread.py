@@ -52,13 +52,38 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway.storage import GetResult, GetStatus, StoredMessage
 
-if TYPE_CHECKING:
-    from gateway.rocketmq_mirrors import Mirrors
-    from gateway.rocketmq_offsets import BrokerOffsets
+
+class Mirrors(Protocol):
+    """What the merge reads of one broker's mirrors (gateway/rocketmq_mirrors.py)."""
+
+    def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult: ...
+
+    def min_offset(self, queue: str) -> int: ...
+
+    def max_offset(self, queue: str) -> int: ...
+
+
+class BrokerOffsets(Protocol):
+    """One broker's committed offsets (gateway/rocketmq_offsets.py)."""
+
+    def commit(self, group: str, queue: str, offset: int, *, durable: bool = True) -> None: ...
+
+    def get(self, group: str, queue: str) -> int | None: ...
+
+    def remove(self, group: str, queue: str) -> None: ...
+
+    def all(self) -> dict[tuple[str, str], int]: ...
+
+    async def load(self, keys: Iterable[tuple[str, str]]) -> None: ...
+
+    async def flush(self, *, oneway: bool = False) -> None: ...
+
+    def close(self) -> None: ...
+
 
 log = logging.getLogger("lmqtt.rocketmq")
 

@@ -280,24 +280,25 @@ class RocketMqStorage:
             return self._history.get(offset, max_messages)
         return self._mirrors.get(queue, offset, max_messages)
 
-    def _history_of(self, queue: str) -> tuple[int, ParentHistory] | None:
+    def _history_of(self, queue: str) -> tuple[int, ParentHistory, str] | None:
         if queue == self._broker.topic:
-            return 0, self._history
+            return 0, self._history, queue
         slot = self._by_history.get(queue)
         if slot is None:
             return None
-        return self._slots.index(slot) + 1, slot.history
+        return self._slots.index(slot) + 1, slot.history, queue
 
     def _spread_history(
-        self, hist: tuple[int, ParentHistory], offset: int, max_messages: int
+        self, hist: tuple[int, ParentHistory, str], offset: int, max_messages: int
     ) -> GetResult:
         """A broker's history with time-major physical offsets: replays merge the brokers'
         histories by them, in store-time order (gateway/rocketmq_spread.py)."""
-        k, history = hist
+        k, history, queue = hist
         got = history.get(offset, max_messages)
         if not got.messages:
             return got
-        msgs = [m._replace(physical_offset=spread_phys(k, m)) for m in got.messages]
+        # Named like the queue read (gateway/replay.py hands over a parent's own messages).
+        msgs = [m._replace(topic=queue, physical_offset=spread_phys(k, m)) for m in got.messages]
         return GetResult(got.status, msgs, got.next_offset, got.min_offset, got.max_offset)
 
     def min_offset(self, queue: str) -> int:

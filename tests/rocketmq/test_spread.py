@@ -5,8 +5,13 @@ gateway/rocketmq_spread.py): real `lmqtt serve --store rocketmq` processes, paho
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +22,7 @@ from rocketmq_remoting import RemotingClient
 from rocketmq_remoting.route import broker_for
 from tests.gateway.conftest import Client, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
-from tests.rocketmq.test_gateway_rocketmq import ServeProcess
+from tests.rocketmq.test_gateway_rocketmq import ROOT, ServeProcess
 from topicmap import queue_name
 from topicmap.rocketmq import encode_lmq
 
@@ -154,3 +159,138 @@ def test_many_topics_land_on_both_brokers_each_delivered_once_in_topic_order_and
             assert mine == sorted(mine, key=lambda p: (p.endswith(b"later"), p))
     finally:
         g.stop()
+
+
+def test_sync_mode_sigkill_loses_no_acknowledged_message_on_either_broker(
+    rocketmq: RocketMQCluster, tmp_path: Path, clients: list[Client]
+) -> None:
+    """`--flush sync` with both brokers in use: each PUBACK follows its broker's SEND_OK, and
+    a SIGKILL of the gateway right after the last one loses none of them."""
+    g = spread_gateway(rocketmq, tmp_path / "data", f"t{uuid.uuid4().hex[:12]}", "--flush", "sync")
+    try:
+        g.start()
+        keeper = Client(g.port, "keeper", clean=False)
+        clients.append(keeper)
+        keeper.subscribe("k/#", 1)
+        keeper.disconnect()
+        pub = Client(g.port, "writer")
+        clients.append(pub)
+        names = [f"k/{i}" for i in range(12)]
+        assert all(topics_by_broker(names).values())
+        sent = [(t, f"{t} acked {n}".encode()) for n in range(5) for t in names]
+        infos = [pub.c.publish(t, p, 1) for t, p in sent]
+        for info in infos:
+            info.wait_for_publish(30)
+        assert all(info.is_published() for info in infos)
+        assert g.stop(signal.SIGKILL) == -signal.SIGKILL
+        g.start()
+        keeper.port = g.port
+        keeper.connect()
+        keeper.wait_messages(len(sent), 60)
+        got = received(keeper)
+        assert sorted(got) == sorted(sent)
+        for t in names:
+            assert [p for tt, p in got if tt == t] == [p for tt, p in sent if tt == t]
+    finally:
+        g.stop()
+
+
+def test_replay_retained_and_export_merge_both_brokers_in_store_time_order(
+    rocketmq: RocketMQCluster, tmp_path: Path, clients: list[Client]
+) -> None:
+    """History on both brokers: `$replay/earliest/h/#` hands over every message in store-time
+    order (one history queue per broker, merged), then the live ones, each once; retained
+    messages of topics on both brokers reach a new subscriber; `lmqtt replay` exports the
+    same order from both brokers."""
+    topic = f"t{uuid.uuid4().hex[:12]}"
+    g = spread_gateway(rocketmq, tmp_path / "data", topic, "--flush", "sync")
+    try:
+        g.start()
+        pub = Client(g.port, "pub")
+        clients.append(pub)
+        names = [f"h/{i}" for i in range(10)]
+        assert all(topics_by_broker(names).values())
+        history: list[tuple[str, bytes]] = []
+        for n in range(4):
+            for t in names:
+                history.append((t, f"{t} {n}".encode()))
+                # Sync mode: the PUBACK follows SEND_OK; a tick of the clock between two
+                # publishes orders their store times.
+                pub.publish(t, history[-1][1], 1, retain=n == 3)
+                now = time.time()
+                wait_until(lambda now=now: time.time() > now + 0.002, what="the clock")  # type: ignore[misc]
+        replayer = Client(g.port, "replayer", v5=True)
+        clients.append(replayer)
+        replayer.subscribe("$replay/earliest/h/#", 1)
+        live = [(t, f"{t} live".encode()) for t in names]
+        for t, p in live:
+            pub.publish(t, p, 1)
+        replayer.wait_messages(len(history) + len(live), 60)
+        got = received(replayer)
+        assert got[: len(history)] == history
+        assert sorted(got[len(history) :]) == sorted(live)
+
+        fresh = Client(g.port, "fresh")
+        clients.append(fresh)
+        fresh.subscribe("h/#", 1)
+        fresh.wait_messages(len(names))
+        with fresh.lock:
+            kept = sorted((m.topic, bytes(m.payload)) for m in fresh.messages if m.retain)
+        assert kept == sorted((t, f"{t} 3".encode()) for t in names)
+    finally:
+        stop_clients(clients)
+        g.stop()
+    r = subprocess.run(
+        [sys.executable, "-m", "gateway", "replay", "--store", "rocketmq", "--namesrv",
+         rocketmq.namesrv_addr, "--rocketmq-topic", topic, "--filter", "h/#", "--since",
+         "earliest"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(row["topic"], row["payload"].encode()) for row in rows[: len(history)]] == history
+    assert len(rows) == len(history) + len(live)
+
+
+def test_two_cluster_nodes_with_spread(
+    rocketmq: RocketMQCluster, tmp_path: Path, clients: list[Client]
+) -> None:
+    """Cluster mode with spread on: a persistent wildcard subscriber on node 0 gets what a
+    publisher on node 1 sends to topics on both brokers, each once and in topic order; it
+    moves to node 1 with messages waiting and gets exactly the rest there."""
+    topic = f"c{uuid.uuid4().hex[:12]}"
+    env = {"LMQTT_CLUSTER": "true", "LMQTT_CLUSTER_LEASE": "6", "LMQTT_CLUSTER_HEARTBEAT": "1"}
+    nodes = [spread_gateway(rocketmq, tmp_path / f"node{i}", topic, **env) for i in range(2)]
+    try:
+        for n in nodes:
+            n.start()
+        sub = Client(nodes[0].port, "roamer", clean=False)
+        clients.append(sub)
+        sub.subscribe("n/#", 1)
+        pub = Client(nodes[1].port, "pub")
+        clients.append(pub)
+        names = [f"n/{i}" for i in range(12)]
+        assert all(topics_by_broker(names).values())
+        first = [(t, f"{t} {k}".encode()) for k in range(3) for t in names]
+        for t, p in first:
+            pub.publish(t, p, 1)
+        sub.wait_messages(len(first), 60)
+        sub.disconnect()
+        later = [(t, f"{t} {k}".encode()) for k in range(3, 5) for t in names]
+        for t, p in later:
+            pub.publish(t, p, 1)
+        moved = Client(nodes[1].port, "roamer", clean=False, connect=False)
+        clients.append(moved)
+        moved.connect()
+        moved.wait_messages(len(later), 60)
+        assert sorted(received(sub)) == sorted(first)
+        got = received(moved)
+        assert sorted(got) == sorted(later)
+        for t in names:
+            assert [p for tt, p in received(sub) + got if tt == t] == [
+                f"{t} {k}".encode() for k in range(5)
+            ]
+    finally:
+        for n in nodes:
+            n.stop()
