@@ -60,6 +60,7 @@ from gateway.storage import (
 from rocketmq_remoting import BrokerError, BrokerNotFoundError, RemotingClient, RemotingError
 from rocketmq_remoting.message import decode_message_id
 from rocketmq_remoting.route import broker_for
+from topicmap.rocketmq import encode_lmq
 
 if TYPE_CHECKING:
     from gateway.config import GatewaySettings
@@ -72,6 +73,9 @@ RETAIN_PRELOAD = 20_000
 RETAIN_QUEUE = "%RETAIN%"
 CONFIG_KEY_PREFIX = "config/"
 DRAIN_S = 10.0  # a graceful stop waits this long at most for the sends in flight
+#: How often a spread deployment asks the name server for brokers that joined (RocketMQ's own
+#: clients poll routes every 30 s: pollNameServerInterval).
+ROUTE_POLL_S = 30.0
 
 
 class _StateWake:
@@ -143,11 +147,13 @@ class RocketMqStorage:
         # Spread (add_slot): slot 0 is this home broker, the others follow.
         self._slots: list[_Slot] = []
         self._names: list[str] = [broker.name]  # broker names by slot
+        self._writable: list[str] = self._names  # those new messages go to (`set_drained`)
         self._merged: MergedReads | None = None
         self._by_history: dict[str, _Slot] = {}
         self._listeners: list[ArrivalListener] = []
         self._tickets: dict[int, list[tuple[Sender, int]]] = {}
         self._ticket = 0
+        self._route_poll: asyncio.Task[None] | None = None
 
     # -- spread over several brokers (gateway/rocketmq_spread.py) --------------------------------
 
@@ -175,12 +181,31 @@ class RocketMqStorage:
             if spread_queue(queue):
                 slot.mirrors.mirror(queue)  # held pulls on the new broker's copies too
 
+    def poll_routes(self, settings: GatewaySettings, interval: float = ROUTE_POLL_S) -> None:
+        """Every `interval` s: a broker registered since joins the deployment (`_spread`)."""
+
+        async def poll() -> None:
+            while not self._closed:
+                await asyncio.sleep(interval)
+                try:
+                    await _spread(self._broker.client, self, settings)
+                except (StorageUnavailable, StoreError, RemotingError) as exc:
+                    log.warning("brokers not updated from the name server: %s", exc)
+
+        self._route_poll = asyncio.get_running_loop().create_task(poll())
+
+    def set_drained(self, names: Sequence[str]) -> None:
+        """Brokers new messages no longer go to: the route lists them without write permission
+        (an operator drains a broker by taking it away; what it holds is still read)."""
+        writable = [n for n in self._names if n not in names]
+        self._writable = writable or self._names
+
     def _sender_for(self, topic: str, queues: Sequence[str]) -> Sender:
         """The broker a message goes to: by MQTT topic; the home broker for a message of a
         home-only queue (%RETAIN%, %CLUSTER%: one total order each)."""
         if not self._slots or any(not spread_queue(q) for q in queues):
             return self._sender
-        name = broker_for(topic.encode(), self._names)
+        name = broker_for(topic.encode(), self._writable)
         if name == self.broker_name:
             return self._sender
         return next(s.sender for s in self._slots if s.broker.name == name)
@@ -497,6 +522,8 @@ class RocketMqStorage:
         self._closed = True
         if self._state_tail is not None:
             self._state_tail.cancel()
+        if self._route_poll is not None:
+            self._route_poll.cancel()
         self._offsets.close()
         self._mirrors.close()
         self._history.close()
@@ -539,6 +566,9 @@ async def _open(
     except RemotingError as exc:
         raise StorageUnavailable(f"RocketMQ name server {namesrv} unreachable: {exc}") from exc
     name, addr = home.name, home.addr
+    if settings.rocketmq_spread and not settings.rocketmq_broker and len(home.serving) > 1:
+        # Spread puts the topic on every broker: the home is the one holding the state.
+        name, addr = await _state_holder(client, topic, home.serving, (name, addr))
     others = [b for b in home.serving if b != name]
     if others and not settings.rocketmq_spread:
         # A deployment reads and writes its home broker only (docs/rocketmq.md "Several
@@ -571,6 +601,7 @@ async def _open(
         raise
     if settings.rocketmq_spread:
         log.info("storage: messages spread over brokers %s", ", ".join(storage.brokers))
+        storage.poll_routes(settings, settings.rocketmq_route_poll)
     log.info(
         "storage: RocketMQ broker %s (%s) via name server %s, topic %s, %s sends",
         name, addr, namesrv, topic, "sync" if settings.flush == "sync" else "async",
@@ -595,7 +626,17 @@ async def _spread(
         names = slots_from_state(recorded, home, list(masters))
     except ValueError as exc:
         raise StorageUnavailable(str(exc)) from None
-    for name in names[1:]:
+    if names[0] != home:
+        raise StorageUnavailable(
+            f"topic {topic!r} was spread with home broker {names[0]} (state record"
+            f" {SLOTS_KEY}), not {home}: set rocketmq_broker = {names[0]}"
+        )
+    if names[: len(storage.brokers)] != storage.brokers:
+        # Another node numbered brokers that joined at once in another order.
+        raise StorageUnavailable(
+            f"brokers of topic {topic!r} numbered {names} in the state, {storage.brokers} here"
+        )
+    for name in names[len(storage.brokers) :]:
         addr = masters.get(name)
         if addr is None:
             raise StorageUnavailable(
@@ -611,9 +652,36 @@ async def _spread(
         await _check_broker_config(client, name, addr, sync=settings.flush == "sync")
         await _probe_light_queues(client, name, addr, topic)
         storage.add_slot(Broker(client, name, addr, topic))
+        log.info("broker %s (%s) holds part of topic %s now", name, addr, topic)
+    with contextlib.suppress(RemotingError):
+        route = await client.get_route(topic)
+        writable = route.writable_brokers()
+        storage.set_drained([q.broker_name for q in route.queues if q.broker_name not in writable])
     value = json.dumps(names).encode()
     if recorded != value:
         await storage.wait_state_durable(storage.append_state([(SLOTS_KEY, value)]))
+
+
+async def _state_holder(
+    client: RemotingClient, topic: str, serving: Sequence[str], default: tuple[str, str]
+) -> tuple[str, str]:
+    """The broker of `serving` whose %STATE% light queue holds records (the first by name),
+    else `default`: a spread deployment's topic is on every broker, so "the broker already
+    holding the topic" no longer tells the home broker apart (a broker added later whose
+    name sorts first would become it, and the sessions stay behind)."""
+    try:
+        masters = (await client.get_cluster_info()).master_addrs()
+    except RemotingError:
+        return default
+    lmq = encode_lmq(STATE_QUEUE, topic)
+    for name in sorted(serving):
+        addr = masters.get(name)
+        if addr is None:
+            continue
+        with contextlib.suppress(RemotingError):
+            if await client.get_max_offset(addr, lmq) > 0:
+                return name, addr
+    return default
 
 
 async def _check_broker_config(client: RemotingClient, name: str, addr: str, *, sync: bool) -> None:

@@ -152,6 +152,8 @@ def test_many_topics_land_on_both_brokers_each_delivered_once_in_topic_order_and
         except AssertionError:
             raise AssertionError(missing(slow2, want)) from None
         got2 = received(slow2)
+        again = [m for m in got2 if m in acked]
+        assert not again, f"{len(again)} acknowledged again, {len(got2)} received: {again[:5]}"
         assert len(got2) == len(want) and set(got2) == want
         assert unacked <= set(got2[: len(unacked)])  # the in-flight ones first, again
         for t in names:
