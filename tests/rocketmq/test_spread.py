@@ -134,7 +134,16 @@ def test_many_topics_land_on_both_brokers_each_delivered_once_in_topic_order_and
         acked = {(m.topic, bytes(m.payload)) for m in first[:60]}
         unacked = {(m.topic, bytes(m.payload)) for m in first[60:]}
         assert {broker_for(t.encode(), BROKERS) for t, _ in unacked} == set(BROKERS)
-        slow.disconnect()  # DISCONNECT follows the PUBACKs on the connection
+        # DISCONNECT follows the PUBACKs on the connection; paho writes its queued packets
+        # from its network thread: stopped only once the DISCONNECT is out.
+        slow.c.disconnect()
+        wait_until(lambda: slow.disconnected is not None, what="paho's DISCONNECT")
+        slow.c.loop_stop()
+        wait_until(
+            lambda: any("'slow' disconnected" in line for line in g.output),
+            30,
+            "the gateway to read the PUBACKs and the DISCONNECT",
+        )
         g.stop()
         shutil.rmtree(data)
         g.start()
@@ -153,7 +162,9 @@ def test_many_topics_land_on_both_brokers_each_delivered_once_in_topic_order_and
             raise AssertionError(missing(slow2, want)) from None
         got2 = received(slow2)
         again = [m for m in got2 if m in acked]
+        twice = [m for m in set(got2) if got2.count(m) > 1]
         assert not again, f"{len(again)} acknowledged again, {len(got2)} received: {again[:5]}"
+        assert not twice, f"{len(twice)} received twice: {twice[:5]}, {got2.index(twice[0])}"
         assert len(got2) == len(want) and set(got2) == want
         assert unacked <= set(got2[: len(unacked)])  # the in-flight ones first, again
         for t in names:
@@ -163,51 +174,23 @@ def test_many_topics_land_on_both_brokers_each_delivered_once_in_topic_order_and
         g.stop()
 
 
-def test_sync_mode_sigkill_loses_no_acknowledged_message_on_either_broker(
+def test_sync_mode_replay_retained_export_and_sigkill_over_both_brokers(
     rocketmq: RocketMQCluster, tmp_path: Path, clients: list[Client]
 ) -> None:
-    """`--flush sync` with both brokers in use: each PUBACK follows its broker's SEND_OK, and
-    a SIGKILL of the gateway right after the last one loses none of them."""
-    g = spread_gateway(rocketmq, tmp_path / "data", f"t{uuid.uuid4().hex[:12]}", "--flush", "sync")
-    try:
-        g.start()
-        keeper = Client(g.port, "keeper", clean=False)
-        clients.append(keeper)
-        keeper.subscribe("k/#", 1)
-        keeper.disconnect()
-        pub = Client(g.port, "writer")
-        clients.append(pub)
-        names = [f"k/{i}" for i in range(12)]
-        assert all(topics_by_broker(names).values())
-        sent = [(t, f"{t} acked {n}".encode()) for n in range(5) for t in names]
-        infos = [pub.c.publish(t, p, 1) for t, p in sent]
-        for info in infos:
-            info.wait_for_publish(30)
-        assert all(info.is_published() for info in infos)
-        assert g.stop(signal.SIGKILL) == -signal.SIGKILL
-        g.start()
-        keeper.port = g.port
-        keeper.connect()
-        keeper.wait_messages(len(sent), 60)
-        got = received(keeper)
-        assert sorted(got) == sorted(sent)
-        for t in names:
-            assert [p for tt, p in got if tt == t] == [p for tt, p in sent if tt == t]
-    finally:
-        g.stop()
-
-
-def test_replay_retained_and_export_merge_both_brokers_in_store_time_order(
-    rocketmq: RocketMQCluster, tmp_path: Path, clients: list[Client]
-) -> None:
-    """History on both brokers: `$replay/earliest/h/#` hands over every message in store-time
-    order (one history queue per broker, merged), then the live ones, each once; retained
-    messages of topics on both brokers reach a new subscriber; `lmqtt replay` exports the
-    same order from both brokers."""
+    """`--flush sync` with history on both brokers: `$replay/earliest/h/#` hands over every
+    message in store-time order (one history queue per broker, merged), then the live ones,
+    each once; retained messages of topics on both brokers reach a new subscriber; a SIGKILL
+    of the gateway right after the last PUBACK loses none of the acknowledged messages of
+    either broker (an offline persistent session gets them all from the next gateway, each
+    topic in order); `lmqtt replay` exports the history in the same order."""
     topic = f"t{uuid.uuid4().hex[:12]}"
     g = spread_gateway(rocketmq, tmp_path / "data", topic, "--flush", "sync")
     try:
         g.start()
+        keeper = Client(g.port, "keeper", clean=False)
+        clients.append(keeper)
+        keeper.subscribe("h/#", 1)
+        keeper.disconnect()
         pub = Client(g.port, "pub")
         clients.append(pub)
         names = [f"h/{i}" for i in range(10)]
@@ -239,6 +222,17 @@ def test_replay_retained_and_export_merge_both_brokers_in_store_time_order(
         with fresh.lock:
             kept = sorted((m.topic, bytes(m.payload)) for m in fresh.messages if m.retain)
         assert kept == sorted((t, f"{t} 3".encode()) for t in names)
+
+        assert g.stop(signal.SIGKILL) == -signal.SIGKILL
+        g.start()
+        keeper.port = g.port
+        keeper.connect()
+        sent = history + live
+        keeper.wait_messages(len(sent), 60)
+        got = received(keeper)
+        assert sorted(got) == sorted(sent)
+        for t in names:
+            assert [p for tt, p in got if tt == t] == [p for tt, p in sent if tt == t]
     finally:
         stop_clients(clients)
         g.stop()
