@@ -226,6 +226,13 @@ class MergedReads:
     def min_offset(self, queue: str) -> int:
         return encode([m.min_offset(queue) for m in self.mirrors])
 
+    def count(self, queue: str, offset: int) -> int:
+        """`offset` of `queue` as the number of messages before it over every broker (the sum
+        of its per-broker offsets): differences of these count messages."""
+        if not spread_queue(queue):
+            return offset
+        return sum(decode(offset, len(self.mirrors))[0])
+
     def split(self, queue: str, offsets: Sequence[int]) -> dict[int, list[int]]:
         """Merged message offsets -> {slot: that broker's offsets} (prefetch)."""
         n = len(self.mirrors)

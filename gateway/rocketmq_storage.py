@@ -194,6 +194,15 @@ class RocketMqStorage:
 
         self._route_poll = asyncio.get_running_loop().create_task(poll())
 
+    @property
+    def account_offset(self) -> Callable[[str, int], int] | None:
+        """Spread: a merged offset as the messages read up to it, for the delivery account
+        (gateway/delivery_account.py CountedAccount); None with one broker (offsets as they are)."""
+        merged = self._merged
+        if merged is None:
+            return None
+        return merged.count
+
     def set_drained(self, names: Sequence[str]) -> None:
         """Brokers new messages no longer go to: the route lists them without write permission
         (an operator drains a broker by taking it away; what it holds is still read)."""

@@ -6,9 +6,11 @@ copies. The real brokers: tests/rocketmq/test_spread.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from gateway.delivery_account import CountedAccount
 from gateway.rocketmq_spread import (
     BASE,
     MergedReads,
@@ -18,7 +20,8 @@ from gateway.rocketmq_spread import (
     phys,
     slots_from_state,
 )
-from gateway.storage import GetResult, GetStatus, StoredMessage
+from gateway.storage import AccountRecord, AccountWriter, GetResult, GetStatus, StoredMessage
+from store import read_account
 
 
 class Copy:
@@ -89,3 +92,21 @@ def test_slots_keep_their_numbers_and_new_brokers_follow() -> None:
     assert slots_from_state(recorded, "b", ["a", "b", "c"]) == ["b", "c", "a"]
     with pytest.raises(ValueError):
         slots_from_state(None, "b0", [f"b{i}" for i in range(40)])
+
+
+def test_the_delivery_account_counts_messages_of_a_merged_queue(tmp_path: Path) -> None:
+    """A merged offset is far past the account's signed 64-bit fields: the account of a
+    spread deployment records the messages read instead (the sum of the per-broker
+    offsets), so the report's differences count messages."""
+    reads = MergedReads([Copy([10, 30, 50], 0), Copy([20] * 300, 1)])
+    start, end = encode([1, 2]), encode([3, 300])
+    assert end >= 1 << 63
+    writer = CountedAccount(AccountWriter(tmp_path), reads.count)
+    writer.append([AccountRecord("c", "%LMQ%q", 0, 1, start, start, end, end, 5)])
+    writer.append([AccountRecord("c", "%RETAIN%", 0, 1, 7, 7, 9, 9, 5)])  # not merged
+    writer.close()
+    got = read_account(tmp_path)
+    assert [(r.queue, r.start, r.sent, r.queue_end) for r in got] == [
+        ("%LMQ%q", 3, 303, 303),
+        ("%RETAIN%", 7, 9, 9),
+    ]
