@@ -94,6 +94,8 @@ MAX_SLOTS = 31  # idx 2k+2 < 2**IDX_BITS
 BASE = 1 << 62  # every merged offset is at or above it; a plain home offset below it
 EPOCH_MS = 1_735_689_600_000  # 2025-01-01: physical offsets stay below 2**62 until 2033
 SLOTS_KEY = "meta/brokers"
+#: How long a merged read waits for a broker's copy being pulled before it reads on without it.
+WAIT_S = 2.0
 #: The separator of a per-broker name (history queue `topic\x00broker`): never in an MQTT
 #: topic, filter or RocketMQ name.
 SEP = "\x00"
@@ -171,12 +173,15 @@ class MergedReads:
 
     def __init__(self, mirrors: list[Mirrors]) -> None:
         self.mirrors = mirrors  # by slot
+        # (queue, slot) -> when a read first waited for that broker's copy (see `get`)
+        self._waiting: dict[tuple[str, int], float] = {}
 
     def get(self, queue: str, offset: int, max_messages: int) -> GetResult:
         mirrors = self.mirrors
         n = len(mirrors)
         vec, first = decode(offset, n)
         runs: list[list[StoredMessage]] = []
+        wait = False
         for k, m in enumerate(mirrors):
             got = m.get(queue, vec[k], max_messages)
             if got.status is GetStatus.OFFSET_TOO_SMALL:
@@ -186,7 +191,18 @@ class MergedReads:
                 )  # fmt: skip
                 vec[k] = got.min_offset
                 got = m.get(queue, vec[k], max_messages)
+            if got.status is GetStatus.NO_MESSAGE_IN_QUEUE:
+                # That broker's next message is being pulled (a backlog): the others wait for
+                # it, so the merge stays in store order (a topic's retained message is on the
+                # home broker, its others on the topic's), for at most WAIT_S (a broker down).
+                since = self._waiting.setdefault((queue, k), time.monotonic())
+                wait = wait or time.monotonic() - since < WAIT_S
+            elif self._waiting:
+                self._waiting.pop((queue, k), None)
             runs.append(got.messages if got.status is GetStatus.FOUND else [])
+        if wait and first < 0:
+            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], offset, self.min_offset(queue),
+                             self.max_offset(queue))  # fmt: skip
         if first >= 0 and not (runs[first] and runs[first][0].queue_offset == vec[first]):
             # A message's own offset: that message first, or nothing (it is being pulled).
             return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], offset, self.min_offset(queue),
