@@ -25,7 +25,7 @@ from gateway.cluster import Cluster, supports_cluster
 from gateway.config import GatewaySettings
 from gateway.cursor import QueueCursor
 from gateway.delivery import DeliveryContext
-from gateway.delivery_account import DeliveryAccount, NoDeliveryAccount
+from gateway.delivery_account import CountedAccount, DeliveryAccount, NoDeliveryAccount
 from gateway.embedded import open_account
 from gateway.gc_monitor import GcMonitor
 from gateway.ingest import IngestBatch
@@ -42,7 +42,7 @@ from gateway.session import SessionRegistry
 from gateway.session_lifecycle import SessionLifecycle
 from gateway.shared import SharedSubscriptions
 from gateway.stats import GatewayStats
-from gateway.storage import Storage, StorageUnavailable
+from gateway.storage import AccountWriter, Storage, StorageUnavailable
 from gateway.subscription_lifecycle import SubscriptionLifecycle
 from gateway.sys_topics import SysPublisher
 from gateway.timers import TimerWheel
@@ -136,7 +136,7 @@ class Gateway:
         self.timers = TimerWheel(loop)
         self.gc.start(loop, self.state.connections.__len__)
         account = self.account = (
-            DeliveryAccount(open_account(s), store.max_offset)
+            DeliveryAccount(self._account_writer(store), store.max_offset)
             if s.delivery_account
             else NoDeliveryAccount()
         )
@@ -291,6 +291,13 @@ class Gateway:
             self._stopped.set()
         self.gc.uninstall()
         log.info("lmqtt gateway stopped; garbage collector: %s", self.gc.summary())
+
+    def _account_writer(self, store: Storage) -> AccountWriter | CountedAccount:
+        """The delivery account's file; its offsets counted in messages where the store
+        numbers a queue's messages otherwise (RocketMQ spread: CountedAccount)."""
+        writer = open_account(self.settings)
+        count = getattr(store, "account_offset", None)
+        return writer if count is None else CountedAccount(writer, count)
 
     def _on_fenced(self) -> None:
         """Cluster mode: our lease ran out, so the other nodes may already act for us (our

@@ -765,6 +765,11 @@ class ClientConnection:
             await ctx.sessions.skip_acknowledged(session)
             if self.closed:
                 return
+        if present and session.inflight and not clustered:
+            # Cluster mode reads them when the node claims the session (below).
+            await ctx.sessions.read_inflight(session)
+            if self.closed:
+                return
         if clustered:
             try:
                 await cluster.connected(cid, self, ev.clean_start, session)

@@ -103,6 +103,11 @@ class GatewaySettings(BaseSettings):
     # Broker name; default: the one holding rocketmq_topic, else the first registered by name.
     rocketmq_broker: str | None = None
     rocketmq_topic: str = Field(default="lmqtt", pattern=r"^[%|a-zA-Z0-9_-]{1,127}$")
+    # Spread the messages over every registered broker by MQTT topic (state, retained and
+    # the cluster bus stay on the home broker): gateway/rocketmq_spread.py.
+    rocketmq_spread: bool = False
+    # Seconds between a spread deployment's looks for brokers that joined the cluster.
+    rocketmq_route_poll: float = Field(default=30.0, gt=0)
     # Cluster mode (store = rocketmq): several gateway nodes on one rocketmq_topic, each with
     # `cluster = true` (gateway/cluster.py). A node fenced by its lease stops; a lost node's
     # wills are out within the lease (keep it under 1.5 x the clients' keep-alive).

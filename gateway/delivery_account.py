@@ -21,6 +21,7 @@ there. Off the hot path:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -50,7 +51,7 @@ class DeliveryAccount:
 
     def __init__(
         self,
-        writer: AccountWriter,
+        writer: AccountWriter | CountedAccount,
         max_offset: Callable[[str], int],
         flush_s: float = FLUSH_S,
         record_s: float = RECORD_S,
@@ -231,6 +232,39 @@ class DeliveryAccount:
             queue_end=self._max_offset(group.queue),
             time_ms=int(time.time() * 1000),
         )
+
+
+class CountedAccount:
+    """An AccountWriter whose records' offsets are first mapped by `count(queue, offset)`: a
+    RocketMQ deployment spread over several brokers numbers a queue's messages with merged
+    offsets (gateway/rocketmq_spread.py), far past the account's signed 64-bit fields and
+    meaningless as differences; mapped to the messages read (the sum of the per-broker
+    offsets), the report's differences count messages again. Only such a store is wrapped."""
+
+    def __init__(self, writer: AccountWriter, count: Callable[[str, int], int]) -> None:
+        self._writer = writer
+        self._count = count
+
+    def append(self, records: Iterable[AccountRecord]) -> int:
+        count = self._count
+        return self._writer.append(
+            [
+                dataclasses.replace(
+                    r,
+                    start=count(r.queue, r.start),
+                    acked=count(r.queue, r.acked),
+                    sent=count(r.queue, r.sent),
+                    queue_end=count(r.queue, r.queue_end),
+                )
+                for r in records
+            ]
+        )
+
+    def sync(self) -> None:
+        self._writer.sync()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class NoDeliveryAccount(DeliveryAccount):

@@ -36,6 +36,7 @@ from gateway.cursor import QueueCursor
 from gateway.embedded import open_read_only
 from gateway.records import RecordedPublish
 from gateway.replay import iso_ms, start_replay
+from gateway.rocketmq_spread import SEP
 from gateway.storage import Storage, StoredMessage
 from topicmap import TopicFilter
 
@@ -58,7 +59,7 @@ def _row(msg: StoredMessage, rec: RecordedPublish) -> dict[str, Any]:
         "client_id": rec.client_id,
         "store_time": iso_ms(msg.store_timestamp),
         "store_timestamp_ms": msg.store_timestamp,
-        "parent": msg.topic,
+        "parent": msg.topic.partition(SEP)[0],  # a spread deployment's: topic SEP broker
         "parent_offset": msg.queue_offset,
         "physical_offset": msg.physical_offset,
         "properties": json.dumps(others, separators=(",", ":")),

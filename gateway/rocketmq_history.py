@@ -38,9 +38,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gateway.rocketmq_broker import Broker, to_stored
+from gateway.rocketmq_spread import SEP
+from gateway.rocketmq_spread import phys as spread_phys
 from gateway.storage import ArrivalListener, GetResult, GetStatus, StoredMessage
 from rocketmq_remoting import OffsetMovedError, RemotingClient, RemotingError
 from rocketmq_remoting.message import MessageRecord
@@ -196,64 +198,72 @@ class PulledHistory:
     (gateway/replay.py), for `lmqtt replay --store rocketmq` (gateway/replay_export.py).
 
     Read-only (nothing is sent, no offset committed), so it is safe beside running gateways.
-    The export ends at the queue's end when it starts (or at --until).
+    The export ends at the queues' ends when it starts (or at --until). A deployment spread
+    over several brokers (gateway/rocketmq_spread.py) has the topic on each: one history queue
+    per broker (`topic`, then `topic SEP broker`), with time-major physical offsets so that the
+    replay's merge gives store-time order; with `broker` named, that broker only.
     """
 
     def __init__(self, namesrv: str, topic: str, broker: str | None = None) -> None:
         self.topic = topic
         self._loop = asyncio.new_event_loop()
         self._client = RemotingClient([namesrv], request_timeout=10.0, connect_timeout=3.0)
+        # queue name -> [slot, broker address, min, max]
+        self._queues: dict[str, list[Any]] = {}
         try:
-            self._addr = self._run(_broker_addr(self._client, topic, broker))
-            self._min = self._run(self._client.get_min_offset(self._addr, topic))
-            self._max = self._run(self._client.get_max_offset(self._addr, topic))
+            brokers = self._run(_broker_addrs(self._client, topic, broker))
+            for slot, (name, addr) in enumerate(brokers):
+                queue = topic if slot == 0 else topic + SEP + name
+                lo = self._run(self._client.get_min_offset(addr, topic))
+                hi = self._run(self._client.get_max_offset(addr, topic))
+                self._queues[queue] = [slot, addr, lo, hi]
         except BaseException:
             self.close()
             raise
+        self._spread = len(self._queues) > 1
 
     def _run(self, coro: Awaitable[T]) -> T:
         return self._loop.run_until_complete(coro)
 
     def history_queues(self, tf: object) -> list[str]:
-        return [self.topic]
+        return list(self._queues)
 
     def min_offset(self, queue: str) -> int:
-        return self._min
+        return int(self._queues[queue][2])
 
     def max_offset(self, queue: str) -> int:
-        return self._max
+        return int(self._queues[queue][3])
 
     def offset_by_time(self, queue: str, timestamp_ms: int) -> int:
+        _slot, addr, lo, hi = self._queues[queue]
         if timestamp_ms <= 0:
-            return self._min
-        found = self._run(self._client.search_offset(self._addr, self.topic, timestamp_ms))
-        return max(self._min, min(found, self._max))
+            return int(lo)
+        found = self._run(self._client.search_offset(addr, self.topic, timestamp_ms))
+        return int(max(lo, min(found, hi)))
 
     def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
-        if offset >= self._max:
-            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, self._min, self._max)
+        entry = self._queues[queue]
+        slot, addr, lo, hi = entry
+        if offset >= hi:
+            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, lo, hi)
         try:
             res = self._run(
                 self._client.pull(
-                    self._addr,
-                    self.topic,
-                    offset,
-                    consumer_group=PULL_GROUP,
-                    max_messages=max_messages,
+                    addr, self.topic, offset, consumer_group=PULL_GROUP, max_messages=max_messages
                 )
             )
         except OffsetMovedError as exc:
-            self._min = exc.min_offset
+            entry[2] = lo = exc.min_offset
             if offset < exc.min_offset:
-                return GetResult(GetStatus.OFFSET_TOO_SMALL, [], self._min, self._min, self._max)
-            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, self._min, self._max)
+                return GetResult(GetStatus.OFFSET_TOO_SMALL, [], lo, lo, hi)
+            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, lo, hi)
         names = [to_stored(r, r.queue_offset, _same) for r in res.messages]
-        msgs = [m for m in names if m.queue_offset < self._max]
+        msgs = [m for m in names if m.queue_offset < hi]
+        if self._spread:
+            msgs = [m._replace(topic=queue, physical_offset=spread_phys(slot, m)) for m in msgs]
         if not msgs:
-            return GetResult(
-                GetStatus.NO_MESSAGE_IN_QUEUE, [], res.next_begin_offset, self._min, self._max
-            )
-        return GetResult(GetStatus.FOUND, msgs, msgs[-1].queue_offset + 1, self._min, self._max)
+            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], res.next_begin_offset, lo, hi)
+        return GetResult(GetStatus.FOUND, msgs, msgs[-1].queue_offset + 1, lo, hi)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -265,6 +275,15 @@ def _same(name: str) -> str:
     return name
 
 
-async def _broker_addr(client: RemotingClient, topic: str, broker: str | None) -> str:
-    """The broker a gateway with these settings uses (RemotingClient.home_broker)."""
-    return (await client.home_broker(topic, broker)).addr
+async def _broker_addrs(
+    client: RemotingClient, topic: str, broker: str | None
+) -> list[tuple[str, str]]:
+    """(name, address) of the brokers holding the deployment's messages: the home broker a
+    gateway with these settings uses (RemotingClient.home_broker) first, then the other
+    brokers the topic's route lists (a spread deployment's), unless `broker` is named."""
+    home = await client.home_broker(topic, broker)
+    out = [(home.name, home.addr)]
+    if broker is None and len(home.serving) > 1:
+        masters = (await client.get_cluster_info()).master_addrs()
+        out += [(b, masters[b]) for b in home.serving if b != home.name and b in masters]
+    return out

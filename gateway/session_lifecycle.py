@@ -122,6 +122,25 @@ class SessionLifecycle:
         self._wills.store(session, will)  # persisted: a crash must not lose it
         return session, present
 
+    async def read_inflight(self, session: Session) -> None:
+        """Read the messages `session` has in flight before its CONNACK, where the store's
+        synchronous reads would not find them yet (RocketMQ: a restarted gateway's mirrors
+        are empty; `prefetch` pulls them), so they are re-sent with DUP rather than dropped.
+        Cluster mode does this when the node claims the session (gateway/cluster_sessions.py)."""
+        prefetch = getattr(self._store, "prefetch", None)
+        if prefetch is None:
+            return
+        by_queue: dict[str, list[int]] = {}
+        for inf in session.inflight.values():
+            if inf.queue is not None and not inf.pubrel:
+                by_queue.setdefault(inf.queue, []).append(inf.offset)
+        for queue, offsets in by_queue.items():
+            try:
+                await prefetch(queue, offsets)
+            except (StoreError, OSError, TimeoutError) as exc:
+                # Forgotten like a message deleted by retention: the session still resumes.
+                log.warning("session %r: in-flight messages not read: %s", session.client_id, exc)
+
     async def skip_acknowledged(self, session: Session) -> None:
         """`session` comes from the record of a node that crashed while it was connected
         (`Session.behind`): its positions may lag what its client acknowledged since (records
