@@ -3,10 +3,13 @@
 
 The deployment is written here with the remoting client exactly as the gateway writes one: each
 message to the parent topic on `broker_for(MQTT topic, writable brokers)` with its matching light
-queues in INNER_MULTI_DISPATCH and the gateway's `mqtt.*` properties; the sessions as a state
-batch in the %STATE% queue of the home broker (broker-a), one subscription entry per copy of a
-queue (`Q` on broker-a, `Q\\x00broker-b` on broker-b); committed offsets per copy on the copy's
-broker. The expected numbers are simulated from what was sent, broker by broker."""
+queues in INNER_MULTI_DISPATCH and the gateway's `mqtt.*` properties; the sessions as state
+batches in the %STATE% queue of the home broker (broker-a): the broker slots (`meta/brokers`,
+broker-a slot 0) and ONE subscription entry per light queue `Q` whose start/next offsets are
+merged (topicmap/spread.py: the per-broker offsets packed, above 2**62), which the report
+splits into its copies (`Q` on broker-a, `Q\\x00broker-b` on broker-b); committed offsets per
+copy on the copy's broker. The expected numbers are simulated from what was sent, broker by
+broker."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING
 import pyarrow.parquet as pq
 import pytest
 
-from analytics.copies import copy_name
+from analytics.copies import copy_name, split_copy
 from analytics.rocketmq import (
     Deployment,
     PullRange,
@@ -36,6 +39,7 @@ from rocketmq_remoting import TopicNotExistError, broker_for
 from tests.rocketmq.cluster import RocketMQCluster
 from topicmap.naming import queue_name
 from topicmap.rocketmq import STATE_QUEUE, encode_lmq, encode_state
+from topicmap.spread import SLOTS_KEY, encode
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -52,6 +56,9 @@ TRAFFIC = {
     "dev-4": [("plant/4/temp", 2)],
 }
 FILTERS = {"sub-all": "plant/#", "sub-temp": "plant/+/temp"}
+#: Where each subscription starts, per broker slot (broker-a, broker-b): sub-all subscribed
+#: after broker-b's first message of its queue (dev-2's first plant/3/temp).
+STARTS = {"sub-all": [0, 1], "sub-temp": [0, 0]}
 #: Range size of the pruning test: several ranges per broker.
 SMALL_RANGES = 3
 
@@ -105,21 +112,28 @@ async def _write_deployment(cluster: RocketMQCluster, topic: str) -> Sent:
         addrs = route.master_addrs()
         sent = Sent(topic, brokers)
         queue_of = {sub: queue_name(f) for sub, f in FILTERS.items()}
-        # The session records, as the gateway writes them: one entry per copy.
-        sessions = {}
-        for sub, filt in FILTERS.items():
-            entries = [
-                {"filter": filt, "queue": copy_name(queue_of[sub], b, HOME), "share_group": None,
-                 "qos": 1, "start_offset": 0, "next_offset": 0}
-                for b in brokers
-            ]  # fmt: skip
-            sessions[sub] = {"disconnected_at_ms": None, "subscriptions": entries}
-        state = encode_state(
-            [(f"session/{k}", json.dumps(v).encode()) for k, v in sessions.items()]
-        )
-        await client.send_message(
-            addrs[HOME], topic, state, light_queues=[encode_lmq(STATE_QUEUE, topic)]
-        )
+        # The session records as the gateway writes them: one entry per light queue, its
+        # offsets merged over the broker slots, numbered in `meta/brokers`.
+        assert brokers[0] == HOME
+
+        async def save_sessions(next_of: dict[str, list[int]], *extra: tuple[str, bytes]) -> None:
+            sessions = {
+                sub: {"disconnected_at_ms": None, "subscriptions": [
+                    {"filter": filt, "queue": queue_of[sub], "share_group": None, "qos": 1,
+                     "start_offset": encode(STARTS[sub]), "next_offset": encode(next_of[sub])}
+                ]}
+                for sub, filt in FILTERS.items()
+            }  # fmt: skip
+            records = [
+                *extra,
+                *((f"session/{k}", json.dumps(v).encode()) for k, v in sessions.items()),
+            ]
+            await client.send_message(
+                addrs[HOME], topic, encode_state(records),
+                light_queues=[encode_lmq(STATE_QUEUE, topic)],
+            )  # fmt: skip
+
+        await save_sessions(STARTS, (SLOTS_KEY, json.dumps(brokers).encode()))
         for device, mqtt_topic in _send_order():
             broker = broker_for(mqtt_topic.encode(), brokers)
             queues = [q for sub, q in queue_of.items() if _matches(FILTERS[sub], mqtt_topic)]
@@ -135,7 +149,10 @@ async def _write_deployment(cluster: RocketMQCluster, topic: str) -> Sent:
             for q in queues:
                 sent.copies.setdefault(copy_name(q, broker, HOME), []).append(device)
             await asyncio.sleep(0.004)  # store timestamps spread over the run (pruning test)
-        # sub-all got everything; sub-temp all of broker-a's copy and 2 of broker-b's.
+        # sub-all got everything; sub-temp all of broker-a's copy and 2 of broker-b's. The
+        # gateway commits each broker's component of the merged position on that broker, and
+        # saves the session's read position (here: the same) merged.
+        read: dict[str, list[int]] = {}
         for sub, q in queue_of.items():
             for b in brokers:
                 copy = copy_name(q, b, HOME)
@@ -143,9 +160,11 @@ async def _write_deployment(cluster: RocketMQCluster, topic: str) -> Sent:
                 if sub == "sub-temp" and b != HOME:
                     done = 2
                 sent.committed[(sub, copy)] = done
+                read.setdefault(sub, []).append(done)
                 await client.update_consumer_offset(
                     addrs[b], encode_lmq(sub, topic), encode_lmq(q, topic), done
                 )
+        await save_sessions(read)
         # The brokers index light queues right after the append (their dispatch thread).
         deadline = time.monotonic() + 30
         for copy, devices in sent.copies.items():
@@ -189,6 +208,13 @@ def test_rows_come_from_both_brokers_named_by_copy_and_a_window_pulls_fewer_rang
     assert {r.broker for r in snap.ranges} == {"broker-a", "broker-b"}
     # Committed offsets and ends per copy, each from its own broker.
     assert snap.committed == spread.committed
+    # The merged session entries, one per copy with that broker's offsets (64-bit ints).
+    assert {
+        (s.client_id, s.queue): (s.start_offset, s.next_offset) for s in snap.subscriptions
+    } == {
+        (sub, copy): (STARTS[sub][spread.brokers.index(split_copy(copy)[1] or HOME)], done)
+        for (sub, copy), done in spread.committed.items()
+    }
     ends = {q.queue: q.end_offset for q in snap.ends}
     assert ends == {c: len(d) for c, d in spread.copies.items()}
 
@@ -238,10 +264,11 @@ def _expected(sent: Sent) -> dict[str, dict[str, float]]:
         fanout.setdefault(device, []).append(sum(_matches(f, mqtt_topic) for f in FILTERS.values()))
     due: Counter[str] = Counter()
     done: Counter[str] = Counter()
-    for (_, copy), committed in sent.committed.items():
+    for (sub, copy), committed in sent.committed.items():
+        start = STARTS[sub][sent.brokers.index(split_copy(copy)[1] or HOME)]
         for offset, device in enumerate(sent.copies.get(copy, [])):
-            due[device] += 1
-            done[device] += offset < committed
+            due[device] += offset >= start
+            done[device] += start <= offset < committed
     return {
         d: {
             "messages": len(f),
@@ -278,9 +305,11 @@ def test_report_of_a_deployment_on_two_brokers(
         for r in pq.read_table(tmp_path / "all" / "report" / "device_fanout").to_pylist()
     }
     expected = _expected(spread)
-    # dev-2: sub-all its 9 (4 on broker-a, 5 on broker-b), sub-temp its 4 on broker-a and 1
-    # of the 2 below its committed offset on broker-b's copy (dev-4 sent the other).
-    assert expected["dev-2"]["deliveries"] == 9 + 4 + 1
+    # dev-2: sub-all its 9 but the first on broker-b (before sub-all's start there), sub-temp
+    # its 4 on broker-a and 1 of the 2 below its committed offset on broker-b's copy (dev-4
+    # sent the other).
+    assert expected["dev-2"]["deliveries"] == 8 + 4 + 1
+    assert expected["dev-2"]["eligible"] == 8 + 4 + 5
     assert set(rows) == set(expected)
     for device, want in expected.items():
         got = rows[device]
