@@ -34,7 +34,9 @@ any machine that reaches the name server:
     queue ends    GET_MIN_OFFSET / GET_MAX_OFFSET of every copy of every subscribed light
                   queue, on its broker
     account       the delivery account stays in the gateway's data directory (--data-dir):
-                  without it, deliveries are counted from the committed offsets alone
+                  without it, deliveries are counted from the committed offsets alone. A
+                  spread gateway's account counts its light queues' messages over all
+                  brokers together, not per copy: the report leaves those records out.
 
 A message is stored on one broker, so it is in that broker's copies only: a subscriber holding
 `Q` and `Q\\x00b` is due it through one of them, and every count (fan-out, deliveries per
@@ -284,6 +286,11 @@ async def _read_deployment(dep: Deployment, range_messages: int) -> Snapshot:
     finally:
         await client.close()
     account = read_account(Path(dep.data_dir)) if dep.data_dir is not None else []
+    if slots_raw is not None:
+        # A spread gateway's account counts a queue's messages over all brokers together
+        # (gateway/delivery_account.py CountedAccount), not per copy: its light queues' records
+        # cannot be split, so their deliveries come from the committed offsets alone.
+        account = [r for r in account if not spread_queue(r.queue)]
     return Snapshot(dep, ranges, subs, committed, ends, account, home, brokers)
 
 

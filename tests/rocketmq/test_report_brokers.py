@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -333,3 +336,95 @@ def test_report_of_a_deployment_on_two_brokers(
     again = pq.read_table(tmp_path / "win" / "report" / "queue_backlog").to_pylist()
     for key in ("backlog_messages", "backlog_bytes", "oldest_undelivered_at"):
         assert {r["queue"]: r[key] for r in again} == {r["queue"]: r[key] for r in backlog}, key
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_report_of_a_real_spread_gateway_as_an_operator_runs_it(
+    rocketmq: RocketMQCluster, tmp_path: Path
+) -> None:
+    """A real `lmqtt serve --store rocketmq` with spread on: dev-1 publishes on `r/<i>/x`
+    (matched by `r/#` and `r/+/x`), dev-2 on `r/<i>/y` (`r/#` only), topics on both brokers.
+    `all` (r/#) acknowledges everything; the persistent `slow` (r/+/x) receives the first
+    round, acknowledges part of it and goes offline, then a second round is published. Then
+    `lmqtt report fanout --store rocketmq` from the name server alone (the sessions' merged
+    offsets decoded per broker): fan-out and deliveries per device, and each copy's backlog =
+    what `slow` has not acknowledged on that broker."""
+    from tests.gateway.conftest import Client, stop_clients, wait_until
+    from tests.rocketmq.test_gateway_rocketmq import ROOT
+    from tests.rocketmq.test_spread import BROKERS, spread_gateway, topics_by_broker
+
+    topic = f"e{uuid.uuid4().hex[:12]}"
+    xs = [f"r/{i}/x" for i in range(8)]
+    ys = [f"r/{i}/y" for i in range(8)]
+    assert all(topics_by_broker(xs).values()) and all(topics_by_broker(ys).values())
+    rounds = [[(t, f"{t} #{n}".encode()) for t in xs + ys] for n in range(2)]
+    g = spread_gateway(rocketmq, tmp_path / "data", topic).start()
+    made: list[Client] = []
+    try:
+        every = Client(g.port, "all", clean=False)
+        slow = Client(g.port, "slow", clean=False, auto_ack=False)
+        dev1, dev2 = Client(g.port, "dev-1"), Client(g.port, "dev-2")
+        made += [every, slow, dev1, dev2]
+        every.subscribe("r/#", 1)
+        slow.subscribe("r/+/x", 1)
+
+        def publish(msgs: list[tuple[str, bytes]]) -> None:
+            infos = [(dev1 if t.endswith("/x") else dev2).c.publish(t, p, 1) for t, p in msgs]
+            for info in infos:
+                info.wait_for_publish(30)
+
+        publish(rounds[0])
+        first = slow.wait_messages(len(xs), 60)
+        for m in first[:5]:
+            slow.c.ack(m.mid, m.qos)
+        acked = [m.topic for m in first[:5]]
+        slow.c.disconnect()  # after its PUBACKs on the connection
+        wait_until(lambda: slow.disconnected is not None, what="paho's DISCONNECT")
+        slow.c.loop_stop()
+        wait_until(
+            lambda: any("'slow' disconnected" in line for line in g.output),
+            30,
+            "the gateway to read the PUBACKs and the DISCONNECT",
+        )
+        publish(rounds[1])
+        every.wait_messages(len(rounds[0]) + len(rounds[1]), 60)
+    finally:
+        stop_clients(made)
+        assert g.stop() == 0  # graceful: the committed offsets are pushed to the brokers
+
+    out = tmp_path / "report"
+    lmqtt = Path(sys.executable).parent / "lmqtt"
+    done = subprocess.run(
+        [str(lmqtt), "report", "fanout", "--store", "rocketmq",
+         "--namesrv", rocketmq.namesrv_addr, "--rocketmq-topic", topic,
+         "--out", str(out), "--no-progress"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {r["client_id"]: r for r in pq.read_table(out / "report" / "device_fanout").to_pylist()}
+    n = len(rounds)
+    assert set(rows) == {"dev-1", "dev-2"}
+    want = {
+        # dev-1: to `all` and `slow`, of which `slow` acknowledged 5.
+        "dev-1": {"messages": n * len(xs), "fanout_max": 2, "fanout_mean": 2.0,
+                  "eligible": 2 * n * len(xs), "deliveries": n * len(xs) + 5},
+        "dev-2": {"messages": n * len(ys), "fanout_max": 1, "fanout_mean": 1.0,
+                  "eligible": n * len(ys), "deliveries": n * len(ys)},
+    }  # fmt: skip
+    for device, numbers in want.items():
+        assert {k: rows[device][k] for k in numbers} == pytest.approx(numbers), device
+    backlog = pq.read_table(out / "report" / "queue_backlog").to_pylist()
+    waiting = {r["queue"]: r["backlog_messages"] for r in backlog}
+    on = {t: broker_for(t.encode(), BROKERS) for t in xs}
+    x_queue, all_queue = queue_name("r/+/x"), queue_name("r/#")
+    assert waiting == {
+        **{copy_name(all_queue, b, HOME): 0 for b in BROKERS},
+        **{
+            copy_name(x_queue, b, HOME): sum(on[t] == b for t in xs) * n
+            - sum(on[t] == b for t in acked)
+            for b in BROKERS
+        },
+    }
+    assert all(waiting[copy_name(x_queue, b, HOME)] > 0 for b in BROKERS)
