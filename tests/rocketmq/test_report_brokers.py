@@ -428,3 +428,15 @@ def test_report_of_a_real_spread_gateway_as_an_operator_runs_it(
         },
     }
     assert all(waiting[copy_name(x_queue, b, HOME)] > 0 for b in BROKERS)
+
+    # With the gateway's data directory: its delivery account counts the light queues'
+    # messages over both brokers together, which no copy's offsets are: left out.
+    from store import read_account
+
+    assert any(r.queue == x_queue for r in read_account(tmp_path / "data"))
+    snap = read_deployment(
+        Deployment(rocketmq.namesrv_addr, topic, data_dir=str(tmp_path / "data"))
+    )
+    assert not [r for r in snap.account if r.queue.startswith("%LMQ%")]
+    slow_at = {s.queue: s for s in snap.subscriptions if s.client_id == "slow"}
+    assert set(slow_at) == {copy_name(x_queue, b, HOME) for b in BROKERS}
