@@ -215,21 +215,41 @@ async def _brokers(client: RemotingClient, dep: Deployment) -> tuple[str, str, d
     except RemotingError as exc:
         raise ClusterError(f"RocketMQ name server {dep.namesrv} unreachable: {exc}") from None
     addrs = route.master_addrs()
-    readable = {b: addrs[b] for b in route.readable_brokers()}
-    if dep.broker is None and len(readable) > 1:
-        # A spread deployment's topic is on every broker: its home is the one holding the
-        # state, the first by name (the gateway's rule, gateway/rocketmq_storage.py).
-        lmq = encode_lmq(STATE_QUEUE, dep.topic)
-        for name, addr in readable.items():
-            if await client.get_max_offset(addr, lmq) > 0:
-                return name, addr, readable
-    return home.name, home.addr, readable
+    return home.name, home.addr, {b: addrs[b] for b in route.readable_brokers()}
+
+
+async def _spread_home(
+    client: RemotingClient, dep: Deployment, brokers: dict[str, str], first: str
+) -> tuple[str, str, dict[str, bytes], bytes] | None:
+    """(home, its address, its sessions, its slots record) of a spread deployment whose home
+    is not `first`, the first broker by name: a spread topic is on every broker, and the
+    gateway's home is then the first by name whose %STATE% holds records (a broker that joined
+    later may sort first: gateway/rocketmq_storage.py). Only a state naming slots counts, so
+    a deployment that is not spread is read exactly as before. None: no such broker."""
+    lmq = encode_lmq(STATE_QUEUE, dep.topic)
+    for name, addr in brokers.items():
+        if name == first:
+            continue
+        try:
+            if await client.get_max_offset(addr, lmq) <= 0:
+                continue
+        except RemotingError:
+            continue
+        sessions, slots = await _state(client, addr, dep)
+        if slots is not None:
+            return name, addr, sessions, slots
+    return None
 
 
 async def _read_deployment(dep: Deployment, range_messages: int) -> Snapshot:
     client = _client(dep)
     try:
         home, home_addr, brokers = await _brokers(client, dep)
+        sessions, slots_raw = await _state(client, home_addr, dep)
+        if slots_raw is None and dep.broker is None and len(brokers) > 1:
+            spread_home = await _spread_home(client, dep, brokers, home)
+            if spread_home is not None:
+                home, home_addr, sessions, slots_raw = spread_home
         ranges: list[PullRange] = []
         for rank, (name, addr) in enumerate(brokers.items()):
             lo = await client.get_min_offset(addr, dep.topic)
@@ -245,7 +265,6 @@ async def _read_deployment(dep: Deployment, range_messages: int) -> Snapshot:
                 f"{dep.label} holds no messages (topic {dep.topic!r} is empty or unknown on"
                 f" {held}): is --rocketmq-topic the gateway's rocketmq_topic?"
             )
-        sessions, slots_raw = await _state(client, home_addr, dep)
         subs = subscriptions_of(session_records(sessions, dep.label), dep)
         if slots_raw is not None:  # a spread deployment: one subscription per copy
             slots = slots_from_state(slots_raw, home, [])

@@ -440,3 +440,54 @@ def test_report_of_a_real_spread_gateway_as_an_operator_runs_it(
     assert not [r for r in snap.account if r.queue.startswith("%LMQ%")]
     slow_at = {s.queue: s for s in snap.subscriptions if s.client_id == "slow"}
     assert set(slow_at) == {copy_name(x_queue, b, HOME) for b in BROKERS}
+
+
+def test_a_spread_home_that_does_not_sort_first_is_found_by_its_state(
+    rocketmq: RocketMQCluster,
+) -> None:
+    """A spread deployment whose home is broker-b (broker-a joined later, slot 1): the topic
+    is on both brokers, so the first by name is no longer the home; the report takes the one
+    whose %STATE% names the slots, as the gateway does, and names the copies from it."""
+    topic = f"h{uuid.uuid4().hex[:12]}"
+    q = queue_name("h/#")
+
+    async def write() -> None:
+        client = rocketmq.client()
+        try:
+            for addr in rocketmq.brokers.values():
+                await client.create_topic(addr, topic, queues=1)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if len((await client.get_route(topic)).readable_brokers()) == 2:
+                        break
+                except TopicNotExistError:
+                    pass
+                assert time.monotonic() < deadline, "the topic never got both brokers"
+                await asyncio.sleep(0.05)
+            entry = {"filter": "h/#", "queue": q, "share_group": None, "qos": 1,
+                     "start_offset": encode([0, 0]), "next_offset": encode([2, 1], 4)}  # fmt: skip
+            session = {"disconnected_at_ms": 1, "subscriptions": [entry]}
+            state = encode_state(
+                [(SLOTS_KEY, b'["broker-b", "broker-a"]'),
+                 ("session/s", json.dumps(session).encode())]
+            )  # fmt: skip
+            await client.send_message(
+                rocketmq.brokers["broker-b"], topic, state,
+                light_queues=[encode_lmq(STATE_QUEUE, topic)],
+            )  # fmt: skip
+            for addr in rocketmq.brokers.values():
+                await client.send_message(
+                    addr, topic, b"m", light_queues=[encode_lmq(q, topic)],
+                    properties={"mqtt.topic": "h/1", "mqtt.client": "d", "mqtt.qos": "1"},
+                )  # fmt: skip
+        finally:
+            await client.close()
+
+    asyncio.run(write())
+    snap = read_deployment(Deployment(rocketmq.namesrv_addr, topic))
+    assert snap.home == "broker-b"
+    # idx 4: the position after slot 1's (broker-a's) offset 1.
+    got = {s.queue: (s.start_offset, s.next_offset) for s in snap.subscriptions}
+    assert got == {q: (0, 2), q + "\x00broker-a": (0, 2)}
+    assert {r.home for r in snap.ranges} == {"broker-b"}
