@@ -22,15 +22,21 @@ any machine that reaches the name server:
                   matters (the timeline, --since/--until) the store timestamp gives it.
     subscriptions the %STATE% queue of the home broker, replayed from the offset committed for
                   %STATE-START% (the last compaction's snapshot), newest record per key: the
-                  `session/` records. A subscription's positions on a broker's copy are a
-                  subscription entry of their own, its queue the copy's name.
+                  `session/` records, and `meta/brokers` (the broker slots of a spread
+                  deployment, topicmap/spread.py). A spread session keeps ONE entry per light
+                  queue `Q`, its start/next offsets merged (the per-broker offsets packed,
+                  above 2**62); the report splits it into one subscription per copy (per_copy:
+                  `Q` on slot 0, the home, `Q\\x00b` on slot b), each with that broker's
+                  offsets, so every later step sees plain 64-bit offsets of one copy.
     committed     the broker's consumer offsets (group = the subscriber's light-queue name,
                   topic = the queue's), per copy from that copy's broker: the only copy, which
                   the gateway sends every second (gateway/rocketmq_offsets.py)
     queue ends    GET_MIN_OFFSET / GET_MAX_OFFSET of every copy of every subscribed light
                   queue, on its broker
     account       the delivery account stays in the gateway's data directory (--data-dir):
-                  without it, deliveries are counted from the committed offsets alone
+                  without it, deliveries are counted from the committed offsets alone. A
+                  spread gateway's account counts its light queues' messages over all
+                  brokers together, not per copy: the report leaves those records out.
 
 A message is stored on one broker, so it is in that broker's copies only: a subscriber holding
 `Q` and `Q\\x00b` is due it through one of them, and every count (fan-out, deliveries per
@@ -58,7 +64,8 @@ Records that are no MQTT message (the state batches, the gateway's start-up prob
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +105,7 @@ from topicmap.rocketmq import (
     decode_state,
     encode_lmq,
 )
+from topicmap.spread import SLOTS_KEY, position, slots_from_state, spread_queue
 
 #: Parent-queue offsets per Spark task.
 RANGE_MESSAGES = 200_000
@@ -210,10 +218,38 @@ async def _brokers(client: RemotingClient, dep: Deployment) -> tuple[str, str, d
     return home.name, home.addr, {b: addrs[b] for b in route.readable_brokers()}
 
 
+async def _spread_home(
+    client: RemotingClient, dep: Deployment, brokers: dict[str, str], first: str
+) -> tuple[str, str, dict[str, bytes], bytes] | None:
+    """(home, its address, its sessions, its slots record) of a spread deployment whose home
+    is not `first`, the first broker by name: a spread topic is on every broker, and the
+    gateway's home is then the first by name whose %STATE% holds records (a broker that joined
+    later may sort first: gateway/rocketmq_storage.py). Only a state naming slots counts, so
+    a deployment that is not spread is read exactly as before. None: no such broker."""
+    lmq = encode_lmq(STATE_QUEUE, dep.topic)
+    for name, addr in brokers.items():
+        if name == first:
+            continue
+        try:
+            if await client.get_max_offset(addr, lmq) <= 0:
+                continue
+        except RemotingError:
+            continue
+        sessions, slots = await _state(client, addr, dep)
+        if slots is not None:
+            return name, addr, sessions, slots
+    return None
+
+
 async def _read_deployment(dep: Deployment, range_messages: int) -> Snapshot:
     client = _client(dep)
     try:
         home, home_addr, brokers = await _brokers(client, dep)
+        sessions, slots_raw = await _state(client, home_addr, dep)
+        if slots_raw is None and dep.broker is None and len(brokers) > 1:
+            spread_home = await _spread_home(client, dep, brokers, home)
+            if spread_home is not None:
+                home, home_addr, sessions, slots_raw = spread_home
         ranges: list[PullRange] = []
         for rank, (name, addr) in enumerate(brokers.items()):
             lo = await client.get_min_offset(addr, dep.topic)
@@ -229,9 +265,15 @@ async def _read_deployment(dep: Deployment, range_messages: int) -> Snapshot:
                 f"{dep.label} holds no messages (topic {dep.topic!r} is empty or unknown on"
                 f" {held}): is --rocketmq-topic the gateway's rocketmq_topic?"
             )
-        subs = subscriptions_of(
-            session_records(await _state(client, home_addr, dep), dep.label), dep
-        )
+        subs = subscriptions_of(session_records(sessions, dep.label), dep)
+        if slots_raw is not None:  # a spread deployment: one subscription per copy
+            slots = slots_from_state(slots_raw, home, [])
+            if slots[0] != home:
+                raise ClusterError(
+                    f"{dep.label}: its brokers are numbered from home broker {slots[0]}"
+                    f" (state record {SLOTS_KEY}), not {home}: pass --rocketmq-broker {slots[0]}"
+                )
+            subs = per_copy(subs, slots)
         at = dict(brokers)
         at.setdefault(home, home_addr)
 
@@ -263,6 +305,11 @@ async def _read_deployment(dep: Deployment, range_messages: int) -> Snapshot:
     finally:
         await client.close()
     account = read_account(Path(dep.data_dir)) if dep.data_dir is not None else []
+    if slots_raw is not None:
+        # A spread gateway's account counts a queue's messages over all brokers together
+        # (gateway/delivery_account.py CountedAccount), not per copy: its light queues' records
+        # cannot be split, so their deliveries come from the committed offsets alone.
+        account = [r for r in account if not spread_queue(r.queue)]
     return Snapshot(dep, ranges, subs, committed, ends, account, home, brokers)
 
 
@@ -348,18 +395,48 @@ async def _backlog_start(
     return lowest
 
 
+def per_copy(subs: Iterable[Subscription], slots: Sequence[str]) -> list[Subscription]:
+    """The subscriptions of a spread deployment (broker `slots`, home first) per copy: each
+    entry of a spread queue `Q` becomes one per slot, named as analytics.copies names the
+    copies, its start/next offsets that broker's component of the merged ones (a value below
+    topicmap.spread.BASE is a home offset saved before spread: 0 elsewhere). Entries of other
+    queues (on the home broker only) stay as they are."""
+    out: list[Subscription] = []
+    n = len(slots)
+    for sub in subs:
+        if not spread_queue(sub.queue):
+            out.append(sub)
+            continue
+        start = None if sub.start_offset is None else position(sub.start_offset, n)
+        nxt = None if sub.next_offset is None else position(sub.next_offset, n)
+        for k, broker in enumerate(slots):
+            out.append(
+                dataclasses.replace(
+                    sub,
+                    queue=copy_name(sub.queue, broker, slots[0]),
+                    start_offset=None if start is None else start[k],
+                    next_offset=None if nxt is None else nxt[k],
+                )
+            )
+    return out
+
+
 def _subscriber(sub: Subscription) -> str:
     return SHARE_PREFIX + sub.share_group if sub.share_group else sub.client_id
 
 
-async def _state(client: RemotingClient, addr: str, dep: Deployment) -> dict[str, bytes]:
-    """The live `session/` records of the %STATE% queue (client id -> value), replayed as the
-    gateway replays it at start (topicmap/rocketmq.py)."""
+async def _state(
+    client: RemotingClient, addr: str, dep: Deployment
+) -> tuple[dict[str, bytes], bytes | None]:
+    """The live `session/` records of the %STATE% queue (client id -> value) and the value of
+    its `meta/brokers` record (None: not spread), replayed as the gateway replays it at start
+    (topicmap/rocketmq.py)."""
     lmq = encode_lmq(STATE_QUEUE, dep.topic)
     start = await client.query_consumer_offset(addr, encode_lmq(STATE_START, dep.topic), lmq)
     offset = max(await client.get_min_offset(addr, lmq), start or 0)
     hi = await client.get_max_offset(addr, lmq)
     state: dict[str, bytes] = {}
+    slots: bytes | None = None
     while offset < hi:
         try:
             res = await client.pull(
@@ -377,6 +454,8 @@ async def _state(client: RemotingClient, addr: str, dep: Deployment) -> dict[str
                     f"{dep.label}: a damaged state batch at CommitLog offset {rec.commitlog_offset}"
                 )
             for key, value in records:
+                if key == SLOTS_KEY:
+                    slots = value
                 if not key.startswith(SESSION_KEY_PREFIX):
                     continue
                 if value is None:
@@ -384,7 +463,7 @@ async def _state(client: RemotingClient, addr: str, dep: Deployment) -> dict[str
                 else:
                     state[key[len(SESSION_KEY_PREFIX) :]] = value
         offset = res.next_begin_offset
-    return state
+    return state, slots
 
 
 # -- the messages: one task's range -----------------------------------------------------------

@@ -8,29 +8,9 @@ from every broker and merged here, so the gateway's core still sees ONE queue `Q
 offset per message. `%STATE%`, `%RETAIN%` and `%CLUSTER%` (queues not named `%LMQ%...`) stay
 on the home broker: each needs one total order.
 
-Slots. The brokers of a deployment are numbered once, in the `meta/brokers` state record
-(a JSON list of names): slot 0 is the home broker, a broker seen later takes the next slot.
-The numbering never changes, so positions saved with it stay valid when brokers join.
-
-Offsets of a merged queue (the core keeps them as ints: positions in session records,
-in-flight entries, committed offsets of shared groups). A position is the vector of the
-per-broker offsets (one per slot, the copy's next offset there), packed:
-
-       v = BASE + (pack(vec) << IDX_BITS | idx)        pack(vec) = sum(vec[k] << (W * k))
-
-    idx 0        the position vec
-    idx 2k+1     the message at vec[k] of slot k (a message's offset: what `get` hands out)
-    idx 2k+2     the position after that message: vec + e_k (= the message's offset + 1,
-                 which is how the delivery loop moves on)
-
-A message read from position vec on slot k gets offset enc(vec, 2k+1); the next one
-enc(vec + e_k, ...) is larger, so offsets rise along a read as the core expects, `off + 1`
-is the position after `off`, and any offset names its broker and that broker's offset (an
-in-flight entry is re-read after a restart, on any node). A value below BASE is an offset of
-the home broker's copy saved before spread was turned on. Two representations of one position
-(enc(vec, 2k+2) = enc(vec + e_k, 0)) compare differently: a caught-up reader at the first
-looks "behind" the queue's end (`max_offset` is enc(maxes, 0)) until it reads again; its
-read finds nothing and it waits for the next arrival, as at the end.
+Slots and offsets. The brokers are numbered in the `meta/brokers` state record (slot 0 = home),
+and the core sees a merged queue's positions as one int packing the per-broker offsets: the
+format is drawn in topicmap/spread.py (the fan-out report decodes it too), imported here.
 
 Order in a read: the messages each broker's mirror holds from the position, merged by store
 timestamp (the brokers' clocks); a broker whose mirror is still pulling does not hold the
@@ -48,13 +28,18 @@ brokers' records by when they were stored.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from gateway.storage import GetResult, GetStatus, StoredMessage
+
+# The merged-offset format's home is topicmap/spread.py; its names stay importable from here.
+from topicmap.spread import BASE as BASE
+from topicmap.spread import SLOTS_KEY as SLOTS_KEY
+from topicmap.spread import decode, encode, message_at, spread_queue
+from topicmap.spread import slots_from_state as slots_from_state
 
 
 class Mirrors(Protocol):
@@ -87,58 +72,12 @@ class BrokerOffsets(Protocol):
 
 log = logging.getLogger("lmqtt.rocketmq")
 
-W = 48  # bits per broker's offset
-MASK = (1 << W) - 1
-IDX_BITS = 6
-MAX_SLOTS = 31  # idx 2k+2 < 2**IDX_BITS
-BASE = 1 << 62  # every merged offset is at or above it; a plain home offset below it
 EPOCH_MS = 1_735_689_600_000  # 2025-01-01: physical offsets stay below 2**62 until 2033
-SLOTS_KEY = "meta/brokers"
 #: How long a merged read waits for a broker's copy being pulled before it reads on without it.
 WAIT_S = 2.0
 #: The separator of a per-broker name (history queue `topic\x00broker`): never in an MQTT
 #: topic, filter or RocketMQ name.
 SEP = "\x00"
-
-
-def spread_queue(queue: str) -> bool:
-    """Whether gateway queue `queue` is merged over the brokers (a filter's light queue), or
-    lives on the home broker only (%STATE%, %RETAIN%, %CLUSTER%: one total order each)."""
-    return queue.startswith("%LMQ%")
-
-
-def encode(vec: Sequence[int], idx: int = 0) -> int:
-    packed = 0
-    for k, off in enumerate(vec):
-        packed |= off << (W * k)
-    return BASE + (packed << IDX_BITS | idx)
-
-
-def decode(value: int, slots: int) -> tuple[list[int], int]:
-    """(position vector, slot whose message is asked first or -1) of an offset."""
-    if value < BASE:  # a home-broker offset from before spread
-        return [value] + [0] * (slots - 1), -1
-    x = value - BASE
-    idx = x & ((1 << IDX_BITS) - 1)
-    packed = x >> IDX_BITS
-    vec = [(packed >> (W * k)) & MASK for k in range(slots)]
-    if idx:
-        k = (idx - 1) >> 1
-        if k >= slots:  # defensive: a slot this process does not know
-            return vec, -1
-        if idx & 1:
-            return vec, k
-        vec[k] += 1
-    return vec, -1
-
-
-def message_at(value: int, slots: int) -> tuple[int, int] | None:
-    """(slot, offset in that broker's copy) of a message's merged offset, or None if `value`
-    is a position rather than a message's offset."""
-    if value < BASE:
-        return 0, value
-    vec, pref = decode(value, slots)
-    return (pref, vec[pref]) if pref >= 0 else None
 
 
 def phys(slot: int, msg: StoredMessage) -> int:
@@ -148,24 +87,6 @@ def phys(slot: int, msg: StoredMessage) -> int:
 def log_max_now() -> int:
     """`log_max_offset` in the time-major form: records stored from now on are at or above."""
     return (int(time.time() * 1000) - EPOCH_MS) << 24
-
-
-def slots_from_state(raw: bytes | None, home: str, brokers: Sequence[str]) -> list[str]:
-    """The slot list: the recorded one (its home first), then `brokers` not in it, by name."""
-    known: list[str] = []
-    if raw:
-        try:
-            known = [str(b) for b in json.loads(raw)]
-        except (ValueError, TypeError):
-            log.warning("state record %s unreadable: brokers renumbered", SLOTS_KEY)
-    if not known:
-        known = [home]
-    for b in sorted(brokers):
-        if b not in known:
-            known.append(b)
-    if len(known) > MAX_SLOTS:
-        raise ValueError(f"more than {MAX_SLOTS} brokers in one deployment")
-    return known
 
 
 class MergedReads:

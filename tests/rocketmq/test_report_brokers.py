@@ -3,15 +3,21 @@
 
 The deployment is written here with the remoting client exactly as the gateway writes one: each
 message to the parent topic on `broker_for(MQTT topic, writable brokers)` with its matching light
-queues in INNER_MULTI_DISPATCH and the gateway's `mqtt.*` properties; the sessions as a state
-batch in the %STATE% queue of the home broker (broker-a), one subscription entry per copy of a
-queue (`Q` on broker-a, `Q\\x00broker-b` on broker-b); committed offsets per copy on the copy's
-broker. The expected numbers are simulated from what was sent, broker by broker."""
+queues in INNER_MULTI_DISPATCH and the gateway's `mqtt.*` properties; the sessions as state
+batches in the %STATE% queue of the home broker (broker-a): the broker slots (`meta/brokers`,
+broker-a slot 0) and ONE subscription entry per light queue `Q` whose start/next offsets are
+merged (topicmap/spread.py: the per-broker offsets packed, above 2**62), which the report
+splits into its copies (`Q` on broker-a, `Q\\x00broker-b` on broker-b); committed offsets per
+copy on the copy's broker. The expected numbers are simulated from what was sent, broker by
+broker."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -23,7 +29,7 @@ from typing import TYPE_CHECKING
 import pyarrow.parquet as pq
 import pytest
 
-from analytics.copies import copy_name
+from analytics.copies import copy_name, split_copy
 from analytics.rocketmq import (
     Deployment,
     PullRange,
@@ -36,6 +42,7 @@ from rocketmq_remoting import TopicNotExistError, broker_for
 from tests.rocketmq.cluster import RocketMQCluster
 from topicmap.naming import queue_name
 from topicmap.rocketmq import STATE_QUEUE, encode_lmq, encode_state
+from topicmap.spread import SLOTS_KEY, encode
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -52,6 +59,9 @@ TRAFFIC = {
     "dev-4": [("plant/4/temp", 2)],
 }
 FILTERS = {"sub-all": "plant/#", "sub-temp": "plant/+/temp"}
+#: Where each subscription starts, per broker slot (broker-a, broker-b): sub-all subscribed
+#: after broker-b's first message of its queue (dev-2's first plant/3/temp).
+STARTS = {"sub-all": [0, 1], "sub-temp": [0, 0]}
 #: Range size of the pruning test: several ranges per broker.
 SMALL_RANGES = 3
 
@@ -105,21 +115,28 @@ async def _write_deployment(cluster: RocketMQCluster, topic: str) -> Sent:
         addrs = route.master_addrs()
         sent = Sent(topic, brokers)
         queue_of = {sub: queue_name(f) for sub, f in FILTERS.items()}
-        # The session records, as the gateway writes them: one entry per copy.
-        sessions = {}
-        for sub, filt in FILTERS.items():
-            entries = [
-                {"filter": filt, "queue": copy_name(queue_of[sub], b, HOME), "share_group": None,
-                 "qos": 1, "start_offset": 0, "next_offset": 0}
-                for b in brokers
-            ]  # fmt: skip
-            sessions[sub] = {"disconnected_at_ms": None, "subscriptions": entries}
-        state = encode_state(
-            [(f"session/{k}", json.dumps(v).encode()) for k, v in sessions.items()]
-        )
-        await client.send_message(
-            addrs[HOME], topic, state, light_queues=[encode_lmq(STATE_QUEUE, topic)]
-        )
+        # The session records as the gateway writes them: one entry per light queue, its
+        # offsets merged over the broker slots, numbered in `meta/brokers`.
+        assert brokers[0] == HOME
+
+        async def save_sessions(next_of: dict[str, list[int]], *extra: tuple[str, bytes]) -> None:
+            sessions = {
+                sub: {"disconnected_at_ms": None, "subscriptions": [
+                    {"filter": filt, "queue": queue_of[sub], "share_group": None, "qos": 1,
+                     "start_offset": encode(STARTS[sub]), "next_offset": encode(next_of[sub])}
+                ]}
+                for sub, filt in FILTERS.items()
+            }  # fmt: skip
+            records = [
+                *extra,
+                *((f"session/{k}", json.dumps(v).encode()) for k, v in sessions.items()),
+            ]
+            await client.send_message(
+                addrs[HOME], topic, encode_state(records),
+                light_queues=[encode_lmq(STATE_QUEUE, topic)],
+            )  # fmt: skip
+
+        await save_sessions(STARTS, (SLOTS_KEY, json.dumps(brokers).encode()))
         for device, mqtt_topic in _send_order():
             broker = broker_for(mqtt_topic.encode(), brokers)
             queues = [q for sub, q in queue_of.items() if _matches(FILTERS[sub], mqtt_topic)]
@@ -135,7 +152,10 @@ async def _write_deployment(cluster: RocketMQCluster, topic: str) -> Sent:
             for q in queues:
                 sent.copies.setdefault(copy_name(q, broker, HOME), []).append(device)
             await asyncio.sleep(0.004)  # store timestamps spread over the run (pruning test)
-        # sub-all got everything; sub-temp all of broker-a's copy and 2 of broker-b's.
+        # sub-all got everything; sub-temp all of broker-a's copy and 2 of broker-b's. The
+        # gateway commits each broker's component of the merged position on that broker, and
+        # saves the session's read position (here: the same) merged.
+        read: dict[str, list[int]] = {}
         for sub, q in queue_of.items():
             for b in brokers:
                 copy = copy_name(q, b, HOME)
@@ -143,9 +163,11 @@ async def _write_deployment(cluster: RocketMQCluster, topic: str) -> Sent:
                 if sub == "sub-temp" and b != HOME:
                     done = 2
                 sent.committed[(sub, copy)] = done
+                read.setdefault(sub, []).append(done)
                 await client.update_consumer_offset(
                     addrs[b], encode_lmq(sub, topic), encode_lmq(q, topic), done
                 )
+        await save_sessions(read)
         # The brokers index light queues right after the append (their dispatch thread).
         deadline = time.monotonic() + 30
         for copy, devices in sent.copies.items():
@@ -189,6 +211,13 @@ def test_rows_come_from_both_brokers_named_by_copy_and_a_window_pulls_fewer_rang
     assert {r.broker for r in snap.ranges} == {"broker-a", "broker-b"}
     # Committed offsets and ends per copy, each from its own broker.
     assert snap.committed == spread.committed
+    # The merged session entries, one per copy with that broker's offsets (64-bit ints).
+    assert {
+        (s.client_id, s.queue): (s.start_offset, s.next_offset) for s in snap.subscriptions
+    } == {
+        (sub, copy): (STARTS[sub][spread.brokers.index(split_copy(copy)[1] or HOME)], done)
+        for (sub, copy), done in spread.committed.items()
+    }
     ends = {q.queue: q.end_offset for q in snap.ends}
     assert ends == {c: len(d) for c, d in spread.copies.items()}
 
@@ -238,10 +267,11 @@ def _expected(sent: Sent) -> dict[str, dict[str, float]]:
         fanout.setdefault(device, []).append(sum(_matches(f, mqtt_topic) for f in FILTERS.values()))
     due: Counter[str] = Counter()
     done: Counter[str] = Counter()
-    for (_, copy), committed in sent.committed.items():
+    for (sub, copy), committed in sent.committed.items():
+        start = STARTS[sub][sent.brokers.index(split_copy(copy)[1] or HOME)]
         for offset, device in enumerate(sent.copies.get(copy, [])):
-            due[device] += 1
-            done[device] += offset < committed
+            due[device] += offset >= start
+            done[device] += start <= offset < committed
     return {
         d: {
             "messages": len(f),
@@ -278,9 +308,11 @@ def test_report_of_a_deployment_on_two_brokers(
         for r in pq.read_table(tmp_path / "all" / "report" / "device_fanout").to_pylist()
     }
     expected = _expected(spread)
-    # dev-2: sub-all its 9 (4 on broker-a, 5 on broker-b), sub-temp its 4 on broker-a and 1
-    # of the 2 below its committed offset on broker-b's copy (dev-4 sent the other).
-    assert expected["dev-2"]["deliveries"] == 9 + 4 + 1
+    # dev-2: sub-all its 9 but the first on broker-b (before sub-all's start there), sub-temp
+    # its 4 on broker-a and 1 of the 2 below its committed offset on broker-b's copy (dev-4
+    # sent the other).
+    assert expected["dev-2"]["deliveries"] == 8 + 4 + 1
+    assert expected["dev-2"]["eligible"] == 8 + 4 + 5
     assert set(rows) == set(expected)
     for device, want in expected.items():
         got = rows[device]
@@ -304,3 +336,158 @@ def test_report_of_a_deployment_on_two_brokers(
     again = pq.read_table(tmp_path / "win" / "report" / "queue_backlog").to_pylist()
     for key in ("backlog_messages", "backlog_bytes", "oldest_undelivered_at"):
         assert {r["queue"]: r[key] for r in again} == {r["queue"]: r[key] for r in backlog}, key
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_report_of_a_real_spread_gateway_as_an_operator_runs_it(
+    rocketmq: RocketMQCluster, tmp_path: Path
+) -> None:
+    """A real `lmqtt serve --store rocketmq` with spread on: dev-1 publishes on `r/<i>/x`
+    (matched by `r/#` and `r/+/x`), dev-2 on `r/<i>/y` (`r/#` only), topics on both brokers.
+    `all` (r/#) acknowledges everything; the persistent `slow` (r/+/x) receives the first
+    round, acknowledges part of it and goes offline, then a second round is published. Then
+    `lmqtt report fanout --store rocketmq` from the name server alone (the sessions' merged
+    offsets decoded per broker): fan-out and deliveries per device, and each copy's backlog =
+    what `slow` has not acknowledged on that broker."""
+    from tests.gateway.conftest import Client, stop_clients, wait_until
+    from tests.rocketmq.test_gateway_rocketmq import ROOT
+    from tests.rocketmq.test_spread import BROKERS, spread_gateway, topics_by_broker
+
+    topic = f"e{uuid.uuid4().hex[:12]}"
+    xs = [f"r/{i}/x" for i in range(8)]
+    ys = [f"r/{i}/y" for i in range(8)]
+    assert all(topics_by_broker(xs).values()) and all(topics_by_broker(ys).values())
+    rounds = [[(t, f"{t} #{n}".encode()) for t in xs + ys] for n in range(2)]
+    g = spread_gateway(rocketmq, tmp_path / "data", topic).start()
+    made: list[Client] = []
+    try:
+        every = Client(g.port, "all", clean=False)
+        slow = Client(g.port, "slow", clean=False, auto_ack=False)
+        dev1, dev2 = Client(g.port, "dev-1"), Client(g.port, "dev-2")
+        made += [every, slow, dev1, dev2]
+        every.subscribe("r/#", 1)
+        slow.subscribe("r/+/x", 1)
+
+        def publish(msgs: list[tuple[str, bytes]]) -> None:
+            infos = [(dev1 if t.endswith("/x") else dev2).c.publish(t, p, 1) for t, p in msgs]
+            for info in infos:
+                info.wait_for_publish(30)
+
+        publish(rounds[0])
+        first = slow.wait_messages(len(xs), 60)
+        for m in first[:5]:
+            slow.c.ack(m.mid, m.qos)
+        acked = [m.topic for m in first[:5]]
+        slow.c.disconnect()  # after its PUBACKs on the connection
+        wait_until(lambda: slow.disconnected is not None, what="paho's DISCONNECT")
+        slow.c.loop_stop()
+        wait_until(
+            lambda: any("'slow' disconnected" in line for line in g.output),
+            30,
+            "the gateway to read the PUBACKs and the DISCONNECT",
+        )
+        publish(rounds[1])
+        every.wait_messages(len(rounds[0]) + len(rounds[1]), 60)
+    finally:
+        stop_clients(made)
+        assert g.stop() == 0  # graceful: the committed offsets are pushed to the brokers
+
+    out = tmp_path / "report"
+    lmqtt = Path(sys.executable).parent / "lmqtt"
+    done = subprocess.run(
+        [str(lmqtt), "report", "fanout", "--store", "rocketmq",
+         "--namesrv", rocketmq.namesrv_addr, "--rocketmq-topic", topic,
+         "--out", str(out), "--no-progress"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {r["client_id"]: r for r in pq.read_table(out / "report" / "device_fanout").to_pylist()}
+    n = len(rounds)
+    assert set(rows) == {"dev-1", "dev-2"}
+    want = {
+        # dev-1: to `all` and `slow`, of which `slow` acknowledged 5.
+        "dev-1": {"messages": n * len(xs), "fanout_max": 2, "fanout_mean": 2.0,
+                  "eligible": 2 * n * len(xs), "deliveries": n * len(xs) + 5},
+        "dev-2": {"messages": n * len(ys), "fanout_max": 1, "fanout_mean": 1.0,
+                  "eligible": n * len(ys), "deliveries": n * len(ys)},
+    }  # fmt: skip
+    for device, numbers in want.items():
+        assert {k: rows[device][k] for k in numbers} == pytest.approx(numbers), device
+    backlog = pq.read_table(out / "report" / "queue_backlog").to_pylist()
+    waiting = {r["queue"]: r["backlog_messages"] for r in backlog}
+    on = {t: broker_for(t.encode(), BROKERS) for t in xs}
+    x_queue, all_queue = queue_name("r/+/x"), queue_name("r/#")
+    assert waiting == {
+        **{copy_name(all_queue, b, HOME): 0 for b in BROKERS},
+        **{
+            copy_name(x_queue, b, HOME): sum(on[t] == b for t in xs) * n
+            - sum(on[t] == b for t in acked)
+            for b in BROKERS
+        },
+    }
+    assert all(waiting[copy_name(x_queue, b, HOME)] > 0 for b in BROKERS)
+
+    # With the gateway's data directory: its delivery account counts the light queues'
+    # messages over both brokers together, which no copy's offsets are: left out.
+    from store import read_account
+
+    assert any(r.queue == x_queue for r in read_account(tmp_path / "data"))
+    snap = read_deployment(
+        Deployment(rocketmq.namesrv_addr, topic, data_dir=str(tmp_path / "data"))
+    )
+    assert not [r for r in snap.account if r.queue.startswith("%LMQ%")]
+    slow_at = {s.queue: s for s in snap.subscriptions if s.client_id == "slow"}
+    assert set(slow_at) == {copy_name(x_queue, b, HOME) for b in BROKERS}
+
+
+def test_a_spread_home_that_does_not_sort_first_is_found_by_its_state(
+    rocketmq: RocketMQCluster,
+) -> None:
+    """A spread deployment whose home is broker-b (broker-a joined later, slot 1): the topic
+    is on both brokers, so the first by name is no longer the home; the report takes the one
+    whose %STATE% names the slots, as the gateway does, and names the copies from it."""
+    topic = f"h{uuid.uuid4().hex[:12]}"
+    q = queue_name("h/#")
+
+    async def write() -> None:
+        client = rocketmq.client()
+        try:
+            for addr in rocketmq.brokers.values():
+                await client.create_topic(addr, topic, queues=1)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if len((await client.get_route(topic)).readable_brokers()) == 2:
+                        break
+                except TopicNotExistError:
+                    pass
+                assert time.monotonic() < deadline, "the topic never got both brokers"
+                await asyncio.sleep(0.05)
+            entry = {"filter": "h/#", "queue": q, "share_group": None, "qos": 1,
+                     "start_offset": encode([0, 0]), "next_offset": encode([2, 1], 4)}  # fmt: skip
+            session = {"disconnected_at_ms": 1, "subscriptions": [entry]}
+            state = encode_state(
+                [(SLOTS_KEY, b'["broker-b", "broker-a"]'),
+                 ("session/s", json.dumps(session).encode())]
+            )  # fmt: skip
+            await client.send_message(
+                rocketmq.brokers["broker-b"], topic, state,
+                light_queues=[encode_lmq(STATE_QUEUE, topic)],
+            )  # fmt: skip
+            for addr in rocketmq.brokers.values():
+                await client.send_message(
+                    addr, topic, b"m", light_queues=[encode_lmq(q, topic)],
+                    properties={"mqtt.topic": "h/1", "mqtt.client": "d", "mqtt.qos": "1"},
+                )  # fmt: skip
+        finally:
+            await client.close()
+
+    asyncio.run(write())
+    snap = read_deployment(Deployment(rocketmq.namesrv_addr, topic))
+    assert snap.home == "broker-b"
+    # idx 4: the position after slot 1's (broker-a's) offset 1.
+    got = {s.queue: (s.start_offset, s.next_offset) for s in snap.subscriptions}
+    assert got == {q: (0, 2), q + "\x00broker-a": (0, 2)}
+    assert {r.home for r in snap.ranges} == {"broker-b"}
