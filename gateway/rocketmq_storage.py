@@ -587,13 +587,7 @@ async def _open(
             " messages and sessions kept there are not read",
             topic, ", ".join(others), name,
         )  # fmt: skip
-    try:
-        await client.create_topic(addr, topic, queues=1)
-    except RemotingError as exc:
-        raise StorageUnavailable(
-            f"broker {name} ({addr}) refused to create topic {topic!r}: {exc}"
-        ) from exc
-    await _check_broker_config(client, name, addr, sync=settings.flush == "sync")
+    await _prepare_broker(client, name, addr, topic, sync=settings.flush == "sync")
     storage = RocketMqStorage(
         Broker(client, name, addr, topic), local, sync=settings.flush == "sync", node_id=node_id
     )
@@ -652,13 +646,7 @@ async def _spread(
                 f"broker {name} holds part of topic {topic!r} (state record {SLOTS_KEY}) but is"
                 " not registered with the name server: start it (or its slave) again"
             )
-        try:
-            await client.create_topic(addr, topic, queues=1)
-        except RemotingError as exc:
-            raise StorageUnavailable(
-                f"broker {name} ({addr}) refused to create topic {topic!r}: {exc}"
-            ) from exc
-        await _check_broker_config(client, name, addr, sync=settings.flush == "sync")
+        await _prepare_broker(client, name, addr, topic, sync=settings.flush == "sync")
         await _probe_light_queues(client, name, addr, topic)
         storage.add_slot(Broker(client, name, addr, topic))
         log.info("broker %s (%s) holds part of topic %s now", name, addr, topic)
@@ -691,6 +679,20 @@ async def _state_holder(
             if await client.get_max_offset(addr, lmq) > 0:
                 return name, addr
     return default
+
+
+async def _prepare_broker(
+    client: RemotingClient, name: str, addr: str, topic: str, *, sync: bool
+) -> None:
+    """The parent topic created on a broker the deployment stores on, and its configuration
+    checked (light queues on, the send thread count): the home broker and every spread slot."""
+    try:
+        await client.create_topic(addr, topic, queues=1)
+    except RemotingError as exc:
+        raise StorageUnavailable(
+            f"broker {name} ({addr}) refused to create topic {topic!r}: {exc}"
+        ) from exc
+    await _check_broker_config(client, name, addr, sync=sync)
 
 
 async def _check_broker_config(client: RemotingClient, name: str, addr: str, *, sync: bool) -> None:
