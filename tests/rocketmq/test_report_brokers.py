@@ -350,9 +350,14 @@ def test_report_of_a_real_spread_gateway_as_an_operator_runs_it(
     `lmqtt report fanout --store rocketmq` from the name server alone (the sessions' merged
     offsets decoded per broker): fan-out and deliveries per device, and each copy's backlog =
     what `slow` has not acknowledged on that broker."""
-    from tests.gateway.conftest import Client, stop_clients, wait_until
+    from tests.gateway.conftest import Client, stop_clients
     from tests.rocketmq.test_gateway_rocketmq import ROOT
-    from tests.rocketmq.test_spread import BROKERS, spread_gateway, topics_by_broker
+    from tests.rocketmq.test_spread import (
+        BROKERS,
+        leave_after_acks,
+        spread_gateway,
+        topics_by_broker,
+    )
 
     topic = f"e{uuid.uuid4().hex[:12]}"
     xs = [f"r/{i}/x" for i in range(8)]
@@ -379,14 +384,7 @@ def test_report_of_a_real_spread_gateway_as_an_operator_runs_it(
         for m in first[:5]:
             slow.c.ack(m.mid, m.qos)
         acked = [m.topic for m in first[:5]]
-        slow.c.disconnect()  # after its PUBACKs on the connection
-        wait_until(lambda: slow.disconnected is not None, what="paho's DISCONNECT")
-        slow.c.loop_stop()
-        wait_until(
-            lambda: any("'slow' disconnected" in line for line in g.output),
-            30,
-            "the gateway to read the PUBACKs and the DISCONNECT",
-        )
+        leave_after_acks(slow, g, "slow")
         publish(rounds[1])
         every.wait_messages(len(rounds[0]) + len(rounds[1]), 60)
     finally:

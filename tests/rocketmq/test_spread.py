@@ -54,6 +54,27 @@ def spread_gateway(
     )  # fmt: skip
 
 
+def leave_after_acks(c: Client, g: ServeProcess, client_id: str) -> None:
+    """`c` (client id `client_id`) disconnects after the PUBACKs it queued, and the gateway
+    has read them: DISCONNECT follows them on the connection, and paho writes its queued
+    packets from its network thread, so the thread is stopped only once the DISCONNECT is
+    out.
+
+    The caller first waits for everything the gateway will send `c` (a window it refilled):
+    a socket closed with unread data sends RST, not FIN, and an RST makes the gateway's
+    kernel drop what it had received and the gateway not yet read, PUBACKs and DISCONNECT
+    included (on a loaded host the test then saw no DISCONNECT, and the acknowledged
+    messages came again: a client's race, not the gateway's)."""
+    c.c.disconnect()
+    wait_until(lambda: c.disconnected is not None, what="paho's DISCONNECT")
+    c.c.loop_stop()
+    wait_until(
+        lambda: any(f"'{client_id}' disconnected" in line for line in g.output),
+        30,
+        "the gateway to read the PUBACKs and the DISCONNECT",
+    )
+
+
 def broker_ends(rocketmq: RocketMQCluster, topic: str, tf: str) -> dict[str, int]:
     """GET_MAX_OFFSET of the light queue of filter `tf` on each broker."""
     lmq = encode_lmq(queue_name(tf), topic)
@@ -131,19 +152,14 @@ def test_many_topics_land_on_both_brokers_each_delivered_once_in_topic_order_and
             first = list(slow.messages)
         for m in first[:60]:
             slow.c.ack(m.mid, m.qos)
+        # The gateway reads the 60 PUBACKs and fills the window again: 60 more come, and
+        # then nothing until `slow` acknowledges (see leave_after_acks). 100 stay in flight.
+        first = slow.wait_messages(160, 60)
         acked = {(m.topic, bytes(m.payload)) for m in first[:60]}
         unacked = {(m.topic, bytes(m.payload)) for m in first[60:]}
+        assert len(unacked) == 100
         assert {broker_for(t.encode(), BROKERS) for t, _ in unacked} == set(BROKERS)
-        # DISCONNECT follows the PUBACKs on the connection; paho writes its queued packets
-        # from its network thread: stopped only once the DISCONNECT is out.
-        slow.c.disconnect()
-        wait_until(lambda: slow.disconnected is not None, what="paho's DISCONNECT")
-        slow.c.loop_stop()
-        wait_until(
-            lambda: any("'slow' disconnected" in line for line in g.output),
-            30,
-            "the gateway to read the PUBACKs and the DISCONNECT",
-        )
+        leave_after_acks(slow, g, "slow")
         g.stop()
         shutil.rmtree(data)
         g.start()
