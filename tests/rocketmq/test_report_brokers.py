@@ -38,7 +38,7 @@ from analytics.rocketmq import (
     pull_batches,
     read_deployment,
 )
-from rocketmq_remoting import TopicNotExistError, broker_for
+from rocketmq_remoting import RemotingClient, TopicNotExistError, TopicRoute, broker_for
 from tests.rocketmq.cluster import RocketMQCluster
 from topicmap.naming import queue_name
 from topicmap.rocketmq import STATE_QUEUE, encode_lmq, encode_state
@@ -96,21 +96,29 @@ def _send_order() -> list[tuple[str, str]]:
     return out
 
 
+async def _topic_on_both(
+    client: RemotingClient, cluster: RocketMQCluster, topic: str
+) -> TopicRoute:
+    """`topic` created on both brokers; returns its route once the name server lists both
+    as writable (their registrations come a moment after the creation)."""
+    for addr in cluster.brokers.values():
+        await client.create_topic(addr, topic, queues=1)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            route = await client.get_route(topic)
+            if len(route.writable_brokers()) == 2:
+                return route
+        except TopicNotExistError:
+            pass
+        assert time.monotonic() < deadline, "the topic never got both brokers"
+        await asyncio.sleep(0.05)
+
+
 async def _write_deployment(cluster: RocketMQCluster, topic: str) -> Sent:
     client = cluster.client()
     try:
-        for addr in cluster.brokers.values():
-            await client.create_topic(addr, topic, queues=1)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                route = await client.get_route(topic)
-                if len(route.writable_brokers()) == 2:
-                    break
-            except TopicNotExistError:
-                pass
-            assert time.monotonic() < deadline, "the topic never got both brokers"
-            await asyncio.sleep(0.05)
+        route = await _topic_on_both(client, cluster, topic)
         brokers = route.writable_brokers()
         addrs = route.master_addrs()
         sent = Sent(topic, brokers)
@@ -452,17 +460,7 @@ def test_a_spread_home_that_does_not_sort_first_is_found_by_its_state(
     async def write() -> None:
         client = rocketmq.client()
         try:
-            for addr in rocketmq.brokers.values():
-                await client.create_topic(addr, topic, queues=1)
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if len((await client.get_route(topic)).readable_brokers()) == 2:
-                        break
-                except TopicNotExistError:
-                    pass
-                assert time.monotonic() < deadline, "the topic never got both brokers"
-                await asyncio.sleep(0.05)
+            await _topic_on_both(client, rocketmq, topic)
             entry = {"filter": "h/#", "queue": q, "share_group": None, "qos": 1,
                      "start_offset": encode([0, 0]), "next_offset": encode([2, 1], 4)}  # fmt: skip
             session = {"disconnected_at_ms": 1, "subscriptions": [entry]}
