@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -59,6 +58,7 @@ from gateway.protocol import (
     PubRel,
     ReasonCode,
 )
+from gateway.protocol.accelerators import pure_python
 from gateway.recent import PreparedCache, RecentMessages
 from gateway.records import RecordedPublish, read_record
 from gateway.replay import Replay, ReplayPacer
@@ -1086,9 +1086,8 @@ _MISSING = object()
 def _load_plain_run() -> PlainRun:
     """The C `plain_run` when it was built, else the reference; LMQTT_PURE_PYTHON (every
     accelerator) or LMQTT_PURE_PYTHON_DELIVERY (this one, for A/B runs) keep the reference."""
-    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_DELIVERY"):
-        if os.environ.get(name, "") not in ("", "0"):
-            return plain_run_py
+    if pure_python("LMQTT_PURE_PYTHON_DELIVERY"):
+        return plain_run_py
     try:
         from gateway.protocol import _speedups
     except ImportError:

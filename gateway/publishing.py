@@ -14,10 +14,10 @@ which clear it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from gateway.protocol import Publish
+from gateway.protocol.accelerators import pure_python
 from gateway.recent import RecentMessages
 from gateway.records import PublishProperties, message_properties
 from gateway.retained import RetainedIndex, RetainedMessage
@@ -74,9 +74,8 @@ def _load_encode_publishes() -> Callable[..., int]:
     """The C `encode_publishes` when it was built, else encode_publishes_py; LMQTT_PURE_PYTHON
     (every accelerator) or LMQTT_PURE_PYTHON_APPEND (the append path's, for A/B runs) keep the
     reference."""
-    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_APPEND"):
-        if os.environ.get(name, "") not in ("", "0"):
-            return encode_publishes_py
+    if pure_python("LMQTT_PURE_PYTHON_APPEND"):
+        return encode_publishes_py
     try:
         from gateway.protocol import _speedups
     except ImportError:

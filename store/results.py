@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
+
+from store.accelerators import pure_python
 
 
 class GetStatus(enum.Enum):
@@ -117,9 +118,8 @@ StoredRuns = Callable[..., dict[str, tuple[list[StoredMessage], int]]]
 def _load_stored_runs() -> StoredRuns:
     """store/_speedups.c's stored_runs when it was built, else stored_runs_py;
     LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_APPEND keep the reference."""
-    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_APPEND"):
-        if os.environ.get(name, "") not in ("", "0"):
-            return stored_runs_py
+    if pure_python("LMQTT_PURE_PYTHON_APPEND"):
+        return stored_runs_py
     try:
         from store import _speedups
     except ImportError:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from store.accelerators import pure_python
 from store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from store.commitlog import BatchWriter, CommitLog
 from store.config import FlushMode, StoreConfig
@@ -98,7 +99,7 @@ _time = time.time
 def _load_append_record() -> Callable[..., int]:
     """store/_speedups.c's append_record when it was built and LMQTT_PURE_PYTHON is not
     set, else its reference, format.append_record: the same bytes either way."""
-    if os.environ.get("LMQTT_PURE_PYTHON", "") not in ("", "0"):
+    if pure_python():
         return append_record
     try:
         from store import _speedups
@@ -200,9 +201,8 @@ def _load_runs() -> tuple[Callable[..., int], Callable[..., int]]:
     """store/_speedups.c's write_run and prepare_run when it was built, else write_run_py and
     prepare_run_py; LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_APPEND (this
     path's, for A/B runs) keep the references."""
-    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_APPEND"):
-        if os.environ.get(name, "") not in ("", "0"):
-            return write_run_py, prepare_run_py
+    if pure_python("LMQTT_PURE_PYTHON_APPEND"):
+        return write_run_py, prepare_run_py
     try:
         from store import _speedups
     except ImportError:

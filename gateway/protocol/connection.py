@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from gateway.protocol import packet_types as pt
 from gateway.protocol import wire, writers
+from gateway.protocol.accelerators import pure_python
 from gateway.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from gateway.protocol.events import (
     Auth,
@@ -81,9 +81,8 @@ Scan = Callable[
 
 
 def _load_scan() -> Scan | None:
-    for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_READ"):
-        if os.environ.get(name, "") not in ("", "0"):
-            return None
+    if pure_python("LMQTT_PURE_PYTHON_READ"):
+        return None
     if not writers.SPEEDUPS:
         return None  # not built: configure() (which binds Publish) never ran
     from gateway.protocol import _speedups

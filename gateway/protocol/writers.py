@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import os
 import struct
 from collections.abc import Callable
 from typing import Any
 
 from gateway.protocol import packet_types as pt
 from gateway.protocol import wire
+from gateway.protocol.accelerators import pure_python
 from gateway.protocol.errors import LocalProtocolError
 from gateway.protocol.events import (
     Auth,
@@ -412,7 +412,7 @@ def _load_speedups() -> Callable[[Event, int], bytes]:
     It encodes the fast-path PUBLISH shapes of `_encode_py` byte for byte the same and hands
     every other call to `_encode_py`, so errors and rare shapes behave as in pure Python.
     """
-    if os.environ.get("LMQTT_PURE_PYTHON", "") not in ("", "0"):
+    if pure_python():
         return _encode_py
     try:
         from gateway.protocol import _speedups
