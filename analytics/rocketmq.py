@@ -30,7 +30,7 @@ any machine that reaches the name server:
                   offsets, so every later step sees plain 64-bit offsets of one copy.
     committed     the broker's consumer offsets (group = the subscriber's light-queue name,
                   topic = the queue's), per copy from that copy's broker: the only copy, which
-                  the gateway sends every second (gateway/rocketmq_offsets.py)
+                  the gateway sends every second (gateway/storage/rocketmq/offsets.py)
     queue ends    GET_MIN_OFFSET / GET_MAX_OFFSET of every copy of every subscribed light
                   queue, on its broker
     account       the delivery account stays in the gateway's data directory (--data-dir):
@@ -224,7 +224,7 @@ async def _spread_home(
     """(home, its address, its sessions, its slots record) of a spread deployment whose home
     is not `first`, the first broker by name: a spread topic is on every broker, and the
     gateway's home is then the first by name whose %STATE% holds records (a broker that joined
-    later may sort first: gateway/rocketmq_storage.py). Only a state naming slots counts, so
+    later may sort first: gateway/storage/rocketmq/adapter.py). Only a state naming slots counts, so
     a deployment that is not spread is read exactly as before. None: no such broker."""
     lmq = encode_lmq(STATE_QUEUE, dep.topic)
     for name, addr in brokers.items():
@@ -307,7 +307,7 @@ async def _read_deployment(dep: Deployment, range_messages: int) -> Snapshot:
     account = read_account(Path(dep.data_dir)) if dep.data_dir is not None else []
     if slots_raw is not None:
         # A spread gateway's account counts a queue's messages over all brokers together
-        # (gateway/delivery_account.py CountedAccount), not per copy: its light queues' records
+        # (gateway/delivery/account.py CountedAccount), not per copy: its light queues' records
         # cannot be split, so their deliveries come from the committed offsets alone.
         account = [r for r in account if not spread_queue(r.queue)]
     return Snapshot(dep, ranges, subs, committed, ends, account, home, brokers)

@@ -37,7 +37,7 @@ from topicmap import LMQ_PREFIX, filter_of
 
 SESSIONS_FILE = "sessions.json"  # before the state log
 # The gateway's session records in the state log (store/statelog.py): key prefix + client id,
-# value the session as JSON (gateway/session.py; analytics never imports it).
+# value the session as JSON (gateway/session/registry.py; analytics never imports it).
 SESSION_KEY_PREFIX = "session/"
 SHARE_PREFIX = "$share/"
 LIGHT_QUEUE_PREFIX = LMQ_PREFIX

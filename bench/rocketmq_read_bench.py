@@ -7,7 +7,7 @@ queues each, as a fan-out of 3), then reads them back twice, each pass timed in 
 CPU time of this process and of the broker's JVM:
 
     report  analytics.rocketmq.pull_batches over every range (rows of the report's schema)
-    export  gateway.rocketmq_history.PulledHistory through the replay cursor (lmqtt replay)
+    export  gateway.storage.rocketmq.history.PulledHistory through the replay cursor (lmqtt replay)
 
 Figures from a shared, loaded host are only comparable within one run.
 """
@@ -71,7 +71,7 @@ def main() -> int:
     args = parser.parse_args()
     ensure_jars()
     from analytics.rocketmq import Deployment, pull_batches, read_deployment
-    from gateway.replay_export import open_rocketmq_history, replay_rows
+    from gateway.ops.replay_export import open_rocketmq_history, replay_rows
     from topicmap import TopicFilter
 
     with tempfile.TemporaryDirectory(prefix="lmqtt-rmqread-") as tmp:

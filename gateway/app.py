@@ -7,8 +7,8 @@
 
 `start()` builds every collaborator once and hands each part what it uses (uvicorn's shape:
 its Server gives protocols a small ServerState, not itself): connections get a ClientContext
-(gateway/client.py), delivery loops a DeliveryContext (gateway/delivery.py), the metrics their
-MetricsSources. Nothing but this module, the CLI and tests holds the Gateway.
+(gateway/connection/client.py), delivery loops a DeliveryContext (gateway/delivery/loop.py), the
+metrics their MetricsSources. Nothing but this module, the CLI and tests holds the Gateway.
 """
 
 from __future__ import annotations
@@ -17,36 +17,42 @@ import asyncio
 import contextlib
 import logging
 
-from gateway.access import AccessControl
-from gateway.arrivals import ArrivalHub
+from gateway.access.control import AccessControl
 from gateway.backends import open_backend
-from gateway.client import ClientConnection, ClientContext, ClusterLink, ServerState, SingleNode
-from gateway.cluster import Cluster, supports_cluster
+from gateway.cluster.node import Cluster, supports_cluster
 from gateway.config import GatewaySettings
-from gateway.cursor import QueueCursor
-from gateway.delivery import DeliveryContext
-from gateway.delivery_account import CountedAccount, DeliveryAccount, NoDeliveryAccount
-from gateway.embedded import open_account
-from gateway.gc_monitor import GcMonitor
-from gateway.ingest import IngestBatch
-from gateway.listeners import ExtraListeners
-from gateway.metrics import MetricsSources
-from gateway.overload import OverloadGuard
+from gateway.connection.client import (
+    ClientConnection,
+    ClientContext,
+    ClusterLink,
+    ServerState,
+    SingleNode,
+)
+from gateway.connection.ingest import IngestBatch
+from gateway.connection.overload import OverloadGuard
+from gateway.connection.timers import TimerWheel
+from gateway.delivery.account import CountedAccount, DeliveryAccount, NoDeliveryAccount
+from gateway.delivery.arrivals import ArrivalHub
+from gateway.delivery.loop import DeliveryContext
+from gateway.delivery.shared import SharedSubscriptions
+from gateway.lifecycle.sessions import SessionLifecycle
+from gateway.lifecycle.subscriptions import SubscriptionLifecycle
+from gateway.messages.publishing import PublishPath
+from gateway.messages.recent import PreparedCache, RecentMessages
+from gateway.messages.retained import RetainedIndex
+from gateway.messages.sys_topics import SysPublisher
+from gateway.net.listeners import ExtraListeners
+from gateway.net.server import MqttServerProtocol
+from gateway.ops.gc_monitor import GcMonitor
+from gateway.ops.metrics import MetricsSources
 from gateway.protocol import ReasonCode
-from gateway.publishing import PublishPath
-from gateway.recent import PreparedCache, RecentMessages
-from gateway.replay import ReplayPacer
-from gateway.retained import RetainedIndex
-from gateway.server import MqttServerProtocol
-from gateway.session import SessionRegistry
-from gateway.session_lifecycle import SessionLifecycle
-from gateway.shared import SharedSubscriptions
+from gateway.session.registry import SessionRegistry
+from gateway.session.replay import ReplayPacer
+from gateway.session.wills import Wills
 from gateway.stats import GatewayStats
-from gateway.storage import AccountWriter, Storage, StorageUnavailable
-from gateway.subscription_lifecycle import SubscriptionLifecycle
-from gateway.sys_topics import SysPublisher
-from gateway.timers import TimerWheel
-from gateway.will import Wills
+from gateway.storage.cursor import QueueCursor
+from gateway.storage.embedded import open_account
+from gateway.storage.port import AccountWriter, Storage, StorageUnavailable
 from topicmap import Router
 
 log = logging.getLogger("lmqtt.gateway")
@@ -66,7 +72,7 @@ class Gateway:
         self.gc = GcMonitor()  # GC pause figures, gc.freeze after connect bursts
         # Checks the security settings and files now: a bad one stops us before start().
         self.access = AccessControl(settings)
-        # TLS, WebSocket, admin HTTP (gateway/listeners.py); a bad certificate stops us here.
+        # TLS, WebSocket, admin HTTP (gateway/net/listeners.py); a bad certificate stops us here.
         self.listeners = ExtraListeners(settings)
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
@@ -83,9 +89,10 @@ class Gateway:
         self.subscriptions: SubscriptionLifecycle
         self.shared: SharedSubscriptions
         self.wills: Wills
-        self.ingest: IngestBatch | None  # None in sync flush mode (see gateway/ingest.py)
+        # None in sync flush mode (see gateway/connection/ingest.py)
+        self.ingest: IngestBatch | None
         self.overload: OverloadGuard
-        self.timers: TimerWheel  # connect timeouts and keep-alive (gateway/timers.py)
+        self.timers: TimerWheel  # connect timeouts and keep-alive (gateway/connection/timers.py)
         self.account: DeliveryAccount
 
     @property
@@ -103,7 +110,7 @@ class Gateway:
     async def publish_internal(
         self, topic: str, payload: bytes, retain: bool = False, qos: int = 0
     ) -> None:
-        """Publish as the gateway itself (gateway/publishing.py)."""
+        """Publish as the gateway itself (gateway/messages/publishing.py)."""
         await self.publisher.publish_internal(topic, payload, retain, qos)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -173,7 +180,8 @@ class Gateway:
             stats=self.stats,
             sessions=registry,
             account=account,
-            replay_pacer=ReplayPacer(),  # the loop share replays may use (gateway/replay.py)
+            # the loop share replays may use (gateway/session/replay.py)
+            replay_pacer=ReplayPacer(),
             overload=self.overload,
             max_inflight=s.max_inflight,
             outbound_topic_aliases=s.outbound_topic_aliases,

@@ -12,7 +12,7 @@ Errors are one clear line (or one per problem) on stderr, never a traceback; run
 
 `report` and `sim` are other packages' commands, imported lazily (the gateway must never import
 pyspark): `lmqtt report ARGS` calls `analytics.cli.main(ARGS)`, `lmqtt sim ARGS` calls
-`gateway.sim.cli.main(ARGS)`.
+`sim.cli.main(ARGS)`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ EXIT_FORCED = 130
 # name -> (module, what to install when it is missing)
 SUBTOOLS: dict[str, tuple[str, str]] = {
     "report": ("analytics.cli", "pip install 'lmqtt[analytics]' (PySpark, pyarrow, pandas)"),
-    "sim": ("gateway.sim.cli", "pip install 'lmqtt[sim]' (amqtt)"),
+    "sim": ("sim.cli", "pip install 'lmqtt[sim]' (amqtt)"),
 }
 
 
@@ -347,7 +347,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _err(str(exc))
         return EXIT_USAGE
     except Exception as exc:
-        from gateway.storage import StorageUnavailable, StoreError, StoreLockedError
+        from gateway.storage.port import StorageUnavailable, StoreError, StoreLockedError
 
         if isinstance(exc, StorageUnavailable):
             log.error("cannot start: %s", exc)
@@ -368,7 +368,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from gateway.inspect import InspectError, inspect_data_dir, render_json, render_text
+    from gateway.ops.inspection import InspectError, inspect_data_dir, render_json, render_text
 
     data_dir = args.data_dir
     if data_dir is None:
@@ -396,7 +396,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_passwd(args: argparse.Namespace) -> int:
     import getpass
 
-    from gateway.auth import PasswordFile, SecurityError
+    from gateway.access.auth import PasswordFile, SecurityError
 
     path: Path = args.file
     try:
@@ -443,15 +443,15 @@ def _cmd_passwd(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from gateway.protocol import ReasonCode
-    from gateway.replay_export import (
+    from gateway.ops.replay_export import (
         open_rocketmq_history,
         open_store,
         replay_rows,
         write_jsonl,
         write_parquet,
     )
-    from gateway.storage import StoreError
+    from gateway.protocol import ReasonCode
+    from gateway.storage.port import StoreError
     from topicmap import TopicError, TopicFilter, parse_replay_from
 
     try:

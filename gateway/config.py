@@ -96,7 +96,7 @@ class GatewaySettings(BaseSettings):
     retention_hours: float | None = Field(default=None, gt=0)
     retention_bytes: int | None = Field(default=None, gt=0)
     # embedded: the CommitLog under data_dir (one machine). rocketmq: messages on an Apache
-    # RocketMQ 5 broker with light queues (gateway/rocketmq_storage.py, docs/rocketmq.md);
+    # RocketMQ 5 broker with light queues (gateway/storage/rocketmq/adapter.py, docs/rocketmq.md);
     # the session state stays under data_dir for now.
     store: Literal["embedded", "rocketmq"] = "embedded"
     namesrv: str | None = None  # RocketMQ name server, host:port
@@ -104,12 +104,12 @@ class GatewaySettings(BaseSettings):
     rocketmq_broker: str | None = None
     rocketmq_topic: str = Field(default="lmqtt", pattern=r"^[%|a-zA-Z0-9_-]{1,127}$")
     # Spread the messages over every registered broker by MQTT topic (state, retained and
-    # the cluster bus stay on the home broker): gateway/rocketmq_spread.py.
+    # the cluster bus stay on the home broker): gateway/storage/rocketmq/spread.py.
     rocketmq_spread: bool = False
     # Seconds between a spread deployment's looks for brokers that joined the cluster.
     rocketmq_route_poll: float = Field(default=30.0, gt=0)
     # Cluster mode (store = rocketmq): several gateway nodes on one rocketmq_topic, each with
-    # `cluster = true` (gateway/cluster.py). A node fenced by its lease stops; a lost node's
+    # `cluster = true` (gateway/cluster/node.py). A node fenced by its lease stops; a lost node's
     # wills are out within the lease (keep it under 1.5 x the clients' keep-alive).
     cluster: bool = False
     cluster_lease: float = Field(default=5.0, gt=0.2, le=300)  # seconds
@@ -131,7 +131,7 @@ class GatewaySettings(BaseSettings):
     # Outbound messages a session may have read ahead of its acknowledgements (memory bound).
     max_queued_messages: int = Field(default=1000, ge=1)
 
-    # --- security (gateway/auth.py, gateway/acl.py, gateway/access.py)
+    # --- security (gateway/access/auth.py, gateway/access/acl.py, gateway/access/control.py)
     password_file: Path | None = None  # `lmqtt passwd FILE USER` writes it
     acl_file: Path | None = None  # Mosquitto ACL syntax; none = every client may do anything
     # None = anonymous clients allowed only when there is no password file and every listener
@@ -151,7 +151,7 @@ class GatewaySettings(BaseSettings):
     admin_host: str = "127.0.0.1"  # /metrics and /health
     admin_port: int | None = Field(default=None, ge=0, le=U16_MAX)
 
-    # --- hostile-client limits (gateway/limits.py)
+    # --- hostile-client limits (gateway/access/limits.py)
     connect_timeout: float = Field(default=10.0, gt=0)  # s for a new socket to send CONNECT
     max_topic_length: int = Field(default=65535, ge=1, le=U16_MAX)  # bytes
     max_topic_levels: int = Field(default=128, ge=1)
@@ -164,7 +164,7 @@ class GatewaySettings(BaseSettings):
     # --- services
     sys_interval: float = Field(default=10.0, ge=0)  # $SYS publish period in s, 0 = off
     retained_snapshot_interval: float = Field(default=60.0, gt=0)  # s between retained snapshots
-    # The delivery account (gateway/delivery_account.py): what every subscription was sent and
+    # The delivery account (gateway/delivery/account.py): what every subscription was sent and
     # acknowledged, for the fan-out report. Off: no account files, and reports count the
     # deliveries of persistent sessions only (their committed offsets).
     delivery_account: bool = True

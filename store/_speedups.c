@@ -579,7 +579,7 @@ write_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * offset, timestamp, timestamp, parent offset, queues), where queues is the message's own
  * tuple when it names each light queue once, else the queues in dispatch order; with the
  * sum of their body lengths. The reference is store.results.stored_runs_py
- * (tests/store/test_stored_runs.py, hypothesis); gateway/recent.py fills its cache with it.
+ * (tests/store/test_stored_runs.py, hypothesis); gateway/messages/recent.py fills its cache with it.
  */
 static PyObject *
 stored_runs(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)

@@ -1,8 +1,8 @@
 """How lmqtt lays its data out on Apache RocketMQ: light-queue names and the state batches.
 
 One home for the layout, because two sides that must not import each other read it: the
-gateway writes it (gateway/rocketmq_storage.py) and the fan-out report reads it straight from
-the broker (analytics/rocketmq.py). Standard library only, like the rest of topicmap.
+gateway writes it (gateway/storage/rocketmq/adapter.py) and the fan-out report reads it straight
+from the broker (analytics/rocketmq.py). Standard library only, like the rest of topicmap.
 
 Names. A gateway queue name (the router's `%LMQ%site.%2b`, or `%RETAIN%`) as a RocketMQ light
 queue, within the namespace of the deployment's parent topic (`rocketmq_topic`, default

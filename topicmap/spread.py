@@ -1,7 +1,7 @@
 """The merged offsets of a deployment spread over several RocketMQ brokers.
 
 One home for the format, because two sides that must not import each other read it: the
-gateway writes it (gateway/rocketmq_spread.py: its session records, in-flight entries and
+gateway writes it (gateway/storage/rocketmq/spread.py: its session records, in-flight entries and
 shared groups' positions of a merged queue) and the fan-out report reads it back from the
 %STATE% queue (analytics/rocketmq.py). Standard library only, like the rest of topicmap.
 

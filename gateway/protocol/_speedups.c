@@ -4,7 +4,7 @@
  * Why C here and nowhere else: the pure-Python PUBLISH writer in writers.py is already down to
  * one call, two dict lookups and one join (~250-350 ns), and what is left is interpreter
  * overhead (attribute loads, the join's tuple, branches). This file does the same work in one
- * C call (~60-80 ns) and returns byte-identical output; tests/protocol/test_protocol_speedups.py
+ * C call (~60-80 ns) and returns byte-identical output; tests/gateway/protocol/test_protocol_speedups.py
  * checks that against the Python writer with hypothesis.
  *
  * Contract (read this before changing anything):
@@ -490,12 +490,12 @@ configure_scan(PyObject *Py_UNUSED(module), PyObject *args)
 }
 
 /*
- * plain_run: the delivery loop's plain path over a batch (gateway/delivery.py
+ * plain_run: the delivery loop's plain path over a batch (gateway/delivery/loop.py
  * `DeliveryLoop._deliver_batch` -> `_deliver` -> `_deliver_plain` -> `Connection.send_prepared`)
  * in one C call, for the records of the canonical shape, straight from the stored properties
  * to the PUBLISH bytes: no RecordedPublish, no PreparedPublish. Its Python reference is
- * gateway/delivery.py `plain_run_py` (which encodes with PreparedPublish): the same result,
- * the same dict changes, the same bytes (tests/gateway/test_delivery_plain_run.py, hypothesis).
+ * gateway/delivery/loop.py `plain_run_py` (which encodes with PreparedPublish): the same result,
+ * the same dict changes, the same bytes (tests/gateway/delivery/test_delivery_plain_run.py, hypothesis).
  *
  * Per message (a StoredMessage tuple: topic, body, properties, queue_offset, ...):
  *   - skipped if queue_offset < the next offset;
@@ -810,14 +810,14 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 /*
  * encode_publishes(pubs, blocks, routes, messages, props, i) -> index of the first left
  *
- * PublishPath.append_publishes's loop (gateway/publishing.py), its common case: for each
+ * PublishPath.append_publishes's loop (gateway/messages/publishing.py), its common case: for each
  * PUBLISH from `pubs[i]` on (a Publish, exact type) with no MQTT 5 properties, whose topic has
  * a cached route (`routes`: topic -> (parent topic, light queues)) and whose publisher
  * (`blocks[k]`, a records.PublishProperties) has the block of its (topic, QoS, retain) in
  * its `blocks`, append (parent, light queues, payload, block + the "mqtt.pid" pair for QoS > 0)
  * to `messages` and the block's properties dict to `props`. Stops untouched at any other:
  * the Python loop routes it and has its block encoded. The reference is
- * gateway/publishing.py `encode_publishes_py` (tests/gateway/test_encode_publishes.py).
+ * gateway/messages/publishing.py `encode_publishes_py` (tests/gateway/messages/test_encode_publishes.py).
  */
 static PyObject *s_blocks;
 
@@ -939,12 +939,12 @@ static PyMethodDef methods[] = {
      "configure_scan(puback_type): bind the PubAck class (after configure)."},
     {"encode_publishes", (PyCFunction)(void (*)(void))encode_publishes, METH_FASTCALL,
      "encode_publishes(pubs, blocks, routes, messages, props, i) -> i: PublishPath."
-     "append_publishes's loop, its common case (gateway/publishing.py encode_publishes_py)."},
+     "append_publishes's loop, its common case (gateway/messages/publishing.py encode_publishes_py)."},
     {"plain_run", (PyCFunction)(void (*)(void))plain_run, METH_FASTCALL,
      "plain_run(messages, i, state, single, window, level, sub_qos, no_local, rap, "
      "client_id, queue, inflight, pending, inflight_new, topics, outbound, receive_maximum, "
      "unacked, batch) -> (i, full): the delivery loop's plain path over a batch "
-     "(gateway/delivery.py plain_run_py)."},
+     "(gateway/delivery/loop.py plain_run_py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -935,7 +935,7 @@ class Connection:
         return b"".join([self.send(PubAck(i)) for i in packet_ids])
 
     def prepared_outbound(self) -> tuple[dict[int, int], int] | None:
-        """For a run of `send_prepared` calls done outside it (gateway/delivery.py PLAIN_RUN):
+        """For a run of `send_prepared` calls done outside it (gateway/delivery/loop.py PLAIN_RUN):
         (the outbound packet-id map, the value of an id in flight), or None unless every
         check of send_prepared that is not per packet passes (open, CONNACK sent, no maximum
         packet size). Per packet the runner checks the level, the id (not in the map) and the

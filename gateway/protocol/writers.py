@@ -129,7 +129,7 @@ def write_connack(ev: ConnAck, level: int) -> bytes:
 # valid, non-empty topic names are cached, so a hit needs no further topic checks.
 _ENCODED_TOPICS: dict[str, bytes] = {}
 # The same dict, for encoders outside this module that take a hit as "valid, encoded" and
-# leave a miss to these writers (gateway/delivery.py's plain run).
+# leave a miss to these writers (gateway/delivery/loop.py's plain run).
 ENCODED_TOPICS = _ENCODED_TOPICS
 _ENCODED_TOPICS_NO_PROPS: dict[str, bytes] = {}
 _TOPIC_CACHE_SIZE = 4096

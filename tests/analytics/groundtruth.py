@@ -204,7 +204,7 @@ def build_world(
                     "mqtt.qos": str(i % 3),
                     "mqtt.retain": "0",
                     "mqtt.client": client,
-                },  # the gateway's own messages carry client id "" (gateway.records)
+                },  # the gateway's own messages carry client id "" (gateway.messages.records)
                 born_timestamp=ts,
             )
             world.messages.append(
@@ -289,7 +289,7 @@ def build_world(
             if c.end_after is not None:
                 queue = clean_at[k][0]
                 world.ends.setdefault(queue, store.max_offset(queue))
-        # As the gateway keeps them: one state record per session (gateway/session.py).
+        # As the gateway keeps them: one state record per session (gateway/session/registry.py).
         store.append_state(
             (f"session/{cid}", json.dumps(doc).encode()) for cid, doc in sessions.items()
         )

@@ -25,7 +25,7 @@ from paho.mqtt.properties import Properties
 from gateway import app
 from gateway.app import Gateway
 from gateway.config import GatewaySettings, load_settings
-from gateway.delivery_account import DeliveryAccount
+from gateway.delivery.account import DeliveryAccount
 from gateway.protocol import Connect, decode_packet, encode
 from gateway.protocol import Properties as PProperties
 

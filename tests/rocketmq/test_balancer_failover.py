@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 #: The compose simulator's command, scaled down: 30 devices for 12 s instead of 60 for 10 min.
 SCALE = {"--devices": "30", "--duration": "12"}
-#: A sim client's connect as a gateway logs it (gateway/client.py).
+#: A sim client's connect as a gateway logs it (gateway/connection/client.py).
 CONNECTED = re.compile(r"'([^']+)' connected from ")
 
 

@@ -1,5 +1,5 @@
-"""Cluster mode (gateway/cluster.py): several real `lmqtt serve --store rocketmq` processes on one
-namespace of the session's real RocketMQ cluster, real MQTT clients (paho, and the raw client
+"""Cluster mode (gateway/cluster/node.py): several real `lmqtt serve --store rocketmq` processes on
+one namespace of the session's real RocketMQ cluster, real MQTT clients (paho, and the raw client
 for exact packets), every condition waited for with a deadline.
 
 Each test gets its own namespace (`rocketmq_topic`), so its nodes see only each other.
@@ -282,7 +282,7 @@ def test_a_joining_node_leaves_the_sessions_of_live_nodes_alone(
     nodes: Nodes, clients: list[Client]
 ) -> None:
     """A node that starts reads every session record of the namespace; those a live node wrote
-    are that node's: adopted as copies (gateway/cluster_sessions.py), not restored as its own,
+    are that node's: adopted as copies (gateway/cluster/sessions.py), not restored as its own,
     their wills not taken for a crash's orphans."""
     (a,) = nodes(1)
     watcher = Client(a.port, "join-watcher")

@@ -30,8 +30,8 @@ from gateway.protocol import (
     Will,
 )
 from gateway.protocol import Properties as PProperties
-from gateway.rocketmq_broker import PULL_GROUP
-from gateway.rocketmq_names import encode_lmq
+from gateway.storage.rocketmq.broker import PULL_GROUP
+from gateway.storage.rocketmq.names import encode_lmq
 from rocketmq_remoting import RemotingClient
 from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
@@ -252,7 +252,7 @@ def test_a_session_taken_over_by_another_node_resumes_there(nodes: Nodes) -> Non
 def test_a_session_taken_over_while_connected_resumes_exactly(
     nodes: Nodes, clients: list[Client]
 ) -> None:
-    """Takeover with the client still connected on A (gateway/handover.py): A closes the
+    """Takeover with the client still connected on A (gateway/cluster/handover.py): A closes the
     connection and hands the session as it stands to B, so B resends exactly what was in
     flight, with DUP, nothing already acknowledged, then the backlog. (A's newest record was
     written at SUBACK: resuming from it would send m0..m9 again, without DUP.)"""
@@ -292,8 +292,8 @@ def test_a_session_taken_over_while_connected_resumes_exactly(
 
 def test_a_lost_nodes_sessions_are_disconnected_and_expire_on_every_node(nodes: Nodes) -> None:
     """Sessions connected on a node that dies (no will): the leader rewrites them as
-    disconnected at the loss (gateway/node_wills.py), so every node runs their expiry: a clean
-    one ends at once, one with a 4 s expiry ends on every node 4 s later, a long one stays and
+    disconnected at the loss (gateway/cluster/node_wills.py), so every node runs their expiry: a
+    clean one ends at once, one with a 4 s expiry ends on every node 4 s later, a long one stays and
     resumes on another node. (Before, they stayed connected copies for ever.)"""
     lead = nodes.start(node_id="n1")
     a = nodes.start(node_id="n2")
@@ -328,8 +328,8 @@ def test_a_will_pending_on_a_leader_that_dies_is_published_by_the_next_once(
     nodes: Nodes, clients: list[Client]
 ) -> None:
     """Node A dies with a client whose will has a 20 s delay; the leader takes the will over
-    (its record rewritten with the due time, gateway/node_wills.py) and dies too before it is
-    due: the survivor, leader now, publishes it when due, once."""
+    (its record rewritten with the due time, gateway/cluster/node_wills.py) and dies too before it
+    is due: the survivor, leader now, publishes it when due, once."""
     delay = 20
     lead = nodes.start(node_id="n1")
     a = nodes.start(node_id="n2")

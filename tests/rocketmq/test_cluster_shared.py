@@ -1,4 +1,4 @@
-"""Shared subscriptions across cluster nodes (issue #18, point 5; gateway/cluster_shared.py):
+"""Shared subscriptions across cluster nodes (issue #18, point 5; gateway/cluster/shared.py):
 members of one `$share` group on different real `lmqtt serve` processes get each message of
 the group once, and the messages a member held unacknowledged go to the other members when it
 leaves or its node is killed. Real RocketMQ, real paho clients.

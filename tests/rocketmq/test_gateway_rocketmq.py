@@ -2,7 +2,7 @@
 the real RocketMQ 5.3.3 cluster of the session (conftest.py).
 
 Each test gets its own parent topic (`rocketmq_topic`), which is also the namespace of its light
-queues (gateway/rocketmq_storage.py), so the tests share the cluster without seeing each
+queues (gateway/storage/rocketmq/adapter.py), so the tests share the cluster without seeing each
 other's messages or retained state.
 """
 
@@ -445,8 +445,8 @@ def test_state_compaction_bounds_the_replay_and_keeps_every_session(
 ) -> None:
     import shutil
 
-    from gateway import rocketmq_state
-    from gateway.rocketmq_storage import RocketMqStorage
+    from gateway.storage.rocketmq import state as rocketmq_state
+    from gateway.storage.rocketmq.adapter import RocketMqStorage
     from tests.gateway.conftest import GatewayHarness
 
     monkeypatch.setattr(rocketmq_state, "STATE_COMPACT_SLACK", 0)

@@ -1,7 +1,7 @@
 """Committed offsets on RocketMQ live on the broker: a gateway restarted with its data
 directory wiped resumes shared subscription groups where their acknowledgements left them
-(gateway/rocketmq_offsets.py), and a mirror no subscription reads is released
-(gateway/rocketmq_mirrors.py). Real gateway processes, paho clients, the session's cluster.
+(gateway/storage/rocketmq/offsets.py), and a mirror no subscription reads is released
+(gateway/storage/rocketmq/mirrors.py). Real gateway processes, paho clients, the session's cluster.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_shared_group_resumes_from_the_broker_with_data_dir_wiped(
     and 30..39 (published after the restart), and none of the 20 it acknowledged. A persistent
     session's own subscription resumes the same way: after the graceful stop from its session
     record, after the kill from the broker's offset where it is fresher than the record
-    (which may predate the acknowledgements: gateway/session.py `behind`)."""
+    (which may predate the acknowledgements: gateway/session/registry.py `behind`)."""
     topic = f"t{uuid.uuid4().hex[:12]}"
     data = tmp_path / "data"
     serve = ServeProcess(

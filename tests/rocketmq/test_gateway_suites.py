@@ -13,18 +13,11 @@ from types import ModuleType
 
 import pytest
 
-from tests.gateway import (
-    test_basic,
-    test_flow,
-    test_mqtt5,
-    test_qos,
-    test_replay,
-    test_sessions,
-    test_shared,
-    test_will_retain,
-)
 from tests.gateway.conftest import GatewayHarness
 from tests.gateway.conftest import clients as clients  # the fixture, for the collected tests
+from tests.gateway.connection import test_basic, test_flow, test_mqtt5, test_qos
+from tests.gateway.delivery import test_shared
+from tests.gateway.session import test_replay, test_sessions, test_will_retain
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -1,4 +1,4 @@
-"""Replay on the RocketMQ backend beyond the shared suite (tests/gateway/test_replay.py runs
+"""Replay on the RocketMQ backend beyond the shared suite (tests/gateway/session/test_replay.py runs
 there too, see test_gateway_suites.py): `lmqtt replay --store rocketmq`, the offline export
 pulled from the broker, with a real gateway process and paho publishers on the real cluster."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.replay import iso_ms
+from gateway.session.replay import iso_ms
 from tests.gateway.conftest import Client, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
 from tests.rocketmq.test_gateway_rocketmq import ROOT, ServeProcess

@@ -1,13 +1,13 @@
-"""A light queue's mirror and its held pull (gateway/rocketmq_mirrors.py) live as long as a
+"""A light queue's mirror and its held pull (gateway/storage/rocketmq/mirrors.py) live as long as a
 subscription reads the queue: subscription churn leaves no mirrors or held pulls behind (the
-name memo is bounded on its own: tests/gateway/test_rocketmq_names.py).
+name memo is bounded on its own: tests/gateway/storage/test_rocketmq_names.py).
 A real gateway (in-process, to count them) on the session's RocketMQ cluster, paho clients."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.rocketmq_storage import RocketMqStorage
+from gateway.storage.rocketmq.adapter import RocketMqStorage
 from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

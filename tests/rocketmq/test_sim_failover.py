@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.sim import SimConfig, run_simulation
+from sim import SimConfig, run_simulation
 from tests.rocketmq.cluster import RocketMQCluster
 from tests.rocketmq.test_cluster_sessions import Nodes
 from tests.rocketmq.test_gateway_rocketmq import ROOT
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def _judge(subscribers: list[tuple[str, bool, int]]) -> None:
     """(name, persistent, lost) per subscriber: nothing acknowledged is lost. Persistent sessions
     resume on the survivors; a clean one counts what was published after its (re)SUBACK, which
-    the cluster's filter registry routes from every node (gateway/filter_registry.py)."""
+    the cluster's filter registry routes from every node (gateway/cluster/filter_registry.py)."""
     lost = [(name, persistent, n) for name, persistent, n in subscribers if n]
     assert not lost, f"subscribers lost acknowledged messages: {lost}"
 

@@ -1,5 +1,5 @@
 """A deployment's messages spread over both brokers of the test cluster (`rocketmq_spread`,
-gateway/rocketmq_spread.py): real `lmqtt serve --store rocketmq` processes, paho clients.
+gateway/storage/rocketmq/spread.py): real `lmqtt serve --store rocketmq` processes, paho clients.
 """
 
 from __future__ import annotations

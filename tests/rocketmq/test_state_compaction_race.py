@@ -1,5 +1,5 @@
-"""A compaction racing another node's write of the same key (gateway/rocketmq_state.py): the log
-the race leaves on the broker, replayed, keeps the newer value. A real gateway (in-process, to
+"""A compaction racing another node's write of the same key (gateway/storage/rocketmq/state.py): the
+log the race leaves on the broker, replayed, keeps the newer value. A real gateway (in-process, to
 reach its state log) on the session's RocketMQ cluster; the batches are real broker messages.
 """
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.rocketmq_state import StateLog
-from gateway.rocketmq_storage import RocketMqStorage
+from gateway.storage.rocketmq.adapter import RocketMqStorage
+from gateway.storage.rocketmq.state import StateLog
 from tests.gateway.conftest import GatewayHarness
 from topicmap.rocketmq import STATE_QUEUE, STATE_START, encode_state
 

@@ -19,7 +19,7 @@ from amqtt.broker import Broker
 
 from gateway.app import Gateway
 from gateway.config import load_settings
-from gateway.sim.client import silence_amqtt
+from sim.client import silence_amqtt
 
 SIM_USER = "sim"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.sim.cli import main
+from sim.cli import main
 from tests.sim.conftest import SIM_USER, closed_port
 
-SIM = [sys.executable, "-m", "gateway.sim"]
+SIM = [sys.executable, "-m", "sim"]
 
 
 async def run_sim(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:

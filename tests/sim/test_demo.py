@@ -22,8 +22,8 @@ import pytest
 
 from gateway.app import Gateway
 from gateway.config import load_settings
-from gateway.sim import SimConfig, Simulation, run_simulation
-from gateway.sim.client import SimClient
+from sim import SimConfig, Simulation, run_simulation
+from sim.client import SimClient
 from tests.sim.conftest import closed_port
 from tests.sim.deployment import compose, lmqtt_commands_in_compose, lmqtt_executable
 

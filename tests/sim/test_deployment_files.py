@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.sim.cli import build_parser
+from sim.cli import build_parser
 from tests.sim.deployment import (
     COMPOSE,
     DOCKERIGNORE,
@@ -147,7 +147,7 @@ def test_the_compose_gateway_environment_is_allowed_to_start(
 ) -> None:
     """The gateway listens on 0.0.0.0 in compose, which needs explicit anonymous access (or a
     password file): the security rule must accept exactly the environment the demo uses."""
-    from gateway.access import AccessControl
+    from gateway.access.control import AccessControl
     from gateway.config import load_settings
 
     for key, value in compose()["services"]["gateway"]["environment"].items():
@@ -207,8 +207,8 @@ def test_the_rocketmq_profile_has_a_name_server_and_two_brokers_with_light_queue
     names = set()
     for name, service in brokers.items():
         config = broker_config(service)
-        # What the gateway's start-up check requires (gateway/rocketmq_storage.py): light queues
-        # on, one send thread (publish order), SYNC_FLUSH (for --flush sync).
+        # What the gateway's start-up check requires (gateway/storage/rocketmq/adapter.py): light
+        # queues on, one send thread (publish order), SYNC_FLUSH (for --flush sync).
         assert config["enableLmq"] == "true", name
         assert config["enableMultiDispatch"] == "true", name
         assert config["sendMessageThreadPoolNums"] == "1", name

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.sim.ledger import DeliveryLedger, message_key
-from gateway.sim.plan import SubscriberPlan
+from sim.ledger import DeliveryLedger, message_key
+from sim.plan import SubscriberPlan
 
 TEMP = "site/s1/dev/d0001/temperature"
 POWER = "site/s1/dev/d0002/power"

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.sim.plan import filter_matches, plan_subscribers
-from gateway.sim.telemetry import DeviceIdentity
+from sim.plan import filter_matches, plan_subscribers
+from sim.telemetry import DeviceIdentity
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from gateway.sim.progress import progress_text, summary, verdict
-from gateway.sim.simulation import SimReport, SimSnapshot, SubscriberReport
+from sim.progress import progress_text, summary, verdict
+from sim.simulation import SimReport, SimSnapshot, SubscriberReport
 
 
 def snapshot(phase: str, outstanding: int) -> SimSnapshot:

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from gateway.sim import SimConfig, SimError, Simulation, run_simulation
+from sim import SimConfig, SimError, Simulation, run_simulation
 from tests.sim.conftest import SIM_USER, closed_port, start_amqtt_broker
 
 

@@ -8,7 +8,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.sim.telemetry import (
+from sim.telemetry import (
     DEVICE_KINDS,
     METRICS,
     DeviceIdentity,

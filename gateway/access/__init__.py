@@ -1,0 +1,1 @@
+"""Who may connect and what each client may do: passwords, ACLs, limits."""

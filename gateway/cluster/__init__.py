@@ -1,0 +1,1 @@
+"""Cluster mode: several gateway nodes on one RocketMQ namespace, as one server."""

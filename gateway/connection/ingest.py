@@ -1,0 +1,121 @@
+"""IngestBatch: the plain PUBLISHes every connection read in one turn of the event loop,
+stored with one append at the end of the turn.
+
+A device fleet sends one small PUBLISH per TCP write from thousands of connections. Stored one
+by one, each costs a store append, an arrival round over its light queues and a delivery pass
+per subscriber. Here the transports' `data_received` callbacks of one loop turn only collect
+(no task, no await: `ClientConnection._read_inline`), and the batch is stored once, from a
+`call_soon` callback that runs after the turn's I/O callbacks:
+
+    data_received (conn 1) --add--+
+    data_received (conn 2) --add--+--> flush: one append_encoded, one arrival notice per queue
+    data_received (conn n) --add--+           (each subscriber: one delivery pass, one write),
+                                              then per connection one write of its PUBACKs
+
+Ordering: a connection hands everything after its first non-plain packet to its reader task,
+which is created after the connection's publishes were added, so it runs after the flush: the
+store sees a connection's packets in the order it sent them, and its PUBACKs leave before any
+later reply. Anything that must see the batch stored sooner (a protocol error answered now)
+calls `flush()` itself.
+
+Only the async flush mode batches here: in sync mode every acknowledgement waits for its
+fsync, and the reader tasks' group commit already shares one fsync among many publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+from gateway.messages.records import PublishProperties
+from gateway.protocol import Publish
+from gateway.storage.port import PutResult, StoreError
+
+__all__ = ["IngestBatch", "Publisher"]
+
+# (publishes, the property blocks of each publisher) -> one result per publish, or StoreError
+# with nothing stored.
+Append = Callable[[list[Publish], list[PublishProperties]], list[PutResult]]
+
+
+class Publisher(Protocol):
+    """What the batch needs of a connection whose publishes it stores."""
+
+    closed: bool
+
+    def publish_blocks(self) -> PublishProperties: ...
+
+    def acknowledge_stored(self, packet_ids: list[int]) -> None: ...
+
+    def store_failed(self, pub: Publish, err: StoreError) -> None: ...
+
+
+class IngestBatch:
+    """Collects plain (QoS 0/1, not retained, validated) PUBLISHes until the end of the turn."""
+
+    __slots__ = ("_append", "_loop", "_owners", "_pubs", "_scheduled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, append: Append) -> None:
+        self._loop = loop
+        self._append = append
+        self._pubs: list[Publish] = []
+        self._owners: list[Publisher] = []
+        self._scheduled = False
+
+    def __len__(self) -> int:
+        return len(self._pubs)
+
+    def last_qos(self) -> int:
+        """QoS of the last publish added (the overload guard's question, once per read)."""
+        return self._pubs[-1].qos
+
+    def add(self, owner: Publisher, pub: Publish) -> None:
+        self._pubs.append(pub)
+        self._owners.append(owner)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._end_of_turn)
+
+    def _end_of_turn(self) -> None:
+        self._scheduled = False
+        self.flush()
+
+    def flush(self) -> None:
+        """Store what was collected, then acknowledge it (one write per connection)."""
+        pubs = self._pubs
+        if not pubs:
+            return
+        owners = self._owners
+        self._pubs = []
+        self._owners = []
+        try:
+            self._append(pubs, [owner.publish_blocks() for owner in owners])
+        except StoreError:
+            # Nothing was stored: one by one, so only a bad message fails, and each answer
+            # leaves in order, exactly as without batching.
+            for pub, owner in zip(pubs, owners, strict=True):
+                if not owner.closed:  # a failure closes a 3.1.1 client: the rest is dropped
+                    self._store_one(pub, owner)
+            return
+        acks: dict[Publisher, list[int]] = {}
+        for i, pub in enumerate(pubs):
+            if pub.qos and pub.packet_id is not None:
+                owner = owners[i]
+                ids = acks.get(owner)
+                if ids is None:
+                    acks[owner] = [pub.packet_id]
+                else:
+                    ids.append(pub.packet_id)
+        for owner, ids in acks.items():
+            if not owner.closed:
+                owner.acknowledge_stored(ids)
+
+    def _store_one(self, pub: Publish, owner: Publisher) -> None:
+        try:
+            self._append([pub], [owner.publish_blocks()])
+        except StoreError as err:
+            owner.store_failed(pub, err)
+            return
+        if pub.qos and pub.packet_id is not None:
+            owner.acknowledge_stored([pub.packet_id])

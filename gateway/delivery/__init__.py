@@ -1,0 +1,1 @@
+"""Delivery: from a subscription's light queue to the client, by long polling."""

@@ -1,0 +1,1 @@
+"""What happens to sessions and subscriptions over time, from CONNECT and SUBSCRIBE on."""

@@ -1,0 +1,1 @@
+"""Messages: the publish path, the record schema, retained messages and $SYS."""

@@ -1,0 +1,186 @@
+"""What this gateway appended lately, kept for the subscribers that read it right away.
+
+`RecentMessages`: the last messages appended, per light queue, in offset order, with each
+record decoded once. A fan-out to N subscribers of one filter would otherwise decode the same
+record N times, and a subscriber keeping up would read back from the store what was just
+written (rocketmq-mqtt keeps a similar per-queue cache). Filled by the publish path
+(gateway/messages/publishing.py), read through the one queue cursor (gateway/storage/cursor.py).
+
+`PreparedCache`: the encoded PUBLISH packets of a fan-out, so each variant (QoS, flags,
+identifiers) is encoded once for all the subscribers that receive it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from gateway.messages.records import RecordedPublish, read_record
+from gateway.protocol import PreparedPublish
+from gateway.storage.port import EncodedMessage, PutResult, StoredMessage, stored_runs
+
+# RecentMessages bounds: entries and body bytes.
+RECENT_MESSAGES = 16_384
+RECENT_BYTES = 32 << 20
+RECORDS_CACHED = 4096  # decoded records of fan-outs
+COMPACT_AT = 1024  # a window's list drops its evicted head once it is this long and half
+_MISSING = object()
+_tuple_new = tuple.__new__  # builds a StoredMessage without NamedTuple's Python __new__
+PREPARED_CACHE_SIZE = 4096
+
+
+class PreparedCache:
+    """Recently encoded PUBLISH packets, so a fan-out encodes each variant once.
+
+    A plain dict with its keys in a deque, oldest first: past `size` entries, the oldest goes.
+    Per put that is 0.16 us against 0.21 us for an OrderedDict's popitem(last=False) (timeit,
+    200,000 fan-out keys), which showed as ~2% of the broker's samples at 2,000 devices and
+    10,000 msg/s. (Rebuilding the dict from its newest entries instead cost 0.9 us per put:
+    every key tuple is hashed again.)"""
+
+    def __init__(self, size: int = PREPARED_CACHE_SIZE) -> None:
+        self._size = size
+        self._items: dict[tuple[object, ...], PreparedPublish] = {}
+        self._order: deque[tuple[object, ...]] = deque()
+        # The dict's own get, bound once: a fan-out looks a packet up per delivery, and a
+        # method wrapping it cost a Python call each time.
+        self.lookup: Callable[[tuple[object, ...]], PreparedPublish | None] = self._items.get
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: tuple[object, ...], make: Callable[[], PreparedPublish]) -> PreparedPublish:
+        p = self._items.get(key)
+        if p is None:
+            p = make()
+            self.put(key, p)
+        return p
+
+    def put(self, key: tuple[object, ...], p: PreparedPublish) -> None:
+        items = self._items
+        if key not in items:
+            order = self._order
+            order.append(key)
+            if len(order) > self._size:
+                del items[order.popleft()]
+        items[key] = p
+
+
+class _Window:
+    """The cached messages of one queue: `msgs[head:]` hold offsets `first`, `first + 1`..."""
+
+    __slots__ = ("first", "head", "msgs", "queue")
+
+    def __init__(self, queue: str, first: int) -> None:
+        self.queue = queue
+        self.first = first
+        self.head = 0
+        self.msgs: list[StoredMessage] = []
+
+
+class RecentMessages:
+    """The last messages this gateway appended, per queue, in offset order.
+
+    A fan-out to N subscribers of one filter would otherwise decode the same record N times,
+    and a subscriber running behind would read back from the store what was just written;
+    subscribers that keep up read it from here (rocketmq-mqtt keeps a similar per-queue cache).
+    Anything not here (older, or appended before a restart) is read from the store.
+
+    Each queue has a window of consecutive offsets; what one append adds to a queue is one
+    segment in a FIFO, and the oldest segments are dropped (a window's head moves, its list
+    is compacted now and then) while the cache holds more than `size` messages or `max_bytes`
+    of bodies (a body in several queues counts once per queue). Nothing is done per message
+    beyond building its StoredMessage and appending it.
+    """
+
+    def __init__(self, size: int = RECENT_MESSAGES, max_bytes: int = RECENT_BYTES) -> None:
+        self._size = size
+        self._max_bytes = max_bytes
+        self._count = 0
+        self._bytes = 0
+        self._windows: dict[str, _Window] = {}
+        self._segments: deque[tuple[_Window, int, int]] = deque()  # window, messages, bytes
+        # Decoded records by physical offset (unique within a run of the log), shared by
+        # every subscriber of a fan-out; oldest first.
+        self._records: dict[int, RecordedPublish | None] = {}
+        self._record_order: deque[int] = deque()
+
+    def record(self, msg: StoredMessage) -> RecordedPublish | None:
+        """read_record() of `msg`, decoded once for all the subscribers reading it."""
+        records = self._records
+        phys = msg.physical_offset
+        rec = records.get(phys, _MISSING)
+        if rec is not _MISSING:
+            return rec  # type: ignore[return-value]
+        rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
+        records[phys] = rec
+        # Oldest first from a deque: next(iter(dict)) would walk past every deleted slot at
+        # the front of the dict on each call (quadratic until the dict is resized).
+        order = self._record_order
+        order.append(phys)
+        if len(order) > RECORDS_CACHED:
+            records.pop(order.popleft(), None)
+        return rec
+
+    def add(self, parent: str, body: bytes, props: dict[str, str], r: PutResult) -> None:
+        queues = tuple(r.light_offsets)
+        ts = r.store_timestamp
+        for q, off in r.light_offsets.items():
+            m = _tuple_new(
+                StoredMessage,
+                (parent, body, props, off, r.physical_offset, ts, ts, r.queue_offset, queues),
+            )
+            self._extend(q, [m], len(body))
+        self._evict()
+
+    def add_many(
+        self,
+        messages: Sequence[EncodedMessage],
+        props: Sequence[dict[str, str]],
+        results: Sequence[PutResult],
+    ) -> None:
+        """add() for a batch appended with MessageStore.append_encoded."""
+        for q, (run, nbytes) in stored_runs(messages, props, results).items():
+            self._extend(q, run, nbytes)
+        self._evict()
+
+    def _extend(self, queue: str, run: list[StoredMessage], nbytes: int) -> None:
+        """Append `run` (consecutive offsets of `queue`, the store assigned them in one go)."""
+        first = run[0][3]
+        if run[-1][3] - first != len(run) - 1:
+            return  # not consecutive (cannot happen with one writer): leave it to the store
+        w = self._windows.get(queue)
+        if w is None or w.first + len(w.msgs) - w.head != first:
+            # New queue, or a gap (what was there is stale): start over at `first`.
+            w = self._windows[queue] = _Window(queue, first)
+        w.msgs += run
+        self._segments.append((w, len(run), nbytes))
+        self._count += len(run)
+        self._bytes += nbytes
+
+    def _evict(self) -> None:
+        segments = self._segments
+        while self._count > self._size or self._bytes > self._max_bytes:
+            w, n, nbytes = segments.popleft()
+            self._count -= n
+            self._bytes -= nbytes
+            if self._windows.get(w.queue) is not w:
+                continue  # replaced after a gap: nothing to trim
+            w.head += n
+            w.first += n
+            if w.head >= len(w.msgs):
+                del self._windows[w.queue]
+            elif w.head >= COMPACT_AT and 2 * w.head >= len(w.msgs):
+                del w.msgs[: w.head]
+                w.head = 0
+
+    def run(self, queue: str, offset: int, limit: int) -> list[StoredMessage]:
+        """Consecutive cached messages of `queue` from `offset` (empty if the first is not)."""
+        w = self._windows.get(queue)
+        if w is None:
+            return []
+        i = offset - w.first
+        if i < 0:
+            return []
+        i += w.head
+        return w.msgs[i : i + limit]

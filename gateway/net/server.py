@@ -1,0 +1,65 @@
+"""The listener's asyncio Protocol: it only moves bytes and flow-control signals.
+
+Parsing, sessions and delivery live in ClientConnection; this class is the seam with the event
+loop (uvicorn's h11_impl shape). Write-buffer limits make `pause_writing` fire when a slow
+subscriber's socket backs up, which pauses that subscriber's delivery loop, so memory per
+connection stays bounded by the high-water mark plus one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import cast
+
+from gateway.access.limits import socket_limit
+from gateway.connection.client import ClientConnection, ClientContext
+
+log = logging.getLogger("lmqtt.gateway")
+
+WRITE_HIGH_WATER = 256 * 1024
+WRITE_LOW_WATER = 64 * 1024
+
+
+class MqttServerProtocol(asyncio.Protocol):
+    def __init__(self, context: ClientContext) -> None:
+        self.ctx = context
+        self.client: ClientConnection | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the interface without subclassing asyncio.Transport.
+        transport = cast(asyncio.Transport, transport)
+        # Up to socket_limit(), CONNECT is answered with "quota exceeded"
+        # (gateway/access/control.py); beyond it, sockets are closed unread.
+        ctx = self.ctx
+        connections = ctx.server.connections
+        limit = socket_limit(ctx.settings.max_connections)
+        if len(connections) >= limit or ctx.server.stopping:
+            log.warning("connection refused: %d connections open", len(connections))
+            transport.abort()
+            return
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+        self.client = ClientConnection(ctx, transport)
+        connections.add(self.client)
+
+    def data_received(self, data: bytes) -> None:
+        if self.client is not None:
+            self.client.feed(data)
+
+    def eof_received(self) -> bool:
+        if self.client is not None:
+            self.client.feed_eof()
+        return True  # keep the transport until the reader has handled what was buffered
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.client is not None:
+            self.ctx.server.connections.discard(self.client)
+            self.client.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.client is not None:
+            self.client.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.client is not None:
+            self.client.resume_writing()

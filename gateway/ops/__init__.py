@@ -1,0 +1,1 @@
+"""Operators' views: inspect, replay export, metrics, the garbage-collector monitor."""

@@ -1,0 +1,855 @@
+"""Sessions: the state that outlives a network connection, and their registry.
+
+A Session holds the subscriptions (with read positions), the outbound in-flight window and the
+inbound QoS 2 ids awaiting PUBREL. The offline backlog is NOT here: it is the part of each
+subscribed light queue past the session's read position, on disk in the store.
+
+Persistence: one state record per session in the store's state log (gateway/storage/port.py,
+store/statelog.py), key "session/<client id>", value the session as UTF-8 JSON; a DELETE
+record ends the session. Earlier versions kept them all in `config/sessions.json`
+({"version": 1, "sessions": {"<client id>": <the same JSON>}}), imported once at start.
+
+    "session/<client id>" -> {
+        "protocol_level": 5, "expiry_interval": 3600, "disconnected_at_ms": null | int,
+        "subscriptions": [{"filter": "site/+/t", "queue": "%LMQ%...", "share_group": null | "g",
+                           "qos": 1, "no_local": false, "retain_as_published": false,
+                           "retain_handling": 0, "subscription_identifier": null | int,
+                           "start_offset": 123, "next_offset": 130, "start_phys": 4096,
+                           "replay": absent | {"filter", "since_ms", "start",
+                                               "todo": {"<parent>": [next, end]}}}],
+        "qos2_inbound": [packet ids],
+        "inflight": [{"packet_id": 1, "queue": "..." | null, "offset": 5, "qos": 1, "pubrel": false,
+                      "message": {"topic", "payload" (base64), ...}, "retain": true,
+                      "sub_ids": [subscription identifiers]}],
+        "will": null | {"topic", "payload" (base64), "qos", "retain", "properties"},
+        "will_due_ms": null | int,
+        "behind": absent | true}
+
+`will` is the will of the live connection (kept so a crash still publishes it after restart)
+or, with `will_due_ms`, a delayed will waiting to be published.
+
+`behind`: the record was the newest of a session whose node crashed while it was connected
+(read back at a restart, or rewritten by the cluster's leader, gateway/cluster/node_wills.py): its
+positions may lag what the client acknowledged by up to PROGRESS_SAVE_S, and the committed
+offsets (RocketMQ: the broker's, sent every second) are fresher. The session's next CONNECT
+takes them where they are higher (SessionLifecycle.skip_acknowledged).
+
+An in-flight entry with `"queue": null` has no queue position to read its message back from (a
+retained copy sent on subscribe, or a delivery whose subscription was removed): it carries the
+`message` itself (absent once PUBREL was sent).
+
+`filter` is the filter as subscribed (with a `$share/g/` prefix for shared subscriptions).
+`next_offset` is the read position; everything below it that is not in `inflight` was delivered
+and acknowledged, so the session record alone is a consistent resume point (store.offsets also
+gets the committed offsets, for inspect and analytics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from pydantic_core import from_json, to_json
+
+from gateway.messages.records import RecordedPublish
+from gateway.protocol import Properties, Publish, Will
+from gateway.session.replay import Replay
+
+if TYPE_CHECKING:
+    from gateway.storage.port import StateRecord, Storage
+
+log = logging.getLogger("lmqtt.gateway")
+
+# State record key of a session (gateway/storage/port.py: StateRecord); the value is the session's
+# JSON (Session.to_json), a DELETE record ends it.
+SESSION_KEY_PREFIX = "session/"
+SESSIONS_FILE = "sessions.json"  # the file of earlier versions, imported once
+META_KEY_PREFIX = "meta/"
+IMPORTED_KEY = "meta/sessions.json-imported"  # present: SESSIONS_FILE was imported (or absent)
+NEVER_EXPIRES = 0xFFFFFFFF
+PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
+RECORDS_PER_STEP = 200  # session records encoded per event-loop step by housekeeping saves
+_ID_BITS = 31  # dormant expiry: (due second << _ID_BITS | index); seconds fit 33 bits
+_ID_MASK = (1 << _ID_BITS) - 1
+
+
+class Connected(Protocol):
+    """The live connection of a session (gateway/connection/client.py ClientConnection): what the
+    session side needs of it is to end it (a takeover)."""
+
+    def close(
+        self, reason: int | None = None, *, abnormal: bool = True, linger: bool = True
+    ) -> None: ...
+
+
+class InflightGroup(Protocol):
+    """The shared group (gateway/delivery/shared.py SharedGroup) a shared delivery in flight came
+    from."""
+
+    def ack(self, offset: int) -> None: ...
+
+    def give_back(self, offset: int) -> None: ...
+
+
+# Will properties kept in the session record (the ones that matter for publishing it later).
+_PROPS = (
+    "will_delay_interval",
+    "message_expiry_interval",
+    "payload_format_indicator",
+    "content_type",
+    "response_topic",
+)
+
+
+def will_to_json(will: Will) -> dict[str, Any]:
+    """Session-record form: {"topic", "payload" (base64), "qos", "retain", "properties"}."""
+    p = will.properties
+    props: dict[str, Any] = {}
+    if p is not None:
+        for name in _PROPS:
+            value = getattr(p, name)
+            if value is not None:
+                props[name] = value
+        if p.correlation_data is not None:
+            props["correlation_data"] = bytes(p.correlation_data).hex()
+        if p.user_properties:
+            props["user_properties"] = [[k, v] for k, v in p.user_properties]
+    return {
+        "topic": will.topic,
+        "payload": base64.b64encode(will.payload).decode("ascii"),
+        "qos": will.qos,
+        "retain": will.retain,
+        "properties": props,
+    }
+
+
+def will_from_json(d: dict[str, Any]) -> Will:
+    props = Properties()
+    raw = d.get("properties") or {}
+    for name in _PROPS:
+        if name in raw:
+            setattr(props, name, raw[name])
+    if "correlation_data" in raw:
+        props.correlation_data = bytes.fromhex(raw["correlation_data"])
+    if "user_properties" in raw:
+        props.user_properties = [(str(k), str(v)) for k, v in raw["user_properties"]]
+    return Will(
+        topic=str(d["topic"]),
+        payload=base64.b64decode(d["payload"]),
+        qos=int(d.get("qos", 0)),
+        retain=bool(d.get("retain", False)),
+        properties=props,
+    )
+
+
+def will_publish(will: Will) -> Publish:
+    """The PUBLISH a will becomes when it is published (by its node, or a survivor's leader)."""
+    return Publish(
+        topic=will.topic,
+        payload=will.payload,
+        qos=will.qos,
+        retain=will.retain,
+        properties=will.properties,
+    )
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(slots=True)
+class SubscriptionState:
+    """One subscription of a session and its position in its light queue."""
+
+    topic_filter: str  # as subscribed, including a $share/<group>/ prefix
+    queue: str
+    share_group: str | None
+    qos: int
+    no_local: bool = False
+    retain_as_published: bool = False
+    retain_handling: int = 0
+    subscription_identifier: int | None = None
+    start_offset: int = 0
+    next_offset: int = 0
+    start_phys: int = 0  # CommitLog end when subscribed: covers records at or after it
+    # queue offset -> packet id, for QoS > 0 messages read from this queue and not yet
+    # acknowledged. Offsets are added in increasing order (the queue is read forwards), so the
+    # first key is the smallest.
+    pending: dict[int, int] = field(default_factory=dict)
+    # What this run last gave store.offsets (-1: nothing yet): a commit that would not change
+    # it is skipped (not persisted; the store's copy is the truth).
+    last_commit: int = field(default=-1, compare=False, repr=False)
+    # CommitLog position just past the last message read from the queue (delivered or passed
+    # over); None: not known in this run, found from the store when an overlapping
+    # subscription needs it (DeliveryLoop._owner_has_read). Not persisted.
+    read_phys: int | None = field(default=None, compare=False, repr=False)
+    # A replay still running before the light queue is read (gateway/session/replay.py); persisted.
+    replay: Replay | None = field(default=None, compare=False)
+    # After a replay: the light queue's messages stored at or before this CommitLog position
+    # were handed over by the replay and are passed over when read (-1: none). Kept until
+    # read, not just applied to what the store holds when the replay ends: on RocketMQ they
+    # may not be in the gateway's mirror then (not pulled yet, or dropped from it during a
+    # long replay). Persisted, so a session saved in between does not deliver them twice.
+    replayed_phys: int = field(default=-1, compare=False)
+
+    def committed(self) -> int:
+        """Highest offset below which everything is acknowledged (O(1): see `pending`)."""
+        return next(iter(self.pending)) if self.pending else self.next_offset
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "filter": self.topic_filter,
+            "queue": self.queue,
+            "share_group": self.share_group,
+            "qos": self.qos,
+            "no_local": self.no_local,
+            "retain_as_published": self.retain_as_published,
+            "retain_handling": self.retain_handling,
+            "subscription_identifier": self.subscription_identifier,
+            "start_offset": self.start_offset,
+            "next_offset": self.next_offset,
+            "start_phys": self.start_phys,
+        }
+        if self.replay is not None:
+            d["replay"] = self.replay.to_json()
+        if self.replayed_phys >= 0:
+            d["replayed_phys"] = self.replayed_phys
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SubscriptionState:
+        start = int(d.get("start_offset", 0))
+        return cls(
+            topic_filter=str(d["filter"]),
+            queue=str(d["queue"]),
+            share_group=d.get("share_group"),
+            qos=int(d.get("qos", 0)),
+            no_local=bool(d.get("no_local", False)),
+            retain_as_published=bool(d.get("retain_as_published", False)),
+            retain_handling=int(d.get("retain_handling", 0)),
+            subscription_identifier=d.get("subscription_identifier"),
+            start_offset=start,
+            next_offset=int(d.get("next_offset", start)),
+            start_phys=int(d.get("start_phys", 0)),
+            replay=Replay.from_json(d["replay"]) if d.get("replay") else None,
+            replayed_phys=int(d.get("replayed_phys", -1)),
+        )
+
+
+@dataclass(slots=True)
+class Inflight:
+    """An outbound QoS 1/2 message awaiting PUBACK, PUBREC or PUBCOMP."""
+
+    packet_id: int
+    # None: no queue position to read the message back from (a retained copy sent on
+    # subscribe, or a delivery whose subscription was removed since): see `message`.
+    queue: str | None
+    offset: int
+    qos: int
+    pubrel: bool = False  # QoS 2: PUBREC received, PUBREL sent, awaiting PUBCOMP
+    group: InflightGroup | None = None  # set when delivered for a shared subscription
+    topic_filter: str | None = None
+    # The message as sent, kept when `queue` is None: a reconnect must re-send it with DUP
+    # (MQTT-4.4.0-1), also when it was a retained copy or its subscription is gone
+    # (MQTT-3.10.4-3: a QoS 1/2 delivery that has started is completed).
+    message: RecordedPublish | None = None
+    retain: bool = False  # the RETAIN flag `message` was sent with
+    sub_ids: list[int] = field(default_factory=list)  # subscription identifiers `message` had
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "packet_id": self.packet_id,
+            "queue": self.queue,
+            "offset": self.offset,
+            "qos": self.qos,
+            "pubrel": self.pubrel,
+        }
+        if self.message is not None and not self.pubrel:
+            d["message"] = self.message.to_json()
+            d["retain"] = self.retain
+            d["sub_ids"] = self.sub_ids
+        return d
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a reconnect can finish this exchange (what the session record keeps)."""
+        return self.queue is not None or self.pubrel or self.message is not None
+
+
+class Session:
+    """State of one client id, live or offline."""
+
+    __slots__ = (
+        "_next_packet_id",
+        "behind",
+        "by_queue",
+        "client_id",
+        "connection",
+        "disconnected_at_ms",
+        "expiry_interval",
+        "expiry_timer",
+        "inflight",
+        "protocol_level",
+        "qos2_inbound",
+        "subscriptions",
+        "will",
+        "will_due_ms",
+    )
+
+    def __init__(self, client_id: str, protocol_level: int, expiry_interval: int) -> None:
+        self.client_id = client_id
+        self.protocol_level = protocol_level
+        self.expiry_interval = expiry_interval
+        self.disconnected_at_ms: int | None = None
+        self.subscriptions: dict[str, SubscriptionState] = {}
+        self.by_queue: dict[str, SubscriptionState] = {}  # non-shared subscriptions by queue
+        self.qos2_inbound: set[int] = set()
+        self.inflight: dict[int, Inflight] = {}  # insertion order = send order
+        self.connection: Connected | None = None
+        self.expiry_timer: asyncio.TimerHandle | None = None
+        self.will: Will | None = None  # of the live connection, or pending after it ended
+        self.will_due_ms: int | None = None  # set while a delayed will waits
+        self.behind = False  # from a crashed node's record (module docstring)
+        self._next_packet_id = 1
+
+    @property
+    def persistent(self) -> bool:
+        return self.expiry_interval > 0
+
+    def add_subscription(self, sub: SubscriptionState) -> None:
+        self.subscriptions[sub.topic_filter] = sub
+        if sub.share_group is None:
+            self.by_queue[sub.queue] = sub
+
+    def remove_subscription(self, topic_filter: str) -> SubscriptionState | None:
+        sub = self.subscriptions.pop(topic_filter, None)
+        if sub is not None and sub.share_group is None:
+            self.by_queue.pop(sub.queue, None)
+        return sub
+
+    @property
+    def next_packet_id(self) -> int:
+        """The id allocate_packet_id() tries first (a batch allocating outside it, in
+        gateway/delivery/loop.py, reads and writes it back)."""
+        return self._next_packet_id
+
+    @next_packet_id.setter
+    def next_packet_id(self, pid: int) -> None:
+        self._next_packet_id = pid
+
+    def allocate_packet_id(self) -> int:
+        """Next free outbound packet id (1..65535); caller guarantees the window is not full."""
+        pid = self._next_packet_id
+        if pid not in self.inflight:  # the common case, without the loop
+            self._next_packet_id = pid % 65535 + 1
+            return pid
+        for _ in range(65535):
+            if pid not in self.inflight:
+                self._next_packet_id = pid % 65535 + 1
+                return pid
+            pid = pid % 65535 + 1
+        raise RuntimeError("no free packet id")
+
+    def expires_at_ms(self) -> int | None:
+        if self.disconnected_at_ms is None or self.expiry_interval >= NEVER_EXPIRES:
+            return None
+        return self.disconnected_at_ms + self.expiry_interval * 1000
+
+    def skip_acknowledged(self, sub: SubscriptionState, committed: int) -> int:
+        """`committed` is a committed offset of `sub`'s queue fresher than this session's
+        record (everything below it was acknowledged): move the position up to it and drop
+        the in-flight entries below it. Returns how many offsets were skipped."""
+        if committed <= sub.committed():
+            return 0
+        skipped = committed - sub.committed()
+        for off in [o for o in sub.pending if o < committed]:
+            self.inflight.pop(sub.pending.pop(off), None)
+        sub.next_offset = max(sub.next_offset, committed)
+        return skipped
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "protocol_level": self.protocol_level,
+            "expiry_interval": self.expiry_interval,
+            "disconnected_at_ms": self.disconnected_at_ms,
+            "subscriptions": [s.to_json() for s in self.subscriptions.values()],
+            "qos2_inbound": sorted(self.qos2_inbound),
+            "inflight": [i.to_json() for i in self.inflight.values() if i.resumable],
+            "will": will_to_json(self.will) if self.will is not None else None,
+            "will_due_ms": self.will_due_ms,
+        }
+        if self.behind:
+            d["behind"] = True
+        return d
+
+    @classmethod
+    def from_json(cls, client_id: str, d: dict[str, Any]) -> Session:
+        s = cls(client_id, int(d.get("protocol_level", 4)), int(d.get("expiry_interval", 0)))
+        s.disconnected_at_ms = d.get("disconnected_at_ms")
+        s.behind = bool(d.get("behind", False))
+        for sd in d.get("subscriptions", []):
+            s.add_subscription(SubscriptionState.from_json(sd))
+        s.qos2_inbound = {int(x) for x in d.get("qos2_inbound", [])}
+        if d.get("will"):
+            s.will = will_from_json(d["will"])
+            s.will_due_ms = d.get("will_due_ms")
+        for i in d.get("inflight", []):
+            inf = Inflight(
+                packet_id=int(i["packet_id"]),
+                queue=i.get("queue"),
+                offset=int(i["offset"]),
+                qos=int(i["qos"]),
+                pubrel=bool(i.get("pubrel", False)),
+            )
+            if inf.queue is None:
+                if i.get("message"):
+                    inf.message = RecordedPublish.from_json(i["message"])
+                    inf.retain = bool(i.get("retain", False))
+                    inf.sub_ids = [int(x) for x in i.get("sub_ids", [])]
+                if inf.resumable:
+                    s.inflight[inf.packet_id] = inf
+                continue
+            sub = s.by_queue.get(inf.queue)
+            if sub is None:
+                continue  # shared or unsubscribed: nothing to resume it against
+            s.inflight[inf.packet_id] = inf
+            sub.pending[inf.offset] = inf.packet_id
+        for sub in s.subscriptions.values():
+            if len(sub.pending) > 1:
+                sub.pending = dict(sorted(sub.pending.items()))  # committed() needs the order
+        return s
+
+
+class SessionRegistry:
+    """All sessions by client id, their expiry timers and their persistence.
+
+    Each session is one state record (key `SESSION_KEY_PREFIX + client id`, see the module
+    docstring), appended when it changes: a change costs one small append, whatever the
+    number of sessions. Changes that must survive a crash before they are acknowledged
+    (`save()`: SUBACK, PUBREC) are appended at once and awaited durable (group commit);
+    the others are appended by the next housekeeping pass.
+    """
+
+    def __init__(self, store: Storage) -> None:
+        self._store = store
+        # Ends an expired session: set by the session lifecycle (gateway/lifecycle/sessions.py)
+        # that owns this registry.
+        self.on_expire: Callable[[Session], None] = _never
+        self.sessions: dict[str, Session] = {}
+        # Wills of clean sessions cut off by a crash: published once at start.
+        self.orphan_wills: list[tuple[str, Will]] = []
+        self._dirty: set[str] = set()  # client ids whose record must be appended soon
+        self._progress: set[str] = set()  # ... at the slower progress pace
+        # Connected sessions: their QoS 0 read positions move without anyone telling us, so
+        # each progress pass rewrites them (and forgets those that have disconnected since).
+        self._live: set[str] = set()
+        self._progress_all = False
+        self._last_save = time.monotonic()
+        # The state log's other records, read by load() (IMPORTED_KEY; the retained index's).
+        self._meta: dict[str, bytes] = {}
+        # Dormant sessions (see load): client id -> its record; their expiry deadlines.
+        self._dormant: dict[str, bytes] = {}
+        # Their expiry, static once loaded: a sorted array of (due second << _ID_BITS | index
+        # into _dormant_ids), walked by one timer: 16 bytes per session instead of ~115 for
+        # a heap of (deadline, id) tuples.
+        self._dormant_ids: list[str] = []
+        self._dormant_due = array("Q")
+        self._dormant_next = 0
+        self._dormant_timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self.sessions) + len(self._dormant)
+
+    def get(self, client_id: str) -> Session | None:
+        s = self.sessions.get(client_id)
+        if s is None and self._dormant:
+            s = self._wake(client_id)
+        return s
+
+    def add(self, session: Session) -> None:
+        self.sessions[session.client_id] = session
+        self.touch(session)
+
+    def remove(self, client_id: str) -> Session | None:
+        self.get(client_id)  # a dormant one is built, to be ended like any other
+        s = self.sessions.pop(client_id, None)
+        if s is not None:
+            self.cancel_expiry(s)
+            self.touch(s)
+        return s
+
+    def touch(self, session: Session) -> None:
+        """`session` changed: persistent ones must reach disk soon; clean sessions are listed
+        only for inspect and analytics, so they ride along with the slower progress saves."""
+        cid = session.client_id
+        if session.connection is not None:
+            self._live.add(cid)
+        if session.persistent or session.will is not None:
+            # A clean session's will must outlive a crash too (it is published after one).
+            self._dirty.add(cid)
+        else:
+            self._progress.add(cid)
+
+    def mark_dirty(self, session: Session) -> None:
+        """A change that must reach disk soon (sessions, subscriptions, wills, QoS 2 state)."""
+        self._dirty.add(session.client_id)
+
+    def mark_progress(self, session: Session | None = None) -> None:
+        """Read positions and acknowledgements moved (of `session`; None: of any connected
+        session). Losing these in a crash only re-sends messages (at least once), so they are
+        saved at a slower pace."""
+        if session is None:
+            self._progress_all = True
+        else:
+            self._progress.add(session.client_id)
+
+    # -- expiry ------------------------------------------------------------------------------
+
+    def schedule_expiry(self, session: Session) -> None:
+        self.cancel_expiry(session)
+        at = session.expires_at_ms()
+        if at is None:
+            return
+        delay = max(0.0, (at - now_ms()) / 1000)
+        loop = asyncio.get_running_loop()
+        session.expiry_timer = loop.call_later(delay, self._expire, session)
+
+    def cancel_expiry(self, session: Session) -> None:
+        if session.expiry_timer is not None:
+            session.expiry_timer.cancel()
+            session.expiry_timer = None
+
+    def _expire(self, session: Session) -> None:
+        session.expiry_timer = None
+        if self.sessions.get(session.client_id) is session and session.connection is None:
+            log.info("session %r expired", session.client_id)
+            self.on_expire(session)
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def load(
+        self, *, materialize_all: bool = False, skip: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[Session | None, Sequence[SubscriptionEntry | SubscriptionState]]]:
+        """Rebuild the sessions from the state log (a sessions.json of an older version is
+        imported once); sessions that ended with the previous run are dropped.
+
+        Yields (session, its subscriptions) for every restored session, to register the
+        subscriptions. An offline session that needs nothing from us until its client comes
+        back (no will; its expiry is kept in one sorted array) stays *dormant*: its record is
+        kept as bytes, the session is None here, and get() builds it when asked. A fleet of offline
+        devices then costs its records, not its objects. `materialize_all`: build them all
+        (the caller must check every position against the store). `skip`: client ids whose
+        sessions are not this process's (another live cluster node serves them).
+        """
+        raw = read_session_records(self._store.state_records(), self._meta)
+        imported = False
+        if IMPORTED_KEY not in self._meta:
+            old = self._import_sessions_json()
+            imported = old is not None
+            raw.update(old or {})
+        now = now_ms()
+        loads = from_json
+        # The records read become the dormant table itself: the ones that are not dormant are
+        # taken out of it (a second table of a million entries would cost ~50 MB more).
+        dormant = self._dormant = raw
+        ids = self._dormant_ids
+        due = array("Q")
+        for cid in list(raw):
+            if skip is not None and skip(cid):
+                del dormant[cid]
+                continue
+            value = raw[cid]
+            try:
+                d = loads(value)
+                crashed = d.get("disconnected_at_ms") is None  # connected when the run ended
+                if not (materialize_all or crashed or imported or d.get("will")) and int(
+                    d.get("expiry_interval", 0)
+                ):
+                    subs = [_entry(sd) for sd in d.get("subscriptions", [])]
+                    if int(d["expiry_interval"]) < NEVER_EXPIRES:
+                        at = int(d["disconnected_at_ms"]) + int(d["expiry_interval"]) * 1000
+                        due.append(-(-at // 1000) << _ID_BITS | len(ids))
+                        ids.append(cid)
+                    yield None, subs
+                    continue
+                del dormant[cid]
+                s = Session.from_json(cid, d)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                log.error("session %r in the state log unreadable (%s); dropped", cid, e)
+                dormant.pop(cid, None)
+                self._dirty.add(cid)
+                continue
+            if crashed:
+                s.disconnected_at_ms = now
+                s.behind = True
+                self._dirty.add(cid)
+            if not s.persistent:
+                if crashed and s.will is not None:
+                    self.orphan_wills.append((cid, s.will))
+                self._dirty.add(cid)  # its record goes
+                continue
+            self.sessions[cid] = s
+            yield s, list(s.subscriptions.values())
+        self._dormant_due = array("Q", sorted(due))
+        del due
+        self._arm_dormant_expiry()
+        if imported:
+            # Written at once, marked done: the old file is never read again.
+            self._dirty.update(self.sessions)
+            self._store.append_state([*self._records(self._dirty), (IMPORTED_KEY, b"1")])
+            self._dirty.clear()
+
+    def other_records(self) -> dict[str, bytes]:
+        """The state records load() read that are not sessions' (newest per key); taken once:
+        the other owners of state (the retained index) start from them."""
+        out, self._meta = self._meta, {}
+        return out
+
+    # -- sessions kept by other gateway nodes (gateway/cluster/sessions.py) -------------------
+
+    def entries(self, client_id: str) -> list[SubscriptionEntry | SubscriptionState]:
+        """The subscriptions this registry holds for `client_id` (dormant or not)."""
+        s = self.sessions.get(client_id)
+        if s is not None:
+            return list(s.subscriptions.values())
+        value = self._dormant.get(client_id)
+        if value is None:
+            return []
+        return [_entry(sd) for sd in from_json(value).get("subscriptions", [])]
+
+    def adopt(self, client_id: str, value: bytes | None) -> Session | None:
+        """Another node wrote `client_id`'s record (None: ended it): replace our copy with it,
+        without writing anything (the record is the other node's), and forget the changes of
+        ours still due (they are older). A session disconnected there expires here on time
+        unless a newer record comes first; one connected there has no expiry here. A clean
+        session disconnected there is over (its record's deletion follows). Returns the
+        session now held, or None."""
+        old = self.sessions.pop(client_id, None)
+        if old is not None:
+            self.cancel_expiry(old)
+        self._dormant.pop(client_id, None)
+        self.settle(client_id)
+        self._dirty.discard(client_id)
+        if value is None:
+            return None
+        s = Session.from_json(client_id, from_json(value))
+        if not s.persistent and s.disconnected_at_ms is not None:
+            return None
+        self.sessions[client_id] = s
+        self.schedule_expiry(s)  # none while connected there (no disconnected_at_ms)
+        return s
+
+    def drop_changes(self, client_id: str) -> None:
+        """Write nothing more of `client_id`: another node took the session over, and its
+        record is the session's (gateway/cluster/sessions.py)."""
+        self.settle(client_id)
+        self._dirty.discard(client_id)
+
+    def settle(self, client_id: str) -> None:
+        """`client_id`'s record was just written and is not ours to rewrite at the next
+        progress pass (it disconnected: another node may resume it at any moment)."""
+        self._live.discard(client_id)
+        self._progress.discard(client_id)
+
+    def client_ids(self) -> list[str]:
+        """Every session's client id, dormant ones included."""
+        return [*self.sessions, *self._dormant]
+
+    def positions(self) -> Iterator[tuple[str, int]]:
+        """(queue, read position) of every subscription, dormant sessions' included (metrics)."""
+        # Copies: the metrics census yields to the event loop between steps.
+        for session in list(self.sessions.values()):
+            for sub in list(session.subscriptions.values()):
+                yield sub.queue, sub.next_offset
+        for value in list(self._dormant.values()):
+            for sd in from_json(value).get("subscriptions", []):
+                yield str(sd["queue"]), int(sd.get("next_offset", sd.get("start_offset", 0)))
+
+    def _wake(self, client_id: str) -> Session | None:
+        """Build a dormant session (it becomes an ordinary one)."""
+        value = self._dormant.pop(client_id, None)
+        if value is None:
+            return None
+        s = Session.from_json(client_id, from_json(value))
+        self.sessions[client_id] = s
+        # Its own timer from now on (a connecting client cancels it; its entry in the dormant
+        # expiry array is skipped when due).
+        self.schedule_expiry(s)
+        return s
+
+    def _arm_dormant_expiry(self) -> None:
+        if self._dormant_timer is not None:
+            self._dormant_timer.cancel()
+            self._dormant_timer = None
+        if self._dormant_next < len(self._dormant_due):
+            due_s = self._dormant_due[self._dormant_next] >> _ID_BITS
+            delay = max(0.0, due_s - now_ms() / 1000)
+            loop = asyncio.get_running_loop()
+            self._dormant_timer = loop.call_later(delay, self._expire_dormant)
+
+    def _expire_dormant(self) -> None:
+        """Expire the dormant sessions that are due (one timer for all of them)."""
+        self._dormant_timer = None
+        now = now_ms()
+        due, ids = self._dormant_due, self._dormant_ids
+        while self._dormant_next < len(due) and (due[self._dormant_next] >> _ID_BITS) * 1000 <= now:
+            cid = ids[due[self._dormant_next] & _ID_MASK]
+            self._dormant_next += 1
+            session = self._wake(cid)  # None: woken since (it has its own timer now)
+            if session is not None:
+                log.info("session %r expired", cid)
+                self.on_expire(session)
+        self._arm_dormant_expiry()
+
+    def _import_sessions_json(self) -> dict[str, bytes] | None:
+        """The sessions of an older version's file; None: there is no such file."""
+        try:
+            doc = self._store.read_config(SESSIONS_FILE)
+        except OSError:
+            return None
+        if doc is None:
+            return None
+        try:
+            entries = json.loads(doc).get("sessions", {})
+            out = {str(cid): json.dumps(d).encode() for cid, d in entries.items()}
+        except (ValueError, AttributeError):
+            log.error("config/%s unreadable; not imported", SESSIONS_FILE)
+            return {}
+        log.info("importing %d session(s) from config/%s", len(out), SESSIONS_FILE)
+        return out
+
+    def _records(self, cids: set[str]) -> list[StateRecord]:
+        out: list[StateRecord] = []
+        dumps = _dumps
+        for cid in cids:
+            if cid in self._dormant:
+                continue  # unchanged since its record was read
+            s = self.sessions.get(cid)
+            # Clean sessions are listed while connected (inspect, analytics), not after.
+            if s is not None and (s.persistent or s.connection is not None):
+                out.append((SESSION_KEY_PREFIX + cid, dumps(s.to_json())))
+                if s.connection is not None:
+                    self._live.add(cid)  # still connected: due again at the next progress pass
+            else:
+                out.append((SESSION_KEY_PREFIX + cid, None))
+        return out
+
+    def _take(self, progress: bool) -> set[str]:
+        """The client ids whose records are due: the changed ones, and with `progress` the
+        slower kind too (every connected session among them)."""
+        cids = self._dirty
+        self._dirty = set()
+        if progress:
+            # Every connected session is due; _records puts those still connected back in
+            # _live as it writes them (a pass over 10,000 of them here took 5 ms in one step).
+            cids |= self._progress
+            cids |= self._live
+            self._live = set()
+            self._progress = set()
+            self._progress_all = False
+            self._last_save = time.monotonic()
+        return cids
+
+    def _write(self, progress: bool) -> int:
+        """Append the due records at once; returns the state log position to wait for (0:
+        nothing written)."""
+        cids = self._take(progress)
+        return self._store.append_state(self._records(cids)) if cids else 0
+
+    async def _write_in_steps(self, progress: bool) -> int:
+        """`_write`, RECORDS_PER_STEP records per event-loop step: a progress pass covers every
+        connected session, and with 10,000 devices encoding them at once held the loop for
+        hundreds of milliseconds. A session changed after its step is due again later."""
+        ids = list(self._take(progress))
+        position = 0
+        for i in range(0, len(ids), RECORDS_PER_STEP):
+            if i:
+                await asyncio.sleep(0)
+            position = self._store.append_state(self._records(set(ids[i : i + RECORDS_PER_STEP])))
+        return position
+
+    async def save(self, session: Session) -> None:
+        """`session` changed in a way a client was (or is about to be) told of: append its
+        record, with the other pending changes, and wait until it is durable (group commit:
+        callers waiting at the same time share one fsync)."""
+        self._dirty.add(session.client_id)
+        position = self._write(progress=False)
+        if position:
+            await self._store.wait_state_durable(position)
+
+    async def save_all(self) -> None:
+        """Append every pending change, the slower kind included (in steps), and wait until
+        it is durable."""
+        position = await self._write_in_steps(progress=True)
+        if position:
+            await self._store.wait_state_durable(position)
+
+    def save_now(self) -> None:
+        """Append every pending change (shutdown: the store's close fsyncs it)."""
+        self._write(progress=True)
+
+    async def close(self) -> None:
+        """Final save of every session that changed or was connected in this run."""
+        if self._dormant_timer is not None:
+            self._dormant_timer.cancel()
+            self._dormant_timer = None
+        self.save_now()
+
+    async def save_if_dirty(self, progress_interval_s: float = PROGRESS_SAVE_S) -> None:
+        """Housekeeping: append pending changes; compact the state log when due."""
+        progress = time.monotonic() - self._last_save >= progress_interval_s
+        await self._write_in_steps(progress)
+        await self._store.compact_state()
+
+
+def _never(session: Session) -> None:
+    raise RuntimeError("SessionRegistry.on_expire is not set")
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    """A session record's JSON (compact), by pydantic's JSON core: several times faster than
+    the json module, and a fleet's restart decodes a million of them."""
+    return to_json(doc)
+
+
+class SubscriptionEntry(NamedTuple):
+    """What registering a dormant session's subscription needs (SubscriptionState has the
+    same attributes)."""
+
+    topic_filter: str
+    share_group: str | None
+    queue: str
+
+
+def _entry(d: dict[str, Any]) -> SubscriptionEntry:
+    group = d.get("share_group")
+    return SubscriptionEntry(str(d["filter"]), None if group is None else str(group), d["queue"])
+
+
+def read_session_records(
+    records: Iterable[StateRecord], meta: dict[str, bytes] | None = None
+) -> dict[str, bytes]:
+    """Client id -> the newest session record (JSON bytes) of a stream of state records;
+    `meta` gets every other record (newest per key), for the other owners of state."""
+    out: dict[str, bytes] = {}
+    n = len(SESSION_KEY_PREFIX)
+    for key, value in records:
+        if not key.startswith(SESSION_KEY_PREFIX):
+            if meta is not None:
+                if value is None:
+                    meta.pop(key, None)
+                else:
+                    meta[key] = value
+            continue
+        if value is None:
+            out.pop(key[n:], None)
+        else:
+            out[key[n:]] = value
+    return out

@@ -1,0 +1,1 @@
+"""The storage port and its adapters: the embedded store and Apache RocketMQ."""

@@ -1,0 +1,101 @@
+"""The embedded store as the gateway's Storage (gateway/storage/port.py): the one adapter module.
+
+`EmbeddedStorage` is a `store.MessageStore` (so the hot path calls the store's own methods,
+with no wrapper in between) plus the asynchronous half of the port: waiting for the state
+log's fsync and compacting it, in worker threads so the event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gateway.config import GatewaySettings
+from gateway.storage.port import Storage
+from store import AccountWriter, FlushMode, MessageStore, StoreConfig
+from topicmap import TopicFilter, replay_parents
+
+
+class EmbeddedStorage(MessageStore):
+    """MessageStore + the port's async state operations."""
+
+    _compacting: asyncio.Future[None] | None = None
+
+    @property
+    def tail_may_be_lost(self) -> bool:
+        return self.recovery.abnormal
+
+    async def drain(self) -> None:
+        """Nothing to wait for: appends are written in the caller's thread; close() fsyncs."""
+
+    async def open_queue(self, queue: str) -> None:
+        """Nothing to do: every queue's end is in memory."""
+
+    def history_queues(self, tf: TopicFilter) -> list[str]:
+        """The parent topics (first topic levels) whose messages `tf` may match."""
+        return replay_parents(tf, self.queues())
+
+    async def open_history(self, queues: Sequence[str], since_ms: int) -> None:
+        """Nothing to do: offsets by time are read from the consume queues at once."""
+
+    def close_queue(self, queue: str) -> None:
+        """Nothing to do: a queue costs its index file, not a reader."""
+
+    async def load_offsets(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Nothing to do: the committed offsets table was read at open."""
+
+    async def wait_state_durable(self, position: int) -> None:
+        """Sync flush mode: fsync the state log (concurrent callers share one fsync). Async
+        mode: the write already survives a process crash; the store's periodic full flush
+        (each second) makes it survive a power loss, as for messages."""
+        if self.config.flush != FlushMode.SYNC or self.state is None:
+            return
+        if self.state.synced >= position:
+            return
+        await asyncio.get_running_loop().run_in_executor(None, self.sync_state, position)
+
+    async def compact_state(self) -> None:
+        if self.read_only or not self.state_needs_compaction():
+            return
+        if self._compacting is not None and not self._compacting.done():
+            return
+        fut = asyncio.get_running_loop().run_in_executor(None, self.rewrite_state)
+        self._compacting = fut
+        await fut
+
+
+def store_config(settings: GatewaySettings, **extra: Any) -> StoreConfig:
+    """The StoreConfig the settings imply (`extra` adds/overrides store-only fields)."""
+    fields: dict[str, Any] = {
+        "data_dir": settings.data_dir,
+        "flush": settings.flush,
+        "flush_interval_ms": settings.flush_interval_ms,
+        "segment_size": settings.segment_size,
+        # A message body can never be larger than the packet that carried it.
+        "max_body_size": settings.max_packet_size,
+        "retention_hours": settings.retention_hours,
+        "retention_bytes": settings.retention_bytes,
+    }
+    fields.update(extra)
+    return StoreConfig(**fields)
+
+
+def open_storage(settings: GatewaySettings) -> EmbeddedStorage:
+    """Open (create or recover) the embedded store of `settings.data_dir`."""
+    store = EmbeddedStorage.open(store_config(settings))
+    assert isinstance(store, EmbeddedStorage)
+    return store
+
+
+def open_read_only(data_dir: Path) -> Storage:
+    """The store of `data_dir` for reading, safe while a gateway writes it (lmqtt inspect)."""
+    store = EmbeddedStorage.open(StoreConfig(data_dir=data_dir, read_only=True))
+    assert isinstance(store, EmbeddedStorage)
+    return store
+
+
+def open_account(settings: GatewaySettings) -> AccountWriter:
+    """The delivery account of `settings.data_dir` (store/delivery_account.py), for appending."""
+    return AccountWriter(settings.data_dir)

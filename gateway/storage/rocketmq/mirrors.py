@@ -1,0 +1,309 @@
+"""Mirrors of light queues: what the gateway reads of RocketMQ, and its arrival notices.
+
+A `Mirror` per opened queue: GET_MIN/MAX_OFFSET, then a held long poll (PULL_MESSAGE with the
+suspend flag, SUSPEND_S) at the queue's end brings each new message in and fires the arrival
+notice. `get` is a try-read of the mirror (the Storage port's reads never block), and a miss
+below the end starts a one-shot pull of that range (backlog after a reconnect or a restart),
+whose arrival wakes the reader again. So the delivery loop is the same as on the embedded
+store. A mirror keeps MIRROR_SIZE messages (the oldest dropped; a reader behind them pulls
+them again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from gateway.storage.port import ArrivalListener, GetResult, GetStatus, StoredMessage, StoreError
+from gateway.storage.rocketmq.broker import PULL_BATCH, PULL_GROUP, Broker, to_stored
+from rocketmq_remoting import OffsetMovedError, RemotingError
+from rocketmq_remoting.message import MessageRecord
+
+log = logging.getLogger("lmqtt.rocketmq")
+
+#: How long a held pull waits for an arrival. Well under the broker's 120 s idle close; the
+#: broker answers NOT_FOUND after it (rounded up to its hold checker's 5 s pass).
+SUSPEND_S = 15.0
+#: Messages a mirror keeps per queue (oldest dropped; a reader behind them pulls them again).
+MIRROR_SIZE = 4096
+
+
+class Mirror:
+    """What this process knows of one light queue: its bounds and recently read messages."""
+
+    __slots__ = ("fetching", "limit", "lmq", "max", "min", "msgs", "queue", "ready", "tail", "task")
+
+    def __init__(self, queue: str, lmq: str) -> None:
+        self.queue = queue
+        self.lmq = lmq
+        self.ready = False  # bounds known (GET_MIN/MAX_OFFSET answered)
+        self.min = 0
+        self.max = 0  # the next offset to be written, as far as we know
+        self.tail = 0  # where the held pull reads from
+        self.msgs: dict[int, StoredMessage] = {}
+        self.limit = MIRROR_SIZE  # messages kept (the oldest dropped beyond it)
+        self.fetching: set[int] = set()  # offsets of one-shot pulls in flight
+        self.task: asyncio.Task[None] | None = None
+
+
+class Mirrors:
+    """Every mirror of this process, their pulls and the arrival listeners."""
+
+    def __init__(self, broker: Broker, saw_phys: Callable[[int], None]) -> None:
+        self._broker = broker
+        self._saw_phys = saw_phys  # the log's end: the highest CommitLog offset seen
+        self._mirrors: dict[str, Mirror] = {}
+        self._listeners: list[ArrivalListener] = []
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._phys_waiters: dict[tuple[str, int], asyncio.Future[int]] = {}
+        self._pinned: set[str] = set()  # queues the gateway itself reads (never released)
+
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = self._loop.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for fut in self._phys_waiters.values():
+            fut.cancel()
+
+    # -- reads (the Storage port's) --------------------------------------------------------------
+
+    def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
+        m = self._mirrors.get(queue) or self.mirror(queue)
+        msgs = m.msgs
+        first = msgs.get(offset)
+        if first is not None:
+            out = [first]
+            nxt = offset + 1
+            while len(out) < max_messages:
+                msg = msgs.get(nxt)
+                if msg is None:
+                    break
+                out.append(msg)
+                nxt += 1
+            return GetResult(GetStatus.FOUND, out, nxt, m.min, m.max)
+        if not m.ready:
+            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], offset, 0, 0)
+        if offset < m.min:
+            return GetResult(GetStatus.OFFSET_TOO_SMALL, [], m.min, m.min, m.max)
+        if offset >= m.max:
+            # Never OVERFLOW_BADLY: our max lags the broker's, a reader past it is not wrong.
+            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, m.min, m.max)
+        if offset not in m.fetching and not self._closed:
+            m.fetching.add(offset)
+            self._spawn(self._fetch(m, offset))
+        return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], offset, m.min, m.max)
+
+    def min_offset(self, queue: str) -> int:
+        return (self._mirrors.get(queue) or self.mirror(queue)).min
+
+    def max_offset(self, queue: str) -> int:
+        m = self._mirrors.get(queue)
+        return m.max if m is not None else self.mirror(queue).max
+
+    def queues(self) -> list[str]:
+        return list(self._mirrors)
+
+    def add_listener(self, listener: ArrivalListener) -> None:
+        self._listeners.append(listener)
+
+    async def open_queue(self, queue: str) -> None:
+        m = self._mirrors.get(queue) or self.mirror(queue)
+        if not m.ready:
+            await self._ready(m)
+
+    def release(self, queue: str) -> None:
+        """Nothing reads `queue` now: drop its mirror, stop its held pull (the broker answers
+        it into the void) and forget its name; a later read makes a new mirror. So memory
+        and held pulls follow the subscriptions, not every queue ever subscribed."""
+        if queue in self._pinned:
+            return
+        m = self._mirrors.pop(queue, None)
+        if m is None:
+            return
+        if m.task is not None:
+            m.task.cancel()
+        self._broker.names.forget(queue)
+
+    def mirror(self, queue: str) -> Mirror:
+        """The mirror of `queue`, created (and its long poll started) on first use."""
+        m = self._mirrors.get(queue)
+        if m is None:
+            m = self._mirrors[queue] = Mirror(queue, self._broker.names.lmq(queue))
+            if not self._closed:
+                m.task = self._spawn(self._follow(m))
+        return m
+
+    async def light_offset(self, queue: str, phys: int, timeout: float) -> int | None:
+        """The offset in `queue` of the message stored at CommitLog offset `phys` (the send
+        answer has none: the held pull brings the message in milliseconds); None if it was
+        not seen within `timeout`."""
+        m = self.mirror(queue)
+        found = next((o for o, s in m.msgs.items() if s.physical_offset == phys), None)
+        if found is not None:
+            return found
+        waiter: asyncio.Future[int] = self._loop.create_future()
+        self._phys_waiters[(queue, phys)] = waiter
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except TimeoutError:
+            return None
+        finally:
+            self._phys_waiters.pop((queue, phys), None)
+
+    async def preload(self, queue: str, count: int) -> None:
+        """Read the last `count` messages of `queue` into its mirror now (the retained index's
+        start-up catch-up reads %RETAIN% without waiting)."""
+        self._pinned.add(queue)
+        m = self.mirror(queue)
+        m.limit = max(m.limit, count + MIRROR_SIZE)  # all of them stay for the catch-up
+        await self._ready(m)
+        async for records in self._broker.read(m.lmq, max(m.min, m.max - count), m.max):
+            self._keep(m, records)
+
+    async def catch_up(self, queue: str) -> int:
+        """Bring `queue`'s mirror up to the broker's end now (reads of it then see every
+        message stored before the call) and return that end: the retained index before it
+        answers a SUBSCRIBE, so a retained message set through another gateway process is
+        never missed; the state log before a CONNACK (a session another node wrote)."""
+        m = self.mirror(queue)
+        await self._ready(m)
+        broker = self._broker
+        hi = await broker.client.get_max_offset(broker.addr, m.lmq)
+        async for records in broker.read(m.lmq, m.max, hi):
+            self._keep(m, records)
+        return hi
+
+    async def prefetch(self, queue: str, offsets: Iterable[int]) -> None:
+        """Read the messages at `offsets` of `queue` into its mirror now: the in-flight
+        messages of a session resumed here are re-sent (with DUP) by synchronous reads
+        (`get`), which find nothing in a mirror that never saw them (another node delivered
+        them, or this process is new), and the resend would be skipped. Offsets deleted by
+        age are skipped."""
+        m = self.mirror(queue)
+        await self._ready(m)
+        todo = sorted(o for o in set(offsets) if o not in m.msgs and o < m.max)
+        while todo:
+            first = todo[0]
+            async for records in self._broker.read(m.lmq, first, todo[-1] + 1):
+                self._keep(m, records)
+            todo = [o for o in todo if o not in m.msgs and o > first]
+            if todo and todo[0] == first:
+                break  # defensive: never spin
+
+    # -- following the broker --------------------------------------------------------------------
+
+    async def _ready(self, m: Mirror) -> None:
+        deadline = time.monotonic() + 10.0
+        while not m.ready and not self._closed:
+            if time.monotonic() > deadline:
+                raise StoreError(f"broker {self._broker.name}: no answer for queue {m.queue}")
+            await asyncio.sleep(0.005)
+
+    def _notify(self, m: Mirror) -> None:
+        for listener in self._listeners:
+            try:
+                listener.on_arrival(m.queue, m.max)
+            except Exception:
+                log.exception("arrival listener failed")
+
+    async def _bounds(self, m: Mirror) -> None:
+        broker = self._broker
+        lo = await broker.client.get_min_offset(broker.addr, m.lmq)
+        hi = await broker.client.get_max_offset(broker.addr, m.lmq)
+        m.min, m.max = lo, max(m.max, hi)
+        if not m.ready:
+            m.tail = m.max
+            m.ready = True
+
+    async def _follow(self, m: Mirror) -> None:
+        """Learn the queue's bounds, then hold a pull at its end for as long as we run."""
+        broker = self._broker
+        backoff = 0.1
+        while not self._closed:
+            try:
+                if not m.ready:
+                    await self._bounds(m)
+                    self._notify(m)
+                res = await broker.client.pull(
+                    broker.addr,
+                    m.lmq,
+                    m.tail,
+                    consumer_group=PULL_GROUP,
+                    max_messages=PULL_BATCH,
+                    suspend_timeout=SUSPEND_S,
+                )
+            except OffsetMovedError as exc:
+                log.warning(
+                    "queue %s: offset %d moved (broker range %d..%d): following from %d",
+                    m.queue, m.tail, exc.min_offset, exc.max_offset, exc.next_begin_offset,
+                )  # fmt: skip
+                m.min = exc.min_offset
+                m.tail = exc.next_begin_offset
+                continue
+            except asyncio.CancelledError:
+                raise
+            except RemotingError as exc:
+                if not self._closed:
+                    log.warning("queue %s: pull failed (%s); again in %.1fs", m.queue, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            m.min = res.min_offset
+            before = m.max
+            if res.messages:
+                self._keep(m, res.messages)
+                m.tail = max(m.tail, res.next_begin_offset)
+            m.max = max(m.max, m.tail)
+            if m.max > before or res.messages:
+                self._notify(m)
+
+    async def _fetch(self, m: Mirror, offset: int) -> None:
+        """One-shot pull of a range below the held pull (a reader behind: backlog)."""
+        broker = self._broker
+        try:
+            res = await broker.client.pull(
+                broker.addr, m.lmq, offset, consumer_group=PULL_GROUP, max_messages=PULL_BATCH
+            )
+            if res.messages:
+                self._keep(m, res.messages)
+                self._notify(m)
+        except OffsetMovedError as exc:
+            m.min = exc.min_offset
+            self._notify(m)  # the reader sees OFFSET_TOO_SMALL and moves on
+        except RemotingError as exc:
+            log.warning("queue %s: reading offset %d failed: %s", m.queue, offset, exc)
+            self._loop.call_later(1.0, self._notify, m)  # the reader will ask again
+        finally:
+            m.fetching.discard(offset)
+
+    def _keep(self, m: Mirror, records: list[MessageRecord]) -> None:
+        msgs = m.msgs
+        names = self._broker.names
+        for rec in records:
+            offsets = rec.light_queue_offsets()
+            off = offsets.get(m.lmq)
+            if off is None:
+                continue
+            phys = rec.commitlog_offset
+            msgs[off] = to_stored(rec, off, names.queue, offsets)
+            self._saw_phys(phys)
+            if self._phys_waiters:
+                waiter = self._phys_waiters.get((m.queue, phys))
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(off)
+            if off >= m.max:
+                m.max = off + 1
+        if len(msgs) > m.limit:
+            for off in sorted(msgs)[: len(msgs) - m.limit * 3 // 4]:
+                del msgs[off]

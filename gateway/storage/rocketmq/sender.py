@@ -1,0 +1,188 @@
+"""Sends to the RocketMQ broker: one SEND_MESSAGE_V2 per message, tickets, durability.
+
+    append   SEND_MESSAGE_V2 to the parent topic (`rocketmq_topic`, one queue), with
+             INNER_MULTI_DISPATCH = the light queues of the matching filters (names mapped by
+             gateway/storage/rocketmq/names.py). One task per message, all pipelined on one
+             connection; the batch's ticket (PutResult.end_offset) resolves when every send
+             is SEND_OK, and raises StoreError when one was not (refused, FLUSH_DISK_TIMEOUT,
+             connection lost: maybe stored, not acknowledged; the client sends it again).
+    busy     SYSTEM_BUSY (nothing stored) is retried with backoff, SEND_ATTEMPTS times.
+    sync     `--flush sync` sends WAIT=true: on a SYNC_FLUSH broker SEND_OK follows the flush.
+    counted  every send is told to a SendCounter when it is made and when it is answered (its
+             offset in the parent queue, or None): the parent topic's history
+             (gateway/storage/rocketmq/history.py) bounds a replay's pin by the sends in flight.
+
+Physical offsets are the broker's CommitLog offsets (unique on one broker), so the delivery
+loop's cross-queue ordering (`start_phys`, `read_phys`) works unchanged; `log_max` is the
+highest one seen (sends and pulls: `saw_phys`) + 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Protocol
+
+from gateway.storage.port import EncodedMessage, StoreError
+from gateway.storage.rocketmq.broker import Broker
+from rocketmq_remoting import BrokerBusyError, BrokerError, RemotingError, SendResult
+from rocketmq_remoting.message import decode_message_id
+from topicmap.rocketmq import EMPTY_BODY_PROPERTY
+
+log = logging.getLogger("lmqtt.rocketmq")
+
+SEND_ATTEMPTS = 5  # broker busy (nothing stored): retried with backoff
+FAILED_TICKETS_KEPT = 10_000
+#: A broker cannot store an empty body (5.3.3: NullPointerException in buildMsgContext, answered
+#: SYSTEM_ERROR; Java clients refuse empty bodies before sending). An empty MQTT payload (a
+#: retained message's deletion) is sent as one byte with EMPTY_BODY_PROPERTY, and read back
+#: empty (rocketmq_broker.to_stored).
+_EMPTY_BODY_MARK = EMPTY_BODY_PROPERTY.encode() + b"\x011\x02"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class SendCounter(Protocol):
+    """Told of every send: made (before its task runs) and answered."""
+
+    def sending(self) -> None: ...
+
+    def sent(self, queue_offset: int | None) -> None:
+        """Answered with its offset in the parent queue, or failed (None)."""
+
+
+class Sender:
+    """Sends messages to `broker` and keeps the tickets of batches in flight."""
+
+    def __init__(self, broker: Broker, counter: SendCounter, *, sync: bool) -> None:
+        self._broker = broker
+        self._counter = counter
+        self._sync = sync
+        self._loop = asyncio.get_running_loop()
+        self._ticket = 0
+        self._batches: dict[int, asyncio.Future[None]] = {}
+        self._failed: dict[int, StoreError] = {}
+        self._sending: set[asyncio.Future[None]] = set()  # one per send not answered yet
+        self.log_max = 0
+
+    def send_batch(self, messages: Sequence[EncodedMessage]) -> int:
+        """Send `messages` (all in flight at once); returns the batch's ticket."""
+        self._ticket += 1
+        ticket = self._ticket
+        sends = [self.send(queues, body, block) for _parent, queues, body, block in messages]
+        batch = asyncio.ensure_future(asyncio.gather(*sends))
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._batches[ticket] = fut
+        batch.add_done_callback(lambda b: self._batch_done(ticket, fut, b))
+        return ticket
+
+    def _batch_done(
+        self, ticket: int, fut: asyncio.Future[None], batch: asyncio.Future[list[SendResult]]
+    ) -> None:
+        del self._batches[ticket]
+        err: StoreError | None = None
+        if batch.cancelled():
+            err = StoreError("send cancelled (storage closing)")
+        elif (exc := batch.exception()) is not None:
+            err = exc if isinstance(exc, StoreError) else StoreError(str(exc))
+        if err is None:
+            fut.set_result(None)
+            return
+        if not self._sync:  # nobody waits in async mode: the log is all there is
+            log.error("RocketMQ send failed, messages not stored: %s", err)
+        self._failed[ticket] = err
+        if len(self._failed) > FAILED_TICKETS_KEPT:
+            self._failed.pop(next(iter(self._failed)))
+        fut.set_exception(err)
+        fut.exception()  # retrieved: a batch nobody awaits (async mode) logs nothing more
+
+    async def wait_durable(self, ticket: int) -> None:
+        fut = self._batches.get(ticket)
+        if fut is not None:
+            await asyncio.shield(fut)
+            return
+        err = self._failed.get(ticket)
+        if err is not None:
+            raise err
+
+    def in_flight(self) -> list[asyncio.Future[None]]:
+        """The batches not answered yet (a graceful stop waits for them)."""
+        return list(self._batches.values())
+
+    async def settle(self) -> None:
+        """Wait until every send started so far was answered (stored or refused): cluster
+        mode acknowledges a new filter only once the messages routed without it are stored
+        (gateway/cluster/filter_registry.py)."""
+        if self._sending:
+            await asyncio.wait(list(self._sending))
+
+    def send(self, queues: Sequence[str], body: bytes, block: bytes) -> Awaitable[SendResult]:
+        """One SEND_MESSAGE_V2 (see _send_message), counted from this call on, before its task
+        runs: a replay pinned meanwhile must cover it."""
+        self._counter.sending()
+        return self._counted(queues, body, block)
+
+    async def _counted(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
+        offset: int | None = None
+        try:
+            res = await self._send_message(queues, body, block)
+            offset = res.queue_offset
+            return res
+        finally:
+            self._counter.sent(offset)
+
+    async def _send_message(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
+        """One SEND_MESSAGE_V2; StoreError unless the broker answered SEND_OK."""
+        answered: asyncio.Future[None] = self._loop.create_future()
+        self._sending.add(answered)
+        try:
+            return await self._send(queues, body, block)
+        finally:
+            self._sending.discard(answered)
+            answered.set_result(None)
+
+    async def _send(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
+        broker = self._broker
+        lmqs = [broker.names.lmq(q) for q in queues]
+        if not body:
+            body, block = b"\x00", block + _EMPTY_BODY_MARK
+        delay = 0.05
+        for attempt in range(SEND_ATTEMPTS):
+            try:
+                res = await broker.client.send_message(
+                    broker.addr,
+                    broker.topic,
+                    body,
+                    light_queues=lmqs,
+                    raw_properties=block.decode("utf-8"),
+                    wait_store=self._sync,
+                )
+            except BrokerBusyError as exc:
+                if attempt == SEND_ATTEMPTS - 1:
+                    raise StoreError(f"broker {broker.name} busy: {exc}") from exc
+                await asyncio.sleep(delay)
+                delay *= 2
+                continue
+            except BrokerError as exc:
+                raise StoreError(f"broker {broker.name} refused the message: {exc}") from exc
+            except RemotingError as exc:
+                # Maybe stored, maybe not: not acknowledged (the client sends it again).
+                raise StoreError(f"broker {broker.name}: {exc}") from exc
+            if not res.ok:
+                raise StoreError(
+                    f"broker {broker.name} stored the message but could not make it"
+                    f" durable in time (response code {res.code})"
+                )
+            with contextlib.suppress(ValueError):
+                self.saw_phys(decode_message_id(res.msg_id)[1])
+            return res
+        raise AssertionError("unreachable")
+
+    def saw_phys(self, phys: int) -> None:
+        if phys >= self.log_max:
+            self.log_max = phys + 1

@@ -1,0 +1,36 @@
+"""Delivery pacing (gateway/delivery/loop.py, PASS_INTERVAL): a pass asked for within a millisecond
+of the subscriber's last write runs from a timer. Nothing else has to happen for it to run:
+a message stored then is delivered with no further traffic on any connection."""
+
+from __future__ import annotations
+
+import math
+
+from gateway.connection.client import ClientConnection
+from tests.gateway.conftest import Client, GatewayHarness, wait_until
+
+
+def test_a_message_stored_right_after_a_write_arrives_without_more_traffic(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    sub = Client(gateway.port, "paced-sub")
+    pub = Client(gateway.port, "paced-pub")
+    clients += [sub, pub]
+    assert sub.subscribe("paced/#", 1) == [1]
+    pub.publish("paced/1", b"one", qos=1)
+    sub.wait_messages(1)
+    gw = gateway.gw
+    assert gw is not None
+
+    async def store_right_after_a_write() -> bool:
+        conn: ClientConnection = next(c for c in gw.connections if c.client_id == "paced-sub")
+        loop = conn.delivery
+        assert loop is not None
+        # As if a pass had just written to the subscriber, in a way the clock cannot move past
+        # (uvloop's may tick during the publish): the arrival must take the timer.
+        loop._last_write = math.inf
+        await gw.publisher.publish_internal("paced/2", b"two", qos=1)
+        return loop._pass_timer is not None
+
+    assert gateway.run(store_right_after_a_write()), "the pass was not paced"
+    wait_until(lambda: sub.payloads() == [b"one", b"two"], what="the paced message")

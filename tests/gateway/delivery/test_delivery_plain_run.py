@@ -1,0 +1,226 @@
+"""The C twin of the delivery loop's plain run (`plain_run` in gateway/protocol/_speedups.c)
+against its Python reference (gateway/delivery/loop.py `plain_run_py`, which encodes with
+PreparedPublish): for the same batch of stored messages and the same session state, the same
+return value, the same PUBLISH bytes in the pass's batch, and the same packet ids, in-flight
+entries, pending offsets and codec outbound map afterwards; and when building an in-flight
+entry raises half-way, the same exception and the same state written back.
+
+Each case builds two copies of the state and runs one copy through each; the records are of
+every shape read_record meets (canonical or not: the run must leave the others alone)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.delivery import loop as delivery
+from gateway.messages.records import read_record
+from gateway.protocol import ENCODED_TOPICS, Publish, encode
+from gateway.session.registry import Inflight
+from gateway.storage.port import StoredMessage
+
+speedups = pytest.importorskip("gateway.protocol._speedups")
+C_RUN = speedups.plain_run
+
+CLIENT = "me"
+TOPICS = ["t/x", "t/é", "u/" + "l" * 200, "t/uncached", ""]
+
+
+def _encode_topics() -> None:
+    """What the writers cache once they encoded a topic (other tests may have cleared it)."""
+    for name in TOPICS[:3]:
+        encode(Publish(name, b"", 0), 4)
+    ENCODED_TOPICS.pop("t/uncached", None)  # the oracle below encodes it: uncached again
+
+
+def _props(qos: str | None, retain: str | None, client: str | None, extra: str | None,
+           topic: str | None) -> dict[str, str]:  # fmt: skip
+    p = {}
+    for key, value in (("mqtt.qos", qos), ("mqtt.retain", retain), ("mqtt.client", client),
+                       ("mqtt.topic", topic)):  # fmt: skip
+        if value is not None:
+            p[key] = value
+    if extra is not None:
+        p[extra] = "1"
+    return p
+
+
+props = st.builds(
+    _props,
+    qos=st.sampled_from(["0", "1", "2", "1", "1", None, "3", " 1", "x"]),
+    retain=st.sampled_from(["0", "1", None, "true"]),
+    client=st.sampled_from([CLIENT, "other", None, ""]),
+    extra=st.sampled_from(
+        [
+            None,
+            None,
+            None,
+            None,
+            "mqtt.expiry",
+            "mqtt.pfi",
+            "mqtt.ct",
+            "mqtt.rt",
+            "mqtt.cd",
+            "mqtt.up",
+            "mqtt.pid",
+        ]
+    ),
+    topic=st.sampled_from([*TOPICS, None]),
+)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> list[StoredMessage]:
+    n = draw(st.integers(0, 12))
+    offset = draw(st.integers(0, 5))
+    out = []
+    for k in range(n):
+        offset += draw(st.sampled_from([1, 1, 1, 0, 2]))
+        queues = tuple(draw(st.sampled_from([["q"], ["q", "r"], ["a", "q", "r"]])))
+        body = draw(st.binary(max_size=300))
+        p = draw(props)
+        stored_topic = draw(st.sampled_from(TOPICS))
+        out.append(StoredMessage(stored_topic, body, p, offset, 100 * k, 5, 5, offset, queues))
+    return out
+
+
+@dataclass
+class Side:
+    """One copy of everything a run reads and changes."""
+
+    inflight: dict[int, Inflight]
+    outbound: dict[int, int]
+    pending: dict[int, int] = field(default_factory=dict)
+    batch: list[bytes] = field(default_factory=list)
+
+
+def _run(run: Any, side: Side, messages: list[StoredMessage], args: dict[str, Any]) -> Any:
+    state = [args["next_offset"], args["next_pid"], 0, -1]
+    made = []
+
+    def inflight_new(*a: Any) -> Inflight:
+        made.append(a)
+        if len(made) == args["fail_at"]:
+            raise RuntimeError("no memory")
+        return Inflight(*a)
+
+    try:
+        result: Any = run(
+            messages, args["start"], state, args["single"], args["window"], args["level"],
+            args["sub_qos"], args["no_local"], args["rap"], CLIENT, "q", side.inflight,
+            side.pending, inflight_new, ENCODED_TOPICS, side.outbound, args["receive_maximum"],
+            1, side.batch,
+        )  # fmt: skip
+    except RuntimeError as err:
+        result = ("raised", str(err))
+    return result, state, made
+
+
+def _observed(side: Side) -> dict[str, Any]:
+    return {
+        "batch": side.batch,
+        "inflight": [(k, v.packet_id, v.queue, v.offset, v.qos) for k, v in side.inflight.items()],
+        "pending": list(side.pending.items()),
+        "outbound": list(side.outbound.items()),
+    }
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    messages=batches(),
+    start=st.integers(0, 3),
+    next_offset=st.integers(0, 8),
+    next_pid=st.sampled_from([1, 2, 65535]),
+    busy_ids=st.lists(st.sampled_from([1, 2, 3, 65535]), max_size=2),
+    outbound_ids=st.lists(st.sampled_from([1, 2, 3, 4]), max_size=2),
+    receive_maximum=st.sampled_from([65535, 3, 1]),
+    window=st.sampled_from([65535, 4, 1]),
+    single=st.booleans(),
+    level=st.sampled_from([3, 4, 5]),
+    sub_qos=st.sampled_from([0, 1, 2]),
+    no_local=st.booleans(),
+    rap=st.booleans(),
+    fail_at=st.sampled_from([0, 0, 0, 1, 3]),
+)
+def test_plain_run_matches_reference(
+    messages: list[StoredMessage], busy_ids: list[int], outbound_ids: list[int], **args: Any
+) -> None:
+    args["start"] = min(args["start"], len(messages))
+    _encode_topics()
+    sides = [
+        Side(
+            inflight={pid: Inflight(pid, "q", 0, 1) for pid in busy_ids},
+            outbound=dict.fromkeys(outbound_ids, 1),
+        )
+        for _ in range(2)
+    ]
+    got = [
+        _run(run, side, messages, args)
+        for run, side in zip((C_RUN, delivery.plain_run_py), sides, strict=True)
+    ]
+    assert got[0] == got[1]
+    assert _observed(sides[0]) == _observed(sides[1])
+    if got[0][0][0] != "raised":
+        assert sides[0].batch == _general(messages, got[0][0][0], args)
+
+
+def _general(messages: list[StoredMessage], stop: int, args: dict[str, Any]) -> list[bytes]:
+    """What the general path (read_record, decide_one's rules, _prepare) sends for the
+    messages a run took: the run must not take one it would send differently."""
+    out = []
+    next_offset, pid = args["next_offset"], args["next_pid"]
+    level = args["level"]
+    for msg in messages[args["start"] : stop]:
+        if msg.queue_offset < next_offset:
+            continue
+        next_offset = msg.queue_offset + 1
+        rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
+        assert rec is not None and rec.expiry is None
+        assert level != 5 or rec.mqtt5_properties([], None) is None
+        if args["no_local"] and rec.client_id == CLIENT:
+            continue
+        qos = min(rec.qos, args["sub_qos"])
+        retain = rec.retain and level == 5 and args["rap"]
+        prepared = delivery._prepare(rec, level, qos, retain, rec.topic, None, [], None)
+        out.append(prepared.packet(pid if qos else None))
+        if qos:
+            pid = pid % 65535 + 1
+    return out
+
+
+def test_plain_run_takes_a_canonical_batch() -> None:
+    """Not vacuous: a canonical batch is sent whole, packet ids 1.. in order, and the first
+    record of another shape stops the run."""
+    _encode_topics()
+    p = _props("1", "0", "other", None, "t/x")
+    messages = [
+        StoredMessage("t", b"m%d" % i, p, i, 100 * i, 5, 5, i, ("q", "r")) for i in range(5)
+    ]
+    messages.append(messages[0]._replace(properties={**p, "mqtt.expiry": "9"}, queue_offset=5))
+    args = dict(start=0, next_offset=0, next_pid=1, single=True, window=100, level=4,
+                sub_qos=1, no_local=False, rap=False, receive_maximum=100, fail_at=0)  # fmt: skip
+    for run in (C_RUN, delivery.plain_run_py):
+        side = Side(inflight={}, outbound={})
+        result, state, _ = _run(run, side, messages, args)
+        assert result == (5, False)
+        assert state == [5, 6, 5, 4]
+        assert list(side.pending.items()) == [(i, i + 1) for i in range(5)]
+        assert side.batch == [
+            encode(Publish("t/x", b"m%d" % i, 1, packet_id=i + 1), 4) for i in range(5)
+        ]
+
+
+@pytest.mark.skipif(
+    any(
+        os.environ.get(n, "") not in ("", "0")
+        for n in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_DELIVERY")
+    ),
+    reason="a LMQTT_PURE_PYTHON switch is set: the gateway runs the reference",
+)
+def test_the_gateway_uses_the_c_run() -> None:
+    assert delivery.PLAIN_RUN is C_RUN

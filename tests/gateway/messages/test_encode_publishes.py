@@ -1,0 +1,91 @@
+"""The C twin of PublishPath.append_publishes's loop (`encode_publishes` in
+gateway/protocol/_speedups.c) against its Python reference (gateway/messages/publishing.py
+`encode_publishes_py`): the same stop index, the same (parent, light queues, payload,
+block) messages and the very same property dicts, for PUBLISHes with and without a cached
+route, a cached block, MQTT 5 properties and packet ids; and the whole append (the loop
+that finishes what they leave) against the block PublishProperties.of gives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.messages import publishing
+from gateway.messages.records import PublishProperties
+from gateway.protocol import Properties, Publish
+
+speedups = pytest.importorskip("gateway.protocol._speedups")
+if publishing._ENCODE_PUBLISHES is publishing.encode_publishes_py:
+    pytest.skip(
+        "the gateway runs the reference (a LMQTT_PURE_PYTHON switch)", allow_module_level=True
+    )
+
+
+def _encode(props: dict[str, str]) -> bytes:
+    return "".join(f"{k}\x01{v}\x02" for k, v in props.items()).encode()
+
+
+ROUTES = {"a/1": ("a", ("a/#",)), "a/2": ("a", ("a/#", "+/2")), "b": ("b", ())}
+
+publishes = st.builds(
+    Publish,
+    topic=st.sampled_from(["a/1", "a/2", "b", "unrouted"]),
+    payload=st.binary(max_size=20),
+    qos=st.sampled_from([0, 1, 2]),
+    retain=st.booleans(),
+    packet_id=st.sampled_from([None, 1, 65535, 300]),
+    properties=st.sampled_from([None, None, None, Properties(content_type="x")]),
+)
+
+
+def _publishers(seeds: list[Publish]) -> list[PublishProperties]:
+    out = []
+    for name in ("c1", "c2"):
+        p = PublishProperties(name, _encode)
+        for pub in seeds:  # blocks a publisher encoded before
+            p.of(pub)
+        out.append(p)
+    return out
+
+
+@given(
+    pubs=st.lists(publishes, max_size=10),
+    seeds=st.lists(publishes, max_size=6),
+    owners=st.lists(st.integers(0, 1), min_size=10, max_size=10),
+    start=st.integers(0, 3),
+)
+def test_c_loop_equals_reference(
+    pubs: list[Publish], seeds: list[Publish], owners: list[int], start: int
+) -> None:
+    publishers = _publishers(seeds)
+    blocks = [publishers[owners[k]] for k in range(len(pubs))]
+    start = min(start, len(pubs))
+    got: list[Any] = []
+    for run in (speedups.encode_publishes, publishing.encode_publishes_py):
+        messages: list[Any] = []
+        props: list[Any] = []
+        stop = run(pubs, blocks, ROUTES, messages, props, start)
+        got.append((stop, messages, [id(p) for p in props]))
+    assert got[0] == got[1]
+    stop, messages, _ = got[0]
+    for pub, publisher, message in zip(pubs[start:stop], blocks[start:stop], messages, strict=True):
+        route = ROUTES[pub.topic]
+        assert message == (route[0], route[1], pub.payload, publisher.of(pub)[0])
+
+
+def test_the_loop_takes_cached_publishes_and_stops_at_others() -> None:
+    publisher = PublishProperties("c", _encode)
+    first = Publish("a/1", b"x", 1, packet_id=7)
+    publisher.of(first)
+    pubs = [first, Publish("a/1", b"y", 1, packet_id=8), Publish("a/1", b"z", 0, retain=True)]
+    for run in (speedups.encode_publishes, publishing.encode_publishes_py):
+        messages: list[Any] = []
+        props: list[Any] = []
+        assert run(pubs, [publisher] * 3, ROUTES, messages, props, 0) == 2
+        assert [m[3] for m in messages] == [publisher.of(p)[0] for p in pubs[:2]]
+        assert messages[1][3].endswith(b"mqtt.pid\x018\x02")
+    with pytest.raises(ValueError):
+        speedups.encode_publishes(pubs, [publisher], ROUTES, [], [], 0)
