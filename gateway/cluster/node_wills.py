@@ -43,10 +43,11 @@ from typing import Any, Protocol
 
 from pydantic_core import from_json, to_json
 
+from gateway.clock import now_ms
 from gateway.cluster.bus import ClusterBus, Record
 from gateway.cluster.membership import Membership
 from gateway.protocol import Publish
-from gateway.session.registry import SESSION_KEY_PREFIX, now_ms, will_from_json, will_publish
+from gateway.session.registry import SESSION_KEY_PREFIX, will_from_json, will_publish
 from gateway.storage.port import StateRecord
 
 log = logging.getLogger("lmqtt.cluster")

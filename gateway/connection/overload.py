@@ -88,6 +88,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from gateway.delivery.backlog import Backlogged
+
 __all__ = ["Backlogged", "OverloadGuard", "Publisher"]
 
 log = logging.getLogger("lmqtt.gateway")
@@ -139,14 +141,6 @@ class Publisher(Protocol):
 
     def release_publishing(self) -> int:
         """Send what was held and read again; returns the PUBACKs it held."""
-        ...
-
-
-class Backlogged(Protocol):
-    """A subscriber's delivery loop (or a share group) that a pass left with messages unsent."""
-
-    def oldest_unsent_ms(self) -> int | None:
-        """Store timestamp (ms) of the oldest message not sent yet, None when caught up."""
         ...
 
 

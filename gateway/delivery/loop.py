@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.access.acl import ClientAccess
-from gateway.connection.overload import OverloadGuard
 from gateway.delivery.account import DeliveryAccount
 from gateway.delivery.arrivals import ArrivalHub
+from gateway.delivery.backlog import BacklogWatch
 from gateway.delivery.rules import decide, decide_one, identifiers, retain_flag
 from gateway.delivery.shared import SharedGroup
 from gateway.messages.recent import PreparedCache, RecentMessages
@@ -122,7 +122,7 @@ class DeliveryContext:
     account: DeliveryAccount
     replay_pacer: ReplayPacer
     # told when a pass leaves something unsent (gateway/connection/overload.py)
-    overload: OverloadGuard
+    overload: BacklogWatch
     max_inflight: int  # settings.max_inflight
     outbound_topic_aliases: bool  # settings.outbound_topic_aliases
 

@@ -28,8 +28,8 @@ import logging
 from collections import deque
 from typing import Literal, Protocol
 
-from gateway.connection.overload import OverloadGuard
 from gateway.delivery.arrivals import ArrivalHub
+from gateway.delivery.backlog import BacklogWatch
 from gateway.session.registry import Session, SubscriptionState
 from gateway.storage.cursor import QueueCursor
 from gateway.storage.port import GetStatus, Storage, StoredMessage
@@ -340,7 +340,7 @@ class SharedSubscriptions:
         cursor: QueueCursor,
         arrivals: ArrivalHub,
         account: GroupAccount,
-        overload: OverloadGuard,
+        overload: BacklogWatch,
     ) -> None:
         self.store = store
         self.overload = overload  # told when a group falls behind (gateway/connection/overload.py)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from gateway.clock import now_ms
 from gateway.lifecycle.subscriptions import SubscriptionLifecycle
 from gateway.protocol import ReasonCode, Will
-from gateway.session.registry import Connected, Session, SessionRegistry, now_ms
+from gateway.session.registry import Connected, Session, SessionRegistry
 from gateway.session.wills import Wills
 from gateway.storage.port import Storage, StorageUnavailable, StoreError
 

@@ -56,11 +56,11 @@ import base64
 import binascii
 import json
 import logging
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gateway.clock import now_ms as _now_ms
 from gateway.storage.cursor import QueueCursor
 
 if TYPE_CHECKING:
@@ -99,10 +99,6 @@ def _fold(records: Iterable[tuple[str, bytes | None]]) -> dict[str, bytes]:
         else:
             out[key] = value
     return out
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass(slots=True)

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pydantic_core import from_json, to_json
 
+from gateway.clock import now_ms
 from gateway.messages.records import RecordedPublish
 from gateway.protocol import Properties, Publish, Will
 from gateway.session.replay import Replay
@@ -158,10 +159,6 @@ def will_publish(will: Will) -> Publish:
         retain=will.retain,
         properties=will.properties,
     )
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass(slots=True)

@@ -21,8 +21,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from gateway.clock import now_ms
 from gateway.protocol import Publish, Will
-from gateway.session.registry import Session, SessionRegistry, now_ms, will_publish
+from gateway.session.registry import Session, SessionRegistry, will_publish
 
 log = logging.getLogger("lmqtt.gateway")
 

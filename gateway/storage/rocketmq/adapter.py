@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gateway.clock import now_ms
 from gateway.storage.port import (
     ArrivalListener,
     CommittedOffsets,
@@ -45,7 +46,7 @@ from gateway.storage.rocketmq.history import ParentHistory
 from gateway.storage.rocketmq.mirrors import Mirrors
 from gateway.storage.rocketmq.names import PROBE_QUEUE
 from gateway.storage.rocketmq.offsets import BrokerOffsets
-from gateway.storage.rocketmq.sender import Sender, now_ms
+from gateway.storage.rocketmq.sender import Sender
 from gateway.storage.rocketmq.spread import (
     SEP,
     SLOTS_KEY,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
@@ -41,10 +40,6 @@ FAILED_TICKETS_KEPT = 10_000
 #: retained message's deletion) is sent as one byte with EMPTY_BODY_PROPERTY, and read back
 #: empty (rocketmq_broker.to_stored).
 _EMPTY_BODY_MARK = EMPTY_BODY_PROPERTY.encode() + b"\x011\x02"
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class SendCounter(Protocol):
