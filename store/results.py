@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from store.accelerators import pure_python
+from accelerators import pure_python
 
 
 class GetStatus(enum.Enum):

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from store.accelerators import pure_python
+from accelerators import pure_python
 from store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from store.commitlog import BatchWriter, CommitLog
 from store.config import FlushMode, StoreConfig

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from accelerators import pure_python
 from gateway.access.acl import ClientAccess
 from gateway.delivery.account import DeliveryAccount
 from gateway.delivery.arrivals import ArrivalHub
@@ -61,7 +62,6 @@ from gateway.protocol import (
     PubRel,
     ReasonCode,
 )
-from gateway.protocol.accelerators import pure_python
 from gateway.session.registry import Inflight, Session, SessionRegistry, SubscriptionState
 from gateway.session.replay import Replay, ReplayPacer
 from gateway.stats import GatewayStats

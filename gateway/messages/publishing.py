@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from accelerators import pure_python
 from gateway.clock import now_ms
 from gateway.messages.recent import RecentMessages
 from gateway.messages.records import PublishProperties, message_properties
 from gateway.messages.retained import RetainedIndex, RetainedMessage
 from gateway.protocol import Publish
-from gateway.protocol.accelerators import pure_python
 from gateway.stats import GatewayStats
 from gateway.storage.port import EncodedMessage, PutResult, Storage, StoreError
 from topicmap import Router, Topic, TopicFilter, parent_topic

@@ -33,9 +33,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
+from accelerators import pure_python
 from gateway.protocol import packet_types as pt
 from gateway.protocol import wire, writers
-from gateway.protocol.accelerators import pure_python
 from gateway.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from gateway.protocol.events import (
     Auth,

@@ -12,9 +12,9 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from accelerators import pure_python
 from gateway.protocol import packet_types as pt
 from gateway.protocol import wire
-from gateway.protocol.accelerators import pure_python
 from gateway.protocol.errors import LocalProtocolError
 from gateway.protocol.events import (
     Auth,
