@@ -7,18 +7,16 @@ logs a summary when it stops.
 Policy: a device fleet keeps tens of objects per connection alive for hours (transport,
 protocol state machine, session, subscription, delivery loop), and traffic keeps tens of
 thousands of per-message objects alive for a while (the store's recent-message windows, the
-decode and encode caches, in-flight QoS 1 copies). Collections walked them again and again:
-measured at 2,000 devices and 5,000 msg/s, the old generation held 40,000-80,000 such objects
-and full collections stopped the loop 14-54 ms, several times in 10 s; at 10,000 devices the
-young generations alone held ~24,000 (the caches of the last 4,096 messages churn with 10,000
-topics) and generation-1 collections took 15-21 ms.
+decode and encode caches, in-flight QoS 1 copies). Left alone, collections walk them again
+and again, and with a large fleet a full collection stops the event loop for tens of
+milliseconds several times a minute (docs/benchmarks.md has the measurements).
 
 So every FREEZE_INTERVAL_S everything alive is frozen (``gc.freeze``: moved to the permanent
 generation, which collections skip; the call is O(1)): a collection only walks what was
 allocated since. Frozen objects that are dropped are still freed by reference counting; only
 garbage in reference cycles waits. Cyclic garbage that outlives its first collection is what
 may have been frozen before it died, so when the collections of generations 1 and 2 have found
-RECLAIM_GARBAGE objects since the last reclaim (measured: a few per 10 s of traffic), when the
+RECLAIM_GARBAGE objects since the last reclaim, when the
 fleet has shrunk to below half of what it was, and at the latest every RECLAIM_MAX_S, the
 permanent generation is handed back to the collector (``gc.unfreeze``) for one full pass: the
 one long pause (about a microsecond per live object) this policy keeps, made rare. After a burst
@@ -48,9 +46,8 @@ FREEZE_MIN = 200
 RECLAIM_GARBAGE = 20_000
 RECLAIM_MAX_S = 3600.0
 # How often what is alive is frozen. Traffic keeps per-message objects alive for about a
-# second (caches of the last 4,096 messages at 5,000 msg/s): with a freeze every second, a
-# generation-1 collection at 10,000 devices walked ~24,000 of them (15-21 ms measured); every
-# 100 ms it walks a tenth.
+# second (the caches of the last few thousand messages), so a young collection walks what a
+# freeze interval allocated: every 100 ms, a tenth of what a freeze every second would leave.
 FREEZE_INTERVAL_S = 0.1
 
 
