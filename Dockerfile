@@ -22,6 +22,9 @@ COPY gateway ./gateway
 COPY store ./store
 COPY topicmap ./topicmap
 COPY analytics ./analytics
+COPY rocketmq_remoting ./rocketmq_remoting
+COPY accelerators ./accelerators
+COPY sim ./sim
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # --- runtime: python, the lmqtt user, the data and reports folders ----------------------------

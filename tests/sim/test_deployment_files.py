@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,10 @@ def test_the_image_gets_only_the_repositorys_sources() -> None:
         assert sent_to_docker(source.rstrip("/")), f"{source} is excluded by .dockerignore"
     for private in (".venv", ".git", "lmqtt-data", "reports", "bench", "tests"):
         assert not sent_to_docker(private), f"{private} would be sent to the Docker build"
+    # The wheel holds every package pyproject.toml ships: each one is copied into the build.
+    shipped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in shipped["packages"]["find"]["include"]:
+        assert package.rstrip("*") in sources, f"the image lacks the {package} package"
 
 
 def test_the_compose_gateway_environment_is_allowed_to_start(
