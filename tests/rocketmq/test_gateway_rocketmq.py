@@ -131,7 +131,7 @@ def test_wildcard_fanout_qos0_qos1_through_light_queues(
     assert plus.subscribe("s/+/t", 1) == [1]
     assert hashed.subscribe("s/#", 1) == [1]
     assert exact.subscribe("s/1/t", 0) == [0]
-    # Two overlapping filters in one session: each message once (docs/architecture.md).
+    # Two overlapping filters in one session: each message once (docs/storage.md).
     assert both.subscribe([("s/+/t", 1), ("s/#", 1)]) == [1, 1]
     pub = Client(serve.port, "pub")
     clients.append(pub)
