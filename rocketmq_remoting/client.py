@@ -71,7 +71,7 @@ class SendResult:
     """SEND_MESSAGE_V2's answer (``SendMessageResponseHeader``).
 
     The broker does not return the light-queue offsets it assigned: they are stored with the
-    message (INNER_MULTI_QUEUE_OFFSET) and come back with it on a pull.
+    message (its dispatch offsets property, message.py) and come back with it on a pull.
     """
 
     code: int  # SUCCESS, or FLUSH_DISK_TIMEOUT / FLUSH_SLAVE_TIMEOUT / SLAVE_NOT_AVAILABLE
@@ -316,7 +316,7 @@ class RemotingClient:
     ) -> SendResult:
         """SEND_MESSAGE_V2 (310) to ``topic``/``queue_id``, also indexed in ``light_queues``.
 
-        ``light_queues`` become INNER_MULTI_DISPATCH; the broker appends the message once and
+        ``light_queues`` become the dispatch property (message.py); the broker appends the message once and
         indexes it in the parent queue and in each light queue. ``wait_store`` sets WAIT=true:
         on a SYNC_FLUSH broker the answer then comes after the flush (FLUSH_DISK_TIMEOUT if it
         did not complete in time, returned here as ``code`` rather than raised: the message is
