@@ -28,14 +28,12 @@ in this module:
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from accelerators import pure_python
 from gateway.protocol import packet_types as pt
-from gateway.protocol import wire, writers
+from gateway.protocol import wire
 from gateway.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from gateway.protocol.events import (
     Auth,
@@ -54,12 +52,21 @@ from gateway.protocol.events import (
     Subscribe,
     UnsubAck,
 )
+from gateway.protocol.fast_decoder import FAST_PUBLISH_QOS, SCAN, decode_batch
 from gateway.protocol.packet_ids import UNACKED, PacketIds
+from gateway.protocol.phases import (
+    AWAIT_CONNECT,
+    CLOSED,
+    CONNECTED,
+    ERROR,
+    NEED_DATA,
+    Phase,
+    Sentinel,
+)
 from gateway.protocol.prepared import PreparedPublish
 from gateway.protocol.readers import (
     READERS,
     TOPIC_CACHE,
-    cache_topic,
     check_fixed_flags,
     check_message_properties,
     connect_level,
@@ -69,72 +76,6 @@ from gateway.protocol.readers import (
 from gateway.protocol.reason_codes import ALLOWED_REASON_CODES, ReasonCode
 from gateway.protocol.wire import PACKET_ID_BYTES
 from gateway.protocol.writers import WRITERS, write_connack, write_disconnect, write_publish
-
-# Connection._batch's inline loop in C (gateway/protocol/_speedups.c), or None: built
-# optionally by setup.py; LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_READ (this
-# one, for A/B runs) keeps the Python loop, which stays the reference.
-Scan = Callable[
-    [bytes, int, list[int | None], int, bool, dict[bytes, str], "set[int] | None",
-     "dict[int, int] | None", int, int, list[Event]],
-    int,
-]  # fmt: skip
-
-
-def _load_scan() -> Scan | None:
-    if pure_python("LMQTT_PURE_PYTHON_READ"):
-        return None
-    if not writers.SPEEDUPS:
-        return None  # not built: configure() (which binds Publish) never ran
-    from gateway.protocol import _speedups
-
-    _speedups.configure_scan(PubAck)
-    return _speedups.scan
-
-
-_SCAN = _load_scan()
-
-
-class _Slow(Exception):
-    """Internal: leave the inline PUBLISH path for the general one."""
-
-
-# First bytes of PUBLISH packets the inline path decodes -> QoS. QoS 2 (duplicate detection),
-# QoS 3 and DUP on QoS 0 always take the general path. One table per (QoS 1 allowed, retain
-# available): what we announced in CONNACK is folded into the table, so a packet that breaks it
-# (0x9B / 0x9A) falls to the general path without per-packet checks in the inline one.
-def _fast_publish_table(qos1_allowed: bool, retain_allowed: bool) -> list[int | None]:
-    table: list[int | None] = [None] * 256
-    for first, qos in {0x30: 0, 0x31: 0, 0x32: 1, 0x33: 1, 0x3A: 1, 0x3B: 1}.items():
-        if (not qos or qos1_allowed) and (not first & 1 or retain_allowed):
-            table[first] = qos
-    return table
-
-
-_FAST_PUBLISH_QOS = {
-    (qos1, retain): _fast_publish_table(qos1, retain)
-    for qos1 in (False, True)
-    for retain in (False, True)
-}
-_NO_FAST_PUBLISH: list[int | None] = [None] * 256
-
-
-class Sentinel(enum.Enum):
-    NEED_DATA = "NEED_DATA"
-
-
-NEED_DATA: Literal[Sentinel.NEED_DATA] = Sentinel.NEED_DATA
-
-
-class Phase(enum.Enum):
-    """The receiving side's state: what the client may send next."""
-
-    AWAIT_CONNECT = "await-connect"  # only CONNECT
-    CONNECTED = "connected"  # anything a server receives, but a second CONNECT
-    CLOSED = "closed"  # nothing: DISCONNECT or EOF came
-    ERROR = "error"  # nothing: a RemoteProtocolError was raised
-
-
-AWAIT_CONNECT, CONNECTED, CLOSED, ERROR = Phase
 
 # Every change of phase the state machine makes, with its cause. `_enter` refuses any other, so
 # a new code path that moves the phase must be added here, where the whole machine is visible.
@@ -353,7 +294,7 @@ class Connection:
             # Drained: a device's one packet per read was handed out; skip _batch's setup
             # (0.3 us of the 2.0 us a device PUBLISH costs to decode and acknowledge).
             return NEED_DATA
-        scan = _SCAN
+        scan = SCAN
         buf = self._buf
         ids = self._ids
         if (
@@ -365,12 +306,12 @@ class Connection:
             and self._pending_error is None
             and self.max_packet_size >= 130
         ):
-            # A device read in one C call, without _batch's setup; what scan leaves (an
-            # unusual or partial packet) goes on through _batch, which handles it.
+            # A device read in one C call, without the decoder's setup; what scan leaves (an
+            # unusual or partial packet) goes on through decode_batch, which handles it.
             out: list[Event] = []
             in_qos1 = ids.inbound_qos1
             off = scan(
-                buf, self._off, _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
+                buf, self._off, FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
                 self.max_packet_size, self.protocol_level == 5, TOPIC_CACHE, in_qos1,
                 ids.outbound, self.receive_maximum, ids.inbound_in_flight() - len(in_qos1), out,
             )  # fmt: skip
@@ -381,7 +322,7 @@ class Connection:
                 else:
                     self._off = off
                     try:
-                        out += self._batch(stop_after_connect=True)
+                        out += decode_batch(self, True)
                     except RemoteProtocolError as err:
                         self._pending_error = err
                 if len(out) > 1:
@@ -389,7 +330,7 @@ class Connection:
                         queue = self._queue = deque()
                     queue.extend(out[1:])
                 return out[0]
-        batch = self._batch(stop_after_connect=True)
+        batch = decode_batch(self, True)
         if not batch:
             return NEED_DATA
         if len(batch) > 1:
@@ -407,11 +348,11 @@ class Connection:
         """
         queue = self._queue
         if not queue:
-            return self._batch()
+            return decode_batch(self)
         out = list(queue)
         queue.clear()
         try:
-            out += self._batch()
+            out += decode_batch(self)
         except RemoteProtocolError as err:
             self._pending_error = err
         return out
@@ -428,225 +369,6 @@ class Connection:
         except RemoteProtocolError as err:
             self._fail(err)
             raise
-
-    def _batch(self, stop_after_connect: bool = False) -> list[Event]:
-        """The events of every complete packet in the buffer.
-
-        The loop decodes ordinary PUBLISH (and plain PUBACK) packets inline, the hot path: no
-        per-field objects, no calls. Anything else, or anything unusual about a PUBLISH, goes
-        through `_next_one`, which applies every rule and raises the precise error.
-        """
-        if self._phase != CONNECTED or self._pending_error is not None:
-            return self._events_general(stop_after_connect)
-        out: list[Event] = []
-        append = out.append
-        buf = self._buf
-        off = self._off
-        n = len(buf)
-        is_bytes = type(buf) is bytes
-        v5 = self.protocol_level == 5
-        # A limit below 130 bytes could refuse even a short PUBLISH: leave that to the
-        # general path, so that the inline path checks the limit only for long packets.
-        fast = self.max_packet_size >= 130
-        limit = self.max_packet_size
-        topics = TOPIC_CACHE
-        # QoS 2 and PUBREL take the general path, so only QoS 1 ids change inside the loop.
-        # No packet ids yet (an idle or QoS 0 connection): the first QoS 1 PUBLISH makes them.
-        ids = self._ids
-        if ids is None:
-            in_qos1 = None
-            out_flight = None
-            in_flight_others = 0
-        else:
-            in_qos1 = ids.inbound_qos1
-            out_flight = ids.outbound
-            in_flight_others = ids.inbound_in_flight() - len(in_qos1)
-        receive_maximum = self.receive_maximum
-        # With the default 65535 only a reused id could exceed the quota: no check per packet.
-        limited = receive_maximum < 0xFFFF
-        # Bytes after the topic that a QoS 1 PUBLISH must have: the packet id and, in MQTT 5,
-        # a property length the inline path accepts only as 0 (no properties).
-        id_size = 3 if v5 else 2
-        new_publish = object.__new__  # see the Publish built at the end of the inline path
-        fast_qos = (
-            _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available]
-            if fast
-            else _NO_FAST_PUBLISH
-        )
-        # The C twin of this loop (`scan` in _speedups.c) decodes the same packets of a bytes
-        # buffer and stops at the first one it does not, which the loop below handles.
-        scan = _SCAN if is_bytes and fast else None
-        while n - off >= 2:
-            if scan is not None:
-                off = scan(
-                    buf, off, fast_qos, limit, v5, topics, in_qos1, out_flight,  # type: ignore[arg-type]
-                    receive_maximum, in_flight_others, out,
-                )  # fmt: skip
-                if n - off < 2:
-                    break
-            first = buf[off]
-            qos = fast_qos[first]
-            if qos is None:
-                if first == 0x40 and fast and buf[off + 1] == 2 and n - off >= 4:
-                    # PUBACK without reason code: every QoS 1 delivery brings one back.
-                    acked = (buf[off + 2] << 8) | buf[off + 3]
-                    if acked:
-                        if out_flight is not None:
-                            out_flight.pop(acked, None)
-                        ack = new_publish(PubAck)  # a bare instance, as for PUBLISH below
-                        ack.packet_id = acked
-                        ack.reason_code = 0
-                        ack.properties = None
-                        append(ack)
-                        off += 4
-                        continue
-            else:
-                try:
-                    length = buf[off + 1]
-                    if length < 128:
-                        start = off + 2
-                    else:
-                        if n - off < 3:
-                            break
-                        second = buf[off + 2]
-                        if second > 127 or not second:
-                            raise _Slow
-                        length = (length & 0x7F) | (second << 7)
-                        start = off + 3
-                        if length + 3 > limit:
-                            raise _Slow
-                    end = start + length
-                    if end > n:
-                        break
-                    # A body shorter than 2 bytes makes pos > end (or IndexError at the end).
-                    pos = start + 2 + ((buf[start] << 8) | buf[start + 1])
-                    if pos > end:
-                        raise _Slow
-                    if is_bytes:
-                        raw = buf[start + 2 : pos]
-                        topic = topics.get(raw) or cache_topic(raw)  # type: ignore[arg-type]
-                        if topic is None:
-                            raise _Slow
-                    else:
-                        topic = buf[start + 2 : pos].decode("utf-8")
-                        if not topic or "\x00" in topic or "+" in topic or "#" in topic:
-                            raise _Slow
-                    if qos:
-                        # Read first, check once: bytes past `end` belong to the next packet
-                        # (or raise IndexError), and nothing is used before the check.
-                        packet_id: int | None = (buf[pos] << 8) | buf[pos + 1]
-                        pos += id_size
-                        if pos > end or not packet_id or (v5 and buf[pos - 1]):
-                            raise _Slow  # MQTT 5 properties need the full reader
-                        if in_qos1 is None:
-                            ids = self._packet_ids()
-                            in_qos1 = ids.inbound_qos1
-                            out_flight = ids.outbound
-                        if not limited:
-                            in_qos1.add(packet_id)
-                        elif packet_id not in in_qos1:
-                            if len(in_qos1) + in_flight_others >= receive_maximum:
-                                raise _Slow
-                            in_qos1.add(packet_id)
-                    else:
-                        packet_id = None
-                        if v5:
-                            if pos >= end or buf[pos]:
-                                raise _Slow  # properties need the full reader
-                            pos += 1
-                    # Publish(...) runs the dataclass __init__, a Python call; filling the
-                    # slots of a bare instance here is ~40% cheaper. Every field is set (a
-                    # test pins the field list).
-                    pub = new_publish(Publish)
-                    pub.topic = topic
-                    pub.payload = buf[pos:end] if is_bytes else bytes(buf[pos:end])  # type: ignore[assignment]
-                    pub.qos = qos
-                    pub.retain = first & 1 == 1
-                    pub.dup = first & 8 == 8
-                    pub.packet_id = packet_id
-                    pub.properties = None
-                    append(pub)
-                    off = end
-                    continue
-                except (_Slow, UnicodeDecodeError, IndexError):
-                    pass
-            # The general path, one packet at a time.
-            self._off = off
-            try:
-                event = self._next_one()
-            except RemoteProtocolError as err:
-                if not out:
-                    raise
-                self._pending_error = err
-                return out
-            if event is NEED_DATA:
-                return out
-            append(event)
-            if type(event) is ConnectionClosed:
-                return out
-            buf = self._buf
-            off = self._off
-            n = len(buf)
-            fast = (
-                self._phase == CONNECTED
-                and self._pending_error is None
-                and self.max_packet_size >= 130
-            )
-            fast_qos = (
-                _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available]
-                if fast
-                else _NO_FAST_PUBLISH
-            )
-            scan = _SCAN if is_bytes and fast else None
-            v5 = self.protocol_level == 5
-            id_size = 3 if v5 else 2
-            ids = self._ids
-            if ids is not None:
-                in_qos1 = ids.inbound_qos1
-                out_flight = ids.outbound
-                in_flight_others = ids.inbound_in_flight() - len(in_qos1)
-            receive_maximum = self.receive_maximum
-            limited = receive_maximum < 0xFFFF
-        if off == n:
-            # Everything consumed: drop the caller's chunk now rather than holding it (up to a
-            # whole socket read) while the connection idles.
-            self._buf = b""
-            off = n = 0
-        self._off = off
-        if self._eof and off == n:
-            # Let the general path report EOF (ConnectionClosed or a truncated packet).
-            try:
-                event = self._next_one()
-            except RemoteProtocolError as err:
-                if not out:
-                    raise
-                self._pending_error = err
-                return out
-            if event is not NEED_DATA:
-                append(event)
-        elif self._eof:
-            return out + self._events_general(False)
-        return out
-
-    def _events_general(self, stop_after_connect: bool) -> list[Event]:
-        out: list[Event] = []
-        while True:
-            try:
-                event = self._next_one()
-            except RemoteProtocolError as err:
-                if not out:
-                    raise
-                self._pending_error = err
-                return out
-            if event is NEED_DATA or type(event) is Connect:
-                if self._off == len(self._buf):
-                    self._buf = b""  # as in _batch: an idle connection keeps no old chunk
-                    self._off = 0
-                if event is NEED_DATA:
-                    return out
-            out.append(event)
-            if type(event) is ConnectionClosed or (stop_after_connect and type(event) is Connect):
-                return out
 
     def _next(self) -> Event | Literal[Sentinel.NEED_DATA]:
         buf = self._buf
