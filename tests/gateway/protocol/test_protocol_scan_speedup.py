@@ -30,6 +30,7 @@ from gateway.protocol import (
     connection,
     encode,
     fast_decoder,
+    writers,
 )
 from gateway.protocol.readers import TOPIC_CACHE
 from tests.gateway.protocol.helpers import remaining_length
@@ -42,7 +43,8 @@ PURE = any(
     for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_READ")
 )
 SCAN = fast_decoder.SCAN
-if SCAN is None:  # pure-Python mode: bind the module here, as fast_decoder does otherwise
+if SCAN is None:  # pure-Python mode: bind the module here, as the loaders do otherwise
+    speedups.configure(Publish, writers._ENCODED_TOPICS, writers._encode_py)
     speedups.configure_scan(PubAck)
     SCAN = speedups.scan
 
