@@ -379,7 +379,7 @@ class Connection:
         if length < 128:
             header = 2
         else:
-            length, header = self._long_length(buf, off)
+            length, header = wire.read_remaining_length(buf, off)
             if not header:
                 return self._short(avail)
         total = header + length
@@ -397,22 +397,6 @@ class Connection:
                 read_publish(first & 0x0F, buf, off + header, end, self.protocol_level or 4)
             )
         return self._on_packet(first >> 4, first & 0x0F, bytes(buf[off + header : end]))
-
-    @staticmethod
-    def _long_length(buf: bytes | bytearray, off: int) -> tuple[int, int]:
-        """Remaining length of 2-4 bytes -> (length, header size), or (0, 0) if incomplete."""
-        value = 0
-        for i in range(4):
-            at = off + 1 + i
-            if at >= len(buf):
-                return 0, 0
-            byte = buf[at]
-            value |= (byte & 0x7F) << (7 * i)
-            if not byte & 0x80:
-                if byte == 0:
-                    raise wire.malformed("remaining length is not minimally encoded")
-                return value, i + 2
-        raise wire.malformed("remaining length longer than 4 bytes")
 
     def _short(self, avail: int) -> Event | Literal[Sentinel.NEED_DATA]:
         if not self._eof:

@@ -62,6 +62,23 @@ def read_varint(data: bytes, pos: int) -> tuple[int, int]:
     raise malformed("variable byte integer longer than 4 bytes")
 
 
+def read_remaining_length(buf: bytes | bytearray, off: int) -> tuple[int, int]:
+    """The fixed header's Remaining Length at `buf[off + 1:]` when it takes 2-4 bytes (a
+    Variable Byte Integer) -> (length, header size), or (0, 0) while `buf` ends inside it."""
+    value = 0
+    for i in range(4):
+        at = off + 1 + i
+        if at >= len(buf):
+            return 0, 0
+        byte = buf[at]
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            if byte == 0:
+                raise malformed("remaining length is not minimally encoded")
+            return value, i + 2
+    raise malformed("remaining length longer than 4 bytes")
+
+
 def read_str(data: bytes, pos: int) -> tuple[str, int]:
     if pos + 2 > len(data):
         raise malformed("packet ends inside a string length")
