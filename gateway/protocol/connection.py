@@ -14,6 +14,10 @@ in this module:
 * The two sides are separate (as in h11): a batch from `events()` may end in DISCONNECT, and
   the caller can still answer the packets that came before it.
 * The protocol level comes from the CONNECT and governs both directions afterwards.
+* Decoding: the fast decoder (`fast_decoder.decode_batch`) decodes runs of plain PUBLISH and
+  PUBACK packets inline, the hot path, and hands every other packet to the general path here
+  (`Connection._next`), which applies the receiving rules: `_on_publish`, `_on_packet` and the
+  `_INBOUND` table. `send` applies the sending rules of the `_OUTBOUND` table.
 * Receive buffer: the caller's `bytes` plus a read offset. When everything was consumed the
   next chunk is kept as is (no copy; slicing bytes copies once). A leftover partial packet is
   joined to the next chunk only if it is shorter than the chunk (the copy is paid for by new
@@ -366,7 +370,7 @@ class Connection:
         try:
             return self._next()
         except RemoteProtocolError as err:
-            self._fail(err)
+            _fail(self, err)
             raise
 
     def _next(self) -> Event | Literal[Sentinel.NEED_DATA]:
@@ -393,10 +397,10 @@ class Connection:
         self._off = end
         first = buf[off]
         if first >> 4 == pt.PUBLISH and self._phase == CONNECTED:
-            return self._on_publish(
-                read_publish(first & 0x0F, buf, off + header, end, self.protocol_level or 4)
+            return _on_publish(
+                self, read_publish(first & 0x0F, buf, off + header, end, self.protocol_level or 4)
             )
-        return self._on_packet(first >> 4, first & 0x0F, bytes(buf[off + header : end]))
+        return _on_packet(self, first >> 4, first & 0x0F, bytes(buf[off + header : end]))
 
     def _short(self, avail: int) -> Event | Literal[Sentinel.NEED_DATA]:
         if not self._eof:
@@ -412,153 +416,6 @@ class Connection:
         if (self._phase, phase) not in TRANSITIONS:
             raise LocalProtocolError(f"no transition {self._phase.value} -> {phase.value}")
         self._phase = phase
-
-    def _fail(self, err: RemoteProtocolError) -> None:
-        """Record the error and decide what may be sent before closing."""
-        level = self._answer_level
-        if self._connack_sent:
-            err.send_connack = False
-            err.send_disconnect = level == 5 and not self._sending_closed
-        elif level == 5:
-            err.send_connack = True
-        else:
-            # 3.1.1 answers only a bad protocol level or client identifier (MQTT-3.2.2-5).
-            err.send_connack = level is not None and err.reason_code in _CONNACK_311_CODES
-        self._enter(ERROR)
-
-    def _on_packet(self, ptype: int, flags: int, body: bytes) -> Event:
-        phase = self._phase
-        if ptype not in SERVER_RECEIVES:
-            if ptype == 0:
-                raise wire.malformed("reserved packet type 0")
-            raise wire.protocol_error(f"a client must not send {pt.NAMES[ptype]}")
-        if phase == AWAIT_CONNECT:
-            if ptype != pt.CONNECT:
-                raise wire.protocol_error(f"{pt.NAMES[ptype]} before CONNECT")
-            claimed = connect_level(body)
-            if claimed is not None:
-                self._answer_level = claimed if claimed in (3, 4, 5) else 4
-            check_fixed_flags(ptype, flags, self._answer_level or 4)
-            return self._on_connect(read_connect(flags, body, 0))
-        if phase != CONNECTED:
-            raise wire.protocol_error(f"{pt.NAMES[ptype]} after the connection was closed")
-        if ptype == pt.CONNECT:
-            raise wire.protocol_error("second CONNECT")
-        level = self.protocol_level or 4
-        check_fixed_flags(ptype, flags, level)
-        event = READERS[ptype](flags, body, level)
-        handler = _INBOUND.get(ptype)
-        if handler is not None:
-            handler(self, event)
-        return event
-
-    def _on_connect(self, event: Event) -> Event:
-        assert isinstance(event, Connect)
-        self.protocol_level = event.protocol_level
-        self._answer_level = event.protocol_level
-        self.client_id = event.client_id
-        self.keep_alive = event.keep_alive
-        props = event.properties
-        if props.receive_maximum is not None:
-            self.client_receive_maximum = props.receive_maximum
-        self.client_max_packet_size = props.maximum_packet_size
-        if props.topic_alias_maximum is not None:
-            self.client_topic_alias_maximum = props.topic_alias_maximum
-        self._connect_session_expiry = props.session_expiry_interval or 0
-        self._problem_information = props.request_problem_information != 0
-        self._auth_method = props.authentication_method
-        self._enter(CONNECTED)
-        return event
-
-    def _on_publish(self, event: Publish) -> Publish:
-        qos = event.qos
-        if qos:
-            if qos > self.maximum_qos:
-                raise RemoteProtocolError(QOS_NOT_SUPPORTED, f"QoS {qos} above maximum QoS")
-            packet_id = event.packet_id
-            assert packet_id is not None
-            if self._packet_ids().publish_received(qos, packet_id, self.receive_maximum):
-                event.dup = True  # resent before PUBREL: the gateway must not store it twice
-        if event.retain and not self.retain_available:
-            raise RemoteProtocolError(RETAIN_NOT_SUPPORTED, "retain is not available")
-        if self.protocol_level == 5:
-            props = event.properties
-            if props is not None:
-                if props.subscription_identifiers is not None:
-                    raise wire.protocol_error("a client PUBLISH must not carry subscription ids")
-                check_message_properties(props, event.payload)
-                if props.topic_alias is not None:
-                    self._resolve_alias(event, props.topic_alias)
-                    props.topic_alias = None
-                    return event
-            if not event.topic:
-                raise wire.protocol_error("empty PUBLISH topic without a topic alias")
-        return event
-
-    def _resolve_alias(self, event: Publish, alias: int) -> None:
-        if alias > self.topic_alias_maximum:
-            raise RemoteProtocolError(
-                TOPIC_ALIAS_INVALID, f"topic alias {alias} above {self.topic_alias_maximum}"
-            )
-        aliases = self._aliases
-        if event.topic:
-            if aliases is None:
-                aliases = self._aliases = {}
-            aliases[alias] = event.topic
-            return
-        topic = aliases.get(alias) if aliases is not None else None
-        if topic is None:
-            raise wire.protocol_error(f"topic alias {alias} was never set")
-        event.topic = topic
-
-    def _in_puback(self, event: Event) -> None:
-        assert isinstance(event, PubAck)
-        self._packet_ids().puback_received(event.packet_id)
-
-    def _in_pubrec(self, event: Event) -> None:
-        assert isinstance(event, PubRec)
-        self._packet_ids().pubrec_received(event.packet_id, event.reason_code)
-
-    def _in_pubrel(self, event: Event) -> None:
-        assert isinstance(event, PubRel)
-        self._packet_ids().pubrel_received(event.packet_id)
-
-    def _in_pubcomp(self, event: Event) -> None:
-        assert isinstance(event, PubComp)
-        self._packet_ids().pubcomp_received(event.packet_id)
-
-    def _in_subscribe(self, event: Event) -> None:
-        assert isinstance(event, Subscribe)
-        props = event.properties
-        if (
-            props is not None
-            and props.subscription_identifiers
-            and not self.subscription_identifier_available
-        ):
-            raise RemoteProtocolError(
-                SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED, "subscription identifiers not available"
-            )
-
-    def _in_disconnect(self, event: Event) -> None:
-        assert isinstance(event, Disconnect)
-        props = event.properties
-        if props is not None and props.session_expiry_interval and not self._connect_session_expiry:
-            # MQTT-3.14.2-2: zero session expiry in CONNECT cannot be raised at DISCONNECT.
-            raise wire.protocol_error("DISCONNECT sets a session expiry after CONNECT had 0")
-        self._enter(CLOSED)
-
-    def _in_auth(self, event: Event) -> None:
-        assert isinstance(event, Auth)
-        if self._auth_method is None:
-            raise wire.protocol_error("AUTH without an authentication method in CONNECT")
-        if event.reason_code not in (
-            ReasonCode.CONTINUE_AUTHENTICATION,
-            ReasonCode.RE_AUTHENTICATE,
-        ):
-            raise wire.protocol_error(f"a client AUTH must not carry 0x{event.reason_code:02X}")
-        method = event.properties.authentication_method if event.properties else None
-        if method != self._auth_method:
-            raise wire.protocol_error("AUTH with another authentication method than CONNECT")
 
     # ----------------------------------------------------------------- sending
 
@@ -576,7 +433,7 @@ class Connection:
                     f"Publish of {len(data)} bytes exceeds the client's maximum {limit}",
                     PACKET_TOO_LARGE,
                 )
-            self._out_publish(event)  # type: ignore[arg-type]
+            _out_publish(self, event)  # type: ignore[arg-type]
             return data
         if kind is PubAck and self._connack_sent and not self._sending_closed:
             # The other hot path: every inbound QoS 1 PUBLISH is answered with a plain PUBACK
@@ -675,66 +532,6 @@ class Connection:
             self._packet_ids().publish_sent(packet_id, dup, self.client_receive_maximum)
         return data
 
-    def _out_connack(self, event: Event) -> None:
-        assert isinstance(event, ConnAck)
-        self._connack_sent = True
-        if event.reason_code >= 0x80:
-            self._sending_closed = True
-            return
-        props = event.properties
-        if props is None or self.protocol_level != 5:
-            return
-        if props.server_keep_alive is not None:
-            self.keep_alive = props.server_keep_alive
-        if props.receive_maximum is not None:
-            self.receive_maximum = props.receive_maximum
-        if props.topic_alias_maximum is not None:
-            self.topic_alias_maximum = props.topic_alias_maximum
-        if props.maximum_qos is not None:
-            self.maximum_qos = props.maximum_qos
-        if props.retain_available is not None:
-            self.retain_available = bool(props.retain_available)
-        if props.subscription_identifier_available is not None:
-            self.subscription_identifier_available = bool(props.subscription_identifier_available)
-
-    def _out_publish(self, event: Publish) -> None:
-        # Checked before the id is recorded, so a refused PUBLISH leaves no id in flight.
-        props = event.properties
-        if (
-            props is not None
-            and props.topic_alias is not None
-            and props.topic_alias > self.client_topic_alias_maximum
-        ):
-            raise LocalProtocolError(
-                f"topic alias {props.topic_alias} above the client's maximum "
-                f"{self.client_topic_alias_maximum}"
-            )
-        if event.qos:
-            ids = self._ids
-            if ids is None:
-                ids = self._packet_ids()
-            # The writer has checked that a QoS 1/2 PUBLISH has an id.
-            ids.publish_sent(event.packet_id, event.dup, self.client_receive_maximum)  # type: ignore[arg-type]
-
-    def _out_puback(self, event: Event) -> None:
-        assert isinstance(event, PubAck)
-        self._packet_ids().puback_sent(event.packet_id)
-
-    def _out_pubrec(self, event: Event) -> None:
-        assert isinstance(event, PubRec)
-        self._packet_ids().pubrec_sent(event.packet_id, event.reason_code)
-
-    def _out_pubrel(self, event: Event) -> None:
-        assert isinstance(event, PubRel)
-        self._packet_ids().pubrel_sent(event.packet_id)
-
-    def _out_pubcomp(self, event: Event) -> None:
-        assert isinstance(event, PubComp)
-        self._packet_ids().pubcomp_sent(event.packet_id)
-
-    def _out_disconnect(self, event: Event) -> None:
-        self._sending_closed = True
-
     # ----------------------------------------------------------------- errors
 
     def error_packet(self, err: ProtocolError) -> bytes:
@@ -771,23 +568,249 @@ def _without_problem_information(event: Event) -> Event:
     return dataclasses.replace(event, properties=stripped)
 
 
-_INBOUND = {
-    pt.PUBACK: Connection._in_puback,
-    pt.PUBREC: Connection._in_pubrec,
-    pt.PUBREL: Connection._in_pubrel,
-    pt.PUBCOMP: Connection._in_pubcomp,
-    pt.SUBSCRIBE: Connection._in_subscribe,
-    pt.DISCONNECT: Connection._in_disconnect,
-    pt.AUTH: Connection._in_auth,
+# ----------------------------------------------------------------- receiving rules
+# What each packet the client sends does to the connection once its reader has checked the
+# bytes: `Connection._next` hands PUBLISH to `_on_publish` and every other packet to
+# `_on_packet`, which checks that it may come now and runs its rule (CONNECT's or the table's).
+# A RemoteProtocolError on the way ends the receiving side in `_fail`.
+
+
+def _on_packet(conn: Connection, ptype: int, flags: int, body: bytes) -> Event:
+    phase = conn._phase
+    if ptype not in SERVER_RECEIVES:
+        if ptype == 0:
+            raise wire.malformed("reserved packet type 0")
+        raise wire.protocol_error(f"a client must not send {pt.NAMES[ptype]}")
+    if phase == AWAIT_CONNECT:
+        if ptype != pt.CONNECT:
+            raise wire.protocol_error(f"{pt.NAMES[ptype]} before CONNECT")
+        claimed = connect_level(body)
+        if claimed is not None:
+            conn._answer_level = claimed if claimed in (3, 4, 5) else 4
+        check_fixed_flags(ptype, flags, conn._answer_level or 4)
+        return _on_connect(conn, read_connect(flags, body, 0))
+    if phase != CONNECTED:
+        raise wire.protocol_error(f"{pt.NAMES[ptype]} after the connection was closed")
+    if ptype == pt.CONNECT:
+        raise wire.protocol_error("second CONNECT")
+    level = conn.protocol_level or 4
+    check_fixed_flags(ptype, flags, level)
+    event = READERS[ptype](flags, body, level)
+    handler = _INBOUND.get(ptype)
+    if handler is not None:
+        handler(conn, event)
+    return event
+
+
+def _on_connect(conn: Connection, event: Connect) -> Connect:
+    conn.protocol_level = event.protocol_level
+    conn._answer_level = event.protocol_level
+    conn.client_id = event.client_id
+    conn.keep_alive = event.keep_alive
+    props = event.properties
+    if props.receive_maximum is not None:
+        conn.client_receive_maximum = props.receive_maximum
+    conn.client_max_packet_size = props.maximum_packet_size
+    if props.topic_alias_maximum is not None:
+        conn.client_topic_alias_maximum = props.topic_alias_maximum
+    conn._connect_session_expiry = props.session_expiry_interval or 0
+    conn._problem_information = props.request_problem_information != 0
+    conn._auth_method = props.authentication_method
+    conn._enter(CONNECTED)
+    return event
+
+
+def _on_publish(conn: Connection, event: Publish) -> Publish:
+    qos = event.qos
+    if qos:
+        if qos > conn.maximum_qos:
+            raise RemoteProtocolError(QOS_NOT_SUPPORTED, f"QoS {qos} above maximum QoS")
+        packet_id = event.packet_id
+        assert packet_id is not None
+        if conn._packet_ids().publish_received(qos, packet_id, conn.receive_maximum):
+            event.dup = True  # resent before PUBREL: the gateway must not store it twice
+    if event.retain and not conn.retain_available:
+        raise RemoteProtocolError(RETAIN_NOT_SUPPORTED, "retain is not available")
+    if conn.protocol_level == 5:
+        props = event.properties
+        if props is not None:
+            if props.subscription_identifiers is not None:
+                raise wire.protocol_error("a client PUBLISH must not carry subscription ids")
+            check_message_properties(props, event.payload)
+            if props.topic_alias is not None:
+                _resolve_alias(conn, event, props.topic_alias)
+                props.topic_alias = None
+                return event
+        if not event.topic:
+            raise wire.protocol_error("empty PUBLISH topic without a topic alias")
+    return event
+
+
+def _resolve_alias(conn: Connection, event: Publish, alias: int) -> None:
+    if alias > conn.topic_alias_maximum:
+        raise RemoteProtocolError(
+            TOPIC_ALIAS_INVALID, f"topic alias {alias} above {conn.topic_alias_maximum}"
+        )
+    aliases = conn._aliases
+    if event.topic:
+        if aliases is None:
+            aliases = conn._aliases = {}
+        aliases[alias] = event.topic
+        return
+    topic = aliases.get(alias) if aliases is not None else None
+    if topic is None:
+        raise wire.protocol_error(f"topic alias {alias} was never set")
+    event.topic = topic
+
+
+def _in_puback(conn: Connection, event: PubAck) -> None:
+    conn._packet_ids().puback_received(event.packet_id)
+
+
+def _in_pubrec(conn: Connection, event: PubRec) -> None:
+    conn._packet_ids().pubrec_received(event.packet_id, event.reason_code)
+
+
+def _in_pubrel(conn: Connection, event: PubRel) -> None:
+    conn._packet_ids().pubrel_received(event.packet_id)
+
+
+def _in_pubcomp(conn: Connection, event: PubComp) -> None:
+    conn._packet_ids().pubcomp_received(event.packet_id)
+
+
+def _in_subscribe(conn: Connection, event: Subscribe) -> None:
+    props = event.properties
+    if (
+        props is not None
+        and props.subscription_identifiers
+        and not conn.subscription_identifier_available
+    ):
+        raise RemoteProtocolError(
+            SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED, "subscription identifiers not available"
+        )
+
+
+def _in_disconnect(conn: Connection, event: Disconnect) -> None:
+    props = event.properties
+    if props is not None and props.session_expiry_interval and not conn._connect_session_expiry:
+        # MQTT-3.14.2-2: zero session expiry in CONNECT cannot be raised at DISCONNECT.
+        raise wire.protocol_error("DISCONNECT sets a session expiry after CONNECT had 0")
+    conn._enter(CLOSED)
+
+
+def _in_auth(conn: Connection, event: Auth) -> None:
+    if conn._auth_method is None:
+        raise wire.protocol_error("AUTH without an authentication method in CONNECT")
+    if event.reason_code not in (
+        ReasonCode.CONTINUE_AUTHENTICATION,
+        ReasonCode.RE_AUTHENTICATE,
+    ):
+        raise wire.protocol_error(f"a client AUTH must not carry 0x{event.reason_code:02X}")
+    method = event.properties.authentication_method if event.properties else None
+    if method != conn._auth_method:
+        raise wire.protocol_error("AUTH with another authentication method than CONNECT")
+
+
+_INBOUND: dict[int, Callable[[Connection, Any], None]] = {
+    pt.PUBACK: _in_puback,
+    pt.PUBREC: _in_pubrec,
+    pt.PUBREL: _in_pubrel,
+    pt.PUBCOMP: _in_pubcomp,
+    pt.SUBSCRIBE: _in_subscribe,
+    pt.DISCONNECT: _in_disconnect,
+    pt.AUTH: _in_auth,
 }
+
+
+def _fail(conn: Connection, err: RemoteProtocolError) -> None:
+    """Record the error and decide what may be sent before closing."""
+    level = conn._answer_level
+    if conn._connack_sent:
+        err.send_connack = False
+        err.send_disconnect = level == 5 and not conn._sending_closed
+    elif level == 5:
+        err.send_connack = True
+    else:
+        # 3.1.1 answers only a bad protocol level or client identifier (MQTT-3.2.2-5).
+        err.send_connack = level is not None and err.reason_code in _CONNACK_311_CODES
+    conn._enter(ERROR)
+
+
+# ----------------------------------------------------------------- sending rules
+# What each event we send does to the connection, once `Connection.send` has checked that it
+# may go now and its writer has made the bytes.
+
+
+def _out_connack(conn: Connection, event: ConnAck) -> None:
+    conn._connack_sent = True
+    if event.reason_code >= 0x80:
+        conn._sending_closed = True
+        return
+    props = event.properties
+    if props is None or conn.protocol_level != 5:
+        return
+    if props.server_keep_alive is not None:
+        conn.keep_alive = props.server_keep_alive
+    if props.receive_maximum is not None:
+        conn.receive_maximum = props.receive_maximum
+    if props.topic_alias_maximum is not None:
+        conn.topic_alias_maximum = props.topic_alias_maximum
+    if props.maximum_qos is not None:
+        conn.maximum_qos = props.maximum_qos
+    if props.retain_available is not None:
+        conn.retain_available = bool(props.retain_available)
+    if props.subscription_identifier_available is not None:
+        conn.subscription_identifier_available = bool(props.subscription_identifier_available)
+
+
+def _out_publish(conn: Connection, event: Publish) -> None:
+    # Checked before the id is recorded, so a refused PUBLISH leaves no id in flight.
+    props = event.properties
+    if (
+        props is not None
+        and props.topic_alias is not None
+        and props.topic_alias > conn.client_topic_alias_maximum
+    ):
+        raise LocalProtocolError(
+            f"topic alias {props.topic_alias} above the client's maximum "
+            f"{conn.client_topic_alias_maximum}"
+        )
+    if event.qos:
+        ids = conn._ids
+        if ids is None:
+            ids = conn._packet_ids()
+        # The writer has checked that a QoS 1/2 PUBLISH has an id.
+        ids.publish_sent(event.packet_id, event.dup, conn.client_receive_maximum)  # type: ignore[arg-type]
+
+
+def _out_puback(conn: Connection, event: PubAck) -> None:
+    conn._packet_ids().puback_sent(event.packet_id)
+
+
+def _out_pubrec(conn: Connection, event: PubRec) -> None:
+    conn._packet_ids().pubrec_sent(event.packet_id, event.reason_code)
+
+
+def _out_pubrel(conn: Connection, event: PubRel) -> None:
+    conn._packet_ids().pubrel_sent(event.packet_id)
+
+
+def _out_pubcomp(conn: Connection, event: PubComp) -> None:
+    conn._packet_ids().pubcomp_sent(event.packet_id)
+
+
+def _out_disconnect(conn: Connection, event: Disconnect) -> None:
+    conn._sending_closed = True
+
 
 # Handlers take the event type they are registered for.
 _OUTBOUND: dict[type, Callable[[Connection, Any], None]] = {
-    ConnAck: Connection._out_connack,
-    Publish: Connection._out_publish,
-    PubAck: Connection._out_puback,
-    PubRec: Connection._out_pubrec,
-    PubRel: Connection._out_pubrel,
-    PubComp: Connection._out_pubcomp,
-    Disconnect: Connection._out_disconnect,
+    ConnAck: _out_connack,
+    Publish: _out_publish,
+    PubAck: _out_puback,
+    PubRec: _out_pubrec,
+    PubRel: _out_pubrel,
+    PubComp: _out_pubcomp,
+    Disconnect: _out_disconnect,
 }
