@@ -1,6 +1,6 @@
 """Sans-IO MQTT 3.1 / 3.1.1 / 5.0 protocol core: bytes in, events out; events in, bytes out."""
 
-from gateway.protocol.connection import NEED_DATA, Connection, Sentinel
+from gateway.protocol.connection import Connection
 from gateway.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from gateway.protocol.events import (
     Auth,
@@ -23,6 +23,7 @@ from gateway.protocol.events import (
     Unsubscribe,
     Will,
 )
+from gateway.protocol.phases import NEED_DATA, Sentinel
 from gateway.protocol.prepared import PreparedPublish
 from gateway.protocol.properties import Properties
 from gateway.protocol.readers import decode_packet

@@ -14,6 +14,10 @@ in this module:
 * The two sides are separate (as in h11): a batch from `events()` may end in DISCONNECT, and
   the caller can still answer the packets that came before it.
 * The protocol level comes from the CONNECT and governs both directions afterwards.
+* Decoding: the fast decoder (`fast_decoder.decode_batch`) decodes runs of plain PUBLISH and
+  PUBACK packets inline, the hot path, and hands every other packet to the general path here
+  (`Connection._next`), which applies the receiving rules: `_on_publish`, `_on_packet` and the
+  `_INBOUND` table. `send` applies the sending rules of the `_OUTBOUND` table.
 * Receive buffer: the caller's `bytes` plus a read offset. When everything was consumed the
   next chunk is kept as is (no copy; slicing bytes copies once). A leftover partial packet is
   joined to the next chunk only if it is shorter than the chunk (the copy is paid for by new
@@ -28,14 +32,12 @@ in this module:
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from accelerators import pure_python
 from gateway.protocol import packet_types as pt
-from gateway.protocol import wire, writers
+from gateway.protocol import wire
 from gateway.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from gateway.protocol.events import (
     Auth,
@@ -54,12 +56,21 @@ from gateway.protocol.events import (
     Subscribe,
     UnsubAck,
 )
+from gateway.protocol.fast_decoder import FAST_PUBLISH_QOS, SCAN, decode_batch
 from gateway.protocol.packet_ids import UNACKED, PacketIds
+from gateway.protocol.phases import (
+    AWAIT_CONNECT,
+    CLOSED,
+    CONNECTED,
+    ERROR,
+    NEED_DATA,
+    Phase,
+    Sentinel,
+)
 from gateway.protocol.prepared import PreparedPublish
 from gateway.protocol.readers import (
     READERS,
     TOPIC_CACHE,
-    cache_topic,
     check_fixed_flags,
     check_message_properties,
     connect_level,
@@ -69,72 +80,6 @@ from gateway.protocol.readers import (
 from gateway.protocol.reason_codes import ALLOWED_REASON_CODES, ReasonCode
 from gateway.protocol.wire import PACKET_ID_BYTES
 from gateway.protocol.writers import WRITERS, write_connack, write_disconnect, write_publish
-
-# Connection._batch's inline loop in C (gateway/protocol/_speedups.c), or None: built
-# optionally by setup.py; LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_READ (this
-# one, for A/B runs) keeps the Python loop, which stays the reference.
-Scan = Callable[
-    [bytes, int, list[int | None], int, bool, dict[bytes, str], "set[int] | None",
-     "dict[int, int] | None", int, int, list[Event]],
-    int,
-]  # fmt: skip
-
-
-def _load_scan() -> Scan | None:
-    if pure_python("LMQTT_PURE_PYTHON_READ"):
-        return None
-    if not writers.SPEEDUPS:
-        return None  # not built: configure() (which binds Publish) never ran
-    from gateway.protocol import _speedups
-
-    _speedups.configure_scan(PubAck)
-    return _speedups.scan
-
-
-_SCAN = _load_scan()
-
-
-class _Slow(Exception):
-    """Internal: leave the inline PUBLISH path for the general one."""
-
-
-# First bytes of PUBLISH packets the inline path decodes -> QoS. QoS 2 (duplicate detection),
-# QoS 3 and DUP on QoS 0 always take the general path. One table per (QoS 1 allowed, retain
-# available): what we announced in CONNACK is folded into the table, so a packet that breaks it
-# (0x9B / 0x9A) falls to the general path without per-packet checks in the inline one.
-def _fast_publish_table(qos1_allowed: bool, retain_allowed: bool) -> list[int | None]:
-    table: list[int | None] = [None] * 256
-    for first, qos in {0x30: 0, 0x31: 0, 0x32: 1, 0x33: 1, 0x3A: 1, 0x3B: 1}.items():
-        if (not qos or qos1_allowed) and (not first & 1 or retain_allowed):
-            table[first] = qos
-    return table
-
-
-_FAST_PUBLISH_QOS = {
-    (qos1, retain): _fast_publish_table(qos1, retain)
-    for qos1 in (False, True)
-    for retain in (False, True)
-}
-_NO_FAST_PUBLISH: list[int | None] = [None] * 256
-
-
-class Sentinel(enum.Enum):
-    NEED_DATA = "NEED_DATA"
-
-
-NEED_DATA: Literal[Sentinel.NEED_DATA] = Sentinel.NEED_DATA
-
-
-class Phase(enum.Enum):
-    """The receiving side's state: what the client may send next."""
-
-    AWAIT_CONNECT = "await-connect"  # only CONNECT
-    CONNECTED = "connected"  # anything a server receives, but a second CONNECT
-    CLOSED = "closed"  # nothing: DISCONNECT or EOF came
-    ERROR = "error"  # nothing: a RemoteProtocolError was raised
-
-
-AWAIT_CONNECT, CONNECTED, CLOSED, ERROR = Phase
 
 # Every change of phase the state machine makes, with its cause. `_enter` refuses any other, so
 # a new code path that moves the phase must be added here, where the whole machine is visible.
@@ -350,10 +295,9 @@ class Connection:
             and not self._eof
             and self._pending_error is None
         ):
-            # Drained: a device's one packet per read was handed out; skip _batch's setup
-            # (0.3 us of the 2.0 us a device PUBLISH costs to decode and acknowledge).
+            # Drained: a device's one packet per read was handed out; skip the decoder's setup.
             return NEED_DATA
-        scan = _SCAN
+        scan = SCAN
         buf = self._buf
         ids = self._ids
         if (
@@ -365,12 +309,12 @@ class Connection:
             and self._pending_error is None
             and self.max_packet_size >= 130
         ):
-            # A device read in one C call, without _batch's setup; what scan leaves (an
-            # unusual or partial packet) goes on through _batch, which handles it.
+            # A device read in one C call, without the decoder's setup; what scan leaves (an
+            # unusual or partial packet) goes on through decode_batch, which handles it.
             out: list[Event] = []
             in_qos1 = ids.inbound_qos1
             off = scan(
-                buf, self._off, _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
+                buf, self._off, FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
                 self.max_packet_size, self.protocol_level == 5, TOPIC_CACHE, in_qos1,
                 ids.outbound, self.receive_maximum, ids.inbound_in_flight() - len(in_qos1), out,
             )  # fmt: skip
@@ -381,7 +325,7 @@ class Connection:
                 else:
                     self._off = off
                     try:
-                        out += self._batch(stop_after_connect=True)
+                        out += decode_batch(self, True)
                     except RemoteProtocolError as err:
                         self._pending_error = err
                 if len(out) > 1:
@@ -389,7 +333,7 @@ class Connection:
                         queue = self._queue = deque()
                     queue.extend(out[1:])
                 return out[0]
-        batch = self._batch(stop_after_connect=True)
+        batch = decode_batch(self, True)
         if not batch:
             return NEED_DATA
         if len(batch) > 1:
@@ -407,11 +351,11 @@ class Connection:
         """
         queue = self._queue
         if not queue:
-            return self._batch()
+            return decode_batch(self)
         out = list(queue)
         queue.clear()
         try:
-            out += self._batch()
+            out += decode_batch(self)
         except RemoteProtocolError as err:
             self._pending_error = err
         return out
@@ -426,227 +370,8 @@ class Connection:
         try:
             return self._next()
         except RemoteProtocolError as err:
-            self._fail(err)
+            _fail(self, err)
             raise
-
-    def _batch(self, stop_after_connect: bool = False) -> list[Event]:
-        """The events of every complete packet in the buffer.
-
-        The loop decodes ordinary PUBLISH (and plain PUBACK) packets inline, the hot path: no
-        per-field objects, no calls. Anything else, or anything unusual about a PUBLISH, goes
-        through `_next_one`, which applies every rule and raises the precise error.
-        """
-        if self._phase != CONNECTED or self._pending_error is not None:
-            return self._events_general(stop_after_connect)
-        out: list[Event] = []
-        append = out.append
-        buf = self._buf
-        off = self._off
-        n = len(buf)
-        is_bytes = type(buf) is bytes
-        v5 = self.protocol_level == 5
-        # A limit below 130 bytes could refuse even a short PUBLISH: leave that to the
-        # general path, so that the inline path checks the limit only for long packets.
-        fast = self.max_packet_size >= 130
-        limit = self.max_packet_size
-        topics = TOPIC_CACHE
-        # QoS 2 and PUBREL take the general path, so only QoS 1 ids change inside the loop.
-        # No packet ids yet (an idle or QoS 0 connection): the first QoS 1 PUBLISH makes them.
-        ids = self._ids
-        if ids is None:
-            in_qos1 = None
-            out_flight = None
-            in_flight_others = 0
-        else:
-            in_qos1 = ids.inbound_qos1
-            out_flight = ids.outbound
-            in_flight_others = ids.inbound_in_flight() - len(in_qos1)
-        receive_maximum = self.receive_maximum
-        # With the default 65535 only a reused id could exceed the quota: no check per packet.
-        limited = receive_maximum < 0xFFFF
-        # Bytes after the topic that a QoS 1 PUBLISH must have: the packet id and, in MQTT 5,
-        # a property length the inline path accepts only as 0 (no properties).
-        id_size = 3 if v5 else 2
-        new_publish = object.__new__  # see the Publish built at the end of the inline path
-        fast_qos = (
-            _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available]
-            if fast
-            else _NO_FAST_PUBLISH
-        )
-        # The C twin of this loop (`scan` in _speedups.c) decodes the same packets of a bytes
-        # buffer and stops at the first one it does not, which the loop below handles.
-        scan = _SCAN if is_bytes and fast else None
-        while n - off >= 2:
-            if scan is not None:
-                off = scan(
-                    buf, off, fast_qos, limit, v5, topics, in_qos1, out_flight,  # type: ignore[arg-type]
-                    receive_maximum, in_flight_others, out,
-                )  # fmt: skip
-                if n - off < 2:
-                    break
-            first = buf[off]
-            qos = fast_qos[first]
-            if qos is None:
-                if first == 0x40 and fast and buf[off + 1] == 2 and n - off >= 4:
-                    # PUBACK without reason code: every QoS 1 delivery brings one back.
-                    acked = (buf[off + 2] << 8) | buf[off + 3]
-                    if acked:
-                        if out_flight is not None:
-                            out_flight.pop(acked, None)
-                        ack = new_publish(PubAck)  # a bare instance, as for PUBLISH below
-                        ack.packet_id = acked
-                        ack.reason_code = 0
-                        ack.properties = None
-                        append(ack)
-                        off += 4
-                        continue
-            else:
-                try:
-                    length = buf[off + 1]
-                    if length < 128:
-                        start = off + 2
-                    else:
-                        if n - off < 3:
-                            break
-                        second = buf[off + 2]
-                        if second > 127 or not second:
-                            raise _Slow
-                        length = (length & 0x7F) | (second << 7)
-                        start = off + 3
-                        if length + 3 > limit:
-                            raise _Slow
-                    end = start + length
-                    if end > n:
-                        break
-                    # A body shorter than 2 bytes makes pos > end (or IndexError at the end).
-                    pos = start + 2 + ((buf[start] << 8) | buf[start + 1])
-                    if pos > end:
-                        raise _Slow
-                    if is_bytes:
-                        raw = buf[start + 2 : pos]
-                        topic = topics.get(raw) or cache_topic(raw)  # type: ignore[arg-type]
-                        if topic is None:
-                            raise _Slow
-                    else:
-                        topic = buf[start + 2 : pos].decode("utf-8")
-                        if not topic or "\x00" in topic or "+" in topic or "#" in topic:
-                            raise _Slow
-                    if qos:
-                        # Read first, check once: bytes past `end` belong to the next packet
-                        # (or raise IndexError), and nothing is used before the check.
-                        packet_id: int | None = (buf[pos] << 8) | buf[pos + 1]
-                        pos += id_size
-                        if pos > end or not packet_id or (v5 and buf[pos - 1]):
-                            raise _Slow  # MQTT 5 properties need the full reader
-                        if in_qos1 is None:
-                            ids = self._packet_ids()
-                            in_qos1 = ids.inbound_qos1
-                            out_flight = ids.outbound
-                        if not limited:
-                            in_qos1.add(packet_id)
-                        elif packet_id not in in_qos1:
-                            if len(in_qos1) + in_flight_others >= receive_maximum:
-                                raise _Slow
-                            in_qos1.add(packet_id)
-                    else:
-                        packet_id = None
-                        if v5:
-                            if pos >= end or buf[pos]:
-                                raise _Slow  # properties need the full reader
-                            pos += 1
-                    # Publish(...) runs the dataclass __init__, a Python call; filling the
-                    # slots of a bare instance here is ~40% cheaper. Every field is set (a
-                    # test pins the field list).
-                    pub = new_publish(Publish)
-                    pub.topic = topic
-                    pub.payload = buf[pos:end] if is_bytes else bytes(buf[pos:end])  # type: ignore[assignment]
-                    pub.qos = qos
-                    pub.retain = first & 1 == 1
-                    pub.dup = first & 8 == 8
-                    pub.packet_id = packet_id
-                    pub.properties = None
-                    append(pub)
-                    off = end
-                    continue
-                except (_Slow, UnicodeDecodeError, IndexError):
-                    pass
-            # The general path, one packet at a time.
-            self._off = off
-            try:
-                event = self._next_one()
-            except RemoteProtocolError as err:
-                if not out:
-                    raise
-                self._pending_error = err
-                return out
-            if event is NEED_DATA:
-                return out
-            append(event)
-            if type(event) is ConnectionClosed:
-                return out
-            buf = self._buf
-            off = self._off
-            n = len(buf)
-            fast = (
-                self._phase == CONNECTED
-                and self._pending_error is None
-                and self.max_packet_size >= 130
-            )
-            fast_qos = (
-                _FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available]
-                if fast
-                else _NO_FAST_PUBLISH
-            )
-            scan = _SCAN if is_bytes and fast else None
-            v5 = self.protocol_level == 5
-            id_size = 3 if v5 else 2
-            ids = self._ids
-            if ids is not None:
-                in_qos1 = ids.inbound_qos1
-                out_flight = ids.outbound
-                in_flight_others = ids.inbound_in_flight() - len(in_qos1)
-            receive_maximum = self.receive_maximum
-            limited = receive_maximum < 0xFFFF
-        if off == n:
-            # Everything consumed: drop the caller's chunk now rather than holding it (up to a
-            # whole socket read) while the connection idles.
-            self._buf = b""
-            off = n = 0
-        self._off = off
-        if self._eof and off == n:
-            # Let the general path report EOF (ConnectionClosed or a truncated packet).
-            try:
-                event = self._next_one()
-            except RemoteProtocolError as err:
-                if not out:
-                    raise
-                self._pending_error = err
-                return out
-            if event is not NEED_DATA:
-                append(event)
-        elif self._eof:
-            return out + self._events_general(False)
-        return out
-
-    def _events_general(self, stop_after_connect: bool) -> list[Event]:
-        out: list[Event] = []
-        while True:
-            try:
-                event = self._next_one()
-            except RemoteProtocolError as err:
-                if not out:
-                    raise
-                self._pending_error = err
-                return out
-            if event is NEED_DATA or type(event) is Connect:
-                if self._off == len(self._buf):
-                    self._buf = b""  # as in _batch: an idle connection keeps no old chunk
-                    self._off = 0
-                if event is NEED_DATA:
-                    return out
-            out.append(event)
-            if type(event) is ConnectionClosed or (stop_after_connect and type(event) is Connect):
-                return out
 
     def _next(self) -> Event | Literal[Sentinel.NEED_DATA]:
         buf = self._buf
@@ -658,7 +383,7 @@ class Connection:
         if length < 128:
             header = 2
         else:
-            length, header = self._long_length(buf, off)
+            length, header = wire.read_remaining_length(buf, off)
             if not header:
                 return self._short(avail)
         total = header + length
@@ -672,26 +397,10 @@ class Connection:
         self._off = end
         first = buf[off]
         if first >> 4 == pt.PUBLISH and self._phase == CONNECTED:
-            return self._on_publish(
-                read_publish(first & 0x0F, buf, off + header, end, self.protocol_level or 4)
+            return _on_publish(
+                self, read_publish(first & 0x0F, buf, off + header, end, self.protocol_level or 4)
             )
-        return self._on_packet(first >> 4, first & 0x0F, bytes(buf[off + header : end]))
-
-    @staticmethod
-    def _long_length(buf: bytes | bytearray, off: int) -> tuple[int, int]:
-        """Remaining length of 2-4 bytes -> (length, header size), or (0, 0) if incomplete."""
-        value = 0
-        for i in range(4):
-            at = off + 1 + i
-            if at >= len(buf):
-                return 0, 0
-            byte = buf[at]
-            value |= (byte & 0x7F) << (7 * i)
-            if not byte & 0x80:
-                if byte == 0:
-                    raise wire.malformed("remaining length is not minimally encoded")
-                return value, i + 2
-        raise wire.malformed("remaining length longer than 4 bytes")
+        return _on_packet(self, first >> 4, first & 0x0F, bytes(buf[off + header : end]))
 
     def _short(self, avail: int) -> Event | Literal[Sentinel.NEED_DATA]:
         if not self._eof:
@@ -707,153 +416,6 @@ class Connection:
         if (self._phase, phase) not in TRANSITIONS:
             raise LocalProtocolError(f"no transition {self._phase.value} -> {phase.value}")
         self._phase = phase
-
-    def _fail(self, err: RemoteProtocolError) -> None:
-        """Record the error and decide what may be sent before closing."""
-        level = self._answer_level
-        if self._connack_sent:
-            err.send_connack = False
-            err.send_disconnect = level == 5 and not self._sending_closed
-        elif level == 5:
-            err.send_connack = True
-        else:
-            # 3.1.1 answers only a bad protocol level or client identifier (MQTT-3.2.2-5).
-            err.send_connack = level is not None and err.reason_code in _CONNACK_311_CODES
-        self._enter(ERROR)
-
-    def _on_packet(self, ptype: int, flags: int, body: bytes) -> Event:
-        phase = self._phase
-        if ptype not in SERVER_RECEIVES:
-            if ptype == 0:
-                raise wire.malformed("reserved packet type 0")
-            raise wire.protocol_error(f"a client must not send {pt.NAMES[ptype]}")
-        if phase == AWAIT_CONNECT:
-            if ptype != pt.CONNECT:
-                raise wire.protocol_error(f"{pt.NAMES[ptype]} before CONNECT")
-            claimed = connect_level(body)
-            if claimed is not None:
-                self._answer_level = claimed if claimed in (3, 4, 5) else 4
-            check_fixed_flags(ptype, flags, self._answer_level or 4)
-            return self._on_connect(read_connect(flags, body, 0))
-        if phase != CONNECTED:
-            raise wire.protocol_error(f"{pt.NAMES[ptype]} after the connection was closed")
-        if ptype == pt.CONNECT:
-            raise wire.protocol_error("second CONNECT")
-        level = self.protocol_level or 4
-        check_fixed_flags(ptype, flags, level)
-        event = READERS[ptype](flags, body, level)
-        handler = _INBOUND.get(ptype)
-        if handler is not None:
-            handler(self, event)
-        return event
-
-    def _on_connect(self, event: Event) -> Event:
-        assert isinstance(event, Connect)
-        self.protocol_level = event.protocol_level
-        self._answer_level = event.protocol_level
-        self.client_id = event.client_id
-        self.keep_alive = event.keep_alive
-        props = event.properties
-        if props.receive_maximum is not None:
-            self.client_receive_maximum = props.receive_maximum
-        self.client_max_packet_size = props.maximum_packet_size
-        if props.topic_alias_maximum is not None:
-            self.client_topic_alias_maximum = props.topic_alias_maximum
-        self._connect_session_expiry = props.session_expiry_interval or 0
-        self._problem_information = props.request_problem_information != 0
-        self._auth_method = props.authentication_method
-        self._enter(CONNECTED)
-        return event
-
-    def _on_publish(self, event: Publish) -> Publish:
-        qos = event.qos
-        if qos:
-            if qos > self.maximum_qos:
-                raise RemoteProtocolError(QOS_NOT_SUPPORTED, f"QoS {qos} above maximum QoS")
-            packet_id = event.packet_id
-            assert packet_id is not None
-            if self._packet_ids().publish_received(qos, packet_id, self.receive_maximum):
-                event.dup = True  # resent before PUBREL: the gateway must not store it twice
-        if event.retain and not self.retain_available:
-            raise RemoteProtocolError(RETAIN_NOT_SUPPORTED, "retain is not available")
-        if self.protocol_level == 5:
-            props = event.properties
-            if props is not None:
-                if props.subscription_identifiers is not None:
-                    raise wire.protocol_error("a client PUBLISH must not carry subscription ids")
-                check_message_properties(props, event.payload)
-                if props.topic_alias is not None:
-                    self._resolve_alias(event, props.topic_alias)
-                    props.topic_alias = None
-                    return event
-            if not event.topic:
-                raise wire.protocol_error("empty PUBLISH topic without a topic alias")
-        return event
-
-    def _resolve_alias(self, event: Publish, alias: int) -> None:
-        if alias > self.topic_alias_maximum:
-            raise RemoteProtocolError(
-                TOPIC_ALIAS_INVALID, f"topic alias {alias} above {self.topic_alias_maximum}"
-            )
-        aliases = self._aliases
-        if event.topic:
-            if aliases is None:
-                aliases = self._aliases = {}
-            aliases[alias] = event.topic
-            return
-        topic = aliases.get(alias) if aliases is not None else None
-        if topic is None:
-            raise wire.protocol_error(f"topic alias {alias} was never set")
-        event.topic = topic
-
-    def _in_puback(self, event: Event) -> None:
-        assert isinstance(event, PubAck)
-        self._packet_ids().puback_received(event.packet_id)
-
-    def _in_pubrec(self, event: Event) -> None:
-        assert isinstance(event, PubRec)
-        self._packet_ids().pubrec_received(event.packet_id, event.reason_code)
-
-    def _in_pubrel(self, event: Event) -> None:
-        assert isinstance(event, PubRel)
-        self._packet_ids().pubrel_received(event.packet_id)
-
-    def _in_pubcomp(self, event: Event) -> None:
-        assert isinstance(event, PubComp)
-        self._packet_ids().pubcomp_received(event.packet_id)
-
-    def _in_subscribe(self, event: Event) -> None:
-        assert isinstance(event, Subscribe)
-        props = event.properties
-        if (
-            props is not None
-            and props.subscription_identifiers
-            and not self.subscription_identifier_available
-        ):
-            raise RemoteProtocolError(
-                SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED, "subscription identifiers not available"
-            )
-
-    def _in_disconnect(self, event: Event) -> None:
-        assert isinstance(event, Disconnect)
-        props = event.properties
-        if props is not None and props.session_expiry_interval and not self._connect_session_expiry:
-            # MQTT-3.14.2-2: zero session expiry in CONNECT cannot be raised at DISCONNECT.
-            raise wire.protocol_error("DISCONNECT sets a session expiry after CONNECT had 0")
-        self._enter(CLOSED)
-
-    def _in_auth(self, event: Event) -> None:
-        assert isinstance(event, Auth)
-        if self._auth_method is None:
-            raise wire.protocol_error("AUTH without an authentication method in CONNECT")
-        if event.reason_code not in (
-            ReasonCode.CONTINUE_AUTHENTICATION,
-            ReasonCode.RE_AUTHENTICATE,
-        ):
-            raise wire.protocol_error(f"a client AUTH must not carry 0x{event.reason_code:02X}")
-        method = event.properties.authentication_method if event.properties else None
-        if method != self._auth_method:
-            raise wire.protocol_error("AUTH with another authentication method than CONNECT")
 
     # ----------------------------------------------------------------- sending
 
@@ -871,7 +433,7 @@ class Connection:
                     f"Publish of {len(data)} bytes exceeds the client's maximum {limit}",
                     PACKET_TOO_LARGE,
                 )
-            self._out_publish(event)  # type: ignore[arg-type]
+            _out_publish(self, event)  # type: ignore[arg-type]
             return data
         if kind is PubAck and self._connack_sent and not self._sending_closed:
             # The other hot path: every inbound QoS 1 PUBLISH is answered with a plain PUBACK
@@ -970,66 +532,6 @@ class Connection:
             self._packet_ids().publish_sent(packet_id, dup, self.client_receive_maximum)
         return data
 
-    def _out_connack(self, event: Event) -> None:
-        assert isinstance(event, ConnAck)
-        self._connack_sent = True
-        if event.reason_code >= 0x80:
-            self._sending_closed = True
-            return
-        props = event.properties
-        if props is None or self.protocol_level != 5:
-            return
-        if props.server_keep_alive is not None:
-            self.keep_alive = props.server_keep_alive
-        if props.receive_maximum is not None:
-            self.receive_maximum = props.receive_maximum
-        if props.topic_alias_maximum is not None:
-            self.topic_alias_maximum = props.topic_alias_maximum
-        if props.maximum_qos is not None:
-            self.maximum_qos = props.maximum_qos
-        if props.retain_available is not None:
-            self.retain_available = bool(props.retain_available)
-        if props.subscription_identifier_available is not None:
-            self.subscription_identifier_available = bool(props.subscription_identifier_available)
-
-    def _out_publish(self, event: Publish) -> None:
-        # Checked before the id is recorded, so a refused PUBLISH leaves no id in flight.
-        props = event.properties
-        if (
-            props is not None
-            and props.topic_alias is not None
-            and props.topic_alias > self.client_topic_alias_maximum
-        ):
-            raise LocalProtocolError(
-                f"topic alias {props.topic_alias} above the client's maximum "
-                f"{self.client_topic_alias_maximum}"
-            )
-        if event.qos:
-            ids = self._ids
-            if ids is None:
-                ids = self._packet_ids()
-            # The writer has checked that a QoS 1/2 PUBLISH has an id.
-            ids.publish_sent(event.packet_id, event.dup, self.client_receive_maximum)  # type: ignore[arg-type]
-
-    def _out_puback(self, event: Event) -> None:
-        assert isinstance(event, PubAck)
-        self._packet_ids().puback_sent(event.packet_id)
-
-    def _out_pubrec(self, event: Event) -> None:
-        assert isinstance(event, PubRec)
-        self._packet_ids().pubrec_sent(event.packet_id, event.reason_code)
-
-    def _out_pubrel(self, event: Event) -> None:
-        assert isinstance(event, PubRel)
-        self._packet_ids().pubrel_sent(event.packet_id)
-
-    def _out_pubcomp(self, event: Event) -> None:
-        assert isinstance(event, PubComp)
-        self._packet_ids().pubcomp_sent(event.packet_id)
-
-    def _out_disconnect(self, event: Event) -> None:
-        self._sending_closed = True
-
     # ----------------------------------------------------------------- errors
 
     def error_packet(self, err: ProtocolError) -> bytes:
@@ -1066,23 +568,249 @@ def _without_problem_information(event: Event) -> Event:
     return dataclasses.replace(event, properties=stripped)
 
 
-_INBOUND = {
-    pt.PUBACK: Connection._in_puback,
-    pt.PUBREC: Connection._in_pubrec,
-    pt.PUBREL: Connection._in_pubrel,
-    pt.PUBCOMP: Connection._in_pubcomp,
-    pt.SUBSCRIBE: Connection._in_subscribe,
-    pt.DISCONNECT: Connection._in_disconnect,
-    pt.AUTH: Connection._in_auth,
+# ----------------------------------------------------------------- receiving rules
+# What each packet the client sends does to the connection once its reader has checked the
+# bytes: `Connection._next` hands PUBLISH to `_on_publish` and every other packet to
+# `_on_packet`, which checks that it may come now and runs its rule (CONNECT's or the table's).
+# A RemoteProtocolError on the way ends the receiving side in `_fail`.
+
+
+def _on_packet(conn: Connection, ptype: int, flags: int, body: bytes) -> Event:
+    phase = conn._phase
+    if ptype not in SERVER_RECEIVES:
+        if ptype == 0:
+            raise wire.malformed("reserved packet type 0")
+        raise wire.protocol_error(f"a client must not send {pt.NAMES[ptype]}")
+    if phase == AWAIT_CONNECT:
+        if ptype != pt.CONNECT:
+            raise wire.protocol_error(f"{pt.NAMES[ptype]} before CONNECT")
+        claimed = connect_level(body)
+        if claimed is not None:
+            conn._answer_level = claimed if claimed in (3, 4, 5) else 4
+        check_fixed_flags(ptype, flags, conn._answer_level or 4)
+        return _on_connect(conn, read_connect(flags, body, 0))
+    if phase != CONNECTED:
+        raise wire.protocol_error(f"{pt.NAMES[ptype]} after the connection was closed")
+    if ptype == pt.CONNECT:
+        raise wire.protocol_error("second CONNECT")
+    level = conn.protocol_level or 4
+    check_fixed_flags(ptype, flags, level)
+    event = READERS[ptype](flags, body, level)
+    handler = _INBOUND.get(ptype)
+    if handler is not None:
+        handler(conn, event)
+    return event
+
+
+def _on_connect(conn: Connection, event: Connect) -> Connect:
+    conn.protocol_level = event.protocol_level
+    conn._answer_level = event.protocol_level
+    conn.client_id = event.client_id
+    conn.keep_alive = event.keep_alive
+    props = event.properties
+    if props.receive_maximum is not None:
+        conn.client_receive_maximum = props.receive_maximum
+    conn.client_max_packet_size = props.maximum_packet_size
+    if props.topic_alias_maximum is not None:
+        conn.client_topic_alias_maximum = props.topic_alias_maximum
+    conn._connect_session_expiry = props.session_expiry_interval or 0
+    conn._problem_information = props.request_problem_information != 0
+    conn._auth_method = props.authentication_method
+    conn._enter(CONNECTED)
+    return event
+
+
+def _on_publish(conn: Connection, event: Publish) -> Publish:
+    qos = event.qos
+    if qos:
+        if qos > conn.maximum_qos:
+            raise RemoteProtocolError(QOS_NOT_SUPPORTED, f"QoS {qos} above maximum QoS")
+        packet_id = event.packet_id
+        assert packet_id is not None
+        if conn._packet_ids().publish_received(qos, packet_id, conn.receive_maximum):
+            event.dup = True  # resent before PUBREL: the gateway must not store it twice
+    if event.retain and not conn.retain_available:
+        raise RemoteProtocolError(RETAIN_NOT_SUPPORTED, "retain is not available")
+    if conn.protocol_level == 5:
+        props = event.properties
+        if props is not None:
+            if props.subscription_identifiers is not None:
+                raise wire.protocol_error("a client PUBLISH must not carry subscription ids")
+            check_message_properties(props, event.payload)
+            if props.topic_alias is not None:
+                _resolve_alias(conn, event, props.topic_alias)
+                props.topic_alias = None
+                return event
+        if not event.topic:
+            raise wire.protocol_error("empty PUBLISH topic without a topic alias")
+    return event
+
+
+def _resolve_alias(conn: Connection, event: Publish, alias: int) -> None:
+    if alias > conn.topic_alias_maximum:
+        raise RemoteProtocolError(
+            TOPIC_ALIAS_INVALID, f"topic alias {alias} above {conn.topic_alias_maximum}"
+        )
+    aliases = conn._aliases
+    if event.topic:
+        if aliases is None:
+            aliases = conn._aliases = {}
+        aliases[alias] = event.topic
+        return
+    topic = aliases.get(alias) if aliases is not None else None
+    if topic is None:
+        raise wire.protocol_error(f"topic alias {alias} was never set")
+    event.topic = topic
+
+
+def _in_puback(conn: Connection, event: PubAck) -> None:
+    conn._packet_ids().puback_received(event.packet_id)
+
+
+def _in_pubrec(conn: Connection, event: PubRec) -> None:
+    conn._packet_ids().pubrec_received(event.packet_id, event.reason_code)
+
+
+def _in_pubrel(conn: Connection, event: PubRel) -> None:
+    conn._packet_ids().pubrel_received(event.packet_id)
+
+
+def _in_pubcomp(conn: Connection, event: PubComp) -> None:
+    conn._packet_ids().pubcomp_received(event.packet_id)
+
+
+def _in_subscribe(conn: Connection, event: Subscribe) -> None:
+    props = event.properties
+    if (
+        props is not None
+        and props.subscription_identifiers
+        and not conn.subscription_identifier_available
+    ):
+        raise RemoteProtocolError(
+            SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED, "subscription identifiers not available"
+        )
+
+
+def _in_disconnect(conn: Connection, event: Disconnect) -> None:
+    props = event.properties
+    if props is not None and props.session_expiry_interval and not conn._connect_session_expiry:
+        # MQTT-3.14.2-2: zero session expiry in CONNECT cannot be raised at DISCONNECT.
+        raise wire.protocol_error("DISCONNECT sets a session expiry after CONNECT had 0")
+    conn._enter(CLOSED)
+
+
+def _in_auth(conn: Connection, event: Auth) -> None:
+    if conn._auth_method is None:
+        raise wire.protocol_error("AUTH without an authentication method in CONNECT")
+    if event.reason_code not in (
+        ReasonCode.CONTINUE_AUTHENTICATION,
+        ReasonCode.RE_AUTHENTICATE,
+    ):
+        raise wire.protocol_error(f"a client AUTH must not carry 0x{event.reason_code:02X}")
+    method = event.properties.authentication_method if event.properties else None
+    if method != conn._auth_method:
+        raise wire.protocol_error("AUTH with another authentication method than CONNECT")
+
+
+_INBOUND: dict[int, Callable[[Connection, Any], None]] = {
+    pt.PUBACK: _in_puback,
+    pt.PUBREC: _in_pubrec,
+    pt.PUBREL: _in_pubrel,
+    pt.PUBCOMP: _in_pubcomp,
+    pt.SUBSCRIBE: _in_subscribe,
+    pt.DISCONNECT: _in_disconnect,
+    pt.AUTH: _in_auth,
 }
+
+
+def _fail(conn: Connection, err: RemoteProtocolError) -> None:
+    """Record the error and decide what may be sent before closing."""
+    level = conn._answer_level
+    if conn._connack_sent:
+        err.send_connack = False
+        err.send_disconnect = level == 5 and not conn._sending_closed
+    elif level == 5:
+        err.send_connack = True
+    else:
+        # 3.1.1 answers only a bad protocol level or client identifier (MQTT-3.2.2-5).
+        err.send_connack = level is not None and err.reason_code in _CONNACK_311_CODES
+    conn._enter(ERROR)
+
+
+# ----------------------------------------------------------------- sending rules
+# What each event we send does to the connection, once `Connection.send` has checked that it
+# may go now and its writer has made the bytes.
+
+
+def _out_connack(conn: Connection, event: ConnAck) -> None:
+    conn._connack_sent = True
+    if event.reason_code >= 0x80:
+        conn._sending_closed = True
+        return
+    props = event.properties
+    if props is None or conn.protocol_level != 5:
+        return
+    if props.server_keep_alive is not None:
+        conn.keep_alive = props.server_keep_alive
+    if props.receive_maximum is not None:
+        conn.receive_maximum = props.receive_maximum
+    if props.topic_alias_maximum is not None:
+        conn.topic_alias_maximum = props.topic_alias_maximum
+    if props.maximum_qos is not None:
+        conn.maximum_qos = props.maximum_qos
+    if props.retain_available is not None:
+        conn.retain_available = bool(props.retain_available)
+    if props.subscription_identifier_available is not None:
+        conn.subscription_identifier_available = bool(props.subscription_identifier_available)
+
+
+def _out_publish(conn: Connection, event: Publish) -> None:
+    # Checked before the id is recorded, so a refused PUBLISH leaves no id in flight.
+    props = event.properties
+    if (
+        props is not None
+        and props.topic_alias is not None
+        and props.topic_alias > conn.client_topic_alias_maximum
+    ):
+        raise LocalProtocolError(
+            f"topic alias {props.topic_alias} above the client's maximum "
+            f"{conn.client_topic_alias_maximum}"
+        )
+    if event.qos:
+        ids = conn._ids
+        if ids is None:
+            ids = conn._packet_ids()
+        # The writer has checked that a QoS 1/2 PUBLISH has an id.
+        ids.publish_sent(event.packet_id, event.dup, conn.client_receive_maximum)  # type: ignore[arg-type]
+
+
+def _out_puback(conn: Connection, event: PubAck) -> None:
+    conn._packet_ids().puback_sent(event.packet_id)
+
+
+def _out_pubrec(conn: Connection, event: PubRec) -> None:
+    conn._packet_ids().pubrec_sent(event.packet_id, event.reason_code)
+
+
+def _out_pubrel(conn: Connection, event: PubRel) -> None:
+    conn._packet_ids().pubrel_sent(event.packet_id)
+
+
+def _out_pubcomp(conn: Connection, event: PubComp) -> None:
+    conn._packet_ids().pubcomp_sent(event.packet_id)
+
+
+def _out_disconnect(conn: Connection, event: Disconnect) -> None:
+    conn._sending_closed = True
+
 
 # Handlers take the event type they are registered for.
 _OUTBOUND: dict[type, Callable[[Connection, Any], None]] = {
-    ConnAck: Connection._out_connack,
-    Publish: Connection._out_publish,
-    PubAck: Connection._out_puback,
-    PubRec: Connection._out_pubrec,
-    PubRel: Connection._out_pubrel,
-    PubComp: Connection._out_pubcomp,
-    Disconnect: Connection._out_disconnect,
+    ConnAck: _out_connack,
+    Publish: _out_publish,
+    PubAck: _out_puback,
+    PubRec: _out_pubrec,
+    PubRel: _out_pubrel,
+    PubComp: _out_pubcomp,
+    Disconnect: _out_disconnect,
 }

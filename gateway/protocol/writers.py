@@ -12,7 +12,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from accelerators import pure_python
+import accelerators
 from gateway.protocol import packet_types as pt
 from gateway.protocol import wire
 from gateway.protocol.errors import LocalProtocolError
@@ -412,14 +412,12 @@ def _load_speedups() -> Callable[[Event, int], bytes]:
     It encodes the fast-path PUBLISH shapes of `_encode_py` byte for byte the same and hands
     every other call to `_encode_py`, so errors and rare shapes behave as in pure Python.
     """
-    if pure_python():
+    speedups = accelerators.load("gateway.protocol._speedups")
+    if speedups is None:
         return _encode_py
-    try:
-        from gateway.protocol import _speedups
-    except ImportError:
-        return _encode_py
-    _speedups.configure(Publish, _ENCODED_TOPICS, _encode_py)
-    return _speedups.encode
+    speedups.configure(Publish, _ENCODED_TOPICS, _encode_py)
+    c_encode: Callable[[Event, int], bytes] = speedups.encode
+    return c_encode
 
 
 encode: Callable[[Event, int], bytes] = _load_speedups()

@@ -1,7 +1,7 @@
 """The PUBLISH fast paths give the general paths' bytes, events and errors.
 
 PreparedPublish.packet (one struct per prepared packet), encode() (PUBLISH inline, packet-id
-table) and the inline decode of Connection._batch (first-byte table per maximum QoS / retain
+table) and the inline decode of fast_decoder.decode_batch (first-byte table per maximum QoS / retain
 available, bare Publish instances) each have a slower twin; these tests hold them together.
 """
 
@@ -95,7 +95,7 @@ def test_encode_publish_refuses_unknown_levels(qos: int) -> None:
 
 
 def test_event_fields_are_the_ones_the_inline_decoder_sets() -> None:
-    # Connection._batch fills bare Publish / PubAck instances slot by slot; a new field must
+    # fast_decoder.decode_batch fills bare Publish / PubAck instances slot by slot; a new field must
     # be set there too.
     names = [field.name for field in dataclasses.fields(Publish)]
     assert names == ["topic", "payload", "qos", "retain", "dup", "packet_id", "properties"]

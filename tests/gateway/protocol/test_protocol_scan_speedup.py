@@ -1,9 +1,9 @@
-"""The C twin of Connection._batch's inline loop (`scan` in _speedups.c) against the Python
+"""The C twin of the fast decoder's inline loop (`scan` in _speedups.c) against the Python
 loop, its reference: the same events, the same errors and reason codes, the same state after
 every read, for the same bytes cut into reads anywhere (packets split across reads).
 
-Each case runs two connections side by side, one with `connection._SCAN` as the gateway loads
-it, one with `_SCAN = None` (the pure-Python loop), and compares everything observable.
+Each case runs two connections side by side, one with `fast_decoder.SCAN` as the gateway loads
+it, one with `SCAN = None` (the pure-Python loop), and compares everything observable.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -27,6 +29,8 @@ from gateway.protocol import (
     RemoteProtocolError,
     connection,
     encode,
+    fast_decoder,
+    writers,
 )
 from gateway.protocol.readers import TOPIC_CACHE
 from tests.gateway.protocol.helpers import remaining_length
@@ -38,10 +42,22 @@ PURE = any(
     os.environ.get(name, "") not in ("", "0")
     for name in ("LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_READ")
 )
-SCAN = connection._SCAN
-if SCAN is None:  # pure-Python mode: bind the module here, as connection does otherwise
+SCAN = fast_decoder.SCAN
+if SCAN is None:  # pure-Python mode: bind the module here, as the loaders do otherwise
+    speedups.configure(Publish, writers._ENCODED_TOPICS, writers._encode_py)
     speedups.configure_scan(PubAck)
     SCAN = speedups.scan
+
+
+@contextmanager
+def scan_as(scan: Any) -> Iterator[None]:
+    """Run with `scan` as the C loop (None: the Python loop), in both modules that bind it."""
+    loaded = fast_decoder.SCAN, connection.SCAN
+    fast_decoder.SCAN = connection.SCAN = scan
+    try:
+        yield
+    finally:
+        fast_decoder.SCAN, connection.SCAN = loaded
 
 
 def raw_publish(first: int, topic: bytes, packet_id: bytes, props: bytes, payload: bytes) -> bytes:
@@ -137,16 +153,12 @@ def same_in_c_and_python(
     make: Any, data: bytes, cuts: list[int], cached: bool, one_by_one: bool
 ) -> None:
     outcomes = []
-    loaded = connection._SCAN
-    try:
-        for scan in (SCAN, None):
-            TOPIC_CACHE.clear()
-            if cached:
-                TOPIC_CACHE.update({t: t.decode() for t in TOPICS[:3]})
-            connection._SCAN = scan
+    for scan in (SCAN, None):
+        TOPIC_CACHE.clear()
+        if cached:
+            TOPIC_CACHE.update({t: t.decode() for t in TOPICS[:3]})
+        with scan_as(scan):
             outcomes.append(observe(make(), data, cuts, one_by_one))
-    finally:
-        connection._SCAN = loaded
     assert outcomes[0] == outcomes[1]
 
 
@@ -206,14 +218,14 @@ def test_malformed_after_good_packets_same_error() -> None:
 
 @pytest.mark.skipif(PURE, reason="a LMQTT_PURE_PYTHON switch is set: the Python loop runs")
 def test_the_gateway_loop_uses_c() -> None:
-    assert connection._SCAN is speedups.scan
+    assert fast_decoder.SCAN is connection.SCAN is speedups.scan
     conn = open_connection(4)
     data = b"".join(encode(Publish("cmd/3", b"p", 1, packet_id=i), 4) for i in range(1, 50))
     TOPIC_CACHE[b"cmd/3"] = "cmd/3"
     out: list[Any] = []
     ids = conn._packet_ids()
     off = speedups.scan(
-        data, 0, connection._FAST_PUBLISH_QOS[True, True], 1 << 20, False, TOPIC_CACHE,
+        data, 0, fast_decoder.FAST_PUBLISH_QOS[True, True], 1 << 20, False, TOPIC_CACHE,
         ids.inbound_qos1, ids.outbound, 65535, 0, out,
     )  # fmt: skip
     assert off == len(data)
@@ -230,7 +242,7 @@ def test_no_reference_or_memory_leak() -> None:
         + b"\x40\x02\x00\x07"
         + b"\x32\x05\x00\x01a\x00"  # cut short: scan stops here
     )
-    table = connection._FAST_PUBLISH_QOS[True, True]
+    table = fast_decoder.FAST_PUBLISH_QOS[True, True]
 
     def run() -> int:
         out: list[Any] = []
@@ -267,10 +279,12 @@ def test_scan_refuses_wrong_arguments() -> None:
 
 @pytest.mark.parametrize("name", ["LMQTT_PURE_PYTHON", "LMQTT_PURE_PYTHON_READ"])
 def test_pure_python_switch_keeps_the_python_loop(name: str) -> None:
-    code = "from gateway.protocol import connection; print(connection._SCAN)"
+    code = (
+        "from gateway.protocol import connection, fast_decoder as f; print(f.SCAN, connection.SCAN)"
+    )
     env = {**os.environ, name: "1"}
     env.pop("LMQTT_PURE_PYTHON" if name != "LMQTT_PURE_PYTHON" else "LMQTT_PURE_PYTHON_READ", None)
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
-    assert out.stdout.strip() == "None"
+    assert out.stdout.strip() == "None None"
