@@ -316,13 +316,14 @@ class RemotingClient:
     ) -> SendResult:
         """SEND_MESSAGE_V2 (310) to ``topic``/``queue_id``, also indexed in ``light_queues``.
 
-        ``light_queues`` become the dispatch property (message.py); the broker appends the message once and
-        indexes it in the parent queue and in each light queue. ``wait_store`` sets WAIT=true:
-        on a SYNC_FLUSH broker the answer then comes after the flush (FLUSH_DISK_TIMEOUT if it
-        did not complete in time, returned here as ``code`` rather than raised: the message is
-        stored, only its durability is in doubt). ``raw_properties`` is a block already in the
-        wire form (``name \x01 value \x02`` pairs, validated by the caller), sent as is after
-        ``properties``: a caller that encodes a publisher's properties once reuses the block.
+        ``light_queues`` become the dispatch property (message.py); the broker appends the
+        message once and indexes it in the parent queue and in each light queue.
+        ``wait_store`` sets WAIT=true: on a SYNC_FLUSH broker the answer then comes after the
+        flush (FLUSH_DISK_TIMEOUT if it did not complete in time, returned here as ``code``
+        rather than raised: the message is stored, only its durability is in doubt).
+        ``raw_properties`` is a block already in the wire form (``name \x01 value \x02`` pairs,
+        validated by the caller), sent as is after ``properties``: a caller that encodes a
+        publisher's properties once reuses the block.
         """
         props: dict[str, str] = {}
         if light_queues:
