@@ -21,14 +21,10 @@ from gateway.access.control import AccessControl
 from gateway.backends import open_backend
 from gateway.cluster.node import Cluster, supports_cluster
 from gateway.config import GatewaySettings
-from gateway.connection.client import (
-    ClientConnection,
-    ClientContext,
-    ClusterLink,
-    ServerState,
-    SingleNode,
-)
+from gateway.connection.client import ClientConnection
+from gateway.connection.context import ClientContext
 from gateway.connection.ingest import IngestBatch
+from gateway.connection.node import ClusterLink, SingleNode
 from gateway.connection.overload import OverloadGuard
 from gateway.connection.timers import TimerWheel
 from gateway.delivery.account import CountedAccount, DeliveryAccount, NoDeliveryAccount
@@ -42,7 +38,7 @@ from gateway.messages.recent import PreparedCache, RecentMessages
 from gateway.messages.retained import RetainedIndex
 from gateway.messages.sys_topics import SysPublisher
 from gateway.net.listeners import ExtraListeners
-from gateway.net.server import MqttServerProtocol
+from gateway.net.server import MqttServerProtocol, ServerState
 from gateway.ops.gc_monitor import GcMonitor
 from gateway.ops.metrics import MetricsSources
 from gateway.protocol import ReasonCode
@@ -201,7 +197,10 @@ class Gateway:
             cluster=link,
         )
         self._server = await loop.create_server(
-            lambda: MqttServerProtocol(context), s.host, s.default_port, reuse_address=True
+            lambda: MqttServerProtocol(context, self.state),
+            s.host,
+            s.default_port,
+            reuse_address=True,
         )
         sources = MetricsSources(
             stats=self.stats,
@@ -212,7 +211,7 @@ class Gateway:
             sessions=registry,
             retained=retained,
         )
-        await self.listeners.start(context, sources)
+        await self.listeners.start(context, self.state, sources)
         self.overload.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
         self.timers.start()

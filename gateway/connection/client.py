@@ -15,20 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from gateway.access.acl import ClientAccess
-from gateway.access.control import AccessControl
-from gateway.config import GatewaySettings
+from gateway.connection.context import ClientContext
 from gateway.connection.ingest import IngestBatch
-from gateway.connection.overload import OverloadGuard
-from gateway.connection.timers import TimerWheel
-from gateway.delivery.loop import DeliveryContext, DeliveryLoop
-from gateway.lifecycle.sessions import SessionLifecycle
-from gateway.lifecycle.subscriptions import SubscriptionLifecycle
-from gateway.messages.publishing import PublishPath
+from gateway.connection.node import SingleNode
+from gateway.delivery.loop import DeliveryLoop
 from gateway.messages.records import PublishProperties
 from gateway.protocol import (
     NEED_DATA,
@@ -55,8 +47,7 @@ from gateway.protocol import (
     Unsubscribe,
     Will,
 )
-from gateway.session.registry import Connected, Session, SubscriptionState
-from gateway.stats import GatewayStats
+from gateway.session.registry import Session, SubscriptionState
 from gateway.storage.port import StoreError
 from topicmap import (
     REPLAY_PROPERTY,
@@ -89,102 +80,6 @@ LINGER_S = 2.0
 # Packets whose handling never waits (in async flush mode the store append does not either):
 # their replies are collected and written once per run of input (see ClientConnection._out).
 _COLLECTED = frozenset({Publish, PubAck, PubComp, PubRec, PingReq})
-
-
-@dataclass(slots=True)
-class ServerState:
-    """What the listeners and every connection share (uvicorn's ServerState): whether a
-    graceful stop has begun, and the open connections."""
-
-    stopping: bool = False
-    connections: set[ClientConnection] = field(default_factory=set)
-
-
-class ClusterLink(Protocol):
-    """What a connection sees of cluster mode (gateway/cluster/node.py Cluster); SingleNode when
-    the gateway is the only node."""
-
-    async def before_connect(self, client_id: str, conn: Connected, clean_start: bool) -> None:
-        """A CONNECT arrived: the session records other nodes wrote so far applied here (a
-        session connected on another node handed over by it)."""
-        ...
-
-    async def connected(
-        self, client_id: str, conn: Connected, clean_start: bool, session: Session
-    ) -> None:
-        """Before CONNACK: the id claimed on every node (takeover), the session record
-        durable, its in-flight messages read for their resend."""
-        ...
-
-    def answered(self, client_id: str, conn: Connected) -> None:
-        """`conn`'s CONNACK was written (a takeover read meanwhile closes it now)."""
-        ...
-
-    def released(self, client_id: str, conn: Connected) -> None: ...
-
-    async def subscribed(self) -> None:
-        """Before SUBACK: every node routes to this node's new filters."""
-        ...
-
-    async def retained_caught_up(self) -> None:
-        """Before a SUBSCRIBE's retained messages: those set through other nodes known."""
-        ...
-
-    def connection_ended(self, session: Session) -> None:
-        """After SessionLifecycle.connection_ended: the other nodes learn it."""
-        ...
-
-
-class SingleNode:
-    """No cluster: nothing to tell anyone."""
-
-    async def before_connect(self, client_id: str, conn: Connected, clean_start: bool) -> None:
-        return None
-
-    async def connected(
-        self, client_id: str, conn: Connected, clean_start: bool, session: Session
-    ) -> None:
-        return None
-
-    def answered(self, client_id: str, conn: Connected) -> None:
-        return None
-
-    def released(self, client_id: str, conn: Connected) -> None:
-        return None
-
-    async def subscribed(self) -> None:
-        return None
-
-    async def retained_caught_up(self) -> None:
-        return None
-
-    def connection_ended(self, session: Session) -> None:
-        return None
-
-
-@dataclass(slots=True)
-class ClientContext:
-    """What a connection uses, built once by the composition root (gateway/app.py) and shared
-    by every connection: one attribute hop to each collaborator, as when connections held the
-    whole gateway, but only these."""
-
-    settings: GatewaySettings
-    server: ServerState
-    stats: GatewayStats
-    access: AccessControl  # authentication, ACL, limits
-    timers: TimerWheel  # connect timeout, keep-alive
-    ingest: IngestBatch | None  # None in sync flush mode (gateway/connection/ingest.py)
-    overload: OverloadGuard
-    publisher: PublishPath
-    sessions: SessionLifecycle
-    subscriptions: SubscriptionLifecycle
-    delivery: DeliveryContext  # handed to the session's delivery loop
-    cluster: ClusterLink = field(default_factory=SingleNode)
-    # publisher.topic, bound once: the inline path validates every PUBLISH's topic with it.
-    topic: Callable[[str], Topic] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.topic = self.publisher.topic
 
 
 class ClientConnection:
