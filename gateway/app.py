@@ -22,10 +22,14 @@ from gateway.backends import open_backend
 from gateway.cluster.node import Cluster, supports_cluster
 from gateway.config import GatewaySettings
 from gateway.connection.client import ClientConnection
+from gateway.connection.connect import ConnectHandler
 from gateway.connection.context import ClientContext
+from gateway.connection.dispatch import PacketDispatch
 from gateway.connection.ingest import IngestBatch
 from gateway.connection.node import ClusterLink, SingleNode
 from gateway.connection.overload import OverloadGuard
+from gateway.connection.publish import PublishHandler
+from gateway.connection.subscribe import SubscribeHandler
 from gateway.connection.timers import TimerWheel
 from gateway.delivery.account import CountedAccount, DeliveryAccount, NoDeliveryAccount
 from gateway.delivery.arrivals import ArrivalHub
@@ -182,6 +186,15 @@ class Gateway:
             max_inflight=s.max_inflight,
             outbound_topic_aliases=s.outbound_topic_aliases,
         )
+        packets = PacketDispatch(
+            ConnectHandler(
+                s, self.state, self.access, self.stats, lifecycle, subscriptions, delivery, link
+            ),
+            PublishHandler(
+                loop, publisher, self.access, registry, self.stats, sync=s.flush == "sync"
+            ),
+            SubscribeHandler(subscriptions, registry, self.access, delivery, link, s.max_qos),
+        )
         context = ClientContext(
             settings=s,
             server=self.state,
@@ -191,10 +204,7 @@ class Gateway:
             ingest=self.ingest,
             overload=self.overload,
             publisher=publisher,
-            sessions=lifecycle,
-            subscriptions=subscriptions,
-            delivery=delivery,
-            cluster=link,
+            packets=packets,
         )
         self._server = await loop.create_server(
             lambda: MqttServerProtocol(context, self.state),

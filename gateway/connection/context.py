@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gateway.access.control import AccessControl
 from gateway.config import GatewaySettings
+from gateway.connection.dispatch import Handled, PacketDispatch
 from gateway.connection.ingest import IngestBatch
-from gateway.connection.node import ClusterLink, ServerStatus, SingleNode
+from gateway.connection.node import ServerStatus
 from gateway.connection.overload import OverloadGuard
 from gateway.connection.timers import TimerWheel
-from gateway.delivery.loop import DeliveryContext
-from gateway.lifecycle.sessions import SessionLifecycle
-from gateway.lifecycle.subscriptions import SubscriptionLifecycle
 from gateway.messages.publishing import PublishPath
 from gateway.stats import GatewayStats
 from topicmap import Topic
@@ -35,12 +33,12 @@ class ClientContext:
     ingest: IngestBatch | None  # None in sync flush mode (gateway/connection/ingest.py)
     overload: OverloadGuard
     publisher: PublishPath
-    sessions: SessionLifecycle
-    subscriptions: SubscriptionLifecycle
-    delivery: DeliveryContext  # handed to the session's delivery loop
-    cluster: ClusterLink = field(default_factory=SingleNode)
+    packets: PacketDispatch  # the packet handlers
     # publisher.topic, bound once: the inline path validates every PUBLISH's topic with it.
     topic: Callable[[str], Topic] = field(init=False)
+    # packets.dispatch, bound once: the reader task hands it every packet but plain publishes.
+    dispatch: Callable[[Handled, object], Awaitable[None]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.topic = self.publisher.topic
+        self.dispatch = self.packets.dispatch
