@@ -7,7 +7,7 @@
 
 `start()` builds every collaborator once and hands each part what it uses (uvicorn's shape:
 its Server gives protocols a small ServerState, not itself): connections get a ClientContext
-(gateway/connection/client.py), delivery loops a DeliveryContext (gateway/delivery/loop.py), the
+(gateway/connection/context.py), delivery loops a DeliveryContext (gateway/delivery/loop.py), the
 metrics their MetricsSources. Nothing but this module, the CLI and tests holds the Gateway.
 """
 

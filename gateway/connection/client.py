@@ -46,7 +46,7 @@ from topicmap import TopicError
 log = logging.getLogger("lmqtt.gateway")
 
 # Packets handled before the reader task yields to the event loop (a run of plain PUBLISHes
-# among them is one store append; 128 keeps a flood client to about a millisecond a turn).
+# among them is one store append): a flooding client's turn stays short.
 EVENTS_PER_TURN = 128
 # Publishes a connection held by the overload guard may still hand in (their PUBACKs held) before
 # its reading pauses too: a device whose in-flight window is at most this stops by itself, its
@@ -235,7 +235,7 @@ class ClientConnection(ClientTransport):
         window stops once the window is full of messages already stored and delivered, and
         what it sends after its turn is read at once, not left waiting in its socket. One that
         goes on sending regardless (a window over HELD_READ_MAX, or QoS 0, which has no
-        acknowledgement to wait for) is no longer read until its turn; nor is any held
+        acknowledgement to wait for) is not read until its turn; nor is any held
         connection while the backlog grows past the guard's read bound (`read_hold`: deep
         windows filling up faster than the subscribers drain)."""
         if self.closed:

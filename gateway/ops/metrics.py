@@ -84,7 +84,7 @@ LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 
 class _Backlog:
     """lmqtt_backlog_messages, counted before each scrape CENSUS_STEP sessions per event-loop
-    step: one pass over 50,000 sessions in a single step held the loop for tens of ms."""
+    step: one pass over every session in a single step would hold the loop."""
 
     def __init__(self, sources: MetricsSources) -> None:
         self.sources = sources
