@@ -7,10 +7,10 @@ with one append for every connection. Anything else starts a reader task that pu
 of the sans-IO `Connection` and hands them, in order, to their handlers (PacketDispatch,
 gateway/connection/dispatch.py); runs of plain publishes it reads go to the store with one call.
 
-The inline path (`_read_inline`, `_plain_publish`, `_pubacks`), what the ingest batch calls back
-(`publish_blocks`, `acknowledge_stored`) and the overload guard's holds (`published`,
-`hold_publishing`, `release_publishing`) stay in this one class: they run per read or per
-message, and every call or attribute hop a split would add there is paid per message.
+The inline path (`_read_inline`, `_plain_publish`, `_pubacks`) and what the ingest batch calls
+back (`publish_blocks`, `acknowledge_stored`, `store_failed`) run per read or per message: they
+stay methods of this one object (the acknowledgements and the overload guard's holds are its
+base ClientTransport's), so no call, attribute hop or allocation is added there per message.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from gateway.delivery.loop import DeliveryLoop
 from gateway.messages.records import PublishProperties
 from gateway.protocol import (
     NEED_DATA,
-    Connection,
     ConnectionClosed,
     Disconnect,
     LocalProtocolError,
@@ -48,11 +47,6 @@ log = logging.getLogger("lmqtt.gateway")
 # Packets handled before the reader task yields to the event loop (a run of plain PUBLISHes
 # among them is one store append): a flooding client's turn stays short.
 EVENTS_PER_TURN = 128
-# Publishes a connection held by the overload guard may still hand in (their PUBACKs held) before
-# its reading pauses too: a device whose in-flight window is at most this stops by itself, its
-# window full of messages already delivered, and is read at once at its turn. A lower bound
-# (pausing deep windows of 50 sooner) measured worse (docs/benchmarks.md, the overload runs).
-HELD_READ_MAX = 64
 
 # Packets whose handling never waits (in async flush mode the store append does not either):
 # their replies are collected and written once per run of input (see ClientTransport._out).
@@ -60,26 +54,23 @@ _COLLECTED = frozenset({Publish, PubAck, PubComp, PubRec, PingReq})
 
 
 class ClientConnection(ClientTransport):
-    """One network connection; owns the protocol state machine, the reader task, the inline
-    publish path and keep-alive. The byte side is ClientTransport's."""
+    """One network connection: who the client is, its session, the reader task, the inline
+    publish path, keep-alive and closing. What is written and when it is read is
+    ClientTransport's."""
 
     # Slots: an idle connection's footprint is what limits how many devices fit. A new
     # attribute must be listed here (or in ClientTransport's).
     __slots__ = (
         "_abnormal",
-        "_acks",
         "_blocks",
         "_cleaned",
         "_eof",
-        "_held_reads",
-        "_ingest",
         "_last_rx",
         "_opened",
         "_reader",
         "ack_chain",
         "acl",
         "client_id",
-        "conn",
         "delivery",
         "peer",
         "session",
@@ -90,7 +81,6 @@ class ClientConnection(ClientTransport):
 
     def __init__(self, context: ClientContext, transport: asyncio.Transport) -> None:
         super().__init__(context, transport)
-        self.conn = Connection(max_packet_size=context.settings.max_packet_size)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.client_id = ""
@@ -107,13 +97,6 @@ class ClientConnection(ClientTransport):
         # the order of their PUBLISHes; gateway/connection/publish.py).
         self.ack_chain: asyncio.Task[None] | None = None
         self._blocks: PublishProperties | None = None  # made at the first batched PUBLISH
-        # Where plain publishes read in a transport callback go (async flush mode only).
-        self._ingest = context.ingest
-        # Held by the overload guard (gateway/connection/overload.py): the PUBACKs of what it
-        # hands in wait in _acks, and after HELD_READ_MAX publishes (at once for QoS 0) its
-        # reading pauses.
-        self._held_reads = 0
-        self._acks: list[int] | None = None
         # Connect timeout and keep-alive: one entry in the gateway's timer wheel (on_due),
         # not a timer per connection; packets only move _last_rx, never the wheel.
         self._opened = self._loop.time()
@@ -123,7 +106,7 @@ class ClientConnection(ClientTransport):
         # costs no task (memory per connection is what limits how many devices fit).
         self._reader: asyncio.Task[None] | None = None
 
-    # -- bytes in / out (called by the asyncio Protocol) --------------------------------------
+    # -- called by the asyncio Protocol -------------------------------------------------------
 
     def feed(self, data: bytes) -> None:
         if self.closed:
@@ -150,6 +133,17 @@ class ClientConnection(ClientTransport):
             except LocalProtocolError:
                 pass
             self._kick()
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        if self.delivery is not None:
+            self.delivery.on_transport_resumed()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cleanup()
+        if self._reader is not None:
+            self._reader.cancel()
 
     def _kick(self, first: object = None) -> None:
         """Start the reader task (it handles `first`, then what is buffered) unless it runs."""
@@ -216,7 +210,7 @@ class ClientConnection(ClientTransport):
             return False
         return True
 
-    # -- the ingest batch's side (gateway/connection/ingest.py), the overload guard's holds ---
+    # -- the ingest batch's side (gateway/connection/ingest.py) -------------------------------
 
     def publish_blocks(self) -> PublishProperties:
         blocks = self._blocks
@@ -226,79 +220,8 @@ class ClientConnection(ClientTransport):
             )
         return blocks
 
-    def published(self, n: int, qos0: bool) -> None:
-        """This connection just handed in `n` publishes (the last one at QoS 0: `qos0`): an
-        overloaded gateway holds it (gateway/connection/overload.py).
-
-        Held, a QoS 1 publisher is still read, but its PUBACKs wait for its turn in the
-        guard's round robin (MQTT sets no deadline for them): a device with an in-flight
-        window stops once the window is full of messages already stored and delivered, and
-        what it sends after its turn is read at once, not left waiting in its socket. One that
-        goes on sending regardless (a window over HELD_READ_MAX, or QoS 0, which has no
-        acknowledgement to wait for) is not read until its turn; nor is any held
-        connection while the backlog grows past the guard's read bound (`read_hold`: deep
-        windows filling up faster than the subscribers drain)."""
-        if self.closed:
-            return
-        overload = self.ctx.overload
-        if not self._held:
-            if not overload.overloaded:
-                return
-            overload.hold(self)
-        self._held_reads += n
-        if (
-            qos0
-            or self._held_reads >= HELD_READ_MAX
-            or overload.read_hold
-            or self._ingest is None  # sync flush: PUBACKs wait for fsync tasks, not here
-        ):
-            self._pause_reading()
-
-    def hold_publishing(self) -> None:
-        self._held = True
-        self._held_reads = 0
-        if self._acks is None:
-            self._acks = []
-
-    def release_publishing(self) -> int:
-        """The guard's round robin came to this connection: send the PUBACKs held, read again.
-        Returns how many were held (what a windowed device may now send)."""
-        self._held = False
-        acks, self._acks = self._acks, None
-        if acks and not self.closed:
-            self.write(self.conn.pubacks(acks))
-        self._resume_reading()
-        return len(acks) if acks else 0
-
-    def release_acks(self) -> None:
-        """A PUBACK is about to be written outside the batch: the held ones go first (PUBACKs
-        leave in the order of their PUBLISHes), the connection stays held."""
-        acks = self._acks
-        if acks:
-            self._acks = []
-            if not self.closed:
-                self.write(self.conn.pubacks(acks))
-
-    def acknowledge_stored(self, packet_ids: list[int]) -> None:
-        acks = self._acks
-        if acks is not None:
-            acks.extend(packet_ids)
-        else:
-            self.write(self.conn.pubacks(packet_ids))
-
     def store_failed(self, pub: Publish, err: StoreError) -> None:
         self.ctx.packets.publish.store_failed(self, pub, err)
-
-    def resume_writing(self) -> None:
-        self.writable = True
-        if self.delivery is not None:
-            self.delivery.on_transport_resumed()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._cleanup()
-        if self._reader is not None:
-            self._reader.cancel()
 
     # -- closing -----------------------------------------------------------------------------
 
