@@ -7,7 +7,7 @@
 
 `start()` builds every collaborator once and hands each part what it uses (uvicorn's shape:
 its Server gives protocols a small ServerState, not itself): connections get a ClientContext
-(gateway/connection/client.py), delivery loops a DeliveryContext (gateway/delivery/loop.py), the
+(gateway/connection/context.py), delivery loops a DeliveryContext (gateway/delivery/loop.py), the
 metrics their MetricsSources. Nothing but this module, the CLI and tests holds the Gateway.
 """
 
@@ -21,15 +21,15 @@ from gateway.access.control import AccessControl
 from gateway.backends import open_backend
 from gateway.cluster.node import Cluster, supports_cluster
 from gateway.config import GatewaySettings
-from gateway.connection.client import (
-    ClientConnection,
-    ClientContext,
-    ClusterLink,
-    ServerState,
-    SingleNode,
-)
+from gateway.connection.client import ClientConnection
+from gateway.connection.connect import ConnectHandler
+from gateway.connection.context import ClientContext
+from gateway.connection.dispatch import PacketDispatch
 from gateway.connection.ingest import IngestBatch
+from gateway.connection.node import ClusterLink, SingleNode
 from gateway.connection.overload import OverloadGuard
+from gateway.connection.publish import PublishHandler
+from gateway.connection.subscribe import SubscribeHandler
 from gateway.connection.timers import TimerWheel
 from gateway.delivery.account import CountedAccount, DeliveryAccount, NoDeliveryAccount
 from gateway.delivery.arrivals import ArrivalHub
@@ -42,7 +42,7 @@ from gateway.messages.recent import PreparedCache, RecentMessages
 from gateway.messages.retained import RetainedIndex
 from gateway.messages.sys_topics import SysPublisher
 from gateway.net.listeners import ExtraListeners
-from gateway.net.server import MqttServerProtocol
+from gateway.net.server import MqttServerProtocol, ServerState
 from gateway.ops.gc_monitor import GcMonitor
 from gateway.ops.metrics import MetricsSources
 from gateway.protocol import ReasonCode
@@ -186,6 +186,15 @@ class Gateway:
             max_inflight=s.max_inflight,
             outbound_topic_aliases=s.outbound_topic_aliases,
         )
+        packets = PacketDispatch(
+            ConnectHandler(
+                s, self.state, self.access, self.stats, lifecycle, subscriptions, delivery, link
+            ),
+            PublishHandler(
+                loop, publisher, self.access, registry, self.stats, sync=s.flush == "sync"
+            ),
+            SubscribeHandler(subscriptions, registry, self.access, delivery, link, s.max_qos),
+        )
         context = ClientContext(
             settings=s,
             server=self.state,
@@ -195,13 +204,13 @@ class Gateway:
             ingest=self.ingest,
             overload=self.overload,
             publisher=publisher,
-            sessions=lifecycle,
-            subscriptions=subscriptions,
-            delivery=delivery,
-            cluster=link,
+            packets=packets,
         )
         self._server = await loop.create_server(
-            lambda: MqttServerProtocol(context), s.host, s.default_port, reuse_address=True
+            lambda: MqttServerProtocol(context, self.state),
+            s.host,
+            s.default_port,
+            reuse_address=True,
         )
         sources = MetricsSources(
             stats=self.stats,
@@ -212,7 +221,7 @@ class Gateway:
             sessions=registry,
             retained=retained,
         )
-        await self.listeners.start(context, sources)
+        await self.listeners.start(context, self.state, sources)
         self.overload.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
         self.timers.start()

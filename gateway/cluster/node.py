@@ -16,8 +16,8 @@ The parts, each in its module:
                                 every node, compacted by the leader only
 
 `Cluster` joins them for the composition root (gateway/app.py) and is what a connection sees
-of the cluster (gateway/connection/client.py ClusterLink). On the embedded store there is one node
-and no cluster (client.py's SingleNode). docs/rocketmq.md, "Several gateway nodes", has the
+of the cluster (gateway/connection/node.py ClusterLink). On the embedded store there is one node
+and no cluster (node.py's SingleNode). docs/rocketmq.md, "Several gateway nodes", has the
 design, the guarantees and what is not done.
 """
 
@@ -211,7 +211,7 @@ class Cluster:
     def on_fenced(self, callback: Callable[[], None]) -> None:
         self.membership.on_fenced.append(callback)
 
-    # -- ClusterLink (gateway/connection/client.py)
+    # -- ClusterLink (gateway/connection/node.py)
     # -----------------------------------------------------
 
     async def before_connect(self, client_id: str, conn: Connected, clean_start: bool) -> None:

@@ -17,7 +17,7 @@ Overload, seen from inside the process, shows two ways, and the guard watches bo
     connection.
 
 While either is past its bound the guard holds the connections that publish, from the moment
-they hand in publishes (ClientConnection._published): the PUBACKs of what a held connection
+they hand in publishes (ClientConnection.published): the PUBACKs of what a held connection
 hands in wait (MQTT puts no deadline on them and they still leave in order), so a device with
 an in-flight window stops sending once its window is full of messages already stored and being
 delivered; it is still read, so what it sends when its PUBACKs come is taken in at once, not
@@ -27,12 +27,12 @@ more: its socket buffers fill and TCP flow control slows the device down. Nor is
 connection while the delivery lag is past READ_HOLD_BACKLOG_S or the loop lags (`read_hold`):
 devices with deep windows (50) keep sending until their windows are full, and with every
 PUBLISH read at once the backlog that fills them grows in the gateway, each message read on its
-own (at 33,750 msg/s, W = 50: p99 1.5 s, against 0.35 s when they wait in the sockets and are
-read in batches, which cost less per message). Nothing is dropped.
+own; left waiting in their sockets they are read in batches, which cost less per message.
+Nothing is dropped.
 Connections that only acknowledge deliveries are never held, so subscribers' windows keep
 moving and the backlog drains.
 
-Held publishers are not released all at once (that turned the hold into a cycle: a burst of
+Held publishers are not released all at once (that would turn the hold into a cycle: a burst of
 everything that waited, a backlog, a hold again). They are released at the rate the
 subscribers drain, round robin: each tick releases held connections from the head of the queue
 (who waited longest first) until the tick's admission credit is spent (a released connection
@@ -109,9 +109,8 @@ MIN_FACTOR = 0.25
 MAX_FACTOR = 1.3
 # Past this, held connections are not read either (their PUBACKs alone do not hold devices whose
 # windows are still filling; a connection read in turns also hands in its messages in batches,
-# which cost less per message). Equal to BACKLOG_HOLD_S: on a quiet host at 33,000 msg/s from
-# 2,000 devices, 0.05 gave p99 206 ms (window 10) and 272 ms (window 50) against 356 and 347 ms
-# with 0.1, one run each (docs/benchmarks.md).
+# which cost less per message). Equal to BACKLOG_HOLD_S: a later read bound measured worse for
+# windows of 10 and 50 alike (docs/benchmarks.md, the overload runs).
 READ_HOLD_BACKLOG_S = BACKLOG_HOLD_S
 # Admission never stops entirely (a stalled subscriber is excused after SLOW_SUBSCRIBER_S).
 MIN_RATE = 100.0

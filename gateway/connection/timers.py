@@ -1,9 +1,8 @@
 """TimerWheel: deadlines for many connections at O(what is due) per tick.
 
-Connect timeouts and keep-alive used to be one sweep over every connection each second: at
-10,000 devices that is a loop step of several milliseconds whatever is due. Here each
-connection has at most one live entry in a hashed wheel of one-second slots, keyed by absolute
-tick number::
+A sweep over every connection each second would cost a loop step that grows with the number of
+connections, whatever is due. Here each connection has at most one live entry in a hashed wheel
+of one-second slots, keyed by absolute tick number::
 
     slots: {tick -> [item, item, ...]}       tick = int(due / TICK_S)
     item.timer_due: float | None             the one deadline that counts for this item
@@ -15,8 +14,8 @@ it. An entry whose tick no longer matches ``item.timer_due`` is stale (the item 
 earlier or later through ``schedule``) and is dropped without a call.
 
 Each turn of the wheel handles at most ``BUDGET`` entries and then yields to the event loop
-(continuing on the next loop iteration), so even 50,000 connections accepted in one second and
-so due in one slot never hold the loop for more than about a millisecond.
+(continuing on the next loop iteration), so even a burst of connections accepted in one second,
+and so due in one slot, holds the loop for at most BUDGET entries at a time.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ __all__ = ["Timed", "TimerWheel"]
 log = logging.getLogger("lmqtt.gateway")
 
 TICK_S = 1.0
-# Entries handled per loop step: ~1 us each for the common "not due yet" answer.
+# Entries handled per loop step before the wheel yields to the event loop.
 BUDGET = 500
 
 

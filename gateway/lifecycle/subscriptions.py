@@ -11,7 +11,7 @@ that creates it and the UNSUBSCRIBE (or the end of its session) that removes it.
     the session ends     -> every subscription removed, nothing kept in flight
     restart              -> every saved subscription registered again (`restore`)
 
-ClientConnection (gateway/connection/client.py) parses the packet, checks the ACL and limits and
+SubscribeHandler (gateway/connection/subscribe.py) parses the packet, checks the ACL and limits and
 answers SUBACK/UNSUBACK; what the subscription *is* is decided here, and the delivery account
 (gateway/delivery/account.py) is told when one ends.
 """

@@ -11,8 +11,8 @@ import contextlib
 import logging
 
 from gateway.config import GatewaySettings
-from gateway.connection.client import ClientContext
-from gateway.net.server import MqttServerProtocol
+from gateway.connection.context import ClientContext
+from gateway.net.server import MqttServerProtocol, ServerState
 from gateway.net.tls import server_context
 from gateway.net.websocket import WebSocketMqttProtocol
 from gateway.ops.metrics import AdminServer, GatewayMetrics, MetricsSources
@@ -35,8 +35,10 @@ class ExtraListeners:
         tls = st.tls_port is not None or st.wss_port is not None
         self.ssl_context = server_context(st) if tls else None
 
-    async def start(self, context: ClientContext, sources: MetricsSources) -> None:
-        """Listen; connections get `context`, the metrics read `sources`."""
+    async def start(
+        self, context: ClientContext, state: ServerState, sources: MetricsSources
+    ) -> None:
+        """Listen; connections get `context` and `state`, the metrics read `sources`."""
         s = self.settings
         loop = asyncio.get_running_loop()
         metrics = self.metrics = GatewayMetrics(sources)
@@ -46,7 +48,7 @@ class ExtraListeners:
             ctx = self.ssl_context
             if s.tls_port is not None:
                 self.servers["mqtts"] = await loop.create_server(
-                    lambda: MqttServerProtocol(context),
+                    lambda: MqttServerProtocol(context, state),
                     s.host,
                     s.tls_port,
                     ssl=ctx,
@@ -54,11 +56,14 @@ class ExtraListeners:
                 )
             if s.ws_port is not None:
                 self.servers["ws"] = await loop.create_server(
-                    lambda: WebSocketMqttProtocol(context), s.host, s.ws_port, reuse_address=True
+                    lambda: WebSocketMqttProtocol(context, state),
+                    s.host,
+                    s.ws_port,
+                    reuse_address=True,
                 )
             if s.wss_port is not None:
                 self.servers["wss"] = await loop.create_server(
-                    lambda: WebSocketMqttProtocol(context),
+                    lambda: WebSocketMqttProtocol(context, state),
                     s.host,
                     s.wss_port,
                     ssl=ctx,

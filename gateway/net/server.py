@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from typing import cast
 
 from gateway.access.limits import socket_limit
-from gateway.connection.client import ClientConnection, ClientContext
+from gateway.connection.client import ClientConnection
+from gateway.connection.context import ClientContext
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -21,9 +23,19 @@ WRITE_HIGH_WATER = 256 * 1024
 WRITE_LOW_WATER = 64 * 1024
 
 
+@dataclass(slots=True)
+class ServerState:
+    """What the listeners and every connection share (uvicorn's ServerState): whether a
+    graceful stop has begun, and the open connections."""
+
+    stopping: bool = False
+    connections: set[ClientConnection] = field(default_factory=set)
+
+
 class MqttServerProtocol(asyncio.Protocol):
-    def __init__(self, context: ClientContext) -> None:
+    def __init__(self, context: ClientContext, state: ServerState) -> None:
         self.ctx = context
+        self.state = state
         self.client: ClientConnection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -32,9 +44,9 @@ class MqttServerProtocol(asyncio.Protocol):
         # Up to socket_limit(), CONNECT is answered with "quota exceeded"
         # (gateway/access/control.py); beyond it, sockets are closed unread.
         ctx = self.ctx
-        connections = ctx.server.connections
+        connections = self.state.connections
         limit = socket_limit(ctx.settings.max_connections)
-        if len(connections) >= limit or ctx.server.stopping:
+        if len(connections) >= limit or self.state.stopping:
             log.warning("connection refused: %d connections open", len(connections))
             transport.abort()
             return
@@ -53,7 +65,7 @@ class MqttServerProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.client is not None:
-            self.ctx.server.connections.discard(self.client)
+            self.state.connections.discard(self.client)
             self.client.connection_lost(exc)
 
     def pause_writing(self) -> None:

@@ -27,8 +27,8 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
-from gateway.connection.client import ClientContext
-from gateway.net.server import MqttServerProtocol
+from gateway.connection.context import ClientContext
+from gateway.net.server import MqttServerProtocol, ServerState
 
 __all__ = ["WebSocketMqttProtocol", "WebSocketTransport"]
 
@@ -98,8 +98,9 @@ class WebSocketTransport(asyncio.Transport):
 
 
 class WebSocketMqttProtocol(asyncio.Protocol):
-    def __init__(self, context: ClientContext) -> None:
+    def __init__(self, context: ClientContext, state: ServerState) -> None:
         self.ctx = context
+        self.state = state
         self.ws = ServerProtocol(
             subprotocols=[SUBPROTOCOL],
             max_size=context.settings.max_packet_size + FRAME_SLACK,
@@ -166,7 +167,7 @@ class WebSocketMqttProtocol(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         assert self.raw is not None
-        self.mqtt = MqttServerProtocol(self.ctx)
+        self.mqtt = MqttServerProtocol(self.ctx, self.state)
         self.mqtt.connection_made(WebSocketTransport(self, self.raw))
 
     def flush(self) -> None:

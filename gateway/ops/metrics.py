@@ -21,9 +21,9 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -37,12 +37,25 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway.access.control import AccessControl
-from gateway.connection.client import ServerState
 from gateway.messages.retained import RetainedIndex
 from gateway.ops.gc_monitor import BUCKETS_S, GcMonitor
 from gateway.session.registry import SessionRegistry
 from gateway.stats import GatewayStats
 from gateway.storage.port import Storage
+
+
+class Connections(Protocol):
+    """What the metrics read of the server's state (gateway/net/server.py ServerState)."""
+
+    @property
+    def stopping(self) -> bool:
+        """A graceful stop has begun (/health answers 503)."""
+        ...
+
+    @property
+    def connections(self) -> Sized:
+        """The open network connections (only counted)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -52,7 +65,7 @@ class MetricsSources:
 
     stats: GatewayStats
     access: AccessControl
-    server: ServerState  # open connections, graceful stop
+    server: Connections  # open connections, graceful stop
     gc: GcMonitor
     store: Storage
     sessions: SessionRegistry
@@ -71,7 +84,7 @@ LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 
 class _Backlog:
     """lmqtt_backlog_messages, counted before each scrape CENSUS_STEP sessions per event-loop
-    step: one pass over 50,000 sessions in a single step held the loop for tens of ms."""
+    step: one pass over every session in a single step would hold the loop."""
 
     def __init__(self, sources: MetricsSources) -> None:
         self.sources = sources
