@@ -5,7 +5,7 @@ dispatch, a resend after a reconnect, a replay's parent topics, the retained ind
 with %RETAIN%, the cluster bus tailing %CLUSTER%) reads it here, so the handling of a read's
 status (found, nothing yet, deleted by retention, past the end) lives once:
 
-  - the recent cache first (gateway/delivery/loop.py RecentMessages: what this gateway just
+  - the recent cache first (gateway/messages/recent.py RecentMessages: what this gateway just
     appended, decoded once for every reader), the store when the offset is not there;
   - an offset that retention deleted (OFFSET_TOO_SMALL) is read again from the queue's first
     kept offset, and the caller is told where the messages start (`start` > the offset asked);
@@ -15,8 +15,10 @@ status (found, nothing yet, deleted by retention, past the end) lives once:
     (not there yet, or a read the backend completes later).
 
 The cursor holds no position: a subscription's read position is part of the session's state
-(persisted with it), a shared group's is the group's. One cursor serves the whole gateway, so
-the delivery path pays one call per read and nothing per message.
+(persisted with it), a shared group's is the group's. One cursor, over the recent cache,
+serves the whole delivery path, which pays one call per read and nothing per message; the
+other readers (the retained index, the cluster bus and dispatch, an offline export) make one
+over the store alone.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Final, Literal
 from gateway.storage.port import GetStatus, Storage, StoredMessage
 
 # A recent-messages run: consecutive cached messages of a queue from an offset (empty when the
-# first is not cached). RecentMessages.run in gateway/delivery/loop.py.
+# first is not cached). RecentMessages.run in gateway/messages/recent.py.
 RecentRun = Callable[[str, int, int], list[StoredMessage]]
 
 #: What `QueueCursor.lookup` answers for an offset that retention deleted.
