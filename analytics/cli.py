@@ -28,12 +28,11 @@ report directory's default, $LMQTT_REPORTS, is analytics' own: analytics/reportf
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -63,7 +62,7 @@ class StoreDefaults:
     @classmethod
     def given(cls, settings: Mapping[str, str | None]) -> StoreDefaults:
         """These defaults with the settings given (None: not given) in their place."""
-        return dataclasses.replace(
+        return replace(
             cls(), **{name: value for name, value in settings.items() if value is not None}
         )
 
