@@ -16,15 +16,23 @@ device, no report yet, bad arguments), 1 an unexpected Spark failure, 130 interr
 are one line on stderr; Spark's own log goes to a file named in the message.
 
 `show` imports neither pyspark nor the Spark job modules: it starts no JVM.
+
+Settings: analytics may not import the gateway, so it reads none of the gateway's settings
+itself. Run as `lmqtt report`, the gateway's command line resolves them (--config FILE, LMQTT_*
+environment, its flags: gateway/config.py) and hands main() the store's as plain arguments
+(`data_dir`, `store`, `namesrv`, `rocketmq_topic`, `rocketmq_broker`), which become the defaults
+of the flags below. `python -m analytics` hands none: its flags and StoreDefaults only. (The
+report directory's default, $LMQTT_REPORTS, is analytics' own: analytics/reportfiles.py.)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,6 +44,27 @@ from analytics.reportfiles import default_out_dir
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 VIEWS = ("summary", "unreached", "lagging", "filters", "topics")
+DEFAULT_DATA_DIR = "lmqtt-data"
+
+
+@dataclass(frozen=True)
+class StoreDefaults:
+    """The defaults of the flags naming the gateway's store (see the module docstring)."""
+
+    # None: not configured. The embedded store's is then DEFAULT_DATA_DIR; a RocketMQ
+    # deployment's report reads no local delivery account.
+    data_dir: str | None = None
+    store: str = "embedded"
+    namesrv: str | None = None
+    rocketmq_topic: str = "lmqtt"
+    rocketmq_broker: str | None = None
+
+    @classmethod
+    def given(cls, settings: Mapping[str, str | None]) -> StoreDefaults:
+        """These defaults with the settings given (None: not given) in their place."""
+        return replace(
+            cls(), **{name: value for name, value in settings.items() if value is not None}
+        )
 
 
 class UsageError(AnalyticsError):
@@ -76,40 +105,45 @@ def parse_time(text: str, now_ms: int | None = None) -> int:
     return int(parsed.timestamp() * 1000)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lmqtt report", description="Fan-out analytics over an lmqtt store.")
+def build_parser(defaults: StoreDefaults = StoreDefaults()) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="lmqtt report",
+        description="Fan-out analytics over an lmqtt store. As `lmqtt report`, the store flags "
+        "default to the gateway's settings (--config FILE, LMQTT_* environment).",
+    )
     sub = parser.add_subparsers(dest="command", metavar="{fanout,compact,show}")
     sub.required = True
-    default_data = os.environ.get("LMQTT_DATA_DIR", "lmqtt-data")
+    default_data = defaults.data_dir or DEFAULT_DATA_DIR
     default_out = str(default_out_dir())
 
     fan = sub.add_parser("fanout", help="run the fan-out job and write the report tables")
     fan.add_argument(
         "--data-dir",
         type=absolute,
+        default=defaults.data_dir,
         help=f"the gateway's data directory (default {default_data}; with --store rocketmq: "
         "optional, where the gateway keeps its delivery account and committed offsets)",
     )
     fan.add_argument(
         "--store",
         choices=("embedded", "rocketmq"),
-        default=os.environ.get("LMQTT_STORE", "embedded"),
+        default=defaults.store,
         help="the gateway's store: its data directory (embedded, default) or a RocketMQ "
         "deployment, read through pulls from its broker",
     )
     fan.add_argument(
         "--namesrv",
-        default=os.environ.get("LMQTT_NAMESRV"),
+        default=defaults.namesrv,
         help="RocketMQ name server host:port (--store rocketmq)",
     )
     fan.add_argument(
         "--rocketmq-topic",
-        default=os.environ.get("LMQTT_ROCKETMQ_TOPIC", "lmqtt"),
+        default=defaults.rocketmq_topic,
         help="the gateway's rocketmq_topic (default %(default)s)",
     )
     fan.add_argument(
         "--rocketmq-broker",
-        default=os.environ.get("LMQTT_ROCKETMQ_BROKER"),
+        default=defaults.rocketmq_broker,
         help="the gateway's rocketmq_broker (default: the one holding the topic, as the gateway)",
     )
     fan.add_argument(
@@ -145,12 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, **settings: str | None) -> int:
+    """Run one command. `settings`: the store flags' defaults by StoreDefaults field name, as
+    `lmqtt report` resolved them (None: not configured)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     out = Console()
     err = Console(stderr=True)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(StoreDefaults.given(settings)).parse_args(argv)
         if args.command == "show":
             return _show(args, out)
         if args.command == "compact":
@@ -241,7 +277,7 @@ def _fanout(args: argparse.Namespace, err: Console) -> int:
         )
     else:
         if args.data_dir is None:
-            args.data_dir = absolute(os.environ.get("LMQTT_DATA_DIR", "lmqtt-data"))
+            args.data_dir = absolute(DEFAULT_DATA_DIR)
         check_data_dir(args.data_dir)  # before starting a JVM: bad input fails in milliseconds
     Path(args.out).mkdir(parents=True, exist_ok=True)
     err.print("starting Spark ...", highlight=False)

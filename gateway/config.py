@@ -7,6 +7,10 @@ Precedence, highest first::
     TOML file (--config FILE or LMQTT_CONFIG)     port = 1884
     defaults declared below
 
+Every `lmqtt` command that reads settings (serve, inspect, replay, report) resolves them here,
+once, its flags as the overrides (gateway/cli.py); the fan-out report, which may not import the
+gateway, is handed the store's resolved values by `lmqtt report` (analytics/cli.py).
+
 The TOML file is flat: top-level keys are the field names below (``max_packet_size = 65536``).
 Unknown keys are rejected by name (with a suggestion), because a typo in a config file that is
 silently ignored is the kind of bug an operator finds at 3 a.m.

@@ -37,7 +37,8 @@ from typing import Any
 
 from pydantic_core import from_json, to_json
 
-from gateway.storage.port import GetStatus, Storage, StoreError
+from gateway.storage.cursor import QueueCursor
+from gateway.storage.port import Storage, StoreError
 
 log = logging.getLogger("lmqtt.cluster")
 
@@ -64,6 +65,7 @@ class ClusterBus:
     def __init__(self, store: Storage, node_id: str) -> None:
         self.node_id = node_id
         self._store = store
+        self._cursor = QueueCursor(store)
         self._handlers: dict[str, list[Handler]] = {}
         self._seq = 0
         self._queued: list[Record] = []  # not sent yet
@@ -141,23 +143,22 @@ class ClusterBus:
     # -- reading -----------------------------------------------------------------------------
 
     async def _read(self) -> None:
-        store = self._store
+        read = self._cursor.read
         wake = self._wake
         while not self._closed:
             wake.clear()
-            res = store.get(CLUSTER_QUEUE, self._offset, READ_BATCH)
-            if res.status is GetStatus.FOUND:
-                for msg in res.messages:
-                    self._handle(msg.body)
-                self._offset = res.next_offset
-                continue
-            if res.status is GetStatus.OFFSET_TOO_SMALL:
+            offset = self._offset
+            messages, start, next_offset = read(CLUSTER_QUEUE, offset, READ_BATCH)
+            if start > offset:
                 log.warning(
-                    "cluster queue: records %d..%d deleted before they were read",
-                    self._offset, res.next_offset,
-                )  # fmt: skip
-                self._offset = res.next_offset
+                    "cluster queue: records %d..%d deleted before they were read", offset, start
+                )
+            for msg in messages:
+                self._handle(msg.body)
+            if start >= offset and next_offset > offset:
+                self._offset = next_offset
                 continue
+            # Nothing new, or the queue ends below the position (a lost tail): wait for more.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), IDLE_POLL_S)
 

@@ -65,7 +65,8 @@ from gateway.cluster.bus import ClusterBus, Record
 from gateway.cluster.membership import Membership
 from gateway.delivery.arrivals import ArrivalHub
 from gateway.delivery.shared import SharedGroup, SharedSubscriptions, consumer_of
-from gateway.storage.port import GetStatus, Storage, StoreError
+from gateway.storage.cursor import QueueCursor
+from gateway.storage.port import Storage, StoreError
 
 log = logging.getLogger("lmqtt.cluster")
 
@@ -329,6 +330,7 @@ class ClusterShares:
         self.bus = bus
         self.membership = membership
         self.store = store
+        self.cursor = QueueCursor(store)  # the store's reads, without this node's recent cache
         self.arrivals: ArrivalHub  # attach()
         self.node_id = bus.node_id
         self.groups: dict[Key, ClusterGroup] = {}
@@ -461,11 +463,9 @@ class ClusterShares:
         """Offsets assigned to this node: to its members, once its copy of the queue has them
         (a message below the queue's end this node never read, e.g. given back by a dead
         node, is read from the broker first)."""
-        store = self.store
-        end = store.max_offset(g.queue)
-        missing = [
-            o for o in offsets if o < end and store.get(g.queue, o, 1).status is not GetStatus.FOUND
-        ]
+        cursor = self.cursor
+        end = cursor.end(g.queue)
+        missing = [o for o in offsets if o < end and cursor.one(g.queue, o) is None]
         if not missing:
             self._grant(g, offsets)
             return

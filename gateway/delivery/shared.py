@@ -3,9 +3,9 @@
 A SharedGroup reads the filter's queue with ONE offset (store.offsets group "$share/<group>")
 and pushes each message to one connected member, round-robin among members with window space.
 A message sent at QoS > 0 stays `pending` until the member acknowledges it (not when the bytes
-were written: rocketmq-mqtt #248); when a member leaves with messages in flight they go back to
-`returned` and are given to another member. Members that are offline get nothing; the backlog
-waits in the store. The committed group offset is the smallest offset not yet done.
+were written: a socket write is no delivery); when a member leaves with messages in flight they
+go back to `returned` and are given to another member. Members that are offline get nothing;
+the backlog waits in the store. The committed group offset is the smallest offset not yet done.
 
 A group whose members cannot take its messages as fast as they come (windows full, slow
 acknowledgements) is a subscriber falling behind like any other: a pump that leaves messages
@@ -26,13 +26,13 @@ import asyncio
 import heapq
 import logging
 from collections import deque
-from typing import Literal, Protocol
+from typing import Protocol
 
 from gateway.delivery.arrivals import ArrivalHub
 from gateway.delivery.backlog import BacklogWatch
 from gateway.session.registry import Session, SubscriptionState
-from gateway.storage.cursor import QueueCursor
-from gateway.storage.port import GetStatus, Storage, StoredMessage
+from gateway.storage.cursor import Gone, QueueCursor
+from gateway.storage.port import Storage, StoredMessage
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -224,23 +224,19 @@ class SharedGroup:
                 if msg is None:
                     return None
                 heapq.heappop(heap)
-                if msg != "gone":
-                    return off, msg
-                assert self.link is not None
-                self.link.acked(self, [off])  # nothing to deliver
+                if isinstance(msg, str):  # GONE: deleted by retention, nothing to deliver
+                    assert self.link is not None
+                    self.link.acked(self, [off])
+                    continue
+                return off, msg
         return None
 
-    def _read(self, off: int) -> StoredMessage | Literal["gone"] | None:
-        """The message at `off`; "gone" when retention deleted it; None: not here yet."""
-        owner = self.owner
-        if off >= owner.cursor.end(self.queue):
+    def _read(self, off: int) -> StoredMessage | Gone | None:
+        """The message at `off`; GONE when retention deleted it; None: not here yet."""
+        cursor = self.owner.cursor
+        if off >= cursor.end(self.queue):
             return None
-        msg = owner.cursor.one(self.queue, off)
-        if msg is not None:
-            return msg
-        if owner.store.get(self.queue, off, 1).status is GetStatus.OFFSET_TOO_SMALL:
-            return "gone"
-        return None
+        return cursor.lookup(self.queue, off)
 
     def _unsent(self) -> bool:
         if self.link is not None:

@@ -55,8 +55,9 @@ session's subscriptions is delivered by that one at once (not held until the rep
 skipped when the light queue is read after the replay (DeliveryLoop._covering).
 
 The only storage calls are `history_queues`, `max_offset`, `min_offset`, `offset_by_time` and
-`get` (read a queue from an offset), after SUBSCRIBE awaited `open_history`: on RocketMQ
-GET_MAX_OFFSET, GET_MIN_OFFSET, SEARCH_OFFSET_BY_TIMESTAMP and PULL_MESSAGE. The seam above
+`get` (read a queue from an offset, through QueueCursor), after SUBSCRIBE awaited
+`open_history`: on RocketMQ GET_MAX_OFFSET, GET_MIN_OFFSET, SEARCH_OFFSET_BY_TIMESTAMP and
+PULL_MESSAGE. The seam above
 relies on appends and the pin not interleaving (on RocketMQ: on this gateway's sends being
 stored in the order they were made); a backend whose appends come from other gateway nodes
 needs the seam pinned by store position instead (each parent's and the light queue's offset
@@ -302,6 +303,7 @@ def start_replay(
     todo: dict[str, list[int]] = {}
     oldest: int | None = None
     cut = False
+    cursor = QueueCursor(store)
     for parent in store.history_queues(tf):
         end = store.max_offset(parent)
         if until_ms is not None:
@@ -313,9 +315,9 @@ def start_replay(
         todo[parent] = [first, end]
         if first == lo and lo > 0:
             # Everything before the oldest kept message is gone: was any of it asked for?
-            got = store.get(parent, lo, 1)
-            if got.messages and got.messages[0].store_timestamp > since_ms:
-                ts = got.messages[0].store_timestamp
+            first_kept = cursor.one(parent, lo)
+            if first_kept is not None and first_kept.store_timestamp > since_ms:
+                ts = first_kept.store_timestamp
                 oldest = ts if oldest is None else min(oldest, ts)
                 cut = True
     replay = Replay(tf.filter, since_ms, start, todo)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,59 @@ def test_relative_paths_are_made_absolute_for_cluster_executors(
     args = build_parser().parse_args([command, "--data-dir", "data", "--out", "out"])
     assert args.data_dir == str(tmp_path / "data")
     assert args.out == str(tmp_path / "out")
+
+
+@pytest.fixture
+def no_lmqtt_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.upper().startswith("LMQTT_"):
+            monkeypatch.delenv(key)
+
+
+@pytest.mark.usefixtures("no_lmqtt_env")
+@pytest.mark.parametrize("command", ["fanout", "compact"])
+def test_lmqtt_report_takes_the_data_dir_from_the_settings(
+    command: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`lmqtt report` reads the store the gateway's settings name: --config FILE, then LMQTT_*
+    over it, then its flags over both."""
+    from gateway.cli import main as lmqtt
+
+    cfg = tmp_path / "lmqtt.toml"
+    cfg.write_text(f"data_dir = '{tmp_path / 'from-file'}'\n")
+    out = ["--out", str(tmp_path / "out")]
+    assert lmqtt(["report", command, "--config", str(cfg), *out]) == 2
+    assert f"data directory {tmp_path / 'from-file'} does not exist" in capsys.readouterr().err
+    monkeypatch.setenv("LMQTT_DATA_DIR", str(tmp_path / "from-env"))
+    assert lmqtt(["report", command, "--config", str(cfg), *out]) == 2
+    assert f"data directory {tmp_path / 'from-env'} does not exist" in capsys.readouterr().err
+    flag = ["--data-dir", str(tmp_path / "from-flag")]
+    assert lmqtt(["report", command, "--config", str(cfg), *flag, *out]) == 2
+    assert f"data directory {tmp_path / 'from-flag'} does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("no_lmqtt_env")
+def test_lmqtt_report_takes_the_store_from_the_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.cli import main as lmqtt
+
+    cfg = tmp_path / "lmqtt.toml"
+    cfg.write_text("store = 'rocketmq'\nnamesrv = '127.0.0.1:9'\n")
+    rc = lmqtt(["report", "fanout", "--config", str(cfg), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "RocketMQ name server 127.0.0.1:9 unreachable" in err, err
+
+
+@pytest.mark.usefixtures("no_lmqtt_env")
+def test_python_m_analytics_reads_its_flags_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without `lmqtt`, no gateway settings: LMQTT_DATA_DIR is not analytics' to read."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LMQTT_DATA_DIR", str(tmp_path / "from-env"))
+    rc, err = _run(["fanout", "--out", str(tmp_path / "out")], capsys)
+    assert rc == 2 and f"data directory {tmp_path / 'lmqtt-data'} does not exist" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import json
@@ -114,7 +115,7 @@ def test_subtools_dispatch_or_explain(
 ) -> None:
     """`lmqtt report/sim ARGS` call the sub-tool's main(ARGS) untouched, or explain."""
     (tmp_path / "g2_fake_report.py").write_text(
-        "def main(argv):\n    print('report got', argv)\n    return 3\n"
+        "def main(argv, **settings):\n    print('report got', argv)\n    return 3\n"
     )
     (tmp_path / "g2_fake_sim.py").write_text("import g2_no_such_dependency\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -132,6 +133,60 @@ def test_subtools_dispatch_or_explain(
     monkeypatch.setitem(cli.SUBTOOLS, "sim", ("g2_absent_tool.cli", "x"))
     assert main(["sim"]) == 1
     assert "'lmqtt sim' is not available in this installation" in capsys.readouterr().err
+
+
+def test_report_is_handed_the_store_settings_resolved_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmqtt report` resolves --config, LMQTT_* and its store flags as every command does
+    (flags > environment > file) and hands analytics the values, without those arguments."""
+    for key in list(os.environ):
+        if key.upper().startswith("LMQTT_"):
+            monkeypatch.delenv(key)
+    (tmp_path / "g2_fake_report2.py").write_text(
+        "def main(argv, **settings):\n    print(repr((argv, settings)))\n    return 0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gateway.cli as cli
+
+    monkeypatch.setitem(cli.SUBTOOLS, "report", ("g2_fake_report2", "install report"))
+    cfg = tmp_path / "lmqtt.toml"
+    cfg.write_text(
+        "data_dir = 'from-file'\nstore = 'rocketmq'\nnamesrv = 'file:9876'\n"
+        "rocketmq_topic = 'file-topic'\nrocketmq_broker = 'file-broker'\n"
+    )
+    monkeypatch.setenv("LMQTT_ROCKETMQ_TOPIC", "env-topic")
+    monkeypatch.setenv("LMQTT_ROCKETMQ_BROKER", "env-broker")
+    argv = ["report", "fanout", "--config", str(cfg), "--since", "1h", "--rocketmq-broker", "b"]
+    assert main(argv) == 0
+    assert ast.literal_eval(capsys.readouterr().out) == (
+        ["fanout", "--since", "1h"],
+        {
+            "data_dir": "from-file",
+            "store": "rocketmq",
+            "namesrv": "file:9876",
+            "rocketmq_topic": "env-topic",
+            "rocketmq_broker": "b",
+        },
+    )
+    # Nothing configured: the defaults, and no data directory (analytics' own default).
+    monkeypatch.delenv("LMQTT_ROCKETMQ_TOPIC")
+    monkeypatch.delenv("LMQTT_ROCKETMQ_BROKER")
+    assert main(["report", "show"]) == 0
+    assert ast.literal_eval(capsys.readouterr().out) == (
+        ["show"],
+        {
+            "data_dir": None,
+            "store": "embedded",
+            "namesrv": None,
+            "rocketmq_topic": "lmqtt",
+            "rocketmq_broker": None,
+        },
+    )
+    # An invalid combination is the settings' error, exit 2, before analytics runs.
+    cfg.write_text("store = 'rocketmq'\n")
+    assert main(["report", "fanout", "--config", str(cfg)]) == 2
+    assert "store = rocketmq needs namesrv" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- serve

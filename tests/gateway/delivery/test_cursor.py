@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.messages.recent import RecentMessages
-from gateway.storage.cursor import QueueCursor
+from gateway.storage.cursor import GONE, QueueCursor
 from store import MessageStore, StoreConfig
 
 QUEUE = "%LMQ%cursor"
@@ -64,6 +64,10 @@ def test_offsets_deleted_by_retention_are_read_on_from_the_first_kept(tmp_path: 
         assert start == lo and [m.queue_offset for m in messages] == list(range(lo, lo + 4))
         assert nxt == lo + 4
         assert cursor.one(QUEUE, 0) is None
+        assert cursor.lookup(QUEUE, 0) is GONE  # deleted, not "not there yet"
+        kept = cursor.lookup(QUEUE, lo)
+        assert kept is not GONE and kept is not None and kept.queue_offset == lo
+        assert cursor.lookup(QUEUE, 200) is None  # not there yet
     finally:
         s.close()
 

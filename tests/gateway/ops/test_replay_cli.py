@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,9 +15,13 @@ from gateway.session.replay import iso_ms
 from tests.gateway.conftest import Client, GatewayHarness, wait_until
 
 
-def _lmqtt(*args: str) -> subprocess.CompletedProcess[str]:
+def _lmqtt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "gateway", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
 
 
@@ -94,3 +99,36 @@ def test_bad_arguments_are_one_clear_line(history: tuple[Path, int, int], tmp_pa
         assert text in r.stderr and "Traceback" not in r.stderr
     r = _lmqtt("replay", "--data-dir", str(tmp_path / "none"), "--filter", "a", "--since", "0")
     assert r.returncode == 1 and "not an lmqtt data directory" in r.stderr
+
+
+def test_settings_from_the_config_file_environment_and_flags(
+    history: tuple[Path, int, int], tmp_path: Path
+) -> None:
+    """The store is the settings' (gateway/config.py): --config FILE, LMQTT_* over it, the
+    command's flags over both, as `lmqtt serve` and `lmqtt inspect` resolve them."""
+    data, _mid, _end = history
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LMQTT_")}
+    cfg = tmp_path / "lmqtt.toml"
+    cfg.write_text(f"data_dir = '{data}'\n")
+    query = ("--filter", "site/#", "--since", "earliest")
+    r = _lmqtt("replay", "--config", str(cfg), *query, env=env)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 30 and "30 messages exported" in r.stderr
+
+    elsewhere = tmp_path / "elsewhere"
+    r = _lmqtt(
+        "replay", "--config", str(cfg), *query, env={**env, "LMQTT_DATA_DIR": str(elsewhere)}
+    )
+    assert r.returncode == 1 and f"{elsewhere} is not an lmqtt data directory" in r.stderr
+    r = _lmqtt(
+        "replay", "--config", str(cfg), "--data-dir", str(data), *query,
+        env={**env, "LMQTT_DATA_DIR": str(elsewhere)},
+    )  # fmt: skip
+    assert r.returncode == 0 and "30 messages exported" in r.stderr, r.stderr
+
+    # The store kind too, checked with the other settings: rocketmq without its name server.
+    cfg.write_text(f"data_dir = '{data}'\nstore = 'rocketmq'\n")
+    r = _lmqtt("replay", "--config", str(cfg), *query, env=env)
+    assert r.returncode == 2 and "store = rocketmq needs namesrv" in r.stderr, r.stderr
+    r = _lmqtt("replay", "--config", str(cfg), "--store", "embedded", *query, env=env)
+    assert r.returncode == 0 and "30 messages exported" in r.stderr, r.stderr
