@@ -9,8 +9,8 @@ writer (store.format.append_record, the bytes MessageStore appends), 1,000 devic
 `site/<k>/dev/<d>/temp` with 100-byte bodies to light queues of wildcard filters, and the
 gateway's sessions.json / consumer_offsets.json for 60 subscribers (some lagging, one shared
 group), a delivery account of 50 clean-session clients that came and went, plus the consume
-queues (built once from the segments if missing, as the store's dispatch would). Targets (issue
-6, 10,000,000 messages, 2 cores): >= 300,000 records/s raw, full report <= 90 s, compacted
+queues (built once from the segments if missing, as the store's dispatch would). Targets
+(10,000,000 messages, 2 cores): >= 300,000 records/s raw, full report <= 90 s, compacted
 re-scan >= 5x faster. The pruned line times a --since/--until report over a slice of the store
 time (--window, fractions of the span, default 0.2,0.3); it reads the window's segments plus the
 backlog's tail (from the oldest uncommitted message).

@@ -11,8 +11,8 @@ heaps, loopback only; bench/rocketmq_remoting_bench.py uses it the same way). Ea
 fresh ``rocketmq_topic``, so no run replays an earlier one's state. The JVMs' CPU is measured
 beside the gateway's (``store_cpu_seconds``): on this backend the work is split between them.
 
-``lmqtt-rocketmq-2n`` and ``lmqtt-rocketmq-3n`` are two and three such gateway processes (nodes,
-issue #18) in cluster mode (``LMQTT_CLUSTER``) on one ``rocketmq_topic`` of the same cluster:
+``lmqtt-rocketmq-2n`` and ``lmqtt-rocketmq-3n`` are two and three such gateway processes (nodes)
+in cluster mode (``LMQTT_CLUSTER``) on one ``rocketmq_topic`` of the same cluster:
 clients are spread over their ports (``ports``), a message published on one node reaches
 subscribers on another through the broker, and the CPU, RSS and exit figures are the sum over
 the nodes.

@@ -1,4 +1,4 @@
-"""Fleet latency with and without a large replay running beside it (issue 20).
+"""Fleet latency with and without a large replay running beside it.
 
     python -m bench.replay_bench [--messages 1000000] [--duration 10] [--rate 1000]
 
