@@ -48,7 +48,7 @@ from gateway.access.acl import ClientAccess
 from gateway.delivery.account import DeliveryAccount
 from gateway.delivery.arrivals import ArrivalHub
 from gateway.delivery.backlog import BacklogWatch
-from gateway.delivery.rules import decide, decide_one, identifiers, retain_flag
+from gateway.delivery.rules import decide, identifiers, retain_flag
 from gateway.delivery.shared import SharedGroup
 from gateway.messages.recent import PreparedCache, RecentMessages
 from gateway.messages.records import RecordedPublish, read_record
@@ -167,7 +167,7 @@ class DeliveryLoop:
         self.max_packet = conn.client_max_packet_size
         alias_max = conn.client_topic_alias_maximum or 0
         self.alias_max = alias_max if context.outbound_topic_aliases else 0
-        # Neither topic aliases nor a packet size limit: _deliver_plain() may send.
+        # Neither topic aliases nor a packet size limit: the plain path of _deliver() may send.
         self._plain = not self.alias_max and self.max_packet is None
         self.aliases: dict[str, int] = {}
         # Allocated on first use: most subscribers never need them.
@@ -430,7 +430,7 @@ class DeliveryLoop:
                 self.ctx.sessions.touch(session)
                 return True
             rec = replay.record(msg)
-            out = decide(rec, (sub,), session.client_id, self.level) if rec is not None else None
+            out = decide(rec, sub, session.client_id, self.level) if rec is not None else None
             if rec is not None and out is not None:
                 qos = out.qos
                 if (qos > 0 and self.capacity() <= 0) or not self.can_send():
@@ -496,7 +496,7 @@ class DeliveryLoop:
 
     def _plain_outbound(self, sub: SubscriptionState) -> tuple[dict[int, int], int] | None:
         """The codec's outbound packet ids when this batch may go by `PLAIN_RUN` (what
-        `_deliver_plain` sends without a check of its own: no ACL, topic aliases, packet size
+        `_deliver`'s plain path sends without a check of its own: no ACL, topic aliases, packet size
         limit or subscription identifier, the pass's batch open), else None."""
         if not self._plain or sub.subscription_identifier or self._batch is None:
             return None
@@ -640,25 +640,47 @@ class DeliveryLoop:
             return True
         session = self.session
         if len(session.by_queue) == 1 or len(msg.queues) <= 1:
-            if (
-                rec.expiry is None
-                and not sub.subscription_identifier
-                and self._plain
-                and self.client.acl is None
-            ):
-                return self._deliver_plain(sub, off, msg, rec, fanout)
             # Only `sub` covers it (what _covering() answers), without building a list.
-            out = decide_one(rec, sub, session.client_id, self.level)
+            out = decide(rec, sub, session.client_id, self.level)
         else:
             covering = self._covering(sub, msg)
             if covering is None:
                 return self._owner_has_read(sub, msg)
-            out = decide(rec, covering, session.client_id, self.level)
+            out = decide(rec, sub, session.client_id, self.level, False, covering[1:])
         if out is None:
             return True
         qos = out.qos
         if qos > 0 and self.window - len(session.inflight) <= 0:
             return False
+        if out.expiry_left is None and not out.sub_ids and self._plain and self.client.acl is None:
+            # The plain path: send() with nothing for its checks to do (no ACL, alias, size
+            # limit; the cache key without identifiers and expiry), in this frame.
+            level = self.level
+            retain = out.retain
+            topic = rec.topic
+            if fanout:
+                key = (msg.physical_offset, level, qos, retain, topic, None, (), None)
+                cache = self.ctx.prepared
+                prepared = cache.lookup(key)
+                if prepared is None:
+                    prepared = _prepare(rec, level, qos, retain, topic, None, [], None)
+                    cache.put(key, prepared)
+            else:
+                prepared = _prepare(rec, level, qos, retain, topic, None, [], None)
+            if qos > 0:
+                pid = session.allocate_packet_id()
+                data = self.client.conn.send_prepared(prepared, pid, False)
+                session.inflight[pid] = Inflight(pid, sub.queue, off, qos)
+                sub.pending[off] = pid
+            else:
+                data = self.client.conn.send_prepared(prepared, None, False)
+            batch = self._batch
+            if batch is not None:
+                batch.append(data)
+            else:
+                self.client.write(data)
+            self.ctx.stats.messages_sent += 1
+            return True
         pid = self.send(
             rec,
             qos,
@@ -672,58 +694,6 @@ class DeliveryLoop:
             sub.pending[off] = pid
         return True
 
-    def _deliver_plain(
-        self,
-        sub: SubscriptionState,
-        off: int,
-        msg: StoredMessage,
-        rec: RecordedPublish,
-        fanout: bool,
-    ) -> bool:
-        """_deliver() -> decide_one() -> send() in one frame, for the common case: one
-        subscription covers the message, which has no expiry, the subscription no identifier,
-        and the connection no ACL, topic aliases or packet size limit. What it sends, caches
-        and records is exactly what that chain does (tests/gateway/delivery/test_delivery_plain.py
-        runs both); it saves their calls and the per-delivery Outbound, list and tuple. Most
-        such deliveries go by PLAIN_RUN (see _deliver_run); this takes what a run leaves
-        with these conditions met (a topic the writers have not encoded yet, a packet id in
-        use, a record of another shape)."""
-        session = self.session
-        if sub.no_local and rec.client_id == session.client_id:  # decide_one's rules
-            return True
-        qos = rec.qos
-        if sub.qos < qos:
-            qos = sub.qos
-        if qos > 0 and self.window - len(session.inflight) <= 0:
-            return False
-        level = self.level
-        retain = rec.retain and level == 5 and sub.retain_as_published
-        topic = rec.topic
-        if fanout:
-            # send()'s key, with no alias, no identifiers (tuple([]) is ()) and no expiry.
-            key = (msg.physical_offset, level, qos, retain, topic, None, (), None)
-            cache = self.ctx.prepared
-            prepared = cache.lookup(key)
-            if prepared is None:
-                prepared = _prepare(rec, level, qos, retain, topic, None, [], None)
-                cache.put(key, prepared)
-        else:
-            prepared = _prepare(rec, level, qos, retain, topic, None, [], None)
-        if qos > 0:
-            pid = session.allocate_packet_id()
-            data = self.client.conn.send_prepared(prepared, pid, False)
-            session.inflight[pid] = Inflight(pid, sub.queue, off, qos)
-            sub.pending[off] = pid
-        else:
-            data = self.client.conn.send_prepared(prepared, None, False)
-        batch = self._batch
-        if batch is not None:
-            batch.append(data)
-        else:
-            self.client.write(data)
-        self.ctx.stats.messages_sent += 1
-        return True
-
     # -- shared subscriptions ----------------------------------------------------------------
 
     def deliver_shared(
@@ -734,7 +704,7 @@ class DeliveryLoop:
         rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
         if rec is None:
             return "done"
-        out = decide(rec, (sub,), self.session.client_id, self.level)
+        out = decide(rec, sub, self.session.client_id, self.level)
         if out is None:
             return "done"
         qos = out.qos
@@ -774,7 +744,7 @@ class DeliveryLoop:
                 stored_at_ms=m.stored_at_ms,
                 props=m.properties,
             )
-            out = decide(rec, (sub,), self.session.client_id, self.level, on_subscribe=True)
+            out = decide(rec, sub, self.session.client_id, self.level, on_subscribe=True)
             if out is None:
                 continue
             pid = self.send(rec, out.qos, True, out.sub_ids, out.expiry_left, None)
@@ -1015,7 +985,7 @@ def plain_run_py(
     unacked: int,
     batch: list[bytes],
 ) -> tuple[int, bool]:
-    """The plain path (`_deliver` -> `_deliver_plain` -> `Connection.send_prepared`) over
+    """The plain path (`_deliver` -> `decide` -> `Connection.send_prepared`) over
     `messages[i:]` for one subscription, for records of the canonical shape, until a message
     it does not take: the reference of `plain_run` in gateway/protocol/_speedups.c, which
     must do exactly this without the RecordedPublish and the PreparedPublish (the same dict

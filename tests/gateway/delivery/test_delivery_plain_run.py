@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.delivery import loop as delivery
+from gateway.delivery.rules import decide
 from gateway.messages.records import read_record
 from gateway.protocol import ENCODED_TOPICS, Publish, encode
-from gateway.session.registry import Inflight
+from gateway.session.registry import Inflight, SubscriptionState
 from gateway.storage.port import StoredMessage
 
 speedups = pytest.importorskip("gateway.protocol._speedups")
@@ -170,11 +171,15 @@ def test_plain_run_matches_reference(
 
 
 def _general(messages: list[StoredMessage], stop: int, args: dict[str, Any]) -> list[bytes]:
-    """What the general path (read_record, decide_one's rules, _prepare) sends for the
-    messages a run took: the run must not take one it would send differently."""
+    """What the general path (read_record, the delivery rule `decide`, _prepare) sends for
+    the messages a run took: the run must not take one it would send differently."""
     out = []
     next_offset, pid = args["next_offset"], args["next_pid"]
     level = args["level"]
+    sub = SubscriptionState(
+        "t/#", "q", None, args["sub_qos"], no_local=args["no_local"],
+        retain_as_published=args["rap"],
+    )  # fmt: skip
     for msg in messages[args["start"] : stop]:
         if msg.queue_offset < next_offset:
             continue
@@ -182,10 +187,11 @@ def _general(messages: list[StoredMessage], stop: int, args: dict[str, Any]) -> 
         rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
         assert rec is not None and rec.expiry is None
         assert level != 5 or rec.mqtt5_properties([], None) is None
-        if args["no_local"] and rec.client_id == CLIENT:
+        decided = decide(rec, sub, CLIENT, level)
+        if decided is None:
             continue
-        qos = min(rec.qos, args["sub_qos"])
-        retain = rec.retain and level == 5 and args["rap"]
+        assert decided.sub_ids == [] and decided.expiry_left is None
+        qos, retain = decided.qos, decided.retain
         prepared = delivery._prepare(rec, level, qos, retain, rec.topic, None, [], None)
         out.append(prepared.packet(pid if qos else None))
         if qos:
