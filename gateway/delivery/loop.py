@@ -39,12 +39,12 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from accelerators import pure_python
 from gateway.access.acl import ClientAccess
+from gateway.delivery import run
 from gateway.delivery.account import DeliveryAccount
 from gateway.delivery.arrivals import ArrivalHub
 from gateway.delivery.backlog import BacklogWatch
@@ -495,9 +495,10 @@ class DeliveryLoop:
         return passed or moved is not None
 
     def _plain_outbound(self, sub: SubscriptionState) -> tuple[dict[int, int], int] | None:
-        """The codec's outbound packet ids when this batch may go by `PLAIN_RUN` (what
-        `_deliver`'s plain path sends without a check of its own: no ACL, topic aliases, packet size
-        limit or subscription identifier, the pass's batch open), else None."""
+        """The codec's outbound packet ids when this batch may go by the plain run
+        (gateway/delivery/run.py; what `_deliver`'s plain path sends without a check of its
+        own: no ACL, topic aliases, packet size limit or subscription identifier, the pass's
+        batch open), else None."""
         if not self._plain or sub.subscription_identifier or self._batch is None:
             return None
         client = self.client
@@ -513,7 +514,7 @@ class DeliveryLoop:
         outbound: dict[int, int],
         unacked: int,
     ) -> StoredMessage | None:
-        """`_deliver_batch`'s loop with the plain path in one `PLAIN_RUN` call per run of
+        """`_deliver_batch`'s loop with the plain path in one plain run call per run of
         messages it takes; `_deliver` takes the message a run stops at (then the next run
         goes on). Returns the last message passed, or None."""
         session = self.session
@@ -524,11 +525,12 @@ class DeliveryLoop:
         single = len(session.by_queue) == 1
         state = [sub.next_offset, session.next_packet_id, 0, -1]
         moved: StoredMessage | None = None
+        plain_run = run.PLAIN_RUN
         i = 0
         n = len(messages)
         while i < n:
             try:
-                i, full = PLAIN_RUN(
+                i, full = plain_run(
                     messages, i, state, single, self.window, self.level, sub.qos, sub.no_local,
                     sub.retain_as_published, session.client_id, sub.queue, session.inflight,
                     sub.pending, Inflight, ENCODED_TOPICS, outbound,
@@ -962,110 +964,3 @@ def _prepare(
         props.topic_alias = alias
     pub = Publish(topic=topic, payload=rec.payload, qos=qos, retain=retain, properties=props)
     return PreparedPublish(level, pub)
-
-
-def plain_run_py(
-    messages: list[StoredMessage],
-    i: int,
-    state: list[int],
-    single: bool,
-    window: int,
-    level: int,
-    sub_qos: int,
-    no_local: bool,
-    rap: bool,
-    client_id: str,
-    queue: str,
-    inflight: dict[int, Inflight],
-    pending: dict[int, int],
-    inflight_new: Callable[[int, str, int, int], Inflight],
-    topics: dict[str, bytes],
-    outbound: dict[int, int],
-    receive_maximum: int,
-    unacked: int,
-    batch: list[bytes],
-) -> tuple[int, bool]:
-    """The plain path (`_deliver` -> `decide` -> `Connection.send_prepared`) over
-    `messages[i:]` for one subscription, for records of the canonical shape, until a message
-    it does not take: the reference of `plain_run` in gateway/protocol/_speedups.c, which
-    must do exactly this without the RecordedPublish and the PreparedPublish (the same dict
-    changes, the same bytes; tests/gateway/delivery/test_delivery_plain_run.py compares them).
-
-    Stops without touching the message at `i` (the general path takes it, with every rule)
-    unless one subscription covers it (`single`, or one queue), its "mqtt.qos" is "0", "1"
-    or "2" (or absent), it has no "mqtt.expiry" and at level 5 none of _MQTT5_KEYS, its topic
-    is in the writers' encoded-topic cache `topics` (valid, encoded), its body is bytes, and
-    for QoS > 0 the next packet id is free (in flight, or in the codec's `outbound`) and the
-    codec's Receive Maximum not reached. Stops with `full` = True when it needs a window slot
-    and none is free. `state` is [next offset, next packet id, packets sent, index of the
-    last message passed] and is written back on every exit, errors included. Returns (index
-    of the first message not taken, full)."""
-    next_offset, next_pid, sent, moved = state
-    n = len(messages)
-    full = False
-    try:
-        while i < n:
-            msg = messages[i]
-            off = msg[3]
-            if off < next_offset:
-                i += 1
-                continue
-            props = msg[2]
-            if not single and len(msg[8]) > 1:
-                break
-            qos_text = props.get("mqtt.qos", "0")
-            if type(qos_text) is not str or qos_text not in ("0", "1", "2"):
-                break
-            if "mqtt.expiry" in props or (level == 5 and any(k in props for k in _MQTT5_KEYS)):
-                break
-            topic = props.get("mqtt.topic", msg[0])
-            if type(topic) is not str or topic not in topics or type(msg[1]) is not bytes:
-                break
-            if not (no_local and props.get("mqtt.client", "") == client_id):
-                qos = int(qos_text)
-                if sub_qos < qos:
-                    qos = sub_qos
-                if qos > 0 and window - len(inflight) <= 0:
-                    full = True
-                    break
-                retain = level == 5 and rap and props.get("mqtt.retain") == "1"
-                pid = None
-                if qos > 0:
-                    pid = next_pid
-                    if pid in inflight or pid in outbound or len(outbound) >= receive_maximum:
-                        break
-                packet = PreparedPublish(level, Publish(topic, msg[1], qos, retain)).packet(pid)
-                if pid is not None:
-                    outbound[pid] = unacked
-                    next_pid = pid % 65535 + 1
-                    inflight[pid] = inflight_new(pid, queue, off, qos)
-                    pending[off] = pid
-                batch.append(packet)
-                sent += 1
-            next_offset = off + 1
-            moved = i
-            i += 1
-    finally:
-        state[:] = (next_offset, next_pid, sent, moved)
-    return i, full
-
-
-# The stored properties an MQTT 5 PUBLISH carries out (RecordedPublish.mqtt5_properties).
-_MQTT5_KEYS = ("mqtt.pfi", "mqtt.ct", "mqtt.rt", "mqtt.cd", "mqtt.up")
-_MISSING = object()
-
-
-def _load_plain_run() -> PlainRun:
-    """The C `plain_run` when it was built, else the reference; LMQTT_PURE_PYTHON (every
-    accelerator) or LMQTT_PURE_PYTHON_DELIVERY (this one, for A/B runs) keep the reference."""
-    if pure_python("LMQTT_PURE_PYTHON_DELIVERY"):
-        return plain_run_py
-    try:
-        from gateway.protocol import _speedups
-    except ImportError:
-        return plain_run_py
-    return _speedups.plain_run
-
-
-PlainRun = Callable[..., tuple[int, bool]]
-PLAIN_RUN: PlainRun = _load_plain_run()

@@ -22,9 +22,9 @@ DeliveryLoop._covering); the rule reads them as one set:
 
 A re-send after a reconnect repeats what was decided when the message was first sent (same
 QoS, MQTT-4.4.0-1): it takes the flags from the rule's two parts, `retain_flag()` and
-`identifiers()`. The plain delivery run (gateway/delivery/loop.py `plain_run_py` and its C
-twin `plain_run`) is `decide` for one subscription without identifier and a message without
-expiry, over the stored properties; tests/gateway/delivery/test_delivery_plain_run.py
+`identifiers()`. The plain delivery run (gateway/delivery/run.py `plain_run_py` and its C twin
+gateway/delivery/_run.c) is `decide` for one subscription without identifier and a message
+without expiry, over the stored properties; tests/gateway/delivery/test_delivery_plain_run.py
 checks every message it sends against `decide`.
 """
 

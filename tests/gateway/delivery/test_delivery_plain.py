@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.connection.client import ClientConnection
-from gateway.delivery import loop as delivery
+from gateway.delivery import run as delivery
 from gateway.protocol import PubAck, Publish, Subscribe, Subscription, encode
 from tests.gateway.conftest import GatewayHarness, RawClient
 

@@ -1,5 +1,5 @@
-"""The C twin of the delivery loop's plain run (`plain_run` in gateway/protocol/_speedups.c)
-against its Python reference (gateway/delivery/loop.py `plain_run_py`, which encodes with
+"""The C twin of the delivery loop's plain run (`plain_run` in gateway/delivery/_run.c)
+against its Python reference (gateway/delivery/run.py `plain_run_py`, which encodes with
 PreparedPublish): for the same batch of stored messages and the same session state, the same
 return value, the same PUBLISH bytes in the pass's batch, and the same packet ids, in-flight
 entries, pending offsets and codec outbound map afterwards; and when building an in-flight
@@ -10,23 +10,26 @@ every shape read_record meets (canonical or not: the run must leave the others a
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.delivery import loop as delivery
+from gateway.delivery import run as delivery
+from gateway.delivery.loop import _prepare
 from gateway.delivery.rules import decide
 from gateway.messages.records import read_record
 from gateway.protocol import ENCODED_TOPICS, Publish, encode
 from gateway.session.registry import Inflight, SubscriptionState
 from gateway.storage.port import StoredMessage
 
-speedups = pytest.importorskip("gateway.protocol._speedups")
-C_RUN = speedups.plain_run
+speedups = pytest.importorskip("gateway.delivery._run")
+C_RUN = delivery.configured(speedups)  # as the loader hands it over
 
 CLIENT = "me"
 TOPICS = ["t/x", "t/é", "u/" + "l" * 200, "t/uncached", ""]
@@ -192,7 +195,7 @@ def _general(messages: list[StoredMessage], stop: int, args: dict[str, Any]) -> 
             continue
         assert decided.sub_ids == [] and decided.expiry_left is None
         qos, retain = decided.qos, decided.retain
-        prepared = delivery._prepare(rec, level, qos, retain, rec.topic, None, [], None)
+        prepared = _prepare(rec, level, qos, retain, rec.topic, None, [], None)
         out.append(prepared.packet(pid if qos else None))
         if qos:
             pid = pid % 65535 + 1
@@ -230,3 +233,15 @@ def test_plain_run_takes_a_canonical_batch() -> None:
 )
 def test_the_gateway_uses_the_c_run() -> None:
     assert delivery.PLAIN_RUN is C_RUN
+
+
+def test_the_build_matches_the_source() -> None:
+    """A .so compiled from an older _run.c would test old code."""
+    source = Path(delivery.__file__).with_name("_run.c")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    assert digest == speedups.SOURCE_SHA256, "stale build: run `make .venv/.installed-dev`"
+
+
+def test_the_c_run_spells_no_record_key() -> None:
+    """The record schema's names come from Python (configure), not from the C source."""
+    assert "mqtt." not in Path(delivery.__file__).with_name("_run.c").read_text()
