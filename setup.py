@@ -13,6 +13,7 @@ from setuptools import Extension, setup
 SOURCES = {
     "gateway.protocol._speedups": "gateway/protocol/_speedups.c",
     "gateway.delivery._run": "gateway/delivery/_run.c",
+    "gateway.messages._batch": "gateway/messages/_batch.c",
     "store._speedups": "store/_speedups.c",
 }
 

@@ -1,11 +1,12 @@
 /*
- * Optional C accelerator of gateway.protocol: `encode` for the common PUBLISH shapes.
+ * Optional C accelerator of gateway.protocol, the codec's hot loops: `encode` for the common
+ * PUBLISH shapes and `scan`, Connection._batch's inline decoder over a bytes buffer.
  *
- * Why C here and nowhere else: the pure-Python PUBLISH writer in writers.py is already down to
- * one call, two dict lookups and one join (~250-350 ns), and what is left is interpreter
- * overhead (attribute loads, the join's tuple, branches). This file does the same work in one
- * C call (~60-80 ns) and returns byte-identical output; tests/gateway/protocol/test_protocol_speedups.py
- * checks that against the Python writer with hypothesis.
+ * Why C here: the pure-Python PUBLISH writer in writers.py is already down to one call, two
+ * dict lookups and one join, and what is left is interpreter overhead (attribute loads, the
+ * join's tuple, branches). This file does the same work in one C call and returns
+ * byte-identical output; tests/gateway/protocol/test_protocol_speedups.py checks that against
+ * the Python writer with hypothesis.
  *
  * Contract (read this before changing anything):
  *   - `encode(event, level)` handles exactly the shapes writers._encode_py handles on its fast
@@ -489,125 +490,6 @@ configure_scan(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
-/*
- * encode_publishes(pubs, blocks, routes, messages, props, i) -> index of the first left
- *
- * PublishPath.append_publishes's loop (gateway/messages/publishing.py), its common case: for each
- * PUBLISH from `pubs[i]` on (a Publish, exact type) with no MQTT 5 properties, whose topic has
- * a cached route (`routes`: topic -> (parent topic, light queues)) and whose publisher
- * (`blocks[k]`, a records.PublishProperties) has the block of its (topic, QoS, retain) in
- * its `blocks`, append (parent, light queues, payload, block + the "mqtt.pid" pair for QoS > 0)
- * to `messages` and the block's properties dict to `props`. Stops untouched at any other:
- * the Python loop routes it and has its block encoded. The reference is
- * gateway/messages/publishing.py `encode_publishes_py` (tests/gateway/messages/test_encode_publishes.py).
- */
-static PyObject *s_blocks;
-
-static PyObject *
-encode_publishes(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "encode_publishes takes 6 arguments, not %zd", nargs);
-        return NULL;
-    }
-    PyObject *pubs = args[0], *blocks = args[1], *routes = args[2];
-    PyObject *messages = args[3], *props = args[4];
-    if (!PyList_Check(pubs) || !PyList_Check(blocks) || !PyDict_Check(routes)
-        || !PyList_Check(messages) || !PyList_Check(props)) {
-        PyErr_SetString(PyExc_TypeError, "encode_publishes: unexpected argument types");
-        return NULL;
-    }
-    if (PyList_GET_SIZE(blocks) != PyList_GET_SIZE(pubs)) {
-        PyErr_SetString(PyExc_ValueError, "encode_publishes: pubs and blocks differ in length");
-        return NULL;
-    }
-    if (s_blocks == NULL && (s_blocks = PyUnicode_InternFromString("blocks")) == NULL) {
-        return NULL;
-    }
-    Py_ssize_t i = PyLong_AsSsize_t(args[5]);
-    if (i == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(pubs);
-    for (; i < n; i++) {
-        PyObject *pub = PyList_GET_ITEM(pubs, i);
-        if (publish_type == NULL || Py_TYPE(pub) != publish_type
-            || SLOT(pub, F_PROPERTIES) != Py_None) {
-            break;
-        }
-        PyObject *topic = SLOT(pub, F_TOPIC), *qos = SLOT(pub, F_QOS);
-        PyObject *retain = SLOT(pub, F_RETAIN), *pid = SLOT(pub, F_PACKET_ID);
-        PyObject *payload = SLOT(pub, F_PAYLOAD);
-        if (topic == NULL || qos == NULL || retain == NULL || pid == NULL || payload == NULL
-            || !PyUnicode_CheckExact(topic)) {
-            break;
-        }
-        PyObject *route = PyDict_GetItemWithError(routes, topic);
-        if (route == NULL || !PyTuple_Check(route) || PyTuple_GET_SIZE(route) != 2) {
-            if (PyErr_Occurred()) {
-                return NULL;
-            }
-            break;
-        }
-        PyObject *cache = PyObject_GetAttr(PyList_GET_ITEM(blocks, i), s_blocks);
-        if (cache == NULL) {
-            return NULL;
-        }
-        PyObject *key = PyTuple_Pack(3, topic, qos, retain);
-        PyObject *hit = key && PyDict_Check(cache) ? PyDict_GetItemWithError(cache, key) : NULL;
-        Py_XDECREF(key);
-        Py_XINCREF(hit);
-        Py_DECREF(cache);
-        if (hit == NULL || !PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 2
-            || !PyBytes_CheckExact(PyTuple_GET_ITEM(hit, 0))) {
-            Py_XDECREF(hit);
-            if (PyErr_Occurred()) {
-                return NULL;
-            }
-            break; /* a block to encode (and validate): PublishProperties.of */
-        }
-        int with_id = PyObject_IsTrue(qos);
-        if (with_id < 0) {
-            Py_DECREF(hit);
-            return NULL;
-        }
-        PyObject *block;
-        if (with_id && pid != Py_None) {
-            long long id = PyLong_AsLongLong(pid);
-            if (id == -1 && PyErr_Occurred()) {
-                Py_DECREF(hit);
-                return NULL;
-            }
-            /* hit[0] + b"mqtt.pid\x01%d\x02" % pid */
-            char tail[48];
-            int tn = snprintf(tail, sizeof(tail), "mqtt.pid\x01%lld\x02", id);
-            PyObject *head = PyTuple_GET_ITEM(hit, 0);
-            Py_ssize_t hn = PyBytes_GET_SIZE(head);
-            block = PyBytes_FromStringAndSize(NULL, hn + tn);
-            if (block != NULL) {
-                memcpy(PyBytes_AS_STRING(block), PyBytes_AS_STRING(head), hn);
-                memcpy(PyBytes_AS_STRING(block) + hn, tail, tn);
-            }
-        }
-        else {
-            block = PyTuple_GET_ITEM(hit, 0);
-            Py_INCREF(block);
-        }
-        PyObject *message = block ? PyTuple_Pack(4, PyTuple_GET_ITEM(route, 0),
-                                                 PyTuple_GET_ITEM(route, 1), payload, block)
-                                  : NULL;
-        Py_XDECREF(block);
-        int failed = message == NULL || PyList_Append(messages, message) < 0
-                     || PyList_Append(props, PyTuple_GET_ITEM(hit, 1)) < 0;
-        Py_XDECREF(message);
-        Py_DECREF(hit);
-        if (failed) {
-            return NULL;
-        }
-    }
-    return PyLong_FromSsize_t(i);
-}
-
 static PyMethodDef methods[] = {
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL | METH_KEYWORDS,
      "encode(event, level) -> bytes: writers.encode, with the common PUBLISH shapes in C."},
@@ -619,16 +501,13 @@ static PyMethodDef methods[] = {
      "in_flight_others, out) -> off: Connection._batch's inline loop over bytes, in C."},
     {"configure_scan", configure_scan, METH_VARARGS,
      "configure_scan(puback_type): bind the PubAck class (after configure)."},
-    {"encode_publishes", (PyCFunction)(void (*)(void))encode_publishes, METH_FASTCALL,
-     "encode_publishes(pubs, blocks, routes, messages, props, i) -> i: PublishPath."
-     "append_publishes's loop, its common case (gateway/messages/publishing.py encode_publishes_py)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "gateway.protocol._speedups",
-    .m_doc = "Optional C accelerator of gateway.protocol (PUBLISH encoding).",
+    .m_doc = "Optional C accelerator of gateway.protocol (PUBLISH encoding, inbound scan).",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -22,11 +22,3 @@ def scan(
     out: list[Any],
 ) -> int: ...
 def configure_scan(puback_type: type) -> None: ...
-def encode_publishes(
-    pubs: list[Any],
-    blocks: list[Any],
-    routes: dict[str, tuple[str, tuple[str, ...]]],
-    messages: list[Any],
-    props: list[dict[str, str]],
-    i: int,
-) -> int: ...
