@@ -1,10 +1,10 @@
 """Whether a stored message M goes to a subscription S, and how: MQTT's delivery rule, `decide`.
 
 Every path that sends a message to a subscriber asks `decide()`: its own light queue (the
-general and the plain send paths, gateway/delivery/loop.py), a shared group, a replay, a
+general and the plain send paths, gateway/delivery/send.py), a shared group, a replay, a
 retained message sent on SUBSCRIBE. `sub` is the subscription the message is delivered from,
 `also` the session's other subscriptions that match it (overlapping filters deliver it once,
-DeliveryLoop._covering); the rule reads them as one set:
+gateway/delivery/overlap.py); the rule reads them as one set:
 
     rule                  spec               inputs                 the answer
     no local              MQTT-3.8.3-3       publisher, receiver,   not sent through a no-local

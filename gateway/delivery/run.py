@@ -1,6 +1,6 @@
 """The plain delivery run: a batch of one subscription's stored messages of the canonical shape
-straight to PUBLISH bytes, in one call (gateway/delivery/loop.py `DeliveryLoop._deliver_run`
-calls it per run of messages it takes).
+straight to PUBLISH bytes, in one call (gateway/delivery/send.py `Sender._deliver_run` calls
+it per run of messages it takes).
 
 `plain_run_py` is the reference; gateway/delivery/_run.c `plain_run` is its C twin, which must
 do exactly the same (tests/gateway/delivery/test_delivery_plain_run.py). The C code is handed the
@@ -44,7 +44,7 @@ def plain_run_py(
     unacked: int,
     batch: list[bytes],
 ) -> tuple[int, bool]:
-    """The plain send path (`DeliveryLoop._deliver` -> `decide` -> `Connection.send_prepared`) over
+    """The plain send path (`Sender._deliver` -> `decide` -> `Connection.send_prepared`) over
     `messages[i:]` for one subscription, for records of the canonical shape, until a message
     it does not take: the reference of `plain_run` in gateway/delivery/_run.c, which must do
     exactly this without the RecordedPublish and the PreparedPublish (the same dict changes,

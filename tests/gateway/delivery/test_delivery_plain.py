@@ -1,5 +1,5 @@
-"""The delivery loop's plain send paths (gateway/delivery/loop.py: the plain run and the plain
-path of `_deliver`) send exactly what the general path (`decide` + `send`) sends: the
+"""The delivery loop's plain send paths (gateway/delivery/send.py: the plain run and the plain
+path of `Sender._deliver`) send exactly what the general path (`decide` + `send`) sends: the
 same bytes, packet ids and flags, for MQTT 3.1.1 and 5, QoS 0 and 1, retained messages,
 no-local and a fan-out (the encoded-packet cache). Each level runs twice on one gateway, once
 with the plain paths turned off for the subscribers (`_plain = False`, what an ACL or a

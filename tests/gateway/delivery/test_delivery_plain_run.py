@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.delivery import run as delivery
-from gateway.delivery.loop import _prepare
 from gateway.delivery.rules import decide
+from gateway.delivery.send import _prepare
 from gateway.messages.records import read_record
 from gateway.protocol import ENCODED_TOPICS, Publish, encode
 from gateway.session.registry import Inflight, SubscriptionState
