@@ -1,7 +1,7 @@
 """Build glue for the optional C accelerators; everything else is in pyproject.toml.
 
 `optional=True`: without a compiler or Python headers the install still succeeds and
-gateway.protocol runs on its pure-Python writer. The source's SHA-256 is compiled in, so the
+every kernel's pure-Python reference runs. The source's SHA-256 is compiled in, so the
 test suite can tell a stale build from the current source.
 """
 
@@ -12,6 +12,8 @@ from setuptools import Extension, setup
 
 SOURCES = {
     "gateway.protocol._speedups": "gateway/protocol/_speedups.c",
+    "gateway.delivery._run": "gateway/delivery/_run.c",
+    "gateway.messages._batch": "gateway/messages/_batch.c",
     "store._speedups": "store/_speedups.c",
 }
 

@@ -33,8 +33,8 @@ from gateway.connection.subscribe import SubscribeHandler
 from gateway.connection.timers import TimerWheel
 from gateway.delivery.account import CountedAccount, DeliveryAccount, NoDeliveryAccount
 from gateway.delivery.arrivals import ArrivalHub
-from gateway.delivery.loop import DeliveryContext
 from gateway.delivery.shared import SharedSubscriptions
+from gateway.delivery.state import DeliveryContext
 from gateway.lifecycle.sessions import SessionLifecycle
 from gateway.lifecycle.subscriptions import SubscriptionLifecycle
 from gateway.messages.publishing import PublishPath

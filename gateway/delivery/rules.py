@@ -1,17 +1,31 @@
-"""What a subscriber receives for a stored message: MQTT's delivery rules, in one place.
+"""Whether a stored message M goes to a subscription S, and how: MQTT's delivery rule, `decide`.
 
-Every path that sends a message to a subscriber asks `decide()`: its own light queue, a shared
-group, a replay, a retained message sent on SUBSCRIBE. A re-send after a reconnect repeats what
-was decided when the message was first sent (same QoS, MQTT-4.4.0-1), so it takes only the
-flags from `retain_flag()` and `identifiers()`.
+Every path that sends a message to a subscriber asks `decide()`: its own light queue (the
+general and the plain send paths, gateway/delivery/send.py), a shared group, a replay, a
+retained message sent on SUBSCRIBE. `sub` is the subscription the message is delivered from,
+`also` the session's other subscriptions that match it (overlapping filters deliver it once,
+gateway/delivery/overlap.py); the rule reads them as one set:
 
-    rule                  spec               when several subscriptions of one session match
-    no local              MQTT-3.8.3-3       those with no-local drop out
-    expiry                MQTT-3.3.2-5       not sent once expired; sent with what is left
-    QoS                   MQTT-3.8.4-8       min(message QoS, the highest granted QoS)
-    retain flag           MQTT-3.3.1-12/13   1 on SUBSCRIBE; else the message's, with any
-                                             retain-as-published subscription (MQTT 5)
-    subscription ids      MQTT-3.3.4-3       every matching subscription's, sorted
+    rule                  spec               inputs                 the answer
+    no local              MQTT-3.8.3-3       publisher, receiver,   not sent through a no-local
+                                             no-local               subscription to its publisher
+    expiry                MQTT-3.3.2-5       expiry, stored at      not sent once expired; sent
+                                                                    with the seconds left
+    QoS                   MQTT-3.8.4-8       message QoS, granted   min(message QoS, the highest
+                                             QoS                    granted QoS)
+    retain flag           MQTT-3.3.1-12/13   retain, level,         1 on SUBSCRIBE; else the
+                                             retain-as-published    message's at level 5 with a
+                                                                    retain-as-published
+                                                                    subscription, else 0
+    subscription ids      MQTT-3.3.4-3       identifiers            every matching subscription's,
+                                                                    sorted
+
+A re-send after a reconnect repeats what was decided when the message was first sent (same
+QoS, MQTT-4.4.0-1): it takes the flags from the rule's two parts, `retain_flag()` and
+`identifiers()`. The plain delivery run (gateway/delivery/run.py `plain_run_py` and its C twin
+gateway/delivery/_run.c) is `decide` for one subscription without identifier and a message
+without expiry, over the stored properties; tests/gateway/delivery/test_delivery_plain_run.py
+checks every message it sends against `decide`.
 """
 
 from __future__ import annotations
@@ -22,11 +36,10 @@ from typing import NamedTuple
 from gateway.messages.records import RecordedPublish
 from gateway.session.registry import SubscriptionState
 
-__all__ = ["Outbound", "decide", "decide_one", "identifiers", "retain_flag"]
+__all__ = ["Outbound", "decide", "identifiers", "retain_flag"]
 
 # Outbound(...) runs NamedTuple's generated __new__ (a Python frame); tuple.__new__ builds the
-# same object without it. decide() runs once per delivery: the 1-to-100 fan-out bench spent
-# ~3% of the broker's samples in that frame.
+# same object without it, once per delivery.
 _new = tuple.__new__
 
 
@@ -39,17 +52,35 @@ class Outbound(NamedTuple):
 
 def decide(
     rec: RecordedPublish,
-    subs: Sequence[SubscriptionState],
+    sub: SubscriptionState,
     receiver: str,
     level: int,
-    *,
     on_subscribe: bool = False,
+    also: Sequence[SubscriptionState] = (),
 ) -> Outbound | None:
-    """How `rec` goes to the session `receiver` (its client id; protocol `level`) through the
-    subscriptions `subs` that match it, or None when it must not be sent at all."""
-    if len(subs) == 1:
-        return decide_one(rec, subs[0], receiver, level, on_subscribe)
-    subs = [s for s in subs if not (s.no_local and rec.client_id == receiver)]
+    """How `rec` goes to the session `receiver` (its client id; protocol `level`) through
+    `sub` and the session's other subscriptions `also` that match it, or None when it must not
+    be sent at all (see the module docstring). `on_subscribe`: a retained message sent
+    because of a SUBSCRIBE."""
+    if not also:
+        # One subscription, the common case: the same rule without building lists.
+        if sub.no_local and rec.client_id == receiver:
+            return None
+        expiry_left = None if rec.expiry is None else rec.remaining_expiry()
+        if expiry_left is not None and expiry_left <= 0:
+            return None
+        sid = sub.subscription_identifier
+        qos = rec.qos
+        return _new(
+            Outbound,
+            (
+                qos if qos < sub.qos else sub.qos,
+                on_subscribe or (rec.retain and level == 5 and sub.retain_as_published),
+                [sid] if sid else [],
+                expiry_left,
+            ),
+        )
+    subs = [s for s in (sub, *also) if not (s.no_local and rec.client_id == receiver)]
     if not subs:
         return None
     expiry_left = rec.remaining_expiry()
@@ -63,38 +94,11 @@ def decide(
     )
 
 
-def decide_one(
-    rec: RecordedPublish,
-    sub: SubscriptionState,
-    receiver: str,
-    level: int,
-    on_subscribe: bool = False,
-) -> Outbound | None:
-    """decide() for a message that matches one subscription (the common case, without lists),
-    callable directly by the delivery loop, which runs it once per message sent."""
-    if sub.no_local and rec.client_id == receiver:
-        return None
-    # remaining_expiry() only for a message that has an expiry: a call less per delivery.
-    expiry_left = None if rec.expiry is None else rec.remaining_expiry()
-    if expiry_left is not None and expiry_left <= 0:
-        return None
-    sid = sub.subscription_identifier
-    qos = rec.qos
-    return _new(
-        Outbound,
-        (
-            qos if qos < sub.qos else sub.qos,
-            on_subscribe or (rec.retain and level == 5 and sub.retain_as_published),
-            [sid] if sid else [],
-            expiry_left,
-        ),
-    )
-
-
 def retain_flag(rec: RecordedPublish, subs: Sequence[SubscriptionState], level: int) -> bool:
     """RETAIN of a message delivered because it was published (not sent on SUBSCRIBE)."""
     return rec.retain and level == 5 and any(s.retain_as_published for s in subs)
 
 
 def identifiers(subs: Sequence[SubscriptionState]) -> list[int]:
+    """The subscription identifiers a message delivered through `subs` carries."""
     return sorted({s.subscription_identifier for s in subs if s.subscription_identifier})

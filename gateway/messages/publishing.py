@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from accelerators import pure_python
+import accelerators
 from gateway.clock import now_ms
 from gateway.messages.recent import RecentMessages
 from gateway.messages.records import PublishProperties, message_properties
@@ -25,10 +25,17 @@ from gateway.protocol import Publish
 from gateway.stats import GatewayStats
 from gateway.storage.port import EncodedMessage, PutResult, Storage, StoreError
 from topicmap import Router, Topic, TopicFilter, parent_topic
+from topicmap.record import PID
 
 # Validated topic names and their parent topics remembered (cleared when full): validating
 # and naming the parent cost more per PUBLISH than the rest of the gateway's put path.
 TOPIC_CACHE_SIZE = 16_384
+
+# The per-message part of a block: PID \x01 <decimal packet id> \x02 (the store's property
+# separators around the record schema's key).
+_PID_HEAD = PID.encode() + b"\x01"
+_PID_TAIL = b"\x02"
+_PID_PAIR = _PID_HEAD + b"%d" + _PID_TAIL
 
 
 def encode_publishes_py(
@@ -44,7 +51,7 @@ def encode_publishes_py(
     (`blocks[k]`) the block of its (topic, QoS, retain), append (parent, light queues,
     payload, block + the packet id pair for QoS > 0) to `messages` and the block's properties
     to `props`; returns the index of the first PUBLISH left (the caller routes it and has its
-    block encoded). The reference of gateway/protocol/_speedups.c `encode_publishes`, which
+    block encoded). The reference of gateway/messages/_batch.c `encode_publishes`, which
     must do exactly this (tests/gateway/messages/test_encode_publishes.py)."""
     if len(blocks) != len(pubs):
         raise ValueError("encode_publishes: pubs and blocks differ in length")
@@ -60,9 +67,7 @@ def encode_publishes_py(
         if hit is None:
             break
         block = (
-            hit[0] + b"mqtt.pid\x01%d\x02" % pub.packet_id
-            if pub.qos and pub.packet_id is not None
-            else hit[0]
+            hit[0] + _PID_PAIR % pub.packet_id if pub.qos and pub.packet_id is not None else hit[0]
         )
         messages.append((route[0], route[1], pub.payload, block))
         props.append(hit[1])
@@ -71,16 +76,14 @@ def encode_publishes_py(
 
 
 def _load_encode_publishes() -> Callable[..., int]:
-    """The C `encode_publishes` when it was built, else encode_publishes_py; LMQTT_PURE_PYTHON
-    (every accelerator) or LMQTT_PURE_PYTHON_APPEND (the append path's, for A/B runs) keep the
+    """The C `encode_publishes` (gateway/messages/_batch.c) when it was built, else
+    encode_publishes_py; LMQTT_PURE_PYTHON_APPEND (the append path's switch) keeps the
     reference."""
-    if pure_python("LMQTT_PURE_PYTHON_APPEND"):
+    kernel = accelerators.load("gateway.messages._batch", "LMQTT_PURE_PYTHON_APPEND")
+    if kernel is None:
         return encode_publishes_py
-    try:
-        from gateway.protocol import _speedups
-    except ImportError:
-        return encode_publishes_py
-    return _speedups.encode_publishes
+    kernel.configure(Publish, "blocks", _PID_HEAD, _PID_TAIL)
+    return kernel.encode_publishes
 
 
 _ENCODE_PUBLISHES = _load_encode_publishes()

@@ -22,38 +22,3 @@ def scan(
     out: list[Any],
 ) -> int: ...
 def configure_scan(puback_type: type) -> None: ...
-def plain_run(
-    messages: list[Any],
-    i: int,
-    state: list[int],
-    shared: bool,
-    single: bool,
-    window: int,
-    level: int,
-    sub_qos: int,
-    no_local: bool,
-    rap: bool,
-    client_id: str,
-    queue: str,
-    inflight: dict[int, Any],
-    pending: dict[int, int],
-    inflight_new: Callable[[int, str, int, int], Any],
-    records: dict[int, Any],
-    record: Callable[[Any], Any],
-    read_record: Callable[[str, bytes, dict[str, str], int], Any],
-    cache: dict[tuple[object, ...], Any],
-    cache_put: Callable[[tuple[object, ...], Any], None],
-    prepare: Callable[..., Any],
-    outbound: dict[int, int],
-    receive_maximum: int,
-    unacked: int,
-    batch: list[bytes],
-) -> tuple[int, bool]: ...
-def encode_publishes(
-    pubs: list[Any],
-    blocks: list[Any],
-    routes: dict[str, tuple[str, tuple[str, ...]]],
-    messages: list[Any],
-    props: list[dict[str, str]],
-    i: int,
-) -> int: ...

@@ -1,6 +1,6 @@
-"""Delivery pacing (gateway/delivery/loop.py, PASS_INTERVAL): a pass asked for within a millisecond
-of the subscriber's last write runs from a timer. Nothing else has to happen for it to run:
-a message stored then is delivered with no further traffic on any connection."""
+"""Delivery pacing (gateway/delivery/pacing.py, PASS_INTERVAL): a pass asked for within a
+millisecond of the subscriber's last write runs from a timer. Nothing else has to happen for
+it to run: a message stored then is delivered with no further traffic on any connection."""
 
 from __future__ import annotations
 

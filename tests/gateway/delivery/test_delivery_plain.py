@@ -1,16 +1,16 @@
-"""The delivery loop's plain path (gateway/delivery/loop.py `_deliver_plain`) sends exactly what
-the general path (`decide_one` + `send`) sends: the same bytes, packet ids and flags, for
-MQTT 3.1.1 and 5, QoS 0 and 1, retained messages, no-local and a fan-out (the encoded-packet
-cache). Each level runs twice on one gateway, once with the plain path turned off for the
-subscribers (`_plain = False`, what an ACL or a topic-alias maximum does), and the wire must
-not tell them apart."""
+"""The delivery loop's plain send paths (gateway/delivery/send.py: the plain run and the plain
+path of `Sender._deliver`) send exactly what the general path (`decide` + `send`) sends: the
+same bytes, packet ids and flags, for MQTT 3.1.1 and 5, QoS 0 and 1, retained messages,
+no-local and a fan-out (the encoded-packet cache). Each level runs twice on one gateway, once
+with the plain paths turned off for the subscribers (`_plain = False`, what an ACL or a
+topic-alias maximum does), and the wire must not tell them apart."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.connection.client import ClientConnection
-from gateway.delivery import loop as delivery
+from gateway.delivery import run as delivery
 from gateway.protocol import PubAck, Publish, Subscribe, Subscription, encode
 from tests.gateway.conftest import GatewayHarness, RawClient
 

@@ -1,5 +1,5 @@
-"""The C twin of the delivery loop's plain run (`plain_run` in gateway/protocol/_speedups.c)
-against its Python reference (gateway/delivery/loop.py `plain_run_py`, which encodes with
+"""The C twin of the delivery loop's plain run (`plain_run` in gateway/delivery/_run.c)
+against its Python reference (gateway/delivery/run.py `plain_run_py`, which encodes with
 PreparedPublish): for the same batch of stored messages and the same session state, the same
 return value, the same PUBLISH bytes in the pass's batch, and the same packet ids, in-flight
 entries, pending offsets and codec outbound map afterwards; and when building an in-flight
@@ -10,22 +10,26 @@ every shape read_record meets (canonical or not: the run must leave the others a
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.delivery import loop as delivery
+from gateway.delivery import run as delivery
+from gateway.delivery.rules import decide
+from gateway.delivery.send import _prepare
 from gateway.messages.records import read_record
 from gateway.protocol import ENCODED_TOPICS, Publish, encode
-from gateway.session.registry import Inflight
+from gateway.session.registry import Inflight, SubscriptionState
 from gateway.storage.port import StoredMessage
 
-speedups = pytest.importorskip("gateway.protocol._speedups")
-C_RUN = speedups.plain_run
+speedups = pytest.importorskip("gateway.delivery._run")
+C_RUN = delivery.configured(speedups)  # as the loader hands it over
 
 CLIENT = "me"
 TOPICS = ["t/x", "t/é", "u/" + "l" * 200, "t/uncached", ""]
@@ -170,11 +174,15 @@ def test_plain_run_matches_reference(
 
 
 def _general(messages: list[StoredMessage], stop: int, args: dict[str, Any]) -> list[bytes]:
-    """What the general path (read_record, decide_one's rules, _prepare) sends for the
-    messages a run took: the run must not take one it would send differently."""
+    """What the general path (read_record, the delivery rule `decide`, _prepare) sends for
+    the messages a run took: the run must not take one it would send differently."""
     out = []
     next_offset, pid = args["next_offset"], args["next_pid"]
     level = args["level"]
+    sub = SubscriptionState(
+        "t/#", "q", None, args["sub_qos"], no_local=args["no_local"],
+        retain_as_published=args["rap"],
+    )  # fmt: skip
     for msg in messages[args["start"] : stop]:
         if msg.queue_offset < next_offset:
             continue
@@ -182,11 +190,12 @@ def _general(messages: list[StoredMessage], stop: int, args: dict[str, Any]) -> 
         rec = read_record(msg.topic, msg.body, msg.properties, msg.store_timestamp)
         assert rec is not None and rec.expiry is None
         assert level != 5 or rec.mqtt5_properties([], None) is None
-        if args["no_local"] and rec.client_id == CLIENT:
+        decided = decide(rec, sub, CLIENT, level)
+        if decided is None:
             continue
-        qos = min(rec.qos, args["sub_qos"])
-        retain = rec.retain and level == 5 and args["rap"]
-        prepared = delivery._prepare(rec, level, qos, retain, rec.topic, None, [], None)
+        assert decided.sub_ids == [] and decided.expiry_left is None
+        qos, retain = decided.qos, decided.retain
+        prepared = _prepare(rec, level, qos, retain, rec.topic, None, [], None)
         out.append(prepared.packet(pid if qos else None))
         if qos:
             pid = pid % 65535 + 1
@@ -224,3 +233,15 @@ def test_plain_run_takes_a_canonical_batch() -> None:
 )
 def test_the_gateway_uses_the_c_run() -> None:
     assert delivery.PLAIN_RUN is C_RUN
+
+
+def test_the_build_matches_the_source() -> None:
+    """A .so compiled from an older _run.c would test old code."""
+    source = Path(delivery.__file__).with_name("_run.c")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    assert digest == speedups.SOURCE_SHA256, "stale build: run `make .venv/.installed-dev`"
+
+
+def test_the_c_run_spells_no_record_key() -> None:
+    """The record schema's names come from Python (configure), not from the C source."""
+    assert "mqtt." not in Path(delivery.__file__).with_name("_run.c").read_text()

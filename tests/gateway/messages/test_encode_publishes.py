@@ -1,5 +1,5 @@
 """The C twin of PublishPath.append_publishes's loop (`encode_publishes` in
-gateway/protocol/_speedups.c) against its Python reference (gateway/messages/publishing.py
+gateway/messages/_batch.c) against its Python reference (gateway/messages/publishing.py
 `encode_publishes_py`): the same stop index, the same (parent, light queues, payload,
 block) messages and the very same property dicts, for PUBLISHes with and without a cached
 route, a cached block, MQTT 5 properties and packet ids; and the whole append (the loop
@@ -7,6 +7,8 @@ that finishes what they leave) against the block PublishProperties.of gives."""
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from gateway.messages import publishing
 from gateway.messages.records import PublishProperties
 from gateway.protocol import Properties, Publish
 
-speedups = pytest.importorskip("gateway.protocol._speedups")
+speedups = pytest.importorskip("gateway.messages._batch")
 if publishing._ENCODE_PUBLISHES is publishing.encode_publishes_py:
     pytest.skip(
         "the gateway runs the reference (a LMQTT_PURE_PYTHON switch)", allow_module_level=True
@@ -89,3 +91,16 @@ def test_the_loop_takes_cached_publishes_and_stops_at_others() -> None:
         assert messages[1][3].endswith(b"mqtt.pid\x018\x02")
     with pytest.raises(ValueError):
         speedups.encode_publishes(pubs, [publisher], ROUTES, [], [], 0)
+
+
+def test_the_build_matches_the_source() -> None:
+    """A .so compiled from an older _batch.c would test old code."""
+    source = Path(publishing.__file__).with_name("_batch.c")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    assert digest == speedups.SOURCE_SHA256, "stale build: run `make .venv/.installed-dev`"
+
+
+def test_the_c_loop_spells_no_record_key() -> None:
+    """The record schema's names come from Python (configure), not from the C source."""
+    source = Path(publishing.__file__).with_name("_batch.c").read_text()
+    assert "mqtt." not in source

@@ -1,0 +1,375 @@
+/*
+ * Optional C kernel of gateway.delivery: `plain_run`, the delivery loop's plain path over a
+ * batch (gateway/delivery/send.py `Sender.deliver_plain` -> `Connection.send_prepared`) in one
+ * C call, for the records of the canonical shape, straight from the stored properties to the
+ * PUBLISH bytes: no RecordedPublish, no PreparedPublish. Its Python reference is
+ * gateway/delivery/run.py `plain_run_py` (which encodes with PreparedPublish): the same
+ * result, the same dict changes, the same bytes (tests/gateway/delivery/test_delivery_plain_run.py,
+ * hypothesis). The delivery rule it applies is gateway/delivery/rules.py `decide` for one
+ * subscription and a message without expiry; the record's key names come from Python
+ * (`configure`, with topicmap/record.py's names), so this file spells none of them.
+ *
+ * Per message (a StoredMessage tuple: topic, body, properties, queue_offset, ...):
+ *   - skipped if queue_offset < the next offset;
+ *   - stop, untouched (the caller's general path takes it, with every rule) unless: one
+ *     subscription covers it (`single`, or one queue), its properties are a dict whose QoS
+ *     key is "0", "1" or "2" (or absent: 0), with no expiry key and, at level 5, none of the
+ *     keys an MQTT 5 PUBLISH carries out, its topic (the topic key, else the record's) is in
+ *     the writers' encoded-topic cache `topics` (so it is valid), its body is bytes, and for
+ *     QoS > 0 the next packet id is free (not in flight, not in the codec's outbound map) and
+ *     the codec's Receive Maximum not reached;
+ *   - stop with `full` when it needs a window slot and none is free;
+ *   - passed over without a packet for its publisher under no-local;
+ *   - else its PUBLISH (QoS = min, RETAIN as published at level 5, DUP 0) goes to `batch`,
+ *     and for QoS > 0: outbound[pid] = unacked, inflight[pid] = inflight_new(pid, queue,
+ *     offset, qos), pending[offset] = pid.
+ * `state` = [next offset, next packet id, packets sent, index of the last message passed]
+ * is written back on every exit, errors included.
+ *
+ *     [0x30 | qos << 1 | retain][remaining length][topic, length-prefixed][id][0x00 at v5][body]
+ *
+ * Built by setup.py as an optional extension; accelerators.load decides whether it runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+#ifndef LMQTT_SOURCE_SHA256
+#define LMQTT_SOURCE_SHA256 "unknown"
+#endif
+
+#define MAX_REMAINING_LENGTH 268435455 /* four varint bytes */
+
+enum {
+    R_MESSAGES, R_INDEX, R_STATE, R_SINGLE, R_WINDOW, R_LEVEL, R_SUB_QOS, R_NO_LOCAL, R_RAP,
+    R_CLIENT_ID, R_QUEUE, R_INFLIGHT, R_PENDING, R_INFLIGHT_NEW, R_TOPICS, R_OUTBOUND,
+    R_RECEIVE_MAXIMUM, R_UNACKED, R_BATCH, R_COUNT
+};
+
+/* The record schema's key names (topicmap/record.py), handed over by `configure`; owned. */
+static PyObject *k_topic, *k_qos, *k_retain, *k_client, *k_expiry;
+static PyObject *k_v5 = NULL; /* tuple of str: the keys only an MQTT 5 PUBLISH carries out */
+
+static PyObject *
+configure(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *topic, *qos, *retain, *client, *expiry, *v5;
+    if (!PyArg_ParseTuple(args, "UUUUUO!:configure", &topic, &qos, &retain, &client, &expiry,
+                          &PyTuple_Type, &v5)) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(v5); k++) {
+        if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(v5, k))) {
+            PyErr_SetString(PyExc_TypeError, "configure: the MQTT 5 keys must be str");
+            return NULL;
+        }
+    }
+    PyObject **slots[5] = {&k_topic, &k_qos, &k_retain, &k_client, &k_expiry};
+    PyObject *values[5] = {topic, qos, retain, client, expiry};
+    for (int k = 0; k < 5; k++) {
+        Py_INCREF(values[k]);
+        Py_XSETREF(*slots[k], values[k]);
+    }
+    Py_INCREF(v5);
+    Py_XSETREF(k_v5, v5);
+    Py_RETURN_NONE;
+}
+
+/* "0", "1", "2" -> 0..2; anything else -> -1 (not the canonical shape). */
+static int
+qos_of(PyObject *value)
+{
+    if (!PyUnicode_CheckExact(value) || PyUnicode_GET_LENGTH(value) != 1) {
+        return -1;
+    }
+    Py_UCS4 c = PyUnicode_READ_CHAR(value, 0);
+    return c >= '0' && c <= '2' ? (int)(c - '0') : -1;
+}
+
+/* 1 if `value` is the str "1" (what read_record calls retained), else 0. */
+static int
+is_one(PyObject *value)
+{
+    return value != NULL && PyUnicode_CheckExact(value) && PyUnicode_GET_LENGTH(value) == 1
+           && PyUnicode_READ_CHAR(value, 0) == '1';
+}
+
+static PyObject *
+plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != R_COUNT) {
+        PyErr_Format(PyExc_TypeError, "plain_run takes %d arguments", R_COUNT);
+        return NULL;
+    }
+    if (k_v5 == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "gateway.delivery._run is not configured");
+        return NULL;
+    }
+    PyObject *messages = args[R_MESSAGES], *state = args[R_STATE];
+    PyObject *inflight = args[R_INFLIGHT], *pending = args[R_PENDING];
+    PyObject *topics = args[R_TOPICS], *outbound = args[R_OUTBOUND], *batch = args[R_BATCH];
+    if (!PyList_Check(messages) || !PyList_Check(state) || PyList_GET_SIZE(state) != 4
+        || !PyDict_Check(inflight) || !PyDict_Check(pending) || !PyDict_Check(topics)
+        || !PyDict_Check(outbound) || !PyList_Check(batch)) {
+        PyErr_SetString(PyExc_TypeError, "plain_run: unexpected argument types");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[R_INDEX]);
+    long long next_offset = PyLong_AsLongLong(PyList_GET_ITEM(state, 0));
+    long next_pid = PyLong_AsLong(PyList_GET_ITEM(state, 1));
+    long long sent = PyLong_AsLongLong(PyList_GET_ITEM(state, 2));
+    Py_ssize_t moved = PyLong_AsSsize_t(PyList_GET_ITEM(state, 3));
+    long window = PyLong_AsLong(args[R_WINDOW]);
+    long level = PyLong_AsLong(args[R_LEVEL]);
+    long sub_qos = PyLong_AsLong(args[R_SUB_QOS]);
+    long receive_maximum = PyLong_AsLong(args[R_RECEIVE_MAXIMUM]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    int single = PyObject_IsTrue(args[R_SINGLE]);
+    int no_local = PyObject_IsTrue(args[R_NO_LOCAL]);
+    int rap = PyObject_IsTrue(args[R_RAP]);
+    if (single < 0 || no_local < 0 || rap < 0) {
+        return NULL;
+    }
+    int v5 = level == 5;
+    PyObject *pid_obj = NULL, *flight = NULL, *data = NULL, *encoded = NULL;
+    int full = 0, failed = 0;
+    Py_ssize_t n = PyList_GET_SIZE(messages);
+    for (; i < n; i++) {
+        Py_CLEAR(encoded);
+        PyObject *msg = PyList_GET_ITEM(messages, i);
+        if (!PyTuple_Check(msg) || PyTuple_GET_SIZE(msg) < 9) {
+            break;
+        }
+        PyObject *queues = PyTuple_GET_ITEM(msg, 8), *off_obj = PyTuple_GET_ITEM(msg, 3);
+        PyObject *props = PyTuple_GET_ITEM(msg, 2), *body = PyTuple_GET_ITEM(msg, 1);
+        if (!PyTuple_Check(queues) || !PyLong_CheckExact(off_obj) || !PyDict_Check(props)) {
+            break;
+        }
+        long long off = PyLong_AsLongLong(off_obj);
+        if (off == -1 && PyErr_Occurred()) {
+            failed = 1;
+            break;
+        }
+        if (off < next_offset) {
+            continue;
+        }
+        if (!single && PyTuple_GET_SIZE(queues) > 1) {
+            break; /* maybe covered by another subscription: overlap.py decides */
+        }
+        /* read_record's fields, the canonical shape only (borrowed references). */
+        PyObject *v = PyDict_GetItemWithError(props, k_qos);
+        int qos = v == NULL ? 0 : qos_of(v);
+        if (PyErr_Occurred()) {
+            failed = 1;
+            break;
+        }
+        if (qos < 0) {
+            break;
+        }
+        int has = PyDict_Contains(props, k_expiry);
+        for (Py_ssize_t k = 0; v5 && !has && k < PyTuple_GET_SIZE(k_v5); k++) {
+            has = PyDict_Contains(props, PyTuple_GET_ITEM(k_v5, k));
+        }
+        if (has) {
+            failed = has < 0;
+            break;
+        }
+        PyObject *topic = PyDict_GetItemWithError(props, k_topic);
+        if (topic == NULL) {
+            if (PyErr_Occurred()) {
+                failed = 1;
+                break;
+            }
+            topic = PyTuple_GET_ITEM(msg, 0);
+        }
+        encoded = PyUnicode_CheckExact(topic) ? PyDict_GetItemWithError(topics, topic) : NULL;
+        if (encoded == NULL || !PyBytes_CheckExact(encoded) || !PyBytes_CheckExact(body)) {
+            encoded = NULL; /* borrowed: not ours to release */
+            failed = PyErr_Occurred() != NULL;
+            break; /* a topic the writers have not encoded (and checked) yet */
+        }
+        Py_INCREF(encoded); /* the cache may be cleared while this message is built */
+        if (no_local) {
+            PyObject *client = PyDict_GetItemWithError(props, k_client);
+            int same;
+            if (client != NULL) {
+                same = PyObject_RichCompareBool(client, args[R_CLIENT_ID], Py_EQ);
+            }
+            else if (PyErr_Occurred()) {
+                failed = 1;
+                break;
+            }
+            else { /* absent: "" */
+                same = PyUnicode_Check(args[R_CLIENT_ID])
+                       && PyUnicode_GET_LENGTH(args[R_CLIENT_ID]) == 0;
+            }
+            if (same < 0) {
+                failed = 1;
+                break;
+            }
+            if (same) {
+                goto passed;
+            }
+        }
+        if (sub_qos < qos) {
+            qos = (int)sub_qos;
+        }
+        if (qos > 0 && window - PyDict_GET_SIZE(inflight) <= 0) {
+            full = 1;
+            break;
+        }
+        int retain = 0;
+        if (v5 && rap) {
+            PyObject *r = PyDict_GetItemWithError(props, k_retain);
+            if (r == NULL && PyErr_Occurred()) {
+                failed = 1;
+                break;
+            }
+            retain = is_one(r);
+        }
+        if (qos > 0) {
+            /* Session.allocate_packet_id, the common case; publish_sent's checks. */
+            if ((pid_obj = PyLong_FromLong(next_pid)) == NULL) {
+                failed = 1;
+                break;
+            }
+            int used = PyDict_Contains(inflight, pid_obj);
+            int taken = used ? used : PyDict_Contains(outbound, pid_obj);
+            if (used < 0 || taken < 0) {
+                failed = 1;
+                break;
+            }
+            if (used || taken || PyDict_GET_SIZE(outbound) >= receive_maximum) {
+                break;
+            }
+        }
+        Py_ssize_t tn = PyBytes_GET_SIZE(encoded), bn = PyBytes_GET_SIZE(body);
+        Py_ssize_t remaining = tn + (qos ? 2 : 0) + v5 + bn;
+        if (remaining > MAX_REMAINING_LENGTH) {
+            break;
+        }
+        unsigned char head[5];
+        int hn = 1;
+        head[0] = (unsigned char)(0x30 | qos << 1 | retain);
+        Py_ssize_t rl = remaining;
+        do {
+            unsigned char b = rl & 0x7F;
+            rl >>= 7;
+            head[hn++] = rl ? b | 0x80 : b;
+        } while (rl);
+        if ((data = PyBytes_FromStringAndSize(NULL, hn + remaining)) == NULL) {
+            failed = 1;
+            break;
+        }
+        char *p = PyBytes_AS_STRING(data);
+        memcpy(p, head, hn);
+        p += hn;
+        memcpy(p, PyBytes_AS_STRING(encoded), tn);
+        p += tn;
+        if (qos) {
+            *p++ = (char)(next_pid >> 8);
+            *p++ = (char)(next_pid & 0xFF);
+        }
+        if (v5) {
+            *p++ = 0;
+        }
+        memcpy(p, PyBytes_AS_STRING(body), bn);
+        if (qos > 0) {
+            if (PyDict_SetItem(outbound, pid_obj, args[R_UNACKED]) < 0) {
+                failed = 1;
+                break;
+            }
+            next_pid = next_pid % 65535 + 1;
+            PyObject *fargs[4] = {pid_obj, args[R_QUEUE], off_obj, PyLong_FromLong(qos)};
+            if (fargs[3] == NULL) {
+                failed = 1;
+                break;
+            }
+            flight = PyObject_Vectorcall(args[R_INFLIGHT_NEW], fargs, 4, NULL);
+            Py_DECREF(fargs[3]);
+            if (flight == NULL || PyDict_SetItem(inflight, pid_obj, flight) < 0
+                || PyDict_SetItem(pending, off_obj, pid_obj) < 0) {
+                failed = 1;
+                break;
+            }
+            Py_CLEAR(flight);
+            Py_CLEAR(pid_obj);
+        }
+        if (PyList_Append(batch, data) < 0) {
+            failed = 1;
+            break;
+        }
+        Py_CLEAR(data);
+        sent++;
+    passed:
+        next_offset = off + 1;
+        moved = i;
+    }
+    Py_XDECREF(pid_obj);
+    Py_XDECREF(flight);
+    Py_XDECREF(data);
+    Py_XDECREF(encoded);
+    /* Written back whatever happened, so the caller's bookkeeping is exact. */
+    PyObject *exc_type = NULL, *exc = NULL, *exc_tb = NULL;
+    if (failed) {
+        PyErr_Fetch(&exc_type, &exc, &exc_tb);
+    }
+    PyObject *values[4] = {PyLong_FromLongLong(next_offset), PyLong_FromLong(next_pid),
+                           PyLong_FromLongLong(sent), PyLong_FromSsize_t(moved)};
+    for (int k = 0; k < 4; k++) {
+        if (values[k] == NULL) {
+            for (int j = 0; j < 4; j++) {
+                Py_XDECREF(values[j]);
+            }
+            Py_XDECREF(exc_type);
+            Py_XDECREF(exc);
+            Py_XDECREF(exc_tb);
+            return NULL;
+        }
+    }
+    for (int k = 0; k < 4; k++) {
+        PyList_SetItem(state, k, values[k]); /* steals */
+    }
+    if (failed) {
+        PyErr_Restore(exc_type, exc, exc_tb);
+        return NULL;
+    }
+    return Py_BuildValue("(nO)", i, full ? Py_True : Py_False);
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(topic, qos, retain, client, expiry, v5_keys): the record schema's key names "
+     "(topicmap/record.py), once, before plain_run."},
+    {"plain_run", (PyCFunction)(void (*)(void))plain_run, METH_FASTCALL,
+     "plain_run(messages, i, state, single, window, level, sub_qos, no_local, rap, "
+     "client_id, queue, inflight, pending, inflight_new, topics, outbound, receive_maximum, "
+     "unacked, batch) -> (i, full): the delivery loop's plain path over a batch "
+     "(gateway/delivery/run.py plain_run_py)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "gateway.delivery._run",
+    .m_doc = "Optional C kernel of gateway.delivery (the plain delivery run).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__run(void)
+{
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    /* The SHA-256 of this file when it was compiled: a test compares it with the file on disk. */
+    if (PyModule_AddStringConstant(module, "SOURCE_SHA256", LMQTT_SOURCE_SHA256) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

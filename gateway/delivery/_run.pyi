@@ -1,0 +1,30 @@
+# Stub of the optional C kernel (_run.c), built by setup.py when a compiler exists.
+from collections.abc import Callable
+from typing import Any
+
+SOURCE_SHA256: str
+
+def configure(
+    topic: str, qos: str, retain: str, client: str, expiry: str, v5_keys: tuple[str, ...]
+) -> None: ...
+def plain_run(
+    messages: list[Any],
+    i: int,
+    state: list[int],
+    single: bool,
+    window: int,
+    level: int,
+    sub_qos: int,
+    no_local: bool,
+    rap: bool,
+    client_id: str,
+    queue: str,
+    inflight: dict[int, Any],
+    pending: dict[int, int],
+    inflight_new: Callable[[int, str, int, int], Any],
+    topics: dict[str, bytes],
+    outbound: dict[int, int],
+    receive_maximum: int,
+    unacked: int,
+    batch: list[bytes],
+) -> tuple[int, bool]: ...

@@ -1,0 +1,65 @@
+"""When a delivery loop makes a pass: at once, or paced to one pass per PASS_INTERVAL.
+
+A busy gateway turns its event loop every few hundred microseconds with a few messages each;
+a pass per turn would make a fan-out subscriber cost a pass and a socket write for every few
+packets. So a pass that arrivals and acknowledgements ask for (`schedule`) for a subscriber
+written to less than PASS_INTERVAL ago runs from a timer (at most that much later), unless a
+later notice finds the interval over first. Not paced: a subscriber not written to in the last
+interval, `wake()` (window or transport freed after they stopped a pass, a subscription,
+retained messages) and a pass stopped at the batch limit (call_soon in DeliveryLoop._step), so
+neither low-rate latency nor a window-bound subscriber's throughput pays. uvloop's clock and
+timers move in whole milliseconds: 1 ms is the finest step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway.delivery.state import LoopState
+
+PASS_INTERVAL = 0.001
+# Below this the interval is not over: uvloop's times are whole ms in binary floating point,
+# and 10322.494 - 10322.493 < 0.001.
+_PASS_NOT_OVER = PASS_INTERVAL - 1e-6
+
+
+class Pacing(LoopState):
+    """Schedules the passes of a DeliveryLoop (stepped with call_soon rather than a task: an
+    idle subscriber costs no task)."""
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:
+
+        def _step(self) -> None: ...
+
+    def wake(self) -> None:
+        """Schedule a pass over every queue, in this turn's callbacks (not paced: the window
+        or the transport had stopped this subscriber, or it has something new to look at)."""
+        self._full = True
+        if not self._scheduled and not self._stopped:
+            self._scheduled = True
+            self._loop.call_soon(self._step)
+
+    def arrived(self, queue: str) -> None:
+        """The store's notice (ArrivalHub): `queue` grew."""
+        self._ready[queue] = None
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Schedule a pass over the ready queues (and the offset commits): in this turn's
+        callbacks, or at most PASS_INTERVAL later when a pass wrote less than that ago."""
+        if self._scheduled or self._stopped:
+            return
+        loop = self._loop
+        if loop.time() - self._last_write < _PASS_NOT_OVER:
+            if self._pass_timer is None:
+                self._pass_timer = loop.call_later(PASS_INTERVAL, self._paced)
+            return
+        self._scheduled = True
+        loop.call_soon(self._step)
+
+    def _paced(self) -> None:
+        self._pass_timer = None
+        if not self._scheduled:
+            self._step()

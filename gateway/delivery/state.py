@@ -1,0 +1,128 @@
+"""What a delivery loop is made of: the connection it writes to (Subscriber), the collaborators
+every loop shares (DeliveryContext), and the per-session state its parts share (LoopState).
+
+The parts of a DeliveryLoop (gateway/delivery/loop.py) are classes of their own modules, each
+over this one state: pacing.py (when a pass runs), send.py (the send paths), acks.py
+(acknowledgements, re-sends and offset commits), replay.py (history before the light queue).
+They are composed as bases of DeliveryLoop rather than as objects it holds, so that a call
+from one part to another on the per-message path stays a plain method call on one object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.access.acl import ClientAccess
+from gateway.delivery.account import DeliveryAccount
+from gateway.delivery.arrivals import ArrivalHub
+from gateway.delivery.backlog import BacklogWatch
+from gateway.delivery.shared import SharedGroup
+from gateway.messages.recent import PreparedCache, RecentMessages
+from gateway.messages.retained import RetainedMessage
+from gateway.protocol import Connection
+from gateway.session.registry import Session, SessionRegistry, SubscriptionState
+from gateway.session.replay import ReplayPacer
+from gateway.stats import GatewayStats
+from gateway.storage.cursor import QueueCursor
+from gateway.storage.port import Storage
+
+
+class Subscriber(Protocol):
+    """The connection a delivery loop writes to (gateway/connection/client.py ClientConnection)."""
+
+    conn: Connection
+    acl: ClientAccess | None
+    writable: bool
+    closed: bool
+
+    def write(self, data: bytes) -> None: ...
+
+    def abort(self, reason: int) -> None: ...
+
+
+@dataclass(slots=True)
+class DeliveryContext:
+    """What every delivery loop uses, built once by the composition root (gateway/app.py) and
+    shared by all of them (the shape of uvicorn's ServerState): one attribute hop to each
+    collaborator, and only these."""
+
+    store: Storage  # max_offset, log_max_offset, committed offsets
+    cursor: QueueCursor  # every queue read (gateway/storage/cursor.py)
+    arrivals: ArrivalHub  # long polling
+    recent: RecentMessages  # decoded records of fan-outs
+    prepared: PreparedCache  # encoded packets of fan-outs
+    stats: GatewayStats
+    sessions: SessionRegistry  # progress to persist
+    account: DeliveryAccount
+    replay_pacer: ReplayPacer
+    # told when a pass leaves something unsent (gateway/connection/overload.py)
+    overload: BacklogWatch
+    max_inflight: int  # settings.max_inflight
+    outbound_topic_aliases: bool  # settings.outbound_topic_aliases
+
+
+class LoopState:
+    """The state of one session's delivery loop, shared by its parts (set by DeliveryLoop)."""
+
+    __slots__ = (
+        "_batch",
+        "_behind",
+        "_full",
+        "_last_write",
+        "_live",
+        "_loop",
+        "_pass_timer",
+        "_plain",
+        "_ready",
+        "_replay_timer",
+        "_scheduled",
+        "_stopped",
+        "_uncommitted",
+        "_watched",
+        "alias_max",
+        "aliases",
+        "client",
+        "ctx",
+        "groups",
+        "level",
+        "max_packet",
+        "retained_backlog",
+        "session",
+        "window",
+    )
+
+    ctx: DeliveryContext
+    session: Session
+    client: Subscriber
+    level: int  # the client's protocol level
+    window: int  # packets at QoS > 0 in flight at most
+    max_packet: int | None  # the client's Maximum Packet Size
+    alias_max: int  # outbound topic aliases (0: none)
+    aliases: dict[str, int]
+    # Neither topic aliases nor a packet size limit: the plain send path may send.
+    _plain: bool
+    retained_backlog: deque[tuple[RetainedMessage, SubscriptionState]] | None
+    groups: list[SharedGroup]
+    _loop: asyncio.AbstractEventLoop
+    # Pacing (pacing.py): a pass is scheduled; the loop stopped; loop time of the last pass
+    # that wrote; a paced pass's timer.
+    _scheduled: bool
+    _stopped: bool
+    _last_write: float
+    _pass_timer: asyncio.TimerHandle | None
+    # Next pass: every queue (_full) or only those the store reported (_ready, an ordered set).
+    _full: bool
+    _ready: dict[str, None]
+    # A pass stopped at a full window or transport: the next acknowledgement looks at all.
+    _behind: bool
+    _live: bool  # caught up once since it started (see DeliveryLoop._step)
+    _watched: list[str]  # queues watched with the ArrivalHub (a session has few)
+    # Packets of the pass being made, written with one transport.write() at its end.
+    _batch: list[bytes] | None
+    # Subscriptions whose acknowledged position moved since it was last committed (acks.py).
+    _uncommitted: dict[str, SubscriptionState]
+    # Set while a replay waits for its share of the loop (replay.py).
+    _replay_timer: asyncio.TimerHandle | None
