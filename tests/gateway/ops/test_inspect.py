@@ -15,7 +15,7 @@ from gateway.ops.inspection import inspect_data_dir
 from store import MessageStore, StoreConfig
 from topicmap import queue_name
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HOT = "site/+/temp"
 ALL = "site/#"
 Q_HOT, Q_ALL = queue_name(HOT), queue_name(ALL)
