@@ -32,14 +32,12 @@ from store.format import (
     CRC_PREFIX,
     CRC_TRAILER_SIZE,
     DISPATCH_FIELDS,
-    DISPATCH_PREFIX,
     HEADER_SIZE,
     MAGIC,
-    QOFFSET_PREFIX,
     SIZE_MAGIC,
     check_record,
-    dispatch_info,
-    inner_dispatch_at,
+    inner_dispatch,
+    inner_offsets,
     scan_valid,
 )
 
@@ -274,8 +272,6 @@ def _rebuild(
 
 
 _DISPATCH_FIELDS = DISPATCH_FIELDS.unpack_from
-_DISPATCH_LEN = len(DISPATCH_PREFIX)
-_QOFFSET_LEN = len(QOFFSET_PREFIX)
 
 
 def _redispatch(
@@ -326,18 +322,10 @@ def _redispatch(
             tend = p + 1 + mm[p]
             pstart = tend + 2
             pend = rel + size - CRC_TRAILER_SIZE
-            names = b""
             offsets: list[bytes] = []
-            # The store writes INNER_MULTI_DISPATCH then INNER_MULTI_QUEUE_OFFSET, last.
-            d = inner_dispatch_at(mm, pstart, pend)
+            d, names = inner_dispatch(mm, pstart, pend)
             if d >= 0:
-                j = mm.find(b"\x02", d, pend)
-                names = mm[d + _DISPATCH_LEN : j]
-                k = j + 1 + _QOFFSET_LEN
-                if mm[j + 1 : k] == QOFFSET_PREFIX:
-                    offsets = mm[k : mm.find(b"\x02", k, pend)].split(b",")
-                else:  # not as this store writes it: take the general parser's word
-                    offsets = [b"%d" % o for o in dispatch_info(seg.view, rel)[3]]
+                offsets = inner_offsets(mm, d, names, pstart, pend)
             key = (mm[p + 1 : tend], names)
             route = routes.get(key)
             if route is None:

@@ -57,7 +57,6 @@ from store.format import (
     CQ_UNIT,
     CQ_UNIT_SIZE,
     CRC_TRAILER_SIZE,
-    DISPATCH_PREFIX,
     FIXED_OVERHEAD,
     HEADER_SIZE,
     LOCK_FILE,
@@ -71,6 +70,7 @@ from store.format import (
     append_record,
     check_record,
     encode_queue_dir,
+    inner_dispatch,
     inner_head,
 )
 from store.offsets import OFFSETS_DIR, OFFSETS_FILE, ConsumerOffsets
@@ -227,7 +227,6 @@ MAPPED_TAIL_BYTES = 8 << 20
 _FSYNC_THREADS = 8
 _READ_FIELDS = READ_FIELDS.unpack_from
 _iter_units = CQ_UNIT.iter_unpack
-_DISPATCH_PREFIX_LEN = len(DISPATCH_PREFIX)
 
 
 def _fsync_path(path: str) -> None:
@@ -940,10 +939,8 @@ class MessageStore:
             props: dict[str, str] = {}
             if p < pend:
                 # The store's INNER_* pair is last; user properties (if any) come before it.
-                # format.inner_dispatch_at, inlined: a call per message costs gets ~5%.
-                d = mm.rfind(DISPATCH_PREFIX, p, pend)
-                if d >= 0 and (d == p or mm[d - 1] == 2):
-                    raw = mm[d + _DISPATCH_PREFIX_LEN : mm.find(b"\x02", d, pend)]
+                d, raw = inner_dispatch(mm, p, pend)
+                if d >= 0:
                     queues = tuples.get(raw) or self._queue_tuple(raw)
                     if d > p:
                         props = _parse_user_props(mm[p:d])
