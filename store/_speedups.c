@@ -281,7 +281,7 @@ crc32(PyObject *Py_UNUSED(module), PyObject *arg)
  * call: for each prepared message (route, body, user properties, born) from `i` whose route
  * is resolved for `generation` and whose record fits before `limit`, append the record (as
  * append_record does), dispatch its consume-queue unit to the route's queues (parent first:
- * ConsumeQueueTable.dispatch, `dirty` marking a queue's first pending unit), and append its
+ * store.consumequeue.dispatch, `dirty` marking a queue's first pending unit), and append its
  * PutResult(physical offset, queue offset, light offsets, end, now) to `results`. Stops
  * untouched at a route to resolve again or a record that needs the next segment: the Python
  * loop does that one (it rolls). `state` = [next physical offset, units dispatched] is
@@ -358,6 +358,54 @@ dispatch_unit(PyObject *cq, const unsigned char *unit, PyObject *dirty)
     int failed = PyObject_SetAttr(cq, w_max_offset, next);
     Py_DECREF(next);
     return failed;
+}
+
+/*
+ * dispatch(queues, unit, dirty): store.consumequeue.dispatch, the rule write_run dispatches
+ * with; `unit` is one consume-queue unit (20 bytes).
+ */
+static PyObject *
+dispatch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "dispatch takes 3 arguments, not %zd", nargs);
+        return NULL;
+    }
+    if (intern_write_names() < 0) {
+        return NULL;
+    }
+    if (small_one == NULL && (small_one = PyLong_FromLong(1)) == NULL) {
+        return NULL;
+    }
+    PyObject *dirty = args[2];
+    if (!PyDict_Check(dirty)) {
+        PyErr_SetString(PyExc_TypeError, "dispatch: dirty must be a dict");
+        return NULL;
+    }
+    Py_buffer unit;
+    if (PyObject_GetBuffer(args[1], &unit, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *queues = NULL;
+    if (unit.len != CQ_UNIT_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "dispatch: a unit is 20 bytes");
+        goto fail;
+    }
+    if ((queues = PySequence_Fast(args[0], "dispatch: queues must be a sequence")) == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(queues); k++) {
+        if (dispatch_unit(PySequence_Fast_GET_ITEM(queues, k), unit.buf, dirty) < 0) {
+            goto fail;
+        }
+    }
+    Py_DECREF(queues);
+    PyBuffer_Release(&unit);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(queues);
+    PyBuffer_Release(&unit);
+    return NULL;
 }
 
 static PyObject *
@@ -790,6 +838,8 @@ static PyMethodDef methods[] = {
     {"prepare_run", (PyCFunction)(void (*)(void))prepare_run, METH_FASTCALL,
      "prepare_run(messages, i, routes, max_body, born, batch, touched) -> i: "
      "MessageStore._append_batch's validation loop, its common case (prepare_run_py)."},
+    {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
+     "dispatch(queues, unit, dirty): the unit joins every queue (store.consumequeue.dispatch)."},
     {"write_run", (PyCFunction)(void (*)(void))write_run, METH_FASTCALL,
      "write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result) "
      "-> i: MessageStore._write_locked's loop, its common case (store.store.write_run_py)."},

@@ -1,4 +1,5 @@
 # Stub of the optional C accelerator (_speedups.c), built by setup.py when a compiler exists.
+from collections.abc import Sequence
 from typing import Any
 
 SOURCE_SHA256: str
@@ -18,6 +19,7 @@ def append_record(
     /,
 ) -> int: ...
 def crc32(data: bytes, /) -> int: ...
+def dispatch(queues: Sequence[Any], unit: bytes, dirty: dict[str, Any], /) -> None: ...
 def write_run(
     batch: list[Any],
     i: int,

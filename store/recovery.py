@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from store.checkpoint import Checkpoint
 from store.commitlog import CommitLog
-from store.consumequeue import ConsumeQueue, ConsumeQueueTable
+from store.consumequeue import ConsumeQueue, ConsumeQueueTable, dispatch
 from store.errors import CorruptStoreError
 from store.format import (
     BLANK_MAGIC,
@@ -298,7 +298,6 @@ def _redispatch(
     gaps: set[str] = set()
     routes: dict[tuple[bytes, bytes], _Route] = {}
     dirty = table.dirty
-    dispatch = table.dispatch
     pack = CQ_UNIT.pack
     pos = start
     while pos < end:
@@ -345,13 +344,13 @@ def _redispatch(
                         in_order = False
                         break
             if in_order:
-                dispatch(queues, unit)
+                dispatch(queues, unit, dirty)
             else:
                 for cq, index in zip((parent, *lights), (qoff, *map(int, offsets))):  # noqa: B905
                     if cq is None:
                         continue
                     if index == cq.max_offset:
-                        dispatch((cq,), unit)
+                        dispatch((cq,), unit, dirty)
                     else:
                         _place_out_of_order(table, cq, index, unit, rebuilding, gaps)
             if len(dirty) > 4096:
@@ -408,4 +407,4 @@ def _place_out_of_order(
         cq.flushed = cq.max_offset = index
     else:
         return
-    table.dispatch((cq,), unit)
+    dispatch((cq,), unit, table.dirty)

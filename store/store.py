@@ -15,7 +15,7 @@ cached ``_Route`` (names validated once, INNER_* property head, queue states) an
 against worst-case sizes before the lock. Under it, ``_write_locked`` hands out the offsets;
 the layers do the rest: the record step (format.append_record, in C when store/_speedups.c is
 built) builds each record into the CommitLog's BatchWriter (one write per batch, rolls), and
-ConsumeQueueTable.dispatch adds its units, the same dispatch recovery uses. Reading: a get
+consumequeue.dispatch adds its units, the same dispatch recovery uses. Reading: a get
 decodes records straight from the segment mmap without re-checking CRCs (recovery validates;
 this process wrote the rest). Both build their NamedTuple results with ``tuple.__new__``.
 """
@@ -36,7 +36,7 @@ from accelerators import pure_python
 from store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from store.commitlog import BatchWriter, CommitLog
 from store.config import FlushMode, StoreConfig
-from store.consumequeue import ConsumeQueue, ConsumeQueueTable
+from store.consumequeue import ConsumeQueue, ConsumeQueueTable, dispatch
 from store.errors import (
     CorruptStoreError,
     InvalidPropertyError,
@@ -126,7 +126,7 @@ def write_run_py(
 ) -> int:
     """MessageStore._write_locked's common case: from ``batch[i]`` on, while a message's
     route is resolved for ``generation`` and its record fits before ``limit``, append the
-    record, dispatch its unit to the route's queues (ConsumeQueueTable.dispatch) and add its
+    record, dispatch its unit to the route's queues (consumequeue.dispatch) and add its
     PutResult to ``results``; return the index of the first message left (a route to resolve
     again, a record for the next segment). ``state`` = [next physical offset, units
     dispatched] is written back on every exit, errors included. The reference of
@@ -149,12 +149,7 @@ def write_run_py(
             )  # fmt: skip
             if size < 0:
                 break
-            unit = _pack_unit(phys, size, 0)
-            for cq in route.queues:  # ConsumeQueueTable.dispatch, inlined
-                if not cq.pending:
-                    dirty[cq.name] = cq
-                cq.pending += unit
-                cq.max_offset += 1
+            dispatch(route.queues, _pack_unit(phys, size, 0), dirty)
             units += route.units
             end = phys + size
             results.append(_tuple_new(put_result, (phys, qoff, lo, end, now)))
@@ -621,8 +616,8 @@ class MessageStore:
 
         The layers: the CommitLog's BatchWriter places the records (segment, roll, one write
         per batch), the record step ``_append_record`` builds each one (store/_speedups.c, or
-        its Python reference format.append_record: the same bytes), and the consume-queue
-        table's ``dispatch`` gives it a unit in its parent and light queues. The common case
+        its Python reference format.append_record: the same bytes), and the dispatch
+        rule consumequeue.dispatch gives it a unit in its parent and light queues. The common case
         of this loop, a run of records that fit in the segment on routes resolved already, is
         ``_write_run`` (store/_speedups.c ``write_run``, or its reference ``write_run_py``);
         the record it stops at (a route to resolve, a segment to roll) is done here. Sizes
@@ -690,7 +685,7 @@ class MessageStore:
             )  # fmt: skip
             if size < 0:  # unreachable: _check_size saw the worst case
                 raise MessageTooLargeError(route.fixed_size + len(body), writer.limit - phys)
-        table.dispatch(route.queues, _pack_unit(phys, size, 0))
+        dispatch(route.queues, _pack_unit(phys, size, 0), table.dirty)
         state[1] += route.units
         end = phys + size
         results.append(_tuple_new(PutResult, (phys, qoff, lo, end, now)))
