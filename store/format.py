@@ -107,6 +107,7 @@ def header_struct(*names: str) -> struct.Struct:
 #: Offsets of the fields readers need without decoding the whole header.
 OFF_TOTALSIZE: Final = _FIELD_AT["TOTALSIZE"]  # 0
 OFF_MAGIC: Final = _FIELD_AT["MAGICCODE"]  # 4
+OFF_BODYCRC: Final = _FIELD_AT["BODYCRC"]  # 8
 OFF_QUEUEOFFSET: Final = _FIELD_AT["QUEUEOFFSET"]  # 20
 OFF_PHYSICALOFFSET: Final = _FIELD_AT["PHYSICALOFFSET"]  # 28
 OFF_BORNTIMESTAMP: Final = _FIELD_AT["BORNTIMESTAMP"]  # 40

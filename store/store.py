@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from accelerators import pure_python
 from store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from store.commitlog import BatchWriter, CommitLog
 from store.config import FlushMode, StoreConfig
@@ -73,6 +72,7 @@ from store.format import (
     inner_dispatch,
     inner_head,
 )
+from store.kernel import load as load_kernel
 from store.offsets import OFFSETS_DIR, OFFSETS_FILE, ConsumerOffsets
 from store.recovery import RecoveryReport, recover, scan_log
 from store.results import (
@@ -96,19 +96,10 @@ _pack_unit = CQ_UNIT.pack
 _time = time.time
 
 
-def _load_append_record() -> Callable[..., int]:
-    """store/_speedups.c's append_record when it was built and LMQTT_PURE_PYTHON is not
-    set, else its reference, format.append_record: the same bytes either way."""
-    if pure_python():
-        return append_record
-    try:
-        from store import _speedups
-    except ImportError:
-        return append_record
-    return _speedups.append_record
-
-
-_append_record = _load_append_record()
+_record_kernel = load_kernel()
+_run_kernel = load_kernel("LMQTT_PURE_PYTHON_APPEND")
+#: The record step: store/_speedups.c's append_record, or its reference format.append_record.
+_append_record: Callable[..., int] = getattr(_record_kernel, "append_record", append_record)
 SPEEDUPS = _append_record is not append_record
 
 
@@ -192,20 +183,10 @@ def prepare_run_py(
     return i
 
 
-def _load_runs() -> tuple[Callable[..., int], Callable[..., int]]:
-    """store/_speedups.c's write_run and prepare_run when it was built, else write_run_py and
-    prepare_run_py; LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_APPEND (this
-    path's, for A/B runs) keep the references."""
-    if pure_python("LMQTT_PURE_PYTHON_APPEND"):
-        return write_run_py, prepare_run_py
-    try:
-        from store import _speedups
-    except ImportError:
-        return write_run_py, prepare_run_py
-    return _speedups.write_run, _speedups.prepare_run
-
-
-_write_run, _prepare_run = _load_runs()
+#: The two loops' common cases: store/_speedups.c's, or their references above. LMQTT_PURE_PYTHON
+#: (every accelerator) or LMQTT_PURE_PYTHON_APPEND (this path's, for A/B runs) keep these.
+_write_run: Callable[..., int] = getattr(_run_kernel, "write_run", write_run_py)
+_prepare_run: Callable[..., int] = getattr(_run_kernel, "prepare_run", prepare_run_py)
 #: Builds PutResult / StoredMessage without the Python-level NamedTuple __new__ (one call
 #: less per message on the hot paths); same type, same fields.
 _tuple_new = tuple.__new__

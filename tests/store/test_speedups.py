@@ -15,12 +15,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from store import consumequeue
+from store import consumequeue, kernel
 from store import format as fmt
 from store import store as store_module
 from store.consumequeue import ConsumeQueue
 
 speedups = pytest.importorskip("store._speedups")
+kernel.configure(speedups)  # as store.kernel.load does; a pure-Python run skipped that
 SOURCE = Path(fmt.__file__).with_name("_speedups.c")
 
 offsets = st.integers(0, (1 << 63) - 1)
@@ -164,6 +165,30 @@ PURE = os.environ.get("LMQTT_PURE_PYTHON", "") not in ("", "0")
 @pytest.mark.skipif(PURE, reason="LMQTT_PURE_PYTHON is set: the store runs the reference")
 def test_the_store_uses_it() -> None:
     assert store_module.SPEEDUPS and store_module._append_record is speedups.append_record
+
+
+def test_the_format_comes_from_python() -> None:
+    """The C module spells no property key of the format; it is handed them by configure,
+    which refuses a layout it cannot write, and it writes nothing before configure ran."""
+    source = SOURCE.read_text()
+    for key in (fmt.PROP_MULTI_DISPATCH, fmt.PROP_MULTI_QUEUE_OFFSET, fmt.PROP_CRC32):
+        assert key not in source
+    good = (fmt.MAGIC, fmt.CRC_MASK, fmt.CRC_PREFIX, fmt.HEADER_SIZE, kernel.WRITTEN_FIELDS)
+    with pytest.raises(ValueError, match="outside the header"):
+        speedups.configure(*good[:3], 60, good[4], fmt.CQ_UNIT_SIZE)
+    with pytest.raises(ValueError, match="cannot write"):
+        speedups.configure(*good, 24)
+    with pytest.raises(ValueError, match="one offset per"):
+        speedups.configure(*good[:4], good[4][:-1], fmt.CQ_UNIT_SIZE)
+    unconfigured = subprocess.run(
+        [sys.executable, "-c", "import store._speedups as k; "
+         "k.append_record(bytearray(), 999, 0, 0, 0, 0, b'', b'\\x01t', b'', b'', ())"],
+        env={**os.environ, "LMQTT_PURE_PYTHON": "1"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert "is not configured" in unconfigured.stderr  # the store's import configured none
+    buf = bytearray()
+    speedups.append_record(buf, 999, 0, 0, 0, 0, b"", b"\x01t", b"", b"", ())  # still configured
+    assert fmt.check_record(buf, 0, len(buf)) == len(buf)
 
 
 def test_the_build_matches_the_source() -> None:

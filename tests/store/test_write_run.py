@@ -15,11 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import MessageStore, StoreConfig
+from store import MessageStore, StoreConfig, kernel
 from store import results as results_module
 from store import store as store_module
 
 speedups = pytest.importorskip("store._speedups")
+kernel.configure(speedups)  # as store.kernel.load does; a pure-Python run skipped that
 
 QUEUES = ["l/a", "l/b", "l/c", "l/d"]
 
