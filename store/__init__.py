@@ -1,5 +1,6 @@
 """Embedded CommitLog store with light message queues (RocketMQ's model, RIP-28 LMQ)."""
 
+from store.append import EncodedMessage
 from store.config import FlushMode, StoreConfig
 from store.delivery_account import (
     FLAG_CLEAN,
@@ -38,7 +39,7 @@ from store.statelog import (
     read_state,
     read_state_records,
 )
-from store.store import EncodedMessage, MessageStore
+from store.store import MessageStore
 
 __all__ = [
     "DISPATCH_KEY",

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from store import append as append_module
 from store import consumequeue, kernel
 from store import format as fmt
-from store import store as store_module
 from store.consumequeue import ConsumeQueue
 
 speedups = pytest.importorskip("store._speedups")
@@ -164,7 +164,7 @@ PURE = os.environ.get("LMQTT_PURE_PYTHON", "") not in ("", "0")
 
 @pytest.mark.skipif(PURE, reason="LMQTT_PURE_PYTHON is set: the store runs the reference")
 def test_the_store_uses_it() -> None:
-    assert store_module.SPEEDUPS and store_module._append_record is speedups.append_record
+    assert append_module.SPEEDUPS and append_module._append_record is speedups.append_record
 
 
 def test_the_format_comes_from_python() -> None:
@@ -202,10 +202,10 @@ def test_pure_python_mode_writes_the_same_log(tmp_path: Path) -> None:
     code = """
 import sys
 from pathlib import Path
-from store import store as s
-from store.config import StoreConfig
+from store import append as s
+from store import MessageStore, StoreConfig
 s._time = lambda: 1_700_000_000.0
-st = s.MessageStore.open(StoreConfig(data_dir=sys.argv[1], segment_size=8192))
+st = MessageStore.open(StoreConfig(data_dir=sys.argv[1], segment_size=8192))
 props = st.encode_properties({"k": "v"})
 for i in range(300):
     lights = ("%LMQ%a/+", "%LMQ%a/#") if i % 3 else ()
