@@ -351,7 +351,7 @@ crc32(PyObject *Py_UNUSED(module), PyObject *arg)
  * write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result)
  *   -> index of the first message not written
  *
- * MessageStore._write_locked's loop over a batch (store/store.py), its common case in one
+ * Appender._write's loop over a batch (store/append.py), its common case in one
  * call: for each prepared message (route, body, user properties, born) from `i` whose route
  * is resolved for `generation` and whose record fits before `limit`, append the record (as
  * append_record does), dispatch its consume-queue unit to the route's queues (parent first:
@@ -359,7 +359,7 @@ crc32(PyObject *Py_UNUSED(module), PyObject *arg)
  * PutResult(physical offset, queue offset, light offsets, end, now) to `results`. Stops
  * untouched at a route to resolve again or a record that needs the next segment: the Python
  * loop does that one (it rolls). `state` = [next physical offset, units dispatched] is
- * written back on every exit, errors included. The reference is store.store.write_run_py:
+ * written back on every exit, errors included. The reference is store.append.write_run_py:
  * the same files, queues and results (tests/store/test_write_run.py, hypothesis).
  */
 
@@ -817,13 +817,13 @@ fail:
 /*
  * prepare_run(messages, i, routes, max_body, born, batch, touched) -> index of the first left
  *
- * MessageStore._append_batch's validation loop, its common case: for each (topic, light
+ * Appender.append's validation loop, its common case: for each (topic, light
  * queues, body, property block) from `messages[i]` on whose route is cached (`routes`,
  * keyed by (topic, light queues)) and whose body and properties fit the route's worst-case
  * room (`size_room`, `props_room`) and `max_body`, append (route, body, block, born) to
  * `batch` and mark the route in `touched`. Stops untouched at a message to route or to check
  * in full: the Python loop does it (and raises what it must). The reference is
- * store.store.prepare_run_py (tests/store/test_write_run.py runs stores on both).
+ * store.append.prepare_run_py (tests/store/test_write_run.py runs stores on both).
  */
 static PyObject *w_size_room, *w_props_room;
 
@@ -911,12 +911,12 @@ static PyMethodDef methods[] = {
      "the StoredMessages an appended batch adds per light queue (store.results.stored_runs_py)."},
     {"prepare_run", (PyCFunction)(void (*)(void))prepare_run, METH_FASTCALL,
      "prepare_run(messages, i, routes, max_body, born, batch, touched) -> i: "
-     "MessageStore._append_batch's validation loop, its common case (prepare_run_py)."},
+     "Appender.append's validation loop, its common case (store.append.prepare_run_py)."},
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
      "dispatch(queues, unit, dirty): the unit joins every queue (store.consumequeue.dispatch)."},
     {"write_run", (PyCFunction)(void (*)(void))write_run, METH_FASTCALL,
      "write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result) "
-     "-> i: MessageStore._write_locked's loop, its common case (store.store.write_run_py)."},
+     "-> i: Appender._write's loop, its common case (store.append.write_run_py)."},
     {NULL, NULL, 0, NULL},
 };
 

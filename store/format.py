@@ -335,7 +335,7 @@ def append_record(
     light_offsets: tuple[int, ...],
 ) -> int:
     """Append one record to ``buf`` and return its size; -1 (nothing appended) if it would
-    take more than ``room`` bytes. The batch writer's step, MessageStore._write_locked.
+    take more than ``room`` bytes. The append loop's record step (store/append.py).
 
     ``topic_field`` is TOPICLENGTH + TOPIC; the properties are ``user_props`` then, with light
     queues, ``inner_head`` (INNER_MULTI_DISPATCH pair and the INNER_MULTI_QUEUE_OFFSET key)

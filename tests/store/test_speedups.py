@@ -1,5 +1,7 @@
-"""store/_speedups.c: the same record bytes as store.format.append_record, the same CRC as
-zlib, no leaks, a build that matches its source, and a pure-Python mode that is pure."""
+"""store/_speedups.c: the same record bytes as store.format.append_record, the same units
+and queue ends as store.consumequeue.dispatch, the same CRC as zlib, the record format handed
+by store.kernel.configure (none spelled in C), no leaks, a build that matches its source, and
+a pure-Python mode that is pure."""
 
 from __future__ import annotations
 
