@@ -1,5 +1,6 @@
 """Embedded CommitLog store with light message queues (RocketMQ's model, RIP-28 LMQ)."""
 
+from store.append import EncodedMessage
 from store.config import FlushMode, StoreConfig
 from store.delivery_account import (
     FLAG_CLEAN,
@@ -20,6 +21,8 @@ from store.errors import (
     StoreError,
     StoreLockedError,
 )
+from store.format import PROP_MULTI_DISPATCH as DISPATCH_KEY
+from store.format import PROP_MULTI_QUEUE_OFFSET as DISPATCH_OFFSETS_KEY
 from store.recovery import RecoveryReport
 from store.results import (
     ArrivalListener,
@@ -36,9 +39,11 @@ from store.statelog import (
     read_state,
     read_state_records,
 )
-from store.store import EncodedMessage, MessageStore
+from store.store import MessageStore
 
 __all__ = [
+    "DISPATCH_KEY",
+    "DISPATCH_OFFSETS_KEY",
     "FLAG_CLEAN",
     "FLAG_CLOSED",
     "FLAG_SHARED",

@@ -1,26 +1,28 @@
 /*
- * Optional C accelerator of the store: `append_record`, the per-message step of
- * MessageStore._write_locked (build one CommitLog record, both CRCs included, onto the batch
- * buffer), and `write_run`, that loop's common case over a whole batch (below).
+ * The store's C accelerator: the twins of Python references in the store package, each
+ * giving the same bytes and the same state as its reference (the tests name the pairs):
  *
- * Why C: in a publisher flood the batch writer spent ~1.9 us per message in Python, a quarter
- * of the gateway's CPU per message, nearly all of it interpreter overhead around a header
- * pack, two CRCs, a property format, two joins and the trailer format. This does the same in
- * one call. The Python reference is store.format.append_record; the two produce the same
- * bytes (tests/store/test_speedups.py, hypothesis), and the store falls back to it when this
- * module was not built or LMQTT_PURE_PYTHON=1.
+ *   append_record  store.format.append_record: one CommitLog record, both CRCs included,
+ *                  onto the batch buffer (tests/store/test_speedups.py)
+ *   dispatch       store.consumequeue.dispatch: a unit joins its queues (test_speedups.py)
+ *   write_run      store.append.write_run_py: the append loop's common case, built on the two
+ *                  above (tests/store/test_write_run.py)
+ *   prepare_run    store.append.prepare_run_py: the validation loop's common case (ditto)
+ *   stored_runs    store.results.stored_runs_py (tests/store/test_stored_runs.py)
  *
- * The record layout is drawn in store/format.py; in short (big-endian):
+ * The record format is store/format.py's: it is drawn there, and `configure` hands this
+ * module, once at load, what it writes (magic, CRC mask, the CRC trailer's key, the header
+ * size and the offsets of the header fields it sets); nothing of it is spelled here but the
+ * field widths, which `configure` checks. The light queues' property pair comes, per route,
+ * from Python (format.inner_head); this code only appends the offsets and the separator.
  *
- *   0 TOTALSIZE 4 | MAGIC 4 | BODYCRC 4 | QUEUEID+FLAG 8 (0) | QUEUEOFFSET 8 | PHYSICALOFFSET 8
- *   | SYSFLAG 4 (0) | BORNTIMESTAMP 8 | BORNHOST 8 (0) | STORETIMESTAMP 8 | STOREHOST 8 (0)
- *   | RECONSUMETIMES 4 (0) | PREPAREDTXOFFSET 8 (0) | BODYLENGTH 4   = 88 bytes
- *   BODY | TOPICLENGTH 1 + TOPIC | PROPERTIESLENGTH 2 | user properties
- *   | INNER_MULTI_DISPATCH \x01 q1,q2 \x02 INNER_MULTI_QUEUE_OFFSET \x01 o1,o2 \x02
- *   | "__CRC32#" \x01 dddddddddd \x02      (crc32 of everything before it, & 0x7FFFFFFF)
+ *   header (header_size bytes, zeros but the fields set from `configure`'s offsets)
+ *   | BODY | TOPICLENGTH 1 + TOPIC | PROPERTIESLENGTH 2 | user properties
+ *   | inner_head o1,o2 \x02 | crc_prefix dddddddddd \x02   (crc32 of everything before, masked)
  *
- * The CRC is the zlib/IEEE CRC-32 (reflected 0xEDB88320), computed here with slicing-by-8
- * tables so that the module needs no zlib headers to build.
+ * The CRC is the zlib/IEEE CRC-32 (reflected 0xEDB88320), computed with slicing-by-8 tables
+ * so that the module needs no zlib headers to build. Loaded (and configured) through
+ * accelerators.load; without it, or with LMQTT_PURE_PYTHON, the references run.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -31,11 +33,22 @@
 #define LMQTT_SOURCE_SHA256 "unknown"
 #endif
 
-#define MAGIC 0xDAA320A7u
-#define CRC_MASK 0x7FFFFFFFu
-#define HEAD_SIZE 88
-#define CRC_TRAILER_SIZE 20
 #define MAX_OFFSETS 4096
+#define MAX_HEAD_SIZE 256
+#define MAX_CRC_PREFIX 32
+#define CRC_DIGITS 10
+/* A consume-queue unit (store/format.py CQ_UNIT, ">qiq"): physical offset 8 | size 4 | tag 8. */
+#define CQ_UNIT_SIZE 20
+
+/* What `configure` was given (store.kernel.configure); set once per process. */
+enum { H_TOTALSIZE, H_MAGIC, H_BODYCRC, H_QUEUEOFFSET, H_PHYSICALOFFSET, H_BORN, H_STORED,
+       H_BODYLENGTH, H_COUNT };
+static const int head_width[H_COUNT] = {4, 4, 4, 8, 8, 8, 8, 4};
+static int configured = 0;
+static uint32_t magic, crc_mask;
+static Py_ssize_t head_size, head_at[H_COUNT];
+static unsigned char crc_prefix[MAX_CRC_PREFIX];
+static Py_ssize_t crc_prefix_len, crc_trailer_size;
 
 static uint32_t crc_table[8][256];
 
@@ -116,6 +129,63 @@ as_ll(PyObject *obj, long long *out)
 }
 
 /*
+ * configure(magic, crc_mask, crc_prefix, header_size, field_offsets, unit_size): the record
+ * format, from store.kernel.configure. `field_offsets` are those of TOTALSIZE,
+ * MAGICCODE, BODYCRC, QUEUEOFFSET, PHYSICALOFFSET, BORNTIMESTAMP, STORETIMESTAMP and
+ * BODYLENGTH in the header; a layout this code cannot write (a field past the header, a
+ * unit size other than its own) is refused.
+ */
+static PyObject *
+configure(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    unsigned long new_magic, new_mask;
+    Py_buffer prefix;
+    Py_ssize_t new_head, unit_size;
+    PyObject *fields;
+    if (!PyArg_ParseTuple(args, "kky*nO!n:configure", &new_magic, &new_mask, &prefix, &new_head,
+                          &PyTuple_Type, &fields, &unit_size)) {
+        return NULL;
+    }
+    Py_ssize_t at[H_COUNT];
+    const char *error = NULL;
+    if (prefix.len < 1 || prefix.len > MAX_CRC_PREFIX) {
+        error = "configure: CRC trailer key of an unsupported length";
+    }
+    else if (new_head < 1 || new_head > MAX_HEAD_SIZE || unit_size != CQ_UNIT_SIZE
+             || new_magic > 0xFFFFFFFFul || new_mask > 0xFFFFFFFFul) {
+        error = "configure: a record layout this module cannot write";
+    }
+    else if (PyTuple_GET_SIZE(fields) != H_COUNT) {
+        error = "configure: field_offsets needs one offset per header field written";
+    }
+    for (int k = 0; error == NULL && k < H_COUNT; k++) {
+        at[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(fields, k));
+        if (at[k] == -1 && PyErr_Occurred()) {
+            PyBuffer_Release(&prefix);
+            return NULL;
+        }
+        if (at[k] < 0 || at[k] + head_width[k] > new_head) {
+            error = "configure: a header field outside the header";
+        }
+    }
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        PyBuffer_Release(&prefix);
+        return NULL;
+    }
+    memcpy(crc_prefix, prefix.buf, (size_t)prefix.len);
+    crc_prefix_len = prefix.len;
+    crc_trailer_size = prefix.len + CRC_DIGITS + 1;
+    PyBuffer_Release(&prefix);
+    memcpy(head_at, at, sizeof(head_at));
+    magic = (uint32_t)new_magic;
+    crc_mask = (uint32_t)new_mask;
+    head_size = new_head;
+    configured = 1;
+    Py_RETURN_NONE;
+}
+
+/*
  * append_record(buf, room, queue_offset, physical_offset, born, stored, body, topic_field,
  *               user_props, inner_head, light_offsets) -> size, or -1 if size > room
  */
@@ -124,6 +194,10 @@ append_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
 {
     if (nargs != 11) {
         PyErr_Format(PyExc_TypeError, "append_record takes 11 arguments, not %zd", nargs);
+        return NULL;
+    }
+    if (!configured) {
+        PyErr_SetString(PyExc_RuntimeError, "store._speedups is not configured");
         return NULL;
     }
     PyObject *result = NULL;
@@ -193,8 +267,8 @@ append_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
     if (PyObject_GetBuffer(args[9], &head, PyBUF_SIMPLE) < 0) {
         goto fail_uprops;
     }
-    Py_ssize_t plen = uprops.len + (n ? head.len + dlen : 0) + CRC_TRAILER_SIZE;
-    Py_ssize_t size = HEAD_SIZE + body.len + topic.len + 2 + plen;
+    Py_ssize_t plen = uprops.len + (n ? head.len + dlen : 0) + crc_trailer_size;
+    Py_ssize_t size = head_size + body.len + topic.len + 2 + plen;
     if (plen > 0xFFFF || size > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "append_record: record fields too long");
         goto done;
@@ -209,16 +283,16 @@ append_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
     }
     unsigned char *rec = (unsigned char *)PyByteArray_AS_STRING(buf) + old;
     unsigned char *p = rec;
-    memset(p, 0, HEAD_SIZE);
-    put32(p, (uint32_t)size);
-    put32(p + 4, MAGIC);
-    put32(p + 8, crc32_of(body.buf, body.len) & CRC_MASK);
-    put64(p + 20, qoff);
-    put64(p + 28, phys);
-    put64(p + 40, born);
-    put64(p + 56, stored);
-    put32(p + 84, (uint32_t)body.len);
-    p += HEAD_SIZE;
+    memset(p, 0, (size_t)head_size);
+    put32(p + head_at[H_TOTALSIZE], (uint32_t)size);
+    put32(p + head_at[H_MAGIC], magic);
+    put32(p + head_at[H_BODYCRC], crc32_of(body.buf, body.len) & crc_mask);
+    put64(p + head_at[H_QUEUEOFFSET], qoff);
+    put64(p + head_at[H_PHYSICALOFFSET], phys);
+    put64(p + head_at[H_BORN], born);
+    put64(p + head_at[H_STORED], stored);
+    put32(p + head_at[H_BODYLENGTH], (uint32_t)body.len);
+    p += head_size;
     memcpy(p, body.buf, (size_t)body.len);
     p += body.len;
     memcpy(p, topic.buf, (size_t)topic.len);
@@ -233,14 +307,14 @@ append_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
         memcpy(p, digits, (size_t)dlen);
         p += dlen;
     }
-    uint32_t crc = crc32_of(rec, p - rec) & CRC_MASK;
-    memcpy(p, "__CRC32#\x01", 9);
-    p += 9;
-    for (int i = 9; i >= 0; i--) {
+    uint32_t crc = crc32_of(rec, p - rec) & crc_mask;
+    memcpy(p, crc_prefix, (size_t)crc_prefix_len);
+    p += crc_prefix_len;
+    for (int i = CRC_DIGITS - 1; i >= 0; i--) {
         p[i] = (unsigned char)('0' + crc % 10);
         crc /= 10;
     }
-    p[10] = '\x02';
+    p[CRC_DIGITS] = '\x02';
     result = PyLong_FromSsize_t(size);
 done:
     PyBuffer_Release(&head);
@@ -277,20 +351,17 @@ crc32(PyObject *Py_UNUSED(module), PyObject *arg)
  * write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result)
  *   -> index of the first message not written
  *
- * MessageStore._write_locked's loop over a batch (store/store.py), its common case in one
+ * Appender._write's loop over a batch (store/append.py), its common case in one
  * call: for each prepared message (route, body, user properties, born) from `i` whose route
  * is resolved for `generation` and whose record fits before `limit`, append the record (as
  * append_record does), dispatch its consume-queue unit to the route's queues (parent first:
- * ConsumeQueueTable.dispatch, `dirty` marking a queue's first pending unit), and append its
+ * store.consumequeue.dispatch, `dirty` marking a queue's first pending unit), and append its
  * PutResult(physical offset, queue offset, light offsets, end, now) to `results`. Stops
  * untouched at a route to resolve again or a record that needs the next segment: the Python
  * loop does that one (it rolls). `state` = [next physical offset, units dispatched] is
- * written back on every exit, errors included. The reference is store.store.write_run_py:
+ * written back on every exit, errors included. The reference is store.append.write_run_py:
  * the same files, queues and results (tests/store/test_write_run.py, hypothesis).
- *
- * A consume-queue unit (store/format.py CQ_UNIT, ">qiq"): physical offset 8 | size 4 | tag 8 (0).
  */
-#define CQ_UNIT_SIZE 20
 
 static PyObject *small_one;
 
@@ -358,6 +429,54 @@ dispatch_unit(PyObject *cq, const unsigned char *unit, PyObject *dirty)
     int failed = PyObject_SetAttr(cq, w_max_offset, next);
     Py_DECREF(next);
     return failed;
+}
+
+/*
+ * dispatch(queues, unit, dirty): store.consumequeue.dispatch, the rule write_run dispatches
+ * with; `unit` is one consume-queue unit (20 bytes).
+ */
+static PyObject *
+dispatch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "dispatch takes 3 arguments, not %zd", nargs);
+        return NULL;
+    }
+    if (intern_write_names() < 0) {
+        return NULL;
+    }
+    if (small_one == NULL && (small_one = PyLong_FromLong(1)) == NULL) {
+        return NULL;
+    }
+    PyObject *dirty = args[2];
+    if (!PyDict_Check(dirty)) {
+        PyErr_SetString(PyExc_TypeError, "dispatch: dirty must be a dict");
+        return NULL;
+    }
+    Py_buffer unit;
+    if (PyObject_GetBuffer(args[1], &unit, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *queues = NULL;
+    if (unit.len != CQ_UNIT_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "dispatch: a unit is 20 bytes");
+        goto fail;
+    }
+    if ((queues = PySequence_Fast(args[0], "dispatch: queues must be a sequence")) == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(queues); k++) {
+        if (dispatch_unit(PySequence_Fast_GET_ITEM(queues, k), unit.buf, dirty) < 0) {
+            goto fail;
+        }
+    }
+    Py_DECREF(queues);
+    PyBuffer_Release(&unit);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(queues);
+    PyBuffer_Release(&unit);
+    return NULL;
 }
 
 static PyObject *
@@ -698,13 +817,13 @@ fail:
 /*
  * prepare_run(messages, i, routes, max_body, born, batch, touched) -> index of the first left
  *
- * MessageStore._append_batch's validation loop, its common case: for each (topic, light
+ * Appender.append's validation loop, its common case: for each (topic, light
  * queues, body, property block) from `messages[i]` on whose route is cached (`routes`,
  * keyed by (topic, light queues)) and whose body and properties fit the route's worst-case
  * room (`size_room`, `props_room`) and `max_body`, append (route, body, block, born) to
  * `batch` and mark the route in `touched`. Stops untouched at a message to route or to check
  * in full: the Python loop does it (and raises what it must). The reference is
- * store.store.prepare_run_py (tests/store/test_write_run.py runs stores on both).
+ * store.append.prepare_run_py (tests/store/test_write_run.py runs stores on both).
  */
 static PyObject *w_size_room, *w_props_room;
 
@@ -779,6 +898,9 @@ prepare_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
 }
 
 static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(magic, crc_mask, crc_prefix, header_size, field_offsets, unit_size): the "
+     "record format to write (store.kernel.configure)."},
     {"append_record", (PyCFunction)(void (*)(void))append_record, METH_FASTCALL,
      "append_record(buf, room, queue_offset, physical_offset, born, stored, body, "
      "topic_field, user_props, inner_head, light_offsets) -> record size, or -1 (nothing "
@@ -789,17 +911,19 @@ static PyMethodDef methods[] = {
      "the StoredMessages an appended batch adds per light queue (store.results.stored_runs_py)."},
     {"prepare_run", (PyCFunction)(void (*)(void))prepare_run, METH_FASTCALL,
      "prepare_run(messages, i, routes, max_body, born, batch, touched) -> i: "
-     "MessageStore._append_batch's validation loop, its common case (prepare_run_py)."},
+     "Appender.append's validation loop, its common case (store.append.prepare_run_py)."},
+    {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
+     "dispatch(queues, unit, dirty): the unit joins every queue (store.consumequeue.dispatch)."},
     {"write_run", (PyCFunction)(void (*)(void))write_run, METH_FASTCALL,
      "write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result) "
-     "-> i: MessageStore._write_locked's loop, its common case (store.store.write_run_py)."},
+     "-> i: Appender._write's loop, its common case (store.append.write_run_py)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "store._speedups",
-    .m_doc = "Optional C accelerator of the store (CommitLog record building).",
+    .m_doc = "Optional C accelerator of the store: twins of its append and dispatch loops.",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -1,8 +1,19 @@
-# Stub of the optional C accelerator (_speedups.c), built by setup.py when a compiler exists.
+# Stub of the store's optional C accelerator (_speedups.c), built by setup.py when a compiler
+# exists; loaded and configured by store.kernel.load.
+from collections.abc import Sequence
 from typing import Any
 
 SOURCE_SHA256: str
 
+def configure(
+    magic: int,
+    crc_mask: int,
+    crc_prefix: bytes,
+    header_size: int,
+    field_offsets: tuple[int, ...],
+    unit_size: int,
+    /,
+) -> None: ...
 def append_record(
     buf: bytearray,
     room: int,
@@ -18,6 +29,7 @@ def append_record(
     /,
 ) -> int: ...
 def crc32(data: bytes, /) -> int: ...
+def dispatch(queues: Sequence[Any], unit: bytes, dirty: dict[str, Any], /) -> None: ...
 def write_run(
     batch: list[Any],
     i: int,

@@ -48,6 +48,24 @@ class ConsumeQueue:
         self.dir_ready = False
 
 
+def dispatch(queues: Sequence[ConsumeQueue], unit: bytes, dirty: dict[str, ConsumeQueue]) -> None:
+    """The dispatch rule: ``unit`` becomes the next unit of every queue in ``queues``.
+
+    A record joins its parent queue and each of its light queues, one 20-byte unit each, at
+    the offsets the record carries (QUEUEOFFSET, INNER_MULTI_QUEUE_OFFSET): the writer gives
+    it each queue's next offset and dispatches in the same critical section; recovery calls
+    this when the recorded offset is the queue's next. Units wait in ``pending`` (a queue's
+    first one marks it in ``dirty``, the table's) until ConsumeQueueTable.write_pending.
+    store/_speedups.c ``dispatch`` is its twin (write_run dispatches with it;
+    tests/store/test_speedups.py).
+    """
+    for cq in queues:
+        if not cq.pending:
+            dirty[cq.name] = cq
+        cq.pending += unit
+        cq.max_offset += 1
+
+
 MAX_ABSENT = 1 << 20  # names ConsumeQueueTable.absent holds at most
 
 
@@ -210,21 +228,6 @@ class ConsumeQueueTable:
         return list(seen)
 
     # -- writing -----------------------------------------------------------------------------
-    def dispatch(self, queues: Sequence[ConsumeQueue], unit: bytes) -> None:
-        """Light-queue dispatch: ``unit`` becomes the next unit of every queue in ``queues``.
-
-        The one place units join queues: appends (a record's parent queue and its light
-        queues, at the offsets the writer just gave it) and recovery (records re-dispatched at
-        the offsets they carry, found to be each queue's next) both call it. Units wait in
-        ``pending`` until :meth:`write_pending`.
-        """
-        dirty = self.dirty
-        for cq in queues:
-            if not cq.pending:
-                dirty[cq.name] = cq
-            cq.pending += unit
-            cq.max_offset += 1
-
     def _write(self, cq: ConsumeQueue) -> list[str]:
         """Write ``cq.pending`` to its files; returns the paths written (to fsync).
 

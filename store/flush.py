@@ -1,4 +1,4 @@
-"""The flusher thread: periodic flush (async mode) and group commit (sync mode).
+"""Flushing: the flusher thread (periodic flush, group commit) and what it makes durable.
 
 Theory of operation: writers append under the store lock and, in sync mode, register the end
 offset they need durable. The flusher thread loops: it takes the current CommitLog write
@@ -10,18 +10,29 @@ consumer offsets, checkpoint) and, less often, retention. When a full flush fall
 writers wait, the CommitLog fsync that releases them comes first, on its own.
 
 Threads wait on a Condition; asyncio callers get a Future resolved through
-``loop.call_soon_threadsafe``, so the event loop never blocks on an fsync.
+``loop.call_soon_threadsafe``, so the event loop never blocks on an fsync. What a flush
+writes and fsyncs is :class:`FileSync`'s: the CommitLog alone, or everything the store holds
+with a checkpoint after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+from store.append import Appender
+from store.checkpoint import Checkpoint, write_checkpoint
+from store.commitlog import CommitLog
+from store.consumequeue import ConsumeQueueTable
 from store.errors import FlushTimeoutError, StoreError
+from store.offsets import ConsumerOffsets
+from store.statelog import StateLog
 
 log = logging.getLogger("lmqtt.store.flush")
 
@@ -132,8 +143,7 @@ class Flusher:
                     if self._requested > self._flushed:
                         # Sync puts are waiting: their bytes are in the CommitLog, so one fsync
                         # of it releases them. They need not also wait for the rest of the full
-                        # flush (queue files, offsets, checkpoint: several more fsyncs, each
-                        # 3-30 ms when the shared disk is busy).
+                        # flush (queue files, offsets, checkpoint: several more fsyncs).
                         self._complete(self._flush_log(), None)
                     end = self._flush_all()
                     next_full = now + self.full_interval_s
@@ -195,3 +205,120 @@ class Flusher:
                 loop.call_soon_threadsafe(_resolve, fut, StoreError("store closed"))
             except RuntimeError:
                 pass
+
+
+#: Each full flush unmaps the CommitLog pages more than this far behind the write position
+#: (RSS, not data: Segment.release). Pages near the end stay mapped: the writer is filling
+#: them and readers that keep up read them; older ones cost a minor fault if read again.
+MAPPED_TAIL_BYTES = 8 << 20
+_FSYNC_THREADS = 8
+
+
+def _fsync_path(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # deleted since (retention): nothing to make durable
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_paths(paths: list[str]) -> None:
+    for path in paths:
+        _fsync_path(path)
+
+
+class FileSync:
+    """What the store's flushes write and fsync: :meth:`flush_log` (the CommitLog, without the
+    store lock) and :meth:`flush_all` (queue units, CommitLog, state log, queue files,
+    consumer offsets, then the checkpoint at ``checkpoint_path``).
+
+    ``writer`` is the store's Appender: under ``lock`` (the store's) a full flush reads how far
+    its appends went, and asks it to yield the lock once when it is waiting for it.
+    """
+
+    def __init__(
+        self,
+        *,
+        commitlog: CommitLog,
+        table: ConsumeQueueTable,
+        offsets: ConsumerOffsets,
+        state: StateLog | None,
+        writer: Appender,
+        lock: threading.Lock,
+        checkpoint_path: Path,
+    ) -> None:
+        self.commitlog = commitlog
+        self.table = table
+        self.offsets = offsets
+        self.state = state
+        self.writer = writer
+        self.lock = lock
+        self.checkpoint_path = checkpoint_path
+        self._flush_lock = threading.Lock()
+        self._fsync_pool: ThreadPoolExecutor | None = None
+        self._released_to = 0  # CommitLog end at the last Segment.release pass
+
+    def flush_log(self) -> int:
+        """fsync the CommitLog up to the current write position (no store lock held)."""
+        end = self.commitlog.write_pos
+        self.commitlog.fsync_to(end)
+        if end - self._released_to >= MAPPED_TAIL_BYTES:
+            self._release_mapped(end)  # a fast writer: do not wait for the full flush
+        return end
+
+    def _release_mapped(self, end: int) -> None:
+        """Unmap CommitLog pages more than MAPPED_TAIL_BYTES behind ``end`` (RSS only)."""
+        with self.lock:  # segments are closed (retention, close) only under it
+            if not self.writer.closed:
+                self.commitlog.release_mapped(end - MAPPED_TAIL_BYTES)
+                self._released_to = end
+
+    def flush_all(self) -> int:
+        """Consume-queue units, CommitLog, fsyncs, consumer offsets, checkpoint.
+
+        Serialised: flush() from a caller and the flusher thread would otherwise race on the
+        checkpoint's temp file (and could write an older checkpoint over a newer one).
+        """
+        with self._flush_lock:
+            return self._flush_all_serialised()
+
+    def _flush_all_serialised(self) -> int:
+        writer = self.writer
+        # A writer looping on put() would win the lock again and again (the GIL hands it
+        # back before this thread runs): ask writers to yield once after their section.
+        writer.lock_wanted = True
+        with self.lock:
+            writer.lock_wanted = False
+            end = self.commitlog.write_pos
+            ts = writer.last_store_ts
+            units = writer.units_total
+            paths = self.table.write_pending()
+        self.commitlog.fsync_to(end)
+        if self.state is not None:
+            self.state.sync()  # async flush mode's bound on state changes lost to a power cut
+        # Also lets go of pages readers faulted in (a backlog being drained) since the last one.
+        self._release_mapped(end)
+        unique = list(dict.fromkeys(paths))
+        if len(unique) > 1:
+            # One fsync per queue file written. Issued from several threads at once the file
+            # system folds them into shared journal commits, where one after the other they
+            # would keep the checkpoint behind. One task per thread, each fsyncing its share
+            # in turn: as many fsyncs in flight, without a Future (lock, condition) per file.
+            if self._fsync_pool is None:
+                self._fsync_pool = ThreadPoolExecutor(_FSYNC_THREADS, "lmqtt-store-fsync")
+            shares = [unique[i::_FSYNC_THREADS] for i in range(min(_FSYNC_THREADS, len(unique)))]
+            list(self._fsync_pool.map(_fsync_paths, shares))
+        elif unique:
+            _fsync_path(unique[0])
+        self.offsets.persist()
+        write_checkpoint(self.checkpoint_path, Checkpoint(end, end, ts, ts, units))
+        return end
+
+    def close(self) -> None:
+        """Stop the fsync threads (after the last flush)."""
+        if self._fsync_pool is not None:
+            self._fsync_pool.shutdown()
+            self._fsync_pool = None

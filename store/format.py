@@ -107,6 +107,7 @@ def header_struct(*names: str) -> struct.Struct:
 #: Offsets of the fields readers need without decoding the whole header.
 OFF_TOTALSIZE: Final = _FIELD_AT["TOTALSIZE"]  # 0
 OFF_MAGIC: Final = _FIELD_AT["MAGICCODE"]  # 4
+OFF_BODYCRC: Final = _FIELD_AT["BODYCRC"]  # 8
 OFF_QUEUEOFFSET: Final = _FIELD_AT["QUEUEOFFSET"]  # 20
 OFF_PHYSICALOFFSET: Final = _FIELD_AT["PHYSICALOFFSET"]  # 28
 OFF_BORNTIMESTAMP: Final = _FIELD_AT["BORNTIMESTAMP"]  # 40
@@ -334,7 +335,7 @@ def append_record(
     light_offsets: tuple[int, ...],
 ) -> int:
     """Append one record to ``buf`` and return its size; -1 (nothing appended) if it would
-    take more than ``room`` bytes. The batch writer's step, MessageStore._write_locked.
+    take more than ``room`` bytes. The append loop's record step (store/append.py).
 
     ``topic_field`` is TOPICLENGTH + TOPIC; the properties are ``user_props`` then, with light
     queues, ``inner_head`` (INNER_MULTI_DISPATCH pair and the INNER_MULTI_QUEUE_OFFSET key)
@@ -582,13 +583,41 @@ def iter_records(
         pos += size
 
 
-def inner_dispatch_at(buf: bytes | bytearray | mmap.mmap, start: int, end: int) -> int:
-    """Where the store's INNER_MULTI_DISPATCH pair starts in the properties ``[start, end)``
-    (CRC trailer excluded), or -1 if the record has none. The store writes its INNER_* pair
-    last, so the last match is it, if it starts a pair (a user value may contain the text).
-    Every reader of light queues (get, recovery, dispatch_info) finds them with this."""
+_DISPATCH_PREFIX_LEN: Final = len(DISPATCH_PREFIX)
+_QOFFSET_PREFIX_LEN: Final = len(QOFFSET_PREFIX)
+
+
+def inner_dispatch(buf: bytes | mmap.mmap, start: int, end: int) -> tuple[int, bytes]:
+    """The store's INNER_MULTI_DISPATCH pair in the properties ``[start, end)`` (CRC trailer
+    excluded): ``(where the pair starts, its raw value)``, the value being the light queue
+    names joined by commas; ``(-1, b"")`` if the record has none. The store writes its INNER_*
+    pair last, so the last match is it, if it starts a pair (a user value may contain the
+    text). Every reader of light queues (the read path, recovery, :func:`dispatch_info`)
+    finds them with this."""
     d = buf.rfind(DISPATCH_PREFIX, start, end)
-    return d if d >= 0 and (d == start or buf[d - 1] == 2) else -1
+    if d < 0 or (d != start and buf[d - 1] != 2):
+        return -1, b""
+    return d, buf[d + _DISPATCH_PREFIX_LEN : buf.find(b"\x02", d, end)]
+
+
+def inner_offsets(
+    buf: bytes | mmap.mmap, at: int, names: bytes, start: int, end: int
+) -> list[bytes]:
+    """The raw INNER_MULTI_QUEUE_OFFSET values (one per light queue, same order) of the
+    properties ``[start, end)`` whose INNER_MULTI_DISPATCH pair :func:`inner_dispatch` found at
+    ``at`` with value ``names``. The store writes the offsets pair right after; another
+    writer's may be anywhere a pair starts, and is looked for there. ValueError if there is
+    none or it is not terminated."""
+    k = at + _DISPATCH_PREFIX_LEN + len(names) + 1
+    if buf[k : k + _QOFFSET_PREFIX_LEN] != QOFFSET_PREFIX:
+        k = buf.rfind(QOFFSET_PREFIX, start, end)
+        if k < 0 or (k != start and buf[k - 1] != 2):
+            raise ValueError("INNER_MULTI_DISPATCH without INNER_MULTI_QUEUE_OFFSET")
+    k += _QOFFSET_PREFIX_LEN
+    m = buf.find(b"\x02", k, end)
+    if m < 0:
+        raise ValueError("INNER_MULTI_QUEUE_OFFSET is not terminated")
+    return buf[k:m].split(b",")
 
 
 def dispatch_info(
@@ -597,7 +626,7 @@ def dispatch_info(
     """``(topic, parent queue offset, light queues, light offsets)`` of a record known valid.
 
     Cheaper than :func:`decode_record`: the body is skipped and only the INNER_* properties
-    are looked at. Used by recovery to re-dispatch consume-queue units.
+    are looked at.
     """
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     size, _magic, qoff, blen = DISPATCH_FIELDS.unpack_from(mv, pos)
@@ -606,16 +635,11 @@ def dispatch_info(
     topic = str(mv[p + 1 : p + 1 + tlen], "utf-8")
     p += 3 + tlen
     props = bytes(mv[p : pos + size - CRC_TRAILER_SIZE])
-    i = inner_dispatch_at(props, 0, len(props))
-    if i < 0:
+    d, names = inner_dispatch(props, 0, len(props))
+    if d < 0:
         return topic, qoff, [], []
-    j = props.index(b"\x02", i)
-    queues = props[i + len(DISPATCH_PREFIX) : j].decode("utf-8").split(",")
-    k = props.rfind(QOFFSET_PREFIX)
-    if k < 0 or props[k - 1] != 2:
-        raise ValueError("INNER_MULTI_DISPATCH without INNER_MULTI_QUEUE_OFFSET")
-    m = props.index(b"\x02", k)
-    offsets = [int(x) for x in props[k + len(QOFFSET_PREFIX) : m].split(b",")]
+    queues = names.decode("utf-8").split(MULTI_DISPATCH_SEPARATOR)
+    offsets = [int(x) for x in inner_offsets(props, d, names, 0, len(props))]
     if len(offsets) != len(queues):
         raise ValueError("INNER_MULTI_DISPATCH and INNER_MULTI_QUEUE_OFFSET differ in length")
     return topic, qoff, queues, offsets

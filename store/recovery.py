@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from store.checkpoint import Checkpoint
 from store.commitlog import CommitLog
-from store.consumequeue import ConsumeQueue, ConsumeQueueTable
+from store.consumequeue import ConsumeQueue, ConsumeQueueTable, dispatch
 from store.errors import CorruptStoreError
 from store.format import (
     BLANK_MAGIC,
@@ -32,14 +32,12 @@ from store.format import (
     CRC_PREFIX,
     CRC_TRAILER_SIZE,
     DISPATCH_FIELDS,
-    DISPATCH_PREFIX,
     HEADER_SIZE,
     MAGIC,
-    QOFFSET_PREFIX,
     SIZE_MAGIC,
     check_record,
-    dispatch_info,
-    inner_dispatch_at,
+    inner_dispatch,
+    inner_offsets,
     scan_valid,
 )
 
@@ -274,8 +272,6 @@ def _rebuild(
 
 
 _DISPATCH_FIELDS = DISPATCH_FIELDS.unpack_from
-_DISPATCH_LEN = len(DISPATCH_PREFIX)
-_QOFFSET_LEN = len(QOFFSET_PREFIX)
 
 
 def _redispatch(
@@ -302,7 +298,6 @@ def _redispatch(
     gaps: set[str] = set()
     routes: dict[tuple[bytes, bytes], _Route] = {}
     dirty = table.dirty
-    dispatch = table.dispatch
     pack = CQ_UNIT.pack
     pos = start
     while pos < end:
@@ -326,18 +321,10 @@ def _redispatch(
             tend = p + 1 + mm[p]
             pstart = tend + 2
             pend = rel + size - CRC_TRAILER_SIZE
-            names = b""
             offsets: list[bytes] = []
-            # The store writes INNER_MULTI_DISPATCH then INNER_MULTI_QUEUE_OFFSET, last.
-            d = inner_dispatch_at(mm, pstart, pend)
+            d, names = inner_dispatch(mm, pstart, pend)
             if d >= 0:
-                j = mm.find(b"\x02", d, pend)
-                names = mm[d + _DISPATCH_LEN : j]
-                k = j + 1 + _QOFFSET_LEN
-                if mm[j + 1 : k] == QOFFSET_PREFIX:
-                    offsets = mm[k : mm.find(b"\x02", k, pend)].split(b",")
-                else:  # not as this store writes it: take the general parser's word
-                    offsets = [b"%d" % o for o in dispatch_info(seg.view, rel)[3]]
+                offsets = inner_offsets(mm, d, names, pstart, pend)
             key = (mm[p + 1 : tend], names)
             route = routes.get(key)
             if route is None:
@@ -357,13 +344,13 @@ def _redispatch(
                         in_order = False
                         break
             if in_order:
-                dispatch(queues, unit)
+                dispatch(queues, unit, dirty)
             else:
                 for cq, index in zip((parent, *lights), (qoff, *map(int, offsets))):  # noqa: B905
                     if cq is None:
                         continue
                     if index == cq.max_offset:
-                        dispatch((cq,), unit)
+                        dispatch((cq,), unit, dirty)
                     else:
                         _place_out_of_order(table, cq, index, unit, rebuilding, gaps)
             if len(dirty) > 4096:
@@ -420,4 +407,4 @@ def _place_out_of_order(
         cq.flushed = cq.max_offset = index
     else:
         return
-    table.dispatch((cq,), unit)
+    dispatch((cq,), unit, table.dirty)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from accelerators import pure_python
+from store.kernel import load as load_kernel
 
 
 class GetStatus(enum.Enum):
@@ -115,19 +115,11 @@ def stored_runs_py(
 StoredRuns = Callable[..., dict[str, tuple[list[StoredMessage], int]]]
 
 
-def _load_stored_runs() -> StoredRuns:
-    """store/_speedups.c's stored_runs when it was built, else stored_runs_py;
-    LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_APPEND keep the reference."""
-    if pure_python("LMQTT_PURE_PYTHON_APPEND"):
-        return stored_runs_py
-    try:
-        from store import _speedups
-    except ImportError:
-        return stored_runs_py
-    return _speedups.stored_runs
-
-
-_STORED_RUNS = _load_stored_runs()
+#: store/_speedups.c's stored_runs, or its reference; LMQTT_PURE_PYTHON (every accelerator)
+#: or LMQTT_PURE_PYTHON_APPEND keep the reference.
+_STORED_RUNS: StoredRuns = getattr(
+    load_kernel("LMQTT_PURE_PYTHON_APPEND"), "stored_runs", stored_runs_py
+)
 
 
 def stored_runs(

@@ -1,313 +1,59 @@
-"""MessageStore: the facade over CommitLog, consume queues, recovery, flushing and offsets.
+"""MessageStore: the facade over the CommitLog, the consume queues and their parts.
 
-Thread-safety: every method may be called from any thread. One lock (``_lock``) serialises
-appends, dispatch, reads of consume-queue state and segment deletion; the flusher thread
-fsyncs without it. Arrival listeners run after the lock is released, in the putting thread.
+It composes the append path (append.Appender: validation, the write-and-dispatch critical
+section), the read path (reader.QueueReader), recovery at open (recovery.recover), flushing
+(flush.Flusher, the thread, and flush.FileSync, what it makes durable), retention, consumer
+offsets and the state log, and owns what ties them together: the data directory and its
+lock file, the abort marker, open and close.
 
-Dispatch happens inside the append critical section: the parent queue offset, every light
-queue offset and the physical offset are assigned together (rocketmq #7511 lost messages
-when they were not), so a get right after put sees the message.
-
-Writing: three entry points, append_encoded for batches (_append_batch) and put and
-put_async for one message (_put: the same checks without the batch loop), both ending in
-``_append``. A message resolves its (topic, light queues) pair through a
-cached ``_Route`` (names validated once, INNER_* property head, queue states) and is validated
-against worst-case sizes before the lock. Under it, ``_write_locked`` hands out the offsets;
-the layers do the rest: the record step (format.append_record, in C when store/_speedups.c is
-built) builds each record into the CommitLog's BatchWriter (one write per batch, rolls), and
-ConsumeQueueTable.dispatch adds its units, the same dispatch recovery uses. Reading: a get
-decodes records straight from the segment mmap without re-checking CRCs (recovery validates;
-this process wrote the rest). Both build their NamedTuple results with ``tuple.__new__``.
+Thread-safety: every method may be called from any thread. One lock (``_lock``, handed to
+the parts) serialises appends, dispatch, reads of consume-queue state and segment deletion;
+the flusher thread fsyncs without it. Arrival listeners run after the lock is released, in
+the putting thread.
 """
 
 from __future__ import annotations
 
 import fcntl
-import logging
-import mmap
 import os
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from accelerators import pure_python
-from store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from store.commitlog import BatchWriter, CommitLog
+from store.append import Appender, EncodedMessage
+from store.checkpoint import read_checkpoint
+from store.commitlog import CommitLog
 from store.config import FlushMode, StoreConfig
-from store.consumequeue import ConsumeQueue, ConsumeQueueTable
+from store.consumequeue import ConsumeQueueTable
 from store.errors import (
     CorruptStoreError,
-    InvalidPropertyError,
-    InvalidQueueNameError,
-    MessageTooLargeError,
     ReadOnlyStoreError,
     StoreClosedError,
     StoreError,
     StoreLockedError,
 )
-from store.flush import Flusher
+from store.flush import FileSync, Flusher
 from store.format import (
     ABORT_FILE,
     CHECKPOINT_FILE,
     COMMITLOG_DIR,
     CONFIG_DIR,
     CONSUMEQUEUE_DIR,
-    CQ_UNIT,
-    CQ_UNIT_SIZE,
-    CRC_TRAILER_SIZE,
-    DISPATCH_PREFIX,
-    FIXED_OVERHEAD,
-    HEADER_SIZE,
     LOCK_FILE,
-    MAX_PROPERTIES_BYTES,
-    MAX_TOPIC_BYTES,
-    MULTI_DISPATCH_SEPARATOR,
-    PROP_CRC32,
-    READ_FIELDS,
-    RESERVED_PROPERTIES,
-    STORE_TIMESTAMP,
-    append_record,
-    check_record,
-    encode_queue_dir,
-    inner_head,
 )
 from store.offsets import OFFSETS_DIR, OFFSETS_FILE, ConsumerOffsets
+from store.reader import QueueReader
 from store.recovery import RecoveryReport, recover, scan_log
-from store.results import (
-    ArrivalListener,
-    GetResult,
-    GetStatus,
-    PutResult,
-    StoredMessage,
-)
+from store.results import ArrivalListener, GetResult, PutResult, StoredMessage
 from store.retention import apply_retention
 from store.segment import fsync_dir
 from store.statelog import STATE_DIR, StateLog, StateRecord, read_state_records
 
-log = logging.getLogger("lmqtt.store")
-
-_FORBIDDEN_NAME_CHARS = frozenset(",\x00\x01\x02")
-_VALID_CACHE_LIMIT = 200_000
-_RECORD_OVERHEAD = FIXED_OVERHEAD + CRC_TRAILER_SIZE
-_MAX_USER_PROPS = MAX_PROPERTIES_BYTES - CRC_TRAILER_SIZE
-_pack_unit = CQ_UNIT.pack
-_time = time.time
-
-
-def _load_append_record() -> Callable[..., int]:
-    """store/_speedups.c's append_record when it was built and LMQTT_PURE_PYTHON is not
-    set, else its reference, format.append_record: the same bytes either way."""
-    if pure_python():
-        return append_record
-    try:
-        from store import _speedups
-    except ImportError:
-        return append_record
-    return _speedups.append_record
-
-
-_append_record = _load_append_record()
-SPEEDUPS = _append_record is not append_record
-
-
-def write_run_py(
-    batch: list[_Prepared],
-    i: int,
-    now: int,
-    buf: bytearray,
-    limit: int,
-    state: list[int],
-    generation: int,
-    dirty: dict[str, ConsumeQueue],
-    results: list[PutResult],
-    put_result: type[PutResult],
-) -> int:
-    """MessageStore._write_locked's common case: from ``batch[i]`` on, while a message's
-    route is resolved for ``generation`` and its record fits before ``limit``, append the
-    record, dispatch its unit to the route's queues (ConsumeQueueTable.dispatch) and add its
-    PutResult to ``results``; return the index of the first message left (a route to resolve
-    again, a record for the next segment). ``state`` = [next physical offset, units
-    dispatched] is written back on every exit, errors included. The reference of
-    store/_speedups.c ``write_run``, which must give the same bytes, queues and results
-    (tests/store/test_write_run.py)."""
-    phys, units = state
-    n = len(batch)
-    try:
-        while i < n:
-            route, body, uprops, born = batch[i]
-            if route.generation != generation:
-                break
-            qoff = route.parent.max_offset
-            lo: dict[str, int] = {}
-            for cq in route.cqs:
-                lo[cq.name] = cq.max_offset
-            size = _append_record(
-                buf, limit - phys, qoff, phys, now if born is None else born, now, body,
-                route.topic_field, uprops, route.inner_head, tuple(lo.values()),
-            )  # fmt: skip
-            if size < 0:
-                break
-            unit = _pack_unit(phys, size, 0)
-            for cq in route.queues:  # ConsumeQueueTable.dispatch, inlined
-                if not cq.pending:
-                    dirty[cq.name] = cq
-                cq.pending += unit
-                cq.max_offset += 1
-            units += route.units
-            end = phys + size
-            results.append(_tuple_new(put_result, (phys, qoff, lo, end, now)))
-            phys = end
-            i += 1
-    finally:
-        state[0] = phys
-        state[1] = units
-    return i
-
-
-def prepare_run_py(
-    messages: list[EncodedMessage],
-    i: int,
-    routes: dict[tuple[str, tuple[str, ...]], _Route],
-    max_body: int,
-    born: int | None,
-    batch: list[_Prepared],
-    touched: dict[_Route, None],
-) -> int:
-    """MessageStore._append_batch's validation loop, its common case: from ``messages[i]``
-    on, while a message's route is cached and its body and properties fit the route's
-    worst-case room and ``max_body``, append (route, body, block, born) to ``batch`` and mark
-    the route in ``touched``; return the index of the first message left (the caller routes
-    it or checks it in full, and raises what it must). The reference of store/_speedups.c
-    ``prepare_run``."""
-    n = len(messages)
-    while i < n:
-        topic, lights, body, uprops = messages[i]
-        route = routes.get((topic, lights))
-        if route is None:
-            break
-        blen = len(body)
-        plen = len(uprops)
-        if blen > max_body or blen + plen > route.size_room or plen > route.props_room:
-            break
-        batch.append((route, body, uprops, born))
-        touched[route] = None
-        i += 1
-    return i
-
-
-def _load_runs() -> tuple[Callable[..., int], Callable[..., int]]:
-    """store/_speedups.c's write_run and prepare_run when it was built, else write_run_py and
-    prepare_run_py; LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_APPEND (this
-    path's, for A/B runs) keep the references."""
-    if pure_python("LMQTT_PURE_PYTHON_APPEND"):
-        return write_run_py, prepare_run_py
-    try:
-        from store import _speedups
-    except ImportError:
-        return write_run_py, prepare_run_py
-    return _speedups.write_run, _speedups.prepare_run
-
-
-_write_run, _prepare_run = _load_runs()
-#: Builds PutResult / StoredMessage without the Python-level NamedTuple __new__ (one call
-#: less per message on the hot paths); same type, same fields.
-_tuple_new = tuple.__new__
-_MAX_OFFSET = (1 << 63) - 1
 #: Consume-queue files, consumer offsets and the checkpoint are flushed at most this often
 #: (RocketMQ: flushIntervalConsumeQueue = 1 s); the CommitLog, the only truth, every
-#: flush_interval_ms. Each full flush fsyncs one file per queue written since the last, so
-#: doing it every 200 ms with a thousand busy queues cost more CPU than the appends.
+#: flush_interval_ms. Each full flush fsyncs one file per queue written since the last, which
+#: with many busy queues costs more than the appends if done at the CommitLog's pace.
 _FULL_FLUSH_INTERVAL_S = 1.0
-# Each full flush unmaps the CommitLog pages more than this far behind the write position
-# (RSS, not data: Segment.release). Pages near the end stay mapped: the writer is filling
-# them and readers that keep up read them; older ones cost a minor fault if read again.
-MAPPED_TAIL_BYTES = 8 << 20
-_FSYNC_THREADS = 8
-_READ_FIELDS = READ_FIELDS.unpack_from
-_iter_units = CQ_UNIT.iter_unpack
-_DISPATCH_PREFIX_LEN = len(DISPATCH_PREFIX)
-
-
-def _fsync_path(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:  # deleted since (retention): nothing to make durable
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_paths(paths: list[str]) -> None:
-    for path in paths:
-        _fsync_path(path)
-
-
-def _parse_user_props(raw: bytes) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for pair in raw.decode("utf-8")[:-1].split("\x02"):
-        k, _, v = pair.partition("\x01")
-        if k != PROP_CRC32:
-            out[k] = v
-    return out
-
-
-class _Route:
-    """What every put to one (topic, light queues) pair shares, worked out once.
-
-    Names are validated when the route is made. ``inner_head`` is the INNER_* property pair
-    up to the light-queue offsets (only they vary per message). ``parent`` and
-    ``cqs`` are the ConsumeQueue states, resolved under the store lock and re-resolved when
-    the table's ``generation`` moved (a state was evicted and may come back as a new object).
-    """
-
-    __slots__ = (
-        "cqs", "fixed_size", "generation", "inner_head", "lights", "max_inner", "parent",
-        "props_room", "queues", "size_room", "topic", "topic_field", "units",
-    )  # fmt: skip
-
-    def __init__(
-        self, topic: str, topic_bytes: bytes, lights: tuple[str, ...], max_record: int
-    ) -> None:
-        self.topic = topic
-        self.lights = lights
-        #: TOPICLENGTH + TOPIC, as they follow the body in the record.
-        self.topic_field = bytes((len(topic_bytes),)) + topic_bytes
-        #: Record size without body and properties (those vary per message).
-        self.fixed_size = _RECORD_OVERHEAD + len(topic_bytes)
-        self.units = 1 + len(lights)
-        #: The INNER_* properties up to the offsets: DISPATCH \x01 q1,q2 \x02 QOFFSET \x01;
-        #: append_record adds "o1,o2" \x02.
-        self.inner_head = inner_head(lights)
-        #: Longest the INNER_* pair can get (19-digit offsets, commas, \x02): a message whose
-        #: properties fit with it always fits, so size errors are raised before anything is
-        #: written.
-        self.max_inner = len(self.inner_head) + len(lights) * (len(str(_MAX_OFFSET)) + 1)
-        #: Room left for user properties, and for body plus user properties, in the worst
-        #: case: one comparison each per message; _check_size says what was exceeded.
-        self.props_room = _MAX_USER_PROPS - self.max_inner
-        self.size_room = max_record - self.fixed_size - self.max_inner
-        self.generation = -1  # never resolved
-        self.parent: ConsumeQueue
-        self.cqs: tuple[ConsumeQueue, ...] = ()
-        #: The parent then the light queues: every queue a record of this route joins.
-        self.queues: tuple[ConsumeQueue, ...] = ()
-
-    def resolve(self, table: ConsumeQueueTable) -> None:
-        self.parent = table.get_or_create(self.topic)
-        self.cqs = tuple([table.get_or_create(q) for q in self.lights])
-        self.queues = (self.parent, *self.cqs)
-        self.generation = table.generation
-
-
-#: A validated message waiting for the lock: (route, body, user properties, born timestamp).
-_Prepared = tuple[_Route, bytes, bytes, "int | None"]
-#: One message of :meth:`MessageStore.append_encoded`: (topic, light queues, body, property
-#: block from :meth:`MessageStore.encode_properties`).
-EncodedMessage = tuple[str, tuple[str, ...], bytes, bytes]
 
 
 class MessageStore:
@@ -319,20 +65,9 @@ class MessageStore:
         self.config_dir = self.data_dir / CONFIG_DIR
         self.read_only = config.read_only
         self._lock = threading.Lock()
-        self._flush_lock = threading.Lock()
-        self._fsync_pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._lock_fd: int | None = None
-        self._listeners: tuple[ArrivalListener, ...] = ()
-        self._routes: dict[tuple[str, tuple[str, ...]], _Route] = {}
-        self._topic_names: dict[bytes, str] = {}
-        self._queue_tuples: dict[bytes, tuple[str, ...]] = {}
-        self._last_store_ts = 0
-        self._units_total = 0
-        self._lock_wanted = False
-        self._released_to = 0  # CommitLog end at the last Segment.release pass
         self._sync = config.flush == FlushMode.SYNC
-        self._max_body = config.max_body_size
         self.commitlog = CommitLog(
             self.data_dir / COMMITLOG_DIR, config.segment_size, read_only=config.read_only
         )
@@ -346,7 +81,12 @@ class MessageStore:
         self.offsets = ConsumerOffsets(
             self.data_dir / OFFSETS_DIR, self.config_dir / OFFSETS_FILE, read_only=config.read_only
         )
+        self._appender = Appender(
+            self.commitlog, self.queues_table, self._lock, config.max_body_size
+        )
+        self._reader = QueueReader(self.commitlog, self.queues_table, self._lock)
         self.recovery = RecoveryReport(abnormal=False)
+        self._files: FileSync | None = None  # writable stores, once open
         self._flusher: Flusher | None = None
         # The users' durable state (statelog.py): its own directory, beyond CommitLog retention.
         self.state_dir = self.data_dir / STATE_DIR
@@ -392,16 +132,21 @@ class MessageStore:
             abort_present=abort_present, read_only=self.read_only,
         )  # fmt: skip
         self.queues_table.log_min_offset = self.commitlog.min_offset
-        self._units_total = self.recovery.units_total
+        self._appender.units_total = self.recovery.units_total
         if self.read_only:
             return
         fd = os.open(abort, os.O_WRONLY | os.O_CREAT, 0o644)
         os.fsync(fd)
         os.close(fd)
         fsync_dir(self.data_dir)
+        self._files = FileSync(
+            commitlog=self.commitlog, table=self.queues_table, offsets=self.offsets,
+            state=self.state, writer=self._appender, lock=self._lock,
+            checkpoint_path=self.data_dir / CHECKPOINT_FILE,
+        )  # fmt: skip
         self._flusher = Flusher(
-            flush_log=self._flush_log,
-            flush_all=self._flush_all,
+            flush_log=self._files.flush_log,
+            flush_all=self._files.flush_all,
             maintain=self._maintain,
             sync=self._sync,
             interval_s=self.config.flush_interval_ms / 1000,
@@ -426,9 +171,8 @@ class MessageStore:
         self._lock_fd = fd
 
     def _release(self) -> None:
-        if self._fsync_pool is not None:
-            self._fsync_pool.shutdown()
-            self._fsync_pool = None
+        if self._files is not None:
+            self._files.close()
         self.commitlog.close()
         self.queues_table.close()
         if self.state is not None:
@@ -443,11 +187,11 @@ class MessageStore:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = self._appender.closed = self._reader.closed = True
         if self._flusher is not None:
             self._flusher.stop()
-        if not self.read_only:
-            end = self._flush_all()
+        if self._files is not None:
+            end = self._files.flush_all()
             if self._flusher is not None:
                 self._flusher.note_flushed(end)
                 self._flusher.fail_pending()
@@ -470,71 +214,13 @@ class MessageStore:
         return self._closed
 
     # =========================================================================================
-    # flushing
+    # flushing, retention
     # =========================================================================================
-    def _flush_log(self) -> int:
-        """fsync the CommitLog up to the current write position (no store lock held)."""
-        end = self.commitlog.write_pos
-        self.commitlog.fsync_to(end)
-        if end - self._released_to >= MAPPED_TAIL_BYTES:
-            self._release_mapped(end)  # a fast writer: do not wait for the full flush
-        return end
-
-    def _release_mapped(self, end: int) -> None:
-        """Unmap CommitLog pages more than MAPPED_TAIL_BYTES behind ``end`` (RSS only)."""
-        with self._lock:  # segments are closed (retention, close) only under it
-            if not self._closed:
-                self.commitlog.release_mapped(end - MAPPED_TAIL_BYTES)
-                self._released_to = end
-
-    def _flush_all(self) -> int:
-        """Consume-queue units, CommitLog, fsyncs, consumer offsets, checkpoint.
-
-        Serialised: flush() from a caller and the flusher thread would otherwise race on the
-        checkpoint's temp file (and could write an older checkpoint over a newer one).
-        """
-        with self._flush_lock:
-            return self._flush_all_serialised()
-
-    def _flush_all_serialised(self) -> int:
-        # A writer looping on put() would win the lock again and again (the GIL hands it
-        # back before this thread runs): ask writers to yield once after their section.
-        self._lock_wanted = True
-        with self._lock:
-            self._lock_wanted = False
-            end = self.commitlog.write_pos
-            ts = self._last_store_ts
-            units = self._units_total
-            paths = self.queues_table.write_pending()
-        self.commitlog.fsync_to(end)
-        if self.state is not None:
-            self.state.sync()  # async flush mode's bound on state changes lost to a power cut
-        # Also lets go of pages readers faulted in (a backlog being drained) since the last one.
-        self._release_mapped(end)
-        unique = list(dict.fromkeys(paths))
-        if len(unique) > 1:
-            # One fsync per queue file written. Issued from several threads at once the file
-            # system folds them into shared journal commits: 1,000 files take ~0.1 s instead
-            # of ~1 s one after the other (ext4), which kept the checkpoint seconds behind.
-            # One task per thread, each fsyncing its share in turn: as many fsyncs in
-            # flight, without a Future (lock, condition) per file.
-            if self._fsync_pool is None:
-                self._fsync_pool = ThreadPoolExecutor(_FSYNC_THREADS, "lmqtt-store-fsync")
-            shares = [unique[i::_FSYNC_THREADS] for i in range(min(_FSYNC_THREADS, len(unique)))]
-            list(self._fsync_pool.map(_fsync_paths, shares))
-        elif unique:
-            _fsync_path(unique[0])
-        self.offsets.persist()
-        write_checkpoint(
-            self.data_dir / CHECKPOINT_FILE,
-            Checkpoint(end, end, ts, ts, units),
-        )
-        return end
-
     def flush(self) -> None:
         """Force a full flush and checkpoint now."""
         self._check_writable()
-        end = self._flush_all()
+        assert self._files is not None
+        end = self._files.flush_all()
         if self._flusher is not None:
             self._flusher.note_flushed(end)
 
@@ -553,174 +239,15 @@ class MessageStore:
                 retention_bytes=self.config.retention_bytes, now=now, data_dir=self.data_dir,
             )  # fmt: skip
 
-    # =========================================================================================
-    # validation
-    # =========================================================================================
     def _check_writable(self) -> None:
         if self._closed:
             raise StoreClosedError("store is closed")
         if self.read_only:
             raise ReadOnlyStoreError("store was opened read-only")
 
-    def _check_name(self, name: str, *, topic: bool) -> bytes:
-        if not isinstance(name, str) or not name:
-            raise InvalidQueueNameError(str(name), "empty or not a string")
-        bad = _FORBIDDEN_NAME_CHARS.intersection(name)
-        if bad:
-            raise InvalidQueueNameError(name, f"contains reserved character(s) {sorted(bad)!r}")
-        try:
-            encode_queue_dir(name)
-            raw = name.encode("utf-8")
-        except (ValueError, UnicodeEncodeError) as e:
-            raise InvalidQueueNameError(name, str(e)) from e
-        if topic and len(raw) > MAX_TOPIC_BYTES:
-            raise InvalidQueueNameError(name, f"topic longer than {MAX_TOPIC_BYTES} bytes")
-        return raw
-
-    @staticmethod
-    def _encode_props(properties: dict[str, str]) -> bytes:
-        parts = []
-        for k, v in properties.items():
-            if not isinstance(k, str) or not isinstance(v, str):
-                raise InvalidPropertyError(f"property {k!r}: keys and values must be str")
-            if k in RESERVED_PROPERTIES:
-                raise InvalidPropertyError(f"property {k!r} is reserved by the store")
-            if not k or "\x01" in k or "\x02" in k or "\x01" in v or "\x02" in v:
-                raise InvalidPropertyError(f"property {k!r}: empty key or separator character")
-            parts.append(f"{k}\x01{v}\x02")
-        return "".join(parts).encode("utf-8")
-
     # =========================================================================================
-    # writing
+    # writing (append.py)
     # =========================================================================================
-    def _new_route(self, key: tuple[str, tuple[str, ...]]) -> _Route:
-        """Validate a (topic, light queues) pair seen for the first time and cache its route."""
-        topic, queues = key
-        tb = self._check_name(topic, topic=True)
-        for q in queues:
-            self._check_name(q, topic=False)
-        lights = tuple(dict.fromkeys(queues))
-        if topic in lights:
-            raise InvalidQueueNameError(topic, "a light queue may not be the parent topic")
-        route = _Route(topic, tb, lights, self.commitlog.max_record_size())
-        if len(self._routes) >= _VALID_CACHE_LIMIT:
-            self._routes.clear()
-        self._routes[key] = route
-        return route
-
-    def _check_size(self, route: _Route, body_len: int, props_len: int) -> None:
-        """Refuse a message that could exceed the property or segment limits once written."""
-        props_len += route.max_inner
-        if props_len > _MAX_USER_PROPS:
-            raise InvalidPropertyError(f"properties of up to {props_len} bytes are too long")
-        size = route.fixed_size + body_len + props_len
-        if size > self.commitlog.max_record_size():
-            raise MessageTooLargeError(size, self.commitlog.max_record_size())
-
-    def _write_locked(self, batch: Sequence[_Prepared], now: int) -> list[PutResult]:
-        """Assign every offset, append the records and dispatch their units. Lock held.
-
-        The layers: the CommitLog's BatchWriter places the records (segment, roll, one write
-        per batch), the record step ``_append_record`` builds each one (store/_speedups.c, or
-        its Python reference format.append_record: the same bytes), and the consume-queue
-        table's ``dispatch`` gives it a unit in its parent and light queues. The common case
-        of this loop, a run of records that fit in the segment on routes resolved already, is
-        ``_write_run`` (store/_speedups.c ``write_run``, or its reference ``write_run_py``);
-        the record it stops at (a route to resolve, a segment to roll) is done here. Sizes
-        were checked against the worst case when the batch was prepared, so nothing here
-        should fail; should it anyway, each record is complete in the buffer before its
-        queues move and ``finally`` writes out the records whose queues moved, leaving those
-        written and dispatched.
-        """
-        table = self.queues_table
-        gen = table.generation
-        results: list[PutResult] = []
-        writer = self.commitlog.batch()
-        state = [writer.start, 0]  # next physical offset, units dispatched
-        items = batch if type(batch) is list else list(batch)
-        n = len(items)
-        i = 0
-        try:
-            while True:
-                i = _write_run(
-                    items, i, now, writer.buf, writer.limit, state, gen, table.dirty, results,
-                    PutResult,
-                )  # fmt: skip
-                if i >= n:
-                    break
-                self._write_one(writer, items[i], now, gen, state, results)
-                i += 1
-        finally:
-            writer.finish(state[0])
-            self._units_total += state[1]
-        return results
-
-    def _write_one(
-        self,
-        writer: BatchWriter,
-        item: _Prepared,
-        now: int,
-        gen: int,
-        state: list[int],
-        results: list[PutResult],
-    ) -> None:
-        """One record of _write_locked that ``_write_run`` left: resolve its route, or roll
-        to the next segment for it."""
-        table = self.queues_table
-        route, body, uprops, born = item
-        if route.generation != gen:
-            route.resolve(table)
-        phys = state[0]
-        qoff = route.parent.max_offset
-        # The light offsets, as PutResult reports them (a queue's name is its key).
-        lo: dict[str, int] = {}
-        for cq in route.cqs:
-            lo[cq.name] = cq.max_offset
-        stamp = now if born is None else born
-        size = _append_record(
-            writer.buf, writer.limit - phys, qoff, phys, stamp, now, body, route.topic_field,
-            uprops, route.inner_head, tuple(lo.values()),
-        )  # fmt: skip
-        if size < 0:
-            phys = state[0] = writer.roll(
-                phys, route.fixed_size + len(body) + len(uprops) + route.max_inner
-            )
-            size = _append_record(
-                writer.buf, writer.limit - phys, qoff, phys, stamp, now, body,
-                route.topic_field, uprops, route.inner_head, tuple(lo.values()),
-            )  # fmt: skip
-            if size < 0:  # unreachable: _check_size saw the worst case
-                raise MessageTooLargeError(route.fixed_size + len(body), writer.limit - phys)
-        table.dispatch(route.queues, _pack_unit(phys, size, 0))
-        state[1] += route.units
-        end = phys + size
-        results.append(_tuple_new(PutResult, (phys, qoff, lo, end, now)))
-        state[0] = end
-
-    def _append(self, batch: Sequence[_Prepared]) -> list[PutResult]:
-        """Write a prepared batch under one lock acquisition."""
-        with self._lock:
-            if self._closed:
-                raise StoreClosedError("store is closed")
-            # Taken under the lock and never decreasing, so store timestamps follow the log
-            # order (offset_by_time bisects on them) even if the wall clock steps back.
-            now = int(_time() * 1000)
-            if now < self._last_store_ts:
-                now = self._last_store_ts
-            self._last_store_ts = now
-            table = self.queues_table
-            try:
-                results = self._write_locked(batch, now)
-            finally:
-                if len(table.states) > table.max_cached:
-                    table.evict_overflow()
-        if self._lock_wanted:
-            # A full flush waits for the lock: let it have it before our next put.
-            time.sleep(0)
-        return results
-
-    # The entry points: append_encoded (batches: the gateway's publishes), put and put_async
-    # (one message, waiting for its durability). All three go through _append_batch.
     def put(
         self,
         topic: str,
@@ -733,7 +260,9 @@ class MessageStore:
 
         In sync flush mode returns only after the fsync covering the message.
         """
-        r = self._put(topic, body, queues, properties, born_timestamp)
+        if self._closed or self.read_only:
+            self._check_writable()
+        r = self._appender.put(topic, body, queues, properties, born_timestamp)
         if self._sync and self._flusher is not None:
             self._flusher.wait_flushed(r.end_offset)
         return r
@@ -747,34 +276,11 @@ class MessageStore:
         born_timestamp: int | None = None,
     ) -> PutResult:
         """put() for event loops: appends now, awaits the group-commit fsync in sync mode."""
-        r = self._put(topic, body, queues, properties, born_timestamp)
-        if self._sync and self._flusher is not None:
-            await self._flusher.flushed_future(r.end_offset)
-        return r
-
-    def _put(
-        self,
-        topic: str,
-        body: bytes,
-        queues: Sequence[str],
-        properties: dict[str, str] | None,
-        born_timestamp: int | None,
-    ) -> PutResult:
         if self._closed or self.read_only:
             self._check_writable()
-        uprops = self._encode_props(properties) if properties else b""
-        key = (topic, queues if type(queues) is tuple else tuple(queues))
-        route = self._routes.get(key) or self._new_route(key)
-        # _append_batch's checks for a batch of one, without its loop: one message per call
-        # is the path of retained messages and wills, and of tools.
-        blen = len(body)
-        if blen > self._max_body:
-            raise MessageTooLargeError(blen, self._max_body)
-        if blen + len(uprops) > route.size_room or len(uprops) > route.props_room:
-            self._check_size(route, blen, len(uprops))
-        r = self._append(((route, body, uprops, born_timestamp),))[0]
-        if self._listeners:
-            self._notify((route,))
+        r = self._appender.put(topic, body, queues, properties, born_timestamp)
+        if self._sync and self._flusher is not None:
+            await self._flusher.flushed_future(r.end_offset)
         return r
 
     def encode_properties(self, properties: dict[str, str]) -> bytes:
@@ -783,7 +289,7 @@ class MessageStore:
         The result is a run of ``key \x01 value \x02`` pairs; the concatenation of several
         such blocks (with distinct keys) is again one.
         """
-        return self._encode_props(properties)
+        return self._appender.encode_properties(properties)
 
     def append_encoded(self, messages: Sequence[EncodedMessage]) -> list[PutResult]:
         """Append a batch of ``(topic, light queues, body, property block)`` under one lock.
@@ -798,58 +304,7 @@ class MessageStore:
         """
         if self._closed or self.read_only:
             self._check_writable()
-        return self._append_batch(messages, None)
-
-    def _append_batch(
-        self, messages: Sequence[EncodedMessage], born: int | None
-    ) -> list[PutResult]:
-        """Validate (before the lock), append, then tell the listeners; ``born`` is the born
-        timestamp of every message (None: the store timestamp). _put does the same for one."""
-        routes = self._routes
-        max_body = self._max_body
-        batch: list[_Prepared] = []
-        touched: dict[_Route, None] = {}
-        items = messages if type(messages) is list else list(messages)
-        n = len(items)
-        i = 0
-        while True:
-            i = _prepare_run(items, i, routes, max_body, born, batch, touched)
-            if i >= n:
-                break
-            topic, lights, body, uprops = items[i]  # a new route, or a size to check in full
-            route = routes.get((topic, lights))
-            if route is None:
-                route = self._new_route((topic, tuple(lights)))
-            blen = len(body)
-            if blen > max_body:
-                raise MessageTooLargeError(blen, max_body)
-            if blen + len(uprops) > route.size_room or len(uprops) > route.props_room:
-                self._check_size(route, blen, len(uprops))
-            touched[route] = None
-            batch.append((route, body, uprops, born))
-            i += 1
-        results = self._append(batch)
-        if self._listeners:
-            self._notify(touched)
-        return results
-
-    def _notify(self, routes: Iterable[_Route]) -> None:
-        """Tell the listeners where the queues of ``routes`` end, once per queue.
-
-        Queue ends are read after the lock: later puts only move them further, and a
-        listener is told "ends at least here", once per queue for the whole batch.
-        """
-        ends: dict[str, int] = {}
-        for route in routes:
-            ends[route.topic] = route.parent.max_offset
-            for cq in route.cqs:
-                ends[cq.name] = cq.max_offset
-        for listener in self._listeners:
-            try:
-                for q, m in ends.items():
-                    listener.on_arrival(q, m)
-            except Exception:
-                log.exception("arrival listener %r failed", listener)
+        return self._appender.append(messages, None)
 
     async def wait_durable(self, end_offset: int) -> None:
         """Sync flush mode: return once the CommitLog is fsynced up to ``end_offset`` (group
@@ -857,157 +312,35 @@ class MessageStore:
         if self._sync and self._flusher is not None:
             await self._flusher.flushed_future(end_offset)
 
-    # =========================================================================================
-    # listeners
-    # =========================================================================================
     def add_listener(self, listener: ArrivalListener) -> None:
         with self._lock:
-            self._listeners = (*self._listeners, listener)
+            self._appender.listeners = (*self._appender.listeners, listener)
 
     def remove_listener(self, listener: ArrivalListener) -> None:
         with self._lock:
-            self._listeners = tuple(x for x in self._listeners if x is not listener)
+            listeners = self._appender.listeners
+            self._appender.listeners = tuple(x for x in listeners if x is not listener)
 
     # =========================================================================================
-    # reading
+    # reading (reader.py)
     # =========================================================================================
-    def _lookup(self, queue: str) -> ConsumeQueue | None:
-        if self._closed:
-            raise StoreClosedError("store is closed")
-        if not isinstance(queue, str) or not queue:
-            return None
-        try:
-            return self.queues_table.lookup(queue)
-        except ValueError:  # not encodable: cannot exist
-            return None
-
-    def _topic_name(self, raw: bytes) -> str:
-        names = self._topic_names
-        if len(names) >= _VALID_CACHE_LIMIT:
-            names.clear()
-        name = names[raw] = raw.decode("utf-8")
-        return name
-
-    def _queue_tuple(self, raw: bytes) -> tuple[str, ...]:
-        tuples = self._queue_tuples
-        if len(tuples) >= _VALID_CACHE_LIMIT:
-            tuples.clear()
-        queues = tuples[raw] = tuple(raw.decode("utf-8").split(MULTI_DISPATCH_SEPARATOR))
-        return queues
-
-    def _decode_units(self, units: bytes, offset: int) -> tuple[list[StoredMessage], int]:
-        """Messages the consume-queue ``units`` point at; ``offset`` is the first unit's.
-
-        Returns the messages and the offset after the last unit looked at. Records are
-        trusted (validated by recovery or written by this process), so there is no CRC check
-        here. Theory: everything is read straight from the segment's mmap (slicing an mmap
-        gives bytes in one copy, ``find``/``rfind`` search it in place), the segment is looked
-        up only when a unit leaves the current one, topic names and INNER_MULTI_DISPATCH
-        queue tuples come from caches keyed by their raw bytes, and a message without user
-        properties (the common case: the store's INNER_* pair starts the property string)
-        builds no dict beyond an empty one. A unit pointing outside the log is skipped.
-        """
-        commitlog = self.commitlog
-        write_pos = commitlog.write_pos
-        topics = self._topic_names
-        tuples = self._queue_tuples
-        msgs: list[StoredMessage] = []
-        add = msgs.append
-        seg_start = seg_end = 0
-        mm: mmap.mmap | None = None
-        i = offset
-        if len(units) % CQ_UNIT_SIZE:  # a short read of a damaged file: whole units only
-            units = units[: len(units) - len(units) % CQ_UNIT_SIZE]
-        for phys, size, _tag in _iter_units(units):
-            i += 1
-            if not seg_start <= phys < seg_end or mm is None:
-                seg = commitlog.segment_for(phys)
-                if seg is None:
-                    continue
-                seg_start, seg_end, mm = seg.start, seg.end, seg.mm
-            if size <= 0 or phys + size > write_pos:
-                continue
-            rel = phys - seg_start
-            poff, born, store_ts, blen = _READ_FIELDS(mm, rel)
-            p = rel + HEADER_SIZE + blen
-            body = mm[rel + HEADER_SIZE : p]
-            tend = p + 1 + mm[p]
-            raw = mm[p + 1 : tend]
-            topic = topics.get(raw) or self._topic_name(raw)
-            p = tend + 2  # PROPERTIESLENGTH skipped: the record size bounds the properties
-            pend = rel + size - CRC_TRAILER_SIZE
-            queues: tuple[str, ...] = ()
-            props: dict[str, str] = {}
-            if p < pend:
-                # The store's INNER_* pair is last; user properties (if any) come before it.
-                # format.inner_dispatch_at, inlined: a call per message costs gets ~5%.
-                d = mm.rfind(DISPATCH_PREFIX, p, pend)
-                if d >= 0 and (d == p or mm[d - 1] == 2):
-                    raw = mm[d + _DISPATCH_PREFIX_LEN : mm.find(b"\x02", d, pend)]
-                    queues = tuples.get(raw) or self._queue_tuple(raw)
-                    if d > p:
-                        props = _parse_user_props(mm[p:d])
-                else:
-                    props = _parse_user_props(mm[p:pend])
-            add(
-                _tuple_new(
-                    StoredMessage,
-                    (topic, body, props, i - 1, phys, store_ts, born, poff, queues),
-                )
-            )
-        return msgs, i
-
     def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
         """Read up to ``max_messages`` from ``queue`` starting at ``offset``."""
-        with self._lock:
-            cq = self._lookup(queue)
-            if cq is None:
-                return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, next_offset=0)
-            lo, hi = cq.min_offset, cq.max_offset
-            if hi == 0:
-                return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], 0, lo, hi)
-            if offset < lo:
-                return GetResult(GetStatus.OFFSET_TOO_SMALL, [], lo, lo, hi)
-            if offset == hi:
-                return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, lo, hi)
-            if offset > hi:
-                return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, [], hi, lo, hi)
-            data = self.queues_table.read_units(cq, offset, max(1, max_messages))
-            msgs, i = self._decode_units(data, offset)
-            if len(self.queues_table.states) > self.queues_table.max_cached:
-                self.queues_table.evict_overflow()
-        if not msgs and i == offset:
-            # The unit could not be read (file damaged underneath us): skip nothing, report.
-            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], offset, lo, hi)
-        return GetResult(GetStatus.FOUND, msgs, i, lo, hi)
+        return self._reader.get(queue, offset, max_messages)
 
     def message_at(self, physical_offset: int) -> StoredMessage:
         """The record at ``physical_offset`` (validated); StoreError if there is none."""
-        with self._lock:
-            if self._closed:
-                raise StoreClosedError("store is closed")
-            seg = self.commitlog.segment_for(physical_offset)
-            if seg is None or physical_offset >= self.commitlog.write_pos:
-                raise StoreError(f"no message at offset {physical_offset}")
-            rel = physical_offset - seg.start
-            size = check_record(seg.view, rel, seg.size)
-            if size <= 0:
-                raise StoreError(f"no message at offset {physical_offset}")
-            msgs, _ = self._decode_units(CQ_UNIT.pack(physical_offset, size, 0), 0)
-            if not msgs:
-                raise StoreError(f"no message at offset {physical_offset}")
-            m = msgs[0]
-            return m._replace(queue_offset=m.parent_offset)
+        return self._reader.message_at(physical_offset)
 
     def min_offset(self, queue: str) -> int:
         with self._lock:
-            cq = self._lookup(queue)
+            cq = self._reader.lookup(queue)
             return 0 if cq is None else cq.min_offset
 
     def max_offset(self, queue: str) -> int:
         """Next offset to be written in ``queue`` (0 for an unknown queue)."""
         with self._lock:
-            cq = self._lookup(queue)
+            cq = self._reader.lookup(queue)
             return 0 if cq is None else cq.max_offset
 
     def queues(self) -> list[str]:
@@ -1017,29 +350,9 @@ class MessageStore:
                 raise StoreClosedError("store is closed")
             return self.queues_table.names()
 
-    def _store_ts_at(self, cq: ConsumeQueue, offset: int) -> int:
-        u = self.queues_table.unit_at(cq, offset)
-        if u is None:
-            return -1
-        seg = self.commitlog.segment_for(u[0])
-        if seg is None:
-            return -1
-        return int(STORE_TIMESTAMP.unpack_from(seg.view, u[0] - seg.start)[0])
-
     def offset_by_time(self, queue: str, timestamp_ms: int) -> int:
         """First offset whose store timestamp is >= ``timestamp_ms`` (max_offset if none)."""
-        with self._lock:
-            cq = self._lookup(queue)
-            if cq is None:
-                return 0
-            lo, hi = cq.min_offset, cq.max_offset
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if self._store_ts_at(cq, mid) >= timestamp_ms:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            return lo
+        return self._reader.offset_by_time(queue, timestamp_ms)
 
     @property
     def log_min_offset(self) -> int:

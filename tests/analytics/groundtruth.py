@@ -158,7 +158,7 @@ def build_world(
     store timestamps are known exactly and span enough time to prune segments by.
     """
     world = World(data_dir, segment_size)
-    store_module = importlib.import_module("store.store")
+    store_module = importlib.import_module("store.append")
     wall_clock = store_module._time
     clock_s = [t0_ms / 1000]
     store_module._time = lambda: clock_s[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 import zlib
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,6 +72,26 @@ def test_round_trip(
     assert decoded.queues == queues and decoded.queue_offsets == offsets
     assert fmt.dispatch_info(rec, 0) == (topic, qoff, queues, offsets)
     assert list(fmt.iter_records(rec + bytes(64))) == [decoded]
+
+
+def test_inner_pair_parse() -> None:
+    """The one INNER_* parser: the store's own order, another writer's order, a user value
+    that holds the key's text, and a dispatch pair without offsets."""
+    k, d, q = "k\x01v\x02", fmt.PROP_MULTI_DISPATCH, fmt.PROP_MULTI_QUEUE_OFFSET
+    cases = [
+        (k + f"{d}\x01a,b\x02{q}\x013,9\x02", b"a,b", [b"3", b"9"]),
+        (f"{q}\x013,9\x02" + k + f"{d}\x01a,b\x02", b"a,b", [b"3", b"9"]),
+        (f"x\x01{d}\x01a\x02{d}\x01c\x02{q}\x017\x02", b"c", [b"7"]),
+    ]
+    for props, names, offsets in cases:
+        raw = props.encode()
+        at, found = fmt.inner_dispatch(raw, 0, len(raw))
+        assert found == names and raw[at - 1 : at] in (b"", b"\x02")
+        assert fmt.inner_offsets(raw, at, found, 0, len(raw)) == offsets
+    assert fmt.inner_dispatch(b"x\x01" + d.encode() + b"\x01a\x02", 0, 100) == (-1, b"")
+    raw = f"{d}\x01a\x02".encode()
+    with pytest.raises(ValueError, match="without"):
+        fmt.inner_offsets(raw, 0, b"a", 0, len(raw))
 
 
 @settings(max_examples=300)

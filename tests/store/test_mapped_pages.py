@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from store import GetStatus, MessageStore
-from store.store import MAPPED_TAIL_BYTES
+from store.flush import MAPPED_TAIL_BYTES
 from tests.store.conftest import OpenStore
 
 pytestmark = pytest.mark.skipif(
@@ -98,7 +98,7 @@ def test_log_flush_unmaps_after_a_fast_writer(open_store: OpenStore) -> None:
     path = segment_path(store)
     assert read_all(store) == COUNT
     assert mapped_rss(path) > store.log_max_offset // 2
-    store._flush_log()  # what the flusher thread runs every flush_interval_ms
+    store._files.flush_log()  # what the flusher thread runs every flush_interval_ms
     assert mapped_rss(path) <= MAPPED_TAIL_BYTES + (1 << 20)
     assert read_all(store) == COUNT
 

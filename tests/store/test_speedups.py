@@ -1,5 +1,7 @@
-"""store/_speedups.c: the same record bytes as store.format.append_record, the same CRC as
-zlib, no leaks, a build that matches its source, and a pure-Python mode that is pure."""
+"""store/_speedups.c: the same record bytes as store.format.append_record, the same units
+and queue ends as store.consumequeue.dispatch, the same CRC as zlib, the record format handed
+by store.kernel.configure (none spelled in C), no leaks, a build that matches its source, and
+a pure-Python mode that is pure."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from store import append as append_module
+from store import consumequeue, kernel
 from store import format as fmt
-from store import store as store_module
+from store.consumequeue import ConsumeQueue
 
 speedups = pytest.importorskip("store._speedups")
+kernel.configure(speedups)  # as store.kernel.load does; a pure-Python run skipped that
 SOURCE = Path(fmt.__file__).with_name("_speedups.c")
 
 offsets = st.integers(0, (1 << 63) - 1)
@@ -81,6 +86,41 @@ def test_a_record_it_builds_decodes_with_its_properties() -> None:
     assert message.properties[fmt.PROP_MULTI_QUEUE_OFFSET] == "3,12345678901"
 
 
+def _queues(spec: list[tuple[int, int]]) -> list[ConsumeQueue]:
+    out = []
+    for k, (flushed, pending) in enumerate(spec):
+        cq = ConsumeQueue(f"q{k}", f"/nowhere/q{k}", 0, flushed)
+        cq.pending = bytearray(b"u" * fmt.CQ_UNIT_SIZE * pending)
+        cq.max_offset = flushed + pending
+        out.append(cq)
+    return out
+
+
+@given(
+    spec=st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 3)), min_size=1, max_size=5),
+    picks=st.lists(st.lists(st.integers(0, 4), max_size=6), max_size=6),
+    unit=st.binary(min_size=fmt.CQ_UNIT_SIZE, max_size=fmt.CQ_UNIT_SIZE),
+)
+def test_c_dispatch_equals_python_dispatch(
+    spec: list[tuple[int, int]], picks: list[list[int]], unit: bytes
+) -> None:
+    """consumequeue.dispatch and its C twin (write_run dispatches with it) leave the same
+    units, queue ends and dirty marks, the same queue named twice included."""
+    states = []
+    for run in (speedups.dispatch, consumequeue.dispatch):
+        queues = _queues(spec)
+        dirty: dict[str, ConsumeQueue] = {}
+        for pick in picks:
+            run(tuple(queues[i % len(queues)] for i in pick), unit, dirty)
+        states.append(
+            (
+                [(q.name, bytes(q.pending), q.max_offset) for q in queues],
+                [(name, queues.index(cq)) for name, cq in dirty.items()],
+            )
+        )
+    assert states[0] == states[1]
+
+
 @given(st.binary(max_size=2000))
 def test_crc32_is_zlibs(data: bytes) -> None:
     assert speedups.crc32(data) == zlib.crc32(data)
@@ -126,7 +166,31 @@ PURE = os.environ.get("LMQTT_PURE_PYTHON", "") not in ("", "0")
 
 @pytest.mark.skipif(PURE, reason="LMQTT_PURE_PYTHON is set: the store runs the reference")
 def test_the_store_uses_it() -> None:
-    assert store_module.SPEEDUPS and store_module._append_record is speedups.append_record
+    assert append_module.SPEEDUPS and append_module._append_record is speedups.append_record
+
+
+def test_the_format_comes_from_python() -> None:
+    """The C module spells no property key of the format; it is handed them by configure,
+    which refuses a layout it cannot write, and it writes nothing before configure ran."""
+    source = SOURCE.read_text()
+    for key in (fmt.PROP_MULTI_DISPATCH, fmt.PROP_MULTI_QUEUE_OFFSET, fmt.PROP_CRC32):
+        assert key not in source
+    good = (fmt.MAGIC, fmt.CRC_MASK, fmt.CRC_PREFIX, fmt.HEADER_SIZE, kernel.WRITTEN_FIELDS)
+    with pytest.raises(ValueError, match="outside the header"):
+        speedups.configure(*good[:3], 60, good[4], fmt.CQ_UNIT_SIZE)
+    with pytest.raises(ValueError, match="cannot write"):
+        speedups.configure(*good, 24)
+    with pytest.raises(ValueError, match="one offset per"):
+        speedups.configure(*good[:4], good[4][:-1], fmt.CQ_UNIT_SIZE)
+    unconfigured = subprocess.run(
+        [sys.executable, "-c", "import store._speedups as k; "
+         "k.append_record(bytearray(), 999, 0, 0, 0, 0, b'', b'\\x01t', b'', b'', ())"],
+        env={**os.environ, "LMQTT_PURE_PYTHON": "1"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert "is not configured" in unconfigured.stderr  # the store's import configured none
+    buf = bytearray()
+    speedups.append_record(buf, 999, 0, 0, 0, 0, b"", b"\x01t", b"", b"", ())  # still configured
+    assert fmt.check_record(buf, 0, len(buf)) == len(buf)
 
 
 def test_the_build_matches_the_source() -> None:
@@ -140,10 +204,10 @@ def test_pure_python_mode_writes_the_same_log(tmp_path: Path) -> None:
     code = """
 import sys
 from pathlib import Path
-from store import store as s
-from store.config import StoreConfig
+from store import append as s
+from store import MessageStore, StoreConfig
 s._time = lambda: 1_700_000_000.0
-st = s.MessageStore.open(StoreConfig(data_dir=sys.argv[1], segment_size=8192))
+st = MessageStore.open(StoreConfig(data_dir=sys.argv[1], segment_size=8192))
 props = st.encode_properties({"k": "v"})
 for i in range(300):
     lights = ("%LMQ%a/+", "%LMQ%a/#") if i % 3 else ()

@@ -1,5 +1,5 @@
-"""store/_speedups.c `write_run` and `prepare_run` (MessageStore._write_locked's and
-_append_batch's loops in C) against their Python references `write_run_py` and
+"""store/_speedups.c `write_run` and `prepare_run` (Appender._write's and Appender.append's
+loops in C) against their Python references in store/append.py, `write_run_py` and
 `prepare_run_py`: two stores fed the same batches, one per implementation, must
 return the same PutResults, leave the same CommitLog and consume-queue bytes on disk, the
 same queue ends, and read back the same messages; small segments make the runs stop for
@@ -15,11 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import MessageStore, StoreConfig
+from store import MessageStore, StoreConfig, kernel
+from store import append as append_module
 from store import results as results_module
-from store import store as store_module
 
 speedups = pytest.importorskip("store._speedups")
+kernel.configure(speedups)  # as store.kernel.load does; a pure-Python run skipped that
 
 QUEUES = ["l/a", "l/b", "l/c", "l/d"]
 
@@ -65,13 +66,13 @@ def test_c_run_writes_what_the_reference_writes(
 ) -> None:
     seen = []
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
-        patch.setattr(store_module, "_time", lambda: 1_700_000_000.0)  # one store time
+        patch.setattr(append_module, "_time", lambda: 1_700_000_000.0)  # one store time
         for name, run, prepare in (
             ("c", speedups.write_run, speedups.prepare_run),
-            ("py", store_module.write_run_py, store_module.prepare_run_py),
+            ("py", append_module.write_run_py, append_module.prepare_run_py),
         ):
-            patch.setattr(store_module, "_write_run", run)
-            patch.setattr(store_module, "_prepare_run", prepare)
+            patch.setattr(append_module, "_write_run", run)
+            patch.setattr(append_module, "_prepare_run", prepare)
             root = Path(tmp) / name
             seen.append((_feed(root, batches), _files(root)))
     (c_out, c_files), (py_out, py_files) = seen
@@ -87,7 +88,7 @@ def test_a_run_stops_for_a_roll_and_a_new_route() -> None:
         try:
             block = store.encode_properties({})
             first = store.append_encoded([("t", ("l/a",), b"x" * 100, block)])
-            route, body = next(iter(store._routes.values())), b"y" * 1000
+            route, body = next(iter(store._appender.routes.values())), b"y" * 1000
             batch = [(route, body, block, None)] * 5
             state = [first[0].end_offset, 0]
             results: list[object] = []
@@ -96,13 +97,13 @@ def test_a_run_stops_for_a_roll_and_a_new_route() -> None:
                 gen = store.queues_table.generation
                 stop = speedups.write_run(
                     batch, 0, 1, writer.buf, writer.limit, state, gen,
-                    store.queues_table.dirty, results, store_module.PutResult,
+                    store.queues_table.dirty, results, append_module.PutResult,
                 )  # fmt: skip
                 writer.finish(state[0])
             assert 0 < stop < 5  # 4096-byte segments hold three of these records
             assert len(results) == stop and state[1] == 2 * stop
             stale = speedups.write_run(
-                batch, 0, 1, bytearray(), 1 << 40, [0, 0], gen + 1, {}, [], store_module.PutResult
+                batch, 0, 1, bytearray(), 1 << 40, [0, 0], gen + 1, {}, [], append_module.PutResult
             )
             assert stale == 0  # a route resolved for another generation: left to Python
         finally:
@@ -117,6 +118,6 @@ PURE = any(
 
 @pytest.mark.skipif(PURE, reason="a LMQTT_PURE_PYTHON switch is set: the store runs the reference")
 def test_the_store_uses_the_c_runs() -> None:
-    assert store_module._write_run is speedups.write_run
-    assert store_module._prepare_run is speedups.prepare_run
+    assert append_module._write_run is speedups.write_run
+    assert append_module._prepare_run is speedups.prepare_run
     assert results_module._STORED_RUNS is speedups.stored_runs
