@@ -55,7 +55,7 @@ from gateway.protocol import (
     Unsubscribe,
     Will,
 )
-from gateway.session.registry import Connected, Session, SubscriptionState
+from gateway.session.model import Connected, Session, SubscriptionState
 from gateway.stats import GatewayStats
 from gateway.storage.port import StoreError
 from topicmap import (

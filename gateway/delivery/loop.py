@@ -62,7 +62,8 @@ from gateway.protocol import (
     PubRel,
     ReasonCode,
 )
-from gateway.session.registry import Inflight, Session, SessionRegistry, SubscriptionState
+from gateway.session.model import Inflight, Session, SubscriptionState
+from gateway.session.registry import SessionRegistry
 from gateway.session.replay import Replay, ReplayPacer
 from gateway.stats import GatewayStats
 from gateway.storage.cursor import QueueCursor

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from gateway.delivery import loop as delivery
 from gateway.messages.records import read_record
 from gateway.protocol import ENCODED_TOPICS, Publish, encode
-from gateway.session.registry import Inflight
+from gateway.session.model import Inflight
 from gateway.storage.port import StoredMessage
 
 speedups = pytest.importorskip("gateway.protocol._speedups")
