@@ -57,8 +57,9 @@ file layout (v2 records, IPv6 hosts, no CRC property) stay the broker's business
 numbers are the ones the gateway itself reads. The cost is the brokers serving the pulls: a
 report reads every kept message of the deployment in its window (all of them without one) once.
 
-Records that are no MQTT message (the state batches, the gateway's start-up probe: no
-`mqtt.topic` property) are left out: on the embedded store they live outside the CommitLog.
+Records that are no MQTT message (the state batches, the gateway's start-up probe: no topic
+property of the record schema, topicmap/record.py) are left out: on the embedded store they
+live outside the CommitLog.
 """
 
 from __future__ import annotations
@@ -75,10 +76,6 @@ from analytics.copies import base_queue, copy_name, split_copy
 from analytics.errors import ClusterError, SnapshotError
 from analytics.segments import (
     ARROW_SCHEMA,
-    KEY_CLIENT,
-    KEY_QOS,
-    KEY_RETAIN,
-    KEY_TOPIC,
 )
 from analytics.snapshots import (
     SESSION_KEY_PREFIX,
@@ -97,6 +94,7 @@ from rocketmq_remoting import (
     TopicNotExistError,
 )
 from store.delivery_account import AccountRecord, read_account
+from topicmap import record
 from topicmap.rocketmq import (
     EMPTY_BODY_PROPERTY,
     STATE_QUEUE,
@@ -528,11 +526,11 @@ def to_batch(records: list[MessageRecord], rng: PullRange) -> pa.RecordBatch:
     namespace = rng.topic
     for rec in records:
         props = rec.properties
-        topic = props.get(KEY_TOPIC)
+        topic = props.get(record.TOPIC)
         if topic is None:
             continue  # a state batch or the start-up probe: no MQTT message
-        qos = props.get(KEY_QOS)
-        retain = props.get(KEY_RETAIN)
+        qos = props.get(record.QOS)
+        retain = props.get(record.RETAIN)
         names = props.get(_DISPATCH, "")
         offsets = props.get(_DISPATCH_OFFSETS, "")
         queues: list[str] = []
@@ -548,7 +546,7 @@ def to_batch(records: list[MessageRecord], rng: PullRange) -> pa.RecordBatch:
         cols["born_timestamp"].append(rec.born_timestamp * 1000)
         cols["parent_topic"].append(rec.topic)
         cols["topic"].append(topic)
-        cols["client_id"].append(props.get(KEY_CLIENT))
+        cols["client_id"].append(props.get(record.CLIENT))
         cols["qos"].append(int(qos) if qos in ("0", "1", "2") else None)
         cols["retain"].append(None if retain is None else retain == "1")
         cols["body_size"].append(0 if EMPTY_BODY_PROPERTY in props else len(rec.body))

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from accelerators import pure_python
 from gateway.clock import now_ms
 from gateway.messages.recent import RecentMessages
-from gateway.messages.records import PublishProperties, message_properties
+from gateway.messages.records import PID_BLOCK, PublishProperties, message_properties
 from gateway.messages.retained import RetainedIndex, RetainedMessage
 from gateway.protocol import Publish
 from gateway.stats import GatewayStats
@@ -60,9 +60,7 @@ def encode_publishes_py(
         if hit is None:
             break
         block = (
-            hit[0] + b"mqtt.pid\x01%d\x02" % pub.packet_id
-            if pub.qos and pub.packet_id is not None
-            else hit[0]
+            hit[0] + PID_BLOCK % pub.packet_id if pub.qos and pub.packet_id is not None else hit[0]
         )
         messages.append((route[0], route[1], pub.payload, block))
         props.append(hit[1])

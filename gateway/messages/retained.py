@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.clock import now_ms as _now_ms
 from gateway.storage.cursor import QueueCursor
+from topicmap.record import EXPIRY, QOS, TOPIC
 
 if TYPE_CHECKING:
     from gateway.storage.port import Storage as MessageStore
@@ -115,11 +116,11 @@ class RetainedMessage:
     def from_stored(cls, m: StoredMessage) -> RetainedMessage:
         """Rebuild from a %RETAIN% record (properties as the gateway wrote them)."""
         props = {k: v for k, v in m.properties.items() if k not in _INTERNAL_PROPERTIES}
-        expiry = props.get("mqtt.expiry")
+        expiry = props.get(EXPIRY)
         return cls(
-            topic=props.get("mqtt.topic", m.topic),
+            topic=props.get(TOPIC, m.topic),
             payload=bytes(m.body),
-            qos=int(props.get("mqtt.qos", "0") or 0),
+            qos=int(props.get(QOS, "0") or 0),
             properties=props,
             stored_at_ms=m.store_timestamp,
             expiry_interval_s=int(expiry) if expiry else None,
