@@ -1,7 +1,7 @@
 """The fan-out report's inputs read from a RocketMQ deployment, through pulls.
 
 A gateway started with `--store rocketmq` sends every message to the deployment's parent topic
-(`rocketmq_topic`, one queue) with INNER_MULTI_DISPATCH = its light queues, on one of the
+(`rocketmq_topic`, one queue) dispatched to its light queues, on one of the
 topic's brokers (one broker today; over several: `broker_for(mqtt topic, writable brokers)`,
 docs/rocketmq.md "Several brokers"), and keeps its sessions in the %STATE% light queue of its
 home broker. The report reads exactly that, over the remoting protocol (rocketmq_remoting), from
@@ -113,8 +113,6 @@ PULL_MESSAGES = 256
 PULL_GROUP = "%LMQ%lmqtt-report"
 #: A row's physical offset: the broker's rank above, its CommitLog offset below (2**48 B = 256 TiB).
 BROKER_SHIFT = 48
-_DISPATCH = "INNER_MULTI_DISPATCH"
-_DISPATCH_OFFSETS = "INNER_MULTI_QUEUE_OFFSET"
 _TS = pa.timestamp("us", tz="UTC")
 
 
@@ -531,15 +529,13 @@ def to_batch(records: list[MessageRecord], rng: PullRange) -> pa.RecordBatch:
             continue  # a state batch or the start-up probe: no MQTT message
         qos = props.get(record.QOS)
         retain = props.get(record.RETAIN)
-        names = props.get(_DISPATCH, "")
-        offsets = props.get(_DISPATCH_OFFSETS, "")
-        queues: list[str] = []
-        queue_offsets: list[int] = []
-        for name, off in zip(names.split(",") if names else [], offsets.split(","), strict=False):
-            if not off.lstrip("-").isdigit():
-                continue
-            queues.append(rng.copy_of(decode_lmq(name, namespace) or name))
-            queue_offsets.append(int(off))
+        # The broker's dispatch properties, read by the remoting client's one rule
+        # (MessageRecord.light_queue_offsets): a queue without an integer offset (the broker
+        # writes none for a name it did not index) is left out, and a list longer than the
+        # other is cut to the shorter one, rather than failing the report.
+        lights = rec.light_queue_offsets()
+        queues = [rng.copy_of(decode_lmq(name, namespace) or name) for name in lights]
+        queue_offsets = list(lights.values())
         cols["segment"].append(rng.start_offset)
         cols["physical_offset"].append(rng.rank << BROKER_SHIFT | rec.commitlog_offset)
         cols["store_timestamp"].append(rec.store_timestamp * 1000)

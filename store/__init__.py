@@ -20,6 +20,8 @@ from store.errors import (
     StoreError,
     StoreLockedError,
 )
+from store.format import PROP_MULTI_DISPATCH as DISPATCH_KEY
+from store.format import PROP_MULTI_QUEUE_OFFSET as DISPATCH_OFFSETS_KEY
 from store.recovery import RecoveryReport
 from store.results import (
     ArrivalListener,
@@ -39,6 +41,8 @@ from store.statelog import (
 from store.store import EncodedMessage, MessageStore
 
 __all__ = [
+    "DISPATCH_KEY",
+    "DISPATCH_OFFSETS_KEY",
     "FLAG_CLEAN",
     "FLAG_CLOSED",
     "FLAG_SHARED",

@@ -2,11 +2,11 @@
 
     topic name -> validated Topic, parent topic (cached)
                -> light queues of every registered filter matching it (router, cached)
-               -> one store record (INNER_MULTI_DISPATCH = those queues, plus %RETAIN%)
+               -> one store record dispatched to those queues (plus %RETAIN%)
                -> the recent cache (delivery reads it from there), the retained index
 
-One PUBLISH is one store record: parent topic = first topic level; INNER_MULTI_DISPATCH = the
-light queues of every registered filter matching the topic (plus %RETAIN% when retained). The
+One PUBLISH is one store record: parent topic = first topic level, dispatched to the light
+queues of every registered filter matching the topic (plus %RETAIN% when retained). The
 router lives here because the route cache does: a filter added or removed (the subscription
 lifecycle, gateway/lifecycle/subscriptions.py) goes through `add_filter` / `remove_filter`,
 which clear it.

@@ -33,8 +33,6 @@ from topicmap.record import (
 
 log = logging.getLogger("lmqtt.gateway")
 
-DISPATCH_KEY = "INNER_MULTI_DISPATCH"
-DISPATCH_OFFSETS_KEY = "INNER_MULTI_QUEUE_OFFSET"
 # Property values must not contain the store's pair separators.
 _SEPARATORS = ("\x01", "\x02")
 
@@ -122,22 +120,6 @@ class PublishProperties:
         if pub.qos and pub.packet_id is not None:
             return hit[0] + PID_BLOCK % pub.packet_id, hit[1]
         return hit
-
-
-def dispatch_offsets(props: dict[str, str]) -> dict[str, int]:
-    """Light queue name -> this record's offset in it, from the store's dispatch properties."""
-    queues = props.get(DISPATCH_KEY)
-    offsets = props.get(DISPATCH_OFFSETS_KEY)
-    if not queues or not offsets:
-        return {}
-    names = queues.split(",")
-    values = offsets.split(",")
-    if len(names) != len(values):
-        return {}
-    try:
-        return {n: int(v) for n, v in zip(names, values, strict=True)}
-    except ValueError:
-        return {}
 
 
 @dataclass(slots=True)

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.clock import now_ms as _now_ms
 from gateway.storage.cursor import QueueCursor
+from gateway.storage.port import DISPATCH_KEY, DISPATCH_OFFSETS_KEY
 from topicmap.record import EXPIRY, QOS, TOPIC
 
 if TYPE_CHECKING:
@@ -79,8 +80,9 @@ SNAPSHOT_VERSION = 1
 RECORD_PREFIX = "retained/"
 CURSOR_KEY = "meta/retained"  # {"queue": "%RETAIN%", "next_offset": N, "saved_at_ms": T}
 REPLAY_BATCH = 256
-# Store-internal properties that say nothing about the MQTT message.
-_INTERNAL_PROPERTIES = frozenset({"INNER_MULTI_DISPATCH", "INNER_MULTI_QUEUE_OFFSET", "__CRC32#"})
+# Properties the store adds to a record, which say nothing about the MQTT message: its dispatch
+# properties and the CRC property a record ends with.
+_INTERNAL_PROPERTIES = frozenset({DISPATCH_KEY, DISPATCH_OFFSETS_KEY, "__CRC32#"})
 
 
 def _read_only(store: MessageStore) -> bool:

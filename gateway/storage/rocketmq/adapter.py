@@ -7,7 +7,7 @@ This module composes the parts, each in its own module, and opens them (`open_ro
     gateway/storage/rocketmq/broker.py   the one broker: client, address, namespace (parent topic)
     gateway/storage/rocketmq/names.py    gateway queue names <-> light queue names (the memo; the
                                  encoding: topicmap/rocketmq.py)
-    gateway/storage/rocketmq/sender.py   append: SEND_MESSAGE_V2 with INNER_MULTI_DISPATCH, tickets
+    gateway/storage/rocketmq/sender.py   append: SEND_MESSAGE_V2 with the light queues, tickets
     gateway/storage/rocketmq/mirrors.py  read: a mirror per opened light queue, its held long poll
     gateway/storage/rocketmq/history.py  read: the parent topic as the replays' history queue
     gateway/storage/rocketmq/offsets.py  committed offsets, copied to the broker's consumer offsets
