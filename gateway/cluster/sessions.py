@@ -1,5 +1,5 @@
-"""Sessions on any node of the cluster (issue #18, point 2) and retained messages set through
-another node (point 4): cluster mode's session part (gateway/cluster/node.py).
+"""Sessions on any node of the cluster and retained messages set through
+another node: cluster mode's session part (gateway/cluster/node.py).
 
 Every node writes its sessions' records to the one %STATE% light queue, each batch stamped with
 its writer (gateway/storage/rocketmq/state.py NODE_PROPERTY), and tails the others' (follow_state).

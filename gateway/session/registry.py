@@ -30,7 +30,7 @@ log = logging.getLogger("lmqtt.gateway")
 # State record key of a session (gateway/storage/port.py: StateRecord); the value is the session's
 # JSON (Session.to_json), a DELETE record ends it.
 SESSION_KEY_PREFIX = "session/"
-SESSIONS_FILE = "sessions.json"  # the file of earlier versions, imported once
+SESSIONS_FILE = "sessions.json"  # sessions as a file (before the state log), imported once
 META_KEY_PREFIX = "meta/"
 IMPORTED_KEY = "meta/sessions.json-imported"  # present: SESSIONS_FILE was imported (or absent)
 PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
@@ -149,8 +149,8 @@ class SessionRegistry:
     def load(
         self, *, materialize_all: bool = False, skip: Callable[[str], bool] | None = None
     ) -> Iterator[tuple[Session | None, Sequence[SubscriptionEntry | SubscriptionState]]]:
-        """Rebuild the sessions from the state log (a sessions.json of an older version is
-        imported once); sessions that ended with the previous run are dropped.
+        """Rebuild the sessions from the state log (a config/sessions.json is imported
+        once); sessions that ended with the previous run are dropped.
 
         Yields (session, its subscriptions) for every restored session, to register the
         subscriptions. An offline session that needs nothing from us until its client comes
@@ -169,7 +169,7 @@ class SessionRegistry:
         now = now_ms()
         loads = from_json
         # The records read become the dormant table itself: the ones that are not dormant are
-        # taken out of it (a second table of a million entries would cost ~50 MB more).
+        # taken out of it (a second table would double the memory a large fleet takes).
         dormant = self._dormant = raw
         ids = self._dormant_ids
         due = array("Q")
@@ -321,7 +321,7 @@ class SessionRegistry:
         self._arm_dormant_expiry()
 
     def _import_sessions_json(self) -> dict[str, bytes] | None:
-        """The sessions of an older version's file; None: there is no such file."""
+        """The sessions of config/sessions.json; None: there is no such file."""
         try:
             doc = self._store.read_config(SESSIONS_FILE)
         except OSError:
@@ -360,7 +360,8 @@ class SessionRegistry:
         self._dirty = set()
         if progress:
             # Every connected session is due; _records puts those still connected back in
-            # _live as it writes them (a pass over 10,000 of them here took 5 ms in one step).
+            # _live as it writes them (taking the sets is cheap enough for one step; encoding
+            # the records is what _write_in_steps spreads).
             cids |= self._progress
             cids |= self._live
             self._live = set()
@@ -377,8 +378,8 @@ class SessionRegistry:
 
     async def _write_in_steps(self, progress: bool) -> int:
         """`_write`, RECORDS_PER_STEP records per event-loop step: a progress pass covers every
-        connected session, and with 10,000 devices encoding them at once held the loop for
-        hundreds of milliseconds. A session changed after its step is due again later."""
+        connected session, and encoding a large fleet's at once would hold the event loop for
+        too long. A session changed after its step is due again later."""
         ids = list(self._take(progress))
         position = 0
         for i in range(0, len(ids), RECORDS_PER_STEP):
@@ -426,8 +427,8 @@ def _never(session: Session) -> None:
 
 
 def _dumps(doc: dict[str, Any]) -> bytes:
-    """A session record's JSON (compact), by pydantic's JSON core: several times faster than
-    the json module, and a fleet's restart decodes a million of them."""
+    """A session record's JSON (compact), by pydantic's JSON core: faster than the json
+    module, and a fleet's restart decodes every record."""
     return to_json(doc)
 
 
