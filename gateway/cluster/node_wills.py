@@ -46,8 +46,9 @@ from pydantic_core import from_json, to_json
 from gateway.clock import now_ms
 from gateway.cluster.bus import ClusterBus, Record
 from gateway.cluster.membership import Membership
+from gateway.messages.message_json import will_from_json
 from gateway.protocol import Publish
-from gateway.session.model import will_from_json, will_publish
+from gateway.session.model import will_publish
 from gateway.session.registry import SESSION_KEY_PREFIX
 from gateway.storage.port import StateRecord
 

@@ -8,7 +8,6 @@ offset in each).
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import time
@@ -16,6 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.messages.message_json import (
+    message_from_json,
+    message_to_json,
+    optional_int,
+    record_properties_from_json,
+)
 from gateway.protocol import Properties, Publish
 from topicmap.record import (
     CLIENT,
@@ -136,30 +141,30 @@ class RecordedPublish:
     props: dict[str, str]
 
     def to_json(self) -> dict[str, Any]:
-        """Session-record form (payload base64), for an in-flight copy held by a session."""
-        return {
-            "topic": self.topic,
-            "payload": base64.b64encode(self.payload).decode("ascii"),
-            "qos": self.qos,
-            "retain": self.retain,
-            "client_id": self.client_id,
-            "expiry": self.expiry,
-            "stored_at_ms": self.stored_at_ms,
-            "props": self.props,
-        }
+        """The JSON of an in-flight copy held by a session (gateway/messages/message_json.py)."""
+        return message_to_json(
+            self.topic,
+            self.payload,
+            self.qos,
+            retain=self.retain,
+            client_id=self.client_id,
+            expiry=self.expiry,
+            stored_at_ms=self.stored_at_ms,
+            props=self.props,
+        )
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RecordedPublish:
-        expiry = d.get("expiry")
+        topic, payload, qos = message_from_json(d)
         return cls(
-            topic=str(d["topic"]),
-            payload=base64.b64decode(d["payload"]),
-            qos=int(d["qos"]),
+            topic=topic,
+            payload=payload,
+            qos=qos,
             retain=bool(d.get("retain", False)),
             client_id=str(d.get("client_id", "")),
-            expiry=int(expiry) if expiry is not None else None,
+            expiry=optional_int(d.get("expiry")),
             stored_at_ms=int(d["stored_at_ms"]),
-            props={str(k): str(v) for k, v in (d.get("props") or {}).items()},
+            props=record_properties_from_json(d.get("props")),
         )
 
     def remaining_expiry(self, now_ms: int | None = None) -> int | None:
@@ -206,7 +211,7 @@ def read_record(
     """Decode the MQTT facts of a record; None if it was not written by an MQTT publish."""
     try:
         expiry_s = props.get(EXPIRY)
-        # Positional: runs once per message delivered (keywords cost ~0.3 us more per call).
+        # Positional: runs once per message delivered, and keyword arguments cost more per call.
         return RecordedPublish(
             props.get(TOPIC, topic),
             body,

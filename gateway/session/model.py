@@ -44,12 +44,12 @@ gets the committed offsets, for inspect and analytics).
 from __future__ import annotations
 
 import asyncio
-import base64
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.messages.message_json import will_from_json, will_to_json
 from gateway.messages.records import RecordedPublish
-from gateway.protocol import Properties, Publish, Will
+from gateway.protocol import Publish, Will
 from gateway.session.replay import Replay
 
 NEVER_EXPIRES = 0xFFFFFFFF  # an expiry interval that never ends (MQTT 5 3.1.2.11.2)
@@ -71,57 +71,6 @@ class InflightGroup(Protocol):
     def ack(self, offset: int) -> None: ...
 
     def give_back(self, offset: int) -> None: ...
-
-
-# Will properties kept in the session record (the ones that matter for publishing it later).
-_PROPS = (
-    "will_delay_interval",
-    "message_expiry_interval",
-    "payload_format_indicator",
-    "content_type",
-    "response_topic",
-)
-
-
-def will_to_json(will: Will) -> dict[str, Any]:
-    """Session-record form: {"topic", "payload" (base64), "qos", "retain", "properties"}."""
-    p = will.properties
-    props: dict[str, Any] = {}
-    if p is not None:
-        for name in _PROPS:
-            value = getattr(p, name)
-            if value is not None:
-                props[name] = value
-        if p.correlation_data is not None:
-            props["correlation_data"] = bytes(p.correlation_data).hex()
-        if p.user_properties:
-            props["user_properties"] = [[k, v] for k, v in p.user_properties]
-    return {
-        "topic": will.topic,
-        "payload": base64.b64encode(will.payload).decode("ascii"),
-        "qos": will.qos,
-        "retain": will.retain,
-        "properties": props,
-    }
-
-
-def will_from_json(d: dict[str, Any]) -> Will:
-    props = Properties()
-    raw = d.get("properties") or {}
-    for name in _PROPS:
-        if name in raw:
-            setattr(props, name, raw[name])
-    if "correlation_data" in raw:
-        props.correlation_data = bytes.fromhex(raw["correlation_data"])
-    if "user_properties" in raw:
-        props.user_properties = [(str(k), str(v)) for k, v in raw["user_properties"]]
-    return Will(
-        topic=str(d["topic"]),
-        payload=base64.b64decode(d["payload"]),
-        qos=int(d.get("qos", 0)),
-        retain=bool(d.get("retain", False)),
-        properties=props,
-    )
 
 
 def will_publish(will: Will) -> Publish:
