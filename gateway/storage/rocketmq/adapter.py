@@ -445,8 +445,8 @@ class RocketMqStorage:
             await self._state_log.compact()
 
     def read_config(self, name: str) -> bytes | None:
-        # Config documents are written by older embedded versions only (legacy imports); on
-        # RocketMQ they are state records.
+        # Config documents are the embedded store's file forms of state (read to import them
+        # once); on RocketMQ they are state records.
         return self._state_log.records.get(CONFIG_KEY_PREFIX + name)
 
     def write_config(self, name: str, data: bytes) -> None:
