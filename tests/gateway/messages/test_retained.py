@@ -458,7 +458,7 @@ def _serve(data: Path) -> tuple[subprocess.Popen[str], int]:
     import re
 
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LMQTT_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "serve", "--port", "0", "--data-dir", str(data),
          "--flush", "sync", "--sys-interval", "0"],

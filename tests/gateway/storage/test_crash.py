@@ -13,7 +13,7 @@ from pathlib import Path
 from gateway.protocol import PubAck, Publish, Subscribe, Subscription
 from tests.gateway.conftest import GatewayHarness, RawClient
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SEGMENT = 4 << 20
 
 
