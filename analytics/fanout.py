@@ -2,7 +2,8 @@
 
 Definitions (the tables' columns; all counts exact):
 
-    fanout       light queues (%LMQ%...) a message was dispatched to (INNER_MULTI_DISPATCH)
+    fanout       light queues (%LMQ%...) a message was dispatched to (the store's dispatch
+                 properties)
     eligible     per message, the subscribers that were subscribed (on one of its queues) when
                  it arrived and were due it: it falls in one of their pieces [start, end) (see
                  analytics.snapshots.Piece: the delivery account's ranges of every subscription,

@@ -1,7 +1,7 @@
 """The fan-out report's inputs read from a RocketMQ deployment, through pulls.
 
 A gateway started with `--store rocketmq` sends every message to the deployment's parent topic
-(`rocketmq_topic`, one queue) with INNER_MULTI_DISPATCH = its light queues, on one of the
+(`rocketmq_topic`, one queue) dispatched to its light queues, on one of the
 topic's brokers (one broker today; over several: `broker_for(mqtt topic, writable brokers)`,
 docs/rocketmq.md "Several brokers"), and keeps its sessions in the %STATE% light queue of its
 home broker. The report reads exactly that, over the remoting protocol (rocketmq_remoting), from
@@ -57,8 +57,9 @@ file layout (v2 records, IPv6 hosts, no CRC property) stay the broker's business
 numbers are the ones the gateway itself reads. The cost is the brokers serving the pulls: a
 report reads every kept message of the deployment in its window (all of them without one) once.
 
-Records that are no MQTT message (the state batches, the gateway's start-up probe: no
-`mqtt.topic` property) are left out: on the embedded store they live outside the CommitLog.
+Records that are no MQTT message (the state batches, the gateway's start-up probe: no topic
+property of the record schema, topicmap/record.py) are left out: on the embedded store they
+live outside the CommitLog.
 """
 
 from __future__ import annotations
@@ -75,10 +76,6 @@ from analytics.copies import base_queue, copy_name, split_copy
 from analytics.errors import ClusterError, SnapshotError
 from analytics.segments import (
     ARROW_SCHEMA,
-    KEY_CLIENT,
-    KEY_QOS,
-    KEY_RETAIN,
-    KEY_TOPIC,
 )
 from analytics.snapshots import (
     SESSION_KEY_PREFIX,
@@ -97,6 +94,7 @@ from rocketmq_remoting import (
     TopicNotExistError,
 )
 from store.delivery_account import AccountRecord, read_account
+from topicmap import record
 from topicmap.rocketmq import (
     EMPTY_BODY_PROPERTY,
     STATE_QUEUE,
@@ -115,8 +113,6 @@ PULL_MESSAGES = 256
 PULL_GROUP = "%LMQ%lmqtt-report"
 #: A row's physical offset: the broker's rank above, its CommitLog offset below (2**48 B = 256 TiB).
 BROKER_SHIFT = 48
-_DISPATCH = "INNER_MULTI_DISPATCH"
-_DISPATCH_OFFSETS = "INNER_MULTI_QUEUE_OFFSET"
 _TS = pa.timestamp("us", tz="UTC")
 
 
@@ -528,27 +524,25 @@ def to_batch(records: list[MessageRecord], rng: PullRange) -> pa.RecordBatch:
     namespace = rng.topic
     for rec in records:
         props = rec.properties
-        topic = props.get(KEY_TOPIC)
+        topic = props.get(record.TOPIC)
         if topic is None:
             continue  # a state batch or the start-up probe: no MQTT message
-        qos = props.get(KEY_QOS)
-        retain = props.get(KEY_RETAIN)
-        names = props.get(_DISPATCH, "")
-        offsets = props.get(_DISPATCH_OFFSETS, "")
-        queues: list[str] = []
-        queue_offsets: list[int] = []
-        for name, off in zip(names.split(",") if names else [], offsets.split(","), strict=False):
-            if not off.lstrip("-").isdigit():
-                continue
-            queues.append(rng.copy_of(decode_lmq(name, namespace) or name))
-            queue_offsets.append(int(off))
+        qos = props.get(record.QOS)
+        retain = props.get(record.RETAIN)
+        # The broker's dispatch properties, read by the remoting client's one rule
+        # (MessageRecord.light_queue_offsets): a queue without an integer offset (the broker
+        # writes none for a name it did not index) is left out, and a list longer than the
+        # other is cut to the shorter one, rather than failing the report.
+        lights = rec.light_queue_offsets()
+        queues = [rng.copy_of(decode_lmq(name, namespace) or name) for name in lights]
+        queue_offsets = list(lights.values())
         cols["segment"].append(rng.start_offset)
         cols["physical_offset"].append(rng.rank << BROKER_SHIFT | rec.commitlog_offset)
         cols["store_timestamp"].append(rec.store_timestamp * 1000)
         cols["born_timestamp"].append(rec.born_timestamp * 1000)
         cols["parent_topic"].append(rec.topic)
         cols["topic"].append(topic)
-        cols["client_id"].append(props.get(KEY_CLIENT))
+        cols["client_id"].append(props.get(record.CLIENT))
         cols["qos"].append(int(qos) if qos in ("0", "1", "2") else None)
         cols["retain"].append(None if retain is None else retain == "1")
         cols["body_size"].append(0 if EMPTY_BODY_PROPERTY in props else len(rec.body))

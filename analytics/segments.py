@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -53,12 +53,7 @@ from store.format import (
     WALK_BEYOND,
     walk_records,
 )
-
-# MQTT facts the gateway stores as properties (its contract; analytics never imports it).
-KEY_TOPIC: Final = "mqtt.topic"
-KEY_CLIENT: Final = "mqtt.client"
-KEY_QOS: Final = "mqtt.qos"
-KEY_RETAIN: Final = "mqtt.retain"
+from topicmap import record
 
 # Arrow schema of the rows. The Spark schema in analytics.datasource is derived from the same
 # field list; a unit test checks the two agree exactly (Spark rejects any mismatch).
@@ -331,10 +326,10 @@ def _to_batch(whole: np.ndarray, starts: np.ndarray, ends: np.ndarray, base: int
             pa.array(store_ts * 1000, type=_TS),
             pa.array(born_ts * 1000, type=_TS),
             pc.cast(parents, pa.string()),
-            props[KEY_TOPIC],
-            props[KEY_CLIENT],
-            props[KEY_QOS],
-            props[KEY_RETAIN],
+            props[record.TOPIC],
+            props[record.CLIENT],
+            props[record.QOS],
+            props[record.RETAIN],
             pa.array(body_len.astype(np.int32)),
             props[PROP_MULTI_DISPATCH],
             props[PROP_MULTI_QUEUE_OFFSET],
@@ -343,7 +338,14 @@ def _to_batch(whole: np.ndarray, starts: np.ndarray, ends: np.ndarray, base: int
     )
 
 
-_WANTED = (KEY_TOPIC, KEY_CLIENT, KEY_QOS, KEY_RETAIN, PROP_MULTI_DISPATCH, PROP_MULTI_QUEUE_OFFSET)
+_WANTED = (
+    record.TOPIC,
+    record.CLIENT,
+    record.QOS,
+    record.RETAIN,
+    PROP_MULTI_DISPATCH,
+    PROP_MULTI_QUEUE_OFFSET,
+)
 
 
 def _parse_properties(blobs: pa.Array) -> dict[str, pa.Array]:
@@ -367,8 +369,8 @@ def _parse_properties(blobs: pa.Array) -> dict[str, pa.Array]:
         picked = pc.take(values, pa.array(where, mask=where < 0))
         out[key] = pc.cast(picked, pa.string())
     # QoS is one of three digits: its position in the value set is its value.
-    out[KEY_QOS] = pc.index_in(out[KEY_QOS], value_set=_QOS_VALUES)
-    out[KEY_RETAIN] = pc.equal(out[KEY_RETAIN], "1")
+    out[record.QOS] = pc.index_in(out[record.QOS], value_set=_QOS_VALUES)
+    out[record.RETAIN] = pc.equal(out[record.RETAIN], "1")
     out[PROP_MULTI_DISPATCH] = _split_list(out[PROP_MULTI_DISPATCH], pa.string())
     out[PROP_MULTI_QUEUE_OFFSET] = _split_list(out[PROP_MULTI_QUEUE_OFFSET], pa.int64())
     return out

@@ -37,7 +37,7 @@ from topicmap import LMQ_PREFIX, filter_of
 
 SESSIONS_FILE = "sessions.json"  # before the state log
 # The gateway's session records in the state log (store/statelog.py): key prefix + client id,
-# value the session as JSON (gateway/session/registry.py; analytics never imports it).
+# value the session as JSON (gateway/session/model.py; analytics never imports it).
 SESSION_KEY_PREFIX = "session/"
 SHARE_PREFIX = "$share/"
 LIGHT_QUEUE_PREFIX = LMQ_PREFIX
@@ -80,7 +80,7 @@ class QueueEnd:
 
 def read_subscriptions(data_dir: str | Path) -> list[Subscription]:
     """Every saved subscription (the gateway's session records in the state log, read with
-    the store's reader; the config/sessions.json of an older data directory otherwise)."""
+    the store's reader; a data directory's config/sessions.json otherwise)."""
     path = Path(data_dir) / STATE_DIR
     try:
         raw = read_state(path, SESSION_KEY_PREFIX)

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from store import format as fmt  # noqa: E402 (after the sys.path fix above)
-from topicmap import queue_name  # noqa: E402
+from topicmap import queue_name, record  # noqa: E402
 
 DEVICES = 1000
 ACCOUNT_VERSION = 1  # the generated delivery account's shape (bumped: regenerate)
@@ -91,7 +91,7 @@ def generate(data_dir: Path, n: int, segment_size: int) -> None:
             offs.append(o)
             offsets[q] = o + 1
         props = fmt.encode_properties(
-            {"mqtt.topic": topic, "mqtt.qos": "1", "mqtt.retain": "0", "mqtt.client": f"dev-{d}"}
+            {record.TOPIC: topic, record.QOS: "1", record.RETAIN: "0", record.CLIENT: f"dev-{d}"}
         )
         ts = t0 + i // 100  # 100 messages per ms of store time
         rec = bytearray()

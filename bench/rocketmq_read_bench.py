@@ -31,6 +31,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 async def _fill(cluster: RocketMQCluster, topic: str, n: int) -> None:
+    from rocketmq_remoting.message import encode_properties
+    from topicmap import record
     from topicmap.rocketmq import encode_lmq
 
     broker = cluster.brokers["broker-a"]
@@ -41,8 +43,14 @@ async def _fill(cluster: RocketMQCluster, topic: str, n: int) -> None:
 
         async def one(i: int) -> None:
             async with sem:
-                props = f"mqtt.topic\x01b/{i % 50}\x02mqtt.qos\x011\x02mqtt.retain\x010\x02"
-                props += f"mqtt.client\x01dev-{i % 50}\x02"
+                props = encode_properties(
+                    {
+                        record.TOPIC: f"b/{i % 50}",
+                        record.QOS: "1",
+                        record.RETAIN: "0",
+                        record.CLIENT: f"dev-{i % 50}",
+                    }
+                )
                 await client.send_message(
                     broker, topic, b"x" * 100, light_queues=queues, raw_properties=props
                 )

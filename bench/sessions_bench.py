@@ -114,7 +114,8 @@ async def create(
 def write_sessions(data_dir: Path, sessions: int, offsets: bool = False) -> float:
     """N session records as the gateway writes them (gateway.session.registry), via the store's
     writer; with `offsets`, also the committed offset a subscription gets (store.offsets)."""
-    from gateway.session.registry import SESSION_KEY_PREFIX, Session, SubscriptionState
+    from gateway.session.model import Session, SubscriptionState
+    from gateway.session.registry import SESSION_KEY_PREFIX
     from store import MessageStore, StoreConfig
     from topicmap import Router, TopicFilter
 

@@ -4,7 +4,7 @@ The store accepts a name only when it is non-empty and a safe single file-name c
 name made here is drawn from `[a-z0-9._%-]` (plus the constant `%LMQ%` prefix), never starts
 with `.`, and is at most MAX_STORE_NAME_LENGTH (127) characters, so it is also a valid RocketMQ
 topic and fits the record's 1-byte TOPICLENGTH. Names never contain `,`, U+0001 or U+0002, so
-they can be listed in `INNER_MULTI_DISPATCH` unquoted.
+they can be listed in the store's dispatch properties unquoted.
 
 Level encoding (one token per UTF-8 byte of the text; injective because every token is
 decided by its first character):

@@ -1,8 +1,8 @@
 """The cluster-wide filter registry: a filter subscribed on one node routes every node's publishes.
 
 Each node routes a PUBLISH with its own Router (gateway/messages/publishing.py): the light queues of
-every filter it knows go into the one send (INNER_MULTI_DISPATCH). So every node must know
-every node's filters, and must know a new one *before* the subscriber hears SUBACK, or a
+every filter it knows go into the one send (the store's dispatch properties). So every node must
+know every node's filters, and must know a new one *before* the subscriber hears SUBACK, or a
 message published on another node right after the SUBACK misses the subscriber's queue.
 
     node A (subscriber)                        node B (any other live node)

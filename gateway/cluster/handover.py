@@ -21,7 +21,7 @@ node that holds the session hands over its state as it stands when its connectio
             from the handed positions; B's record (connected on B) follows A's in the log
 
 Without an answer (A killed, or too slow) B resumes from A's newest record, marked `behind`
-(gateway/session/registry.py: the broker's committed offsets are taken where fresher): what A had in
+(gateway/session/model.py: the broker's committed offsets are taken where fresher): what A had in
 flight, and what was acknowledged in the last second, comes again without DUP.
 The hand travels on the cluster bus (an event for one node), not the state log: A writes
 nothing for a session taken from it, so no late record of A's can follow B's.

@@ -41,7 +41,8 @@ from gateway.cluster.takeover import ClusterTakeover
 from gateway.delivery.arrivals import ArrivalHub
 from gateway.delivery.shared import SharedSubscriptions
 from gateway.messages.publishing import PublishPath
-from gateway.session.registry import SESSION_KEY_PREFIX, Connected, Session, SessionRegistry
+from gateway.session.model import Connected, Session
+from gateway.session.registry import SESSION_KEY_PREFIX, SessionRegistry
 from gateway.storage.port import StateRecord, Storage, StoreError
 
 log = logging.getLogger("lmqtt.cluster")

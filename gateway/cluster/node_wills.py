@@ -46,8 +46,10 @@ from pydantic_core import from_json, to_json
 from gateway.clock import now_ms
 from gateway.cluster.bus import ClusterBus, Record
 from gateway.cluster.membership import Membership
+from gateway.messages.message_json import will_from_json
 from gateway.protocol import Publish
-from gateway.session.registry import SESSION_KEY_PREFIX, will_from_json, will_publish
+from gateway.session.model import will_publish
+from gateway.session.registry import SESSION_KEY_PREFIX
 from gateway.storage.port import StateRecord
 
 log = logging.getLogger("lmqtt.cluster")
@@ -190,7 +192,7 @@ def _taken_over(d: dict[str, Any], now: int) -> tuple[dict[str, Any], bool]:
         if d.get("will") and d.get("will_due_ms") is None:
             return {**d, "will_due_ms": now}, True  # (not written so: published now)
         return d, False
-    # `behind`: its positions may lag the broker's committed offsets (gateway/session/registry.py).
+    # `behind`: its positions may lag the broker's committed offsets (gateway/session/model.py).
     d = {**d, "disconnected_at_ms": now, "behind": True}
     if d.get("will"):
         delay = 0

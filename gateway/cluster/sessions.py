@@ -46,7 +46,8 @@ from typing import Protocol
 
 from gateway.cluster.bus import Record
 from gateway.cluster.handover import Handover
-from gateway.session.registry import SESSION_KEY_PREFIX, Session, SessionRegistry
+from gateway.session.model import Session
+from gateway.session.registry import SESSION_KEY_PREFIX, SessionRegistry
 from gateway.storage.port import StateRecord, StoreError
 
 log = logging.getLogger("lmqtt.cluster")
@@ -206,7 +207,7 @@ class ClusterSessions:
 
     def mark_behind(self, client_id: str) -> None:
         """The copy of `client_id` is the record of a node that crashed with it connected (or
-        did not hand it over): its positions may lag (gateway/session/registry.py `behind`)."""
+        did not hand it over): its positions may lag (gateway/session/model.py `behind`)."""
         session = self._registry.get(client_id)
         if session is not None and session.connection is None:
             session.behind = True

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from gateway.cluster.bus import ClusterBus, Record
 from gateway.protocol import ReasonCode
-from gateway.session.registry import Connected
+from gateway.session.model import Connected
 
 log = logging.getLogger("lmqtt.cluster")
 

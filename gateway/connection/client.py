@@ -38,7 +38,7 @@ from gateway.protocol import (
     RemoteProtocolError,
     Will,
 )
-from gateway.session.registry import Session
+from gateway.session.model import Session
 from gateway.storage.port import StoreError
 from topicmap import TopicError
 

@@ -30,7 +30,7 @@ from gateway.protocol import (
     ReasonCode,
     Will,
 )
-from gateway.session.registry import Connected, Session
+from gateway.session.model import Connected, Session
 from gateway.stats import GatewayStats
 from gateway.storage.port import StoreError
 from topicmap import Topic, TopicError

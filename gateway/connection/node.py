@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gateway.session.registry import Connected, Session
+from gateway.session.model import Connected, Session
 
 __all__ = ["ClusterLink", "ServerStatus", "SingleNode"]
 

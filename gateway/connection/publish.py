@@ -26,7 +26,8 @@ from gateway.delivery.loop import DeliveryLoop
 from gateway.messages.publishing import PublishPath
 from gateway.messages.records import PublishProperties
 from gateway.protocol import Connection, PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
-from gateway.session.registry import Session, SessionRegistry
+from gateway.session.model import Session
+from gateway.session.registry import SessionRegistry
 from gateway.stats import GatewayStats
 from gateway.storage.port import StoreError
 from topicmap import Topic, TopicError

@@ -23,7 +23,8 @@ from gateway.protocol import (
     UnsubAck,
     Unsubscribe,
 )
-from gateway.session.registry import Session, SessionRegistry, SubscriptionState
+from gateway.session.model import Session, SubscriptionState
+from gateway.session.registry import SessionRegistry
 from topicmap import REPLAY_PROPERTY, TopicError, TopicFilter, parse_replay_from, split_replay
 
 __all__ = ["SubscribeHandler", "Subscribing"]

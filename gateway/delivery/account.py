@@ -31,7 +31,7 @@ from gateway.storage.port import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRe
 
 if TYPE_CHECKING:
     from gateway.delivery.shared import SharedGroup
-    from gateway.session.registry import Session, SubscriptionState
+    from gateway.session.model import Session, SubscriptionState
 
 log = logging.getLogger("lmqtt.gateway")
 

@@ -18,7 +18,7 @@ from gateway.delivery.rules import identifiers, retain_flag
 from gateway.delivery.state import LoopState
 from gateway.messages.records import read_record
 from gateway.protocol import PubRel
-from gateway.session.registry import Inflight, SubscriptionState
+from gateway.session.model import Inflight, SubscriptionState
 
 if TYPE_CHECKING:
     from gateway.messages.records import RecordedPublish

@@ -49,7 +49,7 @@ from gateway.delivery.state import DeliveryContext, Subscriber
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import ReasonCode
-from gateway.session.registry import Inflight, Session, SubscriptionState
+from gateway.session.model import Inflight, Session, SubscriptionState
 from gateway.storage.port import StoredMessage
 
 __all__ = ["BATCH", "DeliveryContext", "DeliveryLoop", "Subscriber"]

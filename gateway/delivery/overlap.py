@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gateway.session.registry import SubscriptionState
+from gateway.session.model import SubscriptionState
 from gateway.storage.cursor import QueueCursor
 from gateway.storage.port import Storage, StoredMessage
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from gateway.delivery.rules import decide
 from gateway.delivery.state import LoopState
-from gateway.session.registry import Inflight, SubscriptionState
+from gateway.session.model import Inflight, SubscriptionState
 from gateway.session.replay import Replay
 from gateway.storage.port import StoredMessage
 

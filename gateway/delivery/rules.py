@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from gateway.messages.records import RecordedPublish
-from gateway.session.registry import SubscriptionState
+from gateway.session.model import SubscriptionState
 
 __all__ = ["Outbound", "decide", "identifiers", "retain_flag"]
 

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import accelerators
 from gateway.protocol import PreparedPublish, Publish
-from gateway.session.registry import Inflight
+from gateway.session.model import Inflight
 from gateway.storage.port import StoredMessage
 from topicmap.record import CLIENT, EXPIRY, QOS, RETAIN, TOPIC, V5_KEYS
 

@@ -24,7 +24,7 @@ from gateway.delivery.rules import decide
 from gateway.delivery.state import LoopState
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.protocol import ENCODED_TOPICS, PreparedPublish, Properties, Publish
-from gateway.session.registry import Inflight, SubscriptionState
+from gateway.session.model import Inflight, SubscriptionState
 from gateway.storage.port import StoredMessage
 
 log = logging.getLogger("lmqtt.gateway")

@@ -30,7 +30,7 @@ from typing import Protocol
 
 from gateway.delivery.arrivals import ArrivalHub
 from gateway.delivery.backlog import BacklogWatch
-from gateway.session.registry import Session, SubscriptionState
+from gateway.session.model import Session, SubscriptionState
 from gateway.storage.cursor import Gone, QueueCursor
 from gateway.storage.port import Storage, StoredMessage
 

@@ -23,7 +23,8 @@ from gateway.delivery.shared import SharedGroup
 from gateway.messages.recent import PreparedCache, RecentMessages
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import Connection
-from gateway.session.registry import Session, SessionRegistry, SubscriptionState
+from gateway.session.model import Session, SubscriptionState
+from gateway.session.registry import SessionRegistry
 from gateway.session.replay import ReplayPacer
 from gateway.stats import GatewayStats
 from gateway.storage.cursor import QueueCursor

@@ -13,7 +13,7 @@
     CONNECT of a session from a crashed node's record -> the committed offsets where they are
                                  fresher than its positions (`skip_acknowledged`)
 
-The session's state and its persistence are gateway/session/registry.py's (Session,
+The session's state and its persistence are gateway/session/model.py's and registry.py's (Session,
 SessionRegistry); its subscriptions' lifecycle is gateway/lifecycle/subscriptions.py's and its
 will's gateway/session/wills.py's: this module decides *when* each of them happens.
 """
@@ -26,7 +26,8 @@ from collections.abc import Callable
 from gateway.clock import now_ms
 from gateway.lifecycle.subscriptions import SubscriptionLifecycle
 from gateway.protocol import ReasonCode, Will
-from gateway.session.registry import Connected, Session, SessionRegistry
+from gateway.session.model import Connected, Session
+from gateway.session.registry import SessionRegistry
 from gateway.session.wills import Wills
 from gateway.storage.port import Storage, StorageUnavailable, StoreError
 

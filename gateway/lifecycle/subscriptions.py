@@ -29,7 +29,8 @@ from gateway.messages.publishing import PublishPath
 from gateway.messages.recent import RecentMessages
 from gateway.messages.retained import RetainedIndex
 from gateway.protocol import Subscription
-from gateway.session.registry import Session, SubscriptionEntry, SubscriptionState
+from gateway.session.model import Session, SubscriptionState
+from gateway.session.registry import SubscriptionEntry
 from gateway.session.replay import REPLAYING, CutOff, iso_ms, start_replay
 from gateway.stats import GatewayStats
 from gateway.storage.cursor import QueueCursor

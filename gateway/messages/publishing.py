@@ -2,11 +2,11 @@
 
     topic name -> validated Topic, parent topic (cached)
                -> light queues of every registered filter matching it (router, cached)
-               -> one store record (INNER_MULTI_DISPATCH = those queues, plus %RETAIN%)
+               -> one store record dispatched to those queues (plus %RETAIN%)
                -> the recent cache (delivery reads it from there), the retained index
 
-One PUBLISH is one store record: parent topic = first topic level; INNER_MULTI_DISPATCH = the
-light queues of every registered filter matching the topic (plus %RETAIN% when retained). The
+One PUBLISH is one store record: parent topic = first topic level, dispatched to the light
+queues of every registered filter matching the topic (plus %RETAIN% when retained). The
 router lives here because the route cache does: a filter added or removed (the subscription
 lifecycle, gateway/lifecycle/subscriptions.py) goes through `add_filter` / `remove_filter`,
 which clear it.
@@ -19,23 +19,22 @@ from collections.abc import Callable
 import accelerators
 from gateway.clock import now_ms
 from gateway.messages.recent import RecentMessages
-from gateway.messages.records import PublishProperties, message_properties
+from gateway.messages.records import (
+    PID_BLOCK,
+    PID_HEAD,
+    PID_TAIL,
+    PublishProperties,
+    message_properties,
+)
 from gateway.messages.retained import RetainedIndex, RetainedMessage
 from gateway.protocol import Publish
 from gateway.stats import GatewayStats
 from gateway.storage.port import EncodedMessage, PutResult, Storage, StoreError
 from topicmap import Router, Topic, TopicFilter, parent_topic
-from topicmap.record import PID
 
 # Validated topic names and their parent topics remembered (cleared when full): validating
 # and naming the parent cost more per PUBLISH than the rest of the gateway's put path.
 TOPIC_CACHE_SIZE = 16_384
-
-# The per-message part of a block: PID \x01 <decimal packet id> \x02 (the store's property
-# separators around the record schema's key).
-_PID_HEAD = PID.encode() + b"\x01"
-_PID_TAIL = b"\x02"
-_PID_PAIR = _PID_HEAD + b"%d" + _PID_TAIL
 
 
 def encode_publishes_py(
@@ -67,7 +66,7 @@ def encode_publishes_py(
         if hit is None:
             break
         block = (
-            hit[0] + _PID_PAIR % pub.packet_id if pub.qos and pub.packet_id is not None else hit[0]
+            hit[0] + PID_BLOCK % pub.packet_id if pub.qos and pub.packet_id is not None else hit[0]
         )
         messages.append((route[0], route[1], pub.payload, block))
         props.append(hit[1])
@@ -82,7 +81,7 @@ def _load_encode_publishes() -> Callable[..., int]:
     kernel = accelerators.load("gateway.messages._batch", "LMQTT_PURE_PYTHON_APPEND")
     if kernel is None:
         return encode_publishes_py
-    kernel.configure(Publish, "blocks", _PID_HEAD, _PID_TAIL)
+    kernel.configure(Publish, "blocks", PID_HEAD, PID_TAIL)
     return kernel.encode_publishes
 
 

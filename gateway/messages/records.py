@@ -1,28 +1,13 @@
-"""How an MQTT PUBLISH is recorded in the CommitLog, and read back for delivery.
+"""How an MQTT PUBLISH is recorded in the store, and read back for delivery.
 
-The store knows nothing of MQTT: the MQTT facts travel as string properties of the record.
-
-    key            value
-    -------------  ---------------------------------------------------------------
-    mqtt.topic     original topic name (the record's store topic is the parent topic)
-    mqtt.qos       "0" | "1" | "2"          publish QoS
-    mqtt.retain    "1" | "0"
-    mqtt.client    publishing client id ("" for gateway-internal publishes)
-    mqtt.pid       publisher packet id (QoS > 0 only)
-    mqtt.expiry    MQTT 5 message expiry interval, seconds (absent = never)
-    mqtt.pfi       payload format indicator
-    mqtt.ct        content type
-    mqtt.rt        response topic
-    mqtt.cd        correlation data, hex
-    mqtt.up        user properties, JSON list of [key, value]
-
-The store adds INNER_MULTI_DISPATCH / INNER_MULTI_QUEUE_OFFSET (comma-separated, same order):
-the light queues the record was dispatched to and its offset in each.
+The store knows nothing of MQTT: the MQTT facts travel as string properties of the record, under
+the keys of the record schema (topicmap/record.py, which draws the table of keys and values).
+The store adds its dispatch properties (the light queues the record was dispatched to and its
+offset in each).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import time
@@ -30,12 +15,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.messages.message_json import (
+    message_from_json,
+    message_to_json,
+    optional_int,
+    record_properties_from_json,
+)
 from gateway.protocol import Properties, Publish
+from topicmap.record import (
+    CLIENT,
+    CONTENT_TYPE,
+    CORRELATION_DATA,
+    EXPIRY,
+    PAYLOAD_FORMAT,
+    PID,
+    QOS,
+    RESPONSE_TOPIC,
+    RETAIN,
+    TOPIC,
+    USER_PROPERTIES,
+)
 
 log = logging.getLogger("lmqtt.gateway")
 
-DISPATCH_KEY = "INNER_MULTI_DISPATCH"
-DISPATCH_OFFSETS_KEY = "INNER_MULTI_QUEUE_OFFSET"
 # Property values must not contain the store's pair separators.
 _SEPARATORS = ("\x01", "\x02")
 
@@ -46,10 +48,10 @@ def _safe(value: str) -> bool:
 
 def _base_properties(topic: str, qos: int, retain: bool, client_id: str) -> dict[str, str]:
     return {
-        "mqtt.topic": topic,
-        "mqtt.qos": str(qos),
-        "mqtt.retain": "1" if retain else "0",
-        "mqtt.client": client_id,
+        TOPIC: topic,
+        QOS: str(qos),
+        RETAIN: "1" if retain else "0",
+        CLIENT: client_id,
     }
 
 
@@ -57,29 +59,32 @@ def message_properties(publish: Publish, client_id: str) -> dict[str, str]:
     """The MQTT facts of an inbound PUBLISH as store properties."""
     props = _base_properties(publish.topic, publish.qos, publish.retain, client_id)
     if publish.qos > 0 and publish.packet_id is not None:
-        props["mqtt.pid"] = str(publish.packet_id)
+        props[PID] = str(publish.packet_id)
     p = publish.properties
     if p is None:
         return props
     if p.message_expiry_interval is not None:
-        props["mqtt.expiry"] = str(p.message_expiry_interval)
+        props[EXPIRY] = str(p.message_expiry_interval)
     if p.payload_format_indicator is not None:
-        props["mqtt.pfi"] = str(p.payload_format_indicator)
+        props[PAYLOAD_FORMAT] = str(p.payload_format_indicator)
     if p.content_type is not None and _safe(p.content_type):
-        props["mqtt.ct"] = p.content_type
+        props[CONTENT_TYPE] = p.content_type
     if p.response_topic is not None and _safe(p.response_topic):
-        props["mqtt.rt"] = p.response_topic
+        props[RESPONSE_TOPIC] = p.response_topic
     if p.correlation_data is not None:
-        props["mqtt.cd"] = bytes(p.correlation_data).hex()
+        props[CORRELATION_DATA] = bytes(p.correlation_data).hex()
     if p.user_properties:
         # json.dumps escapes control characters, so the separators cannot leak through.
-        props["mqtt.up"] = json.dumps([[k, v] for k, v in p.user_properties])
+        props[USER_PROPERTIES] = json.dumps([[k, v] for k, v in p.user_properties])
     return props
 
 
-# The per-message part of a block: "mqtt.pid" \x01 <decimal packet id> \x02. Digits cannot
-# contain the store's separators, so it needs no validation beyond the key's (done once here).
-_PID_BLOCK = b"mqtt.pid\x01%d\x02"
+#: The per-message part of a property block: PID \x01 <decimal packet id> \x02 (`PID_BLOCK %
+#: packet_id`; the publish batch's C loop is handed its head and tail). Digits cannot contain
+#: the store's separators, so it needs no validation beyond the key's (done once here).
+PID_HEAD = PID.encode() + b"\x01"
+PID_TAIL = b"\x02"
+PID_BLOCK = PID_HEAD + b"%d" + PID_TAIL
 # Distinct (topic, QoS, retain) blocks one publisher keeps (cleared when full).
 PROPERTY_BLOCKS_SIZE = 4096
 
@@ -91,7 +96,7 @@ class PublishProperties:
     in its packet id: its block is the cached, store-validated block of (topic, QoS, retain)
     plus the packet id pair, in the order message_properties() writes them. The dict that
     goes with it (for RecentMessages / delivery) is shared by those messages and has no
-    `mqtt.pid` (delivery never reads it; a record read back from the store has it). Neither
+    PID (delivery never reads it; a record read back from the store has it). Neither
     may be mutated. A PUBLISH with properties is encoded in full every time.
     """
 
@@ -120,24 +125,8 @@ class PublishProperties:
                 self.blocks.clear()
             self.blocks[key] = hit
         if pub.qos and pub.packet_id is not None:
-            return hit[0] + _PID_BLOCK % pub.packet_id, hit[1]
+            return hit[0] + PID_BLOCK % pub.packet_id, hit[1]
         return hit
-
-
-def dispatch_offsets(props: dict[str, str]) -> dict[str, int]:
-    """Light queue name -> this record's offset in it, from the store's dispatch properties."""
-    queues = props.get(DISPATCH_KEY)
-    offsets = props.get(DISPATCH_OFFSETS_KEY)
-    if not queues or not offsets:
-        return {}
-    names = queues.split(",")
-    values = offsets.split(",")
-    if len(names) != len(values):
-        return {}
-    try:
-        return {n: int(v) for n, v in zip(names, values, strict=True)}
-    except ValueError:
-        return {}
 
 
 @dataclass(slots=True)
@@ -154,30 +143,30 @@ class RecordedPublish:
     props: dict[str, str]
 
     def to_json(self) -> dict[str, Any]:
-        """Session-record form (payload base64), for an in-flight copy held by a session."""
-        return {
-            "topic": self.topic,
-            "payload": base64.b64encode(self.payload).decode("ascii"),
-            "qos": self.qos,
-            "retain": self.retain,
-            "client_id": self.client_id,
-            "expiry": self.expiry,
-            "stored_at_ms": self.stored_at_ms,
-            "props": self.props,
-        }
+        """The JSON of an in-flight copy held by a session (gateway/messages/message_json.py)."""
+        return message_to_json(
+            self.topic,
+            self.payload,
+            self.qos,
+            retain=self.retain,
+            client_id=self.client_id,
+            expiry=self.expiry,
+            stored_at_ms=self.stored_at_ms,
+            props=self.props,
+        )
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RecordedPublish:
-        expiry = d.get("expiry")
+        topic, payload, qos = message_from_json(d)
         return cls(
-            topic=str(d["topic"]),
-            payload=base64.b64decode(d["payload"]),
-            qos=int(d["qos"]),
+            topic=topic,
+            payload=payload,
+            qos=qos,
             retain=bool(d.get("retain", False)),
             client_id=str(d.get("client_id", "")),
-            expiry=int(expiry) if expiry is not None else None,
+            expiry=optional_int(d.get("expiry")),
             stored_at_ms=int(d["stored_at_ms"]),
-            props={str(k): str(v) for k, v in (d.get("props") or {}).items()},
+            props=record_properties_from_json(d.get("props")),
         )
 
     def remaining_expiry(self, now_ms: int | None = None) -> int | None:
@@ -194,23 +183,23 @@ class RecordedPublish:
         p = self.props
         props = Properties()
         empty = True
-        if "mqtt.pfi" in p:
-            props.payload_format_indicator = int(p["mqtt.pfi"])
+        if PAYLOAD_FORMAT in p:
+            props.payload_format_indicator = int(p[PAYLOAD_FORMAT])
             empty = False
         if expiry_left is not None:
             props.message_expiry_interval = max(expiry_left, 1)
             empty = False
-        if "mqtt.ct" in p:
-            props.content_type = p["mqtt.ct"]
+        if CONTENT_TYPE in p:
+            props.content_type = p[CONTENT_TYPE]
             empty = False
-        if "mqtt.rt" in p:
-            props.response_topic = p["mqtt.rt"]
+        if RESPONSE_TOPIC in p:
+            props.response_topic = p[RESPONSE_TOPIC]
             empty = False
-        if "mqtt.cd" in p:
-            props.correlation_data = bytes.fromhex(p["mqtt.cd"])
+        if CORRELATION_DATA in p:
+            props.correlation_data = bytes.fromhex(p[CORRELATION_DATA])
             empty = False
-        if "mqtt.up" in p:
-            props.user_properties = [(k, v) for k, v in json.loads(p["mqtt.up"])]
+        if USER_PROPERTIES in p:
+            props.user_properties = [(k, v) for k, v in json.loads(p[USER_PROPERTIES])]
             empty = False
         if subscription_ids:
             props.subscription_identifiers = list(subscription_ids)
@@ -223,14 +212,14 @@ def read_record(
 ) -> RecordedPublish | None:
     """Decode the MQTT facts of a record; None if it was not written by an MQTT publish."""
     try:
-        expiry_s = props.get("mqtt.expiry")
-        # Positional: runs once per message delivered (keywords cost ~0.3 us more per call).
+        expiry_s = props.get(EXPIRY)
+        # Positional: runs once per message delivered, and keyword arguments cost more per call.
         return RecordedPublish(
-            props.get("mqtt.topic", topic),
+            props.get(TOPIC, topic),
             body,
-            int(props.get("mqtt.qos", "0")),
-            props.get("mqtt.retain") == "1",
-            props.get("mqtt.client", ""),
+            int(props.get(QOS, "0")),
+            props.get(RETAIN) == "1",
+            props.get(CLIENT, ""),
             int(expiry_s) if expiry_s is not None else None,
             store_timestamp,
             props,

@@ -42,9 +42,10 @@ Snapshot records (the newest record per key wins)::
                             "stored_at_ms": T, "expiry": null | seconds, "offset": null | int}
     "meta/retained"     -> {"queue": "%RETAIN%", "next_offset": N, "saved_at_ms": T}
 
-Older versions wrote the whole snapshot to ``config/retained.json`` ({"version": 1, "queue",
-"next_offset", "saved_at_ms", "messages": [the records' values]}); it is read while no
-"meta/retained" record exists, and the first snapshot turns it into records.
+A snapshot may also be the file ``config/retained.json`` ({"version": 1, "queue",
+"next_offset", "saved_at_ms", "messages": [the records' values]}), the on-disk form before the
+state log: it is read while no "meta/retained" record exists, and the first snapshot turns it
+into records.
 
 Not thread-safe: used from the gateway's event loop only.
 """
@@ -52,7 +53,6 @@ Not thread-safe: used from the gateway's event loop only.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import json
 import logging
@@ -61,7 +61,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.clock import now_ms as _now_ms
+from gateway.messages.message_json import (
+    message_from_json,
+    message_to_json,
+    optional_int,
+    record_properties_from_json,
+)
+from gateway.messages.records import read_record
 from gateway.storage.cursor import QueueCursor
+from gateway.storage.port import DISPATCH_KEY, DISPATCH_OFFSETS_KEY
 
 if TYPE_CHECKING:
     from gateway.storage.port import Storage as MessageStore
@@ -71,15 +79,16 @@ __all__ = ["RetainedIndex", "RetainedMessage", "RetainedTrie"]
 
 log = logging.getLogger("lmqtt.retained")
 
-SNAPSHOT_NAME = "retained.json"  # older versions' snapshot file, read when no records exist
+SNAPSHOT_NAME = "retained.json"  # the snapshot as a file, read when no records exist
 SNAPSHOT_VERSION = 1
 # State records (gateway/storage/port.py): one per retained topic, its message as JSON
 # (RetainedMessage.to_json; a DELETE when it went), and the offset of %RETAIN% they cover.
 RECORD_PREFIX = "retained/"
 CURSOR_KEY = "meta/retained"  # {"queue": "%RETAIN%", "next_offset": N, "saved_at_ms": T}
 REPLAY_BATCH = 256
-# Store-internal properties that say nothing about the MQTT message.
-_INTERNAL_PROPERTIES = frozenset({"INNER_MULTI_DISPATCH", "INNER_MULTI_QUEUE_OFFSET", "__CRC32#"})
+# Properties the store adds to a record, which say nothing about the MQTT message: its dispatch
+# properties and the CRC property a record ends with.
+_INTERNAL_PROPERTIES = frozenset({DISPATCH_KEY, DISPATCH_OFFSETS_KEY, "__CRC32#"})
 
 
 def _read_only(store: MessageStore) -> bool:
@@ -112,17 +121,21 @@ class RetainedMessage:
     offset: int | None = None  # offset in %RETAIN% (versions changes); None if unknown
 
     @classmethod
-    def from_stored(cls, m: StoredMessage) -> RetainedMessage:
-        """Rebuild from a %RETAIN% record (properties as the gateway wrote them)."""
-        props = {k: v for k, v in m.properties.items() if k not in _INTERNAL_PROPERTIES}
-        expiry = props.get("mqtt.expiry")
+    def from_stored(cls, m: StoredMessage) -> RetainedMessage | None:
+        """Rebuild from a %RETAIN% record (properties as the gateway wrote them), read by the
+        record decoder every reader shares (gateway/messages/records.py read_record): None,
+        logged there, when its QoS or expiry is not a number."""
+        rec = read_record(m.topic, bytes(m.body), m.properties, m.store_timestamp)
+        if rec is None:
+            return None
         return cls(
-            topic=props.get("mqtt.topic", m.topic),
-            payload=bytes(m.body),
-            qos=int(props.get("mqtt.qos", "0") or 0),
-            properties=props,
-            stored_at_ms=m.store_timestamp,
-            expiry_interval_s=int(expiry) if expiry else None,
+            topic=rec.topic,
+            payload=rec.payload,
+            qos=rec.qos,
+            properties={k: v for k, v in rec.props.items() if k not in _INTERNAL_PROPERTIES},
+            stored_at_ms=rec.stored_at_ms,
+            # An expiry interval of 0 read back from the log means none.
+            expiry_interval_s=rec.expiry or None,
         )
 
     def expires_at_ms(self) -> int | None:
@@ -143,26 +156,30 @@ class RetainedMessage:
         return max(0, -(-left_ms // 1000))  # round up: never send 0 for a live message
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "topic": self.topic,
-            "payload": base64.b64encode(self.payload).decode("ascii"),
-            "qos": self.qos,
-            "properties": self.properties,
-            "stored_at_ms": self.stored_at_ms,
-            "expiry": self.expiry_interval_s,
-            "offset": self.offset,
-        }
+        """The snapshot record's JSON (gateway/messages/message_json.py)."""
+        return message_to_json(
+            self.topic,
+            self.payload,
+            self.qos,
+            properties=self.properties,
+            stored_at_ms=self.stored_at_ms,
+            expiry=self.expiry_interval_s,
+            offset=self.offset,
+        )
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> RetainedMessage:
+        """The message of a snapshot record; a payload that is not strict base64 is refused
+        (binascii.Error): the snapshot is then ignored and the log replayed."""
+        topic, payload, qos = message_from_json(doc, validate=True)
         return cls(
-            topic=str(doc["topic"]),
-            payload=base64.b64decode(doc["payload"], validate=True),
-            qos=int(doc["qos"]),
-            properties={str(k): str(v) for k, v in dict(doc.get("properties") or {}).items()},
+            topic=topic,
+            payload=payload,
+            qos=qos,
+            properties=record_properties_from_json(doc.get("properties")),
             stored_at_ms=int(doc["stored_at_ms"]),
-            expiry_interval_s=None if doc.get("expiry") is None else int(doc["expiry"]),
-            offset=None if doc.get("offset") is None else int(doc["offset"]),
+            expiry_interval_s=optional_int(doc.get("expiry")),
+            offset=optional_int(doc.get("offset")),
         )
 
 
@@ -305,7 +322,7 @@ class RetainedIndex:
             )
         doc = index._read_records(records)
         if doc is None and CURSOR_KEY not in records:
-            doc = index._read_snapshot()  # an older version's config/retained.json
+            doc = index._read_snapshot()  # config/retained.json
             if doc is not None:
                 index._changed.update(str(m["topic"]) for m in doc["messages"])
         if doc is not None:
@@ -461,6 +478,8 @@ class RetainedIndex:
                 break
             for stored in messages:
                 msg = RetainedMessage.from_stored(stored)
+                if msg is None:
+                    continue  # not readable as an MQTT message (logged)
                 msg.offset = stored.queue_offset
                 before = self._versions.get(msg.topic, -1)
                 if msg.offset > before:

@@ -12,7 +12,7 @@ DISCONNECT.
 Timing (MQTT 5 3.1.3.2.2): the will waits `will_delay_interval` seconds, or until the session
 ends, whichever is first; a new connection to the same session before then cancels it.
 With no delay (and always for MQTT 3.1.1) it is published at once. The will's JSON form in
-the session record is gateway/session/registry.py's (will_to_json).
+the session record is gateway/messages/message_json.py's (will_to_json).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from collections.abc import Awaitable, Callable
 
 from gateway.clock import now_ms
 from gateway.protocol import Publish, Will
-from gateway.session.registry import Session, SessionRegistry, will_publish
+from gateway.session.model import Session, will_publish
+from gateway.session.registry import SessionRegistry
 
 log = logging.getLogger("lmqtt.gateway")
 

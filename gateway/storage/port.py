@@ -41,6 +41,10 @@ embedded store needs no conversion per message:
     PutResult    physical_offset, queue_offset, light_offsets {queue: offset}, end_offset,
                  store_timestamp
     StoredMessage  topic, body, properties, queue_offset, physical_offset, timestamps, queues
+
+The store's dispatch properties, which it adds to a record it dispatched to light queues,
+are named by the store (DISPATCH_KEY: the light queues, DISPATCH_OFFSETS_KEY: the record's
+offset in each, comma-separated, same order); a StoredMessage's `queues` is their reading.
     EncodedMessage (parent topic, light queues, body, property block from encode_properties)
     StateRecord  (key, value bytes) puts, (key, None) deletes: newest per key wins
 """
@@ -51,6 +55,8 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from store import (
+    DISPATCH_KEY,
+    DISPATCH_OFFSETS_KEY,
     FLAG_CLEAN,
     FLAG_CLOSED,
     FLAG_SHARED,
@@ -70,6 +76,8 @@ from store import (
 from topicmap import TopicFilter
 
 __all__ = [
+    "DISPATCH_KEY",
+    "DISPATCH_OFFSETS_KEY",
     "FLAG_CLEAN",
     "FLAG_CLOSED",
     "FLAG_SHARED",

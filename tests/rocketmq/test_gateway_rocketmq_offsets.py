@@ -60,7 +60,7 @@ def test_shared_group_resumes_from_the_broker_with_data_dir_wiped(
     and 30..39 (published after the restart), and none of the 20 it acknowledged. A persistent
     session's own subscription resumes the same way: after the graceful stop from its session
     record, after the kill from the broker's offset where it is fresher than the record
-    (which may predate the acknowledgements: gateway/session/registry.py `behind`)."""
+    (which may predate the acknowledgements: gateway/session/model.py `behind`)."""
     topic = f"t{uuid.uuid4().hex[:12]}"
     data = tmp_path / "data"
     serve = ServeProcess(

@@ -7,7 +7,7 @@ This module composes the parts, each in its own module, and opens them (`open_ro
     gateway/storage/rocketmq/broker.py   the one broker: client, address, namespace (parent topic)
     gateway/storage/rocketmq/names.py    gateway queue names <-> light queue names (the memo; the
                                  encoding: topicmap/rocketmq.py)
-    gateway/storage/rocketmq/sender.py   append: SEND_MESSAGE_V2 with INNER_MULTI_DISPATCH, tickets
+    gateway/storage/rocketmq/sender.py   append: SEND_MESSAGE_V2 with the light queues, tickets
     gateway/storage/rocketmq/mirrors.py  read: a mirror per opened light queue, its held long poll
     gateway/storage/rocketmq/history.py  read: the parent topic as the replays' history queue
     gateway/storage/rocketmq/offsets.py  committed offsets, copied to the broker's consumer offsets
@@ -61,6 +61,7 @@ from gateway.storage.rocketmq.state import STATE_QUEUE, StateLog
 from rocketmq_remoting import BrokerError, BrokerNotFoundError, RemotingClient, RemotingError
 from rocketmq_remoting.message import decode_message_id
 from rocketmq_remoting.route import broker_for
+from topicmap.record import TOPIC
 from topicmap.rocketmq import encode_lmq
 
 if TYPE_CHECKING:
@@ -116,13 +117,16 @@ class _Slot:
         self.offsets = BrokerOffsets(broker)
 
 
+_TOPIC_PAIR = TOPIC.encode() + b"\x01"
+
+
 def _mqtt_topic(block: bytes, parent: str) -> str:
-    """The MQTT topic in an encoded property block (`mqtt.topic \x01 name \x02`)."""
-    i = block.find(b"mqtt.topic\x01")
+    """The MQTT topic in an encoded property block (`TOPIC \x01 name \x02`)."""
+    i = block.find(_TOPIC_PAIR)
     if i < 0 or (i > 0 and block[i - 1] != 2):
         return parent
     j = block.find(b"\x02", i)
-    return block[i + 11 : j if j >= 0 else len(block)].decode("utf-8", "replace")
+    return block[i + len(_TOPIC_PAIR) : j if j >= 0 else len(block)].decode("utf-8", "replace")
 
 
 class RocketMqStorage:
@@ -285,7 +289,7 @@ class RocketMqStorage:
         block = self.encode_properties(properties or {})
         if self._closed:
             raise StoreError("the RocketMQ storage is closed")
-        sender = self._sender_for((properties or {}).get("mqtt.topic", topic), queues)
+        sender = self._sender_for((properties or {}).get(TOPIC, topic), queues)
         res = await sender.send(queues, body, block)
         phys = decode_message_id(res.msg_id)[1]
         lights: dict[str, int] = {}
@@ -441,8 +445,8 @@ class RocketMqStorage:
             await self._state_log.compact()
 
     def read_config(self, name: str) -> bytes | None:
-        # Config documents are written by older embedded versions only (legacy imports); on
-        # RocketMQ they are state records.
+        # Config documents are the embedded store's file forms of state (read to import them
+        # once); on RocketMQ they are state records.
         return self._state_log.records.get(CONFIG_KEY_PREFIX + name)
 
     def write_config(self, name: str, data: bytes) -> None:

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from gateway.storage.port import StoredMessage
 from gateway.storage.rocketmq.names import LightQueueNames
 from rocketmq_remoting import OffsetMovedError, RemotingClient
-from rocketmq_remoting.message import MessageRecord
+from rocketmq_remoting.message import (
+    PROPERTY_CRC32,
+    PROPERTY_INNER_MULTI_DISPATCH,
+    PROPERTY_INNER_MULTI_QUEUE_OFFSET,
+    PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX,
+    PROPERTY_WAIT_STORE_MSG_OK,
+    MessageRecord,
+)
 from topicmap.rocketmq import EMPTY_BODY_PROPERTY
 
 log = logging.getLogger("lmqtt.rocketmq")
@@ -31,14 +38,14 @@ PULL_BATCH = 32
 #: the gateway sees them.
 BROKER_PROPERTIES = frozenset(
     {
-        "INNER_MULTI_DISPATCH",
-        "INNER_MULTI_QUEUE_OFFSET",
-        "UNIQ_KEY",
-        "WAIT",
+        PROPERTY_INNER_MULTI_DISPATCH,
+        PROPERTY_INNER_MULTI_QUEUE_OFFSET,
+        PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX,
+        PROPERTY_WAIT_STORE_MSG_OK,
         "CLUSTER",
         "MSG_REGION",
         "TRACE_ON",
-        "__CRC32#",
+        PROPERTY_CRC32,
         "CONSUME_START_TIME",
         "MIN_OFFSET",
         "MAX_OFFSET",

@@ -1,7 +1,7 @@
 """Sends to the RocketMQ broker: one SEND_MESSAGE_V2 per message, tickets, durability.
 
     append   SEND_MESSAGE_V2 to the parent topic (`rocketmq_topic`, one queue), with
-             INNER_MULTI_DISPATCH = the light queues of the matching filters (names mapped by
+             the light queues of the matching filters as its dispatch property (names mapped by
              gateway/storage/rocketmq/names.py). One task per message, all pipelined on one
              connection; the batch's ticket (PutResult.end_offset) resolves when every send
              is SEND_OK, and raises StoreError when one was not (refused, FLUSH_DISK_TIMEOUT,

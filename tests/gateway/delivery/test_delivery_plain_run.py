@@ -25,7 +25,7 @@ from gateway.delivery.rules import decide
 from gateway.delivery.send import _prepare
 from gateway.messages.records import read_record
 from gateway.protocol import ENCODED_TOPICS, Publish, encode
-from gateway.session.registry import Inflight, SubscriptionState
+from gateway.session.model import Inflight, SubscriptionState
 from gateway.storage.port import StoredMessage
 
 speedups = pytest.importorskip("gateway.delivery._run")

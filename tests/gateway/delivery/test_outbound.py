@@ -12,7 +12,7 @@ import pytest
 
 from gateway.delivery.rules import Outbound, decide
 from gateway.messages.records import RecordedPublish
-from gateway.session.registry import SubscriptionState
+from gateway.session.model import SubscriptionState
 
 
 def _rec(qos: int = 2, retain: bool = False, client: str = "pub", expiry: int | None = None,

@@ -220,6 +220,22 @@ def test_crash_without_snapshot_replays_the_log(tmp_path: Path) -> None:
         s.close()
 
 
+def test_replay_reads_records_as_delivery_does(store: MessageStore) -> None:
+    """The log is read with the delivery's record decoder (read_record): a %RETAIN% record
+    whose QoS or expiry is not a number is skipped, not fatal to open(); an expiry interval
+    of 0 read back from the log means none; the store's own properties are left out."""
+    good = {"mqtt.topic": "a", "mqtt.qos": "1", "mqtt.retain": "1", "mqtt.expiry": "0"}
+    store.put(topic="a", body=b"1", queues=[QUEUE], properties=good)
+    for bad in ({"mqtt.qos": "x"}, {"mqtt.qos": ""}, {"mqtt.expiry": "soon"}):
+        props = {"mqtt.topic": "b", "mqtt.retain": "1", **bad}
+        store.put(topic="b", body=b"2", queues=[QUEUE], properties=props)
+    index = RetainedIndex.open(store)
+    assert index.replayed == 1
+    [msg] = index.match("#")
+    assert (msg.topic, msg.payload, msg.qos, msg.expiry_interval_s) == ("a", b"1", 1, None)
+    assert msg.properties == good
+
+
 def test_snapshot_then_more_publishes_then_crash(tmp_path: Path) -> None:
     s = _open(tmp_path / "d")
     index = RetainedIndex.open(s)

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.messages.records import message_properties
 from gateway.protocol import Publish
-from gateway.session.registry import SubscriptionState
+from gateway.session.model import SubscriptionState
 from gateway.session.replay import HEADS_TOTAL, Replay, ReplayPacer, start_replay
 from gateway.storage.cursor import QueueCursor
 from gateway.storage.embedded import EmbeddedStorage
