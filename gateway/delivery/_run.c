@@ -1,13 +1,16 @@
 /*
  * Optional C kernel of gateway.delivery: `plain_run`, the delivery loop's plain path over a
- * batch (gateway/delivery/send.py `Sender.deliver_plain` -> `Connection.send_prepared`) in one
+ * batch (gateway/delivery/send.py `Sender._deliver` -> `Connection.send_prepared`) in one
  * C call, for the records of the canonical shape, straight from the stored properties to the
  * PUBLISH bytes: no RecordedPublish, no PreparedPublish. Its Python reference is
  * gateway/delivery/run.py `plain_run_py` (which encodes with PreparedPublish): the same
  * result, the same dict changes, the same bytes (tests/gateway/delivery/test_delivery_plain_run.py,
  * hypothesis). The delivery rule it applies is gateway/delivery/rules.py `decide` for one
- * subscription and a message without expiry; the record's key names come from Python
- * (`configure`, with topicmap/record.py's names), so this file spells none of them.
+ * subscription and a message without expiry, and it spells none of it: Python hands over, once
+ * (`configure`), the record's key names (topicmap/record.py) and the rule's tables
+ * (rules.py QOS_TABLE: message QoS x granted QoS -> delivered QoS; RETAIN_TABLE: retain x
+ * level 5 x retain-as-published -> RETAIN), and per call the publisher whose messages the
+ * subscription passes over (rules.py `passed_over`: None when it has no No Local).
  *
  * Per message (a StoredMessage tuple: topic, body, properties, queue_offset, ...):
  *   - skipped if queue_offset < the next offset;
@@ -19,8 +22,8 @@
  *     QoS > 0 the next packet id is free (not in flight, not in the codec's outbound map) and
  *     the codec's Receive Maximum not reached;
  *   - stop with `full` when it needs a window slot and none is free;
- *   - passed over without a packet for its publisher under no-local;
- *   - else its PUBLISH (QoS = min, RETAIN as published at level 5, DUP 0) goes to `batch`,
+ *   - passed over without a packet when its publisher is `passed_over`;
+ *   - else its PUBLISH (QoS and RETAIN from the tables, DUP 0) goes to `batch`,
  *     and for QoS > 0: outbound[pid] = unacked, inflight[pid] = inflight_new(pid, queue,
  *     offset, qos), pending[offset] = pid.
  * `state` = [next offset, next packet id, packets sent, index of the last message passed]
@@ -41,21 +44,66 @@
 #define MAX_REMAINING_LENGTH 268435455 /* four varint bytes */
 
 enum {
-    R_MESSAGES, R_INDEX, R_STATE, R_SINGLE, R_WINDOW, R_LEVEL, R_SUB_QOS, R_NO_LOCAL, R_RAP,
-    R_CLIENT_ID, R_QUEUE, R_INFLIGHT, R_PENDING, R_INFLIGHT_NEW, R_TOPICS, R_OUTBOUND,
-    R_RECEIVE_MAXIMUM, R_UNACKED, R_BATCH, R_COUNT
+    R_MESSAGES, R_INDEX, R_STATE, R_SINGLE, R_WINDOW, R_LEVEL, R_SUB_QOS, R_RAP, R_PASSED_OVER,
+    R_QUEUE, R_INFLIGHT, R_PENDING, R_INFLIGHT_NEW, R_TOPICS, R_OUTBOUND, R_RECEIVE_MAXIMUM,
+    R_UNACKED, R_BATCH, R_COUNT
 };
 
 /* The record schema's key names (topicmap/record.py), handed over by `configure`; owned. */
 static PyObject *k_topic, *k_qos, *k_retain, *k_client, *k_expiry;
 static PyObject *k_v5 = NULL; /* tuple of str: the keys only an MQTT 5 PUBLISH carries out */
 
+/* The delivery rule's tables (rules.py QOS_TABLE, RETAIN_TABLE), handed over by `configure`:
+ * qos_table[message QoS][granted QoS] -> delivered QoS (0..2);
+ * retain_table[retain][level == 5][retain as published] -> RETAIN (0 or 1). */
+static unsigned char qos_table[3][3];
+static unsigned char retain_table[2][2][2];
+
+/* Reads the nested tuples `table` of shape dims[0] x dims[1] x ... (`ndims` levels) into `out`,
+ * row-major, each value an int in 0..max; -1 with an exception if it is not that. */
+static int
+read_table(PyObject *table, const Py_ssize_t *dims, int ndims, unsigned char *out, long max)
+{
+    if (!PyTuple_Check(table) || PyTuple_GET_SIZE(table) != dims[0]) {
+        PyErr_SetString(PyExc_ValueError, "configure: a rule table has the wrong shape");
+        return -1;
+    }
+    Py_ssize_t stride = 1;
+    for (int k = 1; k < ndims; k++) {
+        stride *= dims[k];
+    }
+    for (Py_ssize_t k = 0; k < dims[0]; k++) {
+        PyObject *item = PyTuple_GET_ITEM(table, k);
+        if (ndims > 1) {
+            if (read_table(item, dims + 1, ndims - 1, out + k * stride, max) < 0) {
+                return -1;
+            }
+            continue;
+        }
+        long value = PyLong_Check(item) ? PyLong_AsLong(item) : -1;
+        if (value < 0 || value > max) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "configure: a rule table value is out of range");
+            }
+            return -1;
+        }
+        out[k] = (unsigned char)value;
+    }
+    return 0;
+}
+
 static PyObject *
 configure(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    PyObject *topic, *qos, *retain, *client, *expiry, *v5;
-    if (!PyArg_ParseTuple(args, "UUUUUO!:configure", &topic, &qos, &retain, &client, &expiry,
-                          &PyTuple_Type, &v5)) {
+    PyObject *topic, *qos, *retain, *client, *expiry, *v5, *qos_rule, *retain_rule;
+    if (!PyArg_ParseTuple(args, "UUUUUO!OO:configure", &topic, &qos, &retain, &client, &expiry,
+                          &PyTuple_Type, &v5, &qos_rule, &retain_rule)) {
+        return NULL;
+    }
+    static const Py_ssize_t qos_dims[2] = {3, 3}, retain_dims[3] = {2, 2, 2};
+    unsigned char qos_read[3][3], retain_read[2][2][2];
+    if (read_table(qos_rule, qos_dims, 2, &qos_read[0][0], 2) < 0
+        || read_table(retain_rule, retain_dims, 3, &retain_read[0][0][0], 1) < 0) {
         return NULL;
     }
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(v5); k++) {
@@ -70,8 +118,10 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
         Py_INCREF(values[k]);
         Py_XSETREF(*slots[k], values[k]);
     }
+    memcpy(qos_table, qos_read, sizeof qos_table);
+    memcpy(retain_table, retain_read, sizeof retain_table);
     Py_INCREF(v5);
-    Py_XSETREF(k_v5, v5);
+    Py_XSETREF(k_v5, v5); /* last: plain_run runs once it is set */
     Py_RETURN_NONE;
 }
 
@@ -126,13 +176,20 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred()) {
         return NULL;
     }
+    if (sub_qos < 0 || sub_qos > 2) {
+        PyErr_SetString(PyExc_ValueError, "plain_run: the granted QoS is not 0, 1 or 2");
+        return NULL;
+    }
     int single = PyObject_IsTrue(args[R_SINGLE]);
-    int no_local = PyObject_IsTrue(args[R_NO_LOCAL]);
     int rap = PyObject_IsTrue(args[R_RAP]);
-    if (single < 0 || no_local < 0 || rap < 0) {
+    if (single < 0 || rap < 0) {
         return NULL;
     }
     int v5 = level == 5;
+    PyObject *passed_over = args[R_PASSED_OVER]; /* Py_None: passes over no one's messages */
+    int retain_if = retain_table[1][v5][rap]; /* the RETAIN of a message published retained */
+    int retain_else = retain_table[0][v5][rap]; /* and of one not */
+    int read_retain = retain_if != retain_else; /* whether the message's own flag matters */
     PyObject *pid_obj = NULL, *flight = NULL, *data = NULL, *encoded = NULL;
     int full = 0, failed = 0;
     Py_ssize_t n = PyList_GET_SIZE(messages);
@@ -191,19 +248,18 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             break; /* a topic the writers have not encoded (and checked) yet */
         }
         Py_INCREF(encoded); /* the cache may be cleared while this message is built */
-        if (no_local) {
+        if (passed_over != Py_None) {
             PyObject *client = PyDict_GetItemWithError(props, k_client);
             int same;
             if (client != NULL) {
-                same = PyObject_RichCompareBool(client, args[R_CLIENT_ID], Py_EQ);
+                same = PyObject_RichCompareBool(client, passed_over, Py_EQ);
             }
             else if (PyErr_Occurred()) {
                 failed = 1;
                 break;
             }
             else { /* absent: "" */
-                same = PyUnicode_Check(args[R_CLIENT_ID])
-                       && PyUnicode_GET_LENGTH(args[R_CLIENT_ID]) == 0;
+                same = PyUnicode_Check(passed_over) && PyUnicode_GET_LENGTH(passed_over) == 0;
             }
             if (same < 0) {
                 failed = 1;
@@ -213,21 +269,21 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                 goto passed;
             }
         }
-        if (sub_qos < qos) {
-            qos = (int)sub_qos;
-        }
+        qos = qos_table[qos][sub_qos];
         if (qos > 0 && window - PyDict_GET_SIZE(inflight) <= 0) {
             full = 1;
             break;
         }
-        int retain = 0;
-        if (v5 && rap) {
+        int retain = retain_else;
+        if (read_retain) {
             PyObject *r = PyDict_GetItemWithError(props, k_retain);
             if (r == NULL && PyErr_Occurred()) {
                 failed = 1;
                 break;
             }
-            retain = is_one(r);
+            if (is_one(r)) {
+                retain = retain_if;
+            }
         }
         if (qos > 0) {
             /* Session.allocate_packet_id, the common case; publish_sent's checks. */
@@ -341,13 +397,14 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
-     "configure(topic, qos, retain, client, expiry, v5_keys): the record schema's key names "
-     "(topicmap/record.py), once, before plain_run."},
+     "configure(topic, qos, retain, client, expiry, v5_keys, qos_table, retain_table): the "
+     "record schema's key names (topicmap/record.py) and the delivery rule's tables "
+     "(gateway/delivery/rules.py), once, before plain_run."},
     {"plain_run", (PyCFunction)(void (*)(void))plain_run, METH_FASTCALL,
-     "plain_run(messages, i, state, single, window, level, sub_qos, no_local, rap, "
-     "client_id, queue, inflight, pending, inflight_new, topics, outbound, receive_maximum, "
-     "unacked, batch) -> (i, full): the delivery loop's plain path over a batch "
-     "(gateway/delivery/run.py plain_run_py)."},
+     "plain_run(messages, i, state, single, window, level, sub_qos, rap, passed_over, queue, "
+     "inflight, pending, inflight_new, topics, outbound, receive_maximum, unacked, batch) -> "
+     "(i, full): the delivery loop's plain path over a batch (gateway/delivery/run.py "
+     "plain_run_py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,7 +5,14 @@ from typing import Any
 SOURCE_SHA256: str
 
 def configure(
-    topic: str, qos: str, retain: str, client: str, expiry: str, v5_keys: tuple[str, ...]
+    topic: str,
+    qos: str,
+    retain: str,
+    client: str,
+    expiry: str,
+    v5_keys: tuple[str, ...],
+    qos_table: tuple[tuple[int, ...], ...],
+    retain_table: tuple[tuple[tuple[bool, ...], ...], ...],
 ) -> None: ...
 def plain_run(
     messages: list[Any],
@@ -15,9 +22,8 @@ def plain_run(
     window: int,
     level: int,
     sub_qos: int,
-    no_local: bool,
     rap: bool,
-    client_id: str,
+    passed_over: str | None,
     queue: str,
     inflight: dict[int, Any],
     pending: dict[int, int],

@@ -3,10 +3,12 @@ straight to PUBLISH bytes, in one call (gateway/delivery/send.py `Sender._delive
 it per run of messages it takes).
 
 `plain_run_py` is the reference; gateway/delivery/_run.c `plain_run` is its C twin, which must
-do exactly the same (tests/gateway/delivery/test_delivery_plain_run.py). The C code is handed the
-record schema's key names (topicmap/record.py) at load time by `configure`. The delivery rule
+do exactly the same (tests/gateway/delivery/test_delivery_plain_run.py). The delivery rule
 both apply is gateway/delivery/rules.py `decide` for one subscription without identifier and a
-message without expiry.
+message without expiry; neither spells its parts, both take them from rules.py: the tables
+`QOS_TABLE` and `RETAIN_TABLE` (read here at import, handed to the C code at load time by
+`configure` with the record schema's key names from topicmap/record.py) and, per call, the
+publisher whose messages the subscription passes over (`rules.passed_over`).
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ from collections.abc import Callable
 from types import ModuleType
 
 import accelerators
+from gateway.delivery.rules import QOS_TABLE, RETAIN_TABLE
 from gateway.protocol import PreparedPublish, Publish
 from gateway.session.model import Inflight
 from gateway.storage.port import StoredMessage
 from topicmap.record import CLIENT, EXPIRY, QOS, RETAIN, TOPIC, V5_KEYS
 
 __all__ = ["PLAIN_RUN", "PlainRun", "configured", "plain_run_py"]
+
+# QOS_TABLE by granted QoS: _QOS_BY_GRANTED[granted][message QoS] -> delivered QoS.
+_QOS_BY_GRANTED = tuple(zip(*QOS_TABLE, strict=True))
 
 
 def plain_run_py(
@@ -31,9 +37,8 @@ def plain_run_py(
     window: int,
     level: int,
     sub_qos: int,
-    no_local: bool,
     rap: bool,
-    client_id: str,
+    passed_over: str | None,
     queue: str,
     inflight: dict[int, Inflight],
     pending: dict[int, int],
@@ -56,10 +61,17 @@ def plain_run_py(
     is in the writers' encoded-topic cache `topics` (valid, encoded), its body is bytes, and
     for QoS > 0 the next packet id is free (in flight, or in the codec's `outbound`) and the
     codec's Receive Maximum not reached. Stops with `full` = True when it needs a window slot
-    and none is free. `state` is [next offset, next packet id, packets sent, index of the
-    last message passed] and is written back on every exit, errors included. Returns (index
-    of the first message not taken, full)."""
+    and none is free. The subscription is granted `sub_qos` (0..2), with retain-as-published
+    `rap`, and passes over the messages of the client `passed_over` (None: of none). `state`
+    is [next offset, next packet id, packets sent, index of the last message passed] and is
+    written back on every exit, errors included. Returns (index of the first message not
+    taken, full)."""
     next_offset, next_pid, sent, moved = state
+    delivered_qos = _QOS_BY_GRANTED[sub_qos]
+    v5, rap = level == 5, bool(rap)
+    retain_if = RETAIN_TABLE[True][v5][rap]  # the RETAIN of a message published retained
+    retain_else = RETAIN_TABLE[False][v5][rap]  # and of one not
+    read_retain = retain_if != retain_else  # whether the message's own flag matters
     n = len(messages)
     full = False
     try:
@@ -75,19 +87,19 @@ def plain_run_py(
             qos_text = props.get(QOS, "0")
             if type(qos_text) is not str or qos_text not in ("0", "1", "2"):
                 break
-            if EXPIRY in props or (level == 5 and any(k in props for k in V5_KEYS)):
+            if EXPIRY in props or (v5 and any(k in props for k in V5_KEYS)):
                 break
             topic = props.get(TOPIC, msg[0])
             if type(topic) is not str or topic not in topics or type(msg[1]) is not bytes:
                 break
-            if not (no_local and props.get(CLIENT, "") == client_id):
-                qos = int(qos_text)
-                if sub_qos < qos:
-                    qos = sub_qos
+            if passed_over is None or props.get(CLIENT, "") != passed_over:
+                qos = delivered_qos[int(qos_text)]
                 if qos > 0 and window - len(inflight) <= 0:
                     full = True
                     break
-                retain = level == 5 and rap and props.get(RETAIN) == "1"
+                retain = retain_else
+                if read_retain and props.get(RETAIN) == "1":
+                    retain = retain_if
                 pid = None
                 if qos > 0:
                     pid = next_pid
@@ -114,8 +126,8 @@ PlainRun = Callable[..., tuple[int, bool]]
 
 def configured(kernel: ModuleType) -> PlainRun:
     """The `plain_run` of the C kernel `kernel` (gateway.delivery._run), handed the record
-    schema's key names it reads."""
-    kernel.configure(TOPIC, QOS, RETAIN, CLIENT, EXPIRY, V5_KEYS)
+    schema's key names it reads and the delivery rule's tables it applies."""
+    kernel.configure(TOPIC, QOS, RETAIN, CLIENT, EXPIRY, V5_KEYS, QOS_TABLE, RETAIN_TABLE)
     return kernel.plain_run
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from gateway.delivery import run
 from gateway.delivery.overlap import covering, owner_has_read
-from gateway.delivery.rules import decide
+from gateway.delivery.rules import decide, passed_over
 from gateway.delivery.state import LoopState
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.protocol import ENCODED_TOPICS, PreparedPublish, Properties, Publish
@@ -102,15 +102,16 @@ class Sender(LoopState):
         state = [sub.next_offset, session.next_packet_id, 0, -1]
         moved: StoredMessage | None = None
         plain_run = run.PLAIN_RUN
+        skip_from = passed_over(sub.no_local, session.client_id)
         i = 0
         n = len(messages)
         while i < n:
             try:
                 i, full = plain_run(
-                    messages, i, state, single, self.window, self.level, sub.qos, sub.no_local,
-                    sub.retain_as_published, session.client_id, sub.queue, session.inflight,
-                    sub.pending, Inflight, ENCODED_TOPICS, outbound,
-                    conn.client_receive_maximum, unacked, batch,
+                    messages, i, state, single, self.window, self.level, sub.qos,
+                    sub.retain_as_published, skip_from, sub.queue, session.inflight, sub.pending,
+                    Inflight, ENCODED_TOPICS, outbound, conn.client_receive_maximum, unacked,
+                    batch,
                 )  # fmt: skip
             finally:
                 sub.next_offset, session.next_packet_id, sent, last = state

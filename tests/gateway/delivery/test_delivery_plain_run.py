@@ -21,12 +21,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.delivery import run as delivery
-from gateway.delivery.rules import decide
+from gateway.delivery.rules import decide, passed_over
 from gateway.delivery.send import _prepare
 from gateway.messages.records import read_record
 from gateway.protocol import ENCODED_TOPICS, Publish, encode
 from gateway.session.model import Inflight, SubscriptionState
 from gateway.storage.port import StoredMessage
+from topicmap import record
 
 speedups = pytest.importorskip("gateway.delivery._run")
 C_RUN = delivery.configured(speedups)  # as the loader hands it over
@@ -116,9 +117,9 @@ def _run(run: Any, side: Side, messages: list[StoredMessage], args: dict[str, An
     try:
         result: Any = run(
             messages, args["start"], state, args["single"], args["window"], args["level"],
-            args["sub_qos"], args["no_local"], args["rap"], CLIENT, "q", side.inflight,
-            side.pending, inflight_new, ENCODED_TOPICS, side.outbound, args["receive_maximum"],
-            1, side.batch,
+            args["sub_qos"], args["rap"], passed_over(args["no_local"], CLIENT), "q",
+            side.inflight, side.pending, inflight_new, ENCODED_TOPICS, side.outbound,
+            args["receive_maximum"], 1, side.batch,
         )  # fmt: skip
     except RuntimeError as err:
         result = ("raised", str(err))
@@ -240,6 +241,37 @@ def test_the_build_matches_the_source() -> None:
     source = Path(delivery.__file__).with_name("_run.c")
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
     assert digest == speedups.SOURCE_SHA256, "stale build: run `make .venv/.installed-dev`"
+
+
+def test_the_c_run_applies_the_rule_tables_it_is_handed() -> None:
+    """The C run spells no part of the delivery rule: handed other tables by configure, it
+    sends by them (here: the message's QoS whatever was granted, RETAIN as published at every
+    level), and a table of the wrong shape is refused, the tables in use kept."""
+    _encode_topics()
+    p = _props("2", "1", "other", None, "t/x")
+    messages = [StoredMessage("t", b"m", p, 0, 0, 5, 5, 0, ("q",))]
+    args = dict(start=0, next_offset=0, next_pid=1, single=True, window=100, level=4,
+                sub_qos=0, no_local=False, rap=False, receive_maximum=100, fail_at=0)  # fmt: skip
+    names = (record.TOPIC, record.QOS, record.RETAIN, record.CLIENT, record.EXPIRY)
+    as_published = tuple(((r, r), (r, r)) for r in (False, True))
+    message_qos = tuple((m, m, m) for m in range(3))
+    try:
+        speedups.configure(*names, record.V5_KEYS, message_qos, as_published)
+        side = Side(inflight={}, outbound={})
+        assert _run(C_RUN, side, messages, args)[0] == (1, False)
+        assert side.batch == [encode(Publish("t/x", b"m", 2, True, packet_id=1), 4)]
+        with pytest.raises(ValueError):
+            speedups.configure(*names, record.V5_KEYS, message_qos[:2], as_published)
+        with pytest.raises(ValueError):
+            speedups.configure(*names, record.V5_KEYS, ((3, 3, 3),) * 3, as_published)
+        side = Side(inflight={}, outbound={})
+        assert _run(C_RUN, side, messages, args)[0] == (1, False)
+        assert side.batch == [encode(Publish("t/x", b"m", 2, True, packet_id=1), 4)]
+    finally:
+        delivery.configured(speedups)  # the rule's own tables again
+    side = Side(inflight={}, outbound={})
+    assert _run(C_RUN, side, messages, args)[0] == (1, False)
+    assert side.batch == [encode(Publish("t/x", b"m", 0, False), 4)]
 
 
 def test_the_c_run_spells_no_record_key() -> None:

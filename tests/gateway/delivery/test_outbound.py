@@ -10,7 +10,16 @@ import time
 
 import pytest
 
-from gateway.delivery.rules import Outbound, decide
+from gateway.delivery.rules import (
+    QOS_TABLE,
+    RETAIN_TABLE,
+    Outbound,
+    decide,
+    delivered_qos,
+    no_local_skips,
+    passed_over,
+    retain_out,
+)
 from gateway.messages.records import RecordedPublish
 from gateway.session.model import SubscriptionState
 
@@ -95,3 +104,41 @@ def test_one_subscription_answers_what_the_general_rules_answer() -> None:
         one = decide(rec, sub, "me", level, on_sub)
         assert one == decide(rec, sub, "me", level, on_sub, [sub])
         assert one is None or type(one) is Outbound
+
+
+def test_decide_applies_the_named_rules() -> None:
+    """decide() spells no local, QoS and RETAIN inline (it runs per message): for every
+    combination of their inputs it answers what no_local_skips, delivered_qos and retain_out
+    do, on the single-subscription path and on the path for several."""
+    combos = itertools.product(
+        [0, 1, 2],  # message QoS
+        [0, 1, 2],  # granted QoS
+        [False, True],  # message retain
+        [False, True],  # retain as published
+        [False, True],  # no local
+        ["me", "other", ""],  # publisher
+        [3, 4, 5],  # protocol level
+        [False, True],  # on subscribe
+    )
+    for mq, gq, retain, rap, nl, pub, level, on_sub in combos:
+        rec = _rec(qos=mq, retain=retain, client=pub)
+        sub = _sub(qos=gq, retain_as_published=rap, no_local=nl)
+        for also in ([], [sub]):
+            out = decide(rec, sub, "me", level, on_sub, also)
+            if no_local_skips(nl, pub, "me"):
+                assert out is None
+                continue
+            assert out is not None
+            assert out.qos == delivered_qos(mq, gq)
+            assert out.retain is retain_out(retain, level, rap, on_sub)
+
+
+def test_the_plain_runs_inputs_are_the_named_rules() -> None:
+    """The tables and the passed-over publisher the plain run takes (gateway/delivery/run.py)
+    answer what the rule's functions do, for every combination of their inputs."""
+    for mq, gq in itertools.product(range(3), range(3)):
+        assert QOS_TABLE[mq][gq] == delivered_qos(mq, gq)
+    for retain, level, rap in itertools.product([False, True], [3, 4, 5], [False, True]):
+        assert RETAIN_TABLE[retain][level == 5][rap] is retain_out(retain, level, rap)
+    for nl, pub in itertools.product([False, True], ["me", "other", ""]):
+        assert (pub == passed_over(nl, "me")) is no_local_skips(nl, pub, "me")
