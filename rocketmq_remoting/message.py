@@ -61,6 +61,23 @@ PROPERTY_KEYS: Final = "KEYS"
 PROPERTY_TAGS: Final = "TAGS"
 PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX: Final = "UNIQ_KEY"
 PROPERTY_CRC32: Final = "__CRC32#"
+#: Properties a broker adds to (or a sender sets for) a stored message, besides the sender's
+#: own: ``MessageConst`` names a reader of the message's properties leaves out.
+BROKER_PROPERTIES: Final = frozenset(
+    {
+        PROPERTY_INNER_MULTI_DISPATCH,
+        PROPERTY_INNER_MULTI_QUEUE_OFFSET,
+        PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX,
+        PROPERTY_WAIT_STORE_MSG_OK,
+        "CLUSTER",
+        "MSG_REGION",
+        "TRACE_ON",
+        PROPERTY_CRC32,
+        "CONSUME_START_TIME",
+        "MIN_OFFSET",
+        "MAX_OFFSET",
+    }
+)
 #: The broker refuses a record whose properties exceed ``Short.MAX_VALUE`` bytes
 #: (``CommitLog.handlePropertiesForLmqMsg``: PROPERTIES_SIZE_EXCEEDED -> MESSAGE_ILLEGAL), and
 #: the light-queue offsets it adds count too: this caps the fan-out of one message.

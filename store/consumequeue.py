@@ -52,10 +52,11 @@ def dispatch(queues: Sequence[ConsumeQueue], unit: bytes, dirty: dict[str, Consu
     """The dispatch rule: ``unit`` becomes the next unit of every queue in ``queues``.
 
     A record joins its parent queue and each of its light queues, one 20-byte unit each, at
-    the offsets the record carries (QUEUEOFFSET, INNER_MULTI_QUEUE_OFFSET): the writer gives
-    it each queue's next offset and dispatches in the same critical section; recovery calls
-    this when the recorded offset is the queue's next. Units wait in ``pending`` (a queue's
-    first one marks it in ``dirty``, the table's) until ConsumeQueueTable.write_pending.
+    the offsets the record carries (QUEUEOFFSET, and for light queues the dispatch offsets
+    property of store/format.py): the writer gives it each queue's next offset and dispatches
+    in the same critical section; recovery calls this when the recorded offset is the queue's
+    next. Units wait in ``pending`` (a queue's first one marks it in ``dirty``, the table's)
+    until ConsumeQueueTable.write_pending.
     store/_speedups.c ``dispatch`` is its twin (write_run dispatches with it;
     tests/store/test_speedups.py).
     """

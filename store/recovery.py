@@ -12,7 +12,7 @@ Abnormal restart (``abort`` present, or checkpoint missing/stale/inconsistent):
 2. Every consume queue on disk drops units pointing at or past ``scan_start``: they are
    re-derived in step 3 (this also removes units pointing past the cut log end).
 3. Re-dispatch every record in ``[scan_start, end)`` at the offsets recorded in the record
-   (QUEUEOFFSET for the parent queue, INNER_MULTI_QUEUE_OFFSET for light queues).
+   (QUEUEOFFSET for the parent queue, the dispatch offsets property for light queues).
 4. A queue whose next recorded offset is beyond its end lost units before ``scan_start``
    (deleted files): it is emptied and rebuilt from the whole log.
 """
@@ -34,6 +34,8 @@ from store.format import (
     DISPATCH_FIELDS,
     HEADER_SIZE,
     MAGIC,
+    PROP_MULTI_DISPATCH,
+    PROP_MULTI_QUEUE_OFFSET,
     SIZE_MAGIC,
     check_record,
     inner_dispatch,
@@ -291,7 +293,7 @@ def _redispatch(
 
     Theory: this runs for every record of the log in a full rebuild, so it reads the mapping
     in place and resolves the queues of a record through a cache keyed by the raw topic and
-    INNER_MULTI_DISPATCH bytes (a handful of distinct values for millions of records); only
+    dispatch property bytes (a handful of distinct values for millions of records); only
     the offsets are parsed per record. The cache holds ConsumeQueue objects, so it is
     dropped whenever the table may have evicted states.
     """
@@ -332,8 +334,8 @@ def _redispatch(
             parent, lights, queues = route
             if len(offsets) != len(lights):
                 raise ValueError(
-                    f"record at {base + rel}: INNER_MULTI_DISPATCH and "
-                    "INNER_MULTI_QUEUE_OFFSET differ in length"
+                    f"record at {base + rel}: {PROP_MULTI_DISPATCH} and "
+                    f"{PROP_MULTI_QUEUE_OFFSET} differ in length"
                 )
             unit = pack(base + rel, size, 0)
             # The common case: the unit is the next one of every queue the record names.
@@ -369,7 +371,7 @@ _Route = tuple["ConsumeQueue | None", list["ConsumeQueue | None"], tuple[Consume
 
 
 def _resolve(table: ConsumeQueueTable, key: tuple[bytes, bytes], only: set[str] | None) -> _Route:
-    """The queues of records with this raw topic and INNER_MULTI_DISPATCH value."""
+    """The queues of records with this raw topic and dispatch property value."""
     topic, names = key
     lights = names.decode("utf-8").split(",") if names else []
     cqs = [

@@ -38,10 +38,10 @@ from gateway.storage.cursor import QueueCursor
 from gateway.storage.embedded import open_read_only
 from gateway.storage.port import Storage, StoredMessage
 from gateway.storage.rocketmq.spread import SEP
-from topicmap import TopicFilter
+from topicmap import TopicFilter, record
 
 ROW_GROUP = 10_000
-_BASE_PROPS = frozenset({"mqtt.topic", "mqtt.qos", "mqtt.retain", "mqtt.client", "mqtt.pid"})
+_BASE_PROPS = frozenset({record.TOPIC, record.QOS, record.RETAIN, record.CLIENT, record.PID})
 
 
 def _row(msg: StoredMessage, rec: RecordedPublish) -> dict[str, Any]:

@@ -17,14 +17,7 @@ from dataclasses import dataclass, field
 from gateway.storage.port import StoredMessage
 from gateway.storage.rocketmq.names import LightQueueNames
 from rocketmq_remoting import OffsetMovedError, RemotingClient
-from rocketmq_remoting.message import (
-    PROPERTY_CRC32,
-    PROPERTY_INNER_MULTI_DISPATCH,
-    PROPERTY_INNER_MULTI_QUEUE_OFFSET,
-    PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX,
-    PROPERTY_WAIT_STORE_MSG_OK,
-    MessageRecord,
-)
+from rocketmq_remoting.message import BROKER_PROPERTIES, MessageRecord
 from topicmap.rocketmq import EMPTY_BODY_PROPERTY
 
 log = logging.getLogger("lmqtt.rocketmq")
@@ -34,23 +27,6 @@ log = logging.getLogger("lmqtt.rocketmq")
 #: consumer registration either.
 PULL_GROUP = "%LMQ%lmqtt-gateway"
 PULL_BATCH = 32
-#: Properties the broker adds to a stored message: not the MQTT message's, so no reader of
-#: the gateway sees them.
-BROKER_PROPERTIES = frozenset(
-    {
-        PROPERTY_INNER_MULTI_DISPATCH,
-        PROPERTY_INNER_MULTI_QUEUE_OFFSET,
-        PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX,
-        PROPERTY_WAIT_STORE_MSG_OK,
-        "CLUSTER",
-        "MSG_REGION",
-        "TRACE_ON",
-        PROPERTY_CRC32,
-        "CONSUME_START_TIME",
-        "MIN_OFFSET",
-        "MAX_OFFSET",
-    }
-)
 
 
 @dataclass
@@ -101,6 +77,7 @@ def to_stored(
     topicmap/rocketmq.py) is read back empty."""
     if lights is None:
         lights = rec.light_queue_offsets()
+    # What the broker added is not the MQTT message's: no reader of the gateway sees it.
     props = {k: v for k, v in rec.properties.items() if k not in BROKER_PROPERTIES}
     body = b"" if props.pop(EMPTY_BODY_PROPERTY, None) is not None else rec.body
     return StoredMessage(
