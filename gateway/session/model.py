@@ -108,7 +108,7 @@ class SubscriptionState:
     last_commit: int = field(default=-1, compare=False, repr=False)
     # CommitLog position just past the last message read from the queue (delivered or passed
     # over); None: not known in this run, found from the store when an overlapping
-    # subscription needs it (DeliveryLoop._owner_has_read). Not persisted.
+    # subscription needs it (gateway/delivery/overlap.py owner_has_read). Not persisted.
     read_phys: int | None = field(default=None, compare=False, repr=False)
     # A replay still running before the light queue is read (gateway/session/replay.py); persisted.
     replay: Replay | None = field(default=None, compare=False)

@@ -52,7 +52,7 @@ Replays must not slow live traffic down: a delivery pass replays for a short sli
 ReplayPacer keeps all replays together to a share of the event loop's time. While a replay runs,
 the subscription's `start_phys` is REPLAYING: a live message it shares with another of the
 session's subscriptions is delivered by that one at once (not held until the replay ends), and
-skipped when the light queue is read after the replay (DeliveryLoop._covering).
+skipped when the light queue is read after the replay (gateway/delivery/overlap.py covering).
 
 The only storage calls are `history_queues`, `max_offset`, `min_offset`, `offset_by_time` and
 `get` (read a queue from an offset, through QueueCursor), after SUBSCRIBE awaited
