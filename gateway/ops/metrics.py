@@ -238,7 +238,7 @@ class GatewayMetrics:
         """Time the store's appends and fsyncs by wrapping them on this instance.
 
         Called only when the admin endpoint is on (gateway/net/listeners.py): nobody can read the
-        histograms otherwise, and a wrapper around every put costs ~4% of a QoS 1 flood. The
+        histograms otherwise, and a wrapper around every put costs CPU on every publish. The
         gateway's ingest path is the same either way (batched runs go through append_encoded,
         which is timed per batch)."""
         append = self.append_seconds
