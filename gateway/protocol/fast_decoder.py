@@ -18,17 +18,37 @@ read), so a test that swaps it swaps both.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol
 
 import accelerators
 from gateway.protocol import writers
 from gateway.protocol.errors import RemoteProtocolError
 from gateway.protocol.events import Connect, ConnectionClosed, Event, PubAck, Publish
-from gateway.protocol.phases import CONNECTED, NEED_DATA
+from gateway.protocol.packet_ids import PacketIds
+from gateway.protocol.phases import CONNECTED, NEED_DATA, Phase, Sentinel
 from gateway.protocol.readers import TOPIC_CACHE, cache_topic
 
-if TYPE_CHECKING:
-    from gateway.protocol.connection import Connection
+
+class Connection(Protocol):
+    """What the decoder reads and moves of the connection (gateway/protocol/connection.py):
+    its receive buffer and the state its fast path checks. It is the connection's receive loop,
+    so it works on the connection's own fields rather than on copies handed to it."""
+
+    _buf: bytes | bytearray
+    _off: int
+    _eof: bool
+    _phase: Phase
+    _pending_error: RemoteProtocolError | None
+    _ids: PacketIds | None
+    max_packet_size: int
+    protocol_level: int | None
+    receive_maximum: int
+    maximum_qos: int
+    retain_available: bool
+
+    def _packet_ids(self) -> PacketIds: ...
+
+    def _next_one(self) -> Event | Literal[Sentinel.NEED_DATA]: ...
 
 # scan(buf, off, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
 #      in_flight_others, out) -> the offset of the first packet it did not decode.
