@@ -5,8 +5,9 @@ filters it matches), reads each subscription's light queue from the subscriber's
 keeps its own durable state (sessions with their subscriptions and wills) as key/value
 records in a compacted state log. `Storage` names exactly those operations. The embedded
 store (`store.MessageStore`, through gateway/storage/embedded.py) implements it; an Apache RocketMQ
-implementation maps it onto the remoting protocol (docs/storage.md). Only app.py (the
-composition root) and embedded.py import `store`; an import-linter contract keeps it so.
+implementation maps it onto the remoting protocol (docs/storage.md). Only this module (the
+store's value types and names, re-exported) and embedded.py import `store`; an import-linter
+contract keeps it so.
 
 Why synchronous reads: on the hot path a read must cost no more than a dict lookup and a
 slice when the data is local. `get` is a *try-read*: it answers from what is at hand (the
