@@ -14,7 +14,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # setup.py builds the optional C accelerators: a changed .c file re-installs (re-compiles) it.
-SPEEDUPS := setup.py gateway/protocol/_speedups.c gateway/delivery/_run.c gateway/messages/_batch.c store/_speedups.c
+SPEEDUPS := setup.py accelerators/kernel.h gateway/protocol/_speedups.c gateway/delivery/_run.c gateway/messages/_batch.c store/_speedups.c
 
 $(CORE): pyproject.toml $(SPEEDUPS) | $(PY)
 	$(PY) -m pip install --quiet -e .

@@ -13,16 +13,26 @@ The switch: LMQTT_PURE_PYTHON keeps every reference; one path's own switch keeps
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+from pathlib import Path
 from types import ModuleType
 
 ALL = "LMQTT_PURE_PYTHON"
+#: What every kernel includes (lmqtt_module, lmqtt_slot_offsets); setup.py's include path.
+KERNEL_HEADER = Path(__file__).with_name("kernel.h")
 
 
 def pure_python(switch: str | None = None) -> bool:
     """True when LMQTT_PURE_PYTHON or `switch` is set: run the reference, not the C code."""
     return any(os.environ.get(name, "") not in ("", "0") for name in (ALL, switch) if name)
+
+
+def source_digest(source: Path | str) -> str:
+    """The SHA-256 a kernel built from `source` reports as SOURCE_SHA256: of the shared
+    header and the file, so a build older than either is caught as stale."""
+    return hashlib.sha256(KERNEL_HEADER.read_bytes() + Path(source).read_bytes()).hexdigest()
 
 
 def load(module: str, switch: str | None = None) -> ModuleType | None:

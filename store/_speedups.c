@@ -24,14 +24,9 @@
  * so that the module needs no zlib headers to build. Loaded (and configured) through
  * accelerators.load; without it, or with LMQTT_PURE_PYTHON, the references run.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "kernel.h"
 #include <stdint.h>
 #include <string.h>
-
-#ifndef LMQTT_SOURCE_SHA256
-#define LMQTT_SOURCE_SHA256 "unknown"
-#endif
 
 #define MAX_OFFSETS 4096
 #define MAX_HEAD_SIZE 256
@@ -932,13 +927,5 @@ PyMODINIT_FUNC
 PyInit__speedups(void)
 {
     crc_init();
-    PyObject *module = PyModule_Create(&module_def);
-    if (module == NULL) {
-        return NULL;
-    }
-    if (PyModule_AddStringConstant(module, "SOURCE_SHA256", LMQTT_SOURCE_SHA256) < 0) {
-        Py_DECREF(module);
-        return NULL;
-    }
-    return module;
+    return lmqtt_module(&module_def);
 }

@@ -33,13 +33,8 @@
  *
  * Built by setup.py as an optional extension; accelerators.load decides whether it runs.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "kernel.h"
 #include <string.h>
-
-#ifndef LMQTT_SOURCE_SHA256
-#define LMQTT_SOURCE_SHA256 "unknown"
-#endif
 
 #define MAX_REMAINING_LENGTH 268435455 /* four varint bytes */
 
@@ -419,14 +414,5 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__run(void)
 {
-    PyObject *module = PyModule_Create(&module_def);
-    if (module == NULL) {
-        return NULL;
-    }
-    /* The SHA-256 of this file when it was compiled: a test compares it with the file on disk. */
-    if (PyModule_AddStringConstant(module, "SOURCE_SHA256", LMQTT_SOURCE_SHA256) < 0) {
-        Py_DECREF(module);
-        return NULL;
-    }
-    return module;
+    return lmqtt_module(&module_def);
 }

@@ -19,14 +19,8 @@
  *
  * Built by setup.py as an optional extension; accelerators.load decides whether it runs.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <structmember.h>
+#include "kernel.h"
 #include <string.h>
-
-#ifndef LMQTT_SOURCE_SHA256
-#define LMQTT_SOURCE_SHA256 "unknown"
-#endif
 
 /* What `configure` was given; owned references, set once per process. */
 static PyTypeObject *publish_type = NULL;
@@ -42,34 +36,6 @@ static Py_ssize_t offsets[F_COUNT];
 
 #define SLOT(obj, field) (*(PyObject **)((char *)(obj) + offsets[field]))
 
-/* The offsets of `names` in instances of `type_obj`, each of which must be a plain writable
- * object slot (__slots__), so C can read and set them without attribute lookups. -1 with
- * TypeError (naming `fname`) when one is not. */
-static int
-slot_offsets(const char *fname, PyObject *type_obj, const char *const *names, int n,
-             Py_ssize_t *found)
-{
-    for (int i = 0; i < n; i++) {
-        PyObject *descr = PyObject_GetAttrString(type_obj, names[i]);
-        if (descr == NULL) {
-            return -1;
-        }
-        int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type)
-                 && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX
-                 && !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
-        if (ok) {
-            found[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
-        }
-        Py_DECREF(descr);
-        if (!ok) {
-            PyErr_Format(PyExc_TypeError, "%s: %s.%s is not a plain object slot", fname,
-                         ((PyTypeObject *)type_obj)->tp_name, names[i]);
-            return -1;
-        }
-    }
-    return 0;
-}
-
 static PyObject *
 configure(PyObject *Py_UNUSED(module), PyObject *args)
 {
@@ -79,7 +45,7 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t found[F_COUNT];
-    if (slot_offsets("configure", type_obj, field_names, F_COUNT, found) < 0) {
+    if (lmqtt_slot_offsets("configure", type_obj, field_names, F_COUNT, found) < 0) {
         return NULL;
     }
     memcpy(offsets, found, sizeof(offsets));
@@ -227,14 +193,5 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__batch(void)
 {
-    PyObject *module = PyModule_Create(&module_def);
-    if (module == NULL) {
-        return NULL;
-    }
-    /* The SHA-256 of this file when it was compiled: a test compares it with the file on disk. */
-    if (PyModule_AddStringConstant(module, "SOURCE_SHA256", LMQTT_SOURCE_SHA256) < 0) {
-        Py_DECREF(module);
-        return NULL;
-    }
-    return module;
+    return lmqtt_module(&module_def);
 }

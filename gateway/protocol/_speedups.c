@@ -28,14 +28,8 @@
  *     | flags | 1-4 B    | length-prefixed) | QoS > 0   | MQTT 5: 0x00 |         |
  *     +-------+----------+------------------+-----------+--------------+---------+
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <structmember.h>
+#include "kernel.h"
 #include <string.h>
-
-#ifndef LMQTT_SOURCE_SHA256
-#define LMQTT_SOURCE_SHA256 "unknown"
-#endif
 
 #define MAX_REMAINING_LENGTH 268435455 /* four varint bytes */
 
@@ -175,34 +169,6 @@ encode(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs, PyO
     return out;
 }
 
-/* The offsets of `names` in instances of `type_obj`, each of which must be a plain writable
- * object slot (__slots__), so C can read and set them without attribute lookups. -1 with
- * TypeError (naming `fname`) when one is not. */
-static int
-slot_offsets(const char *fname, PyObject *type_obj, const char *const *names, int n,
-             Py_ssize_t *found)
-{
-    for (int i = 0; i < n; i++) {
-        PyObject *descr = PyObject_GetAttrString(type_obj, names[i]);
-        if (descr == NULL) {
-            return -1;
-        }
-        int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type)
-                 && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX
-                 && !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
-        if (ok) {
-            found[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
-        }
-        Py_DECREF(descr);
-        if (!ok) {
-            PyErr_Format(PyExc_TypeError, "%s: %s.%s is not a plain object slot", fname,
-                         ((PyTypeObject *)type_obj)->tp_name, names[i]);
-            return -1;
-        }
-    }
-    return 0;
-}
-
 static PyObject *
 configure(PyObject *Py_UNUSED(module), PyObject *args)
 {
@@ -216,7 +182,7 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t found[F_COUNT];
-    if (slot_offsets("configure", type_obj, field_names, F_COUNT, found) < 0) {
+    if (lmqtt_slot_offsets("configure", type_obj, field_names, F_COUNT, found) < 0) {
         return NULL;
     }
     memcpy(offsets, found, sizeof(offsets));
@@ -470,7 +436,7 @@ configure_scan(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t found[A_COUNT];
-    if (slot_offsets("configure_scan", type_obj, ack_field_names, A_COUNT, found) < 0) {
+    if (lmqtt_slot_offsets("configure_scan", type_obj, ack_field_names, A_COUNT, found) < 0) {
         return NULL;
     }
     /* The slots of a bare instance must be exactly these fields (plus nothing with a
@@ -515,15 +481,5 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    PyObject *module = PyModule_Create(&module_def);
-    if (module == NULL) {
-        return NULL;
-    }
-    /* The SHA-256 of this file when it was compiled: a test compares it with the file on disk,
-     * so a stale build of an older source is caught instead of silently tested. */
-    if (PyModule_AddStringConstant(module, "SOURCE_SHA256", LMQTT_SOURCE_SHA256) < 0) {
-        Py_DECREF(module);
-        return NULL;
-    }
-    return module;
+    return lmqtt_module(&module_def);
 }

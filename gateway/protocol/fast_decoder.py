@@ -50,6 +50,7 @@ class Connection(Protocol):
 
     def _next_one(self) -> Event | Literal[Sentinel.NEED_DATA]: ...
 
+
 # scan(buf, off, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
 #      in_flight_others, out) -> the offset of the first packet it did not decode.
 Scan = Callable[

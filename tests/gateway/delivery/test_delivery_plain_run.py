@@ -10,7 +10,6 @@ every shape read_record meets (canonical or not: the run must leave the others a
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import accelerators
 from gateway.delivery import run as delivery
 from gateway.delivery.rules import decide, passed_over
 from gateway.delivery.send import _prepare
@@ -239,7 +239,7 @@ def test_the_gateway_uses_the_c_run() -> None:
 def test_the_build_matches_the_source() -> None:
     """A .so compiled from an older _run.c would test old code."""
     source = Path(delivery.__file__).with_name("_run.c")
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    digest = accelerators.source_digest(source)
     assert digest == speedups.SOURCE_SHA256, "stale build: run `make .venv/.installed-dev`"
 
 

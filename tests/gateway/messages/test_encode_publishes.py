@@ -7,7 +7,6 @@ that finishes what they leave) against the block PublishProperties.of gives."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import accelerators
 from gateway.messages import publishing
 from gateway.messages.records import PublishProperties
 from gateway.protocol import Properties, Publish
@@ -96,7 +96,7 @@ def test_the_loop_takes_cached_publishes_and_stops_at_others() -> None:
 def test_the_build_matches_the_source() -> None:
     """A .so compiled from an older _batch.c would test old code."""
     source = Path(publishing.__file__).with_name("_batch.c")
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    digest = accelerators.source_digest(source)
     assert digest == speedups.SOURCE_SHA256, "stale build: run `make .venv/.installed-dev`"
 
 

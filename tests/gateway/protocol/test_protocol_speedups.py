@@ -7,7 +7,6 @@ Where the module was not built (no compiler), only the pure-Python checks run; C
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import accelerators
 from gateway.protocol import LocalProtocolError, Properties, Publish, SubAck, writers
 
 speedups = pytest.importorskip("gateway.protocol._speedups")
@@ -173,7 +173,7 @@ def test_no_reference_or_memory_leak() -> None:
 def test_the_build_matches_the_source() -> None:
     """A .so compiled from an older _speedups.c would test old code: `make` re-installs when
     the .c file changes, and this catches a build that did not happen."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    digest = accelerators.source_digest(SOURCE)
     assert digest == speedups.SOURCE_SHA256, "stale build: run `make .venv/.installed-dev`"
 
 
