@@ -21,31 +21,13 @@ from gateway.protocol import PubRel
 from gateway.session.model import Inflight, SubscriptionState
 
 if TYPE_CHECKING:
-    from gateway.messages.records import RecordedPublish
+    pass
 
 
 class Acknowledgements(LoopState):
     """PUBACK / PUBREC / PUBCOMP handling, re-sends and commits of a DeliveryLoop."""
 
     __slots__ = ()
-
-    if TYPE_CHECKING:
-
-        def wake(self) -> None: ...
-
-        def _schedule(self) -> None: ...
-
-        def send(
-            self,
-            rec: RecordedPublish,
-            qos: int,
-            retain: bool,
-            sub_ids: list[int],
-            expiry_left: int | None,
-            physical_offset: int | None,
-            dup: bool = False,
-            packet_id: int | None = None,
-        ) -> int: ...
 
     def on_puback(self, packet_id: int) -> None:
         """PUBACK (QoS 1) or PUBCOMP (QoS 2): the message is done."""

@@ -13,8 +13,6 @@ timers move in whole milliseconds: 1 ms is the finest step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gateway.delivery.state import LoopState
 
 PASS_INTERVAL = 0.001
@@ -28,10 +26,6 @@ class Pacing(LoopState):
     idle subscriber costs no task)."""
 
     __slots__ = ()
-
-    if TYPE_CHECKING:
-
-        def _step(self) -> None: ...
 
     def wake(self) -> None:
         """Schedule a pass over every queue, in this turn's callbacks (not paced: the window

@@ -21,7 +21,7 @@ from gateway.session.replay import Replay
 from gateway.storage.port import StoredMessage
 
 if TYPE_CHECKING:
-    from gateway.messages.records import RecordedPublish
+    pass
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -35,26 +35,6 @@ class Replaying(LoopState):
     """Sends the replays of a DeliveryLoop's subscriptions."""
 
     __slots__ = ()
-
-    if TYPE_CHECKING:
-
-        def wake(self) -> None: ...
-
-        def capacity(self) -> int: ...
-
-        def can_send(self) -> bool: ...
-
-        def send(
-            self,
-            rec: RecordedPublish,
-            qos: int,
-            retain: bool,
-            sub_ids: list[int],
-            expiry_left: int | None,
-            physical_offset: int | None,
-            dup: bool = False,
-            packet_id: int | None = None,
-        ) -> int: ...
 
     def _replay(self, sub: SubscriptionState) -> bool:
         """Hand `sub`'s replayed messages over within the window, a slice per pass."""

@@ -16,7 +16,6 @@ plain method call on the loop. What one pass sends leaves with one transport.wri
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from gateway.delivery import run
 from gateway.delivery.overlap import covering, owner_has_read
@@ -34,14 +33,6 @@ class Sender(LoopState):
     """The send paths of a DeliveryLoop (see the module docstring)."""
 
     __slots__ = ()
-
-    if TYPE_CHECKING:
-
-        def _pass_replayed(
-            self, sub: SubscriptionState, messages: list[StoredMessage]
-        ) -> list[StoredMessage]: ...
-
-        def _commit(self, sub: SubscriptionState) -> None: ...
 
     def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
         """Send what the window allows of `messages` (written at the end of the pass)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.access.acl import ClientAccess
 from gateway.delivery.account import DeliveryAccount
@@ -21,6 +21,7 @@ from gateway.delivery.arrivals import ArrivalHub
 from gateway.delivery.backlog import BacklogWatch
 from gateway.delivery.shared import SharedGroup
 from gateway.messages.recent import PreparedCache, RecentMessages
+from gateway.messages.records import RecordedPublish
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import Connection
 from gateway.session.model import Session, SubscriptionState
@@ -28,7 +29,7 @@ from gateway.session.registry import SessionRegistry
 from gateway.session.replay import ReplayPacer
 from gateway.stats import GatewayStats
 from gateway.storage.cursor import QueueCursor
-from gateway.storage.port import Storage
+from gateway.storage.port import Storage, StoredMessage
 
 
 class Subscriber(Protocol):
@@ -127,3 +128,35 @@ class LoopState:
     _uncommitted: dict[str, SubscriptionState]
     # Set while a replay waits for its share of the loop (replay.py).
     _replay_timer: asyncio.TimerHandle | None
+
+    if TYPE_CHECKING:
+        # What the parts call on each other (pacing.py, send.py, acks.py, replay.py, and
+        # loop.py's DeliveryLoop, which composes them), declared once for the type checker.
+
+        def wake(self) -> None: ...
+
+        def _schedule(self) -> None: ...
+
+        def _step(self) -> None: ...
+
+        def capacity(self) -> int: ...
+
+        def can_send(self) -> bool: ...
+
+        def send(
+            self,
+            rec: RecordedPublish,
+            qos: int,
+            retain: bool,
+            sub_ids: list[int],
+            expiry_left: int | None,
+            physical_offset: int | None,
+            dup: bool = False,
+            packet_id: int | None = None,
+        ) -> int: ...
+
+        def _pass_replayed(
+            self, sub: SubscriptionState, messages: list[StoredMessage]
+        ) -> list[StoredMessage]: ...
+
+        def _commit(self, sub: SubscriptionState) -> None: ...
