@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import os
 import random
@@ -80,7 +81,18 @@ class ClusterUnavailable(Exception):
 
 
 def ensure_jars(timeout: float = 900.0) -> None:
-    """Fetch the name server and broker jars once (re-fetch when pom.xml changes)."""
+    """Fetch the name server and broker jars once (re-fetch when pom.xml changes).
+
+    Under a lock on ``lib/``: every pytest-xdist worker calls this after its collection, and
+    the first to come fetches while the others wait for it, then find the jars in place.
+    """
+    LIB.mkdir(exist_ok=True)
+    with (LIB / ".lock").open("wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _fetch_jars(timeout)
+
+
+def _fetch_jars(timeout: float) -> None:
     digest = hashlib.sha256(POM.read_bytes()).hexdigest()
     if STAMP.exists() and STAMP.read_text().strip() == digest:
         return
