@@ -3,59 +3,67 @@
 Area-specific fixtures live in the conftest.py of each tests/<area>/ folder; the Spark session
 is here, as tests of several areas (analytics, the RocketMQ reports) use it.
 
-`make test` runs the suite on pytest-xdist workers with ``--dist loadgroup``. A test whose
-session or module fixtures are expensive to build is put in an `xdist_group` by where it lives
-(below), so one worker runs all the tests that share them and builds them once: the RocketMQ
-cluster (three JVMs), the Spark session (a JVM) and the power-cut recordings. Every other test
-goes to whichever worker is free. xdist runs the largest groups first, so the long ones start
-at once while the other worker takes the rest.
+`make test` runs the suite on pytest-xdist workers with ``--dist loadgroup``. The tests whose
+session or module fixtures are expensive to build are grouped by where they live (GROUPS), so
+one worker runs all the tests that share them and builds them once: the RocketMQ cluster (three
+JVMs), the Spark session (a JVM) and the power-cut recordings. Every other test goes to whichever
+worker is free. xdist hands out the largest groups first, so the long ones start at once while
+the other worker takes the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-TESTS = Path(__file__).resolve().parent
-
-#: Folder or file under tests/ -> the xdist group of its tests (the first that matches): the
-#: RocketMQ tests that report with Spark stay with the cluster they read from; the analytics
-#: tests share the Spark session and the reference store (`world`) built once.
+#: Folder or file under tests/ -> the group of its tests (the first that matches). The RocketMQ
+#: tests that report with Spark stay with the cluster they read from; the analytics tests share
+#: the Spark session and the reference store (`world`) built once.
 GROUPS = {
-    "rocketmq": "rocketmq",
-    "analytics": "spark",
-    "crash/test_power_cut.py": "power-cut",
+    "tests/rocketmq/": "rocketmq",
+    "tests/analytics/": "spark",
+    "tests/crash/test_power_cut.py": "power-cut",
 }
-#: A session fixture -> the group of a test elsewhere that uses it.
-FIXTURE_GROUPS = {"rocketmq": "rocketmq", "spark": "spark"}
 
 
-def xdist_group(path: Path, fixtures: list[str]) -> str | None:
-    """The group of a test in file `path` using `fixtures`, or None: any worker may run it."""
-    where = path.resolve().relative_to(TESTS)
+def xdist_group(nodeid: str) -> str | None:
+    """The group of the test `nodeid`, or None: any worker may run it."""
     for prefix, group in GROUPS.items():
-        if where.is_relative_to(prefix):
-            return group
-    for fixture, group in FIXTURE_GROUPS.items():
-        if fixture in fixtures:
+        if nodeid.startswith(prefix):
             return group
     return None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = Path(str(item.path))
-        if not path.is_relative_to(TESTS):
-            continue
-        group = xdist_group(path, list(getattr(item, "fixturenames", ())))
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+class GroupScheduling:
+    """Registers the scheduler of ``--dist loadgroup`` with the groups above.
+
+    pytest-xdist's own loadgroup passes `xdist_group` marks on by rewriting `item._nodeid`,
+    which pytest 9 ignores (it reads a test's id from elsewhere), so the marks would be lost;
+    the groups are a rule on the test ids anyway, so the controller applies it itself: a group
+    is one work unit, any other test is its own.
+    """
+
+    @pytest.hookimpl
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class Scheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return xdist_group(nodeid) or nodeid
+
+        return Scheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(GroupScheduling(), "lmqtt-xdist-groups")
 
 
 @pytest.fixture(scope="session")
