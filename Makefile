@@ -39,8 +39,11 @@ lint: $(DEV)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# One pytest-xdist worker per core (auto). --dist loadgroup keeps the tests sharing an expensive
+# fixture (the RocketMQ cluster, the Spark session) on one worker: see tests/conftest.py.
+WORKERS ?= auto
 unit: $(DEV) test-tools
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup
 
 # The Debian programs end-to-end tests run, installed when missing (best effort: without root or
 # network the tests that need them skip, and fail under .ci/run's LMQTT_REQUIRE_ROCKETMQ=1).

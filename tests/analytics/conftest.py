@@ -1,10 +1,9 @@
-"""Fixtures of the analytics tests: one SparkSession per test run, and one reference store
-with known traffic plus its fan-out report, built once and shared (Spark jobs are the slow part).
+"""Fixtures of the analytics tests: one reference store with known traffic plus its fan-out
+report, built once and shared (Spark jobs are the slow part; the session is tests/conftest.py's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,15 +15,6 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from analytics.fanout import ReportMeta
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[SparkSession]:
-    from analytics.spark import get_spark, stop_spark
-
-    session = get_spark(shuffle_partitions=2)
-    yield session
-    stop_spark()
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import os
 import random
@@ -62,11 +63,11 @@ def class_archive(main: str) -> Path:
     """The class-data sharing archive of the JVMs running `main` (name server or broker).
 
     A JVM maps the classes an earlier run of its kind loaded from this archive instead of
-    loading and verifying them from the jars again: a broker that took 13-19 s to register on
-    the loaded 2-core host registers in 4-5 s with it. The first cluster started without one
-    dumps it (``-XX:ArchiveClassesAtExit``, written at that JVM's graceful stop). Its name
-    depends on the jars (the pom's digest) and on the JDK; a JVM whose archive does not match
-    anyway ignores it (``-Xshare:auto``, the default) and just starts as slowly as before.
+    loading and verifying them from the jars again, which is most of a broker's start on a
+    small host. The first cluster started without one dumps it (``-XX:ArchiveClassesAtExit``,
+    written at that JVM's graceful stop). Its name depends on the jars (the pom's digest) and on
+    the JDK; a JVM whose archive does not match anyway ignores it (``-Xshare:auto``, the
+    default) and starts without it.
     """
     java = os.path.realpath(shutil.which("java") or "java")
     pom = STAMP.read_text().strip() if STAMP.exists() else ""
@@ -80,7 +81,18 @@ class ClusterUnavailable(Exception):
 
 
 def ensure_jars(timeout: float = 900.0) -> None:
-    """Fetch the name server and broker jars once (re-fetch when pom.xml changes)."""
+    """Fetch the name server and broker jars once (re-fetch when pom.xml changes).
+
+    Under a lock on ``lib/``: every pytest-xdist worker calls this after its collection, and
+    the first to come fetches while the others wait for it, then find the jars in place.
+    """
+    LIB.mkdir(exist_ok=True)
+    with (LIB / ".lock").open("wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _fetch_jars(timeout)
+
+
+def _fetch_jars(timeout: float) -> None:
     digest = hashlib.sha256(POM.read_bytes()).hexdigest()
     if STAMP.exists() and STAMP.read_text().strip() == digest:
         return
@@ -199,8 +211,8 @@ class RocketMQCluster:
         )
         self._spawn("namesrv", "org.apache.rocketmq.namesrv.NamesrvStartup", NAMESRV_HEAP, conf)
         # The brokers once the name server listens: a broker registers at its start, then every
-        # 30 s after a first 10 s; one that booted before the name server (as fast as it, with
-        # the class archives) waited those 10 s unregistered.
+        # 30 s after a first 10 s; one that boots before the name server (as fast as it, with
+        # the class archives) would wait those 10 s unregistered.
         self._wait_listening("namesrv", port, ready_timeout)
         for name, (auto_create, flush) in BROKERS.items():
             self._spawn_broker(name, auto_create, flush)
@@ -358,7 +370,7 @@ class RocketMQCluster:
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Send `sig` to every process (whole process group; SIGTERM to one dumping its class
         archive), SIGKILL what is left after 20 s. The tests' cluster is thrown away: the
-        session fixture stops it with SIGKILL (a graceful stop took ~10 s)."""
+        session fixture stops it with SIGKILL (a broker's graceful stop takes seconds)."""
         for name, proc in self.procs.items():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -21,7 +21,6 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -290,15 +289,6 @@ def _expected(sent: Sent) -> dict[str, dict[str, float]]:
         }
         for d, f in fanout.items()
     }
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
-    from analytics.spark import get_spark, stop_spark
-
-    session = get_spark(shuffle_partitions=2)
-    yield session
-    stop_spark()
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,15 +25,6 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.timeout(900)]
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
-    from analytics.spark import get_spark, stop_spark
-
-    session = get_spark(shuffle_partitions=2)
-    yield session
-    stop_spark()
 
 
 def test_report_of_a_rocketmq_deployment(
