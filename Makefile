@@ -57,4 +57,4 @@ bench: $(DEV)
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) build gateway/protocol/*.so store/*.so lmqtt-data bench/results reports .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build gateway/*/*.so store/*.so lmqtt-data bench/results reports .pytest_cache .mypy_cache .ruff_cache
