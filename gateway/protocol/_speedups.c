@@ -1,6 +1,6 @@
 /*
  * Optional C accelerator of gateway.protocol, the codec's hot loops: `encode` for the common
- * PUBLISH shapes and `scan`, Connection._batch's inline decoder over a bytes buffer.
+ * PUBLISH shapes and `scan`, fast_decoder.decode_batch's inline decoder over a bytes buffer.
  *
  * Why C here: the pure-Python PUBLISH writer in writers.py is already down to one call, two
  * dict lookups and one join, and what is left is interpreter overhead (attribute loads, the
@@ -197,10 +197,10 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
 
 /*
  * scan(buf, off, table, limit, v5, topics, in_qos1, out_flight, receive_maximum, in_flight_others,
- *      out) -> off: the inline loop of connection.Connection._batch over a `bytes` buffer, in C.
+ *      out) -> off: the inline loop of fast_decoder.decode_batch over a `bytes` buffer, in C.
  *
  * It decodes, from `off` on, the packets the Python loop decodes inline -- PUBLISH whose first
- * byte `table` maps to a QoS (the connection's _FAST_PUBLISH_QOS table), with a remaining
+ * byte `table` maps to a QoS (fast_decoder.FAST_PUBLISH_QOS), with a remaining
  * length of 1-2 bytes, a topic already in the readers' TOPIC_CACHE, a non-zero packet id for
  * QoS 1, no MQTT 5 properties; and PUBACK without reason code -- appends one event per packet
  * to `out` (Publish / PubAck built as bare instances with every slot set, as in Python), records
@@ -464,7 +464,7 @@ static PyMethodDef methods[] = {
      "encoded-topic cache and the Python encoder used for every other shape."},
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
      "scan(buf, off, table, limit, v5, topics, in_qos1, out_flight, receive_maximum, "
-     "in_flight_others, out) -> off: Connection._batch's inline loop over bytes, in C."},
+     "in_flight_others, out) -> off: fast_decoder.decode_batch's inline loop over bytes, in C."},
     {"configure_scan", configure_scan, METH_VARARGS,
      "configure_scan(puback_type): bind the PubAck class (after configure)."},
     {NULL, NULL, 0, NULL},
