@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 LEASE_S = 6.0
 HEARTBEAT_S = 1.0
 #: SUBSCRIBE on one node, PUBLISH on another right after each SUBACK, this many times.
-GAP_ROUNDS = 2000
+GAP_ROUNDS = 1000
 RACES = int(os.environ.get("LMQTT_TEST_RACES", "20"))
 
 Nodes = Callable[[int], list[ServeProcess]]
