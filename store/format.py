@@ -310,12 +310,6 @@ def dispatch_properties(queues: Sequence[str], offsets: Sequence[int]) -> bytes:
     return b"".join((inner_head(queues), ",".join(map(str, offsets)).encode(), b"\x02"))
 
 
-def record_size(body_len: int, topic_len: int, props_len: int) -> int:
-    """TOTALSIZE of a record; ``props_len`` excludes the CRC trailer."""
-    return FIXED_OVERHEAD + body_len + topic_len + props_len + CRC_TRAILER_SIZE
-
-
-_BYTE = [bytes((i,)) for i in range(256)]
 _pack_head = RECORD_HEAD.pack
 _pack_plen = PROPS_LEN.pack
 _crc32 = zlib.crc32

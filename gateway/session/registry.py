@@ -32,7 +32,8 @@ log = logging.getLogger("lmqtt.gateway")
 SESSION_KEY_PREFIX = "session/"
 SESSIONS_FILE = "sessions.json"  # sessions as a file (before the state log), imported once
 META_KEY_PREFIX = "meta/"
-IMPORTED_KEY = "meta/sessions.json-imported"  # present: SESSIONS_FILE was imported (or absent)
+# Present: SESSIONS_FILE was imported (or absent).
+IMPORTED_KEY = META_KEY_PREFIX + "sessions.json-imported"
 PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
 RECORDS_PER_STEP = 200  # session records encoded per event-loop step by housekeeping saves
 _ID_BITS = 31  # dormant expiry: (due second << _ID_BITS | index); seconds fit 33 bits
