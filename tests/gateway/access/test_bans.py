@@ -12,7 +12,9 @@ import pytest
 
 from gateway.access.bans import BanError, parse_duration, parse_target
 from gateway.access.flapping import FlappingDetector
+from gateway.app import Gateway as GatewayApp
 from gateway.cli import main
+from gateway.config import SettingsError, load_settings
 from gateway.ops.admin_client import AdminClient, AdminClientError
 from gateway.protocol import Connect
 from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
@@ -298,3 +300,24 @@ def test_a_restart_keeps_bans_until_they_end(gw: Gateway) -> None:
     gw.api().delete("/api/bans/client_id/keep-1")
     after = gw.bans()
     assert "client_id/keep-1" not in after and "client_id/static-1" in after
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[[bans]]\naddress = "10.0.0.0/33"\n', "bans[0]: malformed address"),
+        ('[[bans]]\nclient_id = ""\n', "bans[0]: the client_id of a ban must not be empty"),
+        ('[[bans]]\nclient_id = "a"\nusername = "b"\n', "exactly one of client_id"),
+        ('admin_token_file = "/nonexistent/token"\n', "admin_token_file /nonexistent/token"),
+    ],
+)
+def test_bad_ban_settings_stop_the_gateway_at_start(
+    tmp_path: Path, toml: str, message: str
+) -> None:
+    """Gateway() refuses them before anything is opened (`lmqtt serve` exits 2 with the
+    message, as for every SettingsError)."""
+    (tmp_path / "bad.toml").write_text(toml)
+    with pytest.raises(SettingsError) as err:
+        GatewayApp(load_settings(tmp_path / "bad.toml", data_dir=tmp_path / "data"))
+    assert message in str(err.value)
+    assert not (tmp_path / "data").exists()
