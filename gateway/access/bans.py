@@ -42,6 +42,7 @@ import ipaddress
 import json
 import logging
 import re
+import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
@@ -217,14 +218,33 @@ def peer_host(transport: asyncio.BaseTransport) -> str | None:
     return str(peer[0]) if isinstance(peer, tuple) and peer else None
 
 
-def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+#: An address as (IP version, its value as an integer); a network as (version, network
+#: value, mask): an address is in it when (value & mask) == network value.
+Address = tuple[int, int]
+Network = tuple[int, int, int]
+_V4_MAPPED = 0xFFFF << 32  # ::ffff:a.b.c.d, an IPv4 peer on a dual-stack socket
+
+
+def _address(host: str) -> Address | None:
+    """A source address (as the transport names it) as (4 | 6, integer); IPv4-mapped IPv6
+    as IPv4. socket.inet_pton, not ipaddress: a CONNECT pays this while address bans exist."""
     try:
-        ip = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
+        return 4, int.from_bytes(socket.inet_pton(socket.AF_INET, host))
+    except OSError:
+        pass
+    try:
+        value = int.from_bytes(socket.inet_pton(socket.AF_INET6, host.split("%")[0]))
+    except OSError:
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
+    if value & ~0xFFFFFFFF == _V4_MAPPED:
+        return 4, value & 0xFFFFFFFF
+    return 6, value
+
+
+def _network(cidr: str) -> Network:
+    """A normalised ban value (parse_target) as (version, network value, mask)."""
+    net = ipaddress.ip_network(cidr)
+    return net.version, int(net.network_address), int(net.netmask)
 
 
 class BanList:
@@ -237,7 +257,7 @@ class BanList:
         self._by_user = self._by_kind["username"]
         self._by_address = self._by_kind["address"]
         # address bans as networks, walked only while there is one
-        self._networks: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, Ban]] = []
+        self._networks: list[tuple[Network, Ban]] = []
         self._static: set[str] = set()
         self._store: StateWriter | None = None
         self._purge = False
@@ -328,8 +348,9 @@ class BanList:
         ip = _address(host)
         if ip is None:
             return None
-        for net, ban in self._networks:
-            if ip in net:
+        version, value = ip
+        for (v, net, mask), ban in self._networks:
+            if v == version and value & mask == net:
                 return ban
         return None
 
@@ -422,9 +443,9 @@ class BanList:
             self._forget(old)
         self._by_kind[ban.kind][ban.value] = ban
         if ban.kind == "address":
-            self._networks.append((ipaddress.ip_network(ban.value), ban))
-            # Most specific first: the longest prefix answers for an address in several.
-            self._networks.sort(key=lambda nb: -nb[0].prefixlen)
+            self._networks.append((_network(ban.value), ban))
+            # Most specific first (the longest mask): it answers for an address in several.
+            self._networks.sort(key=lambda nb: -nb[0][2])
 
     def _forget(self, ban: Ban) -> None:
         table = self._by_kind[ban.kind]
@@ -452,7 +473,8 @@ class BanList:
     @staticmethod
     def _matches_address(ban: Ban, host: str) -> bool:
         ip = _address(host)
-        return ip is not None and ip in ipaddress.ip_network(ban.value)
+        version, net, mask = _network(ban.value)
+        return ip is not None and ip[0] == version and ip[1] & mask == net
 
     # -- ended bans --------------------------------------------------------------------------
 

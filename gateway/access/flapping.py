@@ -16,7 +16,6 @@ flapping id, seen again and again, stays at the recent end). Client ids the gate
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
 
 __all__ = ["FlappingDetector"]
@@ -39,7 +38,7 @@ class FlappingDetector:
         self.window_s = window_s
         self._clock = clock
         self._max_clients = max_clients
-        self._seen: OrderedDict[str, deque[float]] = OrderedDict()
+        self._seen: dict[str, list[float]] = {}  # client id -> its connect times, in order
         self.bans = 0  # clients found flapping
 
     @property
@@ -53,17 +52,18 @@ class FlappingDetector:
         seen = self._seen
         times = seen.pop(client_id, None)
         if times is None:
-            times = deque(maxlen=self.max_connects)
-        start = now - self.window_s
-        while times and times[0] <= start:
-            times.popleft()
-        if len(times) >= self.max_connects:
-            self.bans += 1
-            return len(times) + 1
-        times.append(now)
-        seen[client_id] = times
-        while len(seen) > self._max_clients:
-            seen.popitem(last=False)
+            times = [now]
+        else:
+            start = now - self.window_s
+            if times[0] <= start:
+                times = [t for t in times if t > start]
+            if len(times) >= self.max_connects:
+                self.bans += 1
+                return len(times) + 1
+            times.append(now)
+        seen[client_id] = times  # the most recently seen last (dicts keep insertion order)
+        if len(seen) > self._max_clients:
+            del seen[next(iter(seen))]
         return 0
 
     def __len__(self) -> int:

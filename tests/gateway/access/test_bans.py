@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.access.bans import BanError, parse_duration, parse_target
+from gateway.access.bans import BanError, BanList, parse_duration, parse_target
 from gateway.access.flapping import FlappingDetector
 from gateway.app import Gateway as GatewayApp
 from gateway.cli import main
@@ -63,6 +64,27 @@ def test_durations() -> None:
     for bad in ("0", 0, "0s", "-5", "5 minutes", "", "m5"):
         with pytest.raises(BanError):
             parse_duration(bad)
+
+
+def test_address_bans_match_networks_of_either_family() -> None:
+    bans = BanList()
+
+    async def add() -> None:
+        await bans.add("address", "10.1.0.0/16", reason="site")
+        await bans.add("address", "10.1.2.3", reason="one")
+        await bans.add("address", "2001:db8::/32")
+
+    asyncio.run(add())
+    for host, reason in [
+        ("10.1.2.3", "one"),  # the most specific ban answers
+        ("10.1.9.9", "site"),
+        ("::ffff:10.1.9.9", "site"),  # an IPv4 peer on a dual-stack socket
+        ("2001:db8:1::5", ""),
+    ]:
+        ban = bans.check(None, None, host)
+        assert ban is not None and ban.reason == reason, host
+    for host in ("10.2.0.1", "2001:db9::1", "::1", "not-an-address"):
+        assert bans.check(None, None, host) is None, host
 
 
 def test_flapping_counts_a_sliding_window() -> None:
