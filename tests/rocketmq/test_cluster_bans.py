@@ -2,7 +2,8 @@
 `lmqtt serve --store rocketmq` cluster nodes, real paho clients, the admin API of each node.
 
 A ban made on node A refuses the client on node B, and closes it there, within a second; a
-client flapping on node A is banned on node B too.
+client flapping on node A is banned on node B too; a node restarted reads the bans back from
+the %STATE% queue.
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ PROPAGATION_S = 1.0
 
 class Node:
     def __init__(self, proc: ServeProcess) -> None:
-        self.proc = proc.start()
+        self.proc = proc
+        self.api = self.start()
+
+    def start(self) -> AdminClient:
+        self.proc.start()
         wait_until(lambda: self._admin_port(), what="the admin listener's log line")
         self.api = AdminClient(f"http://127.0.0.1:{self._admin_port()}", token=TOKEN)
+        return self.api
 
     def _admin_port(self) -> int:
         for line in self.proc.output:
@@ -122,3 +128,22 @@ def test_a_client_flapping_on_one_node_is_banned_on_every_node(pair: list[Node])
     assert ban["reason"] == "flapping" and ban["source"] == "flapping"
     assert connack(b.port, "flapper-1", v5=True) == 0x8A
     assert connack(b.port, "flapper-1", v5=False) == 0x87  # 3.1.1's 5, as paho reports it
+
+
+def test_a_restarted_node_keeps_the_bans(pair: list[Node]) -> None:
+    a, b = pair
+    a.api.post("/api/bans", {"address": "127.0.0.0/8", "reason": "kept", "for": "1h"})
+    a.api.post("/api/bans", {"client_id": "brief-r", "for": "1s"})
+    b.proc.stop()
+    b.start()
+    try:
+        bans = b.bans()
+        assert bans["address/127.0.0.0/8"]["reason"] == "kept"
+        assert connack(b.port, "anyone", v5=True) == 0x8A
+        # The brief one ended: gone from the list on every node, by its own clock.
+        wait_until(lambda: "client_id/brief-r" not in b.bans(), 5.0, "the 1 s ban to end")
+        wait_until(lambda: "client_id/brief-r" not in a.bans(), 5.0, "the 1 s ban to end")
+    finally:
+        b.api.delete("/api/bans/address/127.0.0.0%2F8")
+    wait_until(lambda: "address/127.0.0.0/8" not in a.bans(), 5.0, "the removal on node A")
+    assert connack(a.port, "anyone", v5=True) == 0
