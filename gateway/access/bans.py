@@ -300,8 +300,8 @@ class BanList:
         now = now_ms()
         ended: list[StateRecord] = []
         for key, value in records.items():
-            if not key.startswith(BAN_KEY_PREFIX):
-                continue
+            if not key.startswith(BAN_KEY_PREFIX) or key in self._static:
+                continue  # the settings' ban of a target wins over a record of it
             ban = self._decode(key, value)
             if ban is None:
                 continue
