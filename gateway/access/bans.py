@@ -28,8 +28,9 @@ node made as it tails the state log (`observe`):
 
 A ban with `until_ms` ends then, on every node by its own clock. An ended ban is forgotten in
 memory; on a single node (the only writer) its record is deleted too. In cluster mode an ended
-ban's record stays in the state log (a node deleting it could race another node banning the
-same target again): it is ignored when read, and `lmqtt ban remove` deletes it.
+ban's record stays in the state log, ignored when read, until a new ban of the same target
+replaces it (a node deleting it could race another node banning the same target again, and
+the delete would win); such records are small and few (one per target ever banned).
 
 The CONNECT check costs two dict lookups while there are bans of client ids or user names only;
 the source address is parsed, and the networks walked, only while an address ban exists.
