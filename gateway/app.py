@@ -43,6 +43,8 @@ from gateway.messages.retained import RetainedIndex
 from gateway.messages.sys_topics import SysPublisher
 from gateway.net.listeners import ExtraListeners
 from gateway.net.server import MqttServerProtocol, ServerState
+from gateway.ops.admin_api import AdminApi, ApiAuth
+from gateway.ops.ban_routes import ban_routes
 from gateway.ops.gc_monitor import GcMonitor
 from gateway.ops.metrics import MetricsSources
 from gateway.protocol import ReasonCode
@@ -74,6 +76,14 @@ class Gateway:
         self.access = AccessControl(settings)
         # TLS, WebSocket, admin HTTP (gateway/net/listeners.py); a bad certificate stops us here.
         self.listeners = ExtraListeners(settings)
+        # The admin API's authentication (an unreadable token file stops us here); its routes
+        # are added by start().
+        access = self.access
+        self.admin_api = AdminApi(
+            ApiAuth.from_files(
+                settings.admin_token_file, lambda: access.passwords, settings.admin_users
+            )
+        )
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -158,12 +168,17 @@ class Gateway:
         lifecycle = self.session_lifecycle = SessionLifecycle(registry, subscriptions, wills, store)
         lifecycle.restore(cluster.foreign if cluster is not None else None)
         restored = len(registry)
+        # The state log's records besides the sessions': the bans' and the retained index's.
+        records = registry.other_records()
+        bans = self.access.bans
+        bans.open(store, records, lambda: self.state.connections, single_writer=cluster is None)
         if cluster is not None:
             # No await since restore(): no session record another node writes falls between.
             cluster.share_sessions(registry, self.stats)
+            cluster.store.add_state_observer(bans.observe)  # bans made on other nodes
         await subscriptions.resume_shared()  # after their queues are open (RocketMQ)
         # The state log was read once, by the session load: the retained snapshot is in it.
-        retained = self.retained = RetainedIndex.open(store, registry.other_records())
+        retained = self.retained = RetainedIndex.open(store, records)
         publisher.retained = subscriptions.retained = retained
         wills.restore()
         link: ClusterLink = SingleNode()
@@ -221,9 +236,11 @@ class Gateway:
             sessions=registry,
             retained=retained,
         )
-        await self.listeners.start(context, self.state, sources)
+        self.admin_api.add(ban_routes(bans))
+        await self.listeners.start(context, self.state, sources, self.admin_api)
         self.overload.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
+        self._tasks.append(loop.create_task(bans.run()))
         self.timers.start()
         self._tasks.append(
             loop.create_task(account.run(registry.sessions.values, shared.groups.values))

@@ -1,4 +1,4 @@
-"""The `lmqtt` command: serve, inspect, passwd, replay, report, sim.
+"""The `lmqtt` command: serve, inspect, passwd, replay, ban, report, sim.
 
 Exit codes::
 
@@ -43,6 +43,7 @@ from typing import Any
 
 from gateway.config import DEFAULT_PORT, GatewaySettings, SettingsError, load_settings
 from gateway.logs import configure_logging
+from gateway.ops.ban_command import add_ban_parser, run_ban
 
 __all__ = ["main"]
 
@@ -172,6 +173,8 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "-o", "--output", type=Path, metavar="FILE", help="default stdout (jsonl only)"
     )
+
+    add_ban_parser(sub)  # lmqtt ban (gateway/ops/ban_command.py)
 
     for name, (module, _) in SUBTOOLS.items():
         # Listed for --help only: main() hands their arguments over untouched.
@@ -596,4 +599,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_passwd(args)
     if args.command == "replay":
         return _cmd_replay(args)
+    if args.command == "ban":
+        return run_ban(args)
     return EXIT_USAGE  # pragma: no cover - argparse requires a known command
