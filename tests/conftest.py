@@ -4,11 +4,14 @@ Area-specific fixtures live in the conftest.py of each tests/<area>/ folder; the
 is here, as tests of several areas (analytics, the RocketMQ reports) use it.
 
 `make test` runs the suite on pytest-xdist workers with ``--dist loadgroup``. The tests whose
-session or module fixtures are expensive to build are grouped by where they live (GROUPS), so
-one worker runs all the tests that share them and builds them once: the RocketMQ cluster (three
-JVMs), the Spark session (a JVM) and the power-cut recordings. Every other test goes to whichever
-worker is free. xdist hands out the largest groups first, so the long ones start at once while
-the other worker takes the rest.
+module or session fixtures are expensive to build are grouped by where they live (GROUPS), so
+one worker runs all the tests that share them and builds them once: the Spark session (a JVM)
+and the power-cut recordings. The RocketMQ tests are grouped by file instead: each file's module
+fixtures stay on one worker, and the files spread over both workers, each of which starts its own
+session cluster (three JVMs) when it first needs one. One cluster on one worker made that worker
+the suite's long pole; a second cluster costs a start and some memory, and the files then
+balance on their own. xdist hands out the groups with the most tests first, so the long ones
+start at once while the single tests fill in.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import pytest
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-#: Folder or file under tests/ -> the group of its tests (the first that matches). The RocketMQ
-#: tests that report with Spark stay with the cluster they read from; the analytics tests share
-#: the Spark session and the reference store (`world`) built once.
-GROUPS = {
-    "tests/rocketmq/": "rocketmq",
+#: Folder or file under tests/ -> the group of its tests (the first that matches); None: each
+#: file under the folder is a group of its own. The analytics tests share the Spark session
+#: and the reference store (`world`) built once; a worker that runs a RocketMQ report test
+#: starts its own Spark session.
+GROUPS: dict[str, str | None] = {
+    "tests/rocketmq/": None,
     "tests/analytics/": "spark",
     "tests/crash/test_power_cut.py": "power-cut",
 }
@@ -35,7 +39,7 @@ def xdist_group(nodeid: str) -> str | None:
     """The group of the test `nodeid`, or None: any worker may run it."""
     for prefix, group in GROUPS.items():
         if nodeid.startswith(prefix):
-            return group
+            return group if group is not None else nodeid.split("::", 1)[0]
     return None
 
 
