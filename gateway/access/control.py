@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from gateway.access.acl import AclRules, ClientAccess
 from gateway.access.auth import PasswordFile, SecurityError
 from gateway.access.limits import ConnectRateLimiter, is_loopback, topic_limit_error
+from gateway.access.quotas import PublishQuotas
 from gateway.config import GatewaySettings
 from gateway.protocol import Connect, ReasonCode
 from topicmap import TopicError
@@ -106,6 +107,8 @@ class AccessControl:
         # Topic names published to and found within the length/level limits (which are
         # fixed for the gateway's life), so a flood checks each name once.
         self._within_limits: set[str] = set()
+        # Per-client publish quotas: a bucket per connection, given at CONNECT.
+        self.quotas = PublishQuotas(s)
         self.refused_connects = 0
         self.denied_publishes = 0
         self.denied_subscriptions = 0

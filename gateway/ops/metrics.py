@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway.access.control import AccessControl
+from gateway.access.quotas import REASONS as QUOTA_REASONS
 from gateway.messages.retained import RetainedIndex
 from gateway.ops.gc_monitor import BUCKETS_S, GcMonitor
 from gateway.session.registry import SessionRegistry
@@ -140,6 +141,23 @@ class _GatewayCollector(Collector):
             "subscribe_denied", "SUBSCRIBE entries denied by the ACL", access.denied_subscriptions
         )
         yield counter("security_reloads", "password/ACL file reloads", access.reloads)
+        # Per-client publish quotas (gateway/access/quotas.py), by the bucket that ran out.
+        quota_counts = access.quotas.counts
+        throttled = CounterMetricFamily(
+            "lmqtt_quota_throttled_messages",
+            "publishes that waited, their client's reading paused, for its quota",
+            labels=["reason"],
+        )
+        rejected = CounterMetricFamily(
+            "lmqtt_quota_rejected_messages",
+            "publishes refused over quota (0x97) or dropped (QoS 0)",
+            labels=["reason"],
+        )
+        for i, reason in enumerate(QUOTA_REASONS):
+            throttled.add_metric([reason], quota_counts.throttled[i])
+            rejected.add_metric([reason], quota_counts.rejected[i])
+        yield throttled
+        yield rejected
         monitor = src.gc
         yield counter("gc_collections", "garbage collections", monitor.collections)
         cumulative, running = [], 0
