@@ -43,6 +43,7 @@ from gateway.messages.retained import RetainedIndex
 from gateway.messages.sys_topics import SysPublisher
 from gateway.net.listeners import ExtraListeners
 from gateway.net.server import MqttServerProtocol, ServerState
+from gateway.ops.admin_api import AdminApi, ApiAuth
 from gateway.ops.gc_monitor import GcMonitor
 from gateway.ops.metrics import MetricsSources
 from gateway.protocol import ReasonCode
@@ -74,6 +75,14 @@ class Gateway:
         self.access = AccessControl(settings)
         # TLS, WebSocket, admin HTTP (gateway/net/listeners.py); a bad certificate stops us here.
         self.listeners = ExtraListeners(settings)
+        # The admin API's authentication (an unreadable token file stops us here); its routes
+        # are added by start().
+        access = self.access
+        self.admin_api = AdminApi(
+            ApiAuth.from_files(
+                settings.admin_token_file, lambda: access.passwords, settings.admin_users
+            )
+        )
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -221,7 +230,7 @@ class Gateway:
             sessions=registry,
             retained=retained,
         )
-        await self.listeners.start(context, self.state, sources)
+        await self.listeners.start(context, self.state, sources, self.admin_api)
         self.overload.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
         self.timers.start()

@@ -51,6 +51,7 @@ __all__ = [
     "GatewaySettings",
     "QuotaRule",
     "SettingsError",
+    "StaticBan",
     "load_settings",
 ]
 
@@ -106,6 +107,25 @@ class QuotaRule(BaseModel):
     def _selects(self) -> QuotaRule:
         if self.client_id is None and self.username is None:
             raise ValueError("a [[quotas]] rule needs client_id or username (a glob pattern)")
+        return self
+
+
+class StaticBan(BaseModel):
+    """One static ban of the settings (`bans`): exactly one of client_id, username, address
+    (a CIDR or an address; checked by gateway/access/bans.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    client_id: str | None = None
+    username: str | None = None
+    address: str | None = None
+    reason: str = "configured"
+
+    @model_validator(mode="after")
+    def _one_target(self) -> StaticBan:
+        given = [x for x in (self.client_id, self.username, self.address) if x is not None]
+        if len(given) != 1:
+            raise ValueError("a ban names exactly one of client_id, username, address")
         return self
 
 
@@ -227,6 +247,21 @@ class GatewaySettings(BaseSettings):
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     log_level: str = "WARNING"
     log_format: Literal["text", "json"] = "text"
+
+    # --- operator controls (gateway/ops/admin_api.py, gateway/access/bans.py, flapping.py)
+    # The admin API (/api on admin_port) accepts Authorization: Bearer <the token in this
+    # file>, or HTTP Basic with a user of password_file (only those in admin_users, if set).
+    # Neither a token file nor a password file: /api refuses every request (403).
+    admin_token_file: Path | None = None
+    admin_users: list[str] | None = None
+    # Static bans, as TOML tables: [[bans]] client_id = "..." (or username, or address = a
+    # CIDR), reason = "...". They hold while configured; `lmqtt ban` adds runtime ones.
+    bans: list[StaticBan] = Field(default_factory=list)
+    # A client id connecting more than flapping_max_connects times within flapping_window
+    # seconds is banned for flapping_ban seconds (0 connects = off).
+    flapping_max_connects: int = Field(default=15, ge=0)
+    flapping_window: float = Field(default=60.0, gt=0)
+    flapping_ban: float = Field(default=300.0, gt=0)
 
     @classmethod
     def settings_customise_sources(

@@ -15,7 +15,9 @@ from gateway.connection.context import ClientContext
 from gateway.net.server import MqttServerProtocol, ServerState
 from gateway.net.tls import server_context
 from gateway.net.websocket import WebSocketMqttProtocol
-from gateway.ops.metrics import AdminServer, GatewayMetrics, MetricsSources
+from gateway.ops.admin_api import AdminApi
+from gateway.ops.admin_server import AdminServer
+from gateway.ops.metrics import GatewayMetrics, MetricsSources
 
 __all__ = ["ExtraListeners"]
 
@@ -36,9 +38,14 @@ class ExtraListeners:
         self.ssl_context = server_context(st) if tls else None
 
     async def start(
-        self, context: ClientContext, state: ServerState, sources: MetricsSources
+        self,
+        context: ClientContext,
+        state: ServerState,
+        sources: MetricsSources,
+        api: AdminApi | None = None,
     ) -> None:
-        """Listen; connections get `context` and `state`, the metrics read `sources`."""
+        """Listen; connections get `context` and `state`, the metrics read `sources`, the
+        admin listener answers `/api/...` with `api`."""
         s = self.settings
         loop = asyncio.get_running_loop()
         metrics = self.metrics = GatewayMetrics(sources)
@@ -70,7 +77,7 @@ class ExtraListeners:
                     reuse_address=True,
                 )
             if s.admin_port is not None:
-                self.admin = AdminServer(sources, metrics)
+                self.admin = AdminServer(sources, metrics, api)
                 await self.admin.start(s.admin_host, s.admin_port)
         except BaseException:
             self.close()
@@ -79,6 +86,9 @@ class ExtraListeners:
             log.info("lmqtt %s listener on %s:%d", name, s.host, self.port(name))
         if self.admin is not None:
             log.info("lmqtt admin (/metrics, /health) on %s:%d", s.admin_host, self.admin.port)
+            if api is not None:
+                level = logging.INFO if api.auth.configured else logging.WARNING
+                log.log(level, "lmqtt admin API (/api): %s", api.auth.describe())
 
     def port(self, name: str) -> int:
         """Bound port of listener `name`: mqtts, ws, wss or admin."""

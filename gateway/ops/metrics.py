@@ -1,4 +1,4 @@
-"""Prometheus metrics and the admin HTTP listener (`GET /metrics`, `GET /health`).
+"""Prometheus metrics, served by the admin HTTP listener (gateway/ops/admin_server.py).
 
 Values are read from the gateway when scraped (a custom Collector on a private registry), so
 the hot paths pay nothing for them. The latency histograms time the store from outside, by
@@ -6,19 +6,13 @@ wrapping its methods on the instance when the admin endpoint is on: each append 
 `put_async`, which in sync mode includes the covering fsync, or a batched `append_encoded` of one
 reader turn's run of publishes), the wait for durability a batched run's PUBACKs make in sync
 mode (`wait_durable`), and the flusher's CommitLog fsync.
-
-The admin listener is a deliberately tiny HTTP/1.0-style server on the gateway's event loop:
-one request per connection, request head at most 8 KiB and 5 s, GET only. It binds
-admin_host (loopback by default) and is off unless admin_port is set.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import gc
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence, Sized
@@ -26,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Histogram,
@@ -73,12 +66,10 @@ class MetricsSources:
     retained: RetainedIndex
 
 
-__all__ = ["AdminServer", "GatewayMetrics"]
+__all__ = ["GatewayMetrics", "MetricsSources"]
 
 log = logging.getLogger("lmqtt.metrics")
 
-MAX_REQUEST_HEAD = 8192
-REQUEST_TIMEOUT_S = 5.0
 CENSUS_STEP = 50  # subscriptions per loop step counting the backlog (an unread queue: a stat)
 LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -313,73 +304,3 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class AdminServer:
-    """HTTP `GET /metrics` (Prometheus text format) and `GET /health` (JSON)."""
-
-    def __init__(self, sources: MetricsSources, metrics: GatewayMetrics) -> None:
-        self.sources = sources
-        self.metrics = metrics
-        self.server: asyncio.Server | None = None
-
-    async def start(self, host: str, port: int) -> None:
-        self.server = await asyncio.start_server(
-            self._handle, host, port, reuse_address=True, limit=MAX_REQUEST_HEAD
-        )
-
-    @property
-    def port(self) -> int:
-        assert self.server is not None and self.server.sockets
-        return int(self.server.sockets[0].getsockname()[1])
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-    def health(self) -> tuple[int, dict[str, Any]]:
-        src = self.sources
-        ok = not src.server.stopping and not src.store.closed
-        body = {
-            "status": "ok" if ok else "unavailable",
-            "clients_connected": src.stats.clients_connected,
-            "connections": len(src.server.connections),
-        }
-        return (200 if ok else 503), body
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-            except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, TimeoutError):
-                return
-            if len(head) > MAX_REQUEST_HEAD:
-                return
-            parts = head.split(b"\r\n", 1)[0].split()
-            method, path = (parts[0], parts[1]) if len(parts) >= 2 else (b"", b"")
-            path = path.split(b"?", 1)[0]
-            if method not in (b"GET", b"HEAD"):
-                status, ctype, body = 405, "text/plain", b"method not allowed\n"
-            elif path == b"/metrics":
-                await self.metrics.backlog.count()
-                status, ctype, body = 200, CONTENT_TYPE_LATEST, self.metrics.render()
-            elif path == b"/health":
-                code, data = self.health()
-                status, ctype, body = code, "application/json", json.dumps(data).encode() + b"\n"
-            else:
-                status, ctype, body = 404, "text/plain", b"not found: try /metrics or /health\n"
-            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}.get(
-                status, "Service Unavailable"
-            )
-            writer.write(
-                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                + (b"" if method == b"HEAD" else body)
-            )
-            await writer.drain()
-        except Exception:
-            log.exception("admin request failed")
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
