@@ -107,6 +107,19 @@ class ClientConnection(ClientTransport):
         # costs no task (memory per connection is what limits how many devices fit).
         self._reader: asyncio.Task[None] | None = None
 
+    # -- what the live view reads (gateway/ops/live_view.py) -----------------------------------
+
+    @property
+    def opened(self) -> float:
+        """Event-loop time the connection was accepted."""
+        return self._opened
+
+    @property
+    def messages_sent(self) -> int:
+        """PUBLISH packets sent on this connection (counted by its delivery loop)."""
+        delivery = self.delivery
+        return delivery.sent if delivery is not None else 0
+
     # -- called by the asyncio Protocol -------------------------------------------------------
 
     def feed(self, data: bytes) -> None:

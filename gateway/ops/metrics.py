@@ -64,6 +64,9 @@ class MetricsSources:
     store: Storage
     sessions: SessionRegistry
     retained: RetainedIndex
+    # Subscriptions past slow_subscription_threshold, counted before each scrape
+    # (gateway/ops/live_view.py LiveView.count_slow); None: not counted.
+    slow_subscriptions: Callable[[], Awaitable[int]] | None = None
 
 
 __all__ = ["GatewayMetrics", "MetricsSources"]
@@ -76,11 +79,13 @@ LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 
 class _Backlog:
     """lmqtt_backlog_messages, counted before each scrape CENSUS_STEP sessions per event-loop
-    step: one pass over every session in a single step would hold the loop."""
+    step: one pass over every session in a single step would hold the loop; then
+    lmqtt_slow_subscriptions, by the live view's census."""
 
     def __init__(self, sources: MetricsSources) -> None:
         self.sources = sources
         self.value = 0
+        self.slow = 0
 
     async def count(self) -> None:
         store = self.sources.store
@@ -99,6 +104,9 @@ class _Backlog:
                 if store.closed:
                     return
         self.value = total
+        census = self.sources.slow_subscriptions
+        if census is not None:
+            self.slow = await census()
 
 
 class _GatewayCollector(Collector):
@@ -209,6 +217,13 @@ class _GatewayCollector(Collector):
         yield gauge(
             "backlog_messages", "messages stored, not yet sent to subscribers", self.backlog.value
         )
+        if src.slow_subscriptions is not None:
+            yield gauge(
+                "slow_subscriptions",
+                "subscriptions whose oldest unsent or unacknowledged message is older than "
+                "slow_subscription_threshold",
+                self.backlog.slow,
+            )
 
 
 class GatewayMetrics:
