@@ -10,11 +10,12 @@ On a cluster each node answers for the clients connected to it; `lmqtt top` merg
 What it costs. A connection counts PUBLISH packets and bytes in and out as plain integers
 (gateway/connection/transport.py: per read and per write; the delivery loop's `sent`: per
 delivery run), always. Rates are made only while someone reads: the first request starts a
-1 s sampler that keeps, per connection, a ring of RING snapshots of those four counters, and it
-stops (dropping the rings) IDLE_S after the last request. A rate is the difference between now
-and the oldest snapshot of the last WINDOW_S (a ring starts with the connect, counters zero);
-before the sampler has a snapshot of a client (the first request, a client that just
-connected) it is the average since the client connected.
+1 s sampler (a task looking at STEP connections per event-loop step) that keeps, per
+connection, a ring of the snapshots of those four counters where they changed (`_record`), and
+it stops (dropping the rings) IDLE_S after the last request. A rate is the difference between
+now and the counters at the start of the last WINDOW_S; before the sampler has a snapshot of a
+client a second old (the first request, a client that just connected) it is the average since
+the client connected.
 
 Backlog, lag and acknowledgement age are read from the sessions when asked, nothing is kept:
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -47,8 +47,7 @@ from gateway.storage.port import Storage
 __all__ = ["ClientRow", "LiveClient", "LiveView", "SlowSubscription"]
 
 WINDOW_S = 10.0  # rates are over the last WINDOW_S
-RING = 11  # snapshots kept per connection: WINDOW_S of them, one a second, and now
-TICK_S = 1.0
+TICK_S = 1.0  # the sampler's period
 IDLE_S = 30.0  # the sampler stops this long after the last request
 STEP = 200  # sessions looked at per event-loop step (a census yields in between)
 DEFAULT_LIMIT = 100
@@ -93,6 +92,27 @@ Sample = tuple[float, int, int, int, int]
 
 def _sample(client: LiveClient, now: float) -> Sample:
     return (now, client.msgs_in, client.bytes_in, client.messages_sent, client.bytes_out)
+
+
+def _record(rings: dict[LiveClient, list[Sample]], client: LiveClient, now: float) -> None:
+    """Add `client`'s counters to its ring when they changed since its last sample.
+
+    A ring holds the counters where they changed, so between two samples they stood at the
+    first one's values, and its first sample is the value at the window's start: samples are
+    dropped from the front while the next one is also at or before it (an idle client keeps
+    one sample, a busy one at most WINDOW_S / TICK_S + 1). A client first seen within WINDOW_S
+    of its connect starts from that (its counters were zero then); otherwise from now."""
+    sample = _sample(client, now)
+    ring = rings.get(client)
+    if ring is None:
+        first = (client.opened, 0, 0, 0, 0) if now - client.opened <= WINDOW_S else sample
+        rings[client] = [first] if first is sample else [first, sample]
+        return
+    if ring[-1][1:] != sample[1:]:
+        ring.append(sample)
+    start = now - WINDOW_S
+    while len(ring) > 1 and ring[1][0] <= start:
+        del ring[0]
 
 
 @dataclass(slots=True)
@@ -149,8 +169,8 @@ class LiveView:
         self._cursor = cursor
         self.slow_threshold_s = slow_threshold_s
         self._loop = asyncio.get_running_loop()
-        self._rings: dict[LiveClient, deque[Sample]] = {}
-        self._timer: asyncio.TimerHandle | None = None
+        self._rings: dict[LiveClient, list[Sample]] = {}
+        self._sampler: asyncio.Task[None] | None = None
         self._last_read = 0.0
         # A store numbering a queue's messages otherwise (RocketMQ spread: merged offsets)
         # says how many messages lie below an offset.
@@ -165,9 +185,9 @@ class LiveView:
         ]
 
     def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._sampler is not None:
+            self._sampler.cancel()
+            self._sampler = None
         self._rings.clear()
 
     # -- the sampler ---------------------------------------------------------------------------
@@ -175,28 +195,29 @@ class LiveView:
     def _touch(self) -> None:
         """A request came: keep the sampler running (start it if it is not)."""
         self._last_read = self._loop.time()
-        if self._timer is None:
-            self._timer = self._loop.call_later(TICK_S, self._tick)
+        if self._sampler is None:
+            self._sampler = self._loop.create_task(self._sample_while_read())
 
-    def _tick(self) -> None:
-        now = self._loop.time()
-        if now - self._last_read > IDLE_S:
-            self._timer = None
-            self._rings.clear()
-            return
+    async def _sample_while_read(self) -> None:
+        """Every TICK_S until IDLE_S after the last request: a sample of each connection whose
+        counters changed since its last, STEP connections per event-loop step."""
+        loop = self._loop
         rings = self._rings
-        seen = set()
-        for client in self._connected():
-            seen.add(client)
-            ring = rings.get(client)
-            if ring is None:
-                # From its connect on (zero counters then): a client seen for the first time
-                # has its rate over the window at once, if it connected within it.
-                ring = rings[client] = deque([(client.opened, 0, 0, 0, 0)], maxlen=RING)
-            ring.append(_sample(client, now))
-        for gone in [c for c in rings if c not in seen]:
-            del rings[gone]
-        self._timer = self._loop.call_later(TICK_S, self._tick)
+        try:
+            while loop.time() - self._last_read <= IDLE_S:
+                started = loop.time()
+                seen = set()
+                for i, client in enumerate(self._connected(), 1):
+                    seen.add(client)
+                    _record(rings, client, loop.time())
+                    if i % STEP == 0:
+                        await asyncio.sleep(0)
+                for gone in [c for c in rings if c not in seen]:
+                    del rings[gone]
+                await asyncio.sleep(max(0.0, TICK_S - (loop.time() - started)))
+        finally:
+            rings.clear()
+            self._sampler = None
 
     def _connected(self) -> Iterator[LiveClient]:
         for client in list(self._connections()):
@@ -204,17 +225,18 @@ class LiveView:
                 yield client
 
     def _rates(self, client: LiveClient, now: float) -> tuple[float, float, float, float]:
+        """Per second over the last WINDOW_S (see `_record`), or since the sampler first saw
+        the client if that is later; the average since it connected when there is no sample
+        a second old yet."""
         current = _sample(client, now)
         ring = self._rings.get(client)
-        base: Sample | None = None
-        if ring:
-            for sample in ring:
-                if now - sample[0] <= WINDOW_S + TICK_S / 2:
-                    base = sample
-                    break
-        if base is None or now - base[0] < TICK_S / 2:
-            base = (client.opened, 0, 0, 0, 0)  # the average since it connected
-        dt = max(now - base[0], 1e-3)
+        if ring and now - ring[0][0] >= TICK_S:
+            base = ring[0]
+            start = max(base[0], now - WINDOW_S)
+        else:
+            base = (client.opened, 0, 0, 0, 0)
+            start = client.opened
+        dt = max(now - start, 1e-3)
         return (
             (current[1] - base[1]) / dt,
             (current[2] - base[2]) / dt,
