@@ -19,7 +19,7 @@ import pytest
 
 from gateway.ops.admin_client import AdminClient, AdminClientError
 from gateway.protocol import Disconnect, ReasonCode
-from tests.gateway.conftest import RawClient, wait_until
+from tests.gateway.conftest import GatewayHarness, RawClient, wait_until
 from tests.gateway.served import ServedGateway
 
 TOKEN = "live-view-token"
@@ -175,31 +175,37 @@ def test_kick_closes_a_client(served: ServedGateway, api: AdminClient) -> None:
 # -- lmqtt top ---------------------------------------------------------------------------------
 
 
-def test_top_once_merges_nodes(served: ServedGateway, tmp_path: Path, api: AdminClient) -> None:
-    """Two nodes, each answering for its own clients: `lmqtt top --once` shows both."""
+def test_top_once_merges_nodes(served: ServedGateway, tmp_path: Path) -> None:
+    """Two nodes, each answering for its own clients: `lmqtt top --once` shows both. The
+    second node runs in this process (GatewayHarness): a second `lmqtt serve` would add seconds
+    and show nothing more."""
     (tmp_path / "token").write_text(TOKEN)
-    toml = f'admin_token_file = "{tmp_path / "token"}"\n'
-    with ServedGateway(tmp_path, toml) as other:
-        a = _paho(served.port, "node-a-client")
-        b = _paho(other.port, "node-b-client")
-        try:
-            command = [sys.executable, "-m", "gateway", "top", "--once", "--sort", "client_id"]
-            command += ["--admin", served.admin_url, "--admin", other.admin_url]
-            command += ["--token-file", str(tmp_path / "token")]
-            out = subprocess.run(
-                command,
-                capture_output=True,
-                text=True,
-                timeout=60,
-                env={**os.environ, "COLUMNS": "200"},
-            )
-        finally:
-            _stop(a, b)
+    other = GatewayHarness(
+        tmp_path / "data", admin_port=0, admin_token_file=tmp_path / "token"
+    ).start()
+    assert other.gw is not None
+    other_url = f"http://127.0.0.1:{other.gw.listeners.port('admin')}"
+    a = _paho(served.port, "node-a-client")
+    b = _paho(other.port, "node-b-client")
+    try:
+        command = [sys.executable, "-m", "gateway", "top", "--once", "--sort", "client_id"]
+        command += ["--admin", served.admin_url, "--admin", other_url]
+        command += ["--token-file", str(tmp_path / "token")]
+        out = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+    finally:
+        _stop(a, b)
+        other.stop()
     assert out.returncode == 0, out.stderr
     assert "on 2 node(s)" in out.stdout and "NODE" in out.stdout
     assert "node-a-client" in out.stdout and "node-b-client" in out.stdout
     assert f"127.0.0.1:{served.admin_port}" in out.stdout
-    assert f"127.0.0.1:{other.admin_port}" in out.stdout
+    assert other_url.removeprefix("http://") in out.stdout
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (make test-tools)")
@@ -267,3 +273,31 @@ def test_top_in_a_terminal_shows_clients_and_sorts_by_key(
         stop.set()
         thread.join()
         _stop(busy, idle)
+
+
+# -- the rate window (pure: a connection's counters as plain attributes) -----------------------
+
+
+class _Counters:
+    """What the sampler reads of a connection: its counters and when it was accepted."""
+
+    def __init__(self, opened: float) -> None:
+        self.opened = opened
+        self.msgs_in = self.bytes_in = self.messages_sent = self.bytes_out = 0
+
+
+def test_rings_keep_changes_only_and_rates_cover_the_last_ten_seconds() -> None:
+    from gateway.ops.live_view import WINDOW_S, _record
+
+    rings: dict[Any, list[Any]] = {}
+    busy, idle, old = _Counters(100.0), _Counters(100.0), _Counters(0.0)
+    for t in range(101, 131):  # 30 s of ticks; busy sends 10 a second, idle nothing
+        busy.msgs_in += 10
+        for c in (busy, idle, old):
+            _record(rings, c, float(t))
+    assert len(rings[idle]) == 1  # nothing changed: the connect seed alone
+    assert len(rings[busy]) <= WINDOW_S + 2
+    start = rings[busy][0]
+    assert start[0] <= 130 - WINDOW_S and (busy.msgs_in - start[1]) / WINDOW_S == 10
+    # First seen long after it connected: counted from then, not from its connect.
+    assert rings[old][0][0] == 101.0
