@@ -189,10 +189,10 @@ class ClientConnection(ClientTransport):
                 kind = type(ev)
                 if kind is Publish:
                     assert isinstance(ev, Publish)
-                    if quota is not None and quota.take(len(ev.payload), self._loop.time()):
-                        self._kick(ev)  # over quota: the reader task waits or refuses it
-                        return
                     if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
+                        if quota is not None and quota.take(len(ev.payload), self._loop.time()):
+                            self._kick(ev)  # over quota: the reader task waits or refuses it
+                            return
                         ingest.add(self, ev)
                         added += 1
                         continue

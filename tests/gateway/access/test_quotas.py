@@ -20,7 +20,8 @@ import pytest
 
 from gateway.access.quotas import PublishQuotas, QuotaBucket, QuotaCounts
 from gateway.config import SettingsError, load_settings
-from tests.gateway.conftest import wait_until
+from gateway.protocol import PubComp, Publish, PubRec, PubRel, ReasonCode
+from tests.gateway.conftest import RawClient, wait_until
 from tests.gateway.served import ServedGateway
 
 # -- the bucket ---------------------------------------------------------------------------------
@@ -281,6 +282,14 @@ quota_action = "reject"
 client_id = "limited-*"
 max_publish_rate = 1
 max_publish_burst = 5
+[[quotas]]
+client_id = "tiny-*"
+max_publish_rate = 0.1
+max_publish_burst = 1
+[[quotas]]
+client_id = "v311-*"
+max_publish_rate = 20
+max_publish_burst = 2
 """
     with ServedGateway(tmp_path, toml) as gw:
         sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="r-sub")
@@ -336,6 +345,36 @@ max_publish_burst = 5
             assert len(from_limited) == accepted
             assert b"limited-1 q0" not in from_limited  # QoS 0 over quota: dropped
             assert _metric(gw.admin_url, 'lmqtt_quota_rejected_messages_total{reason="rate"}') > 10
+
+            # QoS 2 over quota: PUBREC 0x97, and the flow ends there (the first is within).
+            tiny = RawClient(gw.port, level=5)
+            assert tiny.connect("tiny-1").reason_code == 0
+            tiny.send(Publish("r/tiny", b"tiny first", qos=2, packet_id=1))
+            tiny.send(Publish("r/tiny", b"tiny second", qos=2, packet_id=2))
+            first, second = tiny.recv(), tiny.recv()
+            assert isinstance(first, PubRec) and first.reason_code == 0
+            assert isinstance(second, PubRec) and second.reason_code == ReasonCode.QUOTA_EXCEEDED
+            tiny.send(PubRel(1))
+            done = tiny.recv()
+            assert isinstance(done, PubComp) and done.reason_code == 0
+            tiny.close()
+
+            # MQTT 3.1.1 has no negative acknowledgement: over quota it is paused, not refused.
+            old = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="v311-1")
+            old.connect("127.0.0.1", gw.port)
+            old.loop_start()
+            infos = [old.publish("r/v311", b"v311 %d" % i, qos=1) for i in range(10)]
+            for info in infos:
+                info.wait_for_publish(10)
+            assert all(info.is_published() for info in infos)
+            wait_until(
+                lambda: sum(p.startswith(b"v311") for p in got) == 10, 10, "v311-1's 10 messages"
+            )
+            assert _metric(gw.admin_url, 'lmqtt_quota_throttled_messages_total{reason="rate"}') > 0
+            old.disconnect()
+            old.loop_stop()
+            with lock:
+                assert [p for p in got if p.startswith(b"tiny")] == [b"tiny first"]
         finally:
             sub.disconnect()
             sub.loop_stop()
