@@ -24,14 +24,15 @@ import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, Group
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:
+    from rich.console import Group
 
-from gateway.ops.admin_client import AdminClient, AdminClientError, client_from_args
+    from gateway.ops.admin_client import AdminClient
+
+# rich and the HTTP client are imported by the functions that use them: `lmqtt` builds this
+# command's parser for every command, `lmqtt serve` included.
 
 __all__ = ["add_arguments", "main"]
 
@@ -94,6 +95,8 @@ class Node:
     error: str | None = None
 
     def fetch(self, limit: int, sort: str) -> None:
+        from gateway.ops.admin_client import AdminClientError
+
         try:
             got = self.client.get("/api/clients", {"sort": sort, "limit": str(limit)})
             slow = self.client.get("/api/slow-subscriptions", {"limit": str(SLOW_SHOWN)})
@@ -142,6 +145,10 @@ def _cell(name: str, value: Any) -> str:
 
 
 def render(nodes: list[Node], sort: str, limit: int) -> Group:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     many = len(nodes) > 1
     rows = _sorted([r for n in nodes for r in n.rows], sort)[:limit]
     total = sum(len(n.rows) for n in nodes)
@@ -215,6 +222,8 @@ def _read_key(fd: int | None, timeout: float) -> str | None:
 
 
 def _nodes(args: argparse.Namespace) -> list[Node]:
+    from gateway.ops.admin_client import client_from_args
+
     nodes = []
     for url in args.admin or [None]:
         one = copy.copy(args)
@@ -226,7 +235,12 @@ def _nodes(args: argparse.Namespace) -> list[Node]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`lmqtt top`; returns the exit status (2: bad arguments or no node answered --once)."""
+    """`lmqtt top`; returns the exit status (2: bad arguments; 1: no node answered --once)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from gateway.ops.admin_client import AdminClientError
+
     console = Console()
     if args.limit < 1:
         console.print("lmqtt top: --limit must be at least 1", style="red")
