@@ -44,6 +44,7 @@ from gateway.messages.sys_topics import SysPublisher
 from gateway.net.listeners import ExtraListeners
 from gateway.net.server import MqttServerProtocol, ServerState
 from gateway.ops.admin_api import AdminApi, ApiAuth
+from gateway.ops.ban_routes import ban_routes
 from gateway.ops.gc_monitor import GcMonitor
 from gateway.ops.live_view import LiveView
 from gateway.ops.metrics import MetricsSources
@@ -169,12 +170,17 @@ class Gateway:
         lifecycle = self.session_lifecycle = SessionLifecycle(registry, subscriptions, wills, store)
         lifecycle.restore(cluster.foreign if cluster is not None else None)
         restored = len(registry)
+        # The state log's records besides the sessions': the bans' and the retained index's.
+        records = registry.other_records()
+        bans = self.access.bans
+        bans.open(store, records, lambda: self.state.connections, single_writer=cluster is None)
         if cluster is not None:
             # No await since restore(): no session record another node writes falls between.
             cluster.share_sessions(registry, self.stats)
+            cluster.store.add_state_observer(bans.observe)  # bans made on other nodes
         await subscriptions.resume_shared()  # after their queues are open (RocketMQ)
         # The state log was read once, by the session load: the retained snapshot is in it.
-        retained = self.retained = RetainedIndex.open(store, registry.other_records())
+        retained = self.retained = RetainedIndex.open(store, records)
         publisher.retained = subscriptions.retained = retained
         wills.restore()
         link: ClusterLink = SingleNode()
@@ -239,9 +245,11 @@ class Gateway:
             retained=retained,
             slow_subscriptions=live.count_slow,
         )
+        self.admin_api.add(ban_routes(bans))
         await self.listeners.start(context, self.state, sources, self.admin_api)
         self.overload.start()
         self._tasks.append(loop.create_task(self._housekeeping()))
+        self._tasks.append(loop.create_task(bans.run()))
         self.timers.start()
         self._tasks.append(
             loop.create_task(account.run(registry.sessions.values, shared.groups.values))

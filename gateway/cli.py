@@ -1,4 +1,4 @@
-"""The `lmqtt` command: serve, inspect, passwd, replay, top, report, sim.
+"""The `lmqtt` command: serve, inspect, passwd, replay, ban, top, report, sim.
 
 Exit codes::
 
@@ -43,6 +43,7 @@ from typing import Any
 
 from gateway.config import DEFAULT_PORT, GatewaySettings, SettingsError, load_settings
 from gateway.logs import configure_logging
+from gateway.ops.ban_command import add_ban_parser, run_ban
 
 __all__ = ["main"]
 
@@ -182,6 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     from gateway.ops import top as live_top  # rich: imported by the commands that use it
 
     live_top.add_arguments(top)
+    add_ban_parser(sub)  # lmqtt ban (gateway/ops/ban_command.py)
 
     for name, (module, _) in SUBTOOLS.items():
         # Listed for --help only: main() hands their arguments over untouched.
@@ -610,4 +612,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gateway.ops import top as live_top
 
         return live_top.main(args)
+    if args.command == "ban":
+        return run_ban(args)
     return EXIT_USAGE  # pragma: no cover - argparse requires a known command

@@ -1,11 +1,12 @@
 """AccessControl: who may connect and what each client may publish, subscribe and read.
 
 The gateway holds one AccessControl (`gateway.access.control`). ClientConnection asks it once per
-CONNECT (`check_connect`: rate limit, connection limit, credentials) and keeps the answer as
-`client.username` and `client.acl` (a ClientAccess, None when there is no ACL file), which the
-publish, subscribe and delivery paths consult. `reload()` (SIGHUP) re-reads the password and
-ACL files and swaps every connected client's ClientAccess in place: nobody is disconnected, and
-a file with an error is refused as a whole (the previous rules stay) and logged.
+CONNECT (`check_connect`: bans and flapping, rate limit, connection limit, credentials) and
+keeps the answer as `client.username` and `client.acl` (a ClientAccess, None when there is no
+ACL file), which the publish, subscribe and delivery paths consult. `reload()` (SIGHUP)
+re-reads the password and ACL files and swaps every connected client's ClientAccess in place:
+nobody is disconnected, and a file with an error is refused as a whole (the previous rules
+stay) and logged.
 
 Anonymous access (no user name in CONNECT):
 
@@ -32,6 +33,8 @@ from typing import Any, Protocol
 
 from gateway.access.acl import AclRules, ClientAccess
 from gateway.access.auth import PasswordFile, SecurityError
+from gateway.access.bans import Ban, BanList
+from gateway.access.flapping import FlappingDetector
 from gateway.access.limits import ConnectRateLimiter, is_loopback, topic_limit_error
 from gateway.access.quotas import PublishQuotas
 from gateway.config import GatewaySettings
@@ -109,6 +112,10 @@ class AccessControl:
         self._within_limits: set[str] = set()
         # Per-client publish quotas: a bucket per connection, given at CONNECT.
         self.quotas = PublishQuotas(s)
+        # Bans (the settings' now, the durable ones once the store is open) and the flapping
+        # detection that adds some (gateway/access/bans.py, flapping.py).
+        self.bans = BanList(s.bans)
+        self.flapping = FlappingDetector(s.flapping_max_connects, s.flapping_window)
         self.refused_connects = 0
         self.denied_publishes = 0
         self.denied_subscriptions = 0
@@ -151,6 +158,13 @@ class AccessControl:
         s = self.settings
         peer = client.transport.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) and peer else client.peer
+        ban = self.bans.check(ev.client_id or None, ev.username, host)
+        if ban is None and ev.client_id and self.flapping.enabled:
+            count = self.flapping.connecting(ev.client_id)
+            if count:
+                ban = await self._ban_flapping(ev.client_id, count)
+        if ban is not None:
+            return self._banned(client, ban)
         rate = self.rate
         exempt = rate.rate <= 0 or (self._exempt_loopback and self._is_loopback(host))
         if not exempt and not rate.allow(host):
@@ -162,6 +176,10 @@ class AccessControl:
         code, user = await self._authenticate(ev, client)
         if code:
             return code, None
+        if user is not None and user != ev.username:  # the certificate's name
+            ban = self.bans.check(None, user, None)
+            if ban is not None:
+                return self._banned(client, ban)
         will = ev.will
         if will is not None:
             # The will is published for this client later, so it needs the right to publish
@@ -208,6 +226,22 @@ class AccessControl:
                 client, ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"bad password for {user!r}"
             )
         return 0, user
+
+    async def _ban_flapping(self, client_id: str, count: int) -> Ban:
+        s = self.settings
+        log.warning(
+            "%r connected %d times within %g s (flapping_max_connects = %d): banned for %g s",
+            client_id, count, s.flapping_window, s.flapping_max_connects, s.flapping_ban,
+        )  # fmt: skip
+        return await self.bans.add(
+            "client_id", client_id, reason="flapping", duration_s=s.flapping_ban, source="flapping"
+        )
+
+    def _banned(self, client: Client, ban: Ban) -> tuple[int, None]:
+        self.refused_connects += 1
+        self.bans.refused_by(ban)
+        log.info("%s: CONNECT refused (0x8A): %s", client.peer, ban.describe())
+        return ReasonCode.BANNED, None
 
     def _refused(self, client: Client, code: int, why: str) -> tuple[int, None]:
         self.refused_connects += 1

@@ -157,6 +157,17 @@ class _GatewayCollector(Collector):
             rejected.add_metric([reason], quota_counts.rejected[i])
         yield throttled
         yield rejected
+        # bans and flapping (gateway/access/bans.py, flapping.py)
+        bans = access.bans
+        yield gauge("bans_active", "bans in force (static, admin, flapping)", bans.active_count())
+        banned = CounterMetricFamily(
+            "lmqtt_connect_banned", "CONNECTs refused by a ban", labels=["cause"]
+        )
+        banned.add_metric(["ban"], bans.refused - bans.refused_flapping)
+        banned.add_metric(["flapping"], bans.refused_flapping)
+        yield banned
+        yield counter("flapping_bans", "client ids banned for flapping here", access.flapping.bans)
+        yield counter("banned_disconnects", "connected clients closed by a new ban", bans.kicked)
         monitor = src.gc
         yield counter("gc_collections", "garbage collections", monitor.collections)
         cumulative, running = [], 0
