@@ -48,8 +48,10 @@ unit: $(DEV) test-tools
 # The Debian programs end-to-end tests run, installed when missing (best effort: without root or
 # network the tests that need them skip, and fail under .ci/run's LMQTT_REQUIRE_ROCKETMQ=1).
 # haproxy: tests/rocketmq/test_balancer_failover.py runs the compose balancer's configuration.
+# tmux: tests/gateway/ops/test_live_view.py runs `lmqtt top` in a terminal and reads it back.
 test-tools:
 	command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || (apt-get update -qq && apt-get install -y -qq haproxy) || true
+	command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux) || true
 
 ## bench: compare lmqtt with amqtt and Mosquitto (installs mosquitto from Debian if missing)
 bench: $(DEV)

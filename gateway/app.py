@@ -46,6 +46,7 @@ from gateway.net.server import MqttServerProtocol, ServerState
 from gateway.ops.admin_api import AdminApi, ApiAuth
 from gateway.ops.ban_routes import ban_routes
 from gateway.ops.gc_monitor import GcMonitor
+from gateway.ops.live_view import LiveView
 from gateway.ops.metrics import MetricsSources
 from gateway.protocol import ReasonCode
 from gateway.session.registry import SessionRegistry
@@ -104,6 +105,7 @@ class Gateway:
         self.overload: OverloadGuard
         self.timers: TimerWheel  # connect timeouts and keep-alive (gateway/connection/timers.py)
         self.account: DeliveryAccount
+        self.live: LiveView
 
     @property
     def connections(self) -> set[ClientConnection]:
@@ -227,6 +229,12 @@ class Gateway:
             s.default_port,
             reuse_address=True,
         )
+        # The live view of this node's clients (/api/clients, /api/slow-subscriptions).
+        live = self.live = LiveView(
+            lambda: self.state.connections, registry, store, cursor,
+            s.slow_subscription_threshold,
+        )  # fmt: skip
+        self.admin_api.add(live.routes())
         sources = MetricsSources(
             stats=self.stats,
             access=self.access,
@@ -235,6 +243,7 @@ class Gateway:
             store=store,
             sessions=registry,
             retained=retained,
+            slow_subscriptions=live.count_slow,
         )
         self.admin_api.add(ban_routes(bans))
         await self.listeners.start(context, self.state, sources, self.admin_api)
@@ -288,6 +297,7 @@ class Gateway:
         if self._server is not None:
             self._server.close()
         self.listeners.close()
+        self.live.stop()
         if self._sys is not None:
             await self._sys.stop()
         # Publishes already read get stored and acknowledged before the DISCONNECT.

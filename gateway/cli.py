@@ -1,4 +1,4 @@
-"""The `lmqtt` command: serve, inspect, passwd, replay, ban, report, sim.
+"""The `lmqtt` command: serve, inspect, passwd, replay, ban, top, report, sim.
 
 Exit codes::
 
@@ -174,6 +174,15 @@ def _parser() -> argparse.ArgumentParser:
         "-o", "--output", type=Path, metavar="FILE", help="default stdout (jsonl only)"
     )
 
+    top = sub.add_parser(
+        "top",
+        help="live view of a running gateway's clients (htop-like; several nodes merged)",
+        description="Per client: rates in and out over the last 10 s, subscriptions, in-flight, "
+        "backlog and lag, from each node's admin API; keys choose the sort column.",
+    )
+    from gateway.ops import top as live_top  # rich: imported by the commands that use it
+
+    live_top.add_arguments(top)
     add_ban_parser(sub)  # lmqtt ban (gateway/ops/ban_command.py)
 
     for name, (module, _) in SUBTOOLS.items():
@@ -599,6 +608,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_passwd(args)
     if args.command == "replay":
         return _cmd_replay(args)
+    if args.command == "top":
+        from gateway.ops import top as live_top
+
+        return live_top.main(args)
     if args.command == "ban":
         return run_ban(args)
     return EXIT_USAGE  # pragma: no cover - argparse requires a known command

@@ -49,6 +49,7 @@ __all__ = [
     "DEFAULT_PORT",
     "ENV_PREFIX",
     "GatewaySettings",
+    "QuotaRule",
     "SettingsError",
     "StaticBan",
     "load_settings",
@@ -86,6 +87,27 @@ class _TomlSource(PydanticBaseSettingsSource):
 
     def __call__(self) -> dict[str, Any]:
         return dict(_TOML_DATA.get() or {})
+
+
+class QuotaRule(BaseModel):
+    """One [[quotas]] table: the publish quota of the clients it matches. `client_id` is a
+    glob pattern (fnmatch: `sensor-*`), `username` a user name or glob; a rule with both
+    matches clients matching both. A quota left out is the global one; 0 removes it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    client_id: str | None = Field(default=None, min_length=1)
+    username: str | None = Field(default=None, min_length=1)
+    max_publish_rate: float | None = Field(default=None, ge=0)
+    max_publish_bytes_rate: float | None = Field(default=None, ge=0)
+    max_publish_burst: float | None = Field(default=None, ge=1)
+    max_publish_bytes_burst: float | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _selects(self) -> QuotaRule:
+        if self.client_id is None and self.username is None:
+            raise ValueError("a [[quotas]] rule needs client_id or username (a glob pattern)")
+        return self
 
 
 class StaticBan(BaseModel):
@@ -197,6 +219,22 @@ class GatewaySettings(BaseSettings):
     connect_rate: float = Field(default=20.0, ge=0)
     connect_burst: int = Field(default=100, ge=1)
     connect_rate_loopback: bool = False  # also limit 127.0.0.1/::1 (tests, local tools)
+
+    # --- per-client publish quotas (gateway/access/quotas.py); unset = no quota, no cost
+    max_publish_rate: float | None = Field(default=None, gt=0)  # PUBLISH packets/s per client
+    max_publish_bytes_rate: float | None = Field(default=None, gt=0)  # payload bytes/s
+    # Token-bucket depth: what a client may send at once (default: one second of its rate).
+    max_publish_burst: float | None = Field(default=None, ge=1)
+    max_publish_bytes_burst: float | None = Field(default=None, ge=1)
+    # pause: stop reading the client until its bucket refills (nothing is dropped). reject:
+    # MQTT 5 QoS 1/2 get PUBACK/PUBREC 0x97 and are not stored, QoS 0 is dropped (3.1.1 QoS 1/2,
+    # which has no negative acknowledgement, is paused).
+    quota_action: Literal["pause", "reject"] = "pause"
+    # [[quotas]] tables, the first matching wins: per user name / client-id glob pattern.
+    quotas: tuple[QuotaRule, ...] = ()
+    # Live view (/api/slow-subscriptions, metrics): a subscription whose oldest unsent or
+    # unacknowledged message is older than this (seconds) is slow.
+    slow_subscription_threshold: float = Field(default=0.5, gt=0)
 
     # --- services
     sys_interval: float = Field(default=10.0, ge=0)  # $SYS publish period in s, 0 = off

@@ -36,6 +36,7 @@ from gateway.access.auth import PasswordFile, SecurityError
 from gateway.access.bans import Ban, BanList
 from gateway.access.flapping import FlappingDetector
 from gateway.access.limits import ConnectRateLimiter, is_loopback, topic_limit_error
+from gateway.access.quotas import PublishQuotas
 from gateway.config import GatewaySettings
 from gateway.protocol import Connect, ReasonCode
 from topicmap import TopicError
@@ -109,6 +110,8 @@ class AccessControl:
         # Topic names published to and found within the length/level limits (which are
         # fixed for the gateway's life), so a flood checks each name once.
         self._within_limits: set[str] = set()
+        # Per-client publish quotas: a bucket per connection, given at CONNECT.
+        self.quotas = PublishQuotas(s)
         # Bans (the settings' now, the durable ones once the store is open) and the flapping
         # detection that adds some (gateway/access/bans.py, flapping.py).
         self.bans = BanList(s.bans)

@@ -19,6 +19,7 @@ import asyncio
 import logging
 
 from gateway.access.acl import ClientAccess
+from gateway.access.quotas import QuotaBucket
 from gateway.connection.context import ClientContext
 from gateway.connection.ingest import IngestBatch
 from gateway.connection.transport import MAX_UNPARSED, ClientTransport
@@ -106,12 +107,27 @@ class ClientConnection(ClientTransport):
         # costs no task (memory per connection is what limits how many devices fit).
         self._reader: asyncio.Task[None] | None = None
 
+    # -- what the live view reads (gateway/ops/live_view.py) -----------------------------------
+
+    @property
+    def opened(self) -> float:
+        """Event-loop time the connection was accepted."""
+        return self._opened
+
+    @property
+    def messages_sent(self) -> int:
+        """PUBLISH packets sent on this connection (counted by its delivery loop)."""
+        delivery = self.delivery
+        return delivery.sent if delivery is not None else 0
+
     # -- called by the asyncio Protocol -------------------------------------------------------
 
     def feed(self, data: bytes) -> None:
         if self.closed:
             return
-        self.ctx.stats.bytes_received += len(data)
+        n = len(data)
+        self.ctx.stats.bytes_received += n
+        self.bytes_in += n
         self._last_rx = self._loop.time()
         self.conn.receive_data(data)
         self._unparsed += len(data)
@@ -156,6 +172,7 @@ class ClientConnection(ClientTransport):
         PUBACKs free window slots. The first packet that needs anything else, and whatever
         follows it, goes to the reader task, which runs after the batch is stored."""
         conn = self.conn
+        quota = self.quota
         added = 0  # publishes this read added to the batch (counted here: len() is a call)
         acked: list[int] = []  # PUBACKs of this read: one delivery-loop call for all of them
         try:
@@ -173,6 +190,9 @@ class ClientConnection(ClientTransport):
                 if kind is Publish:
                     assert isinstance(ev, Publish)
                     if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
+                        if quota is not None and quota.take(len(ev.payload), self._loop.time()):
+                            self._kick(ev)  # over quota: the reader task waits or refuses it
+                            return
                         ingest.add(self, ev)
                         added += 1
                         continue
@@ -191,8 +211,10 @@ class ClientConnection(ClientTransport):
         finally:
             if acked:
                 self._pubacks(acked)
-            if added and (self._held or self.ctx.overload.overloaded):
-                self.published(added, ingest.last_qos() == 0)
+            if added:
+                self.msgs_in += added
+                if self._held or self.ctx.overload.overloaded:
+                    self.published(added, ingest.last_qos() == 0)
 
     def _pubacks(self, packet_ids: list[int]) -> None:
         if packet_ids and self.delivery is not None:
@@ -347,6 +369,16 @@ class ClientConnection(ClientTransport):
                 kind = type(ev)
                 if kind is Publish:
                     assert isinstance(ev, Publish)
+                    self.msgs_in += 1
+                    quota = self.quota
+                    if quota is not None:
+                        wait = quota.take(len(ev.payload), self._loop.time())
+                        if wait:
+                            if run:
+                                await self.ctx.packets.publish.store_run(self, run)
+                                run = []
+                            if not await self._over_quota(quota, ev, wait):
+                                continue  # refused (reject): not stored
                     if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
                         run.append(ev)
                         continue
@@ -375,6 +407,36 @@ class ClientConnection(ClientTransport):
             self._out = None
             if self._reader is asyncio.current_task():
                 self._reader = None
+
+    async def _over_quota(self, quota: QuotaBucket, pub: Publish, wait: float) -> bool:
+        """`pub` is over this client's publish quota (gateway/access/quotas.py). Reject: MQTT 5
+        QoS 1/2 get 0x97 (Quota exceeded), QoS 0 is dropped (False: not to be stored).
+        Otherwise reading pauses and the reader waits until the bucket has refilled (True:
+        store it now)."""
+        level5 = self.conn.protocol_level == 5
+        if quota.reject and (pub.qos == 0 or level5):
+            quota.rejected()
+            self.ctx.stats.publish_dropped += 1
+            pid = pub.packet_id
+            if pid is not None and pub.qos:
+                self.release_acks()  # PUBACKs leave in the order of their PUBLISHes
+                ack = PubAck if pub.qos == 1 else PubRec
+                self.write(self.conn.send(ack(pid, ReasonCode.QUOTA_EXCEEDED)))
+            return False
+        quota.throttled()
+        # What was collected goes out now, and deliveries written meanwhile go out directly.
+        self._flush_out()
+        self._out = None
+        quota.waiting = True
+        self._pause_reading()
+        try:
+            while wait and not self.closed:
+                await asyncio.sleep(wait)
+                wait = quota.take(len(pub.payload), self._loop.time())
+        finally:
+            quota.waiting = False
+            self._out = []
+        return not self.closed
 
     def _protocol_error(self, err: RemoteProtocolError) -> None:
         log.warning(

@@ -9,12 +9,14 @@ meanwhile (a takeover, the socket lost): the handler looks before going on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from typing import Protocol
 
 from gateway.access.acl import ClientAccess
 from gateway.access.control import AccessControl, Client
+from gateway.access.quotas import QuotaBucket
 from gateway.config import GatewaySettings
 from gateway.connection.node import ClusterLink, ServerStatus, SingleNode
 from gateway.delivery.loop import DeliveryContext, DeliveryLoop
@@ -50,6 +52,7 @@ class Connecting(Client, Connected, Protocol):
     client_id: str
     username: str | None  # authenticated (or asserted, without password file)
     acl: ClientAccess | None  # None: no ACL file, everything allowed
+    quota: QuotaBucket | None  # None: no publish quota
     session: Session | None
     will: Will | None
     delivery: DeliveryLoop | None
@@ -134,6 +137,7 @@ class ConnectHandler:
             self._refuse(client, code)
             return
         client.acl = self._access.client_access(cid, client.username)
+        client.quota = self._access.quotas.bucket(cid, client.username, self._loop_time())
         cluster = self._cluster
         clustered = not isinstance(cluster, SingleNode)
         if clustered:
@@ -195,6 +199,10 @@ class ConnectHandler:
             delivery.start()
         sessions.registry.touch(session)
         cluster.answered(cid, client)  # cluster mode: a takeover read meanwhile is done now
+
+    @staticmethod
+    def _loop_time() -> float:
+        return asyncio.get_running_loop().time()
 
     def _connack_properties(
         self, ev: Connect, assigned: str | None, expiry: int, requested: int

@@ -6,7 +6,8 @@ collected and sent with one transport.write() when it yields. The PUBACKs of sto
 go out at once too, unless the overload guard holds the connection (gateway/connection/
 overload.py): then they wait for its turn. Reading pauses while too much input waits unparsed,
 while the guard holds the connection past HELD_READ_MAX publishes (or one at QoS 0), or while too
-many publishes wait for their fsync (sync flush), and resumes once none of these holds it. A
+many publishes wait for their fsync (sync flush), or while its publish quota's bucket refills
+(gateway/access/quotas.py), and resumes once none of these holds it. A
 close the gateway decides lingers: half-closed, what the client still sends is read and
 discarded for LINGER_S.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.access.quotas import QuotaBucket
 from gateway.connection.context import ClientContext
 from gateway.protocol import Connection
 
@@ -56,9 +58,13 @@ class ClientTransport:
         "_put_tasks",
         "_reading_paused",
         "_unparsed",
+        "bytes_in",
+        "bytes_out",
         "closed",
         "conn",
         "ctx",
+        "msgs_in",
+        "quota",
         "transport",
         "writable",
     )
@@ -85,12 +91,21 @@ class ClientTransport:
         # Packets written while the reader task handles a run of input (PUBACKs of a flood),
         # sent with one transport.write() when it yields; None: write through.
         self._out: list[bytes] | None = None
+        # The publish quota's buckets (gateway/access/quotas.py), set at CONNECT; None: none.
+        self.quota: QuotaBucket | None = None
+        # What the live view reads (gateway/ops/live_view.py): PUBLISH packets and bytes read,
+        # bytes written. Plain integer increments, per read or per write.
+        self.msgs_in = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
 
     # -- out ---------------------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
         if data and not self.closed:
-            self.ctx.stats.bytes_sent += len(data)
+            n = len(data)
+            self.ctx.stats.bytes_sent += n
+            self.bytes_out += n
             out = self._out
             if out is not None:
                 out.append(data)
@@ -132,6 +147,7 @@ class ClientTransport:
             self._reading_paused
             and not self._held
             and not self.closed
+            and (self.quota is None or not self.quota.waiting)
             and self._pending_puts < MAX_PENDING_PUTS // 2
             and self._unparsed <= MAX_UNPARSED
         ):

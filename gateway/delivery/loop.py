@@ -91,6 +91,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self._batch = None
         self._uncommitted = {}
         self._replay_timer = None
+        self.sent = 0
 
     def start(self) -> None:
         for sub in self.session.by_queue.values():

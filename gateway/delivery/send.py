@@ -107,6 +107,7 @@ class Sender(LoopState):
             finally:
                 sub.next_offset, session.next_packet_id, sent, last = state
                 ctx.stats.messages_sent += sent
+                self.sent += sent
                 state[2] = 0
                 if last >= 0:
                     moved = messages[last]
@@ -181,6 +182,7 @@ class Sender(LoopState):
             else:
                 self.client.write(data)
             self.ctx.stats.messages_sent += 1
+            self.sent += 1
             return True
         pid = self.send(
             rec,
@@ -259,6 +261,7 @@ class Sender(LoopState):
         else:
             self.client.write(data)
         self.ctx.stats.messages_sent += 1
+        self.sent += 1
         return pid
 
 

@@ -92,6 +92,7 @@ class LoopState:
         "level",
         "max_packet",
         "retained_backlog",
+        "sent",
         "session",
         "window",
     )
@@ -108,6 +109,7 @@ class LoopState:
     _plain: bool
     retained_backlog: deque[tuple[RetainedMessage, SubscriptionState]] | None
     groups: list[SharedGroup]
+    sent: int  # PUBLISH packets sent on this connection (the live view reads it)
     _loop: asyncio.AbstractEventLoop
     # Pacing (pacing.py): a pass is scheduled; the loop stopped; loop time of the last pass
     # that wrote; a paced pass's timer.

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway.access.control import AccessControl
+from gateway.access.quotas import REASONS as QUOTA_REASONS
 from gateway.messages.retained import RetainedIndex
 from gateway.ops.gc_monitor import BUCKETS_S, GcMonitor
 from gateway.session.registry import SessionRegistry
@@ -63,6 +64,9 @@ class MetricsSources:
     store: Storage
     sessions: SessionRegistry
     retained: RetainedIndex
+    # Subscriptions past slow_subscription_threshold, counted before each scrape
+    # (gateway/ops/live_view.py LiveView.count_slow); None: not counted.
+    slow_subscriptions: Callable[[], Awaitable[int]] | None = None
 
 
 __all__ = ["GatewayMetrics", "MetricsSources"]
@@ -75,11 +79,13 @@ LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 
 class _Backlog:
     """lmqtt_backlog_messages, counted before each scrape CENSUS_STEP sessions per event-loop
-    step: one pass over every session in a single step would hold the loop."""
+    step: one pass over every session in a single step would hold the loop; then
+    lmqtt_slow_subscriptions, by the live view's census."""
 
     def __init__(self, sources: MetricsSources) -> None:
         self.sources = sources
         self.value = 0
+        self.slow = 0
 
     async def count(self) -> None:
         store = self.sources.store
@@ -98,6 +104,9 @@ class _Backlog:
                 if store.closed:
                     return
         self.value = total
+        census = self.sources.slow_subscriptions
+        if census is not None:
+            self.slow = await census()
 
 
 class _GatewayCollector(Collector):
@@ -131,6 +140,23 @@ class _GatewayCollector(Collector):
             "subscribe_denied", "SUBSCRIBE entries denied by the ACL", access.denied_subscriptions
         )
         yield counter("security_reloads", "password/ACL file reloads", access.reloads)
+        # Per-client publish quotas (gateway/access/quotas.py), by the bucket that ran out.
+        quota_counts = access.quotas.counts
+        throttled = CounterMetricFamily(
+            "lmqtt_quota_throttled_messages",
+            "publishes that waited, their client's reading paused, for its quota",
+            labels=["reason"],
+        )
+        rejected = CounterMetricFamily(
+            "lmqtt_quota_rejected_messages",
+            "publishes refused over quota (0x97) or dropped (QoS 0)",
+            labels=["reason"],
+        )
+        for i, reason in enumerate(QUOTA_REASONS):
+            throttled.add_metric([reason], quota_counts.throttled[i])
+            rejected.add_metric([reason], quota_counts.rejected[i])
+        yield throttled
+        yield rejected
         # bans and flapping (gateway/access/bans.py, flapping.py)
         bans = access.bans
         yield gauge("bans_active", "bans in force (static, admin, flapping)", bans.active_count())
@@ -202,6 +228,13 @@ class _GatewayCollector(Collector):
         yield gauge(
             "backlog_messages", "messages stored, not yet sent to subscribers", self.backlog.value
         )
+        if src.slow_subscriptions is not None:
+            yield gauge(
+                "slow_subscriptions",
+                "subscriptions whose oldest unsent or unacknowledged message is older than "
+                "slow_subscription_threshold",
+                self.backlog.slow,
+            )
 
 
 class GatewayMetrics:
