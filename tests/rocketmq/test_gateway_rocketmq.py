@@ -44,10 +44,15 @@ class ServeProcess:
         self.args = args
         self.env = env or {}
         self.proc: subprocess.Popen[str] | None = None
+        self._found: list[int] = []
         self.port = 0
         self.output: list[str] = []
 
     def start(self, timeout: float = 60.0) -> ServeProcess:
+        return self.launch().wait_listening(timeout)
+
+    def launch(self) -> ServeProcess:
+        """Start the process; its output is read from then on (wait_listening)."""
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         self.output = []
         self.proc = subprocess.Popen(
@@ -56,16 +61,22 @@ class ServeProcess:
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         found: list[int] = []
+        self._found = found
+        proc = self.proc
 
         def read() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
+            assert proc.stdout is not None
+            for line in proc.stdout:
                 self.output.append(line)
                 m = re.match(r"lmqtt listening on [^:]+:(\d+)", line)
                 if m and not found:
                     found.append(int(m.group(1)))
 
         threading.Thread(target=read, daemon=True).start()
+        return self
+
+    def wait_listening(self, timeout: float = 60.0) -> ServeProcess:
+        found = self._found
         wait_until(
             lambda: found or self.proc is None or self.proc.poll() is not None,
             timeout,
