@@ -306,16 +306,18 @@ def test_sync_mode_on_a_sync_flush_broker_sigkill_loses_no_acknowledged_message(
 
 
 def test_name_server_unreachable_is_one_clear_line_and_exit_code_1(tmp_path: Path) -> None:
+    """Once `rocketmq_start_timeout` (2 s here) is over; the wait is logged meanwhile."""
     port = _free_port()  # nothing listens there
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "gateway", "serve", "--port", "0", "--data-dir",
          str(tmp_path / "d"), "--store", "rocketmq", "--namesrv", f"127.0.0.1:{port}"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-        timeout=60,
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LMQTT_ROCKETMQ_START_TIMEOUT": "2"},
     )  # fmt: skip
     assert done.returncode == 1
-    assert f"RocketMQ name server 127.0.0.1:{port} unreachable" in done.stderr
+    assert f"cannot start: RocketMQ name server 127.0.0.1:{port} unreachable" in done.stderr
+    assert "waiting for RocketMQ" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert time.monotonic() - started < 30
 

@@ -78,6 +78,8 @@ DRAIN_S = 10.0  # a graceful stop waits this long at most for the sends in fligh
 #: How often a spread deployment asks the name server for brokers that joined (RocketMQ's own
 #: clients poll routes every 30 s: pollNameServerInterval).
 ROUTE_POLL_S = 30.0
+START_RETRY_S = 0.5  # a start waiting for RocketMQ asks the name server again this often
+START_LOG_S = 5.0  # ... and says what it waits for this often
 
 
 class _StateWake:
@@ -531,7 +533,9 @@ class RocketMqStorage:
                 log.error("%d write(s) to RocketMQ still unanswered at stop", len(late))
         await self._offsets.flush()  # answered: the next gateway reads them back
 
-    def close(self) -> None:
+    def close(self, *, keep_local: bool = False) -> None:
+        """Stop every pull and drop the connections; the local store too unless `keep_local`
+        (a start that waits for a broker opens the storage again on it)."""
         if self._closed:
             return
         self._closed = True
@@ -546,7 +550,8 @@ class RocketMqStorage:
             slot.mirrors.close()
             slot.history.close()
         self._broker.client.close_nowait()
-        self._local.close()
+        if not keep_local:
+            self._local.close()
 
 
 async def open_rocketmq(
@@ -560,13 +565,31 @@ async def open_rocketmq(
     namesrv = settings.namesrv
     if not namesrv:
         raise StorageUnavailable("store = rocketmq needs the name server address (--namesrv)")
-    client = RemotingClient([namesrv], client_id=None, request_timeout=5.0, connect_timeout=3.0)
-    try:
-        storage = await _open(client, settings, local, node_id)
-    except BaseException:
-        client.close_nowait()
-        raise
-    return storage
+    # Tried again every START_RETRY_S while the name server or a broker is not there yet, for
+    # `rocketmq_start_timeout` seconds (the gateway and RocketMQ usually start together); what
+    # it waits for is logged every START_LOG_S. Then the last reason, as StorageUnavailable.
+    deadline = time.monotonic() + settings.rocketmq_start_timeout
+    logged = -START_LOG_S
+    while True:
+        client = RemotingClient([namesrv], client_id=None, request_timeout=5.0, connect_timeout=3.0)
+        try:
+            return await _open(client, settings, local, node_id)
+        except _NotYet as exc:
+            client.close_nowait()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StorageUnavailable(str(exc)) from None
+            if time.monotonic() - logged >= START_LOG_S:
+                logged = time.monotonic()
+                log.warning("waiting for RocketMQ (%.0f s left): %s", left, exc)
+            await asyncio.sleep(min(START_RETRY_S, left))
+        except BaseException:
+            client.close_nowait()
+            raise
+
+
+class _NotYet(StorageUnavailable):
+    """What a start waits for: the name server answering, the brokers registered."""
 
 
 async def _open(
@@ -577,9 +600,9 @@ async def _open(
     try:
         home = await client.home_broker(topic, settings.rocketmq_broker)
     except BrokerNotFoundError as exc:
-        raise StorageUnavailable(str(exc)) from None
+        raise _NotYet(str(exc)) from None
     except RemotingError as exc:
-        raise StorageUnavailable(f"RocketMQ name server {namesrv} unreachable: {exc}") from exc
+        raise _NotYet(f"RocketMQ name server {namesrv} unreachable: {exc}") from exc
     name, addr = home.name, home.addr
     if settings.rocketmq_spread and not settings.rocketmq_broker and len(home.serving) > 1:
         # Spread puts the topic on every broker: the home is the one holding the state.
@@ -605,6 +628,9 @@ async def _open(
             await _spread(client, storage, settings)
         # Saved replays resume with the queues' bounds.
         await storage.open_history(storage.history_queues(None), 0)  # type: ignore[arg-type]
+    except _NotYet:
+        storage.close(keep_local=True)  # tried again (open_rocketmq)
+        raise
     except BaseException:
         storage.close()
         raise
@@ -648,7 +674,7 @@ async def _spread(
     for name in names[len(storage.brokers) :]:
         addr = masters.get(name)
         if addr is None:
-            raise StorageUnavailable(
+            raise _NotYet(
                 f"broker {name} holds part of topic {topic!r} (state record {SLOTS_KEY}) but is"
                 " not registered with the name server: start it (or its slave) again"
             )
