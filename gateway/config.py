@@ -165,8 +165,12 @@ class GatewaySettings(BaseSettings):
     # Spread the messages over every registered broker by MQTT topic (state, retained and
     # the cluster bus stay on the home broker): gateway/storage/rocketmq/spread.py.
     rocketmq_spread: bool = False
-    # Seconds between a spread deployment's looks for brokers that joined the cluster.
+    # Seconds between a spread deployment's looks at the name server: brokers that joined, left
+    # or came back (a broker lost takes its topics' new messages to the live brokers).
     rocketmq_route_poll: float = Field(default=30.0, gt=0)
+    # Seconds a starting gateway waits for the name server and its brokers to be registered
+    # (logging what it waits for) before it gives up: they usually start together.
+    rocketmq_start_timeout: float = Field(default=120.0, ge=0)
     # Cluster mode (store = rocketmq): several gateway nodes on one rocketmq_topic, each with
     # `cluster = true` (gateway/cluster/node.py). A node fenced by its lease stops; a lost node's
     # wills are out within the lease (keep it under 1.5 x the clients' keep-alive).

@@ -54,6 +54,13 @@ from rocketmq_remoting.route import ClusterInfo, TopicRoute
 
 log = logging.getLogger(__name__)
 
+#: How often the broker looks at its held pulls: PullRequestHoldService (and its light-queue
+#: twin) wakes every 5 s when longPollingEnable is on (the default) and answers a pull whose
+#: suspend time has gone by then. A held pull that finds nothing is thus answered PULL_NOT_FOUND
+#: up to suspend + HOLD_CHECK_S after it arrived, and waiting only suspend + the request
+#: timeout for it races the broker's answer.
+HOLD_CHECK_S = 5.0
+
 
 def raise_for(cmd: RemotingCommand, addr: str, ok: Iterable[int] = (ResponseCode.SUCCESS,)) -> None:
     """Raise the typed error for an answer whose code is not in ``ok``."""
@@ -380,7 +387,9 @@ class RemotingClient:
         The subscription (``*``, TAG) travels with the request (PULL_SUBSCRIPTION), so the broker
         needs no consumer registration. With ``suspend_timeout`` the broker holds a pull that
         finds nothing until a message arrives in the queue (light queues included:
-        ``LmqPullRequestHoldService``) or the timeout passes, then answers NOT_FOUND.
+        ``LmqPullRequestHoldService``) or the timeout passes, then answers NOT_FOUND at its
+        next hold check; unless told otherwise the client waits that long (suspend +
+        HOLD_CHECK_S) plus ``request_timeout``.
         ``commit_offset`` also commits the group's offset (PULL_COMMIT_OFFSET).
         Raises :class:`OffsetMovedError` when the offset is outside the queue.
         """
@@ -402,7 +411,10 @@ class RemotingClient:
             subscription="*",
         )
         if timeout is None:
-            timeout = self.request_timeout + (suspend_timeout or 0)
+            # A held pull: the broker's whole hold (see HOLD_CHECK_S), then the usual margin.
+            timeout = self.request_timeout
+            if suspend_timeout is not None:
+                timeout += suspend_timeout + HOLD_CHECK_S
         answer = await self._invoke_broker(
             broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
         )

@@ -201,8 +201,10 @@ class RocketMQCluster:
         )
         log.close()
 
-    def start(self, ready_timeout: float = 180.0) -> None:
-        port = namesrv_port()
+    def start_namesrv(self, port: int | None = None, timeout: float = 180.0) -> str:
+        """Start the name server (on `port`, else a free one); its address once it listens."""
+        port = port or namesrv_port()
+        self.root.mkdir(parents=True, exist_ok=True)
         self.namesrv_addr = f"127.0.0.1:{port}"
         conf = self.root / "namesrv.conf"
         conf.write_text(
@@ -210,10 +212,14 @@ class RocketMQCluster:
             f"kvConfigPath={self.root / 'namesrv' / 'kvConfig.json'}\n"
         )
         self._spawn("namesrv", "org.apache.rocketmq.namesrv.NamesrvStartup", NAMESRV_HEAP, conf)
+        self._wait_listening("namesrv", port, timeout)
+        return self.namesrv_addr
+
+    def start(self, ready_timeout: float = 180.0) -> None:
         # The brokers once the name server listens: a broker registers at its start, then every
         # 30 s after a first 10 s; one that boots before the name server (as fast as it, with
         # the class archives) would wait those 10 s unregistered.
-        self._wait_listening("namesrv", port, ready_timeout)
+        self.start_namesrv(timeout=ready_timeout)
         for name, (auto_create, flush) in BROKERS.items():
             self._spawn_broker(name, auto_create, flush)
         asyncio.run(self._wait_ready(ready_timeout))
@@ -236,11 +242,15 @@ class RocketMQCluster:
                     ) from None
                 time.sleep(0.02)
 
-    def restart_broker(self, name: str, timeout: float = 180.0) -> None:
-        """Stop broker `name` (SIGTERM, as an operator would) and start it again on the same
-        port and store; returns once it is registered again."""
-        addr = self.brokers[name]
-        self.stop_broker(name)
+    def restart_broker(self, name: str, timeout: float = 180.0, sig: int = signal.SIGTERM) -> None:
+        """Stop broker `name` (SIGTERM, as an operator would, unless told otherwise) and start
+        it again on the same port and store; returns once it is registered again."""
+        addr = self.stop_broker(name, sig)
+        self.start_broker_again(name, addr, timeout)
+
+    def start_broker_again(self, name: str, addr: str, timeout: float = 180.0) -> None:
+        """Start stopped broker `name` again on its address and store; returns once it is
+        registered."""
         conf = self.root / f"{name}.conf"
         self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
         self.brokers[name] = addr
@@ -306,11 +316,12 @@ class RocketMQCluster:
         self._wait_registered(name, timeout)
         return self.brokers[name]
 
-    def stop_broker(self, name: str, sig: int = signal.SIGTERM) -> None:
+    def stop_broker(self, name: str, sig: int = signal.SIGTERM) -> str:
         """Stop broker `name`: SIGTERM (graceful, ~10 s for a broker) unless told otherwise;
-        SIGKILL suits a broker a test is done with (its store is thrown away)."""
+        SIGKILL suits a broker a test is done with (its store is thrown away), or a crash.
+        Returns the address it had (start_broker_again)."""
         proc = self.procs.pop(name)
-        self.brokers.pop(name, None)
+        addr = self.brokers.pop(name, "")
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, self._stop_signal(name, sig))
         try:
@@ -320,6 +331,7 @@ class RocketMQCluster:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         self._keep_archive(name, proc)
+        return addr
 
     def _stop_signal(self, name: str, sig: int) -> int:
         """A JVM dumping its class archive writes it at a graceful exit only."""

@@ -44,10 +44,15 @@ class ServeProcess:
         self.args = args
         self.env = env or {}
         self.proc: subprocess.Popen[str] | None = None
+        self._found: list[int] = []
         self.port = 0
         self.output: list[str] = []
 
     def start(self, timeout: float = 60.0) -> ServeProcess:
+        return self.launch().wait_listening(timeout)
+
+    def launch(self) -> ServeProcess:
+        """Start the process; its output is read from then on (wait_listening)."""
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         self.output = []
         self.proc = subprocess.Popen(
@@ -56,16 +61,22 @@ class ServeProcess:
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         found: list[int] = []
+        self._found = found
+        proc = self.proc
 
         def read() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
+            assert proc.stdout is not None
+            for line in proc.stdout:
                 self.output.append(line)
                 m = re.match(r"lmqtt listening on [^:]+:(\d+)", line)
                 if m and not found:
                     found.append(int(m.group(1)))
 
         threading.Thread(target=read, daemon=True).start()
+        return self
+
+    def wait_listening(self, timeout: float = 60.0) -> ServeProcess:
+        found = self._found
         wait_until(
             lambda: found or self.proc is None or self.proc.poll() is not None,
             timeout,
@@ -295,16 +306,18 @@ def test_sync_mode_on_a_sync_flush_broker_sigkill_loses_no_acknowledged_message(
 
 
 def test_name_server_unreachable_is_one_clear_line_and_exit_code_1(tmp_path: Path) -> None:
+    """Once `rocketmq_start_timeout` (2 s here) is over; the wait is logged meanwhile."""
     port = _free_port()  # nothing listens there
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "gateway", "serve", "--port", "0", "--data-dir",
          str(tmp_path / "d"), "--store", "rocketmq", "--namesrv", f"127.0.0.1:{port}"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-        timeout=60,
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LMQTT_ROCKETMQ_START_TIMEOUT": "2"},
     )  # fmt: skip
     assert done.returncode == 1
-    assert f"RocketMQ name server 127.0.0.1:{port} unreachable" in done.stderr
+    assert f"cannot start: RocketMQ name server 127.0.0.1:{port} unreachable" in done.stderr
+    assert "waiting for RocketMQ" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert time.monotonic() - started < 30
 

@@ -209,13 +209,34 @@ async def test_suspended_pull_without_arrival_answers_not_found_at_timeout(
     lmq = _name("%LMQ%idle-")
     started = time.monotonic()
     # The broker answers at its hold checker's next pass after the suspend time (every 5 s,
-    # docs/rocketmq.md quirk 7), later on a loaded host: the client's default timeout (suspend
-    # + request timeout = 6 s) is not the broker's worst case.
+    # docs/rocketmq.md quirk 7), later on a loaded host: the client's default wait (suspend +
+    # HOLD_CHECK_S + request timeout = 11 s) covers the hold; 20 s leaves room for the load.
     result = await client.pull(
         broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX), suspend_timeout=1.0, timeout=20.0
     )
     assert result.code == ResponseCode.PULL_NOT_FOUND and result.messages == []
     assert time.monotonic() - started >= 0.9
+
+
+async def test_a_held_pull_started_after_a_hold_check_ends_not_found_not_in_a_timeout(
+    rocketmq: RocketMQCluster, broker_a: str
+) -> None:
+    """The client waits for the broker's whole hold: a pull held on an idle queue is answered
+    PULL_NOT_FOUND at the first hold check after its suspend time, which is up to 5 s
+    (HOLD_CHECK_S) after it arrived. A pull sent right after a hold check (as a mirror's next
+    held pull is, after an idle one ended) waits the longest, longer than suspend + request
+    timeout, the client's wait before the fix (there: "no answer to request code 11")."""
+    lmq = _name("%LMQ%idle-")
+    group = _name(GROUP_PREFIX)
+    async with rocketmq.client(request_timeout=0.5) as client:
+        # Answered at the broker's next hold check: the pull after it starts just past one.
+        first = await client.pull(broker_a, lmq, 0, consumer_group=group, suspend_timeout=0.001)
+        assert first.code == ResponseCode.PULL_NOT_FOUND
+        started = time.monotonic()
+        result = await client.pull(broker_a, lmq, 0, consumer_group=group, suspend_timeout=1.0)
+        held = time.monotonic() - started
+    assert result.code == ResponseCode.PULL_NOT_FOUND and result.messages == []
+    assert held > 1.0 + 0.5, f"answered after {held:.2f} s: not past suspend + request timeout"
 
 
 async def test_consumer_offsets_per_lmq_group(client: RemotingClient, broker_a: str) -> None:

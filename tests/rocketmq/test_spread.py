@@ -18,11 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from analytics.rocketmq import Deployment, read_deployment
+from gateway.protocol import PubAck, Publish
 from rocketmq_remoting import RemotingClient
 from rocketmq_remoting.route import broker_for
-from tests.gateway.conftest import Client, stop_clients, wait_until
+from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
 from tests.rocketmq.test_gateway_rocketmq import ROOT, ServeProcess
+from tests.rocketmq.test_report_brokers import _rows
 from topicmap import queue_name
 from topicmap.rocketmq import encode_lmq
 
@@ -306,3 +309,96 @@ def test_two_cluster_nodes_with_spread(
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_spread_survives_the_loss_of_a_broker_and_takes_its_topics_back_in_order(
+    rocketmq: RocketMQCluster, tmp_path: Path, clients: list[Client]
+) -> None:
+    """broker-b (of the session) is SIGKILLed under two `--flush sync` spread gateways, then
+    started again on its store. Gateway `polled` (route poll 2 s) sees it gone at its next
+    poll, gateway `sending` (route poll 10 min) at its first send to it: every PUBLISH of
+    either is acknowledged with reason 0 at once, its topics now on broker-a. Once broker-b is
+    back, `polled` sends its topics there again. A persistent subscriber gets every
+    acknowledged message once, each topic in publish order (before, during and after the
+    outage), and the fan-out report's reader counts each message once."""
+    poll = 2.0
+    topic = f"t{uuid.uuid4().hex[:12]}"
+    polled = spread_gateway(
+        rocketmq, tmp_path / "polled", topic, "--flush", "sync", LMQTT_ROCKETMQ_ROUTE_POLL=str(poll)
+    )
+    other = f"t{uuid.uuid4().hex[:12]}"
+    sending = spread_gateway(
+        rocketmq, tmp_path / "sending", other, "--flush", "sync", LMQTT_ROCKETMQ_ROUTE_POLL="600"
+    )
+    names = [f"f/{i}" for i in range(8)]
+    on_b = topics_by_broker(names)["broker-b"]
+    assert on_b and len(on_b) < len(names)
+    addr = ""
+    try:
+        polled.start()
+        sending.start()
+        keepers = {}
+        pubs = {}
+        for g in (polled, sending):
+            keeper = Client(g.port, "keeper", clean=False)
+            clients.append(keeper)
+            keeper.subscribe("f/#", 1)
+            pub = RawClient(g.port, level=5)
+            pub.connect("writer")
+            keepers[g], pubs[g] = keeper, pub
+        acked: dict[ServeProcess, list[tuple[str, bytes]]] = {polled: [], sending: []}
+        pids = iter(range(1, 65536))
+
+        def publish(g: ServeProcess, phase: str) -> None:
+            for t in names:
+                pid = next(pids)
+                payload = f"{t} {phase}".encode()
+                pubs[g].send(Publish(t, payload, qos=1, packet_id=pid))
+                ack = pubs[g].recv_until(PubAck)
+                assert (ack.packet_id, ack.reason_code) == (pid, 0), (t, phase, ack)
+                acked[g].append((t, payload))
+
+        for g in (polled, sending):
+            publish(g, "before")
+            keepers[g].wait_messages(len(names))
+        addr = rocketmq.stop_broker("broker-b", signal.SIGKILL)
+        lost = time.monotonic()
+        publish(sending, "during")  # its first send to broker-b fails over at once
+        assert any("broker broker-b does not answer" in line for line in sending.output)
+        wait_until(
+            lambda: any("broker broker-b is not registered" in line for line in polled.output),
+            max(0.0, lost + 2 * poll - time.monotonic()),
+            "the route poll to see broker-b gone",
+        )
+        publish(polled, "during")
+        for g in (polled, sending):
+            keepers[g].wait_messages(2 * len(names), 30)  # from broker-a, broker-b still away
+        sending.stop()
+
+        rocketmq.start_broker_again("broker-b", addr)
+        addr = ""
+        wait_until(
+            lambda: any("broker broker-b is back" in line for line in polled.output),
+            2 * poll + 5,
+            "the route poll to see broker-b back",
+        )
+        publish(polled, "after")
+        keeper = keepers[polled]
+        want = acked[polled]
+        wait_until(lambda: len(received(keeper)) >= len(want), 60)
+        got = received(keeper)
+        assert sorted(got) == sorted(want), missing(keeper, set(want))  # each once
+        for t in names:
+            assert [p for tt, p in got if tt == t] == [p for tt, p in want if tt == t], t
+        ends = broker_ends(rocketmq, topic, "f/#")
+        # The phase after the return went back to broker-b: its copy grew by its topics.
+        assert ends["broker-b"] == len(on_b) * 2, ends
+        assert ends["broker-a"] + ends["broker-b"] == len(want)
+    finally:
+        stop_clients(clients)
+        polled.stop()
+        sending.stop()
+        if addr:
+            rocketmq.start_broker_again("broker-b", addr)
+    rows = _rows(read_deployment(Deployment(rocketmq.namesrv_addr, topic)).ranges)
+    assert len(rows) == len(want)

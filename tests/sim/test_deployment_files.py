@@ -231,6 +231,21 @@ def test_the_rocketmq_profile_has_a_name_server_and_two_brokers_with_light_queue
     assert services[namesrv[0]]["healthcheck"]["test"]
 
 
+def _seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    unit = next(u for u in sorted(units, key=len, reverse=True) if duration.endswith(u))
+    return float(duration[: -len(unit)]) * units[unit]
+
+
+def _waits_for_rocketmq(service: dict[str, Any], start_timeout: float, name: str) -> None:
+    """A gateway started with RocketMQ: it waits `start_timeout` s at least (the default, 120 s,
+    or more), and is not judged unhealthy while it does (the healthcheck's start_period)."""
+    health = service["healthcheck"]
+    assert health["test"][:3] == ["CMD", "python", "-c"], name
+    assert start_timeout >= 120, name
+    assert _seconds(health["start_period"]) > start_timeout, name
+
+
 def test_the_rocketmq_profiles_gateways_store_on_its_brokers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -265,10 +280,11 @@ def test_the_rocketmq_profiles_gateways_store_on_its_brokers(
         # rocketmq_topic: docs/rocketmq.md).
         assert settings.rocketmq_broker in brokers, name
         topics.add(settings.rocketmq_topic)
-        # Started only once the name server and every broker are healthy.
+        # Started with the name server and the brokers: the gateway waits for them itself
+        # (rocketmq_start_timeout), and its healthcheck's grace period covers that wait.
         for dependency in [host, *brokers.values()]:
-            assert service["depends_on"][dependency]["condition"] == "service_healthy", name
-        assert service["healthcheck"]["test"][:3] == ["CMD", "python", "-c"]
+            assert service["depends_on"][dependency]["condition"] == "service_started", name
+        _waits_for_rocketmq(service, settings.rocketmq_start_timeout, name)
         assert service["restart"] == "unless-stopped"  # a failed start-up check is retried
         ports.update(p.split(":")[0] for p in service["ports"])
     assert len(topics) == 2 and len(ports) == 2
@@ -302,7 +318,8 @@ def test_the_cluster_profile_runs_gateway_nodes_on_one_namespace(
         assert settings.store == "rocketmq" and settings.flush == "sync", name
         assert settings.host == "0.0.0.0" and settings.port == 1883, name
         namespaces.add((settings.rocketmq_broker, settings.rocketmq_topic))
-        assert service["healthcheck"]["test"][:3] == ["CMD", "python", "-c"], name
+        assert service["depends_on"]["rmq-namesrv"]["condition"] == "service_started", name
+        _waits_for_rocketmq(service, settings.rocketmq_start_timeout, name)
         assert service["restart"] == "unless-stopped", name
     # One deployment: every node on the same broker and namespace, none shared with the
     # independent gateways of profile `rocketmq`.

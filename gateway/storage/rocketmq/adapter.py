@@ -51,8 +51,10 @@ from gateway.storage.rocketmq.spread import (
     SEP,
     SLOTS_KEY,
     MergedReads,
+    Routing,
     SpreadOffsets,
     log_max_now,
+    mqtt_topic,
     slots_from_state,
     spread_queue,
 )
@@ -60,7 +62,6 @@ from gateway.storage.rocketmq.spread import phys as spread_phys
 from gateway.storage.rocketmq.state import STATE_QUEUE, StateLog
 from rocketmq_remoting import BrokerError, BrokerNotFoundError, RemotingClient, RemotingError
 from rocketmq_remoting.message import decode_message_id
-from rocketmq_remoting.route import broker_for
 from topicmap.record import TOPIC
 from topicmap.rocketmq import encode_lmq
 
@@ -78,6 +79,8 @@ DRAIN_S = 10.0  # a graceful stop waits this long at most for the sends in fligh
 #: How often a spread deployment asks the name server for brokers that joined (RocketMQ's own
 #: clients poll routes every 30 s: pollNameServerInterval).
 ROUTE_POLL_S = 30.0
+START_RETRY_S = 0.5  # a start waiting for RocketMQ asks the name server again this often
+START_LOG_S = 5.0  # ... and says what it waits for this often
 
 
 class _StateWake:
@@ -108,25 +111,13 @@ class _Slot:
     """One broker of a spread deployment other than the home broker: its sends, mirrors,
     parent-topic history and committed offsets (gateway/storage/rocketmq/spread.py)."""
 
-    def __init__(self, broker: Broker, *, sync: bool) -> None:
+    def __init__(self, broker: Broker, *, sync: bool, routing: Routing) -> None:
         self.broker = broker
         self.history_queue = broker.topic + SEP + broker.name
         self.history = ParentHistory(broker)
-        self.sender = Sender(broker, self.history, sync=sync)
+        self.sender = Sender(broker, self.history, sync=sync, failover=routing)
         self.mirrors = Mirrors(broker, self.sender.saw_phys)
         self.offsets = BrokerOffsets(broker)
-
-
-_TOPIC_PAIR = TOPIC.encode() + b"\x01"
-
-
-def _mqtt_topic(block: bytes, parent: str) -> str:
-    """The MQTT topic in an encoded property block (`TOPIC \x01 name \x02`)."""
-    i = block.find(_TOPIC_PAIR)
-    if i < 0 or (i > 0 and block[i - 1] != 2):
-        return parent
-    j = block.find(b"\x02", i)
-    return block[i + len(_TOPIC_PAIR) : j if j >= 0 else len(block)].decode("utf-8", "replace")
 
 
 class RocketMqStorage:
@@ -152,7 +143,7 @@ class RocketMqStorage:
         # Spread (add_slot): slot 0 is this home broker, the others follow.
         self._slots: list[_Slot] = []
         self._names: list[str] = [broker.name]  # broker names by slot
-        self._writable: list[str] = self._names  # those new messages go to (`set_drained`)
+        self._routing = Routing(self._names, self._sender_named, self._sends_in_flight)
         self._merged: MergedReads | None = None
         self._by_history: dict[str, _Slot] = {}
         self._listeners: list[ArrivalListener] = []
@@ -170,7 +161,8 @@ class RocketMqStorage:
 
     def add_slot(self, broker: Broker) -> None:
         """Spread messages to `broker` too from now on (its copies read from offset 0)."""
-        slot = _Slot(broker, sync=self._sync)
+        slot = _Slot(broker, sync=self._sync, routing=self._routing)
+        self._sender.failover = self._routing
         self._slots.append(slot)
         self._names.append(broker.name)
         self._by_history[slot.history_queue] = slot
@@ -209,21 +201,28 @@ class RocketMqStorage:
             return None
         return merged.count
 
-    def set_drained(self, names: Sequence[str]) -> None:
-        """Brokers new messages no longer go to: the route lists them without write permission
-        (an operator drains a broker by taking it away; what it holds is still read)."""
-        writable = [n for n in self._names if n not in names]
-        self._writable = writable or self._names
+    @property
+    def routing(self) -> Routing:
+        """Where spread messages go: the live brokers (gateway/storage/rocketmq/spread.py)."""
+        return self._routing
+
+    def _sender_named(self, name: str) -> Sender:
+        if name == self.broker_name:
+            return self._sender
+        return next(s.sender for s in self._slots if s.broker.name == name)
+
+    def _sends_in_flight(self) -> list[asyncio.Future[None]]:
+        out = self._sender.in_flight_sends()
+        for slot in self._slots:
+            out += slot.sender.in_flight_sends()
+        return out
 
     def _sender_for(self, topic: str, queues: Sequence[str]) -> Sender:
         """The broker a message goes to: by MQTT topic; the home broker for a message of a
         home-only queue (%RETAIN%, %CLUSTER%: one total order each)."""
         if not self._slots or any(not spread_queue(q) for q in queues):
             return self._sender
-        name = broker_for(topic.encode(), self._writable)
-        if name == self.broker_name:
-            return self._sender
-        return next(s.sender for s in self._slots if s.broker.name == name)
+        return self._routing.sender(topic)
 
     # -- the port: properties --------------------------------------------------------------------
 
@@ -263,10 +262,13 @@ class RocketMqStorage:
         """One batch per broker (each pipelined on its connection); one ticket for all."""
         parts: dict[int, tuple[Sender, list[EncodedMessage]]] = {}
         for message in messages:
-            sender = self._sender_for(_mqtt_topic(message[3], message[0]), message[1])
+            sender = self._sender_for(mqtt_topic(message[3], message[0]), message[1])
             parts.setdefault(id(sender), (sender, []))[1].append(message)
         self._ticket += 1
-        self._tickets[self._ticket] = [(s, s.send_batch(batch)) for s, batch in parts.values()]
+        gate = self._routing.gate()
+        self._tickets[self._ticket] = [
+            (s, s.send_batch(batch, gate)) for s, batch in parts.values()
+        ]
         if len(self._tickets) > 100_000:
             self._tickets.pop(next(iter(self._tickets)))
         return self._ticket
@@ -290,7 +292,7 @@ class RocketMqStorage:
         if self._closed:
             raise StoreError("the RocketMQ storage is closed")
         sender = self._sender_for((properties or {}).get(TOPIC, topic), queues)
-        res = await sender.send(queues, body, block)
+        res = await sender.send(queues, body, block, self._routing.gate() if self._slots else None)
         phys = decode_message_id(res.msg_id)[1]
         lights: dict[str, int] = {}
         if RETAIN_QUEUE in queues:
@@ -410,7 +412,11 @@ class RocketMqStorage:
         return [self._mirrors]
 
     async def open_queue(self, queue: str) -> None:
-        await asyncio.gather(*(m.open_queue(queue) for m in self._copies(queue)))
+        copies = self._copies(queue)
+        if self._routing.lost and len(copies) > 1:
+            # A lost broker's copy is read once it is back (its mirror keeps asking).
+            copies = [m for k, m in enumerate(copies) if self._names[k] not in self._routing.lost]
+        await asyncio.gather(*(m.open_queue(queue) for m in copies))
 
     def close_queue(self, queue: str) -> None:
         for m in self._copies(queue):
@@ -531,7 +537,9 @@ class RocketMqStorage:
                 log.error("%d write(s) to RocketMQ still unanswered at stop", len(late))
         await self._offsets.flush()  # answered: the next gateway reads them back
 
-    def close(self) -> None:
+    def close(self, *, keep_local: bool = False) -> None:
+        """Stop every pull and drop the connections; the local store too unless `keep_local`
+        (a start that waits for a broker opens the storage again on it)."""
         if self._closed:
             return
         self._closed = True
@@ -546,7 +554,8 @@ class RocketMqStorage:
             slot.mirrors.close()
             slot.history.close()
         self._broker.client.close_nowait()
-        self._local.close()
+        if not keep_local:
+            self._local.close()
 
 
 async def open_rocketmq(
@@ -560,13 +569,31 @@ async def open_rocketmq(
     namesrv = settings.namesrv
     if not namesrv:
         raise StorageUnavailable("store = rocketmq needs the name server address (--namesrv)")
-    client = RemotingClient([namesrv], client_id=None, request_timeout=5.0, connect_timeout=3.0)
-    try:
-        storage = await _open(client, settings, local, node_id)
-    except BaseException:
-        client.close_nowait()
-        raise
-    return storage
+    # Tried again every START_RETRY_S while the name server or a broker is not there yet, for
+    # `rocketmq_start_timeout` seconds (the gateway and RocketMQ usually start together); what
+    # it waits for is logged every START_LOG_S. Then the last reason, as StorageUnavailable.
+    deadline = time.monotonic() + settings.rocketmq_start_timeout
+    logged = -START_LOG_S
+    while True:
+        client = RemotingClient([namesrv], client_id=None, request_timeout=5.0, connect_timeout=3.0)
+        try:
+            return await _open(client, settings, local, node_id)
+        except _NotYet as exc:
+            client.close_nowait()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StorageUnavailable(str(exc)) from None
+            if time.monotonic() - logged >= START_LOG_S:
+                logged = time.monotonic()
+                log.warning("waiting for RocketMQ (%.0f s left): %s", left, exc)
+            await asyncio.sleep(min(START_RETRY_S, left))
+        except BaseException:
+            client.close_nowait()
+            raise
+
+
+class _NotYet(StorageUnavailable):
+    """What a start waits for: the name server answering, the brokers registered."""
 
 
 async def _open(
@@ -577,9 +604,9 @@ async def _open(
     try:
         home = await client.home_broker(topic, settings.rocketmq_broker)
     except BrokerNotFoundError as exc:
-        raise StorageUnavailable(str(exc)) from None
+        raise _NotYet(str(exc)) from None
     except RemotingError as exc:
-        raise StorageUnavailable(f"RocketMQ name server {namesrv} unreachable: {exc}") from exc
+        raise _NotYet(f"RocketMQ name server {namesrv} unreachable: {exc}") from exc
     name, addr = home.name, home.addr
     if settings.rocketmq_spread and not settings.rocketmq_broker and len(home.serving) > 1:
         # Spread puts the topic on every broker: the home is the one holding the state.
@@ -605,6 +632,9 @@ async def _open(
             await _spread(client, storage, settings)
         # Saved replays resume with the queues' bounds.
         await storage.open_history(storage.history_queues(None), 0)  # type: ignore[arg-type]
+    except _NotYet:
+        storage.close(keep_local=True)  # tried again (open_rocketmq)
+        raise
     except BaseException:
         storage.close()
         raise
@@ -648,7 +678,7 @@ async def _spread(
     for name in names[len(storage.brokers) :]:
         addr = masters.get(name)
         if addr is None:
-            raise StorageUnavailable(
+            raise _NotYet(
                 f"broker {name} holds part of topic {topic!r} (state record {SLOTS_KEY}) but is"
                 " not registered with the name server: start it (or its slave) again"
             )
@@ -656,10 +686,12 @@ async def _spread(
         await _probe_light_queues(client, name, addr, topic)
         storage.add_slot(Broker(client, name, addr, topic))
         log.info("broker %s (%s) holds part of topic %s now", name, addr, topic)
+    storage.routing.set_registered(masters)
     with contextlib.suppress(RemotingError):
         route = await client.get_route(topic)
         writable = route.writable_brokers()
-        storage.set_drained([q.broker_name for q in route.queues if q.broker_name not in writable])
+        drained = [q.broker_name for q in route.queues if q.broker_name not in writable]
+        storage.routing.set_drained(drained)
     value = json.dumps(names).encode()
     if recorded != value:
         await storage.wait_state_durable(storage.append_state([(SLOTS_KEY, value)]))

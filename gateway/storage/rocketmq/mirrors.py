@@ -24,7 +24,9 @@ from rocketmq_remoting.message import MessageRecord
 log = logging.getLogger("lmqtt.rocketmq")
 
 #: How long a held pull waits for an arrival. Well under the broker's 120 s idle close; the
-#: broker answers NOT_FOUND after it (rounded up to its hold checker's 5 s pass).
+#: broker answers NOT_FOUND after it, at its hold checker's next pass (up to 5 s later), and the
+#: client waits for that whole hold (rocketmq_remoting.client HOLD_CHECK_S): an idle queue's
+#: pull ends with PULL_NOT_FOUND, never with a client timeout.
 SUSPEND_S = 15.0
 #: Messages a mirror keeps per queue (oldest dropped; a reader behind them pulls them again).
 MIRROR_SIZE = 4096
@@ -267,6 +269,8 @@ class Mirrors:
             m.max = max(m.max, m.tail)
             if m.max > before or res.messages:
                 self._notify(m)
+            elif not res.found:
+                log.debug("queue %s: held pull ended empty (code %d)", m.queue, res.code)
 
     async def _fetch(self, m: Mirror, offset: int) -> None:
         """One-shot pull of a range below the held pull (a reader behind: backlog)."""

@@ -48,6 +48,7 @@ class BrokerOffsets:
         self._offsets: dict[Key, int] = {}
         self._durable: set[Key] = set()  # keys whose offset goes to the broker
         self._dirty: dict[Key, int] = {}
+        self._failing = False  # the last flush failed (logged once per outage)
         self._task = asyncio.get_running_loop().create_task(self._flush_periodically())
 
     def commit(self, group: str, queue: str, offset: int, *, durable: bool = True) -> None:
@@ -138,7 +139,14 @@ class BrokerOffsets:
         except RemotingError as exc:
             for key, offset in dirty.items():  # sent again by the next flush
                 self._dirty.setdefault(key, offset)
-            log.warning("committing offsets to broker %s failed: %s", broker.name, exc)
+            # Once per outage (a broker away is tried every second), and when it is over.
+            if not self._failing:
+                log.warning("committing offsets to broker %s failed: %s", broker.name, exc)
+            self._failing = True
+            return
+        if self._failing:
+            self._failing = False
+            log.warning("committing offsets to broker %s works again", broker.name)
 
     def close(self) -> None:
         self._task.cancel()

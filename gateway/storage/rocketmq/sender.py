@@ -11,6 +11,12 @@
     counted  every send is told to a SendCounter when it is made and when it is answered (its
              offset in the parent queue, or None): the parent topic's history
              (gateway/storage/rocketmq/history.py) bounds a replay's pin by the sends in flight.
+    failover spread only (`failover` set): a send the broker did not answer (refused
+             connection, connection lost, no answer in time) goes at once to the broker the
+             Failover names instead (gateway/storage/rocketmq/spread.py, "A broker lost").
+    gate     spread only: a send made while the brokers' set changes waits for `gate` (the
+             sends in flight then answered) before it goes, so a topic moving between brokers
+             keeps its order.
 
 Physical offsets are the broker's CommitLog offsets (unique on one broker), so the delivery
 loop's cross-queue ordering (`start_phys`, `read_phys`) works unchanged; `log_max` is the
@@ -23,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.storage.port import EncodedMessage, StoreError
 from gateway.storage.rocketmq.broker import Broker
@@ -51,11 +57,27 @@ class SendCounter(Protocol):
         """Answered with its offset in the parent queue, or failed (None)."""
 
 
+class Failover(Protocol):
+    """Where a message goes when its broker did not answer (spread over several brokers)."""
+
+    def instead_of(self, broker: str, queues: Sequence[str], block: bytes) -> Sender | None:
+        """The sender of the live broker that takes it (None: the message's queues stay on
+        `broker`, or no broker is left); `broker` counts as lost from now on."""
+
+
 class Sender:
     """Sends messages to `broker` and keeps the tickets of batches in flight."""
 
-    def __init__(self, broker: Broker, counter: SendCounter, *, sync: bool) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        counter: SendCounter,
+        *,
+        sync: bool,
+        failover: Failover | None = None,
+    ) -> None:
         self._broker = broker
+        self.failover = failover
         self._counter = counter
         self._sync = sync
         self._loop = asyncio.get_running_loop()
@@ -65,11 +87,13 @@ class Sender:
         self._sending: set[asyncio.Future[None]] = set()  # one per send not answered yet
         self.log_max = 0
 
-    def send_batch(self, messages: Sequence[EncodedMessage]) -> int:
-        """Send `messages` (all in flight at once); returns the batch's ticket."""
+    def send_batch(
+        self, messages: Sequence[EncodedMessage], gate: asyncio.Future[Any] | None = None
+    ) -> int:
+        """Send `messages` (all in flight at once, after `gate`); returns the batch's ticket."""
         self._ticket += 1
         ticket = self._ticket
-        sends = [self.send(queues, body, block) for _parent, queues, body, block in messages]
+        sends = [self.send(queues, body, block, gate) for _parent, queues, body, block in messages]
         batch = asyncio.ensure_future(asyncio.gather(*sends))
         fut: asyncio.Future[None] = self._loop.create_future()
         self._batches[ticket] = fut
@@ -116,15 +140,33 @@ class Sender:
         if self._sending:
             await asyncio.wait(list(self._sending))
 
-    def send(self, queues: Sequence[str], body: bytes, block: bytes) -> Awaitable[SendResult]:
+    def in_flight_sends(self) -> list[asyncio.Future[None]]:
+        """One future per send not answered yet (a gate waits for them)."""
+        return list(self._sending)
+
+    def send(
+        self,
+        queues: Sequence[str],
+        body: bytes,
+        block: bytes,
+        gate: asyncio.Future[Any] | None = None,
+    ) -> Awaitable[SendResult]:
         """One SEND_MESSAGE_V2 (see _send_message), counted from this call on, before its task
         runs: a replay pinned meanwhile must cover it."""
         self._counter.sending()
-        return self._counted(queues, body, block)
+        return self._counted(queues, body, block, gate)
 
-    async def _counted(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
+    async def _counted(
+        self,
+        queues: Sequence[str],
+        body: bytes,
+        block: bytes,
+        gate: asyncio.Future[Any] | None,
+    ) -> SendResult:
         offset: int | None = None
         try:
+            if gate is not None:
+                await asyncio.shield(gate)
             res = await self._send_message(queues, body, block)
             offset = res.queue_offset
             return res
@@ -166,8 +208,16 @@ class Sender:
             except BrokerError as exc:
                 raise StoreError(f"broker {broker.name} refused the message: {exc}") from exc
             except RemotingError as exc:
-                # Maybe stored, maybe not: not acknowledged (the client sends it again).
-                raise StoreError(f"broker {broker.name}: {exc}") from exc
+                # Maybe stored, maybe not: not acknowledged (the client sends it again), or
+                # sent to another broker (spread).
+                other = None
+                if self.failover is not None:
+                    other = self.failover.instead_of(broker.name, queues, block)
+                if other is None:
+                    raise StoreError(f"broker {broker.name}: {exc}") from exc
+                log.debug("broker %s: %s; message sent to broker %s", broker.name, exc,
+                          other._broker.name)  # fmt: skip
+                return await other.send(queues, body, block)
             if not res.ok:
                 raise StoreError(
                     f"broker {broker.name} stored the message but could not make it"

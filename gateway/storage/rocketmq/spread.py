@@ -16,6 +16,23 @@ Order in a read: the messages each broker's mirror holds from the position, merg
 timestamp (the brokers' clocks); a broker whose mirror is still pulling does not hold the
 others back (its messages come in a later read, their offsets above what was read).
 
+A broker lost (`Routing`). A message goes to `broker_for(mqtt topic, live brokers)`, so while a
+broker is lost its topics' new messages go to the next broker of their rendezvous order and
+every other topic stays where it was. A broker counts as lost from the moment a send to it
+gets no answer (refused connection, connection lost, no answer in time: that message itself
+goes at once to the stand-in, gateway/storage/rocketmq/sender.py), or when the route poll
+(every `rocketmq_route_poll` s) finds it no longer registered; it is back when the next poll
+finds it registered again. So publishes go on within one poll, at once after a failed send.
+Order, the rule: each change of the live brokers closes a gate; the sends made after it go only
+once every send in flight at the change is answered. A topic's messages before a change are
+thus stored before its messages after it, on whichever broker each went to, and merged reads
+deliver them in that order (store time). The messages a lost broker held stay there: they are
+delivered when it is back, after the newer ones of the same topic stored on the stand-in
+meanwhile, which is the one break of a topic's order; from its return on, order holds again.
+A message whose send got no answer may have been stored on the lost broker all the same: it is
+then stored twice (at least once, as after any unanswered send). Home-only queues (%STATE%,
+%RETAIN%, %CLUSTER%) never move: they wait for the home broker.
+
 Physical offsets. A merged message's `physical_offset` is time-major:
 `(store_timestamp - EPOCH_MS) << 24 | slot << 20 | commitlog offset & 0xFFFFF`, below 2**62
 (gateway/session/replay.py's REPLAYING) until 2033: unique as long as no broker writes 1 MiB within
@@ -28,18 +45,24 @@ brokers' records by when they were stored.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.storage.port import GetResult, GetStatus, StoredMessage
+from rocketmq_remoting.route import broker_for
+from topicmap.record import TOPIC
 
 # The merged-offset format's home is topicmap/spread.py; its names stay importable from here.
 from topicmap.spread import BASE as BASE
 from topicmap.spread import SLOTS_KEY as SLOTS_KEY
 from topicmap.spread import decode, encode, message_at, spread_queue
 from topicmap.spread import slots_from_state as slots_from_state
+
+if TYPE_CHECKING:
+    from gateway.storage.rocketmq.sender import Sender
 
 
 class Mirrors(Protocol):
@@ -245,3 +268,83 @@ class SpreadOffsets:
     def close(self) -> None:
         for slot in self._slots:
             slot.close()
+
+
+_TOPIC_PAIR = TOPIC.encode() + b"\x01"
+
+
+def mqtt_topic(block: bytes, parent: str) -> str:
+    """The MQTT topic in an encoded property block (`TOPIC \x01 name \x02`)."""
+    i = block.find(_TOPIC_PAIR)
+    if i < 0 or (i > 0 and block[i - 1] != 2):
+        return parent
+    j = block.find(b"\x02", i)
+    return block[i + len(_TOPIC_PAIR) : j if j >= 0 else len(block)].decode("utf-8", "replace")
+
+
+class Routing:
+    """Which broker a spread message goes to: by MQTT topic over the live brokers, and the gate
+    of a change of them (see "A broker lost" above). The sender's Failover."""
+
+    def __init__(
+        self,
+        names: list[str],
+        sender_of: Callable[[str], Sender],
+        in_flight: Callable[[], list[asyncio.Future[None]]],
+    ) -> None:
+        self.names = names  # by slot, the home broker first (the adapter's list, shared)
+        self.writable: list[str] = names  # where new messages go
+        self._sender_of = sender_of
+        self._in_flight = in_flight
+        self._drained: set[str] = set()
+        self.lost: set[str] = set()
+        self._gate: asyncio.Future[Any] | None = None
+
+    def gate(self) -> asyncio.Future[Any] | None:
+        """What a send made now waits for (None: nothing)."""
+        gate = self._gate
+        if gate is not None and gate.done():
+            self._gate = gate = None
+        return gate
+
+    def sender(self, topic: str) -> Sender:
+        return self._sender_of(broker_for(topic.encode(), self.writable))
+
+    def set_drained(self, names: Collection[str]) -> None:
+        """Brokers new messages no longer go to: the route lists them without write permission
+        (an operator drains a broker by taking it away; what it holds is still read)."""
+        self._drained = set(names)
+        self._update()
+
+    def set_registered(self, names: Collection[str]) -> None:
+        """The route poll's view: brokers not registered are lost, registered ones back."""
+        lost = {n for n in self.names if n not in names}
+        for name in sorted(lost - self.lost):
+            log.warning("broker %s is not registered: its topics' messages go to the others", name)
+        for name in sorted(self.lost - lost):
+            log.warning("broker %s is back: its topics' new messages go to it again", name)
+        self.lost = lost
+        self._update()
+
+    def instead_of(self, broker: str, queues: Sequence[str], block: bytes) -> Sender | None:
+        if any(not spread_queue(q) for q in queues):
+            return None  # a home-only queue's message waits for its broker
+        if broker not in self.lost:
+            log.warning("broker %s does not answer: its topics' messages go to the others", broker)
+            self.lost.add(broker)
+            self._update()
+        live = [n for n in self.names if n not in self.lost and n not in self._drained]
+        if not live:
+            return None
+        return self._sender_of(broker_for(mqtt_topic(block, "").encode(), live))
+
+    def _update(self) -> None:
+        writable = [n for n in self.names if n not in self._drained and n not in self.lost]
+        if writable == self.writable:
+            return
+        self.writable = writable or [n for n in self.names if n not in self._drained] or self.names
+        pending: list[asyncio.Future[Any]] = [*self._in_flight()]
+        if self._gate is not None and not self._gate.done():
+            pending.append(self._gate)
+        if pending:
+            self._gate = asyncio.ensure_future(asyncio.wait(pending))
