@@ -283,7 +283,8 @@ class RocketMQCluster:
                     "autoCreateSubscriptionGroup=true",
                     "mappedFileSizeCommitLog=33554432",
                     "mappedFileSizeConsumeQueue=60000",
-                    "timerWheelEnable=false",
+                    # Timer messages (TIMER_DELIVER_MS): the RocketMQ backend's delayed publish.
+                    "timerWheelEnable=true",
                     "fetchNamesrvAddrByAddressServer=false",
                     "metricsExporterType=DISABLE",
                     # The default 200 ms suits a dedicated broker; on a shared 2-core host a

@@ -304,6 +304,28 @@ class RocketMqStorage:
         # end_offset 0: already durable (tickets of append_encoded start at 1).
         return PutResult(phys, res.queue_offset, lights, 0, now_ms())
 
+    @property
+    def timers(self) -> None:
+        """None: the broker's timer wheel holds delayed messages (put_delayed)."""
+        return None
+
+    async def put_delayed(
+        self,
+        topic: str,
+        body: bytes,
+        queues: Sequence[str],
+        properties: dict[str, str],
+        deliver_ms: int,
+    ) -> None:
+        """A RocketMQ timer message (timerWheelEnable=true on the broker), its light queues
+        those of now: the broker re-puts it with them when due, so the delay outlives every
+        gateway."""
+        block = self.encode_properties(properties)
+        if self._closed:
+            raise StoreError("the RocketMQ storage is closed")
+        sender = self._sender_for(properties.get(TOPIC, topic), queues)
+        await sender.send_delayed(queues, body, block, deliver_ms)
+
     # -- the port: read --------------------------------------------------------------------------
 
     # The parent topic (named like the gateway queue of its history) is read by replays only
