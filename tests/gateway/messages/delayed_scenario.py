@@ -1,0 +1,144 @@
+"""The delayed-publish scenario both backends must pass, on real `lmqtt serve` processes.
+
+`$delayed/{s}/d/...` publishes acknowledged once stored; the gateway SIGKILLed right after one
+fired and before another is due, then stopped gracefully before a third is due. A watching
+subscriber gets those due while a gateway runs under their own topic `s` seconds after their
+PUBLISH was acknowledged (+- 1 s); those due while none runs are delivered when one is back: a
+persistent QoS 2 subscriber, offline throughout, finds each exactly once, then a probe
+published last: nothing was lost or fired twice.
+
+(The persistent subscriber stays offline because of a gap of the delivery side, not of the
+timer: a QoS 2 delivery completed (PUBCOMP) within a second before a SIGKILL is sent again
+after it, the committed offset being made durable by the next full flush, not at PUBCOMP.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from gateway.protocol import (
+    ConnAck,
+    Properties,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    Subscribe,
+    Subscription,
+)
+from tests.crash.gateway_proc import GatewayProcess
+from tests.gateway.conftest import RawClient
+
+TOLERANCE_S = 1.0
+
+
+def _connect(port: int, cid: str, level: int = 5, clean: bool = True) -> RawClient:
+    c = RawClient(port, level=level)
+    kw = {"properties": Properties(session_expiry_interval=3600)} if level == 5 else {}
+    ack = c.connect(cid, clean=clean, **kw)
+    assert isinstance(ack, ConnAck) and ack.reason_code == 0, ack
+    return c
+
+
+def _subscriber(port: int, cid: str, clean: bool) -> RawClient:
+    c = _connect(port, cid, clean=clean)
+    if clean:
+        c.send(Subscribe(1, [Subscription("d/#", 2)]))
+        assert isinstance(c.recv(), SubAck)
+    return c
+
+
+def publish_delayed(port: int, topic: str, qos: int, level: int = 5) -> float:
+    """PUBLISH `topic` from a fresh client; the monotonic time its acknowledgement came."""
+    c = _connect(port, f"delayed-pub-{time.monotonic_ns()}", level)
+    try:
+        c.send(Publish(topic, topic.encode(), qos=qos, packet_id=7))
+        if qos == 1:
+            ack = c.recv()
+            assert isinstance(ack, PubAck) and ack.reason_code == 0, ack
+        else:
+            rec = c.recv()
+            assert isinstance(rec, PubRec) and rec.reason_code == 0, rec
+            c.send(PubRel(7))
+            assert isinstance(c.recv(), PubComp)
+        return time.monotonic()
+    finally:
+        c.close()
+
+
+def _next(c: RawClient, kind: type, deadline: float, held: list[Publish]) -> object:
+    """The next packet of `kind`; PUBLISH packets read meanwhile go to `held`."""
+    while True:
+        ev = c.recv(max(0.01, deadline - time.monotonic()))
+        assert ev is not None, "connection closed"
+        if isinstance(ev, kind):
+            return ev
+        if isinstance(ev, Publish):
+            held.append(ev)
+
+
+_HELD: dict[int, list[Publish]] = {}
+
+
+def receive(c: RawClient, timeout: float = 20.0) -> tuple[Publish, float]:
+    """The next PUBLISH, fully acknowledged (QoS 1 or 2), and when it came."""
+    deadline = time.monotonic() + timeout
+    held = _HELD.setdefault(id(c), [])
+    ev = held.pop(0) if held else _next(c, Publish, deadline, held)
+    assert isinstance(ev, Publish)
+    at = time.monotonic()
+    if ev.qos == 1:
+        c.send(PubAck(ev.packet_id or 0))
+    elif ev.qos == 2:
+        c.send(PubRec(ev.packet_id or 0))
+        _next(c, PubRel, deadline, held)
+        c.send(PubComp(ev.packet_id or 0))
+    return ev, at
+
+
+def expect(c: RawClient, topic: str, due: float) -> None:
+    ev, at = receive(c)
+    assert (ev.topic, ev.qos) == (topic, 2), f"got {ev}, expected {topic!r} at QoS 2"
+    assert ev.payload.endswith(b"/" + topic.encode()), ev.payload
+    assert abs(at - due) <= TOLERANCE_S, f"{topic} came {at - due:+.2f} s from its due time"
+
+
+def run(start: Callable[[], GatewayProcess]) -> None:
+    gw = start()
+    try:
+        # The persistent subscriber is offline from here to the end, when it must find each
+        # message once; the watcher (a clean session, subscribed again after each restart)
+        # times those due while the gateway runs.
+        _subscriber(gw.port, "delayed-keeper", clean=True).close()
+        _connect(gw.port, "delayed-keeper", clean=False).close()
+        watch = _subscriber(gw.port, "delayed-watch", clean=True)
+        # QoS 2 end to end: a second delivery of any of them is a failure, not QoS 1's right.
+        a = publish_delayed(gw.port, "$delayed/2/d/a", 2, level=4)  # from MQTT 3.1.1
+        publish_delayed(gw.port, "$delayed/3/d/b", 2)
+        expect(watch, "d/a", a + 2)
+        # Right after a fired (its checkpoint most likely not yet written), before b is due.
+        gw.kill()
+        watch.close()
+        gw = start()
+        watch = _subscriber(gw.port, "delayed-watch", clean=True)
+        c = publish_delayed(gw.port, "$delayed/1/d/c", 2)
+        expect(watch, "d/c", c + 1)
+        publish_delayed(gw.port, "$delayed/2/d/d", 2)
+        watch.close()
+        gw.terminate()  # before d is due: a graceful stop
+        gw = start()
+        keeper = _connect(gw.port, "delayed-keeper", clean=False)
+        probe = _connect(gw.port, "delayed-probe")
+        probe.send(Publish("d/probe", b"probe", qos=1, packet_id=1))
+        assert isinstance(probe.recv(), PubAck)
+        probe.close()
+        got = []
+        while not got or got[-1] != "d/probe":
+            got.append(receive(keeper)[0].topic)
+        assert got == ["d/a", "d/b", "d/c", "d/d", "d/probe"], got
+        keeper.close()
+    finally:
+        gw.terminate()
