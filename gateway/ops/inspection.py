@@ -14,6 +14,8 @@ What it reports:
                    client id or "$share/<group>") and backlog = max offset - max(committed, min)
     offsets        every committed consumer offset, including groups without a session
     retained       number of live retained messages
+    delayed        the pending delayed messages ($delayed/{seconds}/{topic}) of the store's
+                   timer queue: due time, topic, publisher, QoS, size; earliest due first
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ class SessionInfo:
 
 
 @dataclass(slots=True)
+class DelayedInfo:
+    due_ms: int
+    topic: str
+    client_id: str
+    qos: int
+    bytes: int
+
+
+@dataclass(slots=True)
 class StoreReport:
     data_dir: str
     queues: list[QueueInfo] = field(default_factory=list)
@@ -87,6 +98,7 @@ class StoreReport:
     subscriptions: list[SubscriptionInfo] = field(default_factory=list)
     offsets: list[dict[str, Any]] = field(default_factory=list)
     retained_count: int = 0
+    delayed: list[DelayedInfo] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -245,9 +257,32 @@ def inspect_data_dir(data_dir: Path) -> StoreReport:
                 {"group": group, "queue": queue, "offset": offset, "lag": max(0, hi - offset)}
             )
         report.retained_count = len(RetainedIndex.open(store))
+        report.delayed = _pending_delayed(store)
     finally:
         store.close()
     return report
+
+
+def _pending_delayed(store: Storage) -> list[DelayedInfo]:
+    from topicmap import record
+
+    timers = store.timers
+    if timers is None:
+        return []
+    out = []
+    for entry in timers.pending():
+        m = timers.message(entry)
+        p = m.properties
+        out.append(
+            DelayedInfo(
+                due_ms=entry.due_ms,
+                topic=p.get(record.TOPIC, "?"),
+                client_id=p.get(record.CLIENT, ""),
+                qos=int(p.get(record.QOS, "0")),
+                bytes=len(m.body),
+            )
+        )
+    return out
 
 
 def render_json(report: StoreReport) -> str:
@@ -352,3 +387,17 @@ def render_text(report: StoreReport, console: Console, limit: int | None = 50) -
         console.print(offsets)
 
     console.print(f"Retained messages: {report.retained_count}")
+
+    if report.delayed:
+        delayed = Table(
+            title=f"Delayed messages ({len(report.delayed)} pending)", title_justify="left"
+        )
+        for col in ("due", "topic", "publisher"):
+            delayed.add_column(col, overflow="fold")
+        for col in ("qos", "bytes"):
+            delayed.add_column(col, justify="right")
+        rows_d = report.delayed if limit is None else report.delayed[:limit]
+        delayed.caption = _caption(len(rows_d), len(report.delayed), "earliest due")
+        for d in rows_d:
+            delayed.add_row(_utc(d.due_ms), d.topic, d.client_id, str(d.qos), str(d.bytes))
+        console.print(delayed)

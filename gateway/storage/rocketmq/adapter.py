@@ -747,6 +747,14 @@ async def _check_broker_config(client: RemotingClient, name: str, addr: str, *, 
             " back may be stored (and delivered) out of order; set sendMessageThreadPoolNums=1",
             name, threads,
         )  # fmt: skip
+    if config.get("timerWheelEnable", "").lower() != "true":
+        # The broker refuses timer messages then (WHEEL_TIMER_NOT_ENABLE): each is a failed
+        # PUBLISH (0x80), never an early delivery.
+        log.warning(
+            "broker %s has timerWheelEnable=%s: delayed publishes ($delayed/...) will fail;"
+            " set timerWheelEnable=true (and timerMaxDelaySec >= max_delay) there",
+            name, config.get("timerWheelEnable", "?"),
+        )  # fmt: skip
     flush = config.get("flushDiskType", "")
     if sync and flush != "SYNC_FLUSH":
         log.warning(

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 from gateway.protocol import (
     ConnAck,
+    PingReq,
+    PingResp,
     Properties,
     PubAck,
     PubComp,
@@ -33,6 +35,12 @@ from tests.crash.gateway_proc import GatewayProcess
 from tests.gateway.conftest import RawClient
 
 TOLERANCE_S = 1.0
+#: For check_refusals: bob may write and read cmd/# only.
+ACL = """
+user bob
+topic write cmd/#
+topic read cmd/#
+"""
 
 
 def _connect(port: int, cid: str, level: int = 5, clean: bool = True) -> RawClient:
@@ -142,3 +150,54 @@ def run(start: Callable[[], GatewayProcess]) -> None:
         keeper.close()
     finally:
         gw.terminate()
+
+
+def _bob(port: int, level: int) -> RawClient:
+    c = RawClient(port, level=level)
+    assert c.connect(f"bob{level}-{time.monotonic_ns()}", username="bob").reason_code == 0
+    return c
+
+
+# Delays 0, over max_delay (60 here), not a number; no topic, a $-topic. (A wildcard in a
+# PUBLISH topic is malformed whatever the prefix: the decoder refuses it.)
+BAD = [
+    "$delayed/0/cmd/x",
+    "$delayed/61/cmd/x",
+    "$delayed/abc/cmd/x",
+    "$delayed/-1/cmd/x",
+    "$delayed//cmd/x",
+    "$delayed/5",
+    "$delayed/5/",
+    "$delayed/5/$SYS/x",
+]
+
+
+def check_refusals(port: int, level: int) -> None:
+    """A gateway with ACL (max_delay 60): bad delays and topics get 0x90 on MQTT 5 and are
+    dropped with a positive PUBACK on 3.1.1, the connection kept; the ACL of the target topic
+    applies (0x87); then a good one arrives 1 s later."""
+    sub = _bob(port, 5)
+    sub.send(Subscribe(1, [Subscription("cmd/#", 1)]))
+    assert isinstance(sub.recv(), SubAck)
+    c = _bob(port, level)
+    invalid = 0x90 if level == 5 else 0
+    for pid, topic in enumerate(BAD, 1):
+        c.send(Publish(topic, b"bad", qos=1, packet_id=pid))
+        ack = c.recv()
+        assert isinstance(ack, PubAck) and ack.reason_code == invalid, (topic, ack)
+    c.send(Publish("$delayed/0/cmd/x", b"bad", qos=0))  # no ack to carry a code: dropped
+    # The ACL of the target topic: bob may not write other/x.
+    c.send(Publish("$delayed/1/other/x", b"denied", qos=1, packet_id=100))
+    ack = c.recv()
+    assert isinstance(ack, PubAck) and ack.reason_code == (0x87 if level == 5 else 0), ack
+    # The connection stayed; a good one goes through, 1 s later.
+    c.send(PingReq())
+    assert isinstance(c.recv(), PingResp)
+    c.send(Publish("$delayed/1/cmd/x", b"good", qos=1, packet_id=101))
+    assert isinstance(c.recv(), PubAck)
+    acked = time.monotonic()
+    got = sub.recv_until(Publish)
+    assert (got.topic, got.payload) == ("cmd/x", b"good")
+    assert abs(time.monotonic() - acked - 1) <= 1.0
+    c.close()
+    sub.close()
