@@ -216,6 +216,13 @@ class TimerQueue:
         self._fired[entry.offset] = (r.light_offsets.get(FIRED_QUEUE, 0), r.end_offset)
         return r
 
+    def forget(self, entry: TimerEntry) -> None:
+        """Drop a pending entry whose record retention deleted (it can never fire)."""
+        if entry.offset in self._pending:
+            self._pending.discard(entry.offset)
+            self._heap.remove(entry)
+            heapq.heapify(self._heap)
+
     def pending(self) -> list[TimerEntry]:
         """Every pending entry, earliest due first."""
         return sorted(self._heap)

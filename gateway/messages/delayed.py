@@ -110,7 +110,14 @@ class DelayedPublishes:
             msg = timers.message(entry)
             parent, queues = self._publisher.publish_route(msg.properties[TOPIC])
             r = timers.fire(entry, parent, queues, msg.body, msg.properties)
-        except (StoreError, KeyError, TopicError) as e:
+        except StoreError as e:
+            if entry.physical_offset < self._store.log_min_offset:
+                log.warning("delayed message %d was removed by retention unfired", entry.offset)
+                timers.forget(entry)
+                return True
+            log.error("delayed message %d could not be delivered: %s", entry.offset, e)
+            return False
+        except (KeyError, TopicError) as e:
             # Not stored, so not fired: it stays pending and is tried again next round.
             log.error("delayed message %d could not be delivered: %s", entry.offset, e)
             return False
