@@ -67,6 +67,9 @@ class DelayedPublishes:
     async def schedule(self, pub: Publish, client_id: str, delay_s: int, target: str) -> None:
         """Store `pub` (its topic already `target`-checked) for delivery to `target` in
         `delay_s` seconds; returns once stored (the acknowledgement may go). StoreError."""
+        fenced = self._publisher.fenced
+        if fenced is not None and fenced():
+            raise StoreError("this gateway node is fenced (its cluster lease ran out)")
         parent, queues = self._publisher.publish_route(target)
         body = Publish(
             topic=target,
