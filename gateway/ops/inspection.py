@@ -31,9 +31,16 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from gateway.storage.port import Storage
+    from gateway.storage.port import Storage, StoredMessage
 
-__all__ = ["InspectError", "StoreReport", "inspect_data_dir", "render_json", "render_text"]
+__all__ = [
+    "InspectError",
+    "StoreReport",
+    "inspect_data_dir",
+    "inspect_rocketmq",
+    "render_json",
+    "render_text",
+]
 
 SESSIONS_FILE = "sessions.json"  # written by versions before the state log
 _Row = TypeVar("_Row")
@@ -263,26 +270,47 @@ def inspect_data_dir(data_dir: Path) -> StoreReport:
     return report
 
 
-def _pending_delayed(store: Storage) -> list[DelayedInfo]:
+def _delayed_info(due_ms: int, m: StoredMessage) -> DelayedInfo:
     from topicmap import record
 
+    p = m.properties
+    return DelayedInfo(
+        due_ms=due_ms,
+        topic=p.get(record.TOPIC, "?"),
+        client_id=p.get(record.CLIENT, ""),
+        qos=int(p.get(record.QOS, "0")),
+        bytes=len(m.body),
+    )
+
+
+def _pending_delayed(store: Storage) -> list[DelayedInfo]:
     timers = store.timers
     if timers is None:
         return []
-    out = []
-    for entry in timers.pending():
-        m = timers.message(entry)
-        p = m.properties
-        out.append(
-            DelayedInfo(
-                due_ms=entry.due_ms,
-                topic=p.get(record.TOPIC, "?"),
-                client_id=p.get(record.CLIENT, ""),
-                qos=int(p.get(record.QOS, "0")),
-                bytes=len(m.body),
-            )
-        )
-    return out
+    return [_delayed_info(e.due_ms, timers.message(e)) for e in timers.pending()]
+
+
+def inspect_rocketmq(namesrv: str, topic: str, broker: str | None) -> StoreReport:
+    """A RocketMQ deployment's pending delayed messages, read from its brokers' timer topic
+    (gateway/storage/rocketmq/timers.py); the other tables are the embedded store's only.
+    Raises InspectError when the cluster cannot be read."""
+    import asyncio
+
+    from gateway.clock import now_ms
+    from gateway.storage.rocketmq.timers import pending_delayed
+    from rocketmq_remoting import RemotingError
+
+    try:
+        pending = asyncio.run(pending_delayed(namesrv, topic, broker, now_ms()))
+    except RemotingError as exc:
+        raise InspectError(f"RocketMQ name server {namesrv}: {exc}") from None
+    report = StoreReport(data_dir=f"rocketmq {namesrv} topic {topic}")
+    report.warnings.append(
+        "RocketMQ: only the pending delayed messages are listed (queues, sessions and offsets"
+        " are the embedded store's tables)"
+    )
+    report.delayed = [_delayed_info(due, m) for due, m in pending]
+    return report
 
 
 def render_json(report: StoreReport) -> str:
