@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from gateway.ops.inspection import DelayedInfo, StoreReport, inspect_data_dir, render_text
-from gateway.protocol import PubAck, Publish
+from gateway.protocol import PubAck, Publish, SubAck, Subscribe, Subscription
 from tests.crash.gateway_proc import GatewayProcess
 from tests.gateway.conftest import GatewayHarness, RawClient, wait_until
 from tests.gateway.messages import delayed_scenario
@@ -68,3 +68,19 @@ def test_inspect_lists_pending(acl_gateway: GatewayHarness) -> None:
     render_text(reports[-1], Console(file=out, width=200))
     assert "pending)" in out.getvalue()
     assert "cmd/later" in out.getvalue()
+
+
+def test_routed_when_it_fires(acl_gateway: GatewayHarness) -> None:
+    """The embedded store routes a delayed message when it fires: a filter first subscribed
+    while it waits gets it (on RocketMQ the light queues are those of the publish time)."""
+    c = RawClient(acl_gateway.port, level=5)
+    assert c.connect("router", username="bob").reason_code == 0
+    c.send(Publish("$delayed/1/cmd/routed/late", b"late", qos=1, packet_id=1))
+    assert isinstance(c.recv(), PubAck)
+    acked = time.monotonic()
+    c.send(Subscribe(2, [Subscription("cmd/routed/+", 1)]))  # a filter nobody held
+    assert isinstance(c.recv(), SubAck)
+    got = c.recv_until(Publish)
+    assert (got.topic, got.payload) == ("cmd/routed/late", b"late")
+    assert abs(time.monotonic() - acked - 1) <= 1.0
+    c.close()
