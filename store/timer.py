@@ -32,7 +32,10 @@ At open: pending = TIMER_TOPIC entries from C on, minus those named by FIRED_QUE
 from F on. A checkpoint behind the truth only makes that read longer; one ahead would lose
 timers, so it is written from flushed facts only (`save_checkpoint`). The read spans what
 arrived since the oldest pending entry, never the whole log. Pending entries are kept in
-memory as (due, offset, physical offset): about 100 bytes each.
+memory as (due, offset, physical offset): about 100 bytes each, in a heap by due time (a
+firing costs O(log n)). The limit of one watermark: a long delay among many short ones holds
+C back, so the marks of those fired since stay in memory (about 50 bytes each) and the next
+start reads them again, until it fires.
 
 Retention deletes whole CommitLog segments by age: an entry older than the retention is lost
 with its segment (the open logs how many). The operator keeps retention above the longest delay.
@@ -131,6 +134,7 @@ class TimerQueue:
         # the fired record in the log), until a checkpoint covers them.
         self._fired: dict[int, tuple[int, int]] = {}
         self._checkpoint = (0, 0)
+        self._moved = False  # something fired or was forgotten since the last full save
 
     # -- open ----------------------------------------------------------------------------------
 
@@ -150,6 +154,7 @@ class TimerQueue:
             due = int(m.properties.get(PROP_DELIVER_MS, "0"))
             self._push(TimerEntry(due, m.queue_offset, m.physical_offset))
         self._fired = fired
+        self._moved = bool(fired)
         if lost:
             log.warning("timer: %d delayed message(s) were removed by retention unfired", lost)
         return len(self._heap)
@@ -181,8 +186,17 @@ class TimerQueue:
         return self._heap[0].due_ms if self._heap else None
 
     def due(self, now_ms: int) -> list[TimerEntry]:
-        """The entries due at `now_ms`, earliest first (still pending until fired)."""
-        return [e for e in heapq.nsmallest(len(self._heap), self._heap) if e.due_ms <= now_ms]
+        """Take the entries due at `now_ms` off the wheel, earliest first: each is still
+        pending (the checkpoint holds it) until `fire`d, `forget`-ten or put back (`defer`)."""
+        heap, out = self._heap, []
+        while heap and heap[0].due_ms <= now_ms:
+            out.append(heapq.heappop(heap))
+        return out
+
+    def defer(self, entry: TimerEntry) -> None:
+        """Put an entry `due` gave back (its firing failed: tried again next time)."""
+        if entry.offset in self._pending:
+            heapq.heappush(self._heap, entry)
 
     def message(self, entry: TimerEntry) -> StoredMessage:
         """The delayed record of `entry`, its PROP_DELIVER_MS removed from the properties."""
@@ -211,33 +225,38 @@ class TimerQueue:
         # Mark and message are in the log: it is fired (save_checkpoint counts it only once
         # flushed). Not awaited here: a subscriber's acknowledgement follows its own rules.
         self._pending.discard(entry.offset)
-        self._heap.remove(entry)
-        heapq.heapify(self._heap)
         self._fired[entry.offset] = (r.light_offsets.get(FIRED_QUEUE, 0), r.end_offset)
+        self._moved = True
         return r
 
     def forget(self, entry: TimerEntry) -> None:
-        """Drop a pending entry whose record retention deleted (it can never fire)."""
-        if entry.offset in self._pending:
-            self._pending.discard(entry.offset)
-            self._heap.remove(entry)
-            heapq.heapify(self._heap)
+        """Drop an entry `due` gave whose record retention deleted (it can never fire)."""
+        self._pending.discard(entry.offset)
+        self._moved = True
 
     def pending(self) -> list[TimerEntry]:
-        """Every pending entry, earliest due first."""
+        """Every pending entry on the wheel, earliest due first."""
         return sorted(self._heap)
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._pending)
+
+    @property
+    def unsaved(self) -> bool:
+        """Something fired that no checkpoint covers yet (save_checkpoint again later)."""
+        return self._moved
 
     # -- checkpoint ----------------------------------------------------------------------------
 
     def save_checkpoint(self) -> bool:
         """Write (C, F) as far as the flushed log proves (module docstring); True if moved."""
+        if not self._moved:
+            return False  # nothing fired or forgotten since the last save that covered all
         store = self._store
         flushed = store.flushed_offset
         unfired = [o for o, (_, end) in self._fired.items() if end > flushed]
-        if self._heap:
+        self._moved = bool(unfired)  # save again once those are flushed
+        if self._pending:
             unfired.append(min(self._pending))
         c = min(unfired) if unfired else store.max_offset(TIMER_TOPIC)
         at_or_above = [pos for o, (pos, _) in self._fired.items() if o >= c]

@@ -99,30 +99,28 @@ class DelayedPublishes:
             except OSError as e:
                 log.error("timer checkpoint not written: %s", e)
             nxt = timers.next_due()
-            timeout: float | None = None
-            if nxt is not None:
+            # Nothing pending and all checkpointed: sleep until a new one comes.
+            timeout = CHECKPOINT_INTERVAL_S if failed or timers.unsaved else None
+            if nxt is not None and not failed:
                 timeout = min(max(0.0, (nxt - now_ms()) / 1000), CHECKPOINT_INTERVAL_S)
-                if failed:
-                    timeout = CHECKPOINT_INTERVAL_S
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
     def _fire(self, timers: TimerQueue, entry: TimerEntry) -> bool:
+        """Fire one entry `due` gave; False when it could not be (put back, tried again)."""
         try:
             msg = timers.message(entry)
             parent, queues = self._publisher.publish_route(msg.properties[TOPIC])
             r = timers.fire(entry, parent, queues, msg.body, msg.properties)
-        except StoreError as e:
-            if entry.physical_offset < self._store.log_min_offset:
+        except (StoreError, KeyError, TopicError) as e:
+            if isinstance(e, StoreError) and entry.physical_offset < self._store.log_min_offset:
                 log.warning("delayed message %d was removed by retention unfired", entry.offset)
                 timers.forget(entry)
                 return True
-            log.error("delayed message %d could not be delivered: %s", entry.offset, e)
-            return False
-        except (KeyError, TopicError) as e:
             # Not stored, so not fired: it stays pending and is tried again next round.
             log.error("delayed message %d could not be delivered: %s", entry.offset, e)
+            timers.defer(entry)
             return False
         self._publisher.recent.add(parent, msg.body, msg.properties, r)
         self._stats.messages_received += 1
