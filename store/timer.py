@@ -129,7 +129,8 @@ class TimerQueue:
     def __init__(self, store: TimerStore) -> None:
         self._store = store
         self._heap: list[TimerEntry] = []
-        self._pending: set[int] = set()  # offsets in the heap
+        # Offsets not yet fired: on the heap, or taken off it by due() and not yet fired.
+        self._pending: set[int] = set()
         # Fired entries at or above the checkpoint's C: offset -> (FIRED_QUEUE offset, end of
         # the fired record in the log), until a checkpoint covers them.
         self._fired: dict[int, tuple[int, int]] = {}
@@ -156,7 +157,11 @@ class TimerQueue:
         self._fired = fired
         self._moved = bool(fired)
         if lost:
-            log.warning("timer: %d delayed message(s) were removed by retention unfired", lost)
+            log.warning(
+                "timer: retention removed %d delayed message(s) the checkpoint did not see fire"
+                " (those still pending are lost)",
+                lost,
+            )
         return len(self._heap)
 
     # -- schedule and fire ---------------------------------------------------------------------
