@@ -30,13 +30,17 @@ from tests.rocketmq.cluster import RocketMQCluster
 
 def test_delayed_across_restart_and_sigkill(rocketmq: RocketMQCluster, tmp_path: Path) -> None:
     """Over 10 s: three gateway processes, a restart costing seconds on a loaded host."""
+    topic = f"t{uuid.uuid4().hex[:12]}"
     env = {
         "LMQTT_STORE": "rocketmq",
         "LMQTT_NAMESRV": rocketmq.namesrv_addr,
         "LMQTT_ROCKETMQ_BROKER": "broker-a",
-        "LMQTT_ROCKETMQ_TOPIC": f"t{uuid.uuid4().hex[:12]}",
+        "LMQTT_ROCKETMQ_TOPIC": topic,
     }
-    delayed_scenario.run(lambda: GatewayProcess(tmp_path / "data", segment_size=1 << 20, env=env))
+    delayed_scenario.run(
+        lambda: GatewayProcess(tmp_path / "data", segment_size=1 << 20, env=env),
+        ["--store", "rocketmq", "--namesrv", rocketmq.namesrv_addr, "--rocketmq-topic", topic],
+    )
 
 
 @pytest.fixture

@@ -14,6 +14,10 @@ after it, the committed offset being made durable by the next full flush, not at
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -31,7 +35,7 @@ from gateway.protocol import (
     Subscribe,
     Subscription,
 )
-from tests.crash.gateway_proc import GatewayProcess
+from tests.crash.gateway_proc import ROOT, GatewayProcess
 from tests.gateway.conftest import RawClient
 
 TOLERANCE_S = 1.0
@@ -114,7 +118,19 @@ def expect(c: RawClient, topic: str, due: float) -> None:
     assert abs(at - due) <= TOLERANCE_S, f"{topic} came {at - due:+.2f} s from its due time"
 
 
-def run(start: Callable[[], GatewayProcess]) -> None:
+def replayed(store_args: list[str]) -> list[dict[str, object]]:
+    """`lmqtt replay --filter d/# --since earliest` (the real command) as rows."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway", "replay", *store_args, "--filter", "d/#",
+         "--since", "earliest"],
+        capture_output=True, text=True, timeout=60, check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def run(start: Callable[[], GatewayProcess], replay_args: list[str]) -> None:
+    """The scenario; `replay_args` select the store for `lmqtt replay` at the end."""
     gw = start()
     try:
         # The persistent subscriber is offline from here to the end, when it must find each
@@ -124,8 +140,11 @@ def run(start: Callable[[], GatewayProcess]) -> None:
         _connect(gw.port, "delayed-keeper", clean=False).close()
         watch = _subscriber(gw.port, "delayed-watch", clean=True)
         # QoS 2 end to end: a second delivery of any of them is a failure, not QoS 1's right.
+        published = {}  # topic -> wall-clock time its PUBLISH was acknowledged + its delay
         a = publish_delayed(gw.port, "$delayed/2/d/a", 2, level=4)  # from MQTT 3.1.1
+        published["d/a"] = time.time() + 2
         publish_delayed(gw.port, "$delayed/3/d/b", 2)
+        published["d/b"] = time.time() + 3
         expect(watch, "d/a", a + 2)
         # Right after a fired (its checkpoint most likely not yet written), before b is due.
         gw.kill()
@@ -133,21 +152,30 @@ def run(start: Callable[[], GatewayProcess]) -> None:
         gw = start()
         watch = _subscriber(gw.port, "delayed-watch", clean=True)
         c = publish_delayed(gw.port, "$delayed/1/d/c", 2)
+        published["d/c"] = time.time() + 1
         expect(watch, "d/c", c + 1)
         publish_delayed(gw.port, "$delayed/2/d/d", 2)
+        published["d/d"] = time.time() + 2
         watch.close()
         gw.terminate()  # before d is due: a graceful stop
         gw = start()
         keeper = _connect(gw.port, "delayed-keeper", clean=False)
+        got = [receive(keeper)[0].topic for _ in range(4)]  # d fires once it is due
         probe = _connect(gw.port, "delayed-probe")
         probe.send(Publish("d/probe", b"probe", qos=1, packet_id=1))
         assert isinstance(probe.recv(), PubAck)
         probe.close()
-        got = []
-        while not got or got[-1] != "d/probe":
-            got.append(receive(keeper)[0].topic)
+        got.append(receive(keeper)[0].topic)  # nothing a second time before the probe
         assert got == ["d/a", "d/b", "d/c", "d/d", "d/probe"], got
         keeper.close()
+        # Replay (and the report, reading the same records) see each once, under its topic,
+        # stored when it was delivered (not when published).
+        rows = replayed(replay_args)
+        assert [r["topic"] for r in rows] == got
+        for r in rows[:-1]:
+            stored = int(str(r["store_timestamp_ms"])) / 1000
+            assert stored >= published[str(r["topic"])] - TOLERANCE_S, (r, published)
+            assert r["client_id"] != "" and r["qos"] == 2
     finally:
         gw.terminate()
 

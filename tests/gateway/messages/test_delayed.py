@@ -25,7 +25,12 @@ from tests.gateway.messages import delayed_scenario
 
 def test_delayed_across_restart_and_sigkill(tmp_path: Path) -> None:
     """Over 10 s: three gateway processes, a restart costing seconds on a loaded host."""
-    delayed_scenario.run(lambda: GatewayProcess(tmp_path / "data", segment_size=1 << 20))
+    data = tmp_path / "data"
+    # The default segment size: `lmqtt replay` opens the store with it (a store of one
+    # smaller segment is refused: "size 1048576 != 1073741824").
+    delayed_scenario.run(
+        lambda: GatewayProcess(data, segment_size=1 << 30), ["--data-dir", str(data)]
+    )
 
 
 @pytest.fixture(scope="module")
