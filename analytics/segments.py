@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analytics.errors import CorruptSegmentError, DataDirError
+from store import TIMER_TOPIC
 from store.commitlog import segment_files
 from store.format import (
     COMMITLOG_DIR,
@@ -194,7 +195,8 @@ class SegmentParser:
                 if keep:
                     self.records += keep
                     self.end_offset = self.segment.start_offset + int(end_arr[-1])
-                    yield _to_batch(whole, start_arr, end_arr, self.segment.start_offset)
+                    batch = _to_batch(whole, start_arr, end_arr, self.segment.start_offset)
+                    yield _without_waiting_timers(batch)
         finally:
             del whole
             view.release()
@@ -224,6 +226,16 @@ class SegmentParser:
 
 _BE: dict[int, np.dtype[Any]] = {2: np.dtype(">u2"), 4: np.dtype(">u4"), 8: np.dtype(">i8")}
 _SPANS = {w: np.arange(w) for w in _BE}
+
+
+def _without_waiting_timers(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """The batch without the store's delayed records (parent topic TIMER_TOPIC, store/timer.py):
+    a delayed message is a row once, when it fired (that record is an ordinary one of its
+    topic, stamped with the firing time), not also while it waited."""
+    waiting = pc.equal(batch.column(4), TIMER_TOPIC)  # parent_topic
+    if not pc.any(waiting).as_py():
+        return batch
+    return batch.filter(pc.invert(waiting))
 
 
 def _gather_be(whole: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:

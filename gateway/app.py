@@ -37,6 +37,7 @@ from gateway.delivery.shared import SharedSubscriptions
 from gateway.delivery.state import DeliveryContext
 from gateway.lifecycle.sessions import SessionLifecycle
 from gateway.lifecycle.subscriptions import SubscriptionLifecycle
+from gateway.messages.delayed import DelayedPublishes
 from gateway.messages.publishing import PublishPath
 from gateway.messages.recent import PreparedCache, RecentMessages
 from gateway.messages.retained import RetainedIndex
@@ -95,6 +96,7 @@ class Gateway:
         self.store: Storage
         self.publisher: PublishPath
         self.retained: RetainedIndex
+        self.delayed: DelayedPublishes
         self.sessions: SessionRegistry
         self.session_lifecycle: SessionLifecycle
         self.subscriptions: SubscriptionLifecycle
@@ -203,12 +205,21 @@ class Gateway:
             max_inflight=s.max_inflight,
             outbound_topic_aliases=s.outbound_topic_aliases,
         )
+        # After the sessions' filters are routed: a due delayed message reaches them.
+        delayed = self.delayed = DelayedPublishes(store, publisher, self.stats)
         packets = PacketDispatch(
             ConnectHandler(
                 s, self.state, self.access, self.stats, lifecycle, subscriptions, delivery, link
             ),
             PublishHandler(
-                loop, publisher, self.access, registry, self.stats, sync=s.flush == "sync"
+                loop,
+                publisher,
+                self.access,
+                registry,
+                self.stats,
+                sync=s.flush == "sync",
+                delayed=delayed,
+                max_delay=s.max_delay,
             ),
             SubscribeHandler(subscriptions, registry, self.access, delivery, link, s.max_qos),
         )
@@ -251,6 +262,7 @@ class Gateway:
         self._tasks.append(loop.create_task(self._housekeeping()))
         self._tasks.append(loop.create_task(bans.run()))
         self.timers.start()
+        self._tasks.append(loop.create_task(delayed.run()))
         self._tasks.append(
             loop.create_task(account.run(registry.sessions.values, shared.groups.values))
         )
@@ -325,6 +337,7 @@ class Gateway:
             self.account.close(self.sessions.sessions.values(), self.shared.groups.values())
             await self.sessions.close()
             self.retained.close()
+            await self.delayed.stop()
             await self.store.drain()  # sends still in flight (RocketMQ)
         finally:
             if self.cluster is not None:

@@ -140,8 +140,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Print the store's queues, offsets and backlogs, sessions and "
         "subscriptions, without a running server. Never writes.",
     )
-    inspect.add_argument("--data-dir", type=Path, metavar="DIR", help="default ./lmqtt-data")
-    inspect.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    _add_store_flags(inspect)  # --store rocketmq: the deployment's pending delayed messages
     inspect.add_argument("--json", action="store_true", help="machine-readable output (all rows)")
     inspect.add_argument(
         "--all", action="store_true", help="every row (default: the 50 most significant per table)"
@@ -403,13 +402,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from gateway.ops.inspection import InspectError, inspect_data_dir, render_json, render_text
+    from gateway.ops.inspection import (
+        InspectError,
+        inspect_data_dir,
+        inspect_rocketmq,
+        render_json,
+        render_text,
+    )
 
-    settings = _load(args.config, data_dir=args.data_dir)
+    settings = _store_settings(args)
     if settings is None:
         return EXIT_USAGE
     try:
-        report = inspect_data_dir(settings.data_dir)
+        if settings.store == "rocketmq":
+            assert settings.namesrv is not None  # the settings require it with store = rocketmq
+            report = inspect_rocketmq(
+                settings.namesrv, settings.rocketmq_topic, settings.rocketmq_broker
+            )
+        else:
+            report = inspect_data_dir(settings.data_dir)
     except InspectError as exc:
         _err(str(exc))
         return EXIT_FAILURE

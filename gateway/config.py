@@ -194,6 +194,10 @@ class GatewaySettings(BaseSettings):
     # Outbound messages a session may have read ahead of its acknowledgements (memory bound).
     max_queued_messages: int = Field(default=1000, ge=1)
 
+    # --- delayed publish ($delayed/{seconds}/{topic}: gateway/messages/delayed.py)
+    # The longest delay accepted, seconds (a RocketMQ broker also needs timerMaxDelaySec >= it).
+    max_delay: int = Field(default=7 * 24 * 3600, ge=1, le=U32_MAX)
+
     # --- security (gateway/access/auth.py, gateway/access/acl.py, gateway/access/control.py)
     password_file: Path | None = None  # `lmqtt passwd FILE USER` writes it
     acl_file: Path | None = None  # Mosquitto ACL syntax; none = every client may do anything

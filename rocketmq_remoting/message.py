@@ -61,6 +61,14 @@ PROPERTY_KEYS: Final = "KEYS"
 PROPERTY_TAGS: Final = "TAGS"
 PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX: Final = "UNIQ_KEY"
 PROPERTY_CRC32: Final = "__CRC32#"
+#: A timer message's delivery time, epoch ms (MessageConst.PROPERTY_TIMER_DELIVER_MS): a broker
+#: with timerWheelEnable=true holds it in its timer topic and re-puts it to its topic (light
+#: queues included) when due.
+PROPERTY_TIMER_DELIVER_MS: Final = "TIMER_DELIVER_MS"
+#: The broker's timer topic (TimerMessageStore.TIMER_TOPIC), holding the timer messages not yet
+#: due (their own topic in PROPERTY_REAL_TOPIC).
+TIMER_TOPIC: Final = "rmq_sys_wheel_timer"
+PROPERTY_REAL_TOPIC: Final = "REAL_TOPIC"
 #: Properties a broker adds to (or a sender sets for) a stored message, besides the sender's
 #: own: ``MessageConst`` names a reader of the message's properties leaves out.
 BROKER_PROPERTIES: Final = frozenset(

@@ -40,6 +40,7 @@ from store.statelog import (
     read_state_records,
 )
 from store.store import MessageStore
+from store.timer import TIMER_TOPIC, TimerEntry, TimerQueue, pending_timers
 
 __all__ = [
     "DISPATCH_KEY",
@@ -48,6 +49,7 @@ __all__ = [
     "FLAG_CLOSED",
     "FLAG_SHARED",
     "STATE_DIR",
+    "TIMER_TOPIC",
     "AccountRecord",
     "AccountWriter",
     "ArrivalListener",
@@ -71,6 +73,9 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StoredMessage",
+    "TimerEntry",
+    "TimerQueue",
+    "pending_timers",
     "read_account",
     "read_state",
     "read_state_records",

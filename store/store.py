@@ -216,6 +216,11 @@ class MessageStore:
     # =========================================================================================
     # flushing, retention
     # =========================================================================================
+    @property
+    def flushed_offset(self) -> int:
+        """The CommitLog's end known durable (fsynced)."""
+        return self.commitlog.flushed_pos
+
     def flush(self) -> None:
         """Force a full flush and checkpoint now."""
         self._check_writable()

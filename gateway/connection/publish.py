@@ -23,6 +23,7 @@ from typing import Protocol
 
 from gateway.access.control import AccessControl, Client
 from gateway.delivery.loop import DeliveryLoop
+from gateway.messages.delayed import DELAYED_PREFIX, DelayedPublishes, parse_delayed
 from gateway.messages.publishing import PublishPath
 from gateway.messages.records import PublishProperties
 from gateway.protocol import Connection, PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
@@ -88,7 +89,17 @@ class Publishing(Client, Protocol):
 class PublishHandler:
     """Stores what a client publishes and acknowledges it; PUBREL and PUBREC."""
 
-    __slots__ = ("_access", "_loop", "_publisher", "_registry", "_stats", "_sync", "_topic")
+    __slots__ = (
+        "_access",
+        "_delayed",
+        "_loop",
+        "_max_delay",
+        "_publisher",
+        "_registry",
+        "_stats",
+        "_sync",
+        "_topic",
+    )
 
     def __init__(
         self,
@@ -98,9 +109,14 @@ class PublishHandler:
         registry: SessionRegistry,
         stats: GatewayStats,
         sync: bool,
+        delayed: DelayedPublishes | None = None,
+        max_delay: int = 0,
     ) -> None:
-        """`sync`: acknowledge after the fsync (settings.flush == "sync")."""
+        """`sync`: acknowledge after the fsync (settings.flush == "sync"). `delayed`: where
+        `$delayed/{seconds}/{topic}` goes, seconds up to `max_delay`."""
         self._loop = loop
+        self._delayed = delayed
+        self._max_delay = max_delay
         self._publisher = publisher
         self._access = access
         self._registry = registry
@@ -170,10 +186,12 @@ class PublishHandler:
         session = client.session
         assert session is not None
         client.release_acks()
-        level = client.conn.protocol_level
         pid = pub.packet_id
         try:
             if pub.topic.startswith("$"):
+                if pub.topic.startswith(DELAYED_PREFIX) and self._delayed is not None:
+                    await self._on_delayed(client, pub)
+                    return
                 raise TopicError(
                     "clients cannot publish to $-topics", reason_code=ReasonCode.NOT_AUTHORIZED
                 )
@@ -184,15 +202,7 @@ class PublishHandler:
                 client.fail(ReasonCode.TOPIC_NAME_INVALID, f"invalid topic {pub.topic!r}: {e}")
                 return
             # Denied, not malformed: acknowledge (3.1.1 has no negative ack) and drop.
-            log.info("%r: PUBLISH to %r denied: %s", client.client_id, pub.topic, e)
-            self._stats.publish_dropped += 1
-            code = ReasonCode.NOT_AUTHORIZED if level == 5 else 0
-            if pub.qos == 1 and pid is not None:
-                client.write(client.conn.send(PubAck(pid, code)))
-            elif pub.qos == 2 and pid is not None:
-                client.write(client.conn.send(PubRec(pid, code)))
-                if code == 0:
-                    session.qos2_inbound.add(pid)
+            self._refuse(client, pub, ReasonCode.NOT_AUTHORIZED, f"denied: {e}")
             return
         if pub.qos == 2 and pid is not None and pid in session.qos2_inbound:
             # Re-sent before our PUBREC arrived: stored already (state survives restarts).
@@ -221,6 +231,55 @@ class PublishHandler:
                 client.write(client.conn.send(PubAck(pid)))
         elif pub.qos == 2:
             await self._acknowledge(client, pub)
+
+    def _refuse(self, client: Publishing, pub: Publish, code: int, why: str) -> None:
+        """Drop `pub` with a log line: MQTT 5 gets `code` in its PUBACK / PUBREC; 3.1.1, which
+        has no negative acknowledgement, a positive one ([MQTT-3.3.5-2]: acknowledge or
+        close); the connection stays."""
+        log.info("%r: PUBLISH to %r dropped: %s", client.client_id, pub.topic, why)
+        self._stats.publish_dropped += 1
+        pid = pub.packet_id
+        session = client.session
+        if client.conn.protocol_level != 5:
+            code = 0
+        if pub.qos == 1 and pid is not None:
+            client.write(client.conn.send(PubAck(pid, code)))
+        elif pub.qos == 2 and pid is not None:
+            client.write(client.conn.send(PubRec(pid, code)))
+            if code == 0 and session is not None:
+                session.qos2_inbound.add(pid)
+
+    async def _on_delayed(self, client: Publishing, pub: Publish) -> None:
+        """`$delayed/{seconds}/{topic}`: checked like a PUBLISH to `{topic}` (a bad delay or
+        topic: 0x90; the ACL on `{topic}`: 0x87), stored in the timer (DelayedPublishes),
+        acknowledged once stored."""
+        assert self._delayed is not None
+        try:
+            delay, target = parse_delayed(pub.topic, self._max_delay)
+            self._topic(target)
+            self._access.check_publish(client, target)
+        except TopicError as e:
+            code = e.reason_code or ReasonCode.TOPIC_NAME_INVALID
+            if code != ReasonCode.NOT_AUTHORIZED:
+                code = ReasonCode.TOPIC_NAME_INVALID
+            self._refuse(client, pub, code, str(e))
+            return
+        session = client.session
+        assert session is not None
+        pid = pub.packet_id
+        if pub.qos == 2 and pid is not None and pid in session.qos2_inbound:
+            client.write(client.conn.send(PubRec(pid)))  # re-sent: stored already
+            return
+        chain = client.ack_chain
+        try:
+            await self._delayed.schedule(pub, client.client_id, delay, target)
+        except StoreError as e:
+            self.store_failed(client, pub, e)
+            return
+        if chain is not None and not chain.done():
+            # Acknowledgements leave in the order the PUBLISH packets came.
+            await asyncio.gather(chain, return_exceptions=True)
+        await self._acknowledge(client, pub)
 
     async def _store_then_ack(
         self, client: Publishing, pub: Publish, prev: asyncio.Task[None] | None

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.config import GatewaySettings
 from gateway.storage.port import Storage
-from store import AccountWriter, FlushMode, MessageStore, StoreConfig
+from store import AccountWriter, FlushMode, MessageStore, StoreConfig, TimerQueue
 from topicmap import TopicFilter, replay_parents
 
 
@@ -22,6 +22,26 @@ class EmbeddedStorage(MessageStore):
     """MessageStore + the port's async state operations."""
 
     _compacting: asyncio.Future[None] | None = None
+    _timers: TimerQueue | None = None
+
+    @property
+    def timers(self) -> TimerQueue:
+        """The store's timer queue, its pending entries recovered on first use."""
+        if self._timers is None:
+            self._timers = TimerQueue(self)
+            self._timers.recover()
+        return self._timers
+
+    async def put_delayed(
+        self,
+        topic: str,
+        body: bytes,
+        queues: Sequence[str],
+        properties: dict[str, str],
+        deliver_ms: int,
+    ) -> None:
+        """Into the timer queue (store/timer.py); the gateway routes it when it fires."""
+        await self.timers.schedule(body, properties, deliver_ms)
 
     @property
     def tail_may_be_lost(self) -> bool:

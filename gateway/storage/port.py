@@ -72,6 +72,8 @@ from store import (
     StoredMessage,
     StoreError,
     StoreLockedError,
+    TimerEntry,
+    TimerQueue,
     stored_runs,
 )
 from topicmap import TopicFilter
@@ -96,6 +98,8 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StoredMessage",
+    "TimerEntry",
+    "TimerQueue",
     "stored_runs",
 ]
 
@@ -168,6 +172,29 @@ class Storage(Protocol):
 
     async def wait_durable(self, end_offset: int) -> None:
         """Return once everything up to `end_offset` is durable (sync flush: fsynced)."""
+        ...
+
+    # -- delayed messages ---------------------------------------------------------------------
+
+    @property
+    def timers(self) -> TimerQueue | None:
+        """The store's durable timer queue, which the gateway fires when entries fall due
+        (routing them then); None when the backend delivers delayed messages itself."""
+        ...
+
+    async def put_delayed(
+        self,
+        topic: str,
+        body: bytes,
+        queues: Sequence[str],
+        properties: dict[str, str],
+        deliver_ms: int,
+    ) -> None:
+        """Store a message to be delivered at `deliver_ms` (epoch ms); returns once it is
+        stored (as durable as put_async). `topic` and `queues`: its parent topic and light
+        queues now, which a backend without `timers` dispatches to when due (RocketMQ: the
+        broker's timer re-puts the message); with `timers` the gateway routes it when it
+        fires, and these are not kept."""
         ...
 
     # -- messages: read -----------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import struct
 from pathlib import Path
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from analytics.errors import CorruptSegmentError, DataDirError
 from analytics.segments import SegmentFile, SegmentParser, list_segments, read_segment_table
-from store import MessageStore, StoreConfig
+from store import MessageStore, StoreConfig, TimerQueue
 from store import format as fmt
 from tests.analytics.groundtruth import World
 
@@ -184,3 +185,26 @@ def test_damaged_active_segment_yields_a_valid_prefix(
     clients = table.column("client_id").to_pylist()
     assert clients == [f"c{i}" for i in range(len(clients))]
     os.unlink(seg_path)
+
+
+def test_a_delayed_message_is_a_row_once_when_it_fired(tmp_path: Path) -> None:
+    """The store's timer records (store/timer.py) are no rows: a delayed message counts once,
+    under its topic, at the time it fired; one still waiting not at all."""
+    data = tmp_path / "data"
+    s = MessageStore.open(StoreConfig(data_dir=data))
+    try:
+        timers = TimerQueue(s)
+        timers.recover()
+        props = {"mqtt.topic": "d/a", "mqtt.client": "pub"}
+        asyncio.run(timers.schedule(b"fires", props, 1))
+        asyncio.run(timers.schedule(b"waits", {**props, "mqtt.topic": "d/b"}, 1 << 50))
+        s.put(topic="d", body=b"plain", properties={**props, "mqtt.topic": "d/c"})
+        (due,) = timers.due(2)
+        m = timers.message(due)
+        fired = timers.fire(due, "d", ("%LMQ%d",), m.body, m.properties)
+    finally:
+        s.close()
+    rows = read_segment_table(list_segments(data)[0]).to_pylist()
+    assert [(r["parent_topic"], r["topic"]) for r in rows] == [("d", "d/c"), ("d", "d/a")]
+    assert rows[1]["physical_offset"] == fired.physical_offset
+    assert rows[1]["queues"] == ["%LMQ%d", "%TIMER_FIRED%"]

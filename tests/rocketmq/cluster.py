@@ -293,7 +293,11 @@ class RocketMQCluster:
                     "autoCreateSubscriptionGroup=true",
                     "mappedFileSizeCommitLog=33554432",
                     "mappedFileSizeConsumeQueue=60000",
-                    "timerWheelEnable=false",
+                    # Timer messages (TIMER_DELIVER_MS): the RocketMQ backend's delayed publish.
+                    "timerWheelEnable=true",
+                    "timerMaxDelaySec=604800",  # lmqtt's max_delay default: 7 days
+                    # Fire within 0.1 s of the due time (default 1 s: up to 1 s late).
+                    "timerPrecisionMs=100",
                     "fetchNamesrvAddrByAddressServer=false",
                     "metricsExporterType=DISABLE",
                     # The default 200 ms suits a dedicated broker; on a shared 2-core host a

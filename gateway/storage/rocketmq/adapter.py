@@ -306,6 +306,28 @@ class RocketMqStorage:
         # end_offset 0: already durable (tickets of append_encoded start at 1).
         return PutResult(phys, res.queue_offset, lights, 0, now_ms())
 
+    @property
+    def timers(self) -> None:
+        """None: the broker's timer wheel holds delayed messages (put_delayed)."""
+        return None
+
+    async def put_delayed(
+        self,
+        topic: str,
+        body: bytes,
+        queues: Sequence[str],
+        properties: dict[str, str],
+        deliver_ms: int,
+    ) -> None:
+        """A RocketMQ timer message (timerWheelEnable=true on the broker), its light queues
+        those of now: the broker re-puts it with them when due, so the delay outlives every
+        gateway."""
+        block = self.encode_properties(properties)
+        if self._closed:
+            raise StoreError("the RocketMQ storage is closed")
+        sender = self._sender_for(properties.get(TOPIC, topic), queues)
+        await sender.send_delayed(queues, body, block, deliver_ms)
+
     # -- the port: read --------------------------------------------------------------------------
 
     # The parent topic (named like the gateway queue of its history) is read by replays only
@@ -756,6 +778,14 @@ async def _check_broker_config(client: RemotingClient, name: str, addr: str, *, 
             "broker %s has sendMessageThreadPoolNums=%s: messages a client publishes back to"
             " back may be stored (and delivered) out of order; set sendMessageThreadPoolNums=1",
             name, threads,
+        )  # fmt: skip
+    if config.get("timerWheelEnable", "").lower() != "true":
+        # The broker refuses timer messages then (WHEEL_TIMER_NOT_ENABLE): each is a failed
+        # PUBLISH (0x80), never an early delivery.
+        log.warning(
+            "broker %s has timerWheelEnable=%s: delayed publishes ($delayed/...) will fail;"
+            " set timerWheelEnable=true (and timerMaxDelaySec >= max_delay) there",
+            name, config.get("timerWheelEnable", "?"),
         )  # fmt: skip
     flush = config.get("flushDiskType", "")
     if sync and flush != "SYNC_FLUSH":

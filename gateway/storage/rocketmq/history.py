@@ -211,7 +211,7 @@ class PulledHistory:
         # queue name -> [slot, broker address, min, max]
         self._queues: dict[str, list[Any]] = {}
         try:
-            brokers = self._run(_broker_addrs(self._client, topic, broker))
+            brokers = self._run(deployment_brokers(self._client, topic, broker))
             for slot, (name, addr) in enumerate(brokers):
                 queue = topic if slot == 0 else topic + SEP + name
                 lo = self._run(self._client.get_min_offset(addr, topic))
@@ -275,7 +275,7 @@ def _same(name: str) -> str:
     return name
 
 
-async def _broker_addrs(
+async def deployment_brokers(
     client: RemotingClient, topic: str, broker: str | None
 ) -> list[tuple[str, str]]:
     """(name, address) of the brokers holding the deployment's messages: the home broker a

@@ -34,7 +34,11 @@ from typing import Any, Protocol
 from gateway.storage.port import EncodedMessage, StoreError
 from gateway.storage.rocketmq.broker import Broker
 from rocketmq_remoting import BrokerBusyError, BrokerError, RemotingError, SendResult
-from rocketmq_remoting.message import decode_message_id
+from rocketmq_remoting.message import (
+    PROPERTY_TIMER_DELIVER_MS,
+    decode_message_id,
+    encode_properties,
+)
 from topicmap.rocketmq import EMPTY_BODY_PROPERTY
 
 log = logging.getLogger("lmqtt.rocketmq")
@@ -155,6 +159,15 @@ class Sender:
         runs: a replay pinned meanwhile must cover it."""
         self._counter.sending()
         return self._counted(queues, body, block, gate)
+
+    async def send_delayed(
+        self, queues: Sequence[str], body: bytes, block: bytes, deliver_ms: int
+    ) -> SendResult:
+        """A timer message due at `deliver_ms`: the broker keeps it in its timer topic and puts
+        it to the parent topic and its light queues when due. Not counted as a send: the
+        parent queue gets it only then."""
+        timer = encode_properties({PROPERTY_TIMER_DELIVER_MS: str(deliver_ms)}).encode()
+        return await self._send_message(queues, body, block + timer)
 
     async def _counted(
         self,
