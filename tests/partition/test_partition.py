@@ -10,9 +10,10 @@ such, whatever the packet ids.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,11 +34,16 @@ from gateway.protocol import (
     Subscription,
 )
 from gateway.protocol import Properties as PProperties
+from gateway.storage.rocketmq.broker import PULL_GROUP
+from gateway.storage.rocketmq.names import encode_lmq
+from gateway.storage.rocketmq.state import NODE_PROPERTY
+from rocketmq_remoting import RemotingClient
 from tests.gateway.conftest import RawClient, wait_until
 from tests.partition.netns import Network
 from tests.rocketmq.cluster import RocketMQCluster
 from tests.rocketmq.test_cluster_sessions import Nodes
 from tests.rocketmq.test_gateway_rocketmq import ServeProcess
+from topicmap.rocketmq import STATE_QUEUE, decode_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -361,34 +367,103 @@ def test_a_node_cut_from_its_clients_keeps_the_brokers_and_sessions_follow_their
         c.close()
 
 
+def state_writes(nodes: NetNodes, key: str) -> list[tuple[str, int, dict[str, Any] | None]]:
+    """Every record of `key` in the state log, in log order: (writer node, broker store time
+    in ms, value; None: deleted)."""
+
+    async def read() -> list[tuple[str, int, dict[str, Any] | None]]:
+        client = RemotingClient([nodes.namesrv], client_id=None, request_timeout=5.0)
+        out: list[tuple[str, int, dict[str, Any] | None]] = []
+        try:
+            route = await client.get_cluster_info()
+            addr = route.brokers[nodes.broker].master_addr
+            assert addr is not None
+            lmq = encode_lmq(STATE_QUEUE, nodes.topic)
+            offset = await client.get_min_offset(addr, lmq)
+            end = await client.get_max_offset(addr, lmq)
+            while offset < end:
+                res = await client.pull(addr, lmq, offset, consumer_group=PULL_GROUP)
+                if not res.messages:
+                    break
+                for rec in res.messages:
+                    writer = rec.properties.get(NODE_PROPERTY, "")
+                    for k, value in decode_state(rec.body)[0]:
+                        if k == key:
+                            doc = None if value is None else json.loads(value)
+                            out.append((writer, rec.store_timestamp, doc))
+                offset = res.next_begin_offset
+            return out
+        finally:
+            await client.close()
+
+    return asyncio.run(read())
+
+
+def cut_until_lost(nodes: NetNodes, net: Network, a: ServeProcess, b: ServeProcess) -> int:
+    """Cut node 1 (`a`) from the brokers until it fenced and node 2 (`b`) declared it lost,
+    then heal the cut; when (epoch ms) node 2 declared it lost."""
+    net.cut("b1")
+    wait_until(lambda: logged_at(a, FENCED) is not None, LEASE_S + 10, "node 1 fenced")
+    wait_until(lambda: logged_at(b, LOST) is not None, 2 * LEASE_S, "node 1 lost")
+    net.heal("b1")
+    return int((logged_at(b, LOST) or 0) * 1000)
+
+
 def test_a_fenced_node_restarts_after_the_cut_heals_and_rejoins(
     nodes: NetNodes, net: Network
 ) -> None:
-    """The cut heals: node 1, fenced and exited, is started again (a new node id) and rejoins
-    the cluster: each node routes the other's publishes to its subscribers."""
+    """The cut heals once node 1 fenced and node 2 declared it lost: node 1's session resumes on
+    node 2, node 1 exits (status 1) and, started again (a new node id), rejoins the cluster:
+    each node routes the other's publishes to its subscribers."""
     a = nodes.start_in(1)
     b = nodes.start_in(2)
     old = node_id(a)
-    net.cut("b1")
-    assert a.proc is not None and a.proc.wait(LEASE_S + 30) == 1
-    net.heal("b1")
+    mover = Receiver("r-move")
+    mover.connect(nodes.client(1))
+    mover.subscribe("j/#", 1)
+    cut_until_lost(nodes, net, a, b)
+    assert mover.connect(nodes.client(2)).session_present
+    assert a.proc is not None and a.proc.wait(30) == 1
     a.start()
     new = node_id(a)
     assert new != old
     wait_until(lambda: logged_at(b, rf"cluster: node {re.escape(new)} joined") is not None,
                10, "the join seen by node 2")  # fmt: skip
-    on_a, on_b = Receiver(f"r-{uuid.uuid4().hex[:6]}"), Receiver(f"r-{uuid.uuid4().hex[:6]}")
+    on_a = Receiver("r-rejoined")
     on_a.connect(nodes.client(1))
     on_a.subscribe("j/#", 1)
-    on_b.connect(nodes.client(2))
-    on_b.subscribe("j/#", 1)
-    for i, node in enumerate((1, 2)):
+    for node in (1, 2):
         pub = publisher(nodes.client(node), f"p-rejoin-{node}")
         pub.send(Publish("j/t", f"from{node}".encode(), qos=1, packet_id=1))
-        assert pub.recv() == PubAck(1), i
+        assert pub.recv() == PubAck(1), node
         pub.close()
-    for r in (on_a, on_b):
+    for r in (on_a, mover):
         r.pump(lambda r=r: len(r.delivered) >= 2, 20, "both nodes' messages")  # type: ignore[misc]
         assert sorted(r.delivered) == [b"from1", b"from2"]
         assert r.raw is not None
         r.raw.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a fenced node's state writes made while it stops (the disconnect records of the "
+    "connections it closes) wait in its TCP send buffers and land once the cut heals, after "
+    "the survivors declared it lost and took its sessions over: nothing orders the state log's "
+    "records of a lost node before the takeover (no fencing token), so such a session's newest "
+    "record is the dead node's stale one (docs/rocketmq.md, partitions)",
+)
+def test_a_fenced_node_writes_nothing_after_it_is_declared_lost(
+    nodes: NetNodes, net: Network
+) -> None:
+    """After the cut heals, no state record of node 1 lands after node 2 declared it lost."""
+    a = nodes.start_in(1)
+    b = nodes.start_in(2)
+    old = node_id(a)
+    stays = Receiver("r-stale")
+    stays.connect(nodes.client(1))
+    stays.subscribe("k/#", 1)
+    lost_ms = cut_until_lost(nodes, net, a, b)
+    assert a.proc is not None and a.proc.wait(30) == 1
+    writes = state_writes(nodes, "session/r-stale")
+    late = [(w, t - lost_ms, doc) for w, t, doc in writes if w == old and t >= lost_ms]
+    assert not late, f"node 1's records stored after it was declared lost (ms after): {late}"
