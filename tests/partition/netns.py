@@ -20,7 +20,8 @@ leaves it to the others; every namespace routes to it over its own link to `rmq`
 
 A cut sets the link's *far* end down, the one outside the cut node's namespace: the node's own
 interface stays up (no carrier), so its packets vanish and nothing answers, as behind a failed
-switch port; no error reaches its sockets at once. `heal` sets it up again.
+switch port; no error reaches its sockets at once. `heal` sets it up again. `drop_replies`
+cuts one way only: a blackhole route in the far namespace swallows what goes back to the node.
 
 Names carry the creating process's id (namespaces) and a random token (interfaces, at most 15
 characters), so concurrent runs (pytest-xdist workers, several checkouts) never collide;
@@ -96,6 +97,7 @@ class Network:
     block: ipaddress.IPv4Network | None = None
     namespaces: list[str] = field(default_factory=list)
     links: dict[str, Link] = field(default_factory=dict)  # "r", "c1", "b1", ...
+    blackholes: list[tuple[str | None, str]] = field(default_factory=list)  # (namespace, addr)
 
     # -- names and addresses -----------------------------------------------------------------
 
@@ -218,12 +220,25 @@ class Network:
         """Cut link `key` ("c1": node 1 from its clients, "b1": node 1 from the brokers)."""
         self._set(key, "down")
 
+    def drop_replies(self, key: str) -> None:
+        """Cut link `key` one way: what the node sends still arrives, nothing comes back (a
+        blackhole route to the node's address in the far namespace), so a request reaches
+        the brokers and is carried out but its answer is lost."""
+        link = self.links[key]
+        _, ns = link.end(link.far)
+        near = link.addr_b if link.far == "a" else link.addr_a
+        self._run(*self._in(ns), "route", "add", "blackhole", f"{near}/32")
+        self.blackholes.append((ns, near))
+
     def heal(self, key: str) -> None:
         self._set(key, "up")
 
     def heal_all(self) -> None:
         for key in self.links:
             self._set(key, "up")
+        while self.blackholes:
+            ns, addr = self.blackholes.pop()
+            self._run(*self._in(ns), "route", "del", "blackhole", f"{addr}/32", check=False)
 
     def _set(self, key: str, state: str) -> None:
         link = self.links[key]

@@ -314,6 +314,47 @@ def test_a_qos2_message_completed_through_a_cut_node_is_not_delivered_again(
     assert sub.delivered == [b"q0", b"q1"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="a QoS 2 PUBLISH the brokers stored but whose answer the cut lost is stored again "
+    "when its publisher re-sends it (DUP, same packet id) through another node: the node the "
+    "session resumes on does not know the packet id was stored (the cluster form of the "
+    "crash case of issue #33 point 2; docs/rocketmq.md, partitions)",
+)
+def test_a_qos2_publish_stored_but_not_acknowledged_before_a_cut_is_stored_once(
+    nodes: NetNodes, net: Network
+) -> None:
+    """Node 1 loses only the brokers' answers: the QoS 2 PUBLISH it forwards is stored, but it
+    never learns so and never answers PUBREC. Re-sent through node 2 after node 1 fenced, the
+    message must still reach the subscriber once."""
+    nodes.start_in(1)
+    b = nodes.start_in(2)
+    watcher = Receiver("w-oneway")
+    watcher.connect(nodes.client(2))
+    watcher.subscribe("o/#", 2)
+    pub = publisher(nodes.client(1), "p-oneway")
+    publish_qos2(pub, "o/t", b"o0", 1)
+    net.drop_replies("b1")
+    pub.send(Publish("o/t", b"o1", qos=2, packet_id=2))
+    ev = pub.recv(LEASE_S + 10)
+    assert ev == Disconnect(SERVER_SHUTTING_DOWN), ev  # fenced, never PUBREC
+    wait_until(lambda: logged_at(b, LOST) is not None, 3 * LEASE_S, "node 1 lost")
+    pub = RawClient(b.port, level=5, host=net.node_host(2))
+    ack = pub.connect("p-oneway", clean=False, properties=PProperties(session_expiry_interval=300))
+    assert ack.reason_code == 0 and ack.session_present, ack
+    pub.send(Publish("o/t", b"o1", qos=2, packet_id=2, dup=True))
+    assert pub.recv() == PubRec(2)
+    pub.send(PubRel(2))
+    assert pub.recv() == PubComp(2)
+    publish_qos2(pub, "o/t", b"o2", 3)
+    watcher.pump(lambda: b"o2" in watcher.delivered and not watcher.held, 20, "o2 completed")
+    watcher.quiet(0.5)
+    pub.close()
+    assert watcher.raw is not None
+    watcher.raw.close()
+    assert watcher.delivered == [b"o0", b"o1", b"o2"]
+
+
 def test_a_node_cut_from_its_clients_keeps_the_brokers_and_sessions_follow_their_expiry(
     nodes: NetNodes, net: Network
 ) -> None:
