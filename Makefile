@@ -46,12 +46,15 @@ unit: $(DEV) test-tools
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup
 
 # The Debian programs end-to-end tests run, installed when missing (best effort: without root or
-# network the tests that need them skip, and fail under .ci/run's LMQTT_REQUIRE_ROCKETMQ=1).
+# network the tests that need them skip, and fail under .ci/run's LMQTT_REQUIRE_ROCKETMQ=1 and
+# LMQTT_REQUIRE_NETNS=1).
 # haproxy: tests/rocketmq/test_balancer_failover.py runs the compose balancer's configuration.
 # tmux: tests/gateway/ops/test_live_view.py runs `lmqtt top` in a terminal and reads it back.
+# iproute2 (`ip`, in Debian's default install): tests/partition's network namespaces.
 test-tools:
 	command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || (apt-get update -qq && apt-get install -y -qq haproxy) || true
 	command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux) || true
+	command -v ip >/dev/null || test -x /usr/sbin/ip || test -x /sbin/ip || (apt-get update -qq && apt-get install -y -qq iproute2) || true
 
 ## bench: compare lmqtt with amqtt and Mosquitto (installs mosquitto from Debian if missing)
 bench: $(DEV)

@@ -151,8 +151,10 @@ class Client:
         connect_props: Properties | None = None,
         connect: bool = True,
         auto_ack: bool = True,
+        host: str = "127.0.0.1",
     ) -> None:
         self.v5 = v5
+        self.host = host
         self.port = port
         proto = mqtt.MQTTv5 if v5 else mqtt.MQTTv311
         kwargs: dict[str, Any] = {"client_id": client_id, "protocol": proto}
@@ -244,14 +246,14 @@ class Client:
                 props = props or Properties(PacketTypes.CONNECT)
                 props.SessionExpiryInterval = self.session_expiry
             self.c.connect(
-                "127.0.0.1",
+                self.host,
                 self.port,
                 keepalive=self.keepalive,
                 clean_start=self.clean,
                 properties=props,
             )
         else:
-            self.c.connect("127.0.0.1", self.port, keepalive=self.keepalive)
+            self.c.connect(self.host, self.port, keepalive=self.keepalive)
         self.c.loop_start()
         if wait:
             self.wait_for(lambda: self.connack is not None, what="CONNACK")
@@ -333,8 +335,8 @@ class RawClient:
     """A blocking MQTT client on a plain socket, built from the protocol core's codec: exact
     control over every byte (malformed input, abrupt closes, manual acks)."""
 
-    def __init__(self, port: int, level: int = 4) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    def __init__(self, port: int, level: int = 4, host: str = "127.0.0.1") -> None:
+        self.sock = socket.create_connection((host, port), timeout=TIMEOUT)
         self.level = level
         self._buf = b""
 

@@ -151,9 +151,17 @@ def broker_port() -> int:
 
 @dataclass
 class RocketMQCluster:
-    """Processes and addresses of the running cluster."""
+    """Processes and addresses of the running cluster.
+
+    `host`: the address every process binds and the brokers advertise (brokerIP1/2); `wrap`: a
+    command each JVM is started through, e.g. ``ip netns exec NS`` (tests/partition runs the
+    cluster in a network namespace of its own, on an address of that namespace). By default
+    127.0.0.1 and no wrapper: the cluster of every other test.
+    """
 
     root: Path
+    host: str = "127.0.0.1"
+    wrap: tuple[str, ...] = ()
     namesrv_addr: str = ""
     brokers: dict[str, str] = field(default_factory=dict)  # broker name -> host:port
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -185,6 +193,7 @@ class RocketMQCluster:
         else:
             cds = []
         cmd = [
+            *self.wrap,
             java,
             *heap,
             *JVM_OPTS,
@@ -205,10 +214,10 @@ class RocketMQCluster:
         """Start the name server (on `port`, else a free one); its address once it listens."""
         port = port or namesrv_port()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.namesrv_addr = f"127.0.0.1:{port}"
+        self.namesrv_addr = f"{self.host}:{port}"
         conf = self.root / "namesrv.conf"
         conf.write_text(
-            f"listenPort={port}\nbindAddress=127.0.0.1\n"
+            f"listenPort={port}\nbindAddress={self.host}\n"
             f"kvConfigPath={self.root / 'namesrv' / 'kvConfig.json'}\n"
         )
         self._spawn("namesrv", "org.apache.rocketmq.namesrv.NamesrvStartup", NAMESRV_HEAP, conf)
@@ -228,7 +237,7 @@ class RocketMQCluster:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+                socket.create_connection((self.host, port), timeout=1.0).close()
                 return
             except OSError:
                 proc = self.procs[name]
@@ -280,9 +289,9 @@ class RocketMQCluster:
                     "brokerRole=ASYNC_MASTER",
                     f"flushDiskType={flush}",
                     f"namesrvAddr={self.namesrv_addr}",
-                    "brokerIP1=127.0.0.1",
-                    "brokerIP2=127.0.0.1",
-                    "bindAddress=127.0.0.1",
+                    f"brokerIP1={self.host}",
+                    f"brokerIP2={self.host}",
+                    f"bindAddress={self.host}",
                     f"listenPort={port}",
                     f"haListenPort={port + 1}",
                     f"storePathRootDir={store}",
@@ -309,7 +318,7 @@ class RocketMQCluster:
             )
         )
         self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
-        self.brokers[name] = f"127.0.0.1:{port}"
+        self.brokers[name] = f"{self.host}:{port}"
 
     def start_extra_broker(
         self, name: str, *, lmq: bool = True, flush: str = "ASYNC_FLUSH", timeout: float = 180.0

@@ -39,10 +39,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 class ServeProcess:
     """`python -m gateway serve` in a subprocess; its port read from its first line."""
 
-    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        wrap: tuple[str, ...] = (),
+    ) -> None:
+        """`wrap`: a command the gateway is started through (e.g. ``ip netns exec NS``)."""
         self.data_dir = data_dir
         self.args = args
         self.env = env or {}
+        self.wrap = wrap
         self.proc: subprocess.Popen[str] | None = None
         self._found: list[int] = []
         self.port = 0
@@ -56,8 +64,9 @@ class ServeProcess:
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         self.output = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--port", "0", "--sys-interval", "0",
-             "--data-dir", str(self.data_dir), "--log-level", "INFO", *self.args],
+            [*self.wrap, sys.executable, "-m", "gateway", "serve", "--port", "0",
+             "--sys-interval", "0", "--data-dir", str(self.data_dir), "--log-level", "INFO",
+             *self.args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         found: list[int] = []
