@@ -33,8 +33,7 @@ GROUPS: dict[str, str | None] = {
     "tests/analytics/": "spark",
     "tests/crash/test_power_cut.py": "power-cut",
     # Its own RocketMQ cluster in a network namespace (the session's is on the root namespace's
-    # loopback, out of a namespace's reach), built once per module: a group of its own, so it
-    # runs beside the RocketMQ group rather than after it on the longest worker.
+    # loopback, out of a namespace's reach), built once per module: one worker builds it.
     "tests/partition/": "partition",
 }
 
