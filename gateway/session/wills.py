@@ -22,6 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gateway.clock import now_ms
+from gateway.messages.will_log import will_id
 from gateway.protocol import Publish, Will
 from gateway.session.model import Session, will_publish
 from gateway.session.registry import SessionRegistry
@@ -94,8 +95,9 @@ class WillScheduler:
         self._pending.clear()
 
 
-# Stores one PUBLISH for a client id (gateway/messages/publishing.py PublishPath.store_publish).
-StorePublish = Callable[[Publish, str], Awaitable[None]]
+# Stores one PUBLISH for a client id, a will with its id (gateway/messages/will_log.py):
+# gateway/messages/publishing.py PublishPath.store_publish.
+StorePublish = Callable[[Publish, str, str | None], Awaitable[None]]
 
 
 class Wills:
@@ -166,13 +168,16 @@ class Wills:
         if self._stopping:
             return
         session = self._sessions.get(client_id)
+        wid: str | None = None  # pending in the record with its due time: the will's id
         if session is not None and session.will is will:
+            if session.will_due_ms is not None:
+                wid = will_id(client_id, session.will_due_ms)
             session.will = None
             session.will_due_ms = None
             self._sessions.mark_dirty(session)
         log.info("publishing the will of %r to %r", client_id, will.topic)
         pub = will_publish(will)
-        await self._store_publish(pub, client_id)
+        await self._store_publish(pub, client_id, wid)
 
     def stop_publishing(self) -> None:
         """Graceful stop begins: no will is published from now on (the sessions resume after
