@@ -220,6 +220,7 @@ class Gateway:
             store=store,
             sessions=registry,
             retained=retained,
+            loop_lag=self.overload,
         )
         await self.listeners.start(context, self.state, sources)
         self.overload.start()
