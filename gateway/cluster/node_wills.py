@@ -55,7 +55,7 @@ from gateway.messages.will_log import WillsReader, published_wills, will_id
 from gateway.protocol import Publish
 from gateway.session.model import will_publish
 from gateway.session.registry import SESSION_KEY_PREFIX
-from gateway.storage.port import StateRecord, StoreError
+from gateway.storage.port import StateRecord
 
 log = logging.getLogger("lmqtt.cluster")
 
@@ -187,7 +187,7 @@ class NodeWills:
         since = min(int(d.get("will_due_ms") or 0) for _cid, _key, d in at_risk)
         try:
             published = await published_wills(self._state, since)
-        except StoreError as exc:
+        except Exception as exc:  # whatever failed, the wills go out (never lost)
             log.warning("the wills log could not be read (%s): wills may be published twice", exc)
             published = set()
         now = now_ms()
@@ -232,6 +232,7 @@ class NodeWills:
         for handle in self._pending.values():
             handle.cancel()
         self._pending.clear()
+        self._recovering.clear()  # a wills-log read still running schedules nothing
 
 
 def _will_id(cid: str, d: dict[str, Any]) -> str:

@@ -29,7 +29,6 @@ from gateway.messages.will_log import WillsReader, published_wills, will_id
 from gateway.protocol import Publish, Will
 from gateway.session.model import Session, will_publish
 from gateway.session.registry import SessionRegistry
-from gateway.storage.port import StoreError
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -191,9 +190,11 @@ class Wills:
         since = min(s.will_due_ms or 0 for s in sessions)
         try:
             published = await published_wills(self._wills_log, since)
-        except StoreError as exc:
+        except Exception as exc:  # whatever failed, the wills go out (never lost)
             log.warning("the wills log could not be read (%s): wills may be published twice", exc)
             published = set()
+        if self._stopping:
+            return  # the sessions keep their wills for the next run
         now = now_ms()
         for session in sessions:
             if session.will is None or session.will_due_ms is None or session.connection:
