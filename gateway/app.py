@@ -168,7 +168,7 @@ class Gateway:
         subscriptions = self.subscriptions = SubscriptionLifecycle(
             publisher, store, shared, account, self.stats, cursor, self.recent
         )
-        wills = self.wills = Wills(registry, publisher.store_publish)
+        wills = self.wills = Wills(registry, publisher.store_publish, store)
         lifecycle = self.session_lifecycle = SessionLifecycle(registry, subscriptions, wills, store)
         lifecycle.restore(cluster.foreign if cluster is not None else None)
         restored = len(registry)
@@ -254,6 +254,7 @@ class Gateway:
             store=store,
             sessions=registry,
             retained=retained,
+            loop_lag=self.overload,
             slow_subscriptions=live.count_slow,
         )
         self.admin_api.add(ban_routes(bans))

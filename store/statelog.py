@@ -44,6 +44,13 @@ records: memory for the keys only), write ``G.snapshot.tmp``, fsync, rename to
 ``G.snapshot`` (the atomic step), fsync the directory, delete the files below G. A crash
 before the rename leaves the old files authoritative. ``needs_compaction()`` says when the
 logs since the snapshot outweigh it, which bounds recovery to about twice the live state.
+
+Compaction never holds the GIL long, so the event loop of the process keeps its pace: its
+Python loops are interrupted by the interpreter's switch interval anyway, but one C call over
+the whole index is not (growing a dict of a million keys copies it whole; freeing it frees a
+million strings). So the index is split in INDEX_SHARDS dicts by the key's hash (each grows
+and is freed in small steps), and every COMPACT_STEP records the compaction calls its `step`
+hook, which by default gives the GIL away (``time.sleep(0)``) to whichever thread waits.
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -77,6 +85,10 @@ COMPACT_MIN_BYTES: Final = 64 * 1024 * 1024
 #: ... or when this many logs accumulated (one per open).
 COMPACT_MAX_LOGS: Final = 16
 _READ_CHUNK = 4 * 1024 * 1024
+#: Compaction: the key index in this many dicts (by hash), and a `step` call every this many
+#: records read (see the module docstring).
+INDEX_SHARDS: Final = 256
+COMPACT_STEP: Final = 2000
 
 #: One change: (key, value) puts, (key, None) deletes.
 StateRecord = tuple[str, bytes | None]
@@ -91,6 +103,11 @@ def encode_record(key: str, value: bytes | None) -> bytes:
     else:
         body = _SIZE_AND_REST.pack(3 + len(k) + len(value), KIND_PUT, len(k)) + k + value
     return struct.pack(">I", zlib.crc32(body)) + body
+
+
+def give_way() -> None:
+    """Release the GIL for a moment: a thread waiting for it (the event loop) runs now."""
+    time.sleep(0)
 
 
 def _name(generation: int, suffix: str) -> str:
@@ -347,8 +364,9 @@ class StateLog:
             self._logs > COMPACT_MAX_LOGS
         )
 
-    def compact(self) -> None:
-        """Rewrite the live state as a snapshot and drop the files it covers (blocking)."""
+    def compact(self, step: Callable[[], object] = give_way) -> None:
+        """Rewrite the live state as a snapshot and drop the files it covers (blocking).
+        `step` is called every COMPACT_STEP records (default: give the GIL away)."""
         with self._compact_lock:
             # The sync lock first (the order sync() takes them in): no fsync of a closed fd.
             with self._sync_lock, self._lock:
@@ -371,17 +389,25 @@ class StateLog:
             try:
                 # Two passes, so only the keys are held, not every value: the index of each
                 # key's newest record, then the records that are their key's newest (puts).
-                newest: dict[str, int] = {}
+                shards: list[dict[str, int]] = [{} for _ in range(INDEX_SHARDS)]
+                mask = INDEX_SHARDS - 1
                 for i, (key, _) in enumerate(read_state_records_of(covered)):
-                    newest[key] = i
-                live = (
-                    (key, value)
-                    for i, (key, value) in enumerate(read_state_records_of(covered))
-                    if value is not None and newest[key] == i
-                )
+                    shards[hash(key) & mask][key] = i
+                    if i % COMPACT_STEP == 0:
+                        step()
+
+                def live() -> Iterator[tuple[str, bytes]]:
+                    for i, (key, value) in enumerate(read_state_records_of(covered)):
+                        if i % COMPACT_STEP == 0:
+                            step()
+                        if value is not None and shards[hash(key) & mask][key] == i:
+                            yield key, value
+
                 tmp = d / (_name(generation, SNAPSHOT_SUFFIX) + TMP_SUFFIX)
-                size = self._write_file(tmp, live)
-                del newest
+                size = self._write_file(tmp, live())
+                while shards:
+                    shards.pop()  # one small dict freed at a time
+                    step()
             except BaseException:
                 with self._lock:
                     self._log_bytes += log_bytes_before

@@ -18,6 +18,8 @@ like the rest of topicmap, so both sides may import it.
     mqtt.rt        response topic
     mqtt.cd        correlation data, hex
     mqtt.up        user properties, JSON list of [key, value]
+    mqtt.will      a will's id (its client id @ its due time, ms): set on the wills the gateway
+                   publishes (gateway/messages/will_log.py), never sent to subscribers
 
 The store adds its dispatch properties (the light queues the record was dispatched to and its
 offset in each); their names belong to the store's format, not to this schema.
@@ -38,6 +40,7 @@ CONTENT_TYPE: Final = "mqtt.ct"
 RESPONSE_TOPIC: Final = "mqtt.rt"
 CORRELATION_DATA: Final = "mqtt.cd"
 USER_PROPERTIES: Final = "mqtt.up"
+WILL_ID: Final = "mqtt.will"
 
 #: The keys only an MQTT 5 PUBLISH with properties writes (besides EXPIRY), in this order.
 V5_KEYS: Final = (PAYLOAD_FORMAT, CONTENT_TYPE, RESPONSE_TOPIC, CORRELATION_DATA, USER_PROPERTIES)

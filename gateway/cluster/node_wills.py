@@ -23,9 +23,13 @@ stopped gracefully: it wrote its sessions as disconnected, without wills):
 
 The rewrite is what makes a pending will durable: it is in the state log, written by the
 leader, before its delay runs. If the leader dies too, the next leader finds the will in the
-records of a node that is gone and publishes it when due, once (the dead leader's rewrite
-after publishing removes it; only a leader killed between publishing and that rewrite being
-stored leaves it to be published again).
+records of a node that is gone and publishes it when due, once: the dead leader's rewrite
+after publishing removes it, and when the leader was killed between publishing and that
+rewrite being stored, the will is in the wills log (gateway/messages/will_log.py) with its id
+(client id @ due time, both in the record). So a will found pending in a record that already
+says its session is disconnected (a process before this one had it pending, and may have
+published it) is published only if the wills log has no such id from its due time on; else
+only the rewrite is written.
 
 A connection of the same client id on any node before a delayed will is due cancels it (the
 session continues: gateway/cluster/takeover.py's "conn" record; the new node's record replaces the
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Protocol
 
 from pydantic_core import from_json, to_json
@@ -47,6 +51,7 @@ from gateway.clock import now_ms
 from gateway.cluster.bus import ClusterBus, Record
 from gateway.cluster.membership import Membership
 from gateway.messages.message_json import will_from_json
+from gateway.messages.will_log import WillsReader, published_wills, will_id
 from gateway.protocol import Publish
 from gateway.session.model import will_publish
 from gateway.session.registry import SESSION_KEY_PREFIX
@@ -69,7 +74,12 @@ class WrittenState(Protocol):
     def append_state(self, records: Iterable[StateRecord]) -> int: ...
 
 
-StorePublish = Callable[[Publish, str], Awaitable[None]]
+class NodeState(WrittenState, WillsReader, Protocol):
+    """The state log and the wills log (RocketMqStorage)."""
+
+
+#: Stores a will's PUBLISH (publisher's client id, the will's id: PublishPath.store_publish).
+StorePublish = Callable[[Publish, str, str], Awaitable[None]]
 
 
 class NodeWills:
@@ -80,7 +90,7 @@ class NodeWills:
         self,
         bus: ClusterBus,
         membership: Membership,
-        state: WrittenState,
+        state: NodeState,
         store_publish: StorePublish,
         adopt: Callable[[str, bytes | None], None] = lambda _cid, _value: None,
     ) -> None:
@@ -92,6 +102,7 @@ class NodeWills:
         self._adopt = adopt
         self._pending: dict[str, asyncio.TimerHandle] = {}
         self._publishing: set[str] = set()
+        self._recovering: set[str] = set()  # wills looked up in the wills log (_recover)
         self._tasks: set[asyncio.Task[None]] = set()
         # Nodes that stopped gracefully ("bye"): they write their sessions as disconnected,
         # without wills, after saying goodbye; nothing of theirs is taken over.
@@ -109,6 +120,7 @@ class NodeWills:
         # Not gone: this node, the live ones, those that left, "" (a record of no cluster node).
         here = {self._members.node_id, *self._members.live_peers(), *self._left, ""}
         rewrites: list[StateRecord] = []
+        at_risk: list[tuple[str, str, dict[str, Any]]] = []
         wills = 0
         now = now_ms()
         for writer in sorted(self._state.state_writers() - here):
@@ -116,7 +128,7 @@ class NodeWills:
                 if not key.startswith(SESSION_KEY_PREFIX):
                     continue
                 cid = key[len(SESSION_KEY_PREFIX) :]
-                if cid in self._pending or cid in self._publishing:
+                if cid in self._pending or cid in self._publishing or cid in self._recovering:
                     continue  # taken over at an earlier loss
                 try:
                     d, rewrite = _taken_over(from_json(value), now)
@@ -128,13 +140,19 @@ class NodeWills:
                     rewrites.append((key, to_json(d) if keep else None))
                 if d.get("will"):
                     wills += 1
-                    self._schedule(cid, key, d, now)
+                    if rewrite:
+                        self._schedule(cid, key, d, now)
+                    else:
+                        at_risk.append((cid, key, d))  # pending before: maybe published
         if rewrites:
             # Before any will is due (the timers run after this call): the pending wills are
             # in the log with their due times, and every node starts the sessions' expiry.
             self._state.append_state(rewrites)
             for key, new in rewrites:
                 self._adopt(key[len(SESSION_KEY_PREFIX) :], new)
+        if at_risk:
+            self._recovering.update(cid for cid, _key, _d in at_risk)
+            self._spawn(self._recover(at_risk))
         if rewrites or wills:
             log.warning(
                 "cluster: node %s gone: %d session(s) of gone nodes rewritten as disconnected,"
@@ -151,38 +169,74 @@ class NodeWills:
         cid = rec.get("c")
         if isinstance(cid, str):
             handle = self._pending.pop(cid, None)
-            if handle is not None:
-                handle.cancel()
+            if handle is not None or cid in self._recovering:
+                self._recovering.discard(cid)
+                if handle is not None:
+                    handle.cancel()
                 log.info("%r reconnected: the will of its lost connection is not published", cid)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _recover(self, at_risk: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """Wills found pending in records that already said their session was disconnected:
+        the ones in the wills log are only removed from their records, the others scheduled.
+        The wills log unreadable: they are published (at least once rather than never)."""
+        since = min(int(d.get("will_due_ms") or 0) for _cid, _key, d in at_risk)
+        try:
+            published = await published_wills(self._state, since)
+        except Exception as exc:  # whatever failed, the wills go out (never lost)
+            log.warning("the wills log could not be read (%s): wills may be published twice", exc)
+            published = set()
+        now = now_ms()
+        for cid, key, d in at_risk:
+            if cid not in self._recovering:
+                continue  # its client connected again meanwhile: no will
+            self._recovering.discard(cid)
+            if _will_id(cid, d) in published:
+                log.info("the will of %r was published before its publisher was lost", cid)
+                self._without_will(cid, key, d)
+            else:
+                self._schedule(cid, key, d, now)
 
     def _due(self, cid: str, key: str, d: dict[str, Any]) -> None:
         self._pending.pop(cid, None)
         self._publishing.add(cid)
-        task = asyncio.get_running_loop().create_task(self._publish(cid, key, d))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._publish(cid, key, d))
 
     async def _publish(self, cid: str, key: str, d: dict[str, Any]) -> None:
         try:
             will = will_from_json(d["will"])
             log.info("publishing the will of %r (its node was lost) to %r", cid, will.topic)
             try:
-                await self._store_publish(will_publish(will), cid)
+                await self._store_publish(will_publish(will), cid, _will_id(cid, d))
             except Exception:
                 log.exception("publishing the will of %r failed", cid)
                 return
-            record: bytes | None = None
-            if int(d.get("expiry_interval", 0) or 0) > 0:
-                record = to_json({**d, "will": None, "will_due_ms": None})
-            self._state.append_state([(key, record)])
-            self._adopt(cid, record)
+            self._without_will(cid, key, d)
         finally:
             self._publishing.discard(cid)
+
+    def _without_will(self, cid: str, key: str, d: dict[str, Any]) -> None:
+        """The will is out: its session's record rewritten without it (a clean session's
+        deleted)."""
+        record: bytes | None = None
+        if int(d.get("expiry_interval", 0) or 0) > 0:
+            record = to_json({**d, "will": None, "will_due_ms": None})
+        self._state.append_state([(key, record)])
+        self._adopt(cid, record)
 
     def stop(self) -> None:
         for handle in self._pending.values():
             handle.cancel()
         self._pending.clear()
+        self._recovering.clear()  # a wills-log read still running schedules nothing
+
+
+def _will_id(cid: str, d: dict[str, Any]) -> str:
+    return will_id(cid, int(d.get("will_due_ms") or 0))
 
 
 def _taken_over(d: dict[str, Any], now: int) -> tuple[dict[str, Any], bool]:

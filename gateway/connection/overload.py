@@ -127,6 +127,9 @@ CALM_TICKS = 10
 # Connections resumed per tick at most (the round robin's step, and stop()'s release pace).
 RESUME_PER_TICK = 500
 CHECK_PER_TICK = 64
+# A tick this late counts as a stall of the event loop (metrics; every client of the process
+# waited that long).
+STALL_S = 0.05
 
 
 class Publisher(Protocol):
@@ -170,11 +173,13 @@ class OverloadGuard:
         "drain",
         "holds",
         "lag",
+        "lag_max",
         "overloaded",
         "per_resume",
         "rate",
         "read_hold",
         "resumes",
+        "stalls",
     )
 
     def __init__(
@@ -203,6 +208,8 @@ class OverloadGuard:
         self.overloaded = False
         self.read_hold = False  # holding reading too (see READ_HOLD_BACKLOG_S)
         self.lag = 0.0  # the last tick's lateness, seconds
+        self.lag_max = 0.0  # the largest lateness of a tick since start (metrics)
+        self.stalls = 0  # ticks later than STALL_S (metrics: lmqtt_event_loop_stalls_total)
         self.backlog_lag = 0.0  # the oldest unsent message's age seen in the last tick, seconds
         self.drain = 0.0  # publishes/s the subscribers pass, smoothed
         self.rate = 0.0  # publishes/s admitted while holding
@@ -253,6 +260,10 @@ class OverloadGuard:
     def _tick(self) -> None:
         now = self._loop.time()
         self.lag = lag = now - self._due
+        if lag > STALL_S:
+            self.stalls += 1
+            if lag > self.lag_max:
+                self.lag_max = lag
         dt = max(now - self._last_tick, TICK_S / 10)
         self._last_tick = now
         backlog = self._check_backlog()

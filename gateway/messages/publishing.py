@@ -27,10 +27,12 @@ from gateway.messages.records import (
     message_properties,
 )
 from gateway.messages.retained import RetainedIndex, RetainedMessage
+from gateway.messages.will_log import WILLS_QUEUE
 from gateway.protocol import Publish
 from gateway.stats import GatewayStats
 from gateway.storage.port import EncodedMessage, PutResult, Storage, StoreError
 from topicmap import Router, Topic, TopicFilter, parent_topic
+from topicmap.record import WILL_ID
 
 # Validated topic names and their parent topics remembered (cleared when full): validating
 # and naming the parent cost more per PUBLISH than the rest of the gateway's put path.
@@ -200,9 +202,10 @@ class PublishPath:
         self.stats.messages_received += len(results)
         return results
 
-    async def store_publish(self, pub: Publish, client_id: str) -> None:
+    async def store_publish(self, pub: Publish, client_id: str, will: str | None = None) -> None:
         """Append one PUBLISH to the store (awaits the covering fsync in sync mode). The topic
-        name's validation and parent topic come from the same cache `topic()` fills."""
+        name's validation and parent topic come from the same cache `topic()` fills. `will`:
+        the PUBLISH is that will (its id), recorded in the wills log (will_log.py)."""
         if self.fenced is not None:
             self._check_fence()
         parent, routed = self._routes.get(pub.topic) or self.publish_route(pub.topic)
@@ -210,6 +213,9 @@ class PublishPath:
         if pub.retain:
             queues.append(RetainedIndex.QUEUE)
         props = message_properties(pub, client_id)
+        if will is not None:
+            queues.append(WILLS_QUEUE)
+            props[WILL_ID] = will
         r = await self.store.put_async(
             topic=parent, body=pub.payload, queues=queues, properties=props
         )

@@ -53,7 +53,7 @@ class InspectError(Exception):
 @dataclass(slots=True)
 class QueueInfo:
     name: str
-    kind: str  # "parent", "light", "retained"
+    kind: str  # "parent", "light", "retained", "wills" (gateway/messages/will_log.py)
     filter: str | None
     min_offset: int
     max_offset: int
@@ -117,10 +117,13 @@ class StoreReport:
 
 def _queue_kind(name: str) -> str:
     from gateway.messages.retained import RetainedIndex
+    from gateway.messages.will_log import WILLS_QUEUE
     from topicmap import LMQ_PREFIX
 
     if name == RetainedIndex.QUEUE:
         return "retained"
+    if name == WILLS_QUEUE:
+        return "wills"
     if name.startswith(LMQ_PREFIX):
         return "light"
     return "parent"

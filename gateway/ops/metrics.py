@@ -52,6 +52,15 @@ class Connections(Protocol):
         ...
 
 
+class LoopLag(Protocol):
+    """The event loop's lateness as the overload guard measures it, a timer due every 10 ms
+    (gateway/connection/overload.py OverloadGuard)."""
+
+    lag: float  # the last tick's, seconds
+    lag_max: float  # the largest of a stalled tick since start, seconds
+    stalls: int  # ticks later than its STALL_S
+
+
 @dataclass(slots=True)
 class MetricsSources:
     """What the metrics read when scraped, handed in by the composition root once the
@@ -64,6 +73,7 @@ class MetricsSources:
     store: Storage
     sessions: SessionRegistry
     retained: RetainedIndex
+    loop_lag: LoopLag
     # Subscriptions past slow_subscription_threshold, counted before each scrape
     # (gateway/ops/live_view.py LiveView.count_slow); None: not counted.
     slow_subscriptions: Callable[[], Awaitable[int]] | None = None
@@ -170,6 +180,10 @@ class _GatewayCollector(Collector):
         yield counter("banned_disconnects", "connected clients closed by a new ban", bans.kicked)
         monitor = src.gc
         yield counter("gc_collections", "garbage collections", monitor.collections)
+        lag = src.loop_lag
+        yield gauge("event_loop_lag_seconds", "lateness of the last 10 ms tick", lag.lag)
+        yield gauge("event_loop_lag_max_seconds", "largest stall of the event loop", lag.lag_max)
+        yield counter("event_loop_stalls", "ticks of the event loop 50 ms late or more", lag.stalls)
         cumulative, running = [], 0
         for bound, n in zip((*BUCKETS_S, float("inf")), monitor.buckets, strict=True):
             running += n

@@ -7,7 +7,10 @@ DISCONNECT.
     the session resumes   -> a delayed will is cancelled (`cancel`)
     the session ends      -> a delayed will is published now (`session_ended`)
     restart               -> delayed wills keep their due time; those of connections the
-                             previous run lost in a crash start their delay now (`restore`)
+                             previous run lost in a crash start their delay now (`restore`);
+                             one due before the restart may have been published by the
+                             previous run, its record not yet rewritten: published only if
+                             the wills log lacks its id (gateway/messages/will_log.py)
 
 Timing (MQTT 5 3.1.3.2.2): the will waits `will_delay_interval` seconds, or until the session
 ends, whichever is first; a new connection to the same session before then cancels it.
@@ -22,6 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gateway.clock import now_ms
+from gateway.messages.will_log import WillsReader, published_wills, will_id
 from gateway.protocol import Publish, Will
 from gateway.session.model import Session, will_publish
 from gateway.session.registry import SessionRegistry
@@ -94,18 +98,23 @@ class WillScheduler:
         self._pending.clear()
 
 
-# Stores one PUBLISH for a client id (gateway/messages/publishing.py PublishPath.store_publish).
-StorePublish = Callable[[Publish, str], Awaitable[None]]
+# Stores one PUBLISH for a client id, a will with its id (gateway/messages/will_log.py):
+# gateway/messages/publishing.py PublishPath.store_publish.
+StorePublish = Callable[[Publish, str, str | None], Awaitable[None]]
 
 
 class Wills:
     """Every will, from CONNECT to its publication (see the module docstring)."""
 
-    def __init__(self, sessions: SessionRegistry, store_publish: StorePublish) -> None:
+    def __init__(
+        self, sessions: SessionRegistry, store_publish: StorePublish, wills_log: WillsReader
+    ) -> None:
         self._sessions = sessions
         self._store_publish = store_publish
+        self._wills_log = wills_log
         self._scheduler = WillScheduler(self._publish)
         self._stopping = False
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         """Wills waiting for their delay."""
@@ -149,6 +158,7 @@ class Wills:
         for cid, orphan in sessions.orphan_wills:
             self._scheduler.schedule(cid, orphan, 0)
         sessions.orphan_wills.clear()
+        due_before: list[Session] = []  # due while the previous run was still up
         for session in sessions.sessions.values():
             will = session.will
             if will is None:
@@ -156,23 +166,61 @@ class Wills:
             if session.will_due_ms is None:
                 delay = (will.properties.will_delay_interval or 0) if will.properties else 0
                 session.will_due_ms = now + delay * 1000
-            due = session.will_due_ms
-            expires = session.expires_at_ms()
-            if expires is not None:
-                due = min(due, expires)
-            self._scheduler.schedule(session.client_id, will, max(0, due - now) / 1000)
+            elif session.will_due_ms <= now:
+                due_before.append(session)
+                continue
+            self._schedule(session, now)
+        if due_before:
+            task = asyncio.get_running_loop().create_task(self._restore_due(due_before))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _schedule(self, session: Session, now: int) -> None:
+        will, due = session.will, session.will_due_ms
+        assert will is not None and due is not None
+        expires = session.expires_at_ms()
+        if expires is not None:
+            due = min(due, expires)
+        self._scheduler.schedule(session.client_id, will, max(0, due - now) / 1000)
+
+    async def _restore_due(self, sessions: list[Session]) -> None:
+        """Wills due before this start: those the wills log has are only cleared from their
+        sessions; the others are published now. An unreadable log means publishing (at least
+        once, never lost)."""
+        since = min(s.will_due_ms or 0 for s in sessions)
+        try:
+            published = await published_wills(self._wills_log, since)
+        except Exception as exc:  # whatever failed, the wills go out (never lost)
+            log.warning("the wills log could not be read (%s): wills may be published twice", exc)
+            published = set()
+        if self._stopping:
+            return  # the sessions keep their wills for the next run
+        now = now_ms()
+        for session in sessions:
+            if session.will is None or session.will_due_ms is None or session.connection:
+                continue  # its client came back meanwhile
+            if will_id(session.client_id, session.will_due_ms) in published:
+                log.info("the will of %r was published before the restart", session.client_id)
+                session.will = None
+                session.will_due_ms = None
+                self._sessions.mark_dirty(session)
+            else:
+                self._schedule(session, now)
 
     async def _publish(self, client_id: str, will: Will) -> None:
         if self._stopping:
             return
         session = self._sessions.get(client_id)
+        wid: str | None = None  # pending in the record with its due time: the will's id
         if session is not None and session.will is will:
+            if session.will_due_ms is not None:
+                wid = will_id(client_id, session.will_due_ms)
             session.will = None
             session.will_due_ms = None
             self._sessions.mark_dirty(session)
         log.info("publishing the will of %r to %r", client_id, will.topic)
         pub = will_publish(will)
-        await self._store_publish(pub, client_id)
+        await self._store_publish(pub, client_id, wid)
 
     def stop_publishing(self) -> None:
         """Graceful stop begins: no will is published from now on (the sessions resume after

@@ -53,6 +53,12 @@ class EmbeddedStorage(MessageStore):
     async def open_queue(self, queue: str) -> None:
         """Nothing to do: every queue's end is in memory."""
 
+    async def catch_up_queue(self, queue: str) -> None:
+        """Nothing to do: reads see every append at once."""
+
+    async def prefetch(self, queue: str, offsets: Iterable[int]) -> None:
+        """Nothing to do: reads never block."""
+
     def history_queues(self, tf: TopicFilter) -> list[str]:
         """The parent topics (first topic levels) whose messages `tf` may match."""
         return replay_parents(tf, self.queues())

@@ -225,6 +225,16 @@ class Storage(Protocol):
         """Make `max_offset(queue)` exact from now on (see the module docstring)."""
         ...
 
+    async def catch_up_queue(self, queue: str) -> None:
+        """Return once reads of `queue` see every message stored before the call (RocketMQ:
+        its mirror read up to the broker's end)."""
+        ...
+
+    async def prefetch(self, queue: str, offsets: Iterable[int]) -> None:
+        """Make `get` of `queue` at `offsets` answer without blocking (RocketMQ: read them
+        into its mirror now)."""
+        ...
+
     def history_queues(self, tf: TopicFilter) -> list[str]:
         """The queues that hold the history of filter `tf`, which a replay reads (matching
         each message against the filter): the embedded store's parent topics (one per first

@@ -39,6 +39,7 @@ from topicmap.rocketmq import STATE_QUEUE, STATE_START, decode_state, encode_sta
 log = logging.getLogger("lmqtt.rocketmq")
 
 STATE_SNAPSHOT_BATCH = 1000  # records per message of a compaction's snapshot
+SNAPSHOT_IN_FLIGHT = 8  # a compaction's snapshot batches sent and not yet answered, at most
 STATE_COMPACT_SLACK = 10_000  # history records tolerated beyond twice the live ones
 FAILED_TICKETS_KEPT = 10_000
 #: Property of a state batch: the id of the node that wrote it (cluster mode,
@@ -250,28 +251,50 @@ class StateLog:
             if self._following:
                 # Every record stored before the start applied here (other nodes' included).
                 await asyncio.wait_for(self.reached(start), COMPACT_CATCH_UP_S)
-            items = list(self.records.items())
-            ticket = self._ticket
-            # One run of batches per writer: each record keeps who wrote it.
-            by_writer: dict[str, list[StateRecord]] = {}
-            writers = self.writers
-            for key, value in items:
-                by_writer.setdefault(writers.get(key, self.node_id), []).append((key, value))
-            for writer, records in by_writer.items():
-                for i in range(0, len(records), STATE_SNAPSHOT_BATCH):
-                    chunk = records[i : i + STATE_SNAPSHOT_BATCH]
-                    ticket = self._send_batch(encode_state(chunk), writer, start)
-            await self.wait_durable(ticket)
+            copied = await self._send_snapshot(start)
             await broker.client.update_consumer_offset(
                 broker.addr, broker.names.lmq(STATE_START), lmq, start
             )
-            self.history = len(items)
-            log.info("state: compacted to %d record(s), replay starts at %d", len(items), start)
+            log.info("state: compacted to %d record(s), replay starts at %d", copied, start)
         except (RemotingError, StoreError, TimeoutError) as exc:
             log.warning("state compaction failed (the queue keeps its history): %s", exc)
         finally:
             self._compacting = False
         self._following = False  # follow() runs: reached() answers
+
+    async def _send_snapshot(self, start: int) -> int:
+        """Send every live record as snapshot batches of `start`; returns how many.
+
+        In slices of STATE_SNAPSHOT_BATCH keys with a turn of the event loop between them, and
+        at most SNAPSHOT_IN_FLIGHT batches unanswered: the copy of a million records neither
+        holds the loop nor queues every batch at once ahead of the ordinary writes. Records
+        change meanwhile: a slice sends the values of when it runs, skips the keys deleted
+        since, and a key written since was written by an ordinary batch after `start`, which
+        a replay prefers to the snapshot's copy anyway (see the module docstring)."""
+        keys = list(self.records)  # the keys only: one pointer copy
+        history = self.history
+        records, writers = self.records, self.writers
+        sent: list[int] = []
+        copied = 0
+        for i in range(0, len(keys), STATE_SNAPSHOT_BATCH):
+            if i:
+                await asyncio.sleep(0)
+            # One batch per writer in the slice: each record keeps who wrote it.
+            by_writer: dict[str, list[StateRecord]] = {}
+            for key in keys[i : i + STATE_SNAPSHOT_BATCH]:
+                value = records.get(key)
+                if value is not None:
+                    by_writer.setdefault(writers.get(key, self.node_id), []).append((key, value))
+            for writer, batch in by_writer.items():
+                sent.append(self._send_batch(encode_state(batch), writer, start))
+                copied += len(batch)
+            while len(sent) > SNAPSHOT_IN_FLIGHT:
+                await self.wait_durable(sent.pop(0))
+        for ticket in sent:
+            await self.wait_durable(ticket)
+        # The snapshot, plus what was appended while it was sent.
+        self.history = copied + self.history - history
+        return copied
 
     # -- cluster mode: the other nodes' records ------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -158,3 +159,14 @@ def test_gc_pauses_are_exposed(admin_gateway: GatewayHarness) -> None:
     assert after["lmqtt_gc_collections_total"] == after["lmqtt_gc_pause_seconds_count"]
     assert after["lmqtt_gc_pause_seconds_sum"] > 0
     assert after["lmqtt_gc_pause_max_seconds"] >= after["lmqtt_gc_pause_p50_seconds"] > 0
+
+
+def test_a_stall_of_the_event_loop_is_counted(admin_gateway: GatewayHarness) -> None:
+    """The loop held 200 ms (a blocking call on it, as a compaction holding the GIL would):
+    lmqtt_event_loop_stalls_total counts it and the largest lag is at least that long."""
+    before = scrape(admin_gateway)
+    assert before["lmqtt_event_loop_lag_seconds"] >= 0
+    admin_gateway.call(lambda: time.sleep(0.2))  # blocks the gateway's loop: the stall itself
+    m = scrape(admin_gateway)
+    assert m["lmqtt_event_loop_stalls_total"] >= before["lmqtt_event_loop_stalls_total"] + 1
+    assert m["lmqtt_event_loop_lag_max_seconds"] >= 0.15

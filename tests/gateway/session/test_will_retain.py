@@ -7,12 +7,15 @@ import time
 from gateway.protocol import (
     Disconnect,
     Properties,
+    PubAck,
     Publish,
     Subscribe,
     Subscription,
     Will,
 )
-from tests.gateway.conftest import Client, GatewayHarness, RawClient, wait_until
+from gateway.session.registry import SESSION_KEY_PREFIX
+from store import StateLog, read_state_records
+from tests.gateway.conftest import Client, GatewayHarness, RawClient, stop_clients, wait_until
 
 
 def _watcher(gateway: GatewayHarness, topic: str, level: int = 5) -> RawClient:
@@ -228,4 +231,52 @@ def test_wills_of_connections_cut_by_a_crash_are_published(gateway: GatewayHarne
     assert w.connect("watch-crash", clean=False).session_present
     got = sorted(w.recv().payload for _ in range(2))
     assert got == [b"c", b"p"]
+    w.close()
+
+
+def test_a_will_published_before_a_crash_is_not_published_again_at_the_restart(
+    gateway: GatewayHarness,
+) -> None:
+    """A delayed will is published; the gateway stops before its session's record says so
+    (the state log is left with the record of the pending will, due in the past, as the
+    newest: the image a crash between the publication and the next save leaves). At the
+    restart the will's id is found in the wills log: it is not published again."""
+    gw = gateway.gw
+    assert gw is not None
+    w = RawClient(gateway.port, level=4)
+    w.connect("watch-once", clean=False)
+    w.send(Subscribe(1, [Subscription("will/once/#", 1)]))
+    w.recv()
+    c = RawClient(gateway.port, level=5)
+    c.connect(
+        "once-dev",
+        will=Will("will/once/dev", b"once", 1, False, Properties(will_delay_interval=1)),
+        properties=Properties(session_expiry_interval=60),
+    )
+    c.close()  # abnormal: the will is pending for 1 s
+    wait_until(
+        lambda: gateway.call(lambda: gw.sessions.get("once-dev").connection is None),  # type: ignore[union-attr]
+        what="session offline",
+    )
+    gateway.run(gw.sessions.save_all())  # the record with the will pending and its due time
+    state = gateway.data_dir / "state"
+    key = SESSION_KEY_PREFIX + "once-dev"
+    pending = [v for k, v in read_state_records(state) if k == key and v and b'"will":{' in v]
+    assert pending and b'"will_due_ms":null' not in pending[-1]
+    msg = w.recv(timeout=5)
+    assert isinstance(msg, Publish) and msg.payload == b"once"
+    w.send(PubAck(msg.packet_id))  # type: ignore[arg-type]
+    w.close()
+    gateway.stop()
+    log = StateLog.open(state)
+    log.append([(key, pending[-1])])  # the newest again: as if not yet rewritten
+    log.close()
+    gateway.start()
+    w = RawClient(gateway.port, level=4)
+    assert w.connect("watch-once", clean=False).session_present
+    marker = Client(gateway.port, "once-marker")
+    marker.publish("will/once/marker", b"end", 1)
+    stop_clients([marker])
+    msg = w.recv(timeout=5)
+    assert isinstance(msg, Publish) and msg.topic == "will/once/marker", msg
     w.close()
