@@ -37,6 +37,7 @@ from gateway.delivery.shared import SharedSubscriptions
 from gateway.delivery.state import DeliveryContext
 from gateway.lifecycle.sessions import SessionLifecycle
 from gateway.lifecycle.subscriptions import SubscriptionLifecycle
+from gateway.messages.inbound import InboundPublisher
 from gateway.messages.publishing import PublishPath
 from gateway.messages.recent import PreparedCache, RecentMessages
 from gateway.messages.retained import RetainedIndex
@@ -52,6 +53,7 @@ from gateway.session.wills import Wills
 from gateway.stats import GatewayStats
 from gateway.storage.cursor import QueueCursor
 from gateway.storage.embedded import open_account
+from gateway.storage.inbound import InboundFeed, supports_inbound
 from gateway.storage.port import AccountWriter, Storage, StorageUnavailable
 from topicmap import Router
 
@@ -79,6 +81,7 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._sys: SysPublisher | None = None
         self.cluster: Cluster | None = None  # cluster mode (settings.cluster)
+        self.inbound: InboundFeed | None = None  # RocketMQ: the inbound topic's consumer
         self.fenced = False  # cluster mode: this node's lease ran out (the gateway stops)
         # Set by start():
         self.store: Storage
@@ -212,6 +215,20 @@ class Gateway:
             s.default_port,
             reuse_address=True,
         )
+        if s.store == "rocketmq" and s.rocketmq_inbound and supports_inbound(store):
+            # Once retained messages and every filter are in place: the first inbound message
+            # may be handled as soon as this returns.
+            self.inbound = await store.open_inbound(  # type: ignore[attr-defined]
+                InboundPublisher(
+                    publisher,
+                    self.stats,
+                    max_topic_length=s.max_topic_length,
+                    retain_available=s.retain_available,
+                ),
+                topic=s.rocketmq_inbound_topic or f"{s.rocketmq_topic}-in",
+                dead_letter_topic=s.rocketmq_dead_letter_topic or f"{s.rocketmq_topic}-dlq",
+                group=f"{s.rocketmq_topic}-gateway",
+            )
         sources = MetricsSources(
             stats=self.stats,
             access=self.access,
@@ -220,6 +237,7 @@ class Gateway:
             store=store,
             sessions=registry,
             retained=retained,
+            inbound=self.inbound,
         )
         await self.listeners.start(context, self.state, sources)
         self.overload.start()
@@ -268,6 +286,8 @@ class Gateway:
         if self.cluster is not None:
             await self.cluster.leave()
         self.wills.stop_publishing()
+        if self.inbound is not None:
+            await self.inbound.stop()  # what it stored is committed before the store closes
         if self._server is not None:
             self._server.close()
         self.listeners.close()

@@ -29,7 +29,8 @@ from gateway.storage.port import EncodedMessage, StoreError
 from gateway.storage.rocketmq.broker import Broker
 from rocketmq_remoting import BrokerBusyError, BrokerError, RemotingError, SendResult
 from rocketmq_remoting.message import decode_message_id
-from topicmap.rocketmq import EMPTY_BODY_PROPERTY
+from topicmap.record import TOPIC
+from topicmap.rocketmq import EMPTY_BODY_PROPERTY, TOPIC_PROPERTY
 
 log = logging.getLogger("lmqtt.rocketmq")
 
@@ -40,6 +41,18 @@ FAILED_TICKETS_KEPT = 10_000
 #: retained message's deletion) is sent as one byte with EMPTY_BODY_PROPERTY, and read back
 #: empty (rocketmq_broker.to_stored).
 _EMPTY_BODY_MARK = EMPTY_BODY_PROPERTY.encode() + b"\x011\x02"
+_TOPIC_PAIR = TOPIC.encode() + b"\x01"
+_TOPIC_PROPERTY_HEAD = TOPIC_PROPERTY.encode() + b"\x01"
+
+
+def topic_in(block: bytes) -> bytes | None:
+    """The MQTT topic in an encoded property block (`TOPIC \x01 name \x02`), None if none
+    (a state record)."""
+    i = block.find(_TOPIC_PAIR)
+    if i < 0 or (i > 0 and block[i - 1] != 2):
+        return None
+    j = block.find(b"\x02", i)
+    return block[i + len(_TOPIC_PAIR) : j if j >= 0 else len(block)]
 
 
 class SendCounter(Protocol):
@@ -146,6 +159,10 @@ class Sender:
         lmqs = [broker.names.lmq(q) for q in queues]
         if not body:
             body, block = b"\x00", block + _EMPTY_BODY_MARK
+        if broker.topic_property:
+            topic = topic_in(block)
+            if topic is not None:
+                block += _TOPIC_PROPERTY_HEAD + topic + b"\x02"
         delay = 0.05
         for attempt in range(SEND_ATTEMPTS):
             try:
