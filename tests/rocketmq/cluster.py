@@ -281,6 +281,8 @@ class RocketMQCluster:
                     f"enableMultiDispatch={on}",
                     f"autoCreateTopicEnable={'true' if auto_create else 'false'}",
                     "autoCreateSubscriptionGroup=true",
+                    # SQL92 property filters of native consumers (docs/rocketmq-apps.md).
+                    "enablePropertyFilter=true",
                     "mappedFileSizeCommitLog=33554432",
                     "mappedFileSizeConsumeQueue=60000",
                     "timerWheelEnable=false",
