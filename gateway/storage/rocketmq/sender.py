@@ -77,6 +77,8 @@ class Sender:
         self._failed: dict[int, StoreError] = {}
         self._sending: set[asyncio.Future[None]] = set()  # one per send not answered yet
         self.log_max = 0
+        if broker.topic_property:  # chosen once: nothing added per message when it is off
+            self._send = self._send_with_topic  # type: ignore[method-assign]
 
     def send_batch(self, messages: Sequence[EncodedMessage]) -> int:
         """Send `messages` (all in flight at once); returns the batch's ticket."""
@@ -154,15 +156,20 @@ class Sender:
             self._sending.discard(answered)
             answered.set_result(None)
 
+    async def _send_with_topic(
+        self, queues: Sequence[str], body: bytes, block: bytes
+    ) -> SendResult:
+        """_send, the MQTT topic also as TOPIC_PROPERTY (settings.rocketmq_topic_property)."""
+        topic = topic_in(block)
+        if topic is not None:
+            block += _TOPIC_PROPERTY_HEAD + topic + b"\x02"
+        return await Sender._send(self, queues, body, block)
+
     async def _send(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
         broker = self._broker
         lmqs = [broker.names.lmq(q) for q in queues]
         if not body:
             body, block = b"\x00", block + _EMPTY_BODY_MARK
-        if broker.topic_property:
-            topic = topic_in(block)
-            if topic is not None:
-                block += _TOPIC_PROPERTY_HEAD + topic + b"\x02"
         delay = 0.05
         for attempt in range(SEND_ATTEMPTS):
             try:
