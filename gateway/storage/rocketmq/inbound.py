@@ -11,8 +11,10 @@ publish or rejects it:
     share     `allocate_averagely` (AllocateMessageQueueAveragely) over the sorted queues and
               sorted client ids, every LOOK_S: each queue has one member, so each message is
               handled by one node; a queue changing hands (a node joined, left or died) is
-              read by its new owner from the group's committed offset, so what the old owner
-              handled after its last commit is handled again (at least once, never lost)
+              taken by its new owner at its second look with the same share (the old owner
+              gave it up and committed at its look in between) and read from the group's
+              committed offset, so only what a dead owner handled after its last commit is
+              handled again (at least once, never lost)
     per queue a held pull (PULL_MESSAGE, suspended up to HOLD_S); each message handed over in
               order; the position advances past a message only once the handler stored it,
               or it was rejected and its copy in the dead-letter topic was stored (SEND_OK)
@@ -164,6 +166,7 @@ class InboundConsumer:
         self._addrs: dict[str, str] = {}  # broker name -> address, from the topic's route
         self._all: list[Queue] = []
         self._readers: dict[Queue, _Reader] = {}
+        self._offered: set[Queue] = set()  # this member's share at the last look
         self._looks = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -226,8 +229,12 @@ class InboundConsumer:
         mine = set(allocate_averagely(self._all, members, me))
         for queue in [q for q in self._readers if q not in mine]:
             await self._give_up(queue)
-        for queue in sorted(mine - self._readers.keys()):
+        # A queue is taken once it was this member's at two looks in a row: its previous
+        # owner, which sees the same members, has given it up (and committed) at its own look
+        # in between, so the two do not read it at once.
+        for queue in sorted((mine & self._offered) - self._readers.keys()):
             await self._take(queue)
+        self._offered = mine
 
     async def _take(self, queue: Queue) -> None:
         broker, qid = queue
