@@ -240,6 +240,29 @@ def test_a_native_consumer_with_a_property_filter_reads_one_subtree(
     ], lines
 
 
+def test_one_light_queue_read_directly_as_the_docs_show(
+    rocketmq: RocketMQCluster, deployment: Deployment
+) -> None:
+    """docs/rocketmq-apps.md "One light queue directly": the light queue of `cmd/+/valve`
+    (held by the subscriber `plus`) pulled from the broker holds exactly its messages."""
+    from topicmap import Router
+    from topicmap.rocketmq import encode_lmq
+
+    deployment.clients[0].wait_messages(REPEAT)
+    lmq = encode_lmq(Router().add("cmd/+/valve"), deployment.topic)
+
+    async def pull() -> list[tuple[str, bytes]]:
+        async with rocketmq.client() as client:
+            route = await client.get_route(deployment.topic)
+            addr = route.master_addrs()["broker-a"]
+            result = await client.pull(addr, lmq, 0, consumer_group="%LMQ%my-service")
+            return [(r.properties["mqtt.topic"], r.body) for r in result.messages]
+
+    assert sorted(asyncio.run(pull())) == [
+        ("cmd/dev1/valve", f"open-{i}".encode()) for i in range(REPEAT)
+    ]
+
+
 def test_the_shell_sender_commands_a_device(
     rocketmq: RocketMQCluster, deployment: Deployment
 ) -> None:
