@@ -38,6 +38,7 @@ from gateway.delivery.state import DeliveryContext
 from gateway.lifecycle.sessions import SessionLifecycle
 from gateway.lifecycle.subscriptions import SubscriptionLifecycle
 from gateway.messages.delayed import DelayedPublishes
+from gateway.messages.inbound import InboundPublisher
 from gateway.messages.publishing import PublishPath
 from gateway.messages.recent import PreparedCache, RecentMessages
 from gateway.messages.retained import RetainedIndex
@@ -56,6 +57,7 @@ from gateway.session.wills import Wills
 from gateway.stats import GatewayStats
 from gateway.storage.cursor import QueueCursor
 from gateway.storage.embedded import open_account
+from gateway.storage.inbound import InboundFeed, supports_inbound
 from gateway.storage.port import AccountWriter, Storage, StorageUnavailable
 from topicmap import Router
 
@@ -91,6 +93,7 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._sys: SysPublisher | None = None
         self.cluster: Cluster | None = None  # cluster mode (settings.cluster)
+        self.inbound: InboundFeed | None = None  # RocketMQ: the inbound topic's consumer
         self.fenced = False  # cluster mode: this node's lease ran out (the gateway stops)
         # Set by start():
         self.store: Storage
@@ -246,6 +249,20 @@ class Gateway:
             s.slow_subscription_threshold,
         )  # fmt: skip
         self.admin_api.add(live.routes())
+        if s.store == "rocketmq" and s.rocketmq_inbound and supports_inbound(store):
+            # Once retained messages and every filter are in place: the first inbound message
+            # may be handled as soon as this returns.
+            self.inbound = await store.open_inbound(  # type: ignore[attr-defined]
+                InboundPublisher(
+                    publisher,
+                    self.stats,
+                    max_topic_length=s.max_topic_length,
+                    retain_available=s.retain_available,
+                ),
+                topic=s.rocketmq_inbound_topic or f"{s.rocketmq_topic}-in",
+                dead_letter_topic=s.rocketmq_dead_letter_topic or f"{s.rocketmq_topic}-dlq",
+                group=f"{s.rocketmq_topic}-gateway",
+            )
         sources = MetricsSources(
             stats=self.stats,
             access=self.access,
@@ -256,6 +273,7 @@ class Gateway:
             retained=retained,
             loop_lag=self.overload,
             slow_subscriptions=live.count_slow,
+            inbound=self.inbound,
         )
         self.admin_api.add(ban_routes(bans))
         await self.listeners.start(context, self.state, sources, self.admin_api)
@@ -307,6 +325,8 @@ class Gateway:
         if self.cluster is not None:
             await self.cluster.leave()
         self.wills.stop_publishing()
+        if self.inbound is not None:
+            await self.inbound.stop()  # what it stored is committed before the store closes
         if self._server is not None:
             self._server.close()
         self.listeners.close()

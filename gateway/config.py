@@ -171,6 +171,18 @@ class GatewaySettings(BaseSettings):
     # Seconds a starting gateway waits for the name server and its brokers to be registered
     # (logging what it waits for) before it gives up: they usually start together.
     rocketmq_start_timeout: float = Field(default=120.0, ge=0)
+    # The inbound topic (gateway/storage/rocketmq/inbound.py): RocketMQ producers' messages
+    # for MQTT subscribers, consumed by the deployment's consumer group (default names:
+    # `<rocketmq_topic>-in`, `<rocketmq_topic>-dlq` for the messages that are no publish,
+    # group `<rocketmq_topic>-gateway`). False: no consumer, no topics created.
+    rocketmq_inbound: bool = True
+    rocketmq_inbound_topic: str | None = Field(default=None, pattern=r"^[%|a-zA-Z0-9_-]{1,127}$")
+    # Each MQTT message stored also carries its topic as the property `mqttTopic`, which
+    # SQL92 filters of native consumers can name (docs/rocketmq-apps.md); off: no extra bytes.
+    rocketmq_topic_property: bool = False
+    rocketmq_dead_letter_topic: str | None = Field(
+        default=None, pattern=r"^[%|a-zA-Z0-9_-]{1,127}$"
+    )
     # Cluster mode (store = rocketmq): several gateway nodes on one rocketmq_topic, each with
     # `cluster = true` (gateway/cluster/node.py). A node fenced by its lease stops; a lost node's
     # wills are out within the lease (keep it under 1.5 x the clients' keep-alive).

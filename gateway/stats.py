@@ -19,3 +19,5 @@ class GatewayStats:
     subscriptions: int = 0
     retained_count: int = 0
     store_bytes: int = 0
+    inbound_consumed: int = 0  # inbound topic messages stored (gateway/messages/inbound.py)
+    inbound_dead_lettered: int = 0

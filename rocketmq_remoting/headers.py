@@ -130,6 +130,16 @@ def update_consumer_offset(
     )
 
 
+def get_consumer_list_by_group(consumer_group: str) -> dict[str, str]:
+    """``GetConsumerListByGroupRequestHeader``."""
+    return _flat({"consumerGroup": consumer_group})
+
+
+def unregister_client(client_id: str, consumer_group: str) -> dict[str, str]:
+    """``UnregisterClientRequestHeader``: a consumer leaving its group."""
+    return _flat({"clientID": client_id, "consumerGroup": consumer_group})
+
+
 def search_offset(
     topic: str, queue_id: int, timestamp: int, boundary: str = "lower"
 ) -> dict[str, str]:

@@ -69,6 +69,7 @@ PROPERTY_TIMER_DELIVER_MS: Final = "TIMER_DELIVER_MS"
 #: due (their own topic in PROPERTY_REAL_TOPIC).
 TIMER_TOPIC: Final = "rmq_sys_wheel_timer"
 PROPERTY_REAL_TOPIC: Final = "REAL_TOPIC"
+PROPERTY_PRODUCER_GROUP: Final = "PGROUP"
 #: Properties a broker adds to (or a sender sets for) a stored message, besides the sender's
 #: own: ``MessageConst`` names a reader of the message's properties leaves out.
 BROKER_PROPERTIES: Final = frozenset(
@@ -86,6 +87,41 @@ BROKER_PROPERTIES: Final = frozenset(
         "MAX_OFFSET",
     }
 )
+#: Every name ``MessageConst.STRING_HASH_SET`` of 5.3.3 holds (the names a Java producer's
+#: ``putUserProperty`` refuses), and the other ``MessageConst`` names a client or broker sets:
+#: what is left of a message's properties is its sender's user properties.
+SYSTEM_PROPERTIES: Final = frozenset(
+    {
+        "1ST_POP_TIME", "ARRIVE_TIME", "BORN_TIMESTAMP", "BUYER_ID", "CLUSTER",
+        "CONSUME_START_TIME", "CORRECTION_FLAG", "CORRELATION_ID", "DELAY",
+        "DLQ_ORIGIN_MESSAGE_ID", "DLQ_ORIGIN_TOPIC", "DUP_INFO", "EXTEND_UNIQ_INFO",
+        "INNER_MULTI_QUEUE_OFFSET", "INSTANCE_ID", "KEYS", "MAX_OFFSET", "MAX_RECONSUME_TIMES",
+        "MIN_OFFSET", "MQ2_FLAG", "MSG_REGION", "MSG_TYPE", "ORIGIN_MESSAGE_ID", "PGROUP",
+        "POP_CK", "POP_CK_OFFSET", "PUSH_REPLY_TIME", "REAL_QID", "REAL_TOPIC",
+        "RECONSUME_TIME", "REPLY_TO_CLIENT", "RETRY_TOPIC", "TAGS", "TIMER_DELAY_LEVEL",
+        "TIMER_DELAY_MS", "TIMER_DELAY_SEC", "TIMER_DELIVER_MS", "TIMER_DEL_UNIQKEY",
+        "TIMER_DEQUEUE_MS", "TIMER_ENQUEUE_MS", "TIMER_OUT_MS", "TIMER_ROLL_TIMES", "TRACE_ON",
+        "TRANSFER_FLAG", "TRAN_MSG", "TRAN_PREPARED_QUEUE_OFFSET", "TTL", "UNIQ_KEY", "WAIT",
+        "__BORNHOST", "__CRC32#",
+        # not in STRING_HASH_SET, still set by clients or brokers
+        "INNER_MULTI_DISPATCH", "INNER_NUM", "INNER_BASE", "__transactionId__",
+        "TRANSACTION_CHECK_TIMES", "CHECK_IMMUNITY_TIME_IN_SECONDS", "__SHARDINGKEY",
+        "PROPERTY_FORWARD_QUEUE_ID", "REDIRECT", "TRACE_CONTEXT",
+    }
+)  # fmt: skip
+#: ``MessageConst.PROPERTY_TRANSIENT_PREFIX``: broker-internal names, never a sender's.
+TRANSIENT_PREFIX: Final = "__RMQ.TRANSIENT."
+
+
+def user_properties(properties: Mapping[str, str]) -> dict[str, str]:
+    """The sender's own properties of a message (``Message.putUserProperty``'s), in order."""
+    return {
+        k: v
+        for k, v in properties.items()
+        if k not in SYSTEM_PROPERTIES and not k.startswith(TRANSIENT_PREFIX)
+    }
+
+
 #: The broker refuses a record whose properties exceed ``Short.MAX_VALUE`` bytes
 #: (``CommitLog.handlePropertiesForLmqMsg``: PROPERTIES_SIZE_EXCEEDED -> MESSAGE_ILLEGAL), and
 #: the light-queue offsets it adds count too: this caps the fan-out of one message.
@@ -209,7 +245,10 @@ def decode_records(body: bytes | memoryview, check_crc: bool = True) -> Iterator
         p += topic_len
         (props_len,) = struct.unpack_from(">h", buf, p)
         p += 2
-        props = decode_properties(bytes(buf[p : p + props_len]).decode()) if props_len > 0 else {}
+        # surrogateescape: a sender's bytes that are not UTF-8 stay visible (as lone surrogates)
+        # to a reader that checks them, instead of failing the whole pull.
+        raw = bytes(buf[p : p + props_len]).decode("utf-8", "surrogateescape")
+        props = decode_properties(raw) if props_len > 0 else {}
         yield MessageRecord(
             topic=topic,
             body=payload,

@@ -42,6 +42,10 @@ STATE_START = "%STATE-START%"
 #: A property of a message whose MQTT payload is empty: a broker cannot store an empty body
 #: (docs/rocketmq.md quirk 11), so one byte is sent and the reader takes the body as empty.
 EMPTY_BODY_PROPERTY = "lmqtt.empty"
+#: The MQTT topic of a message under a name RocketMQ's SQL92 filters can use (their identifiers
+#: have no `.`, so `mqtt.topic` cannot be named there): on each message the gateway stores when
+#: rocketmq_topic_property is on, and the topic of a message sent to the inbound topic.
+TOPIC_PROPERTY = "mqttTopic"
 
 _KEEP = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-%")
 _ESCAPES = {"1": b".", "3": b"_", "4": b"|"}

@@ -35,6 +35,7 @@ from gateway.messages.retained import RetainedIndex
 from gateway.ops.gc_monitor import BUCKETS_S, GcMonitor
 from gateway.session.registry import SessionRegistry
 from gateway.stats import GatewayStats
+from gateway.storage.inbound import InboundFeed
 from gateway.storage.port import Storage
 
 
@@ -77,6 +78,7 @@ class MetricsSources:
     # Subscriptions past slow_subscription_threshold, counted before each scrape
     # (gateway/ops/live_view.py LiveView.count_slow); None: not counted.
     slow_subscriptions: Callable[[], Awaitable[int]] | None = None
+    inbound: InboundFeed | None = None  # RocketMQ: the inbound topic's consumer
 
 
 __all__ = ["GatewayMetrics", "MetricsSources"]
@@ -144,6 +146,20 @@ class _GatewayCollector(Collector):
         yield counter("bytes_sent", "bytes written to clients", st.bytes_sent)
         yield counter("publish_dropped", "messages dropped or denied", st.publish_dropped)
         yield gauge("subscriptions", "subscriptions", st.subscriptions)
+        if src.inbound is not None:
+            yield counter(
+                "inbound_consumed",
+                "inbound topic messages stored as MQTT publishes",
+                st.inbound_consumed,
+            )
+            yield counter(
+                "inbound_dead_lettered",
+                "inbound topic messages moved to the dead-letter topic",
+                st.inbound_dead_lettered,
+            )
+            yield gauge(
+                "inbound_queues", "inbound topic queues this node reads", src.inbound.queues
+            )
         yield counter("connect_refused", "CONNECTs refused (auth, limits)", access.refused_connects)
         yield counter("publish_denied", "PUBLISHes denied by the ACL", access.denied_publishes)
         yield counter(

@@ -39,9 +39,13 @@ from gateway.storage.embedded import open_read_only
 from gateway.storage.port import Storage, StoredMessage
 from gateway.storage.rocketmq.spread import SEP
 from topicmap import TopicFilter, record
+from topicmap.rocketmq import TOPIC_PROPERTY
 
 ROW_GROUP = 10_000
-_BASE_PROPS = frozenset({record.TOPIC, record.QOS, record.RETAIN, record.CLIENT, record.PID})
+# (TOPIC_PROPERTY: the copy of the topic a RocketMQ deployment may add for native consumers.)
+_BASE_PROPS = frozenset(
+    {record.TOPIC, record.QOS, record.RETAIN, record.CLIENT, record.PID, TOPIC_PROPERTY}
+)
 
 
 def _row(msg: StoredMessage, rec: RecordedPublish) -> dict[str, Any]:

@@ -300,6 +300,8 @@ class RocketMQCluster:
                     f"enableMultiDispatch={on}",
                     f"autoCreateTopicEnable={'true' if auto_create else 'false'}",
                     "autoCreateSubscriptionGroup=true",
+                    # SQL92 property filters of native consumers (docs/rocketmq-apps.md).
+                    "enablePropertyFilter=true",
                     "mappedFileSizeCommitLog=33554432",
                     "mappedFileSizeConsumeQueue=60000",
                     # Timer messages (TIMER_DELIVER_MS): the RocketMQ backend's delayed publish.

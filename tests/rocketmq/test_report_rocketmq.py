@@ -5,6 +5,7 @@ fan-out, then the report job (Spark in local mode) reading the deployment throug
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -47,6 +48,13 @@ def test_report_of_a_rocketmq_deployment(
         plant1 = sum(n for _, n in TRAFFIC["dev-1"])
         everything.wait_messages(plant)
         wait_until(lambda: len(g1.messages) + len(g2.messages) >= plant1, what="shared")
+        # A RocketMQ application's command through the inbound topic: a device of the report
+        # too (gateway/messages/inbound.py), delivered to one persistent subscriber.
+        cmd = Client(g.port, "cmd-sub", clean=False)
+        made.append(cmd)
+        cmd.subscribe("cmd/#", 1)
+        asyncio.run(_send_inbound(rocketmq, topic))
+        cmd.wait_messages(1)
     finally:
         stop_clients(made)
         assert g.stop() == 0  # graceful: the committed offsets are pushed to the broker
@@ -59,7 +67,10 @@ def test_report_of_a_rocketmq_deployment(
     def check(out: Path) -> None:
         table = pq.read_table(out / "report" / "device_fanout").to_pylist()
         rows = {r["client_id"]: r for r in table}
-        assert set(rows) == set(TRAFFIC)  # the state batches and the probe are no device
+        # The state batches and the probe are no device; the inbound producer is one.
+        assert set(rows) == {*TRAFFIC, INBOUND}
+        inbound = rows[INBOUND]
+        assert (inbound["messages"], inbound["deliveries"], inbound["fanout_max"]) == (1, 1, 1)
         for device, topics in TRAFFIC.items():
             row = rows[device]
             assert row["messages"] == sum(n for _, n in topics), device
@@ -83,7 +94,7 @@ def test_report_of_a_rocketmq_deployment(
     dep = Deployment(rocketmq.namesrv_addr, topic, "broker-a", str(data))
     meta = run_fanout(spark, "", tmp_path / "with-data", rocketmq=read_deployment(dep))
     assert meta.data_dir == f"rocketmq://{rocketmq.namesrv_addr}/{topic}"
-    assert meta.messages == sum(n for ts in TRAFFIC.values() for _, n in ts)
+    assert meta.messages == sum(n for ts in TRAFFIC.values() for _, n in ts) + 1
     check(tmp_path / "with-data")
 
     # The operator's command, from anywhere that reaches the name server: nothing local at
@@ -97,9 +108,21 @@ def test_report_of_a_rocketmq_deployment(
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "4 devices" not in done.stderr  # three devices: the gateway's own records are none
-    assert f"{meta.messages} messages from 3 devices" in done.stderr
+    assert "5 devices" not in done.stderr  # four devices: the gateway's own records are none
+    assert f"{meta.messages} messages from 4 devices" in done.stderr
     check(out)
+
+
+INBOUND = "rocketmq:svc"
+
+
+async def _send_inbound(rocketmq: RocketMQCluster, topic: str) -> None:
+    """One message to the deployment's inbound topic, as a RocketMQ producer sends it."""
+    async with rocketmq.client() as client:
+        await client.send_message(
+            rocketmq.brokers["broker-a"], f"{topic}-in", b"open",
+            properties={"mqttTopic": "cmd/9/open", "mqttQos": "1", "mqttPublisher": "svc"},
+        )  # fmt: skip
 
 
 def test_report_names_what_is_wrong(rocketmq: RocketMQCluster, tmp_path: Path) -> None:

@@ -258,7 +258,11 @@ def test_the_rocketmq_profiles_gateways_store_on_its_brokers(
         for n, s in services.items()
         if s.get("command", [""])[:2] == ["sh", "mqbroker"]
     }
-    gateways = {n: s for n, s in services.items() if s.get("image") == "lmqtt:demo"}
+    gateways = {
+        n: s
+        for n, s in services.items()
+        if s.get("image") == "lmqtt:demo" and s.get("command", [""])[0] == "serve"
+    }
     assert len(gateways) == 2
     topics, ports = set(), set()
     for name, service in gateways.items():
@@ -288,6 +292,34 @@ def test_the_rocketmq_profiles_gateways_store_on_its_brokers(
         assert service["restart"] == "unless-stopped"  # a failed start-up check is retried
         ports.update(p.split(":")[0] for p in service["ports"])
     assert len(topics) == 2 and len(ports) == 2
+
+
+def test_the_rocketmq_profile_commands_a_device_through_the_inbound_topic() -> None:
+    """rmq-command-service sends one message to gateway a's inbound topic whose mqttTopic the
+    device rmq-valve (an MQTT client on gateway a) is subscribed to; brokers filter by property
+    for native consumers (docs/rocketmq-apps.md)."""
+    from rocketmq_remoting.__main__ import _parser as send_parser
+    from topicmap import TopicFilter
+
+    services = rocketmq_services()
+    gateway = services["rmq-gateway-a"]
+    service = services["rmq-command-service"]
+    assert service["entrypoint"] == ["python", "-m", "rocketmq_remoting"]
+    args = send_parser().parse_args(service["command"])
+    assert args.command == "send"
+    assert args.topic == gateway["environment"]["LMQTT_ROCKETMQ_TOPIC"] + "-in"
+    assert args.namesrv == "rmq-namesrv:9876"
+    props = dict(p.split("=", 1) for p in args.property)
+    valve = services["rmq-valve"]
+    script = valve["command"][0]
+    assert 'connect("rmq-gateway-a", 1883)' in script
+    subscribed = script.split('subscribe("', 1)[1].split('"', 1)[0]
+    assert TopicFilter(subscribed).matches(props["mqttTopic"])
+    assert props["mqttQos"] in ("1", "2") and "clean_session=False" in script
+    for name in ("rmq-valve", "rmq-command-service"):
+        assert services[name]["depends_on"]["rmq-gateway-a"]["condition"] == "service_healthy"
+    for broker in ("rmq-broker-a", "rmq-broker-b"):
+        assert broker_config(services[broker])["enablePropertyFilter"] == "true"
 
 
 # --- profile rocketmq-cluster: several gateway nodes behind one address ------------------------

@@ -25,11 +25,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.clock import now_ms
+from gateway.storage.inbound import InboundFeed, InboundHandler
 from gateway.storage.port import (
     ArrivalListener,
     CommittedOffsets,
@@ -43,6 +46,7 @@ from gateway.storage.port import (
 )
 from gateway.storage.rocketmq.broker import Broker
 from gateway.storage.rocketmq.history import ParentHistory
+from gateway.storage.rocketmq.inbound import InboundConsumer
 from gateway.storage.rocketmq.mirrors import Mirrors
 from gateway.storage.rocketmq.names import PROBE_QUEUE
 from gateway.storage.rocketmq.offsets import BrokerOffsets
@@ -150,6 +154,7 @@ class RocketMqStorage:
         self._tickets: dict[int, list[tuple[Sender, int]]] = {}
         self._ticket = 0
         self._route_poll: asyncio.Task[None] | None = None
+        self._inbound: InboundConsumer | None = None
 
     # -- spread over several brokers (gateway/storage/rocketmq/spread.py)
     # --------------------------------
@@ -547,6 +552,27 @@ class RocketMqStorage:
         except RemotingError as exc:
             raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
 
+    async def open_inbound(
+        self, handler: InboundHandler, *, topic: str, dead_letter_topic: str, group: str
+    ) -> InboundFeed:
+        """Consume the inbound topic (gateway/storage/rocketmq/inbound.py), its topics on the
+        home broker."""
+        consumer = InboundConsumer(
+            self._broker.client,
+            handler,
+            topic=topic,
+            dead_letter_topic=dead_letter_topic,
+            group=group,
+            home_addr=self._broker.addr,
+        )
+        try:
+            await consumer.start()
+        except RemotingError as exc:
+            consumer.close()
+            raise StorageUnavailable(f"inbound topic {topic!r}: {exc}") from exc
+        self._inbound = consumer
+        return consumer
+
     async def drain(self) -> None:
         pending: list[asyncio.Future[Any]] = [
             *self._sender.in_flight(),
@@ -569,6 +595,8 @@ class RocketMqStorage:
             self._state_tail.cancel()
         if self._route_poll is not None:
             self._route_poll.cancel()
+        if self._inbound is not None:
+            self._inbound.close()
         self._offsets.close()
         self._mirrors.close()
         self._history.close()
@@ -596,8 +624,13 @@ async def open_rocketmq(
     # it waits for is logged every START_LOG_S. Then the last reason, as StorageUnavailable.
     deadline = time.monotonic() + settings.rocketmq_start_timeout
     logged = -START_LOG_S
+    # The client id names this process in consumer groups (the inbound topic's): unique per
+    # node even for several gateways in one process.
+    client_id = f"{socket.gethostname()}@{os.getpid()}@{node_id or 'lmqtt'}"
     while True:
-        client = RemotingClient([namesrv], client_id=None, request_timeout=5.0, connect_timeout=3.0)
+        client = RemotingClient(
+            [namesrv], client_id=client_id, request_timeout=5.0, connect_timeout=3.0
+        )
         try:
             return await _open(client, settings, local, node_id)
         except _NotYet as exc:
@@ -644,7 +677,10 @@ async def _open(
         )  # fmt: skip
     await _prepare_broker(client, name, addr, topic, sync=settings.flush == "sync")
     storage = RocketMqStorage(
-        Broker(client, name, addr, topic), local, sync=settings.flush == "sync", node_id=node_id
+        Broker(client, name, addr, topic, settings.rocketmq_topic_property),
+        local,
+        sync=settings.flush == "sync",
+        node_id=node_id,
     )
     try:
         await _probe_light_queues(client, name, addr, topic)
@@ -706,7 +742,7 @@ async def _spread(
             )
         await _prepare_broker(client, name, addr, topic, sync=settings.flush == "sync")
         await _probe_light_queues(client, name, addr, topic)
-        storage.add_slot(Broker(client, name, addr, topic))
+        storage.add_slot(Broker(client, name, addr, topic, settings.rocketmq_topic_property))
         log.info("broker %s (%s) holds part of topic %s now", name, addr, topic)
     storage.routing.set_registered(masters)
     with contextlib.suppress(RemotingError):

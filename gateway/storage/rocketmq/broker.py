@@ -38,6 +38,10 @@ class Broker:
     name: str
     addr: str
     topic: str
+    # Each MQTT message also carries its topic as TOPIC_PROPERTY, a name SQL92 filters of
+    # native consumers can use (settings.rocketmq_topic_property; gateway/storage/rocketmq/
+    # sender.py).
+    topic_property: bool = False
     names: LightQueueNames = field(init=False)
 
     def __post_init__(self) -> None:

@@ -39,7 +39,8 @@ from rocketmq_remoting.message import (
     decode_message_id,
     encode_properties,
 )
-from topicmap.rocketmq import EMPTY_BODY_PROPERTY
+from topicmap.record import TOPIC
+from topicmap.rocketmq import EMPTY_BODY_PROPERTY, TOPIC_PROPERTY
 
 log = logging.getLogger("lmqtt.rocketmq")
 
@@ -50,6 +51,18 @@ FAILED_TICKETS_KEPT = 10_000
 #: retained message's deletion) is sent as one byte with EMPTY_BODY_PROPERTY, and read back
 #: empty (rocketmq_broker.to_stored).
 _EMPTY_BODY_MARK = EMPTY_BODY_PROPERTY.encode() + b"\x011\x02"
+_TOPIC_PAIR = TOPIC.encode() + b"\x01"
+_TOPIC_PROPERTY_HEAD = TOPIC_PROPERTY.encode() + b"\x01"
+
+
+def topic_in(block: bytes) -> bytes | None:
+    """The MQTT topic in an encoded property block (`TOPIC \x01 name \x02`), None if none
+    (a state record)."""
+    i = block.find(_TOPIC_PAIR)
+    if i < 0 or (i > 0 and block[i - 1] != 2):
+        return None
+    j = block.find(b"\x02", i)
+    return block[i + len(_TOPIC_PAIR) : j if j >= 0 else len(block)]
 
 
 class SendCounter(Protocol):
@@ -90,6 +103,8 @@ class Sender:
         self._failed: dict[int, StoreError] = {}
         self._sending: set[asyncio.Future[None]] = set()  # one per send not answered yet
         self.log_max = 0
+        if broker.topic_property:  # chosen once: nothing added per message when it is off
+            self._send = self._send_with_topic  # type: ignore[method-assign]
 
     def send_batch(
         self, messages: Sequence[EncodedMessage], gate: asyncio.Future[Any] | None = None
@@ -195,6 +210,15 @@ class Sender:
         finally:
             self._sending.discard(answered)
             answered.set_result(None)
+
+    async def _send_with_topic(
+        self, queues: Sequence[str], body: bytes, block: bytes
+    ) -> SendResult:
+        """_send, the MQTT topic also as TOPIC_PROPERTY (settings.rocketmq_topic_property)."""
+        topic = topic_in(block)
+        if topic is not None:
+            block += _TOPIC_PROPERTY_HEAD + topic + b"\x02"
+        return await Sender._send(self, queues, body, block)
 
     async def _send(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
         broker = self._broker
