@@ -5,7 +5,7 @@ devices send, while deliveries fall seconds behind: the store takes everything, 
 turns get longer, and each subscriber's pass waits behind ever larger ingest batches.
 
 Overload, seen from inside the process, shows two ways, and the guard watches both:
-  - event-loop lag: a timer due every TICK_S fires late because every turn is long
+  - event-loop lag: the guard's own timer fires late because every turn is long
     (past LAG_HOLD_S);
   - delivery lag: the oldest message an online subscriber (or shared-subscription group) has
     not been sent yet was stored more than BACKLOG_HOLD_S ago. The loop may be on time while
@@ -15,6 +15,13 @@ Overload, seen from inside the process, shows two ways, and the guard watches bo
     of them for the store time of their oldest unsent message (`oldest_unsent_ms()`, a look at
     each of their queues' next message), so the cost is per tick, never per message or per
     connection.
+
+The guard's timer runs every TICK_S while it has anything to watch closely: it holds, someone is
+still held, or the last tick saw either lag past its release bound. Otherwise (the usual case,
+the gateway keeping up) it runs every IDLE_TICK_S, and its cost while nothing is behind is a
+few ticks a second, nothing per message: a timer's lateness measures the loop's lag whatever
+its period, and a delivery lag growing from under BACKLOG_RELEASE_S is seen at most
+IDLE_TICK_S later, then followed every TICK_S.
 
 While either is past its bound the guard holds the connections that publish, from the moment
 they hand in publishes (ClientConnection.published): the PUBACKs of what a held connection
@@ -95,6 +102,8 @@ __all__ = ["Backlogged", "OverloadGuard", "Publisher"]
 log = logging.getLogger("lmqtt.gateway")
 
 TICK_S = 0.01
+# The timer's period while both lags are under their release bounds and nobody is held.
+IDLE_TICK_S = 0.05
 # Hysteresis: hold when a 10 ms timer is 40 ms late, release once it is back within 10 ms.
 LAG_HOLD_S = 0.04
 LAG_RELEASE_S = 0.01
@@ -222,7 +231,7 @@ class OverloadGuard:
         self._last_tick = now = self._loop.time()
         self._stored_last = stored = self._stored()
         self._position = float(stored)
-        self._due = now + TICK_S
+        self._due = now + IDLE_TICK_S
         self._handle = self._loop.call_at(self._due, self._tick)
 
     def stop(self) -> None:
@@ -255,8 +264,9 @@ class OverloadGuard:
         self.lag = lag = now - self._due
         dt = max(now - self._last_tick, TICK_S / 10)
         self._last_tick = now
-        backlog = self._check_backlog()
-        self._measure(backlog, dt)
+        wall = time.time()
+        backlog = self._check_backlog(wall, now)
+        self._measure(backlog, dt, wall)
         if not self.overloaded and (lag > LAG_HOLD_S or backlog > BACKLOG_HOLD_S):
             self.overloaded = True
             self._credit = 0.0
@@ -287,13 +297,15 @@ class OverloadGuard:
                 self._calm = 0
         elif self._held:  # left from a hold that ended (stop() releases the rest)
             self._resume(RESUME_PER_TICK)
-        self._due = now + TICK_S
+        if self.overloaded or self._held or lag > LAG_RELEASE_S or backlog > BACKLOG_RELEASE_S:
+            self._due = now + TICK_S
+        else:
+            self._due = now + IDLE_TICK_S
         self._handle = self._loop.call_at(self._due, self._tick)
 
-    def _measure(self, backlog: float, dt: float) -> None:
+    def _measure(self, backlog: float, dt: float, wall: float) -> None:
         """Advance the slowest reader's position (publishes) and the drain estimate."""
         stored = self._stored()
-        wall = time.time()
         history = self._history
         history.append((wall, stored))
         while history and history[0][0] < wall - HISTORY_S:
@@ -322,6 +334,9 @@ class OverloadGuard:
         self.rate = rate = max(self.drain * factor, MIN_RATE)
         self._credit = min(self._credit + rate * dt, rate * MAX_CREDIT_S)
         held = self._held
+        if not held:
+            self._resumed = 0
+            return
         per_resume = self.per_resume
         resumed = 0
         while self._credit > 0 and held and resumed < RESUME_PER_TICK:
@@ -346,7 +361,7 @@ class OverloadGuard:
                 resumed += 1
         self._resumed = resumed
 
-    def _check_backlog(self) -> float:
+    def _check_backlog(self, wall: float, now: float) -> float:
         """The largest delivery lag (s) among the loops checked this tick; caught-up loops are
         forgotten. Loops not checked this tick keep their last verdict through the round robin
         (with few backlogged loops, which is the usual case, all are checked every tick)."""
@@ -355,8 +370,6 @@ class OverloadGuard:
             self.backlog_lag = 0.0
             return 0.0
         backlogged = self._backlogged
-        wall = time.time()
-        now = self._loop.time()
         worst = 0.0
         for _ in range(min(CHECK_PER_TICK, len(to_check))):
             loop = to_check.popleft()
