@@ -23,7 +23,14 @@ few ticks a second, nothing per message: a timer's lateness measures the loop's 
 its period, and a delivery lag growing from under BACKLOG_RELEASE_S is seen at most
 IDLE_TICK_S later, then followed every TICK_S.
 
-While either is past its bound the guard holds the connections that publish, from the moment
+One long turn (a garbage collection, the process descheduled on a busy host) makes one tick late
+and the oldest unsent message old at once, without the gateway being behind: holding then would
+cost a hold and a release for every connection that publishes until the guard is calm again,
+for nothing. So the guard holds once either lag has been past its bound for HOLD_TICKS ticks in
+a row (TICK_S apart: a tick past a bound is followed closely); an overload keeps a lag past its
+bound tick after tick.
+
+Then the guard holds the connections that publish, from the moment
 they hand in publishes (ClientConnection.published): the PUBACKs of what a held connection
 hands in wait (MQTT puts no deadline on them and they still leave in order), so a device with
 an in-flight window stops sending once its window is full of messages already stored and being
@@ -63,6 +70,7 @@ need not empty by itself.
 
             loop lag > LAG_HOLD_S or                 loop lag < LAG_RELEASE_S and delivery lag
             delivery lag > BACKLOG_HOLD_S            < BACKLOG_RELEASE_S for CALM_TICKS
+            for HOLD_TICKS in a row
     normal -------------------------------> holding (held connections read at the drain rate,
        ^                                             round robin) --------------------+
        +------------------------------------------------------------------------------+
@@ -133,6 +141,9 @@ SLOW_SUBSCRIBER_S = 2.0
 # Ticks in a row with both lags under their release bounds before holding stops; the connections
 # still held are then released RESUME_PER_TICK a tick.
 CALM_TICKS = 10
+# Ticks in a row with a lag past its hold bound before holding starts (one late tick is a long
+# turn, not an overload).
+HOLD_TICKS = 2
 # Connections resumed per tick at most (the round robin's step, and stop()'s release pace).
 RESUME_PER_TICK = 500
 CHECK_PER_TICK = 64
@@ -167,6 +178,7 @@ class OverloadGuard:
         "_handle",
         "_held",
         "_history",
+        "_hot",
         "_last_tick",
         "_loop",
         "_position",
@@ -206,6 +218,7 @@ class OverloadGuard:
         self._stored_last = 0
         self._credit = 0.0  # publishes the round robin may still admit
         self._calm = 0  # ticks in a row with both lags under their release bounds
+        self._hot = 0  # ticks in a row with a lag past its hold bound, while not holding
         self._resumed = 0  # connections resumed in the last tick
         self._admitted = 0.0  # publishes stored per tick, smoothed
         self._resumes_avg = 0.0  # connections resumed per tick, smoothed
@@ -267,7 +280,12 @@ class OverloadGuard:
         wall = time.time()
         backlog = self._check_backlog(wall, now)
         self._measure(backlog, dt, wall)
-        if not self.overloaded and (lag > LAG_HOLD_S or backlog > BACKLOG_HOLD_S):
+        if self.overloaded or (lag <= LAG_HOLD_S and backlog <= BACKLOG_HOLD_S):
+            self._hot = 0
+        else:
+            self._hot += 1
+        if self._hot >= HOLD_TICKS:
+            self._hot = 0
             self.overloaded = True
             self._credit = 0.0
             self._calm = 0
