@@ -5,7 +5,7 @@ devices send, while deliveries fall seconds behind: the store takes everything, 
 turns get longer, and each subscriber's pass waits behind ever larger ingest batches.
 
 Overload, seen from inside the process, shows two ways, and the guard watches both:
-  - event-loop lag: a timer due every TICK_S fires late because every turn is long
+  - event-loop lag: the guard's own timer fires late because every turn is long
     (past LAG_HOLD_S);
   - delivery lag: the oldest message an online subscriber (or shared-subscription group) has
     not been sent yet was stored more than BACKLOG_HOLD_S ago. The loop may be on time while
@@ -16,7 +16,21 @@ Overload, seen from inside the process, shows two ways, and the guard watches bo
     each of their queues' next message), so the cost is per tick, never per message or per
     connection.
 
-While either is past its bound the guard holds the connections that publish, from the moment
+The guard's timer runs every TICK_S while it has anything to watch closely: it holds, someone is
+still held, or the last tick saw either lag past its release bound. Otherwise (the usual case,
+the gateway keeping up) it runs every IDLE_TICK_S, and its cost while nothing is behind is a
+few ticks a second, nothing per message: a timer's lateness measures the loop's lag whatever
+its period, and a delivery lag growing from under BACKLOG_RELEASE_S is seen at most
+IDLE_TICK_S later, then followed every TICK_S.
+
+One long turn (a garbage collection, the process descheduled on a busy host) makes one tick late
+and the oldest unsent message old at once, without the gateway being behind: holding then would
+cost a hold and a release for every connection that publishes until the guard is calm again,
+for nothing. So the guard holds once either lag has been past its bound for HOLD_TICKS ticks in
+a row (TICK_S apart: a tick past a bound is followed closely); an overload keeps a lag past its
+bound tick after tick.
+
+Then the guard holds the connections that publish, from the moment
 they hand in publishes (ClientConnection.published): the PUBACKs of what a held connection
 hands in wait (MQTT puts no deadline on them and they still leave in order), so a device with
 an in-flight window stops sending once its window is full of messages already stored and being
@@ -56,6 +70,7 @@ need not empty by itself.
 
             loop lag > LAG_HOLD_S or                 loop lag < LAG_RELEASE_S and delivery lag
             delivery lag > BACKLOG_HOLD_S            < BACKLOG_RELEASE_S for CALM_TICKS
+            for HOLD_TICKS in a row
     normal -------------------------------> holding (held connections read at the drain rate,
        ^                                             round robin) --------------------+
        +------------------------------------------------------------------------------+
@@ -95,6 +110,8 @@ __all__ = ["Backlogged", "OverloadGuard", "Publisher"]
 log = logging.getLogger("lmqtt.gateway")
 
 TICK_S = 0.01
+# The timer's period while both lags are under their release bounds and nobody is held.
+IDLE_TICK_S = 0.05
 # Hysteresis: hold when a 10 ms timer is 40 ms late, release once it is back within 10 ms.
 LAG_HOLD_S = 0.04
 LAG_RELEASE_S = 0.01
@@ -124,6 +141,9 @@ SLOW_SUBSCRIBER_S = 2.0
 # Ticks in a row with both lags under their release bounds before holding stops; the connections
 # still held are then released RESUME_PER_TICK a tick.
 CALM_TICKS = 10
+# Ticks in a row with a lag past its hold bound before holding starts (one late tick is a long
+# turn, not an overload).
+HOLD_TICKS = 2
 # Connections resumed per tick at most (the round robin's step, and stop()'s release pace).
 RESUME_PER_TICK = 500
 CHECK_PER_TICK = 64
@@ -161,6 +181,7 @@ class OverloadGuard:
         "_handle",
         "_held",
         "_history",
+        "_hot",
         "_last_tick",
         "_loop",
         "_position",
@@ -202,6 +223,7 @@ class OverloadGuard:
         self._stored_last = 0
         self._credit = 0.0  # publishes the round robin may still admit
         self._calm = 0  # ticks in a row with both lags under their release bounds
+        self._hot = 0  # ticks in a row with a lag past its hold bound, while not holding
         self._resumed = 0  # connections resumed in the last tick
         self._admitted = 0.0  # publishes stored per tick, smoothed
         self._resumes_avg = 0.0  # connections resumed per tick, smoothed
@@ -229,7 +251,7 @@ class OverloadGuard:
         self._last_tick = now = self._loop.time()
         self._stored_last = stored = self._stored()
         self._position = float(stored)
-        self._due = now + TICK_S
+        self._due = now + IDLE_TICK_S
         self._handle = self._loop.call_at(self._due, self._tick)
 
     def stop(self) -> None:
@@ -266,9 +288,15 @@ class OverloadGuard:
                 self.lag_max = lag
         dt = max(now - self._last_tick, TICK_S / 10)
         self._last_tick = now
-        backlog = self._check_backlog()
-        self._measure(backlog, dt)
-        if not self.overloaded and (lag > LAG_HOLD_S or backlog > BACKLOG_HOLD_S):
+        wall = time.time()
+        backlog = self._check_backlog(wall, now)
+        self._measure(backlog, dt, wall)
+        if self.overloaded or (lag <= LAG_HOLD_S and backlog <= BACKLOG_HOLD_S):
+            self._hot = 0
+        else:
+            self._hot += 1
+        if self._hot >= HOLD_TICKS:
+            self._hot = 0
             self.overloaded = True
             self._credit = 0.0
             self._calm = 0
@@ -298,13 +326,15 @@ class OverloadGuard:
                 self._calm = 0
         elif self._held:  # left from a hold that ended (stop() releases the rest)
             self._resume(RESUME_PER_TICK)
-        self._due = now + TICK_S
+        if self.overloaded or self._held or lag > LAG_RELEASE_S or backlog > BACKLOG_RELEASE_S:
+            self._due = now + TICK_S
+        else:
+            self._due = now + IDLE_TICK_S
         self._handle = self._loop.call_at(self._due, self._tick)
 
-    def _measure(self, backlog: float, dt: float) -> None:
+    def _measure(self, backlog: float, dt: float, wall: float) -> None:
         """Advance the slowest reader's position (publishes) and the drain estimate."""
         stored = self._stored()
-        wall = time.time()
         history = self._history
         history.append((wall, stored))
         while history and history[0][0] < wall - HISTORY_S:
@@ -333,6 +363,9 @@ class OverloadGuard:
         self.rate = rate = max(self.drain * factor, MIN_RATE)
         self._credit = min(self._credit + rate * dt, rate * MAX_CREDIT_S)
         held = self._held
+        if not held:
+            self._resumed = 0
+            return
         per_resume = self.per_resume
         resumed = 0
         while self._credit > 0 and held and resumed < RESUME_PER_TICK:
@@ -357,7 +390,7 @@ class OverloadGuard:
                 resumed += 1
         self._resumed = resumed
 
-    def _check_backlog(self) -> float:
+    def _check_backlog(self, wall: float, now: float) -> float:
         """The largest delivery lag (s) among the loops checked this tick; caught-up loops are
         forgotten. Loops not checked this tick keep their last verdict through the round robin
         (with few backlogged loops, which is the usual case, all are checked every tick)."""
@@ -366,8 +399,6 @@ class OverloadGuard:
             self.backlog_lag = 0.0
             return 0.0
         backlogged = self._backlogged
-        wall = time.time()
-        now = self._loop.time()
         worst = 0.0
         for _ in range(min(CHECK_PER_TICK, len(to_check))):
             loop = to_check.popleft()

@@ -24,6 +24,8 @@ RECENT_MESSAGES = 16_384
 RECENT_BYTES = 32 << 20
 RECORDS_CACHED = 4096  # decoded records of fan-outs
 COMPACT_AT = 1024  # a window's list drops its evicted head once it is this long and half
+# Eviction goes by buckets of appends, each at most 1/BUCKETS of either bound (see RecentMessages).
+BUCKETS = 16
 _MISSING = object()
 _tuple_new = tuple.__new__  # builds a StoredMessage without NamedTuple's Python __new__
 PREPARED_CACHE_SIZE = 4096
@@ -76,6 +78,17 @@ class _Window:
         self.msgs: list[StoredMessage] = []
 
 
+class _Bucket:
+    """Appends made one after another: how many messages each window got, and their bytes."""
+
+    __slots__ = ("count", "nbytes", "trims")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.nbytes = 0
+        self.trims: dict[_Window, int] = {}
+
+
 class RecentMessages:
     """The last messages this gateway appended, per queue, in offset order.
 
@@ -84,11 +97,17 @@ class RecentMessages:
     subscribers that keep up read it from here (rocketmq-mqtt keeps a similar per-queue cache).
     Anything not here (older, or appended before a restart) is read from the store.
 
-    Each queue has a window of consecutive offsets; what one append adds to a queue is one
-    segment in a FIFO, and the oldest segments are dropped (a window's head moves, its list
-    is compacted now and then) while the cache holds more than `size` messages or `max_bytes`
-    of bodies (a body in several queues counts once per queue). Nothing is done per message
-    beyond building its StoredMessage and appending it.
+    Each queue has a window of consecutive offsets. Appends go into the open bucket, which
+    counts per window how many messages they added (a window appended to many times, as a
+    wildcard subscription's queue is, is one entry); the bucket is closed once it holds
+    1/BUCKETS of `size` messages or of `max_bytes` of bodies (a body in several queues counts
+    once per queue). While the cache holds more than either bound, whole buckets are dropped,
+    oldest first: each of their windows' head moves by its count (a window's list is compacted
+    now and then). So eviction happens once per bucket and costs a step per window in it, not
+    per message or per append. Once an append is done the cache holds at most `size` messages
+    and `max_bytes`; that append stays unless it alone holds more than `size - size // BUCKETS`
+    (or of the bytes). Nothing is done per message beyond building its StoredMessage and
+    appending it.
     """
 
     def __init__(self, size: int = RECENT_MESSAGES, max_bytes: int = RECENT_BYTES) -> None:
@@ -97,7 +116,10 @@ class RecentMessages:
         self._count = 0
         self._bytes = 0
         self._windows: dict[str, _Window] = {}
-        self._segments: deque[tuple[_Window, int, int]] = deque()  # window, messages, bytes
+        self._bucket_size = max(1, size // BUCKETS)
+        self._bucket_bytes = max(1, max_bytes // BUCKETS)
+        self._open = _Bucket()
+        self._closed: deque[_Bucket] = deque()  # oldest first
         # Decoded records by physical offset (unique within a run of the log), shared by
         # every subscriber of a fan-out; oldest first.
         self._records: dict[int, RecordedPublish | None] = {}
@@ -129,7 +151,7 @@ class RecentMessages:
                 (parent, body, props, off, r.physical_offset, ts, ts, r.queue_offset, queues),
             )
             self._extend(q, [m], len(body))
-        self._evict()
+        self._appended()
 
     def add_many(
         self,
@@ -140,7 +162,7 @@ class RecentMessages:
         """add() for a batch appended with MessageStore.append_encoded."""
         for q, (run, nbytes) in stored_runs(messages, props, results).items():
             self._extend(q, run, nbytes)
-        self._evict()
+        self._appended()
 
     def _extend(self, queue: str, run: list[StoredMessage], nbytes: int) -> None:
         """Append `run` (consecutive offsets of `queue`, the store assigned them in one go)."""
@@ -152,25 +174,45 @@ class RecentMessages:
             # New queue, or a gap (what was there is stale): start over at `first`.
             w = self._windows[queue] = _Window(queue, first)
         w.msgs += run
-        self._segments.append((w, len(run), nbytes))
-        self._count += len(run)
+        n = len(run)
+        b = self._open
+        trims = b.trims
+        trims[w] = trims.get(w, 0) + n
+        b.count += n
+        b.nbytes += nbytes
+        self._count += n
         self._bytes += nbytes
 
+    def _appended(self) -> None:
+        """After an append: close the open bucket once it is full, evict if over a bound."""
+        b = self._open
+        if b.count >= self._bucket_size or b.nbytes >= self._bucket_bytes:
+            self._closed.append(b)
+            self._open = _Bucket()
+        if self._count > self._size or self._bytes > self._max_bytes:
+            self._evict()
+
     def _evict(self) -> None:
-        segments = self._segments
+        """Drop whole buckets, oldest first, until both bounds hold (the open one last)."""
+        closed = self._closed
+        windows = self._windows
         while self._count > self._size or self._bytes > self._max_bytes:
-            w, n, nbytes = segments.popleft()
-            self._count -= n
-            self._bytes -= nbytes
-            if self._windows.get(w.queue) is not w:
-                continue  # replaced after a gap: nothing to trim
-            w.head += n
-            w.first += n
-            if w.head >= len(w.msgs):
-                del self._windows[w.queue]
-            elif w.head >= COMPACT_AT and 2 * w.head >= len(w.msgs):
-                del w.msgs[: w.head]
-                w.head = 0
+            if not closed:
+                closed.append(self._open)
+                self._open = _Bucket()
+            b = closed.popleft()
+            self._count -= b.count
+            self._bytes -= b.nbytes
+            for w, n in b.trims.items():
+                if windows.get(w.queue) is not w:
+                    continue  # replaced after a gap: nothing to trim
+                w.head += n
+                w.first += n
+                if w.head >= len(w.msgs):
+                    del windows[w.queue]
+                elif w.head >= COMPACT_AT and 2 * w.head >= len(w.msgs):
+                    del w.msgs[: w.head]
+                    w.head = 0
 
     def run(self, queue: str, offset: int, limit: int) -> list[StoredMessage]:
         """Consecutive cached messages of `queue` from `offset` (empty if the first is not)."""
