@@ -54,7 +54,7 @@ class Connections(Protocol):
 
 
 class LoopLag(Protocol):
-    """The event loop's lateness as the overload guard measures it, a timer due every 10 ms
+    """The event loop's lateness as the overload guard measures it: how late its timer fires
     (gateway/connection/overload.py OverloadGuard)."""
 
     lag: float  # the last tick's, seconds
@@ -197,7 +197,7 @@ class _GatewayCollector(Collector):
         monitor = src.gc
         yield counter("gc_collections", "garbage collections", monitor.collections)
         lag = src.loop_lag
-        yield gauge("event_loop_lag_seconds", "lateness of the last 10 ms tick", lag.lag)
+        yield gauge("event_loop_lag_seconds", "lateness of the overload guard's last tick", lag.lag)
         yield gauge("event_loop_lag_max_seconds", "largest stall of the event loop", lag.lag_max)
         yield counter("event_loop_stalls", "ticks of the event loop 50 ms late or more", lag.stalls)
         cumulative, running = [], 0
