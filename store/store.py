@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from store.append import Appender, EncodedMessage
+from store.atomicfile import fsync_dir, make_dirs, write_atomic
 from store.checkpoint import read_checkpoint
 from store.commitlog import CommitLog
 from store.config import FlushMode, StoreConfig
@@ -46,7 +47,6 @@ from store.reader import QueueReader
 from store.recovery import RecoveryReport, recover, scan_log
 from store.results import ArrivalListener, GetResult, PutResult, StoredMessage
 from store.retention import apply_retention
-from store.segment import fsync_dir
 from store.statelog import STATE_DIR, StateLog, StateRecord, read_state_records
 
 #: Consume-queue files, consumer offsets and the checkpoint are flushed at most this often
@@ -104,9 +104,8 @@ class MessageStore:
         if config.read_only and not (data_dir / COMMITLOG_DIR).is_dir():
             raise StoreError(f"{data_dir}: no store to open read-only")
         if not config.read_only:
-            for d in (data_dir, data_dir / COMMITLOG_DIR, data_dir / CONSUMEQUEUE_DIR):
-                d.mkdir(parents=True, exist_ok=True)
-            (data_dir / CONFIG_DIR).mkdir(exist_ok=True)
+            for d in (COMMITLOG_DIR, CONSUMEQUEUE_DIR, CONFIG_DIR):
+                make_dirs(data_dir / d)
         store = cls(config)
         try:
             store._open()
@@ -412,8 +411,6 @@ class MessageStore:
 
     def write_config(self, name: str, data: bytes) -> None:
         """Replace ``config/<name>`` atomically (temp + fsync + rename + directory fsync)."""
-        from store.atomicfile import write_atomic
-
         self._check_writable()
         write_atomic(self._config_path(name), data)
 
