@@ -17,7 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from store.append import Appender, EncodedMessage
@@ -330,6 +330,11 @@ class MessageStore:
     def message_at(self, physical_offset: int) -> StoredMessage:
         """The record at ``physical_offset`` (validated); StoreError if there is none."""
         return self._reader.message_at(physical_offset)
+
+    def messages_since(self, physical_offset: int) -> Iterator[StoredMessage]:
+        """The records from ``physical_offset`` (a record's start or an earlier log end) to
+        the end of the log, in append order (recovery's scan of a tail)."""
+        return self._reader.messages_since(physical_offset)
 
     def min_offset(self, queue: str) -> int:
         with self._lock:
