@@ -12,12 +12,16 @@ Files (generation numbers increase; every name is 20 decimal digits plus a suffi
       00000000000000000007.log        records appended since, in order
       00000000000000000008.log        (a new generation starts at each open and compaction)
       00000000000000000009.snapshot.tmp   a compaction being written (deleted at open)
+      00000000000000000009.log.tmp        a generation being started (deleted at open)
 
 State = the newest ``.snapshot`` (if any), then every ``.log`` of a generation >= its own,
 applied in order. Files older than the newest snapshot are leftovers of a compaction that
 crashed after its rename; open() deletes them.
 
-Every file starts with the 8-byte magic ``STATE_MAGIC``, then records::
+Every file starts with the 8-byte magic ``STATE_MAGIC``, then records. A generation's log is
+written as ``G.log.tmp`` with the magic, fsynced, renamed to ``G.log`` and the directory fsynced
+(store/atomicfile.py), so no log appears without its magic; one shorter than the magic (what
+a cut could leave when logs were created in place) holds nothing and is deleted at open::
 
     0       4       8      9       11            11+klen
     +-------+-------+------+-------+-------------+------------------+
