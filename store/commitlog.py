@@ -12,6 +12,7 @@ import logging
 import os
 from pathlib import Path
 
+from store.atomicfile import fsync_dir, unlink_durably
 from store.errors import CorruptStoreError, MessageTooLargeError
 from store.format import (
     BLANK_MAGIC,
@@ -23,7 +24,7 @@ from store.format import (
     offset_file_name,
     parse_offset_file_name,
 )
-from store.segment import Segment, fsync_dir
+from store.segment import Segment
 
 log = logging.getLogger("lmqtt.store.commitlog")
 
@@ -184,10 +185,14 @@ class CommitLog:
 
     def truncate(self, offset: int) -> None:
         """Drop everything from ``offset`` on: zero the rest of its segment, delete later ones."""
+        gone = []
         while self.segments and self.segments[-1].start > offset:
             seg = self.segments.pop()
             seg.close()
-            os.unlink(seg.path)
+            gone.append(seg.path)
+        # Durably gone before anything is written past the cut: a deleted segment that came
+        # back after a second crash would bring records the cut discarded.
+        unlink_durably(gone)
         last = self.segment_for(offset) if self.segments else None
         if last is not None:
             last.zero_from(offset - last.start)
@@ -199,7 +204,7 @@ class CommitLog:
         """Remove the first segment (retention); never the one being written."""
         seg = self.segments.pop(0)
         seg.close()
-        os.unlink(seg.path)
+        unlink_durably([seg.path])
         return seg
 
     def close(self) -> None:

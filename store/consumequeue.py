@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from store.atomicfile import fsync_dir, unlink_durably
 from store.filehandles import FileHandles
 from store.format import (
     CQ_UNIT,
@@ -331,6 +332,7 @@ class ConsumeQueueTable:
             cq.pending = bytearray()
             self.dirty.pop(cq.name, None)
             kept = False
+            gone: list[str] = []
             for start in self._list_files(cq.dir):
                 path = f"{cq.dir}/{offset_file_name(start * CQ_UNIT_SIZE)}"
                 if start + self.upf <= offset:
@@ -343,7 +345,8 @@ class ConsumeQueueTable:
                     os.truncate(path, (offset - start) * CQ_UNIT_SIZE)
                     kept = True
                 else:
-                    os.unlink(path)
+                    gone.append(path)
+            unlink_durably(gone)
             cq.flushed = offset
         cq.max_offset = offset
         cq.min_offset = min(cq.min_offset, offset)
@@ -358,7 +361,9 @@ class ConsumeQueueTable:
     def reset(self, cq: ConsumeQueue, offset: int) -> None:
         """Empty the queue so that its next unit is ``offset`` (rebuild after a gap)."""
         self.files.forget_under(cq.dir + "/")
-        shutil.rmtree(cq.dir, ignore_errors=True)
+        if os.path.isdir(cq.dir):
+            shutil.rmtree(cq.dir, ignore_errors=True)
+            fsync_dir(os.path.dirname(cq.dir))  # gone for good before the rebuild writes
         cq.dir_ready = False
         self.dirty.pop(cq.name, None)
         cq.pending = bytearray()
@@ -366,17 +371,16 @@ class ConsumeQueueTable:
 
     def delete_files_below(self, cq: ConsumeQueue, log_min: int) -> int:
         """Retention: delete whole files whose every unit points below ``log_min``."""
-        deleted = 0
+        gone: list[str] = []
         for start in self._list_files(cq.dir)[:-1]:
             path = f"{cq.dir}/{offset_file_name(start * CQ_UNIT_SIZE)}"
             u = self.unit_at(cq, min(start + self.upf, cq.flushed) - 1)
             if u is None or u[0] >= log_min:
                 break
             self.files.forget(path)
-            os.unlink(path)
-            deleted += 1
+            gone.append(path)
             cq.min_offset = max(cq.min_offset, start + self.upf)
-        return deleted
+        return unlink_durably(gone)
 
     def close(self) -> None:
         self.files.close()

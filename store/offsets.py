@@ -28,6 +28,7 @@ import threading
 from pathlib import Path
 from typing import Final
 
+from store.atomicfile import replace_durably
 from store.errors import CorruptStoreError
 from store.statelog import LOG_SUFFIX, SNAPSHOT_SUFFIX, StateLog, StateRecord, read_state
 
@@ -189,12 +190,12 @@ class ConsumerOffsets:
         if not changed:
             if self._imported:
                 self._imported = False
-                os.replace(self.path, self.path.with_name(self.path.name + ".imported"))
+                replace_durably(self.path, self.path.with_name(self.path.name + ".imported"))
             return False
         self._log.sync()
         if self._imported:
             self._imported = False
-            os.replace(self.path, self.path.with_name(self.path.name + ".imported"))
+            replace_durably(self.path, self.path.with_name(self.path.name + ".imported"))
         if self._log.needs_compaction() and (
             self._compaction is None or not self._compaction.is_alive()
         ):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Iterator
 
 from store.commitlog import CommitLog
 from store.consumequeue import ConsumeQueue, ConsumeQueueTable
@@ -184,6 +185,29 @@ class QueueReader:
                 raise StoreError(f"no message at offset {physical_offset}")
             m = msgs[0]
             return m._replace(queue_offset=m.parent_offset)
+
+    def messages_since(self, physical_offset: int) -> Iterator[StoredMessage]:
+        """Every record from ``physical_offset`` (a record's start, or the log's end at some
+        earlier time) to the log's end, in append order; the lock is taken per record."""
+        pos = max(physical_offset, self.commitlog.min_offset)
+        while True:
+            with self.lock:
+                if self.closed:
+                    raise StoreClosedError("store is closed")
+                seg = self.commitlog.segment_for(pos)
+                if seg is None or pos >= self.commitlog.write_pos:
+                    return
+                rel = pos - seg.start
+                size = check_record(seg.view, rel, seg.size)
+                if size == 0:  # the blank filler at a segment's end: on in the next one
+                    pos = seg.end
+                    continue
+                if size < 0:
+                    return  # not a record's start (the log was cut below it since)
+                msgs, _ = self.decode_units(CQ_UNIT.pack(pos, size, 0), 0)
+            if msgs:
+                yield msgs[0]._replace(queue_offset=msgs[0].parent_offset)
+            pos += size
 
     def _store_ts_at(self, cq: ConsumeQueue, offset: int) -> int:
         u = self.table.unit_at(cq, offset)

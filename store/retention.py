@@ -4,7 +4,9 @@ The segment being written is never deleted. After segments go, every consume que
 files whose units all point below the new log start, and its ``min_offset`` moves up; queues
 not in memory are corrected when next loaded; and the delivery account's ranges files that
 speak only of deleted messages go too (store/delivery_account.py: written before the oldest
-message left). Runs under the store lock.
+message left). Runs under the store lock. Every deletion is made durable (an fsync of its
+directory, store/atomicfile.py) before retention returns: a file that came back after a power
+cut would speak of what the others no longer hold.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+from store.atomicfile import unlink_durably
 from store.commitlog import CommitLog, first_store_timestamp
 from store.consumequeue import ConsumeQueueTable
 from store.delivery_account import expired_ranges
@@ -89,12 +92,8 @@ def delete_expired_account(data_dir: Path, commitlog: CommitLog) -> int:
     oldest = first_store_timestamp(commitlog.segments[0].path)
     if oldest is None:
         return 0
-    deleted = 0
-    for path in expired_ranges(data_dir, oldest):
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        deleted += 1
-        log.info("retention: deleted delivery account file %s", path.name)
+    paths = list(expired_ranges(data_dir, oldest))
+    deleted = unlink_durably(paths)
+    if deleted:
+        log.info("retention: deleted %d delivery account file(s) up to %s", deleted, paths[-1].name)
     return deleted

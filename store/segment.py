@@ -18,15 +18,6 @@ from pathlib import Path
 _MADV_DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
 
 
-def fsync_dir(path: Path | str) -> None:
-    """fsync a directory, making the names created, renamed or removed in it durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Segment:
     """A CommitLog segment covering ``[start, start + size)``."""
 

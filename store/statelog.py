@@ -12,12 +12,16 @@ Files (generation numbers increase; every name is 20 decimal digits plus a suffi
       00000000000000000007.log        records appended since, in order
       00000000000000000008.log        (a new generation starts at each open and compaction)
       00000000000000000009.snapshot.tmp   a compaction being written (deleted at open)
+      00000000000000000009.log.tmp        a generation being started (deleted at open)
 
 State = the newest ``.snapshot`` (if any), then every ``.log`` of a generation >= its own,
 applied in order. Files older than the newest snapshot are leftovers of a compaction that
 crashed after its rename; open() deletes them.
 
-Every file starts with the 8-byte magic ``STATE_MAGIC``, then records::
+Every file starts with the 8-byte magic ``STATE_MAGIC``, then records. A generation's log is
+written as ``G.log.tmp`` with the magic, fsynced, renamed to ``G.log`` and the directory fsynced
+(store/atomicfile.py), so no log appears without its magic; one shorter than the magic (what
+a cut could leave when logs were created in place) holds nothing and is deleted at open::
 
     0       4       8      9       11            11+klen
     +-------+-------+------+-------+-------------+------------------+
@@ -64,14 +68,20 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
+from store.atomicfile import (
+    TMP_SUFFIX,
+    create_with_header,
+    make_dirs,
+    replace_durably,
+    unlink_durably,
+    write_atomic,
+)
 from store.errors import CorruptStoreError, ReadOnlyStoreError, StoreClosedError
-from store.segment import fsync_dir
 
 STATE_DIR: Final = "state"
 STATE_MAGIC: Final = b"LMQSTAT1"
 LOG_SUFFIX: Final = ".log"
 SNAPSHOT_SUFFIX: Final = ".snapshot"
-TMP_SUFFIX: Final = ".tmp"
 #: Written by a clean close: "<last log's name> <its size>"; open() trusts that log unread.
 CLEAN_FILE: Final = "CLEAN"
 KIND_PUT: Final = 1
@@ -139,12 +149,13 @@ def _files(directory: Path) -> tuple[int | None, list[tuple[int, Path]]]:
 
 def _scan(path: Path, *, tail_ok: bool) -> Iterator[tuple[int, StateRecord]]:
     """(end position, record) of every whole record of one file. A bad record ends the scan
-    when `tail_ok` (the caller truncates there), else raises CorruptStoreError."""
+    when `tail_ok` (the caller truncates there), else raises CorruptStoreError. A log shorter
+    than its header is empty, wherever it is (see _is_unwritten)."""
     with open(path, "rb", buffering=0) as f:
         magic = f.read(len(STATE_MAGIC))
         if magic != STATE_MAGIC:
-            if tail_ok and STATE_MAGIC.startswith(magic):
-                return  # created, header not yet (fully) written
+            if (tail_ok or path.name.endswith(LOG_SUFFIX)) and _is_unwritten(magic):
+                return
             raise CorruptStoreError(str(path), "not a state log file (bad magic)")
         pos = len(STATE_MAGIC)
         data = b""
@@ -191,6 +202,14 @@ def _scan(path: Path, *, tail_ok: bool) -> Iterator[tuple[int, StateRecord]]:
             pos += end - i
             i = end
             yield pos, (key, value)
+
+
+def _is_unwritten(head: bytes) -> bool:
+    """Whether a file's first bytes are those of a log created but not yet durably started:
+    shorter than the magic, and a prefix of it or zeros (size extended, data not written). A
+    cut leaves one where a log was created in place (the create durable, the magic not: how
+    older versions started a generation); it never held a record, so it reads as empty."""
+    return len(head) < len(STATE_MAGIC) and (STATE_MAGIC.startswith(head) or not head.strip(b"\0"))
 
 
 def read_state_records(directory: Path) -> Iterator[StateRecord]:
@@ -257,20 +276,25 @@ class StateLog:
         """Recover `directory` (created if missing) and start a new generation for appends."""
         log = cls(directory, read_only=read_only)
         if not read_only:
-            directory.mkdir(parents=True, exist_ok=True)
+            make_dirs(directory)
             log._recover()
         return log
 
     def _recover(self) -> None:
         d = self.directory
-        for p in d.glob("*" + TMP_SUFFIX):
-            p.unlink()  # a compaction cut short: the files it read are still authoritative
+        # A compaction or a generation's start cut short (their files are not in use yet),
+        # and files the newest snapshot supersedes (its compaction was cut before deleting
+        # them). Gone durably before anything new is written: none may come back.
         snap, logs = _files(d)
         keep = {_name(snap, SNAPSHOT_SUFFIX)} if snap is not None else set()
         keep.update(p.name for _, p in logs)
-        for p in d.iterdir():
-            if p.name not in keep and p.name[:20].isdigit():
-                p.unlink()  # superseded by the newest snapshot (its compaction crashed)
+        unlink_durably(
+            [
+                p
+                for p in d.iterdir()
+                if p.name.endswith(TMP_SUFFIX) or (p.name not in keep and p.name[:20].isdigit())
+            ]
+        )
         if snap is not None:
             self._snapshot_bytes = (d / _name(snap, SNAPSHOT_SUFFIX)).stat().st_size
         # A clean close vouches for its last log: no scan of it (a restart reads it anyway).
@@ -278,15 +302,19 @@ class StateLog:
         try:
             name, size_text = (d / CLEAN_FILE).read_text().split()
             clean = (name, int(size_text))
-            (d / CLEAN_FILE).unlink()
         except (FileNotFoundError, ValueError):
             pass
-        last = snap if snap is not None else -1
-        for n, (gen, path) in enumerate(logs):
+        # Gone before this run appends: a CLEAN that came back would vouch for a log unread.
+        unlink_durably([d / CLEAN_FILE])
+        last = max([snap if snap is not None else -1, *(g for g, _ in logs)])
+        # Logs never started (shorter than the magic, see _is_unwritten) hold nothing: gone.
+        short = [p for _, p in logs if p.stat().st_size < len(STATE_MAGIC)]
+        unlink_durably(short)
+        logs = [(g, p) for g, p in logs if p not in short]
+        for n, (_gen, path) in enumerate(logs):
             end = len(STATE_MAGIC)
             tail = n == len(logs) - 1
             size = path.stat().st_size
-            last = gen
             if not tail or clean == (path.name, size):
                 # Sealed logs were fsynced whole before the next one started.
                 self._log_bytes += size
@@ -305,12 +333,9 @@ class StateLog:
         self._open_generation(last + 1)
 
     def _open_generation(self, generation: int) -> None:
-        """Start `generation`'s log (the caller holds the lock or is single-threaded)."""
-        path = self.directory / _name(generation, LOG_SUFFIX)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.write(fd, STATE_MAGIC)
-        os.fsync(fd)
-        fsync_dir(self.directory)
+        """Start `generation`'s log (the caller holds the lock or is single-threaded): it
+        appears under its name with its magic, durably, or not at all."""
+        fd = create_with_header(self.directory / _name(generation, LOG_SUFFIX), STATE_MAGIC)
         self._fd = fd
         self._generation = generation
         self._logs += 1
@@ -412,11 +437,8 @@ class StateLog:
                 with self._lock:
                     self._log_bytes += log_bytes_before
                 raise
-            os.replace(tmp, d / _name(generation, SNAPSHOT_SUFFIX))
-            fsync_dir(d)
-            for p in covered:
-                p.unlink(missing_ok=True)
-            fsync_dir(d)
+            replace_durably(tmp, d / _name(generation, SNAPSHOT_SUFFIX))
+            unlink_durably(covered)
             self._snapshot_bytes = size
 
     @staticmethod
@@ -444,10 +466,7 @@ class StateLog:
             os.close(fd)
             self._synced = self._written
             path = self.directory / _name(self._generation, LOG_SUFFIX)
-            tmp = self.directory / (CLEAN_FILE + TMP_SUFFIX)
-            tmp.write_text(f"{path.name} {size}\n")
-            os.replace(tmp, self.directory / CLEAN_FILE)
-            fsync_dir(self.directory)
+            write_atomic(self.directory / CLEAN_FILE, f"{path.name} {size}\n".encode())
 
 
 def read_state_records_of(paths: Sequence[Path]) -> Iterator[StateRecord]:

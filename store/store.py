@@ -17,10 +17,11 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from store.append import Appender, EncodedMessage
+from store.atomicfile import fsync_dir, make_dirs, write_atomic
 from store.checkpoint import read_checkpoint
 from store.commitlog import CommitLog
 from store.config import FlushMode, StoreConfig
@@ -46,7 +47,6 @@ from store.reader import QueueReader
 from store.recovery import RecoveryReport, recover, scan_log
 from store.results import ArrivalListener, GetResult, PutResult, StoredMessage
 from store.retention import apply_retention
-from store.segment import fsync_dir
 from store.statelog import STATE_DIR, StateLog, StateRecord, read_state_records
 
 #: Consume-queue files, consumer offsets and the checkpoint are flushed at most this often
@@ -104,9 +104,8 @@ class MessageStore:
         if config.read_only and not (data_dir / COMMITLOG_DIR).is_dir():
             raise StoreError(f"{data_dir}: no store to open read-only")
         if not config.read_only:
-            for d in (data_dir, data_dir / COMMITLOG_DIR, data_dir / CONSUMEQUEUE_DIR):
-                d.mkdir(parents=True, exist_ok=True)
-            (data_dir / CONFIG_DIR).mkdir(exist_ok=True)
+            for d in (COMMITLOG_DIR, CONSUMEQUEUE_DIR, CONFIG_DIR):
+                make_dirs(data_dir / d)
         store = cls(config)
         try:
             store._open()
@@ -337,6 +336,11 @@ class MessageStore:
         """The record at ``physical_offset`` (validated); StoreError if there is none."""
         return self._reader.message_at(physical_offset)
 
+    def messages_since(self, physical_offset: int) -> Iterator[StoredMessage]:
+        """The records from ``physical_offset`` (a record's start or an earlier log end) to
+        the end of the log, in append order (recovery's scan of a tail)."""
+        return self._reader.messages_since(physical_offset)
+
     def min_offset(self, queue: str) -> int:
         with self._lock:
             cq = self._reader.lookup(queue)
@@ -417,8 +421,6 @@ class MessageStore:
 
     def write_config(self, name: str, data: bytes) -> None:
         """Replace ``config/<name>`` atomically (temp + fsync + rename + directory fsync)."""
-        from store.atomicfile import write_atomic
-
         self._check_writable()
         write_atomic(self._config_path(name), data)
 

@@ -204,10 +204,14 @@ class PublishHandler:
             # Denied, not malformed: acknowledge (3.1.1 has no negative ack) and drop.
             self._refuse(client, pub, ReasonCode.NOT_AUTHORIZED, f"denied: {e}")
             return
-        if pub.qos == 2 and pid is not None and pid in session.qos2_inbound:
-            # Re-sent before our PUBREC arrived: stored already (state survives restarts).
-            client.write(client.conn.send(PubRec(pid)))
-            return
+        if pub.qos == 2 and pid is not None:
+            if pid in session.qos2_inbound:
+                # Re-sent before our PUBREC arrived: stored already (state survives restarts).
+                client.write(client.conn.send(PubRec(pid)))
+                return
+            # Until its id joins qos2_inbound, the session's saved records say where in the
+            # log a restart looks for it (gateway/session/qos2.py).
+            self._registry.qos2.storing(client.client_id, pid)
         if self._sync:
             # Tasks start in creation order, so appends keep the arrival order; each awaits
             # its fsync concurrently (group commit) and acknowledges after its predecessor.
@@ -224,13 +228,17 @@ class PublishHandler:
             await self._publisher.store_publish(pub, client.client_id)
         except StoreError as e:
             self.store_failed(client, pub, e)
+            self._qos2_settled(client, pub)
             return
         if pub.qos == 1:
             # _acknowledge's QoS 1 case inline: no coroutine per publish of a QoS 1 flood.
             if pid is not None and not client.closed:
                 client.write(client.conn.send(PubAck(pid)))
         elif pub.qos == 2:
-            await self._acknowledge(client, pub)
+            try:
+                await self._acknowledge(client, pub)
+            finally:
+                self._qos2_settled(client, pub)
 
     def _refuse(self, client: Publishing, pub: Publish, code: int, why: str) -> None:
         """Drop `pub` with a log line: MQTT 5 gets `code` in its PUBACK / PUBREC; 3.1.1, which
@@ -299,7 +307,14 @@ class PublishHandler:
             else:
                 await self._acknowledge(client, pub)
         finally:
+            self._qos2_settled(client, pub)
             client.put_done()
+
+    def _qos2_settled(self, client: Publishing, pub: Publish) -> None:
+        """A QoS 2 PUBLISH's id joined qos2_inbound, or never will (the store failed, the
+        client left before its PUBREC): its mark goes (gateway/session/qos2.py)."""
+        if pub.qos == 2 and pub.packet_id is not None:
+            self._registry.qos2.stored(client.client_id, pub.packet_id)
 
     async def _acknowledge(self, client: Publishing, pub: Publish) -> None:
         pid = pub.packet_id
@@ -311,6 +326,7 @@ class PublishHandler:
             session = client.session
             assert session is not None
             session.qos2_inbound.add(pid)
+            self._registry.qos2.stored(session.client_id, pid)
             if session.persistent:
                 # The PUBREC only once the session record holding its id is saved.
                 collecting = client.write_through()

@@ -69,6 +69,14 @@ class SessionLifecycle:
                 session is not None
             ):  # None: dormant (gateway/session/registry.py), expiry kept there
                 registry.schedule_expiry(session)
+        # QoS 2 publishes stored after their session's last record: their ids, from the log.
+        recovered = registry.qos2.recover(registry.sessions)
+        if recovered:
+            log.warning(
+                "restart: %d inbound QoS 2 packet id(s) read back from the log (stored after "
+                "their session's last save): their resends are acknowledged, not stored again",
+                recovered,
+            )
 
     def _clamp_to_store(self, session: Session) -> None:
         """After an async-flush crash the log may end before positions the session record saved:

@@ -20,7 +20,8 @@ Its JSON (Session.to_json), kept by the registry (gateway/session/registry.py) a
                       "sub_ids": [subscription identifiers]}],
         "will": null | {"topic", "payload" (base64), "qos", "retain", "properties"},
         "will_due_ms": null | int,
-        "behind": absent | true}
+        "behind": absent | true,
+        "log_pos": absent | int}
 
 `will` is the will of the live connection (kept so a crash still publishes it after restart)
 or, with `will_due_ms`, a delayed will waiting to be published.
@@ -34,6 +35,10 @@ CONNECT takes them where they are higher (SessionLifecycle.skip_acknowledged).
 An in-flight entry with `"queue": null` has no queue position to read its message back from (a
 retained copy sent on subscribe, or a delivery whose subscription was removed): it carries the
 `message` itself (absent once PUBREL was sent).
+
+`log_pos` (embedded store): every QoS 2 message of this client stored in the log below this
+position has its id in `qos2_inbound` or was released; a restart reads the ids of those past it
+back from the log (gateway/session/qos2.py).
 
 `filter` is the filter as subscribed (with a `$share/g/` prefix for shared subscriptions).
 `next_offset` is the read position; everything below it that is not in `inflight` was delivered

@@ -20,6 +20,7 @@ from pydantic_core import from_json, to_json
 
 from gateway.clock import now_ms
 from gateway.session.model import NEVER_EXPIRES, Session, SubscriptionState
+from gateway.session.qos2 import LOG_POS_FIELD, InboundQos2
 
 if TYPE_CHECKING:
     from gateway.protocol import Will
@@ -76,6 +77,8 @@ class SessionRegistry:
         self._dormant_due = array("Q")
         self._dormant_next = 0
         self._dormant_timer: asyncio.TimerHandle | None = None
+        # Each record's `log_pos`, and the QoS 2 ids a restart finds past it (session/qos2.py).
+        self.qos2 = InboundQos2(store)
 
     def __len__(self) -> int:
         return len(self.sessions) + len(self._dormant)
@@ -209,6 +212,8 @@ class SessionRegistry:
                 self._dirty.add(cid)  # its record goes
                 continue
             self.sessions[cid] = s
+            if crashed and LOG_POS_FIELD in d:
+                self.qos2.saved[cid] = int(d[LOG_POS_FIELD])
             yield s, list(s.subscriptions.values())
         self._dormant_due = array("Q", sorted(due))
         del due
@@ -341,13 +346,17 @@ class SessionRegistry:
     def _records(self, cids: set[str]) -> list[StateRecord]:
         out: list[StateRecord] = []
         dumps = _dumps
+        end = self.qos2.end()
         for cid in cids:
             if cid in self._dormant:
                 continue  # unchanged since its record was read
             s = self.sessions.get(cid)
             # Clean sessions are listed while connected (inspect, analytics), not after.
             if s is not None and (s.persistent or s.connection is not None):
-                out.append((SESSION_KEY_PREFIX + cid, dumps(s.to_json())))
+                d = s.to_json()
+                if end is not None:
+                    d[LOG_POS_FIELD] = self.qos2.position(cid, end)
+                out.append((SESSION_KEY_PREFIX + cid, dumps(d)))
                 if s.connection is not None:
                     self._live.add(cid)  # still connected: due again at the next progress pass
             else:

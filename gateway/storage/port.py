@@ -52,8 +52,8 @@ offset in each, comma-separated, same order); a StoredMessage's `queues` is thei
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 from store import (
     DISPATCH_KEY,
@@ -91,6 +91,7 @@ __all__ = [
     "EncodedMessage",
     "GetResult",
     "GetStatus",
+    "LogScan",
     "PutResult",
     "StateRecord",
     "Storage",
@@ -125,6 +126,20 @@ class CommittedOffsets(Protocol):
     def remove(self, group: str, queue: str) -> None: ...
 
     def all(self) -> dict[tuple[str, str], int]: ...
+
+
+@runtime_checkable
+class LogScan(Protocol):
+    """A backend whose log reads back in append order from a position (the embedded store;
+    not RocketMQ): what a restart uses to find the QoS 2 publishes stored after a session's
+    last saved record (gateway/session/qos2.py)."""
+
+    @property
+    def log_max_offset(self) -> int: ...
+
+    def messages_since(self, physical_offset: int) -> Iterator[StoredMessage]:
+        """The records from `physical_offset` (an earlier `log_max_offset`) to the end."""
+        ...
 
 
 class Storage(Protocol):

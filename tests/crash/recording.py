@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import random
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.crash import checker, oplog
 from tests.crash.disk import DiskModel
-from tests.crash.gateway_proc import GatewayProcess
+from tests.crash.gateway_proc import ROOT, GatewayProcess
 from tests.crash.workload import Run, Sent, flood
 
 #: Small segments: a run of a few hundred KB creates several, and images stay small.
@@ -33,10 +36,11 @@ class Recording:
         """The instant of a cut just after op ``k``: before op k+1 was issued."""
         return self.ops[k + 1].t_ns if k + 1 < len(self.ops) else self.run.t_end
 
-    def crash_points(self, n: int, seed: int) -> list[int]:
+    def crash_points(self, n: int, seed: int, *, state_steps: bool = True) -> list[int]:
         """``n`` op indexes: every step of a CommitLog segment's creation (create, size, the
-        directory's fsync: a cut there once left a 0-byte segment no restart could open), two
-        thirds of the rest just after an fsync, a create, a rename or a directory change
+        directory's fsync: a cut there once left a 0-byte segment no restart could open), with
+        ``state_steps`` every op of the first start and every name change of the state logs,
+        two thirds of the rest just after an fsync, a create, a rename or a directory change
         (where the on-disk state changes shape), the others anywhere."""
         rnd = random.Random(seed)
         pts = {
@@ -45,6 +49,13 @@ class Recording:
             if o.path == "commitlog"
             or (o.path.startswith("commitlog/") and o.kind in (oplog.CREATE, oplog.TRUNC))
         }
+        if state_steps:
+            # The first start (before the first client connected), and every step of a state
+            # or offsets log's generation start (a cut there once left a log no start could
+            # read). The promises about messages alone leave them out: nothing is
+            # acknowledged at the first.
+            pts |= {i for i, o in enumerate(self.ops) if o.t_ns < self.run.t_start}
+            pts |= set(name_changes(self.ops, ("state", "offsets")))
         kinds = (oplog.SYNC, oplog.CREATE, oplog.RENAME, oplog.MKDIR, oplog.TRUNC)
         marked = [i for i, o in enumerate(self.ops) if o.kind in kinds and i not in pts]
         pts |= set(rnd.sample(marked, max(0, min(len(marked), n * 2 // 3 - len(pts)))))
@@ -98,10 +109,33 @@ class Recording:
         return [b - a for a, b in itertools.pairwise(starts)]
 
 
+def name_changes(ops: list[oplog.Op], dirs: tuple[str, ...]) -> list[int]:
+    """Op indexes where the files of ``dirs`` change shape: every create, rename, unlink,
+    truncation and directory fsync there, and each file's first write and first fsync (a
+    new file's header)."""
+    out: list[int] = []
+    seen_write: set[str] = set()
+    seen_sync: set[str] = set()
+    shape = (oplog.CREATE, oplog.RENAME, oplog.UNLINK, oplog.TRUNC, oplog.MKDIR, oplog.RMDIR)
+    for i, o in enumerate(ops):
+        top = o.path.split("/", 1)[0]
+        if top not in dirs:
+            continue
+        if o.kind in shape or (o.kind == oplog.SYNC and o.path in dirs):
+            out.append(i)
+        elif o.kind == oplog.WRITE and o.path not in seen_write:
+            seen_write.add(o.path)
+            out.append(i)
+        elif o.kind == oplog.SYNC and o.path not in seen_sync:
+            seen_sync.add(o.path)
+            out.append(i)
+    return out
+
+
 class DiskModelWalk:
     """Replays the recording once, stopping at each crash point in turn."""
 
-    def __init__(self, rec: Recording, points: list[int]) -> None:
+    def __init__(self, rec: Recording | StateRecording, points: list[int]) -> None:
         self.rec = rec
         self.points = points
         self.model = DiskModel()
@@ -143,3 +177,52 @@ def record(
     place, counts, phys = checker.placement(full, SEGMENT)
     shutil.rmtree(full)
     return Recording(ops, run, place, counts, phys, {s.payload for s in run.sent}, flush)
+
+
+@dataclass
+class StateRecording:
+    """A recorded run of tests/crash/statework.py: its operations and acknowledged rounds."""
+
+    ops: list[oplog.Op]
+    acks: list[tuple[int, int]]  # (round, CLOCK_MONOTONIC ns when acknowledged)
+    rounds: int
+
+    def acked_by(self, k: int) -> int:
+        """The last round acknowledged before a cut just after op ``k`` (0: none)."""
+        t = self.ops[k + 1].t_ns if k + 1 < len(self.ops) else None
+        done = [i for i, t_ack in self.acks if t is None or t_ack < t]
+        return max(done, default=0)
+
+    def crash_points(self, extra: int, seed: int) -> list[int]:
+        """Every op where the state files change shape (see name_changes), and ``extra`` more
+        anywhere."""
+        pts = set(name_changes(self.ops, ("state", "offsets")))
+        pts |= {i for i, o in enumerate(self.ops) if o.path in ("", "commitlog", "consumequeue")}
+        rnd = random.Random(seed)
+        want = min(len(self.ops), len(pts) + extra)
+        while len(pts) < want:
+            pts.add(rnd.randrange(len(self.ops)))
+        return sorted(pts)
+
+    def model_at(self, points: list[int]) -> DiskModelWalk:
+        return DiskModelWalk(self, points)
+
+
+def record_state(tmp: Path, shim: Path, *, rounds: int) -> StateRecording:
+    """Run tests/crash/statework.py under the shim on an empty data dir."""
+    data = (tmp / "data").resolve()
+    data.mkdir(parents=True)
+    log = tmp / "ops.log"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "LD_PRELOAD": str(shim),
+        "CRASHSIM_ROOT": str(data),
+        "CRASHSIM_LOG": str(log),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.crash.statework", str(data), str(rounds)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    acks = [(int(a), int(b)) for a, b in (line.split() for line in out.stdout.splitlines())]
+    return StateRecording(oplog.parse(log.read_bytes(), str(data)), acks, rounds)

@@ -54,6 +54,7 @@ class Subscribed:
 class Run:
     sent: list[Sent] = field(default_factory=list)
     subscribed: list[Subscribed] = field(default_factory=list)
+    t_start: int = 0  # before the first client connected: the gateway's start is before it
     t_end: int = 0
 
     def acked_by(self, t: int) -> list[Sent]:
@@ -80,7 +81,7 @@ def flood(
     persistent subscriber every 150 messages; every 20th QoS 1 message retained. ``pause_s``
     paces the windows, so that a run spans several of the store's flush intervals."""
     rnd = random.Random(seed)
-    run = Run()
+    run = Run(t_start=time.monotonic_ns())
     run.subscribed.append(_subscribe(port, KEEPER, KEEPER_FILTER, 2))
     p1 = RawClient(port)
     p2 = RawClient(port)

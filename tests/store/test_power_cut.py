@@ -10,11 +10,13 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from store import CorruptStoreError, GetStatus, MessageStore, StoreConfig
 from store import format as fmt
+from store.statelog import fold_records
 
 SEG = 64 * 1024
 
@@ -203,3 +205,118 @@ def test_new_consume_queue_files_and_directories_are_synced_by_the_flush(
     s.put("parent", b"6", ["%LMQ%a/b"])
     s.flush()
     assert str(qdir.parent) not in spy.paths
+
+
+class _NameSpy:
+    """Records, in order, every name change (create, rename, unlink) and every fsync the
+    store makes, then does each for real: which name changes a directory fsync made durable."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[tuple[str, str]] = []
+        real_open, real_replace, real_unlink, real_fsync = os.open, os.replace, os.unlink, os.fsync
+
+        def spy_open(path: Any, flags: int, mode: int = 0o777, **kw: Any) -> int:
+            new = flags & os.O_CREAT and not os.path.exists(path)
+            fd = real_open(path, flags, mode, **kw)
+            if new:
+                self.events.append(("create", os.path.abspath(path)))
+            return fd
+
+        def spy_replace(src: Any, dst: Any, **kw: Any) -> None:
+            real_replace(src, dst, **kw)
+            self.events.append(("rename", os.path.abspath(dst)))
+
+        def spy_unlink(path: Any, **kw: Any) -> None:
+            real_unlink(path, **kw)
+            self.events.append(("unlink", os.path.abspath(path)))
+
+        def spy_fsync(fd: int) -> None:
+            self.events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "open", spy_open)
+        monkeypatch.setattr(os, "replace", spy_replace)
+        monkeypatch.setattr(os, "unlink", spy_unlink)
+        monkeypatch.setattr(os, "fsync", spy_fsync)
+
+    def not_made_durable(self, kinds: tuple[str, ...] = ("rename", "unlink")) -> list[str]:
+        """The name changes of these kinds that no later fsync of their directory covers."""
+        out = []
+        for i, (kind, path) in enumerate(self.events):
+            parent = os.path.dirname(path)
+            if kind in kinds and ("fsync", parent) not in self.events[i + 1 :]:
+                out.append(f"{kind} {path}")
+        return out
+
+
+def test_retention_deletes_are_durable_before_it_returns(
+    tmp_path: Path, stores: list[MessageStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before the fix no directory was fsynced after retention's unlinks: a cut could bring
+    # back segments and queue files that the files kept no longer agree with.
+    data = (tmp_path / "data").resolve()
+    s = MessageStore.open(
+        StoreConfig(data_dir=data, segment_size=4096, cq_units_per_file=4, retention_hours=1)
+    )
+    stores.append(s)
+    for i in range(60):
+        s.put("t", b"%03d" % i + b"." * 200, ["%LMQ%a"])
+    s.flush()
+    spy = _NameSpy(monkeypatch)
+    assert s.delete_expired(now=os.path.getmtime(s.commitlog.segments[0].path) + 7200) > 1
+    unlinked = {os.path.dirname(p) for k, p in spy.events if k == "unlink"}
+    assert str(data / "commitlog") in unlinked
+    assert any(d.startswith(str(data / "consumequeue")) for d in unlinked), unlinked
+    assert not spy.not_made_durable(), spy.not_made_durable()
+
+
+def test_a_zero_byte_state_log_left_by_a_cut_at_its_creation_opens(
+    tmp_path: Path, stores: list[MessageStore]
+) -> None:
+    # A cut right after a generation's log was created in place: the create durable, the magic
+    # not. Before the fix the next start created generation 1, then read generation 0 as a
+    # sealed log: "not a state log file (bad magic)", at that start and every later one.
+    data = tmp_path / "data"
+    (data / "state").mkdir(parents=True)
+    (data / "state" / "00000000000000000000.log").touch()
+    (data / "offsets").mkdir()
+    (data / "offsets" / "00000000000000000000.log").write_bytes(b"LMQ")  # magic cut short
+    for restart in range(3):
+        s = _open(stores, data)
+        assert dict(fold_records(s.state_records())) == {f"k{i}": b"v" for i in range(restart)}
+        assert s.offsets.all() == {("g", f"q{i}"): i for i in range(restart)}
+        s.append_state([(f"k{restart}", b"v")])
+        s.offsets.commit("g", f"q{restart}", restart)
+        s.close()
+        stores.remove(s)
+    # A sealed log of the older format that is all zeros (the size reached the disk, the
+    # magic did not) is empty too; damage inside a sealed log is still an error.
+    (data / "state" / "00000000000000000000.log").write_bytes(bytes(5))
+    s = _open(stores, data)
+    assert len(dict(fold_records(s.state_records()))) == 3
+
+
+def test_a_state_log_generation_appears_only_with_its_magic_synced(
+    tmp_path: Path, stores: list[MessageStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every state-log file is created under a temporary name and renamed into place once its
+    # header is fsynced; every rename and unlink there is made durable. Before the fix the log
+    # was created in place (a cut could leave it empty under its real name).
+    data = (tmp_path / "data").resolve()
+    spy = _NameSpy(monkeypatch)
+    s = _open(stores, data)
+    s.append_state([("a", b"1")])
+    s.rewrite_state()
+    s.close()
+    stores.remove(s)
+    _open(stores, data)
+    state_dirs = (str(data / "state"), str(data / "offsets"))
+    created = [p for k, p in spy.events if k == "create" and p.startswith(state_dirs)]
+    assert created and not [p for p in created if p.endswith((".log", ".snapshot"))], created
+    renamed = [p for k, p in spy.events if k == "rename" and p.startswith(state_dirs)]
+    for p in renamed:
+        if p.endswith(".log"):
+            tmp = p + ".tmp"
+            i = spy.events.index(("rename", p))
+            assert ("fsync", tmp) in spy.events[:i] or ("fsync", p) in spy.events[:i], p
+    assert not spy.not_made_durable(), spy.not_made_durable()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.messages.records import message_properties
 from gateway.protocol import (
     ConnAck,
     Properties,
@@ -32,6 +33,7 @@ from gateway.protocol import (
     Subscription,
     Will,
 )
+from store import GetStatus, MessageStore, StoreConfig
 from tests.crash.gateway_proc import GatewayProcess
 from tests.gateway.conftest import RawClient
 
@@ -166,6 +168,58 @@ def test_qos2_inbound_dedup_survives_a_kill(gw: Gateway) -> None:
     assert sub.connect("q2sub", clean=False).session_present
     assert _drain(sub, gw.port, "k/q2/probe") == [b"exactly once"]
     sub.close()
+
+
+def _stored_copies(data: Path, payload: bytes) -> int:
+    """How often the parent queues of the store in ``data`` hold ``payload`` (gateway stopped)."""
+    n = 0
+    with MessageStore.open(StoreConfig(data_dir=data, segment_size=SEGMENT)) as store:
+        for q in store.queues():
+            if q.startswith("%LMQ%"):
+                continue
+            off = store.min_offset(q)
+            while (g := store.get(q, off, 256)).status is GetStatus.FOUND:
+                n += sum(m.body == payload for m in g.messages)
+                off = g.next_offset
+    return n
+
+
+def test_a_qos2_publish_stored_but_not_pubrecd_at_the_kill_is_stored_once(gw: Gateway) -> None:
+    """Killed after a QoS 2 message reached the log, before its packet id reached the session
+    record (the PUBREC waits for that): the resent PUBLISH (DUP) is recognised from the log,
+    answered with PUBREC and not stored again."""
+    pub = RawClient(gw.port)
+    assert pub.connect("q2late", clean=False).reason_code == 0
+    pub.send(Publish("late/a", b"before", qos=2, packet_id=1))
+    assert isinstance(pub.recv(), PubRec)
+    pub.send(PubRel(1))
+    assert isinstance(pub.recv(), PubComp)
+    _barrier(gw.port)
+    gw.kill()
+    pub.close()
+    # The kill's window, drawn exactly: the record appended as the publish path appends it
+    # (same properties: client id, packet id, QoS), the session record as last saved.
+    late = Publish("late/a", b"stored, never acknowledged", qos=2, packet_id=2)
+    with MessageStore.open(StoreConfig(data_dir=gw.data, segment_size=SEGMENT)) as store:
+        store.put("late", late.payload, [], message_properties(late, "q2late"))
+    gw.start()
+    pub = RawClient(gw.port)
+    assert pub.connect("q2late", clean=False).session_present
+    pub.send(Publish(late.topic, late.payload, qos=2, dup=True, packet_id=2))
+    rec = pub.recv()
+    assert isinstance(rec, PubRec) and rec.packet_id == 2 and rec.reason_code == 0
+    pub.send(PubRel(2))
+    comp = pub.recv()
+    assert isinstance(comp, PubComp) and comp.packet_id == 2 and comp.reason_code == 0
+    # The id is free again: a new message with it is stored.
+    pub.send(Publish("late/a", b"after", qos=2, packet_id=2))
+    assert isinstance(pub.recv(), PubRec)
+    pub.send(PubRel(2))
+    assert isinstance(pub.recv(), PubComp)
+    pub.close()
+    gw.stop()
+    assert _stored_copies(gw.data, late.payload) == 1
+    assert _stored_copies(gw.data, b"after") == 1
 
 
 def test_a_pubrel_open_at_the_kill_is_still_known_after_it(gw: Gateway) -> None:

@@ -1,0 +1,97 @@
+"""Inbound QoS 2 across a crash: the packet ids of publishes stored after a session's last save.
+
+A QoS 2 PUBLISH is stored (in sync mode: fsynced) before its packet id joins the session's
+`qos2_inbound` and the session record holding it is saved; only then is PUBREC sent. A crash
+between the two leaves the message in the log and its id nowhere, and the client's resend
+(DUP) would be stored a second time. The log knows better: each record names its publisher's
+client id and packet id (topicmap/record.py CLIENT, PID, QOS). So every saved session record
+carries `log_pos`, a log position such that each QoS 2 message of the session stored below
+it has its id in the record's `qos2_inbound` (or was released since). At a restart the log is
+read from the lowest `log_pos` of the sessions connected at the crash, and the id of each
+QoS 2 message of such a session at or past its own `log_pos` joins its `qos2_inbound`: the
+resent PUBLISH is answered with PUBREC and stored once.
+
+`log_pos` is the log's end when the record is encoded, lowered to the end before the append of
+any QoS 2 PUBLISH of the session still between its append and its id joining `qos2_inbound`
+(`storing` ... `stored`). A connected session's record is rewritten at every progress pass
+(gateway/session/registry.py PROGRESS_SAVE_S), so the tail read at a restart covers about that
+long; a session offline at the crash published nothing after its last record and is not read
+for. A message past `log_pos` cannot have been PUBREC'd (that waits for a record saved after
+its id joined), so no id of a completed exchange is brought back.
+
+Only where the log reads back in order (storage.port.LogScan: the embedded store); elsewhere
+nothing is written or read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from gateway.storage.port import LogScan
+from topicmap.record import CLIENT, PID, QOS
+
+if TYPE_CHECKING:
+    from gateway.session.model import Session
+
+#: The session record's field (gateway/session/model.py, written by the registry).
+LOG_POS_FIELD = "log_pos"
+
+
+class InboundQos2:
+    """The `log_pos` of each session record, and its use at a restart."""
+
+    __slots__ = ("_scan", "_storing", "saved")
+
+    def __init__(self, store: object) -> None:
+        self._scan = store if isinstance(store, LogScan) else None
+        # client id -> {packet id: the log's end before that PUBLISH's append}
+        self._storing: dict[str, dict[int, int]] = {}
+        #: client id -> `log_pos` of the record of a session connected at the crash (load()).
+        self.saved: dict[str, int] = {}
+
+    def end(self) -> int | None:
+        """The log's end now (None: no `log_pos` is kept with this backend)."""
+        return None if self._scan is None else self._scan.log_max_offset
+
+    def storing(self, client_id: str, packet_id: int) -> None:
+        """A QoS 2 PUBLISH is about to be appended."""
+        if self._scan is not None:
+            self._storing.setdefault(client_id, {})[packet_id] = self._scan.log_max_offset
+
+    def stored(self, client_id: str, packet_id: int) -> None:
+        """Its id joined `qos2_inbound` (or the append failed, or the exchange was dropped)."""
+        marks = self._storing.get(client_id)
+        if marks is not None:
+            marks.pop(packet_id, None)
+            if not marks:
+                del self._storing[client_id]
+
+    def position(self, client_id: str, end: int) -> int:
+        """The `log_pos` of a record of `client_id` encoded when the log ends at `end`."""
+        marks = self._storing.get(client_id)
+        return min(end, *marks.values()) if marks else end
+
+    def recover(self, sessions: Mapping[str, Session]) -> int:
+        """At a restart, after the sessions were loaded: add to each crashed session's
+        `qos2_inbound` the ids of its QoS 2 messages stored at or past its `log_pos`. Returns
+        how many ids were added."""
+        saved, self.saved = self.saved, {}
+        since = {cid: pos for cid, pos in saved.items() if cid in sessions}
+        if self._scan is None or not since:
+            return 0
+        added = 0
+        for m in self._scan.messages_since(min(since.values())):
+            props = m.properties
+            if props.get(QOS) != "2":
+                continue
+            cid = props.get(CLIENT, "")
+            start = since.get(cid)
+            pid = props.get(PID)
+            if start is None or pid is None or m.physical_offset < start:
+                continue
+            inbound = sessions[cid].qos2_inbound
+            if int(pid) not in inbound:
+                inbound.add(int(pid))
+                added += 1
+        return added
