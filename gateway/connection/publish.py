@@ -193,6 +193,7 @@ class PublishHandler:
                 client.write(client.conn.send(PubRec(pid, code)))
                 if code == 0:
                     session.qos2_inbound.add(pid)
+                    self._registry.touch(session)
             return
         if pub.qos == 2 and pid is not None and pid in session.qos2_inbound:
             # Re-sent before our PUBREC arrived: stored already (state survives restarts).

@@ -205,6 +205,8 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             if batch:
                 self._last_write = self._loop.time()
                 self.client.write(batch[0] if len(batch) == 1 else b"".join(batch))
+        if progressed:  # positions or the in-flight window moved: one mark per pass
+            self.ctx.sessions.mark_progress(self.session)
         return progressed
 
     def oldest_unsent_ms(self) -> int | None:
@@ -245,6 +247,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                 sub.start_offset = min(sub.start_offset, start)
             sub.next_offset = start
             sub.read_phys = None
+            self.ctx.sessions.mark_progress(self.session)
         if messages:
             return self._deliver_batch(sub, messages)
         return start > offset
