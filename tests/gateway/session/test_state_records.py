@@ -256,6 +256,7 @@ def test_a_progress_pass_writes_only_the_sessions_whose_progress_moved(
     assert isinstance(pub.recv(), PubAck)
     msg = devices[3].recv()
     assert isinstance(msg, Publish) and msg.payload == b"on"
+    assert msg.packet_id is not None
     devices[3].send(PubAck(msg.packet_id))
     wait_until(lambda: gateway.call(lambda: not gw.sessions.sessions["dev-3"].inflight))
     # One session received and acknowledged: the pass writes its record, and only its own.
@@ -283,3 +284,30 @@ def test_a_progress_pass_writes_only_the_sessions_whose_progress_moved(
     assert not any(d.get("behind") for d in sessions.values())
     for c in [*devices, pub]:
         c.close()
+
+
+def test_concurrent_subscribes_in_sync_mode_share_state_log_fsyncs(tmp_path: Path) -> None:
+    h = GatewayHarness(tmp_path / "data", flush="sync").start()
+    devices = []
+    try:
+        gw = h.gw
+        assert gw is not None
+        for i in range(30):
+            c = RawClient(h.port, level=4)
+            assert c.connect(f"dev-{i}", clean=False).reason_code == 0
+            devices.append(c)
+        state = gw.store.state  # type: ignore[attr-defined]
+        before = h.call(lambda: state.fsyncs)
+        for i, c in enumerate(devices):  # thirty SUBSCRIBEs at once, each SUBACK after fsync
+            c.send(Subscribe(1, [Subscription(f"dev/{i}/cmd", 1)]))
+        for c in devices:
+            assert c.recv().reason_codes == [1]
+        fsyncs = h.call(lambda: state.fsyncs) - before
+        # Group commit: the saves that wait together share an fsync (one per save otherwise).
+        assert 1 <= fsyncs <= 5, fsyncs
+        records = _sessions(h.data_dir)  # each SUBACKed subscription is in the log
+        assert all(records[f"dev-{i}"]["subscriptions"] != [] for i in range(30))
+    finally:
+        for c in devices:
+            c.close()
+        h.stop()
