@@ -264,6 +264,7 @@ class StateLog:
         self._generation = 0
         self._written = 0  # bytes appended by this process (positions for sync)
         self._synced = 0
+        self.fsyncs = 0  # fsyncs sync() made (group commit: fewer than its callers)
         self._snapshot_bytes = 0
         self._log_bytes = 0  # in the logs since the snapshot
         self._logs = 0
@@ -380,6 +381,7 @@ class StateLog:
                 upto = self._written
             if fd is not None:
                 os.fsync(fd)
+                self.fsyncs += 1
             self._synced = max(self._synced, upto)
 
     # -- compaction ---------------------------------------------------------------------------

@@ -282,6 +282,7 @@ class ClientConnection(ClientTransport):
             return
         self._cleaned = True
         self.closed = True
+        self.ctx.timers.cancel(self)  # the wheel lets go of a closed connection at once
         if self.delivery is not None:
             self.delivery.stop()
             self.delivery = None

@@ -256,6 +256,7 @@ class PublishHandler:
             client.write(client.conn.send(PubRec(pid, code)))
             if code == 0 and session is not None:
                 session.qos2_inbound.add(pid)
+                self._registry.touch(session)
 
     async def _on_delayed(self, client: Publishing, pub: Publish) -> None:
         """`$delayed/{seconds}/{topic}`: checked like a PUBLISH to `{topic}` (a bad delay or

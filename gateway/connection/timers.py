@@ -4,14 +4,15 @@ A sweep over every connection each second would cost a loop step that grows with
 connections, whatever is due. Here each connection has at most one live entry in a hashed wheel
 of one-second slots, keyed by absolute tick number::
 
-    slots: {tick -> [item, item, ...]}       tick = int(due / TICK_S)
+    slots: {tick -> {item: None, ...}}       tick = int(due / TICK_S), an ordered set per slot
     item.timer_due: float | None             the one deadline that counts for this item
 
 Rescheduling is O(1) and usually free: keep-alive deadlines move on every packet, but nothing
 touches the wheel then. When an entry comes due the item is asked (``on_due(now)``) and
 returns its real next deadline (last activity + keep-alive, say) or None; the wheel re-inserts
-it. An entry whose tick no longer matches ``item.timer_due`` is stale (the item was rescheduled
-earlier or later through ``schedule``) and is dropped without a call.
+it. ``schedule`` and ``cancel`` take the item's entry out of its slot (found from
+``item.timer_due``) in O(1): an item has at most one entry, and a cancelled one none, so the
+wheel keeps no reference to a closed connection until its old deadline comes.
 
 Each turn of the wheel handles at most ``BUDGET`` entries and then yields to the event loop
 (continuing on the next loop iteration), so even a burst of connections accepted in one second,
@@ -48,7 +49,7 @@ class TimerWheel:
     def __init__(self, loop: asyncio.AbstractEventLoop, tick: float = TICK_S) -> None:
         self._loop = loop
         self._tick = tick
-        self._slots: dict[int, list[Timed]] = {}
+        self._slots: dict[int, dict[Timed, None]] = {}
         self._next = int(loop.time() / tick)  # first slot not yet handled
         self._task: asyncio.Task[None] | None = None
         self.entries = 0  # entries in the slots, live and stale
@@ -57,22 +58,37 @@ class TimerWheel:
         return self.entries
 
     def schedule(self, item: Timed, due: float) -> None:
-        """Make ``due`` the item's deadline (replacing any earlier one); O(1)."""
+        """Make ``due`` the item's deadline (replacing any earlier one and its entry); O(1)."""
+        self._drop(item)
         item.timer_due = due
         self._insert(item, due)
 
     def cancel(self, item: Timed) -> None:
-        """No deadline for ``item`` any more; its entry is dropped when its slot comes."""
+        """No deadline for ``item`` any more; its entry goes now (O(1))."""
+        self._drop(item)
         item.timer_due = None
 
     def _insert(self, item: Timed, due: float) -> None:
         slot = max(int(due / self._tick), self._next)
         bucket = self._slots.get(slot)
         if bucket is None:
-            self._slots[slot] = [item]
+            self._slots[slot] = {item: None}
         else:
-            bucket.append(item)
+            bucket[item] = None
         self.entries += 1
+
+    def _drop(self, item: Timed) -> None:
+        """Take out the entry of ``item``'s current deadline, if it has one still waiting: it
+        is in slot max(tick of the deadline, first slot not yet handled), since a deadline
+        whose tick had passed went to the first slot not handled when it was inserted, and
+        the slots before the current one have been handled (their entries are gone)."""
+        due = item.timer_due
+        if due is None:
+            return
+        bucket = self._slots.get(max(int(due / self._tick), self._next))
+        if bucket is not None and item in bucket:
+            del bucket[item]
+            self.entries -= 1
 
     def start(self) -> None:
         self._task = self._loop.create_task(self._run())
@@ -104,7 +120,7 @@ class TimerWheel:
                 self._slots.pop(slot, None)
                 self._next += 1
                 continue
-            item = bucket.pop()
+            item, _ = bucket.popitem()
             self.entries -= 1
             due = item.timer_due
             if due is not None and max(int(due / self._tick), slot) == slot:

@@ -54,7 +54,7 @@ class Acknowledgements(LoopState):
                     self._uncommitted[sub.queue] = sub  # committed by the next pass
         if not done:
             return
-        self.ctx.sessions.mark_progress()
+        self.ctx.sessions.mark_progress(session)
         if self._behind:
             self.wake()
         elif self._ready or self._scheduled or self._pass_timer is not None or self._stopped:
@@ -76,7 +76,7 @@ class Acknowledgements(LoopState):
             self.on_puback(packet_id)
             return False
         inf.pubrel = True
-        self.ctx.sessions.mark_progress()
+        self.ctx.sessions.mark_progress(self.session)
         return True
 
     def on_transport_resumed(self) -> None:
@@ -167,3 +167,4 @@ class Acknowledgements(LoopState):
         if sub is not None:
             sub.pending.pop(inf.offset, None)
             self._commit(sub)
+        self.ctx.sessions.mark_progress(self.session)

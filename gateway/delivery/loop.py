@@ -21,7 +21,8 @@ sends leaves with one transport.write().
 
 The loop is composed of parts, each in its own module over the shared LoopState (state.py):
 
-    pacing.py     when a pass runs (at once, or paced to one per PASS_INTERVAL)
+    pacing.py     when a pass runs (at once, or under sustained load paced to one per
+                  PASS_INTERVAL)
     send.py       the send paths of a queue's batch (plain run, plain, general)
     overlap.py    which of a session's overlapping subscriptions delivers a message
     acks.py       acknowledgements, re-sends after a reconnect, offset commits
@@ -82,6 +83,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self._scheduled = False
         self._stopped = False
         self._last_write = -PASS_INTERVAL
+        self._busy = False
         self._pass_timer = None
         self._full = False
         self._ready = {}  # an ordered set: smaller than a set when empty
@@ -204,8 +206,10 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         finally:
             self._batch = None
             if batch:
-                self._last_write = self._loop.time()
+                self.wrote(self._loop.time())
                 self.client.write(batch[0] if len(batch) == 1 else b"".join(batch))
+        if progressed:  # positions or the in-flight window moved: one mark per pass
+            self.ctx.sessions.mark_progress(self.session)
         return progressed
 
     def oldest_unsent_ms(self) -> int | None:
@@ -246,6 +250,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                 sub.start_offset = min(sub.start_offset, start)
             sub.next_offset = start
             sub.read_phys = None
+            self.ctx.sessions.mark_progress(self.session)
         if messages:
             return self._deliver_batch(sub, messages)
         return start > offset

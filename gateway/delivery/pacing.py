@@ -1,14 +1,18 @@
-"""When a delivery loop makes a pass: at once, or paced to one pass per PASS_INTERVAL.
+"""When a delivery loop makes a pass: at once, or under sustained load paced to one pass per
+PASS_INTERVAL.
 
 A busy gateway turns its event loop every few hundred microseconds with a few messages each;
 a pass per turn would make a fan-out subscriber cost a pass and a socket write for every few
-packets. So a pass that arrivals and acknowledgements ask for (`schedule`) for a subscriber
-written to less than PASS_INTERVAL ago runs from a timer (at most that much later), unless a
-later notice finds the interval over first. Not paced: a subscriber not written to in the last
-interval, `wake()` (window or transport freed after they stopped a pass, a subscription,
-retained messages) and a pass stopped at the batch limit (call_soon in DeliveryLoop._step), so
-neither low-rate latency nor a window-bound subscriber's throughput pays. uvloop's clock and
-timers move in whole milliseconds: 1 ms is the finest step.
+packets. So a pass that arrivals and acknowledgements ask for (`schedule`) runs from a timer
+(at most PASS_INTERVAL later, unless a later notice finds the interval over first) when the
+subscriber is *busy*: its last write came less than PASS_INTERVAL ago, and that write itself
+came within BUSY_WINDOW of the one before. Batching starts only then, under load: a message
+for a subscriber that was idle, or that got one write just now after a quiet spell, is sent
+in this turn's callbacks (call_soon), without waiting for a timer. Not paced either: `wake()`
+(window or transport freed after they stopped a pass, a subscription, retained messages) and
+a pass stopped at the batch limit (call_soon in DeliveryLoop._step), so neither low-rate
+latency nor a window-bound subscriber's throughput pays. uvloop's clock and timers move in
+whole milliseconds: 1 ms is the finest step.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ PASS_INTERVAL = 0.001
 # Below this the interval is not over: uvloop's times are whole ms in binary floating point,
 # and 10322.494 - 10322.493 < 0.001.
 _PASS_NOT_OVER = PASS_INTERVAL - 1e-6
+# Writes this close to each other mean sustained load: a paced pass's timer, armed up to
+# PASS_INTERVAL after a write, fires up to one more whole-ms clock step later, so paced writes
+# come up to two intervals apart and keep a subscriber under load busy.
+BUSY_WINDOW = 2 * PASS_INTERVAL + 1e-6
 
 
 class Pacing(LoopState):
@@ -40,13 +48,19 @@ class Pacing(LoopState):
         self._ready[queue] = None
         self._schedule()
 
+    def wrote(self, now: float) -> None:
+        """A pass wrote to the subscriber at loop time `now` (once per pass that sent)."""
+        self._busy = now - self._last_write < BUSY_WINDOW
+        self._last_write = now
+
     def _schedule(self) -> None:
         """Schedule a pass over the ready queues (and the offset commits): in this turn's
-        callbacks, or at most PASS_INTERVAL later when a pass wrote less than that ago."""
+        callbacks, or, when the subscriber is busy (module docstring), at most PASS_INTERVAL
+        later."""
         if self._scheduled or self._stopped:
             return
         loop = self._loop
-        if loop.time() - self._last_write < _PASS_NOT_OVER:
+        if self._busy and loop.time() - self._last_write < _PASS_NOT_OVER:
             if self._pass_timer is None:
                 self._pass_timer = loop.call_later(PASS_INTERVAL, self._paced)
             return

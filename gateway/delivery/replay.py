@@ -92,7 +92,7 @@ class Replaying(LoopState):
             replay.advance()
             moved = True
         if moved:
-            self.ctx.sessions.mark_progress()
+            self.ctx.sessions.mark_progress(session)
             self._ready[sub.queue] = None  # more to replay (paced: see _replay)
         return moved
 

@@ -72,6 +72,7 @@ class LoopState:
     __slots__ = (
         "_batch",
         "_behind",
+        "_busy",
         "_full",
         "_last_write",
         "_live",
@@ -112,10 +113,12 @@ class LoopState:
     sent: int  # PUBLISH packets sent on this connection (the live view reads it)
     _loop: asyncio.AbstractEventLoop
     # Pacing (pacing.py): a pass is scheduled; the loop stopped; loop time of the last pass
-    # that wrote; a paced pass's timer.
+    # that wrote; whether that write came within BUSY_WINDOW of the one before (sustained
+    # load: passes are paced only then); a paced pass's timer.
     _scheduled: bool
     _stopped: bool
     _last_write: float
+    _busy: bool
     _pass_timer: asyncio.TimerHandle | None
     # Next pass: every queue (_full) or only those the store reported (_ready, an ordered set).
     _full: bool

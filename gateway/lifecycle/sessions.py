@@ -155,12 +155,13 @@ class SessionLifecycle:
 
     async def skip_acknowledged(self, session: Session) -> None:
         """`session` comes from the record of a node that crashed while it was connected
-        (`Session.behind`): its positions may lag what its client acknowledged since (records
-        of connected sessions are rewritten every PROGRESS_SAVE_S). The committed offsets are
-        fresher (RocketMQ: the broker's consumer offsets, sent every second, read back here):
-        where one is higher, what lies below it was acknowledged and is not sent again. An
-        offset this process committed itself is its own (not read back): it is older than the
-        crash's, or the session was here since. Called before CONNACK."""
+        (`Session.behind`): its positions may lag what its client acknowledged since (a
+        connected session's record is rewritten every PROGRESS_SAVE_S while they move). The
+        committed offsets are fresher (RocketMQ: the broker's consumer offsets, sent every
+        second, read back here): where one is higher, what lies below it was acknowledged and
+        is not sent again. An offset this process committed itself is its own (not read
+        back): it is older than the crash's, or the session was here since. Called before
+        CONNACK."""
         session.behind = False
         subs = [
             sub
@@ -202,8 +203,10 @@ class SessionLifecycle:
         """A connection of `session` closed; `will` is set when it closed abnormally."""
         self._wills.store(session, None)
         if self._stopping:
-            # Closed by our own graceful shutdown: no will; the session resumes after restart.
+            # Closed by our own graceful shutdown: no will; the session resumes after restart
+            # (its record, with the time it went offline, is written by the final save).
             session.disconnected_at_ms = now_ms()
+            self.registry.touch(session)
             return
         if not session.persistent:
             self.end(session)

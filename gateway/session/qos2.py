@@ -13,11 +13,18 @@ resent PUBLISH is answered with PUBREC and stored once.
 
 `log_pos` is the log's end when the record is encoded, lowered to the end before the append of
 any QoS 2 PUBLISH of the session still between its append and its id joining `qos2_inbound`
-(`storing` ... `stored`). A connected session's record is rewritten at every progress pass
-(gateway/session/registry.py PROGRESS_SAVE_S), so the tail read at a restart covers about that
-long; a session offline at the crash published nothing after its last record and is not read
-for. A message past `log_pos` cannot have been PUBREC'd (that waits for a record saved after
-its id joined), so no id of a completed exchange is brought back.
+(`storing` ... `stored`). A message past `log_pos` cannot have been PUBREC'd (that waits for a
+record saved after its id joined), so no id of a completed exchange is brought back. A session
+offline at the crash published nothing after its last record and is not read for.
+
+An idle connected session's record is not rewritten (progress passes write only what moved), so
+its `log_pos` may be old. What bounds the read is the *floor*: a position below which every
+QoS 2 message of every session has its id in a saved record. Each progress pass appends it
+(gateway/session/registry.py QOS2_FLOOR_KEY): the log's end then, lowered to the oldest mark of
+a PUBLISH still being stored. It holds because an id joining `qos2_inbound` is saved at once
+(the record appended before the PUBREC, and before any later record such as the floor's). A
+restart reads from the larger of the floor and a session's own `log_pos`: about one progress
+pass of log.
 
 Only where the log reads back in order (storage.port.LogScan: the embedded store); elsewhere
 nothing is written or read.
@@ -41,7 +48,7 @@ LOG_POS_FIELD = "log_pos"
 class InboundQos2:
     """The `log_pos` of each session record, and its use at a restart."""
 
-    __slots__ = ("_scan", "_storing", "saved")
+    __slots__ = ("_scan", "_storing", "floor", "saved")
 
     def __init__(self, store: object) -> None:
         self._scan = store if isinstance(store, LogScan) else None
@@ -49,6 +56,8 @@ class InboundQos2:
         self._storing: dict[str, dict[int, int]] = {}
         #: client id -> `log_pos` of the record of a session connected at the crash (load()).
         self.saved: dict[str, int] = {}
+        #: The newest floor the state log holds (load()); 0: none.
+        self.floor = 0
 
     def end(self) -> int | None:
         """The log's end now (None: no `log_pos` is kept with this backend)."""
@@ -72,12 +81,22 @@ class InboundQos2:
         marks = self._storing.get(client_id)
         return min(end, *marks.values()) if marks else end
 
+    def floor_now(self) -> int | None:
+        """The floor to record now (see the module docstring); None: no `log_pos` is kept."""
+        if self._scan is None:
+            return None
+        end = self._scan.log_max_offset
+        for marks in self._storing.values():
+            end = min(end, *marks.values())
+        return end
+
     def recover(self, sessions: Mapping[str, Session]) -> int:
         """At a restart, after the sessions were loaded: add to each crashed session's
         `qos2_inbound` the ids of its QoS 2 messages stored at or past its `log_pos`. Returns
         how many ids were added."""
         saved, self.saved = self.saved, {}
-        since = {cid: pos for cid, pos in saved.items() if cid in sessions}
+        floor = self.floor
+        since = {cid: max(pos, floor) for cid, pos in saved.items() if cid in sessions}
         if self._scan is None or not since:
             return 0
         added = 0

@@ -35,6 +35,9 @@ SESSIONS_FILE = "sessions.json"  # sessions as a file (before the state log), im
 META_KEY_PREFIX = "meta/"
 # Present: SESSIONS_FILE was imported (or absent).
 IMPORTED_KEY = META_KEY_PREFIX + "sessions.json-imported"
+#: The floor of the QoS 2 ids a restart reads back from the log (gateway/session/qos2.py),
+#: appended at each progress pass: the decimal log position.
+QOS2_FLOOR_KEY = META_KEY_PREFIX + "qos2-floor"
 PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
 RECORDS_PER_STEP = 200  # session records encoded per event-loop step by housekeeping saves
 _ID_BITS = 31  # dormant expiry: (due second << _ID_BITS | index); seconds fit 33 bits
@@ -60,11 +63,10 @@ class SessionRegistry:
         # Wills of clean sessions cut off by a crash: published once at start.
         self.orphan_wills: list[tuple[str, Will]] = []
         self._dirty: set[str] = set()  # client ids whose record must be appended soon
-        self._progress: set[str] = set()  # ... at the slower progress pace
-        # Connected sessions: their QoS 0 read positions move without anyone telling us, so
-        # each progress pass rewrites them (and forgets those that have disconnected since).
-        self._live: set[str] = set()
-        self._progress_all = False
+        # ... at the slower progress pace: the sessions whose progress moved (mark_progress)
+        # since their last record, and clean ones changed while connected. Idle sessions are
+        # in neither set, so a pass costs what changed, whatever the number connected.
+        self._progress: set[str] = set()
         self._last_save = time.monotonic()
         # The state log's other records, read by load() (IMPORTED_KEY; the retained index's).
         self._meta: dict[str, bytes] = {}
@@ -105,8 +107,6 @@ class SessionRegistry:
         """`session` changed: persistent ones must reach disk soon; clean sessions are listed
         only for inspect and analytics, so they ride along with the slower progress saves."""
         cid = session.client_id
-        if session.connection is not None:
-            self._live.add(cid)
         if session.persistent or session.will is not None:
             # A clean session's will must outlive a crash too (it is published after one).
             self._dirty.add(cid)
@@ -117,14 +117,13 @@ class SessionRegistry:
         """A change that must reach disk soon (sessions, subscriptions, wills, QoS 2 state)."""
         self._dirty.add(session.client_id)
 
-    def mark_progress(self, session: Session | None = None) -> None:
-        """Read positions and acknowledgements moved (of `session`; None: of any connected
-        session). Losing these in a crash only re-sends messages (at least once), so they are
-        saved at a slower pace."""
-        if session is None:
-            self._progress_all = True
-        else:
-            self._progress.add(session.client_id)
+    def mark_progress(self, session: Session) -> None:
+        """`session`'s read positions, in-flight window or acknowledgements moved (its
+        delivery loop calls this once per pass that sent or passed over messages, and once
+        per batch of acknowledgements, not per message). Losing these in a crash only
+        re-sends messages (at least once), so they are saved at a slower pace: the next
+        progress pass writes the session's record as it stands then."""
+        self._progress.add(session.client_id)
 
     # -- expiry ------------------------------------------------------------------------------
 
@@ -165,6 +164,9 @@ class SessionRegistry:
         sessions are not this process's (another live cluster node serves them).
         """
         raw = read_session_records(self._store.state_records(), self._meta)
+        floor = self._meta.pop(QOS2_FLOOR_KEY, None)
+        if floor is not None:
+            self.qos2.floor = int(floor)
         imported = False
         if IMPORTED_KEY not in self._meta:
             old = self._import_sessions_json()
@@ -273,7 +275,6 @@ class SessionRegistry:
     def settle(self, client_id: str) -> None:
         """`client_id`'s record was just written and is not ours to rewrite at the next
         progress pass (it disconnected: another node may resume it at any moment)."""
-        self._live.discard(client_id)
         self._progress.discard(client_id)
 
     def client_ids(self) -> list[str]:
@@ -357,26 +358,18 @@ class SessionRegistry:
                 if end is not None:
                     d[LOG_POS_FIELD] = self.qos2.position(cid, end)
                 out.append((SESSION_KEY_PREFIX + cid, dumps(d)))
-                if s.connection is not None:
-                    self._live.add(cid)  # still connected: due again at the next progress pass
             else:
                 out.append((SESSION_KEY_PREFIX + cid, None))
         return out
 
     def _take(self, progress: bool) -> set[str]:
         """The client ids whose records are due: the changed ones, and with `progress` the
-        slower kind too (every connected session among them)."""
+        slower kind too (the sessions whose progress moved since their last record)."""
         cids = self._dirty
         self._dirty = set()
         if progress:
-            # Every connected session is due; _records puts those still connected back in
-            # _live as it writes them (taking the sets is cheap enough for one step; encoding
-            # the records is what _write_in_steps spreads).
             cids |= self._progress
-            cids |= self._live
-            self._live = set()
             self._progress = set()
-            self._progress_all = False
             self._last_save = time.monotonic()
         return cids
 
@@ -387,11 +380,16 @@ class SessionRegistry:
         return self._store.append_state(self._records(cids)) if cids else 0
 
     async def _write_in_steps(self, progress: bool) -> int:
-        """`_write`, RECORDS_PER_STEP records per event-loop step: a progress pass covers every
-        connected session, and encoding a large fleet's at once would hold the event loop for
-        too long. A session changed after its step is due again later."""
+        """`_write`, RECORDS_PER_STEP records per event-loop step: when a large fleet's
+        progress all moved, encoding its records at once would hold the event loop for too
+        long. A session changed after its step is due again later."""
         ids = list(self._take(progress))
         position = 0
+        floor = self.qos2.floor_now() if progress else None
+        if floor is not None and floor != self.qos2.floor:
+            # Every id that joined a qos2_inbound before now was saved already (qos2.py).
+            position = self._store.append_state([(QOS2_FLOOR_KEY, str(floor).encode())])
+            self.qos2.floor = floor
         for i in range(0, len(ids), RECORDS_PER_STEP):
             if i:
                 await asyncio.sleep(0)
@@ -419,7 +417,8 @@ class SessionRegistry:
         self._write(progress=True)
 
     async def close(self) -> None:
-        """Final save of every session that changed or was connected in this run."""
+        """Final save of every session that changed since its record was last written (a
+        graceful stop has touched every session it disconnected)."""
         if self._dormant_timer is not None:
             self._dormant_timer.cancel()
             self._dormant_timer = None

@@ -22,6 +22,7 @@ class EmbeddedStorage(MessageStore):
     """MessageStore + the port's async state operations."""
 
     _compacting: asyncio.Future[None] | None = None
+    _state_sync: asyncio.Future[None] | None = None  # the state log fsync running (sync mode)
     _timers: TimerQueue | None = None
 
     @property
@@ -73,14 +74,22 @@ class EmbeddedStorage(MessageStore):
         """Nothing to do: the committed offsets table was read at open."""
 
     async def wait_state_durable(self, position: int) -> None:
-        """Sync flush mode: fsync the state log (concurrent callers share one fsync). Async
-        mode: the write already survives a process crash; the store's periodic full flush
-        (each second) makes it survive a power loss, as for messages."""
-        if self.config.flush != FlushMode.SYNC or self.state is None:
+        """Sync flush mode: wait until the state log is fsynced up to `position`. Group
+        commit: one fsync runs at a time, in a worker thread, covering everything appended
+        before it started; the callers it covers wait for that one, and those that appended
+        while it ran share the next (one worker job per fsync, not per caller). Async mode:
+        the write already survives a process crash; the store's periodic full flush (each
+        second) makes it survive a power loss, as for messages."""
+        state = self.state
+        if self.config.flush != FlushMode.SYNC or state is None:
             return
-        if self.state.synced >= position:
-            return
-        await asyncio.get_running_loop().run_in_executor(None, self.sync_state, position)
+        while state.synced < position:
+            running = self._state_sync
+            if running is None or running.done():
+                running = asyncio.get_running_loop().run_in_executor(None, state.sync)
+                self._state_sync = running
+            # Shielded: a caller that is cancelled does not cancel the others' fsync.
+            await asyncio.shield(running)
 
     async def compact_state(self) -> None:
         if self.read_only or not self.state_needs_compaction():

@@ -6,6 +6,8 @@ The wheel is driven through ``advance(now)`` with chosen times: no sleeping, no 
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 from gateway.connection import timers
 from gateway.connection.timers import TimerWheel
@@ -103,3 +105,22 @@ async def test_a_crowded_slot_yields_to_the_loop_between_budgets() -> None:
     assert called == len(devices)
     assert all(d.expired for d in devices)
     assert turns - before >= 3  # the loop ran other work between the budgets
+
+
+async def test_a_cancelled_or_rescheduled_entry_leaves_the_wheel_at_once() -> None:
+    wheel = TimerWheel(asyncio.get_running_loop())
+    start = float(wheel._next)
+    closed = Device("closed", start, 90)
+    wheel.schedule(closed, start + 10)  # the CONNECT timeout
+    wheel.schedule(closed, start + 90)  # then the keep-alive deadline: one entry, not two
+    assert len(wheel) == 1
+    wheel.cancel(closed)  # the connection closed long before its deadline
+    assert len(wheel) == 0
+    gone = weakref.ref(closed)
+    del closed
+    gc.collect()
+    assert gone() is None, "the wheel still holds the closed item"
+    overdue = Device("overdue", start, 1)
+    wheel.schedule(overdue, start - 5)  # a deadline already past: the first slot not handled
+    wheel.cancel(overdue)
+    assert len(wheel) == 0 and await wheel.advance(start + 100) == 0 and overdue.asked == []

@@ -1,6 +1,7 @@
 """Delivery pacing (gateway/delivery/pacing.py, PASS_INTERVAL): a pass asked for within a
-millisecond of the subscriber's last write runs from a timer. Nothing else has to happen for
-it to run: a message stored then is delivered with no further traffic on any connection."""
+millisecond of a busy subscriber's last write runs from a timer. Nothing else has to happen for
+it to run: a message stored then is delivered with no further traffic on any connection. A
+subscriber that is not busy (its last write came after a quiet spell) gets it at once."""
 
 from __future__ import annotations
 
@@ -26,11 +27,42 @@ def test_a_message_stored_right_after_a_write_arrives_without_more_traffic(
         conn: ClientConnection = next(c for c in gw.connections if c.client_id == "paced-sub")
         loop = conn.delivery
         assert loop is not None
-        # As if a pass had just written to the subscriber, in a way the clock cannot move past
-        # (uvloop's may tick during the publish): the arrival must take the timer.
+        # As if a pass had just written to the subscriber under load (that write came right
+        # after the one before), in a way the clock cannot move past (uvloop's may tick during
+        # the publish): the arrival must take the timer.
         loop._last_write = math.inf
+        loop._busy = True
         await gw.publisher.publish_internal("paced/2", b"two", qos=1)
         return loop._pass_timer is not None
 
     assert gateway.run(store_right_after_a_write()), "the pass was not paced"
     wait_until(lambda: sub.payloads() == [b"one", b"two"], what="the paced message")
+
+
+def test_a_message_right_after_a_write_to_an_idle_subscriber_is_not_paced(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    sub = Client(gateway.port, "idle-sub")
+    pub = Client(gateway.port, "idle-pub")
+    clients += [sub, pub]
+    assert sub.subscribe("idle/#", 1) == [1]
+    pub.publish("idle/1", b"one", qos=1)
+    sub.wait_messages(1)
+    gw = gateway.gw
+    assert gw is not None
+
+    async def store_right_after_a_lone_write() -> tuple[bool, bool]:
+        conn: ClientConnection = next(c for c in gw.connections if c.client_id == "idle-sub")
+        loop = conn.delivery
+        assert loop is not None
+        # As if a pass had just written the first message after a quiet spell (the clock
+        # cannot move past it): the next arrival is not load, so no pacing timer.
+        loop._last_write = math.inf
+        loop._busy = False
+        await gw.publisher.publish_internal("idle/2", b"two", qos=1)
+        return loop._pass_timer is None, loop._scheduled or loop._last_write != math.inf
+
+    no_timer, passed = gateway.run(store_right_after_a_lone_write())
+    assert no_timer, "an idle subscriber's message waited for the pacing timer"
+    assert passed, "no pass was scheduled in this turn's callbacks"
+    wait_until(lambda: sub.payloads() == [b"one", b"two"], what="the unpaced message")

@@ -65,3 +65,29 @@ def test_no_position_is_kept_where_the_log_does_not_read_back() -> None:
     assert marks.end() is None
     marks.saved = {"a": 0}
     assert marks.recover({"a": Session("a", 4, 60)}) == 0
+
+
+def test_the_floor_bounds_the_read_for_an_idle_sessions_old_log_pos(tmp_path: Path) -> None:
+    """An idle connected session's record is not rewritten, so its `log_pos` may be old; the
+    floor recorded by a progress pass is where a restart starts reading instead."""
+    store = EmbeddedStorage.open(StoreConfig(data_dir=tmp_path))
+    try:
+        marks = InboundQos2(store)
+        a_pos = store.log_max_offset  # "a" saved long ago, idle since
+        _put(store, "a", 1)  # below the floor: its id reached a saved record (the floor says so)
+        marks.storing("b", 9)  # "b" is between its append and its id joining
+        b_mark = store.log_max_offset
+        _put(store, "b", 9)
+        floor = marks.floor_now()
+        assert floor == b_mark  # lowered to the oldest PUBLISH still being stored
+        marks.stored("b", 9)
+        assert marks.floor_now() == store.log_max_offset
+        _put(store, "a", 2)  # after the floor: the crash leaves its id nowhere else
+        assert floor is not None
+        marks.floor = floor
+        marks.saved = {"a": a_pos}
+        a = Session("a", 4, 60)
+        assert marks.recover({"a": a}) == 1
+        assert a.qos2_inbound == {2}  # 1, below the floor, is not read for
+    finally:
+        store.close()

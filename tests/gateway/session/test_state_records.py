@@ -231,3 +231,83 @@ def test_after_a_crash_positions_past_a_queue_end_are_pulled_back(
     # Delivered: the position came back to the queue's end (3), below the new message.
     assert c.recv().payload == b"after"
     c.close()
+
+
+def test_a_progress_pass_writes_only_the_sessions_whose_progress_moved(
+    gateway: GatewayHarness,
+) -> None:
+    gw = gateway.gw
+    assert gw is not None
+    devices = []
+    for i in range(20):
+        c = RawClient(gateway.port, level=4)
+        assert c.connect(f"dev-{i}", clean=False).reason_code == 0
+        c.send(Subscribe(1, [Subscription(f"dev/{i}/cmd", 1)]))
+        assert c.recv().reason_codes == [1]
+        devices.append(c)
+    pub = RawClient(gateway.port, level=4)
+    pub.connect("pub")
+    gateway.call(gw.sessions.save_now)  # the CONNECTs' and SUBSCRIBEs' changes
+    before = len(_records(gateway.data_dir))
+    # Twenty-one connected sessions, none of whose progress moved: a progress pass writes none.
+    gateway.run(gw.sessions.save_if_dirty(progress_interval_s=0))
+    assert _records(gateway.data_dir)[before:] == []
+    pub.send(Publish("dev/3/cmd", b"on", qos=1, packet_id=1))
+    assert isinstance(pub.recv(), PubAck)
+    msg = devices[3].recv()
+    assert isinstance(msg, Publish) and msg.payload == b"on"
+    assert msg.packet_id is not None
+    devices[3].send(PubAck(msg.packet_id))
+    wait_until(lambda: gateway.call(lambda: not gw.sessions.sessions["dev-3"].inflight))
+    # One session received and acknowledged: the pass writes its record, and only its own.
+    gateway.run(gw.sessions.save_if_dirty(progress_interval_s=0))
+    new = _records(gateway.data_dir)[before:]
+    assert [k for k, _ in new] == ["session/dev-3"]
+    assert new[0][1] is not None
+    doc = json.loads(new[0][1])
+    assert doc["subscriptions"][0]["next_offset"] == 1 and doc["inflight"] == []
+    gateway.run(gw.sessions.save_if_dirty(progress_interval_s=0))
+    assert len(_records(gateway.data_dir)) == before + 1  # written once, not again
+    # A QoS 0 delivery moves a position that no acknowledgement reports: written too.
+    pub.send(Publish("dev/4/cmd", b"off", qos=0))
+    msg = devices[4].recv()
+    assert isinstance(msg, Publish) and msg.payload == b"off"
+    gateway.run(gw.sessions.save_if_dirty(progress_interval_s=0))
+    new = _records(gateway.data_dir)[before + 1 :]
+    assert [k for k, _ in new] == ["session/dev-4"]
+    assert new[0][1] is not None
+    assert json.loads(new[0][1])["subscriptions"][0]["next_offset"] == 1
+    # A graceful stop writes every session it disconnects, offline as of the stop.
+    gateway.restart()
+    sessions = _sessions(gateway.data_dir)
+    assert all(sessions[f"dev-{i}"]["disconnected_at_ms"] is not None for i in range(20))
+    assert not any(d.get("behind") for d in sessions.values())
+    for c in [*devices, pub]:
+        c.close()
+
+
+def test_concurrent_subscribes_in_sync_mode_share_state_log_fsyncs(tmp_path: Path) -> None:
+    h = GatewayHarness(tmp_path / "data", flush="sync").start()
+    devices = []
+    try:
+        gw = h.gw
+        assert gw is not None
+        for i in range(30):
+            c = RawClient(h.port, level=4)
+            assert c.connect(f"dev-{i}", clean=False).reason_code == 0
+            devices.append(c)
+        state = gw.store.state  # type: ignore[attr-defined]
+        before = h.call(lambda: state.fsyncs)
+        for i, c in enumerate(devices):  # thirty SUBSCRIBEs at once, each SUBACK after fsync
+            c.send(Subscribe(1, [Subscription(f"dev/{i}/cmd", 1)]))
+        for c in devices:
+            assert c.recv().reason_codes == [1]
+        fsyncs = h.call(lambda: state.fsyncs) - before
+        # Group commit: the saves that wait together share an fsync (one per save otherwise).
+        assert 1 <= fsyncs <= 5, fsyncs
+        records = _sessions(h.data_dir)  # each SUBACKed subscription is in the log
+        assert all(records[f"dev-{i}"]["subscriptions"] != [] for i in range(30))
+    finally:
+        for c in devices:
+            c.close()
+        h.stop()
