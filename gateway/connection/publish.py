@@ -377,9 +377,13 @@ class PublishHandler:
         if recorded and session.persistent:
             collecting = client.write_through()  # what came before goes out meanwhile
             try:
-                # Not saved (the store failed): no PUBREL; the PUBLISH stays in flight, re-sent
-                # with DUP and the same packet id after a reconnect.
                 await self._registry.save(session)
+            except StoreError as err:
+                # Not on record: no PUBREL. The client reconnects, and the PUBLISH is re-sent
+                # (same packet id, DUP) from the record that preceded it.
+                log.warning("%r: PUBREC not recorded (%s); closing", session.client_id, err)
+                client.close(ReasonCode.UNSPECIFIED_ERROR)
+                return
             finally:
                 client.collect_again(collecting)
         if client.closed:

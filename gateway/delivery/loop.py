@@ -50,7 +50,7 @@ from gateway.messages.records import RecordedPublish, read_record
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import ReasonCode
 from gateway.session.model import Inflight, Session, SubscriptionState
-from gateway.storage.port import StoredMessage
+from gateway.storage.port import StoredMessage, StoreError
 
 __all__ = ["BATCH", "DeliveryContext", "DeliveryLoop", "Subscriber"]
 
@@ -268,6 +268,11 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                     return  # re-sent from the session's in-flight window after a reconnect
                 self.client.write(b"".join(held[:covered]))
                 del held[:covered]
+        except StoreError as err:
+            # Not on record: not sent. The reconnect re-sends it from the session's window.
+            cid = self.session.client_id
+            log.warning("%r: QoS 2 delivery not recorded (%s); closing", cid, err)
+            self.client.abort(ReasonCode.UNSPECIFIED_ERROR)
         except Exception:
             log.exception("saving %r before a QoS 2 delivery failed", self.session.client_id)
             self.client.abort(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
