@@ -310,9 +310,7 @@ def test_a_qos2_message_completed_through_a_cut_node_is_not_delivered_again(
     sub.held.add(first.packet_id)
     net.cut("b1")
     sub.raw.send(PubRec(first.packet_id))
-    sub.pump(
-        lambda: sub.disconnect is not None or sub.closed, LEASE_S + 10, "node 1's DISCONNECT"
-    )
+    sub.pump(lambda: sub.disconnect is not None or sub.closed, LEASE_S + 10, "node 1's DISCONNECT")
     wait_until(lambda: logged_at(b, LOST) is not None, 2 * LEASE_S, "node 1 lost")
     assert sub.connect(nodes.client(2)).session_present
     publish_qos2(pub, "q/t", b"q1", 2)
