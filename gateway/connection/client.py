@@ -51,7 +51,7 @@ EVENTS_PER_TURN = 128
 
 # Packets whose handling never waits (in async flush mode the store append does not either):
 # their replies are collected and written once per run of input (see ClientTransport._out).
-_COLLECTED = frozenset({Publish, PubAck, PubComp, PubRec, PingReq})
+_COLLECTED = frozenset({Publish, PubAck, PubComp, PingReq})
 
 
 class ClientConnection(ClientTransport):
@@ -338,10 +338,13 @@ class ClientConnection(ClientTransport):
         checks passed) are collected in `run` and stored with one store call when anything
         else comes (another packet kind, a PUBLISH needing the per-message path, the end of
         the input, the end of the turn), so every other packet sees them stored and their
-        PUBACKs leave in order, before any later reply.
+        PUBACKs leave in order, before any later reply. Consecutive PUBRECs (of the gateway's
+        QoS 2 deliveries) are collected the same way: one session save for all of them before
+        their PUBRELs (PublishHandler.on_pubrecs).
         """
         handled = 0
         run: list[Publish] = []
+        recs: list[PubRec] = []  # PUBRECs of this turn: one durable save before their PUBRELs
         self._out = []
         try:
             while not self.closed:
@@ -352,6 +355,9 @@ class ClientConnection(ClientTransport):
                     if run:
                         await self.ctx.packets.publish.store_run(self, run)
                         run = []
+                    if recs:
+                        await self.ctx.packets.publish.on_pubrecs(self, recs)
+                        recs = []
                     self._flush_out()
                     await asyncio.sleep(0)
                     continue
@@ -383,6 +389,13 @@ class ClientConnection(ClientTransport):
                     if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
                         run.append(ev)
                         continue
+                elif kind is PubRec:
+                    assert isinstance(ev, PubRec)
+                    recs.append(ev)
+                    continue
+                if recs:
+                    await self.ctx.packets.publish.on_pubrecs(self, recs)
+                    recs = []
                 if run:
                     await self.ctx.packets.publish.store_run(self, run)
                     run = []

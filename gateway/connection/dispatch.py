@@ -61,7 +61,7 @@ class PacketDispatch:
                 client.delivery.on_puback(ev.packet_id)
         elif kind is PubRec:
             assert isinstance(ev, PubRec)
-            self.publish.on_pubrec(client, ev)
+            await self.publish.on_pubrecs(client, [ev])
         elif kind is PubComp:
             assert isinstance(ev, PubComp)
             if client.delivery is not None:

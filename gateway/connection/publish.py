@@ -369,14 +369,41 @@ class PublishHandler:
         if not client.closed:
             client.write(client.conn.send(PubComp(ev.packet_id, code)))
 
-    def on_pubrec(self, client: Publishing, ev: PubRec) -> None:
-        if client.session is None:
+    async def on_pubrecs(self, client: Publishing, recs: list[PubRec]) -> None:
+        """The PUBRECs the reader read in one turn, for outbound QoS 2 messages. Once a PUBREC
+        is answered with PUBREL the message must never be sent again ([MQTT-4.3.3]: the
+        receiver may forget the packet id at its PUBCOMP): a persistent session's record of
+        "PUBREL pending" is made durable before the PUBRELs leave, one save (and, in sync
+        flush mode, one shared fsync) for the whole turn, so a crash or a takeover resends
+        the PUBREL, never the PUBLISH."""
+        session = client.session
+        if session is None:
             return
         delivery = client.delivery
-        if delivery is not None and delivery.on_pubrec(
-            ev.packet_id, ev.reason_code >= ReasonCode.UNSPECIFIED_ERROR
-        ):
-            client.write(client.conn.send(PubRel(ev.packet_id)))
-        elif ev.reason_code < ReasonCode.UNSPECIFIED_ERROR:
-            code = ReasonCode.PACKET_IDENTIFIER_NOT_FOUND if client.conn.protocol_level == 5 else 0
-            client.write(client.conn.send(PubRel(ev.packet_id, code)))
+        level5 = client.conn.protocol_level == 5
+        rels: list[PubRel] = []
+        recorded = False
+        for ev in recs:
+            failed = ev.reason_code >= ReasonCode.UNSPECIFIED_ERROR
+            if delivery is not None and delivery.on_pubrec(ev.packet_id, failed):
+                rels.append(PubRel(ev.packet_id))
+                recorded = True
+            elif not failed:
+                code = ReasonCode.PACKET_IDENTIFIER_NOT_FOUND if level5 else 0
+                rels.append(PubRel(ev.packet_id, code))
+        if recorded and session.persistent:
+            collecting = client.write_through()  # what came before goes out meanwhile
+            try:
+                await self._registry.save(session)
+            except StoreError as err:
+                # Not on record: no PUBREL. The client reconnects, and the PUBLISH is re-sent
+                # (same packet id, DUP) from the record that preceded it.
+                log.warning("%r: PUBREC not recorded (%s); closing", session.client_id, err)
+                client.close(ReasonCode.UNSPECIFIED_ERROR)
+                return
+            finally:
+                client.collect_again(collecting)
+        if client.closed:
+            return
+        for rel in rels:
+            client.write(client.conn.send(rel))

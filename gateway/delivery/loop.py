@@ -51,7 +51,7 @@ from gateway.messages.records import RecordedPublish, read_record
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import ReasonCode
 from gateway.session.model import Inflight, Session, SubscriptionState
-from gateway.storage.port import StoredMessage
+from gateway.storage.port import StoredMessage, StoreError
 
 __all__ = ["BATCH", "DeliveryContext", "DeliveryLoop", "Subscriber"]
 
@@ -93,6 +93,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self._batch = None
         self._uncommitted = {}
         self._replay_timer = None
+        self._held = None
         self.sent = 0
 
     def start(self) -> None:
@@ -179,16 +180,24 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         progressed = False
         batch: list[bytes] = []
         self._batch = batch
+        # A QoS 2 PUBLISH of a persistent session leaves only once the record of its packet id
+        # is saved (see _write_saved): checked per subscription read, QoS 2 ones only.
+        qos2 = False
         try:
             if self.retained_backlog:
+                before = len(self.session.inflight)
                 progressed = self._send_retained()
+                qos2 = self._new_qos2(before)
             max_offset = self.ctx.store.max_offset
             for sub in subs:
                 if self.capacity() <= 0 or not self.can_send():
                     self._behind = True
                     break
                 if sub.replay is not None:  # history first: the light queue waits (replay.py)
+                    before = len(self.session.inflight)
                     moved = self._replay(sub)
+                    if moved and sub.qos == 2 and not qos2:
+                        qos2 = self._new_qos2(before)
                     progressed = progressed or moved
                     if sub.replay is not None:
                         if not moved and self._replay_timer is None:
@@ -197,8 +206,11 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                 end = max_offset(sub.queue)
                 if sub.next_offset >= end:
                     continue
+                before = sub.next_offset
                 if self._read(sub):
                     progressed = True
+                    if sub.qos == 2 and not qos2:
+                        qos2 = self._sent_qos2(sub, before)
                     if sub.next_offset < end:
                         self._ready[sub.queue] = None  # batch limit: the rest in the next pass
                 elif sub.next_offset < end:
@@ -207,10 +219,69 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             self._batch = None
             if batch:
                 self.wrote(self._loop.time())
-                self.client.write(batch[0] if len(batch) == 1 else b"".join(batch))
+                if self._held is not None or (qos2 and self.session.persistent):
+                    self._hold(batch)
+                else:
+                    self.client.write(batch[0] if len(batch) == 1 else b"".join(batch))
         if progressed:  # positions or the in-flight window moved: one mark per pass
             self.ctx.sessions.mark_progress(self.session)
         return progressed
+
+    # -- QoS 2: the packet id is saved before the PUBLISH leaves ------------------------------
+
+    def _sent_qos2(self, sub: SubscriptionState, before: int) -> bool:
+        """Whether the read of `sub` from offset `before` sent a message at QoS 2."""
+        inflight = self.session.inflight
+        pending = sub.pending
+        for off in reversed(pending):
+            if off < before:
+                break
+            inf = inflight.get(pending[off])
+            if inf is not None and inf.qos == 2:
+                return True
+        return False
+
+    def _new_qos2(self, before: int) -> bool:
+        """Whether the in-flight entries added after the first `before` include a QoS 2 one
+        (the retained copies and replayed messages of a pass: not on the per-message path)."""
+        inflight = self.session.inflight
+        if len(inflight) <= before:
+            return False
+        return any(inf.qos == 2 for inf in list(inflight.values())[before:])
+
+    def _hold(self, batch: list[bytes]) -> None:
+        """Write `batch` once the session record naming its packet ids is saved. A receiver
+        that got a QoS 2 PUBLISH treats another one with the same packet id as a duplicate
+        until PUBREL ([MQTT-4.3.3-9]), and only that: after a crash or a takeover the message
+        must come again with the same id (and DUP), so the id must be on record before the
+        client can see it. Later passes' packets queue behind (PUBLISH order is kept)."""
+        held = self._held
+        if held is None:
+            self._held = held = []
+            self._loop.create_task(self._write_saved())
+        held.extend(batch)
+
+    async def _write_saved(self) -> None:
+        held = self._held
+        assert held is not None
+        try:
+            while held:
+                covered = len(held)  # save() encodes the record now: these are in it
+                await self.ctx.sessions.save(self.session)
+                if self._stopped or self.client.closed:
+                    return  # re-sent from the session's in-flight window after a reconnect
+                self.client.write(b"".join(held[:covered]))
+                del held[:covered]
+        except StoreError as err:
+            # Not on record: not sent. The reconnect re-sends it from the session's window.
+            cid = self.session.client_id
+            log.warning("%r: QoS 2 delivery not recorded (%s); closing", cid, err)
+            self.client.abort(ReasonCode.UNSPECIFIED_ERROR)
+        except Exception:
+            log.exception("saving %r before a QoS 2 delivery failed", self.session.client_id)
+            self.client.abort(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
+        finally:
+            self._held = None
 
     def oldest_unsent_ms(self) -> int | None:
         """Store timestamp (ms) of the oldest message of a live subscription (not replaying)

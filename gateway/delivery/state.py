@@ -74,6 +74,7 @@ class LoopState:
         "_behind",
         "_busy",
         "_full",
+        "_held",
         "_last_write",
         "_live",
         "_loop",
@@ -129,6 +130,9 @@ class LoopState:
     _watched: list[str]  # queues watched with the ArrivalHub (a session has few)
     # Packets of the pass being made, written with one transport.write() at its end.
     _batch: list[bytes] | None
+    # Passes' packets waiting for the session record to be saved (a QoS 2 delivery; loop.py
+    # _hold), or None.
+    _held: list[bytes] | None
     # Subscriptions whose acknowledged position moved since it was last committed (acks.py).
     _uncommitted: dict[str, SubscriptionState]
     # Set while a replay waits for its share of the loop (replay.py).

@@ -32,6 +32,12 @@ positions may lag what the client acknowledged by up to the registry's PROGRESS_
 committed offsets (RocketMQ: the broker's, sent every second) are fresher. The session's next
 CONNECT takes them where they are higher (SessionLifecycle.skip_acknowledged).
 
+An in-flight entry is on record before its client can see it: a QoS 2 PUBLISH leaves once the
+record naming its packet id is saved, its PUBREL once the record with `"pubrel": true` is
+(gateway/delivery/loop.py `_hold`, gateway/connection/publish.py `on_pubrecs`), so a restart or
+a takeover re-sends the PUBLISH with the same packet id and DUP, or only the PUBREL: never the
+message as a new one. QoS 1 entries are saved at the progress pace (a re-send is allowed).
+
 An in-flight entry with `"queue": null` has no queue position to read its message back from (a
 retained copy sent on subscribe, or a delivery whose subscription was removed): it carries the
 `message` itself (absent once PUBREL was sent).
