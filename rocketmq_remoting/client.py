@@ -190,7 +190,7 @@ class RemotingClient:
         conn = await self.connection(addr)
         await conn.oneway(RemotingCommand(code=code, ext_fields=dict(ext_fields or {}), body=body))
 
-    async def _invoke_broker(
+    async def invoke_broker(
         self,
         addr: str,
         code: int,
@@ -198,6 +198,7 @@ class RemotingClient:
         body: bytes = b"",
         timeout: float | None = None,
     ) -> RemotingCommand:
+        """invoke() to a broker, which the heartbeats visit from now on."""
         if addr not in self._brokers:
             self._brokers.add(addr)
             self._start_heartbeats()
@@ -298,7 +299,7 @@ class RemotingClient:
             },
             separators=(",", ":"),
         ).encode()
-        answer = await self._invoke_broker(broker_addr, RequestCode.HEART_BEAT, {}, body)
+        answer = await self.invoke_broker(broker_addr, RequestCode.HEART_BEAT, {}, body)
         raise_for(answer, broker_addr)
 
     # -- consumer groups ----------------------------------------------------------------------
@@ -315,7 +316,7 @@ class RemotingClient:
         their next look instead of when the broker notices the closed connection."""
         self._groups.pop(group, None)
         for addr in broker_addrs:
-            answer = await self._invoke_broker(
+            answer = await self.invoke_broker(
                 addr,
                 RequestCode.UNREGISTER_CLIENT,
                 headers.unregister_client(self.client_id, group),
@@ -325,7 +326,7 @@ class RemotingClient:
     async def consumer_ids(self, broker_addr: str, group: str) -> list[str]:
         """GET_CONSUMER_LIST_BY_GROUP (38): the client ids of the group's members the broker
         knows (``GetConsumerListByGroupResponseBody``); empty when it knows none."""
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr,
             RequestCode.GET_CONSUMER_LIST_BY_GROUP,
             headers.get_consumer_list_by_group(group),
@@ -408,7 +409,7 @@ class RemotingClient:
             properties=encode_properties(props) + raw_properties,
             flag=flag,
         )
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr, RequestCode.SEND_MESSAGE_V2, fields, body, timeout
         )
         raise_for(
@@ -477,7 +478,7 @@ class RemotingClient:
             timeout = self.request_timeout
             if suspend_timeout is not None:
                 timeout += suspend_timeout + HOLD_CHECK_S
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
         )
         next_begin = _int(answer, "nextBeginOffset")
@@ -509,7 +510,7 @@ class RemotingClient:
         self, broker_addr: str, consumer_group: str, topic: str, queue_id: int = LMQ_QUEUE_ID
     ) -> int | None:
         """QUERY_CONSUMER_OFFSET (14): the group's committed offset, None if it has none."""
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr,
             RequestCode.QUERY_CONSUMER_OFFSET,
             headers.query_consumer_offset(consumer_group, topic, queue_id, False),
@@ -534,7 +535,7 @@ class RemotingClient:
         if oneway:
             await self.invoke_oneway(broker_addr, RequestCode.UPDATE_CONSUMER_OFFSET, fields)
             return
-        answer = await self._invoke_broker(broker_addr, RequestCode.UPDATE_CONSUMER_OFFSET, fields)
+        answer = await self.invoke_broker(broker_addr, RequestCode.UPDATE_CONSUMER_OFFSET, fields)
         raise_for(answer, broker_addr)
 
     async def search_offset(
@@ -547,7 +548,7 @@ class RemotingClient:
     ) -> int:
         """SEARCH_OFFSET_BY_TIMESTAMP (29): the queue offset of the first message stored at or
         after ``timestamp_ms`` (``lower``) or the last at or before it (``upper``)."""
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr,
             RequestCode.SEARCH_OFFSET_BY_TIMESTAMP,
             headers.search_offset(topic, queue_id, timestamp_ms, boundary),
@@ -559,7 +560,7 @@ class RemotingClient:
         self, broker_addr: str, topic: str, queue_id: int = LMQ_QUEUE_ID
     ) -> int:
         """GET_MAX_OFFSET (30): the offset the next message in the queue will get."""
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr, RequestCode.GET_MAX_OFFSET, headers.get_max_offset(topic, queue_id)
         )
         raise_for(answer, broker_addr)
@@ -569,7 +570,7 @@ class RemotingClient:
         self, broker_addr: str, topic: str, queue_id: int = LMQ_QUEUE_ID
     ) -> int:
         """GET_MIN_OFFSET (31): the oldest offset the queue still holds."""
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr, RequestCode.GET_MIN_OFFSET, headers.get_min_offset(topic, queue_id)
         )
         raise_for(answer, broker_addr)
@@ -587,13 +588,13 @@ class RemotingClient:
             write_queue_nums=queues,
             perm=PERM_READ | PERM_WRITE if perm is None else perm,
         )
-        answer = await self._invoke_broker(broker_addr, RequestCode.UPDATE_AND_CREATE_TOPIC, fields)
+        answer = await self.invoke_broker(broker_addr, RequestCode.UPDATE_AND_CREATE_TOPIC, fields)
         raise_for(answer, broker_addr)
 
     async def get_broker_config(self, broker_addr: str) -> dict[str, str]:
         """GET_BROKER_CONFIG (26): the broker's running configuration (``MixAll.properties2String``
         of BrokerConfig, MessageStoreConfig, ...: Java properties text, ``key=value`` lines)."""
-        answer = await self._invoke_broker(broker_addr, RequestCode.GET_BROKER_CONFIG, {})
+        answer = await self.invoke_broker(broker_addr, RequestCode.GET_BROKER_CONFIG, {})
         raise_for(answer, broker_addr)
         config: dict[str, str] = {}
         for line in (answer.body or b"").decode("utf-8", "replace").splitlines():
