@@ -36,11 +36,10 @@ from rocketmq_remoting.codes import (
 from rocketmq_remoting.command import RemotingCommand
 from rocketmq_remoting.connection import Connection
 from rocketmq_remoting.errors import (
-    BrokerBusyError,
-    BrokerError,
     OffsetMovedError,
     RemotingError,
     TopicNotExistError,
+    raise_for,
 )
 from rocketmq_remoting.message import (
     PROPERTY_INNER_MULTI_DISPATCH,
@@ -60,17 +59,6 @@ log = logging.getLogger(__name__)
 #: up to suspend + HOLD_CHECK_S after it arrived, and waiting only suspend + the request
 #: timeout for it races the broker's answer.
 HOLD_CHECK_S = 5.0
-
-
-def raise_for(cmd: RemotingCommand, addr: str, ok: Iterable[int] = (ResponseCode.SUCCESS,)) -> None:
-    """Raise the typed error for an answer whose code is not in ``ok``."""
-    if cmd.code in ok:
-        return
-    if cmd.code == ResponseCode.TOPIC_NOT_EXIST:
-        raise TopicNotExistError(cmd.code, cmd.remark, addr)
-    if cmd.code in (ResponseCode.SYSTEM_BUSY, ResponseCode.FLOW_CONTROL):
-        raise BrokerBusyError(cmd.code, cmd.remark, addr)
-    raise BrokerError(cmd.code, cmd.remark, addr)
 
 
 @dataclass(slots=True)

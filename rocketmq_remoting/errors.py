@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from rocketmq_remoting.codes import ResponseCode
+
+if TYPE_CHECKING:
+    from rocketmq_remoting.command import RemotingCommand
+
 
 class RemotingError(Exception):
     """Base of every error this package raises."""
@@ -85,3 +93,14 @@ class OffsetMovedError(BrokerError):
         self.next_begin_offset = next_begin_offset
         self.min_offset = min_offset
         self.max_offset = max_offset
+
+
+def raise_for(cmd: RemotingCommand, addr: str, ok: Iterable[int] = (ResponseCode.SUCCESS,)) -> None:
+    """Raise the typed error for an answer whose code is not in ``ok``."""
+    if cmd.code in ok:
+        return
+    if cmd.code == ResponseCode.TOPIC_NOT_EXIST:
+        raise TopicNotExistError(cmd.code, cmd.remark, addr)
+    if cmd.code in (ResponseCode.SYSTEM_BUSY, ResponseCode.FLOW_CONTROL):
+        raise BrokerBusyError(cmd.code, cmd.remark, addr)
+    raise BrokerError(cmd.code, cmd.remark, addr)
