@@ -35,6 +35,7 @@ from rocketmq_remoting.codes import (
 )
 from rocketmq_remoting.command import RemotingCommand
 from rocketmq_remoting.connection import Connection
+from rocketmq_remoting.consumer_group import ConsumerGroups
 from rocketmq_remoting.errors import (
     OffsetMovedError,
     RemotingError,
@@ -134,9 +135,9 @@ class RemotingClient:
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._brokers: set[str] = set()
-        # Consumer groups this client is a member of (consumer group -> its subscribed topics),
-        # announced in every heartbeat: `join_group`.
-        self._groups: dict[str, list[str]] = {}
+        # Consumer groups this client is a member of, announced in every heartbeat
+        # (consumer_group.py).
+        self.groups = ConsumerGroups()
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -255,75 +256,18 @@ class RemotingClient:
 
     async def heartbeat(self, broker_addr: str) -> None:
         """HEART_BEAT (34): ``HeartbeatData`` JSON naming this client, its producer group and
-        the consumer groups it joined (``ConsumerData``: a pull consumer, clustering, `*` on
-        each topic), which the broker lists to the group's members (`consumer_ids`)."""
-        consumers = [
-            {
-                "groupName": group,
-                "consumeType": "CONSUME_ACTIVELY",
-                "messageModel": "CLUSTERING",
-                "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET",
-                "subscriptionDataSet": [
-                    {
-                        "classFilterMode": False,
-                        "topic": topic,
-                        "subString": "*",
-                        "tagsSet": [],
-                        "codeSet": [],
-                        "subVersion": 0,
-                        "expressionType": "TAG",
-                    }
-                    for topic in topics
-                ],
-                "unitMode": False,
-            }
-            for group, topics in self._groups.items()
-        ]
+        the consumer groups it joined (consumer_group.py), which the broker lists to the
+        group's members."""
         body = json.dumps(
             {
                 "clientID": self.client_id,
                 "producerDataSet": [{"groupName": self.producer_group}],
-                "consumerDataSet": consumers,
+                "consumerDataSet": self.groups.consumer_data(),
             },
             separators=(",", ":"),
         ).encode()
         answer = await self.invoke_broker(broker_addr, RequestCode.HEART_BEAT, {}, body)
         raise_for(answer, broker_addr)
-
-    # -- consumer groups ----------------------------------------------------------------------
-
-    async def join_group(self, group: str, topics: list[str], broker_addrs: Iterable[str]) -> None:
-        """Become a member of consumer group `group` (reading `topics`) on each broker:
-        announced now by a heartbeat, then by every periodic one."""
-        self._groups[group] = list(topics)
-        for addr in broker_addrs:
-            await self.heartbeat(addr)
-
-    async def leave_group(self, group: str, broker_addrs: Iterable[str]) -> None:
-        """UNREGISTER_CLIENT (35) on each broker: the other members take this one's queues at
-        their next look instead of when the broker notices the closed connection."""
-        self._groups.pop(group, None)
-        for addr in broker_addrs:
-            answer = await self.invoke_broker(
-                addr,
-                RequestCode.UNREGISTER_CLIENT,
-                headers.unregister_client(self.client_id, group),
-            )
-            raise_for(answer, addr)
-
-    async def consumer_ids(self, broker_addr: str, group: str) -> list[str]:
-        """GET_CONSUMER_LIST_BY_GROUP (38): the client ids of the group's members the broker
-        knows (``GetConsumerListByGroupResponseBody``); empty when it knows none."""
-        answer = await self.invoke_broker(
-            broker_addr,
-            RequestCode.GET_CONSUMER_LIST_BY_GROUP,
-            headers.get_consumer_list_by_group(group),
-        )
-        if answer.code == ResponseCode.SYSTEM_ERROR and not answer.body:
-            return []  # "no consumer for this group"
-        raise_for(answer, broker_addr)
-        body = json.loads(answer.body or b"{}")
-        return [str(c) for c in body.get("consumerIdList") or []]
 
     # -- name server --------------------------------------------------------------------------
 
