@@ -9,15 +9,13 @@ closes. The calls here take the client they go through.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 from rocketmq_remoting import headers
 from rocketmq_remoting.codes import RequestCode, ResponseCode
+from rocketmq_remoting.command import RemotingCommand
 from rocketmq_remoting.errors import raise_for
-
-if TYPE_CHECKING:
-    from rocketmq_remoting.client import RemotingClient
 
 
 class ConsumerGroups:
@@ -59,8 +57,29 @@ class ConsumerGroups:
         ]
 
 
+class GroupClient(Protocol):
+    """What the calls here use of a RemotingClient."""
+
+    @property
+    def client_id(self) -> str: ...
+
+    @property
+    def groups(self) -> ConsumerGroups: ...
+
+    async def heartbeat(self, broker_addr: str) -> None: ...
+
+    async def invoke_broker(
+        self,
+        addr: str,
+        code: int,
+        ext_fields: Mapping[str, str] | None = None,
+        body: bytes = b"",
+        timeout: float | None = None,
+    ) -> RemotingCommand: ...
+
+
 async def join_group(
-    client: RemotingClient, group: str, topics: list[str], broker_addrs: Iterable[str]
+    client: GroupClient, group: str, topics: list[str], broker_addrs: Iterable[str]
 ) -> None:
     """Make `client` a member of consumer group `group` (reading `topics`) on each broker:
     announced now by a heartbeat, then by every periodic one."""
@@ -69,7 +88,7 @@ async def join_group(
         await client.heartbeat(addr)
 
 
-async def leave_group(client: RemotingClient, group: str, broker_addrs: Iterable[str]) -> None:
+async def leave_group(client: GroupClient, group: str, broker_addrs: Iterable[str]) -> None:
     """UNREGISTER_CLIENT (35) on each broker: the other members take this one's queues at
     their next look instead of when the broker notices the closed connection."""
     client.groups.leave(group)
@@ -82,7 +101,7 @@ async def leave_group(client: RemotingClient, group: str, broker_addrs: Iterable
         raise_for(answer, addr)
 
 
-async def consumer_ids(client: RemotingClient, broker_addr: str, group: str) -> list[str]:
+async def consumer_ids(client: GroupClient, broker_addr: str, group: str) -> list[str]:
     """GET_CONSUMER_LIST_BY_GROUP (38): the client ids of the group's members the broker
     knows (``GetConsumerListByGroupResponseBody``); empty when it knows none."""
     answer = await client.invoke_broker(

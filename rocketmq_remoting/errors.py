@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rocketmq_remoting.codes import ResponseCode
-
-if TYPE_CHECKING:
-    from rocketmq_remoting.command import RemotingCommand
 
 
 class RemotingError(Exception):
@@ -95,7 +92,17 @@ class OffsetMovedError(BrokerError):
         self.max_offset = max_offset
 
 
-def raise_for(cmd: RemotingCommand, addr: str, ok: Iterable[int] = (ResponseCode.SUCCESS,)) -> None:
+class Answer(Protocol):
+    """What raise_for reads of an answer (a RemotingCommand)."""
+
+    @property
+    def code(self) -> int: ...
+
+    @property
+    def remark(self) -> str | None: ...
+
+
+def raise_for(cmd: Answer, addr: str, ok: Iterable[int] = (ResponseCode.SUCCESS,)) -> None:
     """Raise the typed error for an answer whose code is not in ``ok``."""
     if cmd.code in ok:
         return
