@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -25,8 +24,6 @@ from dataclasses import dataclass, field
 from rocketmq_remoting import headers
 from rocketmq_remoting.codes import (
     LMQ_QUEUE_ID,
-    PERM_READ,
-    PERM_WRITE,
     PULL_COMMIT_OFFSET,
     PULL_SUBSCRIPTION,
     PULL_SUSPEND,
@@ -507,52 +504,3 @@ class RemotingClient:
         )
         raise_for(answer, broker_addr)
         return _int(answer, "offset")
-
-    # -- broker: admin ------------------------------------------------------------------------
-
-    async def create_topic(
-        self, broker_addr: str, topic: str, *, queues: int = 1, perm: int | None = None
-    ) -> None:
-        """UPDATE_AND_CREATE_TOPIC (17) on one broker, which registers it at the name server."""
-        fields = headers.create_topic(
-            topic,
-            read_queue_nums=queues,
-            write_queue_nums=queues,
-            perm=PERM_READ | PERM_WRITE if perm is None else perm,
-        )
-        answer = await self.invoke_broker(broker_addr, RequestCode.UPDATE_AND_CREATE_TOPIC, fields)
-        raise_for(answer, broker_addr)
-
-    async def get_broker_config(self, broker_addr: str) -> dict[str, str]:
-        """GET_BROKER_CONFIG (26): the broker's running configuration (``MixAll.properties2String``
-        of BrokerConfig, MessageStoreConfig, ...: Java properties text, ``key=value`` lines)."""
-        answer = await self.invoke_broker(broker_addr, RequestCode.GET_BROKER_CONFIG, {})
-        raise_for(answer, broker_addr)
-        config: dict[str, str] = {}
-        for line in (answer.body or b"").decode("utf-8", "replace").splitlines():
-            if not line or line.startswith(("#", "!")) or "=" not in line:
-                continue
-            key, _, value = line.partition("=")
-            config[key.strip()] = re.sub(r"\\(.)", r"\1", value.strip())
-        return config
-
-    async def wait_for_brokers(
-        self, cluster: str, broker_names: Iterable[str], timeout: float
-    ) -> ClusterInfo:
-        """Poll GET_BROKER_CLUSTER_INFO until every named broker has a master registered."""
-        wanted = set(broker_names)
-        deadline = time.monotonic() + timeout
-        last: Exception | None = None
-        while True:
-            try:
-                info = await self.get_cluster_info()
-                members = set(info.clusters.get(cluster, []))
-                known = [info.brokers.get(n) for n in wanted]
-                if wanted <= members and all(b is not None and b.master_addr for b in known):
-                    return info
-                last = RemotingError(f"registered so far: {sorted(members)}")
-            except RemotingError as exc:
-                last = exc
-            if time.monotonic() > deadline:
-                raise RemotingError(f"brokers {sorted(wanted)} not registered in time: {last}")
-            await asyncio.sleep(0.2)

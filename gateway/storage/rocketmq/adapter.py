@@ -65,6 +65,7 @@ from gateway.storage.rocketmq.spread import (
 from gateway.storage.rocketmq.spread import phys as spread_phys
 from gateway.storage.rocketmq.state import STATE_QUEUE, StateLog
 from rocketmq_remoting import BrokerError, BrokerNotFoundError, RemotingClient, RemotingError
+from rocketmq_remoting.admin import create_topic, get_broker_config
 from rocketmq_remoting.message import decode_message_id
 from topicmap.record import TOPIC
 from topicmap.rocketmq import encode_lmq
@@ -783,7 +784,7 @@ async def _prepare_broker(
     """The parent topic created on a broker the deployment stores on, and its configuration
     checked (light queues on, the send thread count): the home broker and every spread slot."""
     try:
-        await client.create_topic(addr, topic, queues=1)
+        await create_topic(client, addr, topic, queues=1)
     except RemotingError as exc:
         raise StorageUnavailable(
             f"broker {name} ({addr}) refused to create topic {topic!r}: {exc}"
@@ -796,7 +797,7 @@ async def _check_broker_config(client: RemotingClient, name: str, addr: str, *, 
     runs on a broker that acknowledges before its disk does. (The probe after this is the
     proof; the configuration gives the clearer message.)"""
     try:
-        config = await client.get_broker_config(addr)
+        config = await get_broker_config(client, addr)
     except RemotingError as exc:
         log.debug("broker %s: configuration not readable (%s)", name, exc)
         return

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from gateway.storage.inbound import InboundHandler, InboundMessage, Rejected
 from gateway.storage.port import StoreError
 from rocketmq_remoting import OffsetMovedError, RemotingClient, RemotingError, TopicNotExistError
+from rocketmq_remoting.admin import create_topic
 from rocketmq_remoting.codes import PERM_READ
 from rocketmq_remoting.consumer_group import consumer_ids, join_group, leave_group
 from rocketmq_remoting.message import (
@@ -191,7 +192,7 @@ class InboundConsumer:
             route = await self.client.get_route(topic)
             if any(q.read_queue_nums > 0 for q in route.queues):
                 return
-        await self.client.create_topic(self._home, topic, queues=queues)
+        await create_topic(self.client, self._home, topic, queues=queues)
 
     async def _run(self) -> None:
         while True:
