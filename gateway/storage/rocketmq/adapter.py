@@ -12,6 +12,7 @@ This module composes the parts, each in its own module, and opens them (`open_ro
     gateway/storage/rocketmq/history.py  read: the parent topic as the replays' history queue
     gateway/storage/rocketmq/offsets.py  committed offsets, copied to the broker's consumer offsets
     gateway/storage/rocketmq/state.py    the state log: the %STATE% light queue, replay, compaction
+    gateway/storage/rocketmq/slots.py    brokers by slot: where a message goes, who holds a queue
 
 Retained messages are the %RETAIN% light queue (RETAIN_PRELOAD of them read at start). Nothing
 in `data_dir` matters: a local embedded store is opened there only for its property encoder
@@ -51,18 +52,14 @@ from gateway.storage.rocketmq.mirrors import Mirrors
 from gateway.storage.rocketmq.names import PROBE_QUEUE
 from gateway.storage.rocketmq.offsets import BrokerOffsets
 from gateway.storage.rocketmq.sender import Sender
+from gateway.storage.rocketmq.slots import Slots
 from gateway.storage.rocketmq.spread import (
-    SEP,
     SLOTS_KEY,
-    MergedReads,
     Routing,
-    SpreadOffsets,
     log_max_now,
-    mqtt_topic,
     slots_from_state,
     spread_queue,
 )
-from gateway.storage.rocketmq.spread import phys as spread_phys
 from gateway.storage.rocketmq.state import STATE_QUEUE, StateLog
 from rocketmq_remoting import BrokerError, BrokerNotFoundError, RemotingClient, RemotingError
 from rocketmq_remoting.admin import create_topic, get_broker_config
@@ -99,32 +96,6 @@ class _StateWake:
             self._state_log.wake()
 
 
-class _Renamed:
-    """Arrival listener of a broker's parent-topic history other than the home broker's:
-    its notices name that broker's history queue (`topic SEP broker`)."""
-
-    def __init__(self, listener: ArrivalListener, topic: str, name: str) -> None:
-        self._listener = listener
-        self._topic = topic
-        self._name = name
-
-    def on_arrival(self, queue: str, max_offset: int) -> None:
-        self._listener.on_arrival(self._name if queue == self._topic else queue, max_offset)
-
-
-class _Slot:
-    """One broker of a spread deployment other than the home broker: its sends, mirrors,
-    parent-topic history and committed offsets (gateway/storage/rocketmq/spread.py)."""
-
-    def __init__(self, broker: Broker, *, sync: bool, routing: Routing) -> None:
-        self.broker = broker
-        self.history_queue = broker.topic + SEP + broker.name
-        self.history = ParentHistory(broker)
-        self.sender = Sender(broker, self.history, sync=sync, failover=routing)
-        self.mirrors = Mirrors(broker, self.sender.saw_phys)
-        self.offsets = BrokerOffsets(broker)
-
-
 class RocketMqStorage:
     """The Storage port on RocketMQ; create with :func:`open_rocketmq`. One broker (the home
     broker), or with `add_slot` several: messages spread over them by MQTT topic
@@ -142,18 +113,10 @@ class RocketMqStorage:
         self._mirrors = Mirrors(broker, self._sender.saw_phys)
         self._state_log = StateLog(broker, self._sender.send, node_id)
         self._state_tail: asyncio.Task[None] | None = None
-        self._home_offsets = BrokerOffsets(broker)
-        self._offsets: BrokerOffsets | SpreadOffsets = self._home_offsets
-        self._sync = sync
         # Spread (add_slot): slot 0 is this home broker, the others follow.
-        self._slots: list[_Slot] = []
-        self._names: list[str] = [broker.name]  # broker names by slot
-        self._routing = Routing(self._names, self._sender_named, self._sends_in_flight)
-        self._merged: MergedReads | None = None
-        self._by_history: dict[str, _Slot] = {}
-        self._listeners: list[ArrivalListener] = []
-        self._tickets: dict[int, list[tuple[Sender, int]]] = {}
-        self._ticket = 0
+        self._slots = Slots(
+            broker, self._sender, self._mirrors, self._history, BrokerOffsets(broker), sync=sync
+        )
         self._route_poll: asyncio.Task[None] | None = None
         self._inbound: InboundConsumer | None = None
 
@@ -163,27 +126,11 @@ class RocketMqStorage:
     @property
     def brokers(self) -> list[str]:
         """The deployment's brokers by slot (the home broker first)."""
-        return list(self._names)
+        return list(self._slots.names)
 
     def add_slot(self, broker: Broker) -> None:
         """Spread messages to `broker` too from now on (its copies read from offset 0)."""
-        slot = _Slot(broker, sync=self._sync, routing=self._routing)
-        self._sender.failover = self._routing
-        self._slots.append(slot)
-        self._names.append(broker.name)
-        self._by_history[slot.history_queue] = slot
-        if self._merged is None:
-            self._merged = MergedReads([self._mirrors])
-            self._offsets = SpreadOffsets([self._home_offsets])
-        self._merged.mirrors.append(slot.mirrors)
-        assert isinstance(self._offsets, SpreadOffsets)
-        self._offsets.add(slot.offsets)
-        for listener in self._listeners:
-            slot.mirrors.add_listener(listener)
-            slot.history.add_listener(_Renamed(listener, broker.topic, slot.history_queue))
-        for queue in self._mirrors.queues():
-            if spread_queue(queue):
-                slot.mirrors.mirror(queue)  # held pulls on the new broker's copies too
+        self._slots.add(broker)
 
     def poll_routes(self, settings: GatewaySettings, interval: float = ROUTE_POLL_S) -> None:
         """Every `interval` s: a broker registered since joins the deployment (`_spread`)."""
@@ -202,7 +149,7 @@ class RocketMqStorage:
     def account_offset(self) -> Callable[[str, int], int] | None:
         """Spread: a merged offset as the messages read up to it, for the delivery account
         (gateway/delivery/account.py CountedAccount); None with one broker (offsets as they are)."""
-        merged = self._merged
+        merged = self._slots.merged
         if merged is None:
             return None
         return merged.count
@@ -210,34 +157,16 @@ class RocketMqStorage:
     @property
     def routing(self) -> Routing:
         """Where spread messages go: the live brokers (gateway/storage/rocketmq/spread.py)."""
-        return self._routing
-
-    def _sender_named(self, name: str) -> Sender:
-        if name == self.broker_name:
-            return self._sender
-        return next(s.sender for s in self._slots if s.broker.name == name)
-
-    def _sends_in_flight(self) -> list[asyncio.Future[None]]:
-        out = self._sender.in_flight_sends()
-        for slot in self._slots:
-            out += slot.sender.in_flight_sends()
-        return out
-
-    def _sender_for(self, topic: str, queues: Sequence[str]) -> Sender:
-        """The broker a message goes to: by MQTT topic; the home broker for a message of a
-        home-only queue (%RETAIN%, %CLUSTER%: one total order each)."""
-        if not self._slots or any(not spread_queue(q) for q in queues):
-            return self._sender
-        return self._routing.sender(topic)
+        return self._slots.routing
 
     # -- the port: properties --------------------------------------------------------------------
 
     @property
     def offsets(self) -> CommittedOffsets:
-        return self._offsets
+        return self._slots.offsets
 
     async def load_offsets(self, keys: Iterable[tuple[str, str]]) -> None:
-        await self._offsets.load(keys)
+        await self._slots.offsets.load(keys)
 
     @property
     def closed(self) -> bool:
@@ -259,32 +188,12 @@ class RocketMqStorage:
         if self._closed:
             raise StoreError("the RocketMQ storage is closed")
         # The ticket as end_offset (wait_durable); light offsets unknown until read back.
-        send = self._send_spread if self._slots else self._sender.send_batch
-        ticket = send(messages)
+        ticket = self._slots.send_batch(messages)
         result = PutResult(ticket, -1, {}, ticket, now_ms())
         return [result] * len(messages)
 
-    def _send_spread(self, messages: Sequence[EncodedMessage]) -> int:
-        """One batch per broker (each pipelined on its connection); one ticket for all."""
-        parts: dict[int, tuple[Sender, list[EncodedMessage]]] = {}
-        for message in messages:
-            sender = self._sender_for(mqtt_topic(message[3], message[0]), message[1])
-            parts.setdefault(id(sender), (sender, []))[1].append(message)
-        self._ticket += 1
-        gate = self._routing.gate()
-        self._tickets[self._ticket] = [
-            (s, s.send_batch(batch, gate)) for s, batch in parts.values()
-        ]
-        if len(self._tickets) > 100_000:
-            self._tickets.pop(next(iter(self._tickets)))
-        return self._ticket
-
     async def wait_durable(self, end_offset: int) -> None:
-        if not self._slots:
-            await self._sender.wait_durable(end_offset)
-            return
-        for sender, ticket in self._tickets.pop(end_offset, ()):
-            await sender.wait_durable(ticket)
+        await self._slots.wait_durable(end_offset)
 
     async def put_async(
         self,
@@ -297,8 +206,8 @@ class RocketMqStorage:
         block = self.encode_properties(properties or {})
         if self._closed:
             raise StoreError("the RocketMQ storage is closed")
-        sender = self._sender_for((properties or {}).get(TOPIC, topic), queues)
-        res = await sender.send(queues, body, block, self._routing.gate() if self._slots else None)
+        sender = self._slots.sender_for((properties or {}).get(TOPIC, topic), queues)
+        res = await sender.send(queues, body, block, self._slots.gate())
         phys = decode_message_id(res.msg_id)[1]
         lights: dict[str, int] = {}
         if RETAIN_QUEUE in queues:
@@ -331,7 +240,7 @@ class RocketMqStorage:
         block = self.encode_properties(properties)
         if self._closed:
             raise StoreError("the RocketMQ storage is closed")
-        sender = self._sender_for(properties.get(TOPIC, topic), queues)
+        sender = self._slots.sender_for(properties.get(TOPIC, topic), queues)
         await sender.send_delayed(queues, body, block, deliver_ms)
 
     # -- the port: read --------------------------------------------------------------------------
@@ -340,59 +249,37 @@ class RocketMqStorage:
     # (gateway/storage/rocketmq/history.py); every other queue is a light queue's mirror.
 
     def get(self, queue: str, offset: int, max_messages: int = 32) -> GetResult:
-        if self._merged is not None:
+        if (merged := self._slots.merged) is not None:
             if spread_queue(queue):
-                return self._merged.get(queue, offset, max_messages)
-            hist = self._history_of(queue)
-            if hist is not None:
-                return self._spread_history(hist, offset, max_messages)
+                return merged.get(queue, offset, max_messages)
+            if (hist := self._slots.history_of(queue)) is not None:
+                return self._slots.history_get(hist, offset, max_messages)
         if queue == self._broker.topic:
             return self._history.get(offset, max_messages)
         return self._mirrors.get(queue, offset, max_messages)
 
-    def _history_of(self, queue: str) -> tuple[int, ParentHistory, str] | None:
-        if queue == self._broker.topic:
-            return 0, self._history, queue
-        slot = self._by_history.get(queue)
-        if slot is None:
-            return None
-        return self._slots.index(slot) + 1, slot.history, queue
-
-    def _spread_history(
-        self, hist: tuple[int, ParentHistory, str], offset: int, max_messages: int
-    ) -> GetResult:
-        """A broker's history with time-major physical offsets: replays merge the brokers'
-        histories by them, in store-time order (gateway/storage/rocketmq/spread.py)."""
-        k, history, queue = hist
-        got = history.get(offset, max_messages)
-        if not got.messages:
-            return got
-        # Named like the queue read (gateway/session/replay.py hands over a parent's own messages).
-        msgs = [m._replace(topic=queue, physical_offset=spread_phys(k, m)) for m in got.messages]
-        return GetResult(got.status, msgs, got.next_offset, got.min_offset, got.max_offset)
-
     def min_offset(self, queue: str) -> int:
-        if self._merged is not None:
+        if (merged := self._slots.merged) is not None:
             if spread_queue(queue):
-                return self._merged.min_offset(queue)
-            if (hist := self._history_of(queue)) is not None:
+                return merged.min_offset(queue)
+            if (hist := self._slots.history_of(queue)) is not None:
                 return hist[1].min_offset()
         if queue == self._broker.topic:
             return self._history.min_offset()
         return self._mirrors.min_offset(queue)
 
     def max_offset(self, queue: str) -> int:
-        if self._merged is not None:
+        if (merged := self._slots.merged) is not None:
             if spread_queue(queue):
-                return self._merged.max_offset(queue)
-            if (hist := self._history_of(queue)) is not None:
+                return merged.max_offset(queue)
+            if (hist := self._slots.history_of(queue)) is not None:
                 return hist[1].max_offset()
         if queue == self._broker.topic:
             return self._history.max_offset()
         return self._mirrors.max_offset(queue)
 
     def offset_by_time(self, queue: str, timestamp_ms: int) -> int:
-        if self._merged is not None and (hist := self._history_of(queue)) is not None:
+        if self._slots.merged is not None and (hist := self._slots.history_of(queue)) is not None:
             return hist[1].offset_by_time(timestamp_ms)
         if queue == self._broker.topic:
             return self._history.offset_by_time(timestamp_ms)
@@ -401,12 +288,10 @@ class RocketMqStorage:
     def history_queues(self, tf: TopicFilter) -> list[str]:
         # Every message is in the one parent topic (gateway/storage/rocketmq/history.py) of the
         # broker it was sent to: one history queue per broker when spread.
-        return [self._broker.topic, *(s.history_queue for s in self._slots)]
+        return self._slots.history_queues()
 
     async def open_history(self, queues: Sequence[str], since_ms: int) -> None:
-        todo = [(self.broker_name, self._history)] if self._broker.topic in queues else []
-        todo += [(s.broker.name, s.history) for s in self._slots if s.history_queue in queues]
-        for name, history in todo:
+        for name, history in self._slots.histories(queues):
             try:
                 await history.open(since_ms)
             except RemotingError as exc:
@@ -421,33 +306,18 @@ class RocketMqStorage:
 
     @property
     def log_max_offset(self) -> int:
-        if self._merged is not None:
+        if self._slots.merged is not None:
             return log_max_now()
         return self._sender.log_max
 
     def add_listener(self, listener: ArrivalListener) -> None:
-        self._listeners.append(listener)
-        self._mirrors.add_listener(listener)
-        self._history.add_listener(listener)
-        for slot in self._slots:
-            slot.mirrors.add_listener(listener)
-            slot.history.add_listener(_Renamed(listener, self._broker.topic, slot.history_queue))
-
-    def _copies(self, queue: str) -> list[Mirrors]:
-        """The mirrors holding `queue`: every broker's for a spread queue, else the home's."""
-        if self._slots and spread_queue(queue):
-            return [self._mirrors, *(s.mirrors for s in self._slots)]
-        return [self._mirrors]
+        self._slots.add_listener(listener)
 
     async def open_queue(self, queue: str) -> None:
-        copies = self._copies(queue)
-        if self._routing.lost and len(copies) > 1:
-            # A lost broker's copy is read once it is back (its mirror keeps asking).
-            copies = [m for k, m in enumerate(copies) if self._names[k] not in self._routing.lost]
-        await asyncio.gather(*(m.open_queue(queue) for m in copies))
+        await asyncio.gather(*(m.open_queue(queue) for m in self._slots.live_copies(queue)))
 
     def close_queue(self, queue: str) -> None:
-        for m in self._copies(queue):
+        for m in self._slots.copies(queue):
             m.release(queue)
 
     async def preload(self, queue: str, count: int) -> None:
@@ -489,9 +359,7 @@ class RocketMqStorage:
     # -- cluster mode (gateway/cluster/node.py ClusterStorage) -------------------------------------
 
     async def settle(self) -> None:
-        await self._sender.settle()
-        for slot in self._slots:
-            await slot.sender.settle()
+        await self._slots.settle()
 
     def written_by(self, node: str) -> list[tuple[str, bytes]]:
         return self._state_log.written_by(node)
@@ -537,16 +405,16 @@ class RocketMqStorage:
     async def catch_up_queue(self, queue: str) -> None:
         """`queue`'s mirror read up to the broker's end now (Mirrors.catch_up)."""
         try:
-            await asyncio.gather(*(m.catch_up(queue) for m in self._copies(queue)))
+            await asyncio.gather(*(m.catch_up(queue) for m in self._slots.copies(queue)))
         except RemotingError as exc:
             raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
 
     async def prefetch(self, queue: str, offsets: Iterable[int]) -> None:
         """The messages at `offsets` of `queue` read now (Mirrors.prefetch)."""
         try:
-            if self._merged is not None and spread_queue(queue):
-                mirrors = self._copies(queue)
-                parts = self._merged.split(queue, list(offsets))
+            if (merged := self._slots.merged) is not None and spread_queue(queue):
+                mirrors = self._slots.copies(queue)
+                parts = merged.split(queue, list(offsets))
                 await asyncio.gather(*(mirrors[k].prefetch(queue, o) for k, o in parts.items()))
             else:
                 await self._mirrors.prefetch(queue, offsets)
@@ -576,15 +444,14 @@ class RocketMqStorage:
 
     async def drain(self) -> None:
         pending: list[asyncio.Future[Any]] = [
-            *self._sender.in_flight(),
-            *(f for slot in self._slots for f in slot.sender.in_flight()),
+            *self._slots.in_flight(),
             *self._state_log.in_flight(),
         ]
         if pending:
             _done, late = await asyncio.wait(pending, timeout=DRAIN_S)
             if late:
                 log.error("%d write(s) to RocketMQ still unanswered at stop", len(late))
-        await self._offsets.flush()  # answered: the next gateway reads them back
+        await self._slots.offsets.flush()  # answered: the next gateway reads them back
 
     def close(self, *, keep_local: bool = False) -> None:
         """Stop every pull and drop the connections; the local store too unless `keep_local`
@@ -598,12 +465,10 @@ class RocketMqStorage:
             self._route_poll.cancel()
         if self._inbound is not None:
             self._inbound.close()
-        self._offsets.close()
+        self._slots.offsets.close()
         self._mirrors.close()
         self._history.close()
-        for slot in self._slots:
-            slot.mirrors.close()
-            slot.history.close()
+        self._slots.close()
         self._broker.client.close_nowait()
         if not keep_local:
             self._local.close()
