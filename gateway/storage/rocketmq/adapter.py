@@ -29,7 +29,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.clock import now_ms
@@ -132,14 +132,17 @@ class RocketMqStorage:
         """Spread messages to `broker` too from now on (its copies read from offset 0)."""
         self._slots.add(broker)
 
-    def poll_routes(self, settings: GatewaySettings, interval: float = ROUTE_POLL_S) -> None:
-        """Every `interval` s: a broker registered since joins the deployment (`_spread`)."""
+    def poll_routes(
+        self, refresh: Callable[[], Awaitable[None]], interval: float = ROUTE_POLL_S
+    ) -> None:
+        """Every `interval` s `refresh()`: a broker registered since joins the deployment
+        (the start-up's `_spread`), until the storage closes."""
 
         async def poll() -> None:
             while not self._closed:
                 await asyncio.sleep(interval)
                 try:
-                    await _spread(self._broker.client, self, settings)
+                    await refresh()
                 except (StorageUnavailable, StoreError, RemotingError) as exc:
                     log.warning("brokers not updated from the name server: %s", exc)
 
@@ -564,7 +567,9 @@ async def _open(
         raise
     if settings.rocketmq_spread:
         log.info("storage: messages spread over brokers %s", ", ".join(storage.brokers))
-        storage.poll_routes(settings, settings.rocketmq_route_poll)
+        storage.poll_routes(
+            lambda: _spread(client, storage, settings), settings.rocketmq_route_poll
+        )
     log.info(
         "storage: RocketMQ broker %s (%s) via name server %s, topic %s, %s sends",
         name, addr, namesrv, topic, "sync" if settings.flush == "sync" else "async",
