@@ -2,7 +2,7 @@
 
 Messages live on a RocketMQ broker with `enableLmq=true` and `enableMultiDispatch=true`, spoken
 to with rocketmq_remoting (docs/rocketmq.md has the verified protocol facts this relies on).
-This module composes the parts, each in its own module, and opens them (`open_rocketmq`):
+This module composes the parts, each in its own module; start.py opens them (`open_rocketmq`):
 
     gateway/storage/rocketmq/broker.py   the one broker: client, address, namespace (parent topic)
     gateway/storage/rocketmq/names.py    gateway queue names <-> light queue names (the memo; the
@@ -13,8 +13,9 @@ This module composes the parts, each in its own module, and opens them (`open_ro
     gateway/storage/rocketmq/offsets.py  committed offsets, copied to the broker's consumer offsets
     gateway/storage/rocketmq/state.py    the state log: the %STATE% light queue, replay, compaction
     gateway/storage/rocketmq/slots.py    brokers by slot: where a message goes, who holds a queue
+    gateway/storage/rocketmq/start.py    start-up: wait for RocketMQ, check the brokers, open
 
-Retained messages are the %RETAIN% light queue (RETAIN_PRELOAD of them read at start). Nothing
+Retained messages are the %RETAIN% light queue (start.py reads RETAIN_PRELOAD of them). Nothing
 in `data_dir` matters: a local embedded store is opened there only for its property encoder
 (its state log and offsets table stay empty), and the delivery account (an analytics output,
 gateway/delivery/account.py) is written there: docs/rocketmq.md says why it stays local.
