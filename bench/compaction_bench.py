@@ -197,7 +197,8 @@ async def run_embedded(root: Path, sessions: int) -> dict[str, Any]:
 async def run_rocketmq(namesrv: str, root: Path, sessions: int) -> dict[str, Any]:
     from gateway.config import GatewaySettings
     from gateway.storage.embedded import open_storage
-    from gateway.storage.rocketmq.adapter import RocketMqStorage, open_rocketmq
+    from gateway.storage.rocketmq.adapter import RocketMqStorage
+    from gateway.storage.rocketmq.start import open_rocketmq
 
     settings = GatewaySettings(
         data_dir=root / "gateway",

@@ -22,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
+from rocketmq_remoting.admin import create_topic
 from tests.rocketmq.cluster import RocketMQCluster, ensure_jars
 
 
@@ -38,7 +39,7 @@ async def _fill(cluster: RocketMQCluster, topic: str, n: int) -> None:
     broker = cluster.brokers["broker-a"]
     queues = [encode_lmq(f"%LMQ%b.{k}", topic) for k in range(3)]
     async with cluster.client() as client:
-        await client.create_topic(broker, topic, queues=1)
+        await create_topic(client, broker, topic, queues=1)
         sem = asyncio.Semaphore(64)
 
         async def one(i: int) -> None:

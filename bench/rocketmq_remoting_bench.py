@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+from rocketmq_remoting.admin import create_topic
 from tests.rocketmq.cluster import RocketMQCluster, ensure_jars
 
 
@@ -30,7 +31,7 @@ async def _measure(cluster: RocketMQCluster, wakes: int, sends: int, in_flight: 
     pids = {name: proc.pid for name, proc in cluster.procs.items()}
     async with cluster.client() as client:
         parent = f"bench-{uuid.uuid4().hex[:8]}"
-        await client.create_topic(broker, parent)
+        await create_topic(client, broker, parent)
 
         before = {n: _cpu_seconds(p) for n, p in pids.items()}
         await asyncio.sleep(10)

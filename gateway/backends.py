@@ -19,7 +19,7 @@ async def open_backend(settings: GatewaySettings) -> Storage:
     local = open_storage(settings)
     if settings.store == "embedded":
         return local
-    from gateway.storage.rocketmq.adapter import open_rocketmq
+    from gateway.storage.rocketmq.start import open_rocketmq
 
     try:
         return await open_rocketmq(settings, local, node_id=settings.node_id or new_node_id())

@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -25,8 +24,6 @@ from dataclasses import dataclass, field
 from rocketmq_remoting import headers
 from rocketmq_remoting.codes import (
     LMQ_QUEUE_ID,
-    PERM_READ,
-    PERM_WRITE,
     PULL_COMMIT_OFFSET,
     PULL_SUBSCRIPTION,
     PULL_SUSPEND,
@@ -35,12 +32,12 @@ from rocketmq_remoting.codes import (
 )
 from rocketmq_remoting.command import RemotingCommand
 from rocketmq_remoting.connection import Connection
+from rocketmq_remoting.consumer_group import ConsumerGroups
 from rocketmq_remoting.errors import (
-    BrokerBusyError,
-    BrokerError,
     OffsetMovedError,
     RemotingError,
     TopicNotExistError,
+    raise_for,
 )
 from rocketmq_remoting.message import (
     PROPERTY_INNER_MULTI_DISPATCH,
@@ -60,17 +57,6 @@ log = logging.getLogger(__name__)
 #: up to suspend + HOLD_CHECK_S after it arrived, and waiting only suspend + the request
 #: timeout for it races the broker's answer.
 HOLD_CHECK_S = 5.0
-
-
-def raise_for(cmd: RemotingCommand, addr: str, ok: Iterable[int] = (ResponseCode.SUCCESS,)) -> None:
-    """Raise the typed error for an answer whose code is not in ``ok``."""
-    if cmd.code in ok:
-        return
-    if cmd.code == ResponseCode.TOPIC_NOT_EXIST:
-        raise TopicNotExistError(cmd.code, cmd.remark, addr)
-    if cmd.code in (ResponseCode.SYSTEM_BUSY, ResponseCode.FLOW_CONTROL):
-        raise BrokerBusyError(cmd.code, cmd.remark, addr)
-    raise BrokerError(cmd.code, cmd.remark, addr)
 
 
 @dataclass(slots=True)
@@ -146,9 +132,9 @@ class RemotingClient:
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._brokers: set[str] = set()
-        # Consumer groups this client is a member of (consumer group -> its subscribed topics),
-        # announced in every heartbeat: `join_group`.
-        self._groups: dict[str, list[str]] = {}
+        # Consumer groups this client is a member of, announced in every heartbeat
+        # (consumer_group.py).
+        self.groups = ConsumerGroups()
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -190,7 +176,7 @@ class RemotingClient:
         conn = await self.connection(addr)
         await conn.oneway(RemotingCommand(code=code, ext_fields=dict(ext_fields or {}), body=body))
 
-    async def _invoke_broker(
+    async def invoke_broker(
         self,
         addr: str,
         code: int,
@@ -198,6 +184,7 @@ class RemotingClient:
         body: bytes = b"",
         timeout: float | None = None,
     ) -> RemotingCommand:
+        """invoke() to a broker, which the heartbeats visit from now on."""
         if addr not in self._brokers:
             self._brokers.add(addr)
             self._start_heartbeats()
@@ -266,75 +253,18 @@ class RemotingClient:
 
     async def heartbeat(self, broker_addr: str) -> None:
         """HEART_BEAT (34): ``HeartbeatData`` JSON naming this client, its producer group and
-        the consumer groups it joined (``ConsumerData``: a pull consumer, clustering, `*` on
-        each topic), which the broker lists to the group's members (`consumer_ids`)."""
-        consumers = [
-            {
-                "groupName": group,
-                "consumeType": "CONSUME_ACTIVELY",
-                "messageModel": "CLUSTERING",
-                "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET",
-                "subscriptionDataSet": [
-                    {
-                        "classFilterMode": False,
-                        "topic": topic,
-                        "subString": "*",
-                        "tagsSet": [],
-                        "codeSet": [],
-                        "subVersion": 0,
-                        "expressionType": "TAG",
-                    }
-                    for topic in topics
-                ],
-                "unitMode": False,
-            }
-            for group, topics in self._groups.items()
-        ]
+        the consumer groups it joined (consumer_group.py), which the broker lists to the
+        group's members."""
         body = json.dumps(
             {
                 "clientID": self.client_id,
                 "producerDataSet": [{"groupName": self.producer_group}],
-                "consumerDataSet": consumers,
+                "consumerDataSet": self.groups.consumer_data(),
             },
             separators=(",", ":"),
         ).encode()
-        answer = await self._invoke_broker(broker_addr, RequestCode.HEART_BEAT, {}, body)
+        answer = await self.invoke_broker(broker_addr, RequestCode.HEART_BEAT, {}, body)
         raise_for(answer, broker_addr)
-
-    # -- consumer groups ----------------------------------------------------------------------
-
-    async def join_group(self, group: str, topics: list[str], broker_addrs: Iterable[str]) -> None:
-        """Become a member of consumer group `group` (reading `topics`) on each broker:
-        announced now by a heartbeat, then by every periodic one."""
-        self._groups[group] = list(topics)
-        for addr in broker_addrs:
-            await self.heartbeat(addr)
-
-    async def leave_group(self, group: str, broker_addrs: Iterable[str]) -> None:
-        """UNREGISTER_CLIENT (35) on each broker: the other members take this one's queues at
-        their next look instead of when the broker notices the closed connection."""
-        self._groups.pop(group, None)
-        for addr in broker_addrs:
-            answer = await self._invoke_broker(
-                addr,
-                RequestCode.UNREGISTER_CLIENT,
-                headers.unregister_client(self.client_id, group),
-            )
-            raise_for(answer, addr)
-
-    async def consumer_ids(self, broker_addr: str, group: str) -> list[str]:
-        """GET_CONSUMER_LIST_BY_GROUP (38): the client ids of the group's members the broker
-        knows (``GetConsumerListByGroupResponseBody``); empty when it knows none."""
-        answer = await self._invoke_broker(
-            broker_addr,
-            RequestCode.GET_CONSUMER_LIST_BY_GROUP,
-            headers.get_consumer_list_by_group(group),
-        )
-        if answer.code == ResponseCode.SYSTEM_ERROR and not answer.body:
-            return []  # "no consumer for this group"
-        raise_for(answer, broker_addr)
-        body = json.loads(answer.body or b"{}")
-        return [str(c) for c in body.get("consumerIdList") or []]
 
     # -- name server --------------------------------------------------------------------------
 
@@ -408,7 +338,7 @@ class RemotingClient:
             properties=encode_properties(props) + raw_properties,
             flag=flag,
         )
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr, RequestCode.SEND_MESSAGE_V2, fields, body, timeout
         )
         raise_for(
@@ -477,7 +407,7 @@ class RemotingClient:
             timeout = self.request_timeout
             if suspend_timeout is not None:
                 timeout += suspend_timeout + HOLD_CHECK_S
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
         )
         next_begin = _int(answer, "nextBeginOffset")
@@ -509,7 +439,7 @@ class RemotingClient:
         self, broker_addr: str, consumer_group: str, topic: str, queue_id: int = LMQ_QUEUE_ID
     ) -> int | None:
         """QUERY_CONSUMER_OFFSET (14): the group's committed offset, None if it has none."""
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr,
             RequestCode.QUERY_CONSUMER_OFFSET,
             headers.query_consumer_offset(consumer_group, topic, queue_id, False),
@@ -534,7 +464,7 @@ class RemotingClient:
         if oneway:
             await self.invoke_oneway(broker_addr, RequestCode.UPDATE_CONSUMER_OFFSET, fields)
             return
-        answer = await self._invoke_broker(broker_addr, RequestCode.UPDATE_CONSUMER_OFFSET, fields)
+        answer = await self.invoke_broker(broker_addr, RequestCode.UPDATE_CONSUMER_OFFSET, fields)
         raise_for(answer, broker_addr)
 
     async def search_offset(
@@ -547,7 +477,7 @@ class RemotingClient:
     ) -> int:
         """SEARCH_OFFSET_BY_TIMESTAMP (29): the queue offset of the first message stored at or
         after ``timestamp_ms`` (``lower``) or the last at or before it (``upper``)."""
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr,
             RequestCode.SEARCH_OFFSET_BY_TIMESTAMP,
             headers.search_offset(topic, queue_id, timestamp_ms, boundary),
@@ -559,7 +489,7 @@ class RemotingClient:
         self, broker_addr: str, topic: str, queue_id: int = LMQ_QUEUE_ID
     ) -> int:
         """GET_MAX_OFFSET (30): the offset the next message in the queue will get."""
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr, RequestCode.GET_MAX_OFFSET, headers.get_max_offset(topic, queue_id)
         )
         raise_for(answer, broker_addr)
@@ -569,57 +499,8 @@ class RemotingClient:
         self, broker_addr: str, topic: str, queue_id: int = LMQ_QUEUE_ID
     ) -> int:
         """GET_MIN_OFFSET (31): the oldest offset the queue still holds."""
-        answer = await self._invoke_broker(
+        answer = await self.invoke_broker(
             broker_addr, RequestCode.GET_MIN_OFFSET, headers.get_min_offset(topic, queue_id)
         )
         raise_for(answer, broker_addr)
         return _int(answer, "offset")
-
-    # -- broker: admin ------------------------------------------------------------------------
-
-    async def create_topic(
-        self, broker_addr: str, topic: str, *, queues: int = 1, perm: int | None = None
-    ) -> None:
-        """UPDATE_AND_CREATE_TOPIC (17) on one broker, which registers it at the name server."""
-        fields = headers.create_topic(
-            topic,
-            read_queue_nums=queues,
-            write_queue_nums=queues,
-            perm=PERM_READ | PERM_WRITE if perm is None else perm,
-        )
-        answer = await self._invoke_broker(broker_addr, RequestCode.UPDATE_AND_CREATE_TOPIC, fields)
-        raise_for(answer, broker_addr)
-
-    async def get_broker_config(self, broker_addr: str) -> dict[str, str]:
-        """GET_BROKER_CONFIG (26): the broker's running configuration (``MixAll.properties2String``
-        of BrokerConfig, MessageStoreConfig, ...: Java properties text, ``key=value`` lines)."""
-        answer = await self._invoke_broker(broker_addr, RequestCode.GET_BROKER_CONFIG, {})
-        raise_for(answer, broker_addr)
-        config: dict[str, str] = {}
-        for line in (answer.body or b"").decode("utf-8", "replace").splitlines():
-            if not line or line.startswith(("#", "!")) or "=" not in line:
-                continue
-            key, _, value = line.partition("=")
-            config[key.strip()] = re.sub(r"\\(.)", r"\1", value.strip())
-        return config
-
-    async def wait_for_brokers(
-        self, cluster: str, broker_names: Iterable[str], timeout: float
-    ) -> ClusterInfo:
-        """Poll GET_BROKER_CLUSTER_INFO until every named broker has a master registered."""
-        wanted = set(broker_names)
-        deadline = time.monotonic() + timeout
-        last: Exception | None = None
-        while True:
-            try:
-                info = await self.get_cluster_info()
-                members = set(info.clusters.get(cluster, []))
-                known = [info.brokers.get(n) for n in wanted]
-                if wanted <= members and all(b is not None and b.master_addr for b in known):
-                    return info
-                last = RemotingError(f"registered so far: {sorted(members)}")
-            except RemotingError as exc:
-                last = exc
-            if time.monotonic() > deadline:
-                raise RemotingError(f"brokers {sorted(wanted)} not registered in time: {last}")
-            await asyncio.sleep(0.2)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Protocol
+
+from rocketmq_remoting.codes import ResponseCode
+
 
 class RemotingError(Exception):
     """Base of every error this package raises."""
@@ -85,3 +90,24 @@ class OffsetMovedError(BrokerError):
         self.next_begin_offset = next_begin_offset
         self.min_offset = min_offset
         self.max_offset = max_offset
+
+
+class Answer(Protocol):
+    """What raise_for reads of an answer (a RemotingCommand)."""
+
+    @property
+    def code(self) -> int: ...
+
+    @property
+    def remark(self) -> str | None: ...
+
+
+def raise_for(cmd: Answer, addr: str, ok: Iterable[int] = (ResponseCode.SUCCESS,)) -> None:
+    """Raise the typed error for an answer whose code is not in ``ok``."""
+    if cmd.code in ok:
+        return
+    if cmd.code == ResponseCode.TOPIC_NOT_EXIST:
+        raise TopicNotExistError(cmd.code, cmd.remark, addr)
+    if cmd.code in (ResponseCode.SYSTEM_BUSY, ResponseCode.FLOW_CONTROL):
+        raise BrokerBusyError(cmd.code, cmd.remark, addr)
+    raise BrokerError(cmd.code, cmd.remark, addr)

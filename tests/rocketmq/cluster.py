@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rocketmq_remoting import RemotingClient
+from rocketmq_remoting.admin import wait_for_brokers
 
 HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
@@ -268,7 +269,7 @@ class RocketMQCluster:
     def _wait_registered(self, name: str, timeout: float) -> None:
         async def registered() -> None:
             async with self.client(connect_timeout=1.0, request_timeout=2.0) as client:
-                await client.wait_for_brokers(CLUSTER_NAME, [name], timeout=timeout)
+                await wait_for_brokers(client, CLUSTER_NAME, [name], timeout=timeout)
 
         try:
             asyncio.run(registered())
@@ -373,7 +374,7 @@ class RocketMQCluster:
                             f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}"
                         )
                 try:
-                    info = await client.wait_for_brokers(CLUSTER_NAME, BROKERS, timeout=1.0)
+                    info = await wait_for_brokers(client, CLUSTER_NAME, BROKERS, timeout=1.0)
                 except Exception as exc:
                     if time.monotonic() > deadline:
                         raise RuntimeError(

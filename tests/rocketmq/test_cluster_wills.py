@@ -25,7 +25,8 @@ from pydantic_core import from_json
 from gateway.config import GatewaySettings
 from gateway.session.registry import SESSION_KEY_PREFIX
 from gateway.storage.embedded import open_storage
-from gateway.storage.rocketmq.adapter import RocketMqStorage, open_rocketmq
+from gateway.storage.rocketmq.adapter import RocketMqStorage
+from gateway.storage.rocketmq.start import open_rocketmq
 from gateway.storage.rocketmq.state import NODE_PROPERTY
 from tests.gateway.conftest import Client, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster

@@ -26,6 +26,7 @@ import pytest
 
 from gateway.protocol import PubAck, Publish
 from rocketmq_remoting import RemotingClient, TopicNotExistError
+from rocketmq_remoting.admin import create_topic
 from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
 from topicmap.rocketmq import encode_lmq
@@ -605,7 +606,7 @@ def test_a_topic_on_several_brokers_is_served_from_the_first_with_a_warning(
     async def create_on_both() -> list[str]:
         async with RemotingClient([rocketmq.namesrv_addr]) as c:
             for addr in rocketmq.brokers.values():
-                await c.create_topic(addr, topic, queues=1)
+                await create_topic(c, addr, topic, queues=1)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 with contextlib.suppress(TopicNotExistError):

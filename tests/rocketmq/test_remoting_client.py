@@ -22,6 +22,7 @@ from rocketmq_remoting import (
     TopicNotExistError,
     broker_for,
 )
+from rocketmq_remoting.admin import create_topic, get_broker_config
 from rocketmq_remoting.codes import RequestCode
 from rocketmq_remoting.command import RemotingCommand
 from tests.rocketmq.cluster import CLUSTER_NAME, RocketMQCluster
@@ -71,7 +72,7 @@ async def _dispatched(client: RemotingClient, broker: str, queue: str, count: in
 
 async def _parent(client: RemotingClient, broker: str) -> str:
     topic = _name("lmqtt-parent-")
-    await client.create_topic(broker, topic, queues=1)
+    await create_topic(client, broker, topic, queues=1)
     return topic
 
 
@@ -85,7 +86,7 @@ async def test_cluster_info_and_route_lookup(
 
     topic = _name("lmqtt-route-")
     for addr in rocketmq.brokers.values():
-        await client.create_topic(addr, topic, queues=2)
+        await create_topic(client, addr, topic, queues=2)
 
     async def both_brokers_listed() -> bool:
         try:
@@ -392,12 +393,12 @@ async def test_broker_config_says_how_the_broker_runs(
     client: RemotingClient, rocketmq: RocketMQCluster
 ) -> None:
     """GET_BROKER_CONFIG: Java properties text; `\\:` in the name server address unescaped."""
-    config = await client.get_broker_config(rocketmq.brokers["broker-b"])
+    config = await get_broker_config(client, rocketmq.brokers["broker-b"])
     assert config["brokerName"] == "broker-b"
     assert config["flushDiskType"] == "SYNC_FLUSH"
     assert config["enableLmq"] == config["enableMultiDispatch"] == "true"
     assert config["namesrvAddr"] == rocketmq.namesrv_addr
-    config_a = await client.get_broker_config(rocketmq.brokers["broker-a"])
+    config_a = await get_broker_config(client, rocketmq.brokers["broker-a"])
     assert config_a["flushDiskType"] == "ASYNC_FLUSH"
 
 
@@ -411,7 +412,7 @@ async def test_messages_spread_over_the_routes_brokers_and_each_indexes_its_own_
     gets each message once, each topic's messages in the order they were sent."""
     parent = _name("lmqtt-spread-")
     for addr in rocketmq.brokers.values():
-        await client.create_topic(addr, parent, queues=1)
+        await create_topic(client, addr, parent, queues=1)
 
     async def both_writable() -> bool:
         try:

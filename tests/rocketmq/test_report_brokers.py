@@ -38,6 +38,7 @@ from analytics.rocketmq import (
     read_deployment,
 )
 from rocketmq_remoting import RemotingClient, TopicNotExistError, TopicRoute, broker_for
+from rocketmq_remoting.admin import create_topic
 from tests.rocketmq.cluster import RocketMQCluster
 from topicmap.naming import queue_name
 from topicmap.rocketmq import STATE_QUEUE, encode_lmq, encode_state
@@ -101,7 +102,7 @@ async def _topic_on_both(
     """`topic` created on both brokers; returns its route once the name server lists both
     as writable (their registrations come a moment after the creation)."""
     for addr in cluster.brokers.values():
-        await client.create_topic(addr, topic, queues=1)
+        await create_topic(client, addr, topic, queues=1)
     deadline = time.monotonic() + 30
     while True:
         try:

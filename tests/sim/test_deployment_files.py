@@ -212,7 +212,7 @@ def test_the_rocketmq_profile_has_a_name_server_and_two_brokers_with_light_queue
     names = set()
     for name, service in brokers.items():
         config = broker_config(service)
-        # What the gateway's start-up check requires (gateway/storage/rocketmq/adapter.py): light
+        # What the gateway's start-up check requires (gateway/storage/rocketmq/start.py): light
         # queues on, one send thread (publish order), SYNC_FLUSH (for --flush sync).
         assert config["enableLmq"] == "true", name
         assert config["enableMultiDispatch"] == "true", name

@@ -36,7 +36,9 @@ from collections.abc import Sequence
 from gateway.storage.inbound import InboundHandler, InboundMessage, Rejected
 from gateway.storage.port import StoreError
 from rocketmq_remoting import OffsetMovedError, RemotingClient, RemotingError, TopicNotExistError
+from rocketmq_remoting.admin import create_topic
 from rocketmq_remoting.codes import PERM_READ
+from rocketmq_remoting.consumer_group import consumer_ids, join_group, leave_group
 from rocketmq_remoting.message import (
     BROKER_PROPERTIES,
     PROPERTY_PRODUCER_GROUP,
@@ -178,7 +180,7 @@ class InboundConsumer:
         """Create the topics when missing, join the group, take this member's queues."""
         await self._create(self.topic, INBOUND_QUEUES)
         await self._create(self._dead_letter_topic, 1)
-        await self.client.join_group(self.group, [self.topic], [self._home])
+        await join_group(self.client, self.group, [self.topic], [self._home])
         with contextlib.suppress(RemotingError):
             await self.look()
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -190,7 +192,7 @@ class InboundConsumer:
             route = await self.client.get_route(topic)
             if any(q.read_queue_nums > 0 for q in route.queues):
                 return
-        await self.client.create_topic(self._home, topic, queues=queues)
+        await create_topic(self.client, self._home, topic, queues=queues)
 
     async def _run(self) -> None:
         while True:
@@ -221,7 +223,7 @@ class InboundConsumer:
         if not self._addrs:
             return
         ask = self._addrs[min(self._addrs)]
-        members = sorted(await self.client.consumer_ids(ask, self.group))
+        members = sorted(await consumer_ids(self.client, ask, self.group))
         me = self.client.client_id
         if me not in members:
             await self.client.heartbeat(ask)  # the broker forgot us (restarted): next look
@@ -336,7 +338,7 @@ class InboundConsumer:
         await self._commit(oneway=False)
         self._readers.clear()
         with contextlib.suppress(RemotingError):
-            await self.client.leave_group(self.group, set(self._addrs.values()) | {self._home})
+            await leave_group(self.client, self.group, set(self._addrs.values()) | {self._home})
 
     def close(self) -> None:
         """Abrupt: the tasks cancelled, nothing committed (what was handled since the last
