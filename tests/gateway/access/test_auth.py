@@ -155,6 +155,9 @@ def _paho(port: int, user: str | None, password: str | None, *, v5: bool) -> Cli
     c = Client(port, v5=v5, connect=False)
     if user is not None:
         c.c.username_pw_set(user, password)
+    # paho's network thread retries a refused CONNECT after 1 s: on a slow host that retry
+    # came within a test and counted as one more refusal. One CONNECT per client here.
+    c.c.reconnect_delay_set(min_delay=600, max_delay=600)
     c.connect()
     return c
 
