@@ -1,7 +1,7 @@
 """AccessControl: who may connect and what each client may publish, subscribe and read.
 
 The gateway holds one AccessControl (`gateway.access.control`). ClientConnection asks it once per
-CONNECT (`check_connect`: bans and flapping, rate limit, connection limit, credentials) and
+CONNECT (`check_connect`: bans, rate limit, connection limit, credentials, then flapping) and
 keeps the answer as `client.username` and `client.acl` (a ClientAccess, None when there is no
 ACL file), which the publish, subscribe and delivery paths consult. `reload()` (SIGHUP)
 re-reads the password and ACL files and swaps every connected client's ClientAccess in place:
@@ -159,10 +159,6 @@ class AccessControl:
         peer = client.transport.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) and peer else client.peer
         ban = self.bans.check(ev.client_id or None, ev.username, host)
-        if ban is None and ev.client_id and self.flapping.enabled:
-            count = self.flapping.connecting(ev.client_id)
-            if count:
-                ban = await self._ban_flapping(ev.client_id, count)
         if ban is not None:
             return self._banned(client, ban)
         rate = self.rate
@@ -180,6 +176,13 @@ class AccessControl:
             ban = self.bans.check(None, user, None)
             if ban is not None:
                 return self._banned(client, ban)
+        # Counted once the client proved who it is: CONNECTs refused above (bad credentials,
+        # the connect rate) do not count, or anyone reaching the port could have any client
+        # id banned by connecting with it.
+        if ev.client_id and self.flapping.enabled:
+            count = self.flapping.connecting(ev.client_id)
+            if count:
+                return self._banned(client, await self._ban_flapping(ev.client_id, count))
         will = ev.will
         if will is not None:
             # The will is published for this client later, so it needs the right to publish

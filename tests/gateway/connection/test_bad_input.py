@@ -3,6 +3,7 @@ no internal error, and no effect on other clients or on stored data."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 
@@ -29,10 +30,10 @@ def raw_publish(topic: bytes, payload: bytes = b"x") -> bytes:
     return bytes((0x30, len(body))) + body
 
 
-def _healthy(gateway: GatewayHarness) -> None:
+def _healthy(gateway: GatewayHarness, client_id: str = "probe") -> None:
     """Another client still gets service, end to end."""
     probe = RawClient(gateway.port, level=4)
-    assert probe.connect("probe").reason_code == 0
+    assert probe.connect(client_id).reason_code == 0
     probe.send(Subscribe(1, [Subscription("health/t", 0)]))
     assert probe.recv().reason_codes == [0]
     probe.send(Publish("health/t", b"ok"))
@@ -141,6 +142,9 @@ def test_unexpected_packets(gateway: GatewayHarness) -> None:
     _healthy(gateway)
 
 
+_EXAMPLES = itertools.count()
+
+
 @settings(
     max_examples=25,
     deadline=None,
@@ -148,9 +152,12 @@ def test_unexpected_packets(gateway: GatewayHarness) -> None:
 )
 @given(junk=st.binary(min_size=1, max_size=300))
 def test_fuzzed_bytes_after_connect(gateway: GatewayHarness, junk: bytes) -> None:
+    # One gateway serves every example: each takes new client ids, or the examples' connects
+    # would add up to a flapping ban (gateway/access/flapping.py) for a fixed one.
+    n = next(_EXAMPLES)
     c = RawClient(gateway.port, level=5)
     try:
-        assert c.connect("fuzz").reason_code == 0
+        assert c.connect(f"fuzz-{n}").reason_code == 0
         c.send_bytes(junk)
         # Whatever the bytes were, the gateway answers or closes; it never hangs or crashes.
         try:
@@ -161,7 +168,7 @@ def test_fuzzed_bytes_after_connect(gateway: GatewayHarness, junk: bytes) -> Non
         pass
     finally:
         c.close()
-    _healthy(gateway)
+    _healthy(gateway, f"probe-{n}")
 
 
 def test_silent_socket_closed_after_connect_timeout(gateway: GatewayHarness) -> None:
