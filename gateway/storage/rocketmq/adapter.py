@@ -115,12 +115,12 @@ class _Slot:
     """One broker of a spread deployment other than the home broker: its sends, mirrors,
     parent-topic history and committed offsets (gateway/storage/rocketmq/spread.py)."""
 
-    def __init__(self, broker: Broker, *, sync: bool, routing: Routing) -> None:
+    def __init__(self, broker: Broker, *, sync: bool, routing: Routing, notify: bool) -> None:
         self.broker = broker
         self.history_queue = broker.topic + SEP + broker.name
         self.history = ParentHistory(broker)
         self.sender = Sender(broker, self.history, sync=sync, failover=routing)
-        self.mirrors = Mirrors(broker, self.sender.saw_phys)
+        self.mirrors = Mirrors(broker, self.sender.saw_phys, notify=notify)
         self.offsets = BrokerOffsets(broker)
 
 
@@ -129,7 +129,15 @@ class RocketMqStorage:
     broker), or with `add_slot` several: messages spread over them by MQTT topic
     (gateway/storage/rocketmq/spread.py)."""
 
-    def __init__(self, broker: Broker, local: Storage, *, sync: bool, node_id: str = "") -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        local: Storage,
+        *,
+        sync: bool,
+        node_id: str = "",
+        notify_pulls: bool = False,
+    ) -> None:
         self.node_id = node_id  # cluster mode: stamped on this process's state records
         self._broker = broker
         self.broker_name = broker.name
@@ -138,7 +146,10 @@ class RocketMqStorage:
         # The parent topic as replay history: told of every send (Sender's SendCounter).
         self._history = ParentHistory(broker)
         self._sender = Sender(broker, self._history, sync=sync)
-        self._mirrors = Mirrors(broker, self._sender.saw_phys)
+        # notify_pulls: one tail of the parent topic per broker feeds the mirrors
+        # (gateway/storage/rocketmq/tail.py) instead of a held pull per mirror.
+        self._notify_pulls = notify_pulls
+        self._mirrors = Mirrors(broker, self._sender.saw_phys, notify=notify_pulls)
         self._state_log = StateLog(broker, self._sender.send, node_id)
         self._state_tail: asyncio.Task[None] | None = None
         self._home_offsets = BrokerOffsets(broker)
@@ -166,7 +177,7 @@ class RocketMqStorage:
 
     def add_slot(self, broker: Broker) -> None:
         """Spread messages to `broker` too from now on (its copies read from offset 0)."""
-        slot = _Slot(broker, sync=self._sync, routing=self._routing)
+        slot = _Slot(broker, sync=self._sync, routing=self._routing, notify=self._notify_pulls)
         self._sender.failover = self._routing
         self._slots.append(slot)
         self._names.append(broker.name)
@@ -413,6 +424,11 @@ class RocketMqStorage:
 
     def queues(self) -> list[str]:
         return self._mirrors.queues()
+
+    def held_pulls(self) -> int:
+        """Pulls this gateway keeps held on the brokers now (mirrors or tails, the inbound
+        consumer's)."""
+        return self._broker.client.held_pulls
 
     @property
     def log_min_offset(self) -> int:
@@ -681,6 +697,7 @@ async def _open(
         local,
         sync=settings.flush == "sync",
         node_id=node_id,
+        notify_pulls=settings.rocketmq_notify_pulls,
     )
     try:
         await _probe_light_queues(client, name, addr, topic)
