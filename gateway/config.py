@@ -184,8 +184,9 @@ class GatewaySettings(BaseSettings):
         default=None, pattern=r"^[%|a-zA-Z0-9_-]{1,127}$"
     )
     # Held pulls per node, not per subscribed light queue: one tail of the parent topic per
-    # broker tells the mirrors what arrived (gateway/storage/rocketmq/tail.py).
-    rocketmq_notify_pulls: bool = False
+    # broker tells the mirrors what arrived (gateway/storage/rocketmq/tail.py). False: each
+    # mirror holds its own pull at its light queue's end.
+    rocketmq_notify_pulls: bool = True
     # Cluster mode (store = rocketmq): several gateway nodes on one rocketmq_topic, each with
     # `cluster = true` (gateway/cluster/node.py). A node fenced by its lease stops; a lost node's
     # wills are out within the lease (keep it under 1.5 x the clients' keep-alive).

@@ -74,3 +74,23 @@ def test_many_subscribed_queues_hold_a_few_pulls_and_deliver(gateway: GatewayHar
         assert held_pulls(h) <= MOST_HELD
     finally:
         stop_clients(made)
+
+
+def test_without_it_each_subscribed_queue_holds_a_pull(
+    rocketmq: RocketMQCluster, tmp_path: Path
+) -> None:
+    """The setting off: a held pull per mirror (what the gauge above would show)."""
+    h = start_gateway(rocketmq, tmp_path, rocketmq_notify_pulls=False, admin_port=0)
+    made: list[Client] = []
+    try:
+        dev = Client(h.port, "devices")
+        pub = Client(h.port, "pub")
+        made += [dev, pub]
+        for k in range(0, N, 25):
+            assert dev.subscribe([(f"cmd/{i}", 1) for i in range(k, k + 25)]) == [1] * 25
+        wait_until(lambda: held_pulls(h) >= N, what=f"{N} held pulls")
+        pub.publish("cmd/137", "go", 1)
+        wait_until(lambda: dev.payloads() == [b"go"], what="go at the device")
+    finally:
+        stop_clients(made)
+        h.stop()

@@ -8,10 +8,11 @@ whose arrival wakes the reader again. So the delivery loop is the same as on the
 store. A mirror keeps MIRROR_SIZE messages (the oldest dropped; a reader behind them pulls
 them again).
 
-With `notify` (settings.rocketmq_notify_pulls) no mirror holds a pull: one tail of the parent
-topic per broker (gateway/storage/rocketmq/tail.py) hands each message to the mirrors of the
-light queues it was dispatched to, with its offset in each, and fires their arrival notices.
-A mirror then only reads its bounds (after the tail's start: no gap) and pulls its backlog.
+With `notify` (settings.rocketmq_notify_pulls, the default) no mirror holds a pull: one tail of
+the parent topic per broker (gateway/storage/rocketmq/tail.py) hands each message to the mirrors
+of the light queues it was dispatched to, with its offset in each, and fires their arrival
+notices. A mirror then only reads its bounds (after the tail's start: no gap) and pulls its
+backlog.
 """
 
 from __future__ import annotations

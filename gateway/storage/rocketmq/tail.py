@@ -86,4 +86,7 @@ class ParentTail:
             backoff = 0.1
             if res.messages:
                 self.offset = max(self.offset, res.next_begin_offset)
-                self._deliver(res.messages)
+                try:
+                    self._deliver(res.messages)
+                except Exception:  # one bad answer must not stop every mirror's arrivals
+                    log.exception("parent topic %s: delivering a tail answer failed", broker.topic)
