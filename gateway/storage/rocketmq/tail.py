@@ -90,3 +90,7 @@ class ParentTail:
                     self._deliver(res.messages)
                 except Exception:  # one bad answer must not stop every mirror's arrivals
                     log.exception("parent topic %s: delivering a tail answer failed", broker.topic)
+            elif not res.found:
+                log.debug(
+                    "parent topic %s: held pull ended empty (code %d)", broker.topic, res.code
+                )
