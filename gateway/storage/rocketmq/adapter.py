@@ -9,6 +9,8 @@ This module composes the parts, each in its own module, and opens them (`open_ro
                                  encoding: topicmap/rocketmq.py)
     gateway/storage/rocketmq/sender.py   append: SEND_MESSAGE_V2 with the light queues, tickets
     gateway/storage/rocketmq/mirrors.py  read: a mirror per opened light queue, its held long poll
+                                 (rocketmq_notify_pulls off) or what the tail hands it
+    gateway/storage/rocketmq/tail.py     read: one held pull at the parent topic's end per broker
     gateway/storage/rocketmq/history.py  read: the parent topic as the replays' history queue
     gateway/storage/rocketmq/offsets.py  committed offsets, copied to the broker's consumer offsets
     gateway/storage/rocketmq/state.py    the state log: the %STATE% light queue, replay, compaction
