@@ -274,6 +274,7 @@ class Gateway:
             loop_lag=self.overload,
             slow_subscriptions=live.count_slow,
             inbound=self.inbound,
+            held_pulls=getattr(store, "held_pulls", None),  # RocketMQ only
         )
         self.admin_api.add(ban_routes(bans))
         await self.listeners.start(context, self.state, sources, self.admin_api)

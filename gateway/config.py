@@ -183,6 +183,11 @@ class GatewaySettings(BaseSettings):
     rocketmq_dead_letter_topic: str | None = Field(
         default=None, pattern=r"^[%|a-zA-Z0-9_-]{1,127}$"
     )
+    # Held pulls per node, not per subscribed light queue: one tail of the parent topic per
+    # broker tells the mirrors what arrived (gateway/storage/rocketmq/tail.py). False: each
+    # mirror holds its own pull at its light queue's end (the default until the tail has run
+    # the whole RocketMQ suite and the fleet bench; docs/rocketmq.md).
+    rocketmq_notify_pulls: bool = False
     # Cluster mode (store = rocketmq): several gateway nodes on one rocketmq_topic, each with
     # `cluster = true` (gateway/cluster/node.py). A node fenced by its lease stops; a lost node's
     # wills are out within the lease (keep it under 1.5 x the clients' keep-alive).

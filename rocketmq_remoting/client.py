@@ -137,6 +137,8 @@ class RemotingClient:
         self.groups = ConsumerGroups()
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._closed = False
+        #: Pulls with the suspend flag in flight now: what this client keeps held on brokers.
+        self.held_pulls = 0
 
     # -- connections ------------------------------------------------------------------------
 
@@ -407,9 +409,14 @@ class RemotingClient:
             timeout = self.request_timeout
             if suspend_timeout is not None:
                 timeout += suspend_timeout + HOLD_CHECK_S
-        answer = await self.invoke_broker(
-            broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
-        )
+        held = suspend_timeout is not None
+        self.held_pulls += held
+        try:
+            answer = await self.invoke_broker(
+                broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
+            )
+        finally:
+            self.held_pulls -= held
         next_begin = _int(answer, "nextBeginOffset")
         min_offset = _int(answer, "minOffset")
         max_offset = _int(answer, "maxOffset")

@@ -79,6 +79,7 @@ class MetricsSources:
     # (gateway/ops/live_view.py LiveView.count_slow); None: not counted.
     slow_subscriptions: Callable[[], Awaitable[int]] | None = None
     inbound: InboundFeed | None = None  # RocketMQ: the inbound topic's consumer
+    held_pulls: Callable[[], int] | None = None  # RocketMQ: pulls held on the brokers now
 
 
 __all__ = ["GatewayMetrics", "MetricsSources"]
@@ -258,6 +259,8 @@ class _GatewayCollector(Collector):
         yield gauge(
             "backlog_messages", "messages stored, not yet sent to subscribers", self.backlog.value
         )
+        if src.held_pulls is not None:
+            yield gauge("rocketmq_held_pulls", "pulls held on the brokers now", src.held_pulls())
         if src.slow_subscriptions is not None:
             yield gauge(
                 "slow_subscriptions",

@@ -13,6 +13,7 @@ import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,16 +82,17 @@ def haproxy() -> str:
     return found
 
 
-def start_gateway(rocketmq: RocketMQCluster, tmp_path: Path) -> GatewayHarness:
+def start_gateway(rocketmq: RocketMQCluster, tmp_path: Path, **overrides: Any) -> GatewayHarness:
     """A started gateway storing on broker-a of the test cluster, in a namespace
-    (`rocketmq_topic`) of its own, so tests sharing the cluster do not see each other."""
+    (`rocketmq_topic`) of its own, so tests sharing the cluster do not see each other;
+    `overrides` are more settings."""
     return GatewayHarness(
         tmp_path / "data",
         store="rocketmq",
         namesrv=rocketmq.namesrv_addr,
         rocketmq_broker="broker-a",
         rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
-    ).start()
+    ).start(**overrides)
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ This module composes the parts, each in its own module; start.py opens them (`op
                                  encoding: topicmap/rocketmq.py)
     gateway/storage/rocketmq/sender.py   append: SEND_MESSAGE_V2 with the light queues, tickets
     gateway/storage/rocketmq/mirrors.py  read: a mirror per opened light queue, its held long poll
+                                 (rocketmq_notify_pulls off) or what the tail hands it
+    gateway/storage/rocketmq/tail.py     read: one held pull at the parent topic's end per broker
     gateway/storage/rocketmq/history.py  read: the parent topic as the replays' history queue
     gateway/storage/rocketmq/offsets.py  committed offsets, copied to the broker's consumer offsets
     gateway/storage/rocketmq/state.py    the state log: the %STATE% light queue, replay, compaction
@@ -87,7 +89,15 @@ class RocketMqStorage:
     broker), or with `add_slot` several: messages spread over them by MQTT topic
     (gateway/storage/rocketmq/spread.py)."""
 
-    def __init__(self, broker: Broker, local: Storage, *, sync: bool, node_id: str = "") -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        local: Storage,
+        *,
+        sync: bool,
+        node_id: str = "",
+        notify_pulls: bool = False,
+    ) -> None:
         self.node_id = node_id  # cluster mode: stamped on this process's state records
         self._broker = broker
         self.broker_name = broker.name
@@ -96,12 +106,20 @@ class RocketMqStorage:
         # The parent topic as replay history: told of every send (Sender's SendCounter).
         self._history = ParentHistory(broker)
         self._sender = Sender(broker, self._history, sync=sync)
-        self._mirrors = Mirrors(broker, self._sender.saw_phys)
+        # notify_pulls: one tail of the parent topic per broker feeds the mirrors
+        # (gateway/storage/rocketmq/tail.py) instead of a held pull per mirror.
+        self._mirrors = Mirrors(broker, self._sender.saw_phys, notify=notify_pulls)
         self._state_log = StateLog(broker, self._sender.send, node_id)
         self._state_tail: asyncio.Task[None] | None = None
         # Spread (add_slot): slot 0 is this home broker, the others follow.
         self._slots = Slots(
-            broker, self._sender, self._mirrors, self._history, BrokerOffsets(broker), sync=sync
+            broker,
+            self._sender,
+            self._mirrors,
+            self._history,
+            BrokerOffsets(broker),
+            sync=sync,
+            notify=notify_pulls,
         )
         self._route_poll: asyncio.Task[None] | None = None
         self._inbound: InboundConsumer | None = None
@@ -288,6 +306,11 @@ class RocketMqStorage:
 
     def queues(self) -> list[str]:
         return self._mirrors.queues()
+
+    def held_pulls(self) -> int:
+        """Pulls this gateway keeps held on the brokers now (mirrors or tails, the inbound
+        consumer's)."""
+        return self._broker.client.held_pulls
 
     @property
     def log_min_offset(self) -> int:

@@ -7,6 +7,12 @@ below the end starts a one-shot pull of that range (backlog after a reconnect or
 whose arrival wakes the reader again. So the delivery loop is the same as on the embedded
 store. A mirror keeps MIRROR_SIZE messages (the oldest dropped; a reader behind them pulls
 them again).
+
+With `notify` (settings.rocketmq_notify_pulls) no mirror holds a pull: one tail of
+the parent topic per broker (gateway/storage/rocketmq/tail.py) hands each message to the mirrors
+of the light queues it was dispatched to, with its offset in each, and fires their arrival
+notices. A mirror then only reads its bounds (after the tail's start: no gap) and pulls its
+backlog.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 from gateway.storage.port import ArrivalListener, GetResult, GetStatus, StoredMessage, StoreError
 from gateway.storage.rocketmq.broker import PULL_BATCH, PULL_GROUP, Broker, to_stored
+from gateway.storage.rocketmq.tail import ParentTail
 from rocketmq_remoting import OffsetMovedError, RemotingError
 from rocketmq_remoting.message import MessageRecord
 
@@ -53,7 +60,9 @@ class Mirror:
 class Mirrors:
     """Every mirror of this process, their pulls and the arrival listeners."""
 
-    def __init__(self, broker: Broker, saw_phys: Callable[[int], None]) -> None:
+    def __init__(
+        self, broker: Broker, saw_phys: Callable[[int], None], *, notify: bool = False
+    ) -> None:
         self._broker = broker
         self._saw_phys = saw_phys  # the log's end: the highest CommitLog offset seen
         self._mirrors: dict[str, Mirror] = {}
@@ -63,6 +72,12 @@ class Mirrors:
         self._tasks: set[asyncio.Task[None]] = set()
         self._phys_waiters: dict[tuple[str, int], asyncio.Future[int]] = {}
         self._pinned: set[str] = set()  # queues the gateway itself reads (never released)
+        # notify: the parent topic's tail feeds the mirrors, found by light queue name.
+        self._tail: ParentTail | None = None
+        self._by_lmq: dict[str, Mirror] = {}
+        if notify:
+            self._tail = ParentTail(broker, self._arrived)
+            self._spawn(self._tail.run())
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
         task: asyncio.Task[None] = self._loop.create_task(coro)  # type: ignore[arg-type]
@@ -132,6 +147,7 @@ class Mirrors:
         m = self._mirrors.pop(queue, None)
         if m is None:
             return
+        self._by_lmq.pop(m.lmq, None)
         if m.task is not None:
             m.task.cancel()
         self._broker.names.forget(queue)
@@ -141,6 +157,7 @@ class Mirrors:
         m = self._mirrors.get(queue)
         if m is None:
             m = self._mirrors[queue] = Mirror(queue, self._broker.names.lmq(queue))
+            self._by_lmq[m.lmq] = m
             if not self._closed:
                 m.task = self._spawn(self._follow(m))
         return m
@@ -228,14 +245,19 @@ class Mirrors:
             m.ready = True
 
     async def _follow(self, m: Mirror) -> None:
-        """Learn the queue's bounds, then hold a pull at its end for as long as we run."""
+        """Learn the queue's bounds, then hold a pull at its end for as long as we run (with
+        the parent topic's tail: the bounds only, read once the tail has its start)."""
         broker = self._broker
         backoff = 0.1
+        if self._tail is not None:
+            await self._tail.ready.wait()
         while not self._closed:
             try:
                 if not m.ready:
                     await self._bounds(m)
                     self._notify(m)
+                if self._tail is not None:
+                    return
                 res = await broker.client.pull(
                     broker.addr,
                     m.lmq,
@@ -291,23 +313,46 @@ class Mirrors:
         finally:
             m.fetching.discard(offset)
 
+    def _arrived(self, records: list[MessageRecord]) -> None:
+        """The parent topic's tail read `records`: each goes to the mirrors of the light
+        queues it was dispatched to (the others' are skipped), whose readers are woken."""
+        by_lmq = self._by_lmq
+        touched: dict[str, Mirror] = {}
+        for rec in records:
+            offsets = rec.light_queue_offsets()
+            for lmq, off in offsets.items():
+                m = by_lmq.get(lmq)
+                if m is not None:
+                    self._keep_one(m, rec, off, offsets)
+                    touched[lmq] = m
+            self._saw_phys(rec.commitlog_offset)
+        for m in touched.values():
+            self._trim(m)
+            if m.ready:
+                self._notify(m)
+
     def _keep(self, m: Mirror, records: list[MessageRecord]) -> None:
-        msgs = m.msgs
-        names = self._broker.names
         for rec in records:
             offsets = rec.light_queue_offsets()
             off = offsets.get(m.lmq)
-            if off is None:
-                continue
-            phys = rec.commitlog_offset
-            msgs[off] = to_stored(rec, off, names.queue, offsets)
-            self._saw_phys(phys)
-            if self._phys_waiters:
-                waiter = self._phys_waiters.get((m.queue, phys))
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(off)
-            if off >= m.max:
-                m.max = off + 1
+            if off is not None:
+                self._keep_one(m, rec, off, offsets)
+        self._trim(m)
+
+    def _keep_one(self, m: Mirror, rec: MessageRecord, off: int, offsets: dict[str, int]) -> None:
+        phys = rec.commitlog_offset
+        m.msgs[off] = to_stored(rec, off, self._broker.names.queue, offsets)
+        self._saw_phys(phys)
+        if self._phys_waiters:
+            waiter = self._phys_waiters.get((m.queue, phys))
+            if waiter is not None and not waiter.done():
+                waiter.set_result(off)
+        if off >= m.max:
+            m.max = off + 1
+
+    @staticmethod
+    def _trim(m: Mirror) -> None:
+        msgs = m.msgs
         if len(msgs) > m.limit:
             for off in sorted(msgs)[: len(msgs) - m.limit * 3 // 4]:
                 del msgs[off]

@@ -49,12 +49,12 @@ class Slot:
     """One broker of a spread deployment other than the home broker: its sends, mirrors,
     parent-topic history and committed offsets (gateway/storage/rocketmq/spread.py)."""
 
-    def __init__(self, broker: Broker, *, sync: bool, routing: Routing) -> None:
+    def __init__(self, broker: Broker, *, sync: bool, routing: Routing, notify: bool) -> None:
         self.broker = broker
         self.history_queue = broker.topic + SEP + broker.name
         self.history = ParentHistory(broker)
         self.sender = Sender(broker, self.history, sync=sync, failover=routing)
-        self.mirrors = Mirrors(broker, self.sender.saw_phys)
+        self.mirrors = Mirrors(broker, self.sender.saw_phys, notify=notify)
         self.offsets = BrokerOffsets(broker)
 
 
@@ -70,6 +70,7 @@ class Slots:
         offsets: BrokerOffsets,
         *,
         sync: bool,
+        notify: bool = False,
     ) -> None:
         self._topic = home.topic
         self._sender = sender
@@ -77,6 +78,7 @@ class Slots:
         self._history = history
         self._home_offsets = offsets
         self._sync = sync
+        self._notify = notify  # rocketmq_notify_pulls: the tail feeds each broker's mirrors
         self.others: list[Slot] = []
         self.names: list[str] = [home.name]  # broker names by slot
         self.routing = Routing(self.names, self._sender_named, self._sends_in_flight)
@@ -90,7 +92,7 @@ class Slots:
 
     def add(self, broker: Broker) -> None:
         """Spread messages to `broker` too from now on (its copies read from offset 0)."""
-        slot = Slot(broker, sync=self._sync, routing=self.routing)
+        slot = Slot(broker, sync=self._sync, routing=self.routing, notify=self._notify)
         self._sender.failover = self.routing
         self.others.append(slot)
         self.names.append(broker.name)

@@ -109,6 +109,7 @@ async def _open(
         local,
         sync=settings.flush == "sync",
         node_id=node_id,
+        notify_pulls=settings.rocketmq_notify_pulls,
     )
     try:
         await _probe_light_queues(client, name, addr, topic)

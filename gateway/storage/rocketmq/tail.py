@@ -1,0 +1,96 @@
+"""One held pull at the end of a broker's parent topic: the arrival notices of every mirror.
+
+Every message of the deployment is sent to the parent topic (`rocketmq_topic`, queue 0) with the
+light queues it goes to and its offset in each (INNER_MULTI_DISPATCH / INNER_MULTI_QUEUE_OFFSET,
+read by MessageRecord.light_queue_offsets). So one long poll at the parent queue's end tells a
+node which of its mirrored light queues got data, at which offsets, and brings the message
+itself: the mirrors (gateway/storage/rocketmq/mirrors.py, `notify` mode) take it from the tail
+and keep no held pull of their own. Held pulls per node: one per broker, not one per
+subscribed light queue.
+
+    start      GET_MAX_OFFSET of the parent queue: the tail's first offset (`ready` set after it)
+    follow     PULL_MESSAGE (suspend SUSPEND_S) from the tail's offset; each answer's records go
+               to `deliver`, and the offset moves to the answer's nextBeginOffset
+    errors     a refused or lost connection (a broker restart): the same offset again, with
+               backoff, so nothing stored meanwhile is skipped; an offset out of the queue's
+               range (the broker lost or deleted data): on from where the broker says
+
+No gap (a mirror opened while the tail runs): a mirror reads its queue's bounds only after the
+tail's `ready`, and registers itself before. A message the tail handed out before the mirror
+was registered was dispatched before the mirror's bounds were read, so it is below the mirror's
+end (read by the mirror's one-shot pulls when a reader wants it); one handed out after is
+delivered to the mirror by the tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from gateway.storage.rocketmq.broker import PULL_GROUP, Broker
+from rocketmq_remoting import OffsetMovedError, RemotingError
+from rocketmq_remoting.message import MessageRecord
+
+log = logging.getLogger("lmqtt.rocketmq")
+
+#: How long the tail's held pull waits for an arrival (see mirrors.SUSPEND_S).
+SUSPEND_S = 15.0
+#: Messages one answer of the tail may bring (the broker sends fewer past its transfer limits).
+TAIL_BATCH = 256
+
+
+class ParentTail:
+    """The parent queue of one broker, followed from its end (see the module docstring)."""
+
+    def __init__(self, broker: Broker, deliver: Callable[[list[MessageRecord]], None]) -> None:
+        self._broker = broker
+        self._deliver = deliver
+        self.ready = asyncio.Event()  # the start offset is known
+        self.offset = 0  # the next parent offset the tail reads
+
+    async def run(self) -> None:
+        """Follow the parent queue until cancelled."""
+        broker = self._broker
+        client = broker.client
+        backoff = 0.1
+        while True:
+            try:
+                if not self.ready.is_set():
+                    self.offset = await client.get_max_offset(broker.addr, broker.topic)
+                    self.ready.set()
+                res = await client.pull(
+                    broker.addr,
+                    broker.topic,
+                    self.offset,
+                    consumer_group=PULL_GROUP,
+                    max_messages=TAIL_BATCH,
+                    suspend_timeout=SUSPEND_S,
+                )
+            except OffsetMovedError as exc:
+                log.warning(
+                    "parent topic %s: offset %d moved (broker range %d..%d): following from %d",
+                    broker.topic, self.offset, exc.min_offset, exc.max_offset,
+                    exc.next_begin_offset,
+                )  # fmt: skip
+                self.offset = exc.next_begin_offset
+                continue
+            except RemotingError as exc:
+                log.warning(
+                    "parent topic %s: tail pull failed (%s); again in %.1fs",
+                    broker.topic, exc, backoff,
+                )  # fmt: skip
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            if res.messages:
+                self.offset = max(self.offset, res.next_begin_offset)
+                try:
+                    self._deliver(res.messages)
+                except Exception:  # one bad answer must not stop every mirror's arrivals
+                    log.exception("parent topic %s: delivering a tail answer failed", broker.topic)
+            elif not res.found:
+                log.debug(
+                    "parent topic %s: held pull ended empty (code %d)", broker.topic, res.code
+                )
