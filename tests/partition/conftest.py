@@ -22,7 +22,7 @@ import pytest
 
 from tests.partition.netns import Network, network, unavailable
 from tests.rocketmq.cluster import REQUIRE_ENV as ROCKETMQ_REQUIRE_ENV
-from tests.rocketmq.cluster import ClusterUnavailable, RocketMQCluster, ensure_jars
+from tests.rocketmq.cluster import RocketMQCluster, fetch_jars_for
 
 REQUIRE_ENV = "LMQTT_REQUIRE_NETNS"
 HERE = Path(__file__).resolve().parent
@@ -33,17 +33,9 @@ _jars_problem: str | None = None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Fetch the RocketMQ jars after collection, outside any test's timeout (see
-    tests/rocketmq/conftest.py)."""
+    """Fetch the RocketMQ jars after collection, outside any test's timeout."""
     global _jars_problem
-    if shutil.which("java") is None:
-        return
-    if not any(Path(str(item.path)).is_relative_to(HERE) for item in items):
-        return
-    try:
-        ensure_jars()
-    except ClusterUnavailable as exc:
-        _jars_problem = str(exc)
+    _jars_problem = fetch_jars_for((Path(str(item.path)) for item in items), HERE)
 
 
 def _skip_or_fail(env: str, what: str, reason: str) -> None:

@@ -26,7 +26,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +91,22 @@ def ensure_jars(timeout: float = 900.0) -> None:
     with (LIB / ".lock").open("wb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         _fetch_jars(timeout)
+
+
+def fetch_jars_for(selected: Iterable[Path], folder: Path) -> str | None:
+    """After collection, outside any test's timeout: fetch the jars when a selected test file
+    lies under `folder` (a fresh machine downloads ~85 MB from Maven Central, a minute or more,
+    which would not fit in the first test's timeout). Returns why they are missing; None: they
+    are there, or no test needs them, or Java is missing (the fixtures say so)."""
+    if shutil.which("java") is None:
+        return None
+    if not any(path.is_relative_to(folder) for path in selected):
+        return None
+    try:
+        ensure_jars()
+    except ClusterUnavailable as exc:
+        return str(exc)
+    return None
 
 
 def _fetch_jars(timeout: float) -> None:

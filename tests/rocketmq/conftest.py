@@ -24,6 +24,7 @@ from tests.rocketmq.cluster import (
     ClusterUnavailable,
     RocketMQCluster,
     ensure_jars,
+    fetch_jars_for,
 )
 
 #: Why the jars are not there (None: they are, or nothing here was selected).
@@ -31,20 +32,9 @@ _jars_problem: str | None = None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Fetch the jars once, after collection, outside any test's timeout.
-
-    A fresh machine downloads ~85 MB from Maven Central here (a minute or more), which would
-    not fit in the per-test timeout if the session fixture did it during the first test.
-    """
+    """Fetch the jars once, after collection, outside any test's timeout."""
     global _jars_problem
-    if shutil.which("java") is None:
-        return
-    if not any(Path(str(item.path)).is_relative_to(HERE) for item in items):
-        return
-    try:
-        ensure_jars()
-    except ClusterUnavailable as exc:
-        _jars_problem = str(exc)
+    _jars_problem = fetch_jars_for((Path(str(item.path)) for item in items), HERE)
 
 
 def _unavailable(reason: str) -> None:
