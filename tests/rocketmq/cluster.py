@@ -326,6 +326,12 @@ class RocketMQCluster:
                     "timerMaxDelaySec=604800",  # lmqtt's max_delay default: 7 days
                     # Fire within 0.1 s of the due time (default 1 s: up to 1 s late).
                     "timerPrecisionMs=100",
+                    # The wheel is 7 days of 1 s slots whatever the above (38.7 MB), and each
+                    # flush compares all of it byte by byte: every second (the default) that
+                    # is a fifth of a core per idle broker under the C1-only JIT. The wheel's
+                    # flush is for a broker crash (recovered from the timer log); the tests
+                    # never kill a broker with timers pending.
+                    "timerFlushIntervalMs=30000",
                     "fetchNamesrvAddrByAddressServer=false",
                     "metricsExporterType=DISABLE",
                     # The default 200 ms suits a dedicated broker; on a shared 2-core host a
