@@ -230,7 +230,9 @@ def test_top_in_a_terminal_shows_clients_and_sorts_by_key(
     sock = f"lmqtt-top-{os.getpid()}"
     tmux = ["tmux", "-L", sock]
     command = f"{sys.executable} -m gateway top --admin {served.admin_url} --token-file {token}"
-    env = {**os.environ, "TERM": "xterm-256color"}
+    # The pane's size, not the one inherited: under pytest-xdist COLUMNS (80) is set, and rich
+    # would draw the table that narrow, the client ids cut.
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "200", "LINES": "40"}
     subprocess.run(
         [*tmux, "new-session", "-d", "-s", "top", "-x", "200", "-y", "40", command],
         check=True,
@@ -252,7 +254,10 @@ def test_top_in_a_terminal_shows_clients_and_sorts_by_key(
 
     try:
         # Deadlines, not pauses: a loaded host takes seconds to start `lmqtt top` (Python, rich).
-        wait_until(lambda: "zz-busy" in screen() and "aa-idle" in screen(), 90, "top's rows")
+        try:
+            wait_until(lambda: "zz-busy" in screen() and "aa-idle" in screen(), 90, "top's rows")
+        except AssertionError:
+            raise AssertionError(f"top's rows never showed:\n{screen()}") from None
         text = screen()
         for header in ("CLIENT", "ADDRESS", "IN/s", "OUT/s", "BACKLOG", "UNACK s"):
             assert header in text, text
