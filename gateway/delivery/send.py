@@ -89,7 +89,8 @@ class Sender(LoopState):
         conn = self.client.conn
         batch = self._batch
         assert batch is not None
-        single = len(session.by_queue) == 1
+        # Messages in several of the session's queues go to overlap.py (the run stops at them).
+        others = None if len(session.by_queue) == 1 else session.by_queue
         state = [sub.next_offset, session.next_packet_id, 0, -1]
         moved: StoredMessage | None = None
         plain_run = run.PLAIN_RUN
@@ -99,7 +100,7 @@ class Sender(LoopState):
         while i < n:
             try:
                 i, full = plain_run(
-                    messages, i, state, single, self.window, self.level, sub.qos,
+                    messages, i, state, others, self.window, self.level, sub.qos,
                     sub.retain_as_published, skip_from, sub.queue, session.inflight, sub.pending,
                     Inflight, ENCODED_TOPICS, outbound, conn.client_receive_maximum, unacked,
                     batch,
