@@ -20,7 +20,7 @@ import logging
 from gateway.delivery import run
 from gateway.delivery.overlap import covering, owner_has_read
 from gateway.delivery.rules import decide, passed_over
-from gateway.delivery.state import LoopState
+from gateway.delivery.state import UNKNOWN_END, LoopState
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.protocol import ENCODED_TOPICS, PreparedPublish, Properties, Publish
 from gateway.session.model import Inflight, SubscriptionState
@@ -147,7 +147,7 @@ class Sender(LoopState):
                 ctx = self.ctx
                 if owner_has_read(session.by_queue, sub, msg, ctx.store, ctx.cursor):
                     return True
-                self._ready[sub.queue] = None
+                self._ready[sub.queue] = UNKNOWN_END
                 return False
             out = decide(rec, sub, session.client_id, self.level, False, others)
         if out is None:
