@@ -42,13 +42,13 @@ class Sender(LoopState):
             before = sub.next_offset
             messages = self._pass_replayed(sub, messages)
             passed = sub.next_offset != before
-        # Whether other loops read this queue too, asked once per batch: nothing in it awaits,
-        # so the answer holds for every message.
-        shared = self.ctx.arrivals.watchers(sub.queue) > 1
         codec = self._plain_outbound(sub)
         if codec is not None and type(messages) is list:
-            moved = self._deliver_run(sub, messages, shared, *codec)
+            moved = self._deliver_run(sub, messages, *codec)
         else:
+            # Whether other loops read this queue too, asked once per batch: nothing in it
+            # awaits, so the answer holds for every message.
+            shared = self.ctx.arrivals.watchers(sub.queue) > 1
             for msg in messages:
                 off = msg.queue_offset
                 if off < sub.next_offset:
@@ -77,13 +77,14 @@ class Sender(LoopState):
         self,
         sub: SubscriptionState,
         messages: list[StoredMessage],
-        shared: bool,
         outbound: dict[int, int],
         unacked: int,
     ) -> StoredMessage | None:
         """`_deliver_batch`'s loop with the plain run in one call per run of messages it
         takes; `_deliver` takes the message a run stops at (then the next run goes on).
-        Returns the last message passed, or None."""
+        Returns the last message passed, or None. Whether other loops read the queue is
+        asked only when a message goes to `_deliver` (once per batch: nothing awaits)."""
+        shared: bool | None = None
         session = self.session
         ctx = self.ctx
         conn = self.client.conn
@@ -115,6 +116,8 @@ class Sender(LoopState):
             if full or i >= n:
                 break
             msg = messages[i]  # what the run does not take: the general path
+            if shared is None:
+                shared = ctx.arrivals.watchers(sub.queue) > 1
             if not self._deliver(sub, msg.queue_offset, msg, shared):
                 break
             sub.next_offset = msg.queue_offset + 1
