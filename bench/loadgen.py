@@ -335,9 +335,18 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
     board = DeliveryBoard(spec["board"], int(spec["slots"])) if spec.get("board") else None
     per_message = int(spec.get("per_message", 1))
     lead = int(spec.get("lead", 1000)) * per_message
+    shares = max(1, int(spec.get("shares", 1)))
     forgiven = 0  # deliveries given up on (a broker dropped QoS 0 messages)
     stalled_since = 0.0
-    client = await open_client(spec["host"], spec["port"], spec.get("id", "bench-pub"))
+    # ``connections`` publishing connections take the batches in turn (one write each); packet
+    # ids are drawn from one sequence, so one in-flight table serves them all.
+    base_id = spec.get("id", "bench-pub")
+    clients = [
+        await open_client(spec["host"], spec["port"], base_id if i == 0 else f"{base_id}-{i}")
+        for i in range(max(1, int(spec.get("connections", 1))))
+    ]
+    client = clients[0]
+    turn = 0
     inflight: dict[int, int] = {}
     acked_seqs: list[int] = []
     acked = 0
@@ -367,8 +376,11 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
             room.set()
 
     monotonic_ns = time.monotonic_ns
-    client.on_puback = on_puback
-    client.on_lost = room.set
+    lost = asyncio.Event()  # any connection lost ends the run
+    for each in clients:
+        each.on_puback = on_puback
+        each.on_lost = room.set
+        each.lost = lost
     quiet_gc()
     emit("ready")
     await commands.next()
@@ -387,13 +399,15 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
             continue
         want = batch_max
         if board is not None:
-            room_left = (lead - (seq * per_message - board.total() - forgiven)) // per_message
+            # Several publisher processes: each counts an even share of the deliveries as its own.
+            delivered = board.total() // shares
+            room_left = (lead - (seq * per_message - delivered - forgiven)) // per_message
             if room_left <= 0:
                 if not stalled_since:
                     stalled_since = now
                 elif now - stalled_since > 1.0:
                     # Nothing moved for a second: the broker dropped what is outstanding.
-                    forgiven = seq * per_message - board.total()
+                    forgiven = seq * per_message - delivered
                     stalled_since = 0.0
                 await asyncio.sleep(0.001)
                 continue
@@ -432,6 +446,9 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
         # The stamp is taken just before this write: uvloop sends at once (no write buffer
         # while the socket is writable), so it is when the bytes reach the socket.
         client.write(b"".join(packets))
+        if len(clients) > 1:
+            turn = (turn + 1) % len(clients)
+            client = clients[turn]
         await asyncio.sleep(0)
     end = time.monotonic()
     if qos:
@@ -442,7 +459,8 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
                 await asyncio.wait_for(room.wait(), 0.1)
     acked_end = time.monotonic()
     lost_connection = client.lost.is_set()
-    client.close(graceful=not lost_connection)
+    for each in clients:
+        each.close(graceful=not lost_connection)
     emit(
         "result",
         sent=seq,

@@ -20,7 +20,7 @@ from bench.brokers import LMQTT_NO_ACCOUNT
 from bench.scenarios import SCENARIOS
 from bench.workers import invalid_reason
 
-THROUGHPUT = ("1to1_qos0", "1to1_qos1", "1to100_qos0", "1to100_qos1", "wildcard")
+THROUGHPUT = ("1to1_qos0", "1to1_qos1", "1to100_qos0", "1to100_qos1", "wildcard", "wildcard_many")
 NAMES = {
     "lmqtt": "lmqtt",
     "lmqtt-rocketmq": "lmqtt on RocketMQ",

@@ -112,8 +112,12 @@ async def fanout(
     rate: float | None = None,
     latency: bool = False,
     closed_loop: bool = True,
+    pub_connections: int = 1,
+    pub_processes: int = 1,
 ) -> Metrics:
-    """One publisher, subscriber connections spread over worker processes; deliveries/s, loss.
+    """Publisher connections (``pub_connections`` spread over ``pub_processes`` worker
+    processes, one by default) and subscriber connections spread over worker processes;
+    deliveries/s, loss.
 
     Closed loop (default): the publisher stays at most ``LEAD`` messages ahead of what the
     subscribers received, so every broker is measured at the rate it sustains, with bounded
@@ -143,31 +147,42 @@ async def fanout(
         )
         for slot, group in enumerate(groups)
     ]
-    pub = Worker(
-        {
-            **base,
-            "role": "pub",
-            "qos": qos,
-            "topics": topics,
-            "payload": settings.payload,
-            "duration": settings.duration,
-            "rate": rate,
-            "skip_checks": WARMUP_MESSAGES if latency else 0,
-            "window": 256,
-            "board": board,
-            "slots": len(groups),
-            "per_message": per_message,
-            "lead": max(1, LEAD_DELIVERIES // per_message),
-        },
-        realtime=broker.realtime,
-    )
-    workers = [*subs, pub]
+    pub_processes = max(1, min(pub_processes, pub_connections))
+    pubs = [
+        Worker(
+            {
+                **base,
+                "role": "pub",
+                "id": "bench-pub" if p == 0 else f"bench-pub{p}",
+                "connections": len(range(p, pub_connections, pub_processes)),
+                "shares": pub_processes,
+                "qos": qos,
+                "topics": topics,
+                "payload": settings.payload,
+                "duration": settings.duration,
+                "rate": rate,
+                "skip_checks": WARMUP_MESSAGES if latency else 0,
+                "window": 256,
+                "board": board,
+                "slots": len(groups),
+                "per_message": per_message,
+                # The publishers share the lead: each holds its share of it.
+                "lead": max(1, LEAD_DELIVERIES // per_message // pub_processes),
+            },
+            realtime=broker.realtime,
+        )
+        for p in range(pub_processes)
+    ]
+    workers = [*subs, *pubs]
     try:
         await _start_all(workers)
         probe = CpuProbe(broker, workers)
         probe.start()
-        pub.send("start")
-        published = await pub.expect("result", settings.duration + 30)
+        for pub in pubs:
+            pub.send("start")
+        published = _merge_published(
+            await asyncio.gather(*(p.expect("result", settings.duration + 30) for p in pubs))
+        )
         expected = int(published["acked"]) * per_message
         await _drain(subs, expected, cap=max(5.0, settings.duration))
         cpu = probe.stop()
@@ -198,6 +213,20 @@ async def fanout(
         if metrics["send_lag_p99_ms"] > SEND_LAG_LIMIT_MS:
             metrics["flags"].append("generator-late")
     return metrics
+
+
+def _merge_published(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One publisher's result from several: counts summed, the span from first start to last
+    end (the first publisher's latency samples, which only single-publisher runs take)."""
+    if len(results) == 1:
+        return results[0]
+    merged = dict(results[0])
+    for key in ("sent", "acked"):
+        merged[key] = sum(int(r[key]) for r in results)
+    merged["start"] = min(float(r["start"]) for r in results)
+    merged["end"] = max(float(r["end"]) for r in results)
+    merged["lost_connection"] = any(r["lost_connection"] for r in results)
+    return merged
 
 
 def _latency_metrics(sub: dict[str, Any], pub: dict[str, Any]) -> Metrics:
@@ -253,6 +282,31 @@ async def wildcard(broker: BrokerProcess, settings: RunSettings, _: Path) -> Met
     ]
     return await fanout(
         broker, settings, qos=1, connections=connections, topics=topics, per_message=3
+    )
+
+
+async def wildcard_many(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
+    """The backend shape: 1,000 device topics published from ten connections (QoS 0); one
+    connection each with ``dev/+/temp`` and ``dev/#``, and ten connections with 100 exact
+    filters each, so every exact subscription gets a trickle of the flood."""
+    topics = [f"dev/{i}/temp" for i in range(1000)]
+    connections: list[dict[str, Any]] = [
+        {"id": "bench-plus", "filters": ["dev/+/temp"]},
+        {"id": "bench-hash", "filters": ["dev/#"]},
+    ]
+    connections += [
+        {"id": f"bench-exact-{i}", "filters": topics[i * 100 : (i + 1) * 100]} for i in range(10)
+    ]
+    return await fanout(
+        broker,
+        settings,
+        qos=0,
+        connections=connections,
+        topics=topics,
+        per_message=3,
+        sub_processes=2,
+        pub_connections=10,
+        pub_processes=2,
     )
 
 
@@ -592,6 +646,13 @@ SCENARIOS: dict[str, Scenario] = {
             "wildcard",
             "flood (1 publisher conn) 1,000 topics dev/{id}/temp; dev/+/temp, dev/#, exact; QoS 1",
             wildcard,
+            THROUGHPUT,
+        ),
+        Scenario(
+            "wildcard_many",
+            "flood (10 publisher conns) 1,000 topics dev/{id}/temp; dev/+/temp, dev/#, "
+            "10 conns x 100 exact; QoS 0",
+            wildcard_many,
             THROUGHPUT,
         ),
         Scenario(

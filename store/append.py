@@ -354,8 +354,12 @@ class Appender:
                 ends[cq.name] = cq.max_offset
         for listener in self.listeners:
             try:
-                for q, m in ends.items():
-                    listener.on_arrival(q, m)
+                batch = getattr(listener, "on_arrivals", None)
+                if batch is not None:
+                    batch(ends)  # the whole batch in one call
+                else:
+                    for q, m in ends.items():
+                        listener.on_arrival(q, m)
             except Exception:
                 log.exception("arrival listener %r failed", listener)
 

@@ -69,7 +69,10 @@ class ArrivalListener(Protocol):
     """Told after dispatch that ``queue`` now ends at ``max_offset`` (its next free offset).
 
     Called in the thread that called put, outside the store's lock, once per queue touched.
-    Must be quick and must not raise (exceptions are logged and dropped).
+    Must be quick and must not raise (exceptions are logged and dropped). A listener with a
+    method ``on_arrivals(ends: dict[str, int])`` is called that instead, once per appended
+    batch, with every queue the batch touched and where it now ends (the dict is the store's:
+    read it during the call, copy it to keep it).
     """
 
     def on_arrival(self, queue: str, max_offset: int) -> None: ...

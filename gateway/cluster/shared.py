@@ -170,8 +170,8 @@ class ClusterGroup:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._pump)
 
-    def arrived(self, queue: str) -> None:
-        """The ArrivalHub's notice: the queue grew."""
+    def arrived(self, queue: str, end: int) -> None:
+        """The ArrivalHub's notice: the queue grew (to at least `end`)."""
         self.schedule()
 
     def stop_dispatch(self) -> None:

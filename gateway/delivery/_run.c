@@ -15,7 +15,10 @@
  * Per message (a StoredMessage tuple: topic, body, properties, queue_offset, ...):
  *   - skipped if queue_offset < the next offset;
  *   - stop, untouched (the caller's general path takes it, with every rule) unless: one
- *     subscription covers it (`single`, or one queue), its properties are a dict whose QoS
+ *     subscription covers it (`others` is None: the session has one; or the message is in
+ *     one queue; or none of its other queues is a key of `others`, the session's
+ *     subscriptions by queue: overlap.py `covering` then answers "this one alone"), its
+ *     properties are a dict whose QoS
  *     key is "0", "1" or "2" (or absent: 0), with no expiry key and, at level 5, none of the
  *     keys an MQTT 5 PUBLISH carries out, its topic (the topic key, else the record's) is in
  *     the writers' encoded-topic cache `topics` (so it is valid), its body is bytes, and for
@@ -39,7 +42,7 @@
 #define MAX_REMAINING_LENGTH 268435455 /* four varint bytes */
 
 enum {
-    R_MESSAGES, R_INDEX, R_STATE, R_SINGLE, R_WINDOW, R_LEVEL, R_SUB_QOS, R_RAP, R_PASSED_OVER,
+    R_MESSAGES, R_INDEX, R_STATE, R_OTHERS, R_WINDOW, R_LEVEL, R_SUB_QOS, R_RAP, R_PASSED_OVER,
     R_QUEUE, R_INFLIGHT, R_PENDING, R_INFLIGHT_NEW, R_TOPICS, R_OUTBOUND, R_RECEIVE_MAXIMUM,
     R_UNACKED, R_BATCH, R_COUNT
 };
@@ -153,7 +156,9 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     PyObject *messages = args[R_MESSAGES], *state = args[R_STATE];
     PyObject *inflight = args[R_INFLIGHT], *pending = args[R_PENDING];
     PyObject *topics = args[R_TOPICS], *outbound = args[R_OUTBOUND], *batch = args[R_BATCH];
+    PyObject *others = args[R_OTHERS], *queue = args[R_QUEUE];
     if (!PyList_Check(messages) || !PyList_Check(state) || PyList_GET_SIZE(state) != 4
+        || (others != Py_None && !PyDict_Check(others))
         || !PyDict_Check(inflight) || !PyDict_Check(pending) || !PyDict_Check(topics)
         || !PyDict_Check(outbound) || !PyList_Check(batch)) {
         PyErr_SetString(PyExc_TypeError, "plain_run: unexpected argument types");
@@ -175,9 +180,8 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "plain_run: the granted QoS is not 0, 1 or 2");
         return NULL;
     }
-    int single = PyObject_IsTrue(args[R_SINGLE]);
     int rap = PyObject_IsTrue(args[R_RAP]);
-    if (single < 0 || rap < 0) {
+    if (rap < 0) {
         return NULL;
     }
     int v5 = level == 5;
@@ -207,8 +211,17 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         if (off < next_offset) {
             continue;
         }
-        if (!single && PyTuple_GET_SIZE(queues) > 1) {
-            break; /* maybe covered by another subscription: overlap.py decides */
+        if (others != Py_None && PyTuple_GET_SIZE(queues) > 1) {
+            int covered = 0; /* by another of the session's subscriptions */
+            for (Py_ssize_t k = 0; !covered && k < PyTuple_GET_SIZE(queues); k++) {
+                PyObject *q = PyTuple_GET_ITEM(queues, k);
+                int same = PyObject_RichCompareBool(q, queue, Py_EQ);
+                covered = same == 0 ? PyDict_Contains(others, q) : (same < 0 ? -1 : 0);
+            }
+            if (covered) {
+                failed = covered < 0;
+                break; /* maybe covered by another subscription: overlap.py decides */
+            }
         }
         /* read_record's fields, the canonical shape only (borrowed references). */
         PyObject *v = PyDict_GetItemWithError(props, k_qos);
@@ -396,7 +409,7 @@ static PyMethodDef methods[] = {
      "record schema's key names (topicmap/record.py) and the delivery rule's tables "
      "(gateway/delivery/rules.py), once, before plain_run."},
     {"plain_run", (PyCFunction)(void (*)(void))plain_run, METH_FASTCALL,
-     "plain_run(messages, i, state, single, window, level, sub_qos, rap, passed_over, queue, "
+     "plain_run(messages, i, state, others, window, level, sub_qos, rap, passed_over, queue, "
      "inflight, pending, inflight_new, topics, outbound, receive_maximum, unacked, batch) -> "
      "(i, full): the delivery loop's plain path over a batch (gateway/delivery/run.py "
      "plain_run_py)."},

@@ -4,6 +4,10 @@ Long polling: a delivery loop or a shared group watches the light queues it read
 until the store reports an append to one of them (Storage.add_listener). The store calls
 `on_arrival` synchronously on the loop thread after dispatch (or from its flusher thread,
 handed over with call_soon_threadsafe), so no notice falls between "found nothing" and "sleep".
+The embedded store tells a whole append batch's queue ends in one call (`on_arrivals`): one
+call per batch rather than one per queue it touched. A notice carries the queue's end at the
+time ("ends at least here"): a reader that has read up to it is caught up with every append
+notified so far, and any later append brings a notice of its own.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Protocol
 class Watcher(Protocol):
     """A reader of light queues: a session's delivery loop, or a shared group."""
 
-    def arrived(self, queue: str) -> None: ...
+    def arrived(self, queue: str, end: int) -> None:
+        """`queue` grew: it ends at least at offset `end` (its next free offset)."""
 
 
 class ArrivalHub:
@@ -62,16 +67,33 @@ class ArrivalHub:
         if queue not in self._waiters:
             return
         if threading.get_ident() != self._thread:
-            self._loop.call_soon_threadsafe(self._notify, queue)
+            self._loop.call_soon_threadsafe(self._notify, queue, max_offset)
         else:
-            self._notify(queue)
+            self._notify(queue, max_offset)
 
-    def _notify(self, queue: str) -> None:
+    def on_arrivals(self, ends: dict[str, int]) -> None:
+        """The queue ends of one append batch (the store's batch notice): each watcher is
+        told of its queues, in this one call."""
+        if threading.get_ident() != self._thread:
+            self._loop.call_soon_threadsafe(self.on_arrivals, dict(ends))
+            return
+        waiters = self._waiters
+        for queue, end in ends.items():
+            found = waiters.get(queue)
+            if found is None:
+                continue
+            if isinstance(found, set):
+                for watcher in tuple(found):
+                    watcher.arrived(queue, end)
+            else:
+                found.arrived(queue, end)
+
+    def _notify(self, queue: str, end: int) -> None:
         found = self._waiters.get(queue)
         if found is None:
             return
         if isinstance(found, set):
             for watcher in tuple(found):
-                watcher.arrived(queue)
+                watcher.arrived(queue, end)
         else:
-            found.arrived(queue)
+            found.arrived(queue, end)

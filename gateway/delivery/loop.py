@@ -46,7 +46,7 @@ from gateway.delivery.replay import Replaying
 from gateway.delivery.rules import decide
 from gateway.delivery.send import Sender
 from gateway.delivery.shared import SharedGroup
-from gateway.delivery.state import DeliveryContext, Subscriber
+from gateway.delivery.state import UNKNOWN_END, DeliveryContext, Subscriber
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import ReasonCode
@@ -167,14 +167,15 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             return False
         by_queue = self.session.by_queue
         ready = self._ready
+        subs: list[tuple[SubscriptionState, int]]
         if self._full:
             self._full = False
             self._behind = False
-            subs = list(by_queue.values())
+            subs = [(sub, UNKNOWN_END) for sub in by_queue.values()]
             ready.clear()
         elif ready:
             self._ready = {}
-            subs = [sub for q in ready if (sub := by_queue.get(q)) is not None]
+            subs = [(sub, end) for q, end in ready.items() if (sub := by_queue.get(q)) is not None]
         else:
             subs = []
         progressed = False
@@ -189,8 +190,11 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                 progressed = self._send_retained()
                 qos2 = self._new_qos2(before)
             max_offset = self.ctx.store.max_offset
-            for sub in subs:
-                if self.capacity() <= 0 or not self.can_send():
+            inflight = self.session.inflight
+            client = self.client
+            window = self.window
+            for sub, end in subs:
+                if window - len(inflight) <= 0 or not client.writable or client.closed:
                     self._behind = True
                     break
                 if sub.replay is not None:  # history first: the light queue waits (replay.py)
@@ -203,7 +207,10 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                         if not moved and self._replay_timer is None:
                             self._behind = True
                         continue
-                end = max_offset(sub.queue)
+                if end == UNKNOWN_END:
+                    end = max_offset(sub.queue)
+                # With a notice's end: caught up with every append notified so far (a later
+                # one brings its own notice), so the store is not asked.
                 if sub.next_offset >= end:
                     continue
                 before = sub.next_offset
@@ -212,7 +219,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                     if sub.qos == 2 and not qos2:
                         qos2 = self._sent_qos2(sub, before)
                     if sub.next_offset < end:
-                        self._ready[sub.queue] = None  # batch limit: the rest in the next pass
+                        self._ready[sub.queue] = end  # batch limit: the rest in the next pass
                 elif sub.next_offset < end:
                     self._behind = True
         finally:

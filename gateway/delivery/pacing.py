@@ -17,7 +17,7 @@ whole milliseconds: 1 ms is the finest step.
 
 from __future__ import annotations
 
-from gateway.delivery.state import LoopState
+from gateway.delivery.state import UNKNOWN_END, LoopState
 
 PASS_INTERVAL = 0.001
 # Below this the interval is not over: uvloop's times are whole ms in binary floating point,
@@ -43,10 +43,17 @@ class Pacing(LoopState):
             self._scheduled = True
             self._loop.call_soon(self._step)
 
-    def arrived(self, queue: str) -> None:
-        """The store's notice (ArrivalHub): `queue` grew."""
-        self._ready[queue] = None
-        self._schedule()
+    def arrived(self, queue: str, end: int) -> None:
+        """The store's notice (ArrivalHub): `queue` grew, to at least `end`. The pass reads it
+        up to there without asking the store where it ends (a queue marked ready without a
+        notice, UNKNOWN_END, is asked); notices may come out of order (the flusher thread's
+        are handed over later), so the furthest end is kept."""
+        ready = self._ready
+        known = ready.get(queue)
+        if known is None or UNKNOWN_END < known < end:
+            ready[queue] = end
+        if not self._scheduled:
+            self._schedule()
 
     def wrote(self, now: float) -> None:
         """A pass wrote to the subscriber at loop time `now` (once per pass that sent)."""

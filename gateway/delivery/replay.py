@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from gateway.delivery.rules import decide
-from gateway.delivery.state import LoopState
+from gateway.delivery.state import UNKNOWN_END, LoopState
 from gateway.session.model import Inflight, SubscriptionState
 from gateway.session.replay import Replay
 from gateway.storage.port import StoredMessage
@@ -93,7 +93,7 @@ class Replaying(LoopState):
             moved = True
         if moved:
             self.ctx.sessions.mark_progress(session)
-            self._ready[sub.queue] = None  # more to replay (paced: see _replay)
+            self._ready[sub.queue] = UNKNOWN_END  # more to replay (paced: see _replay)
         return moved
 
     def _pass_replayed(

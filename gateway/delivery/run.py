@@ -13,7 +13,7 @@ publisher whose messages the subscription passes over (`rules.passed_over`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 
 import accelerators
@@ -33,7 +33,7 @@ def plain_run_py(
     messages: list[StoredMessage],
     i: int,
     state: list[int],
-    single: bool,
+    others: Mapping[str, object] | None,
     window: int,
     level: int,
     sub_qos: int,
@@ -56,7 +56,9 @@ def plain_run_py(
     the same bytes; tests/gateway/delivery/test_delivery_plain_run.py compares them).
 
     Stops without touching the message at `i` (the general path takes it, with every rule)
-    unless one subscription covers it (`single`, or one queue), its QOS is "0", "1" or "2"
+    unless one subscription covers it (`others` is None: the session has one; or it is in
+    one queue; or none of its other queues is a key of `others`, the session's subscriptions
+    by queue, so that overlap.py `covering` answers "this one alone"), its QOS is "0", "1" or "2"
     (or absent), it has no EXPIRY and at level 5 none of V5_KEYS, its topic
     is in the writers' encoded-topic cache `topics` (valid, encoded), its body is bytes, and
     for QoS > 0 the next packet id is free (in flight, or in the codec's `outbound`) and the
@@ -82,7 +84,8 @@ def plain_run_py(
                 i += 1
                 continue
             props = msg[2]
-            if not single and len(msg[8]) > 1:
+            queues = msg[8]
+            if others is not None and any(q != queue and q in others for q in queues):
                 break
             qos_text = props.get(QOS, "0")
             if type(qos_text) is not str or qos_text not in ("0", "1", "2"):

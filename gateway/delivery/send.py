@@ -20,7 +20,7 @@ import logging
 from gateway.delivery import run
 from gateway.delivery.overlap import covering, owner_has_read
 from gateway.delivery.rules import decide, passed_over
-from gateway.delivery.state import LoopState
+from gateway.delivery.state import UNKNOWN_END, LoopState
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.protocol import ENCODED_TOPICS, PreparedPublish, Properties, Publish
 from gateway.session.model import Inflight, SubscriptionState
@@ -42,13 +42,13 @@ class Sender(LoopState):
             before = sub.next_offset
             messages = self._pass_replayed(sub, messages)
             passed = sub.next_offset != before
-        # Whether other loops read this queue too, asked once per batch: nothing in it awaits,
-        # so the answer holds for every message.
-        shared = self.ctx.arrivals.watchers(sub.queue) > 1
         codec = self._plain_outbound(sub)
         if codec is not None and type(messages) is list:
-            moved = self._deliver_run(sub, messages, shared, *codec)
+            moved = self._deliver_run(sub, messages, *codec)
         else:
+            # Whether other loops read this queue too, asked once per batch: nothing in it
+            # awaits, so the answer holds for every message.
+            shared = self.ctx.arrivals.watchers(sub.queue) > 1
             for msg in messages:
                 off = msg.queue_offset
                 if off < sub.next_offset:
@@ -77,19 +77,21 @@ class Sender(LoopState):
         self,
         sub: SubscriptionState,
         messages: list[StoredMessage],
-        shared: bool,
         outbound: dict[int, int],
         unacked: int,
     ) -> StoredMessage | None:
         """`_deliver_batch`'s loop with the plain run in one call per run of messages it
         takes; `_deliver` takes the message a run stops at (then the next run goes on).
-        Returns the last message passed, or None."""
+        Returns the last message passed, or None. Whether other loops read the queue is
+        asked only when a message goes to `_deliver` (once per batch: nothing awaits)."""
+        shared: bool | None = None
         session = self.session
         ctx = self.ctx
         conn = self.client.conn
         batch = self._batch
         assert batch is not None
-        single = len(session.by_queue) == 1
+        # Messages in several of the session's queues go to overlap.py (the run stops at them).
+        others = None if len(session.by_queue) == 1 else session.by_queue
         state = [sub.next_offset, session.next_packet_id, 0, -1]
         moved: StoredMessage | None = None
         plain_run = run.PLAIN_RUN
@@ -99,7 +101,7 @@ class Sender(LoopState):
         while i < n:
             try:
                 i, full = plain_run(
-                    messages, i, state, single, self.window, self.level, sub.qos,
+                    messages, i, state, others, self.window, self.level, sub.qos,
                     sub.retain_as_published, skip_from, sub.queue, session.inflight, sub.pending,
                     Inflight, ENCODED_TOPICS, outbound, conn.client_receive_maximum, unacked,
                     batch,
@@ -114,6 +116,8 @@ class Sender(LoopState):
             if full or i >= n:
                 break
             msg = messages[i]  # what the run does not take: the general path
+            if shared is None:
+                shared = ctx.arrivals.watchers(sub.queue) > 1
             if not self._deliver(sub, msg.queue_offset, msg, shared):
                 break
             sub.next_offset = msg.queue_offset + 1
@@ -146,7 +150,7 @@ class Sender(LoopState):
                 ctx = self.ctx
                 if owner_has_read(session.by_queue, sub, msg, ctx.store, ctx.cursor):
                     return True
-                self._ready[sub.queue] = None
+                self._ready[sub.queue] = UNKNOWN_END
                 return False
             out = decide(rec, sub, session.client_id, self.level, False, others)
         if out is None:

@@ -183,8 +183,8 @@ class SharedGroup:
 
     # -- pumping -----------------------------------------------------------------------------
 
-    def arrived(self, queue: str) -> None:
-        """The ArrivalHub's notice: the group's queue grew."""
+    def arrived(self, queue: str, end: int) -> None:
+        """The ArrivalHub's notice: the group's queue grew (to at least `end`)."""
         self.schedule_pump()
 
     def schedule_pump(self) -> None:

@@ -66,6 +66,10 @@ class DeliveryContext:
     outbound_topic_aliases: bool  # settings.outbound_topic_aliases
 
 
+# A ready queue's end when no arrival notice told it (the pass asks the store).
+UNKNOWN_END = -1
+
+
 class LoopState:
     """The state of one session's delivery loop, shared by its parts (set by DeliveryLoop)."""
 
@@ -121,9 +125,10 @@ class LoopState:
     _last_write: float
     _busy: bool
     _pass_timer: asyncio.TimerHandle | None
-    # Next pass: every queue (_full) or only those the store reported (_ready, an ordered set).
+    # Next pass: every queue (_full) or only those the store reported (_ready: queue -> where
+    # the notice said it ends, or UNKNOWN_END; ordered).
     _full: bool
-    _ready: dict[str, None]
+    _ready: dict[str, int]
     # A pass stopped at a full window or transport: the next acknowledgement looks at all.
     _behind: bool
     _live: bool  # caught up once since it started (see DeliveryLoop._step)

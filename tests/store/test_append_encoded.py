@@ -101,6 +101,31 @@ def test_listeners_hear_once_per_queue(open_store: OpenStore) -> None:
     )
 
 
+class BatchArrivals(Arrivals):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[dict[str, int]] = []
+
+    def on_arrivals(self, ends: dict[str, int]) -> None:
+        self.batches.append(dict(ends))
+
+
+def test_a_batch_listener_hears_once_per_batch(open_store: OpenStore) -> None:
+    """A listener with on_arrivals gets one call per appended batch, with every queue the
+    batch touched and its end, and no per-queue calls; a plain listener beside it still
+    hears once per queue."""
+    s = open_store()
+    batch, plain = BatchArrivals(), Arrivals()
+    s.add_listener(batch)
+    s.add_listener(plain)
+    s.append_encoded([("t", ("%LMQ%a", f"%LMQ%q{i}"), b"x", b"") for i in range(3)])
+    s.put("t", b"y", ["%LMQ%a"], None)
+    expected = {"t": 3, "%LMQ%a": 3, "%LMQ%q0": 1, "%LMQ%q1": 1, "%LMQ%q2": 1}
+    assert batch.batches == [expected, {"t": 4, "%LMQ%a": 4}]
+    assert batch.calls == []
+    assert sorted(plain.calls) == sorted([*expected.items(), ("t", 4), ("%LMQ%a", 4)])
+
+
 async def test_wait_durable_in_sync_mode(open_store: OpenStore) -> None:
     s = open_store(flush="sync")
     r = s.append_encoded([("t", (), b"x", b"")])[-1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from gateway.connection.client import ClientConnection
+from gateway.delivery.state import UNKNOWN_END
 from tests.gateway.conftest import Client, GatewayHarness, wait_until
 
 
@@ -66,3 +67,39 @@ def test_a_message_right_after_a_write_to_an_idle_subscriber_is_not_paced(
     assert no_timer, "an idle subscriber's message waited for the pacing timer"
     assert passed, "no pass was scheduled in this turn's callbacks"
     wait_until(lambda: sub.payloads() == [b"one", b"two"], what="the unpaced message")
+
+
+def test_arrival_notices_keep_the_furthest_end_and_an_unknown_one(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    """A notice tells where the queue ends; one handed over late (the flusher thread's) may
+    tell less than one before it: the pass must read up to the furthest. A queue marked ready
+    without a notice (end unknown: the pass asks the store) stays so."""
+    sub = Client(gateway.port, "ends-sub")
+    pub = Client(gateway.port, "ends-pub")
+    clients += [sub, pub]
+    assert sub.subscribe("ends/#", 0) == [0]
+    gw = gateway.gw
+    assert gw is not None
+
+    def notices() -> tuple[int, int]:
+        conn: ClientConnection = next(c for c in gw.connections if c.client_id == "ends-sub")
+        loop = conn.delivery
+        assert loop is not None
+        queue = next(iter(loop.session.by_queue))
+        loop._scheduled = True  # no pass in between: only what the notices leave
+        try:
+            loop.arrived(queue, 7)
+            loop.arrived(queue, 3)
+            furthest = loop._ready[queue]
+            loop._ready[queue] = UNKNOWN_END
+            loop.arrived(queue, 9)
+            unknown = loop._ready[queue]
+        finally:
+            loop._scheduled = False
+            loop.wake()
+        return furthest, unknown
+
+    assert gateway.call(notices) == (7, UNKNOWN_END)
+    pub.publish("ends/1", b"one", qos=0)
+    wait_until(lambda: sub.payloads() == [b"one"], what="delivery after the notices")
