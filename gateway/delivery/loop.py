@@ -21,8 +21,8 @@ sends leaves with one transport.write().
 
 The loop is composed of parts, each in its own module over the shared LoopState (state.py):
 
-    pacing.py     when a pass runs (at once, or under sustained load paced to one per
-                  PASS_INTERVAL)
+    pacing.py     when a pass runs (at once, or under load paced to one per PASS_INTERVAL;
+                  load.py: whether the event loop is short of time)
     send.py       the send paths of a queue's batch (plain run, plain, general)
     overlap.py    which of a session's overlapping subscriptions delivers a message
     acks.py       acknowledgements, re-sends after a reconnect, offset commits

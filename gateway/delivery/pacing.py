@@ -1,18 +1,24 @@
-"""When a delivery loop makes a pass: at once, or under sustained load paced to one pass per
+"""When a delivery loop makes a pass: at once, or under load paced to one pass per
 PASS_INTERVAL.
 
-A busy gateway turns its event loop every few hundred microseconds with a few messages each;
+A loaded gateway turns its event loop every few hundred microseconds with a few messages each;
 a pass per turn would make a fan-out subscriber cost a pass and a socket write for every few
 packets. So a pass that arrivals and acknowledgements ask for (`schedule`) runs from a timer
 (at most PASS_INTERVAL later, unless a later notice finds the interval over first) when the
-subscriber is *busy*: its last write came less than PASS_INTERVAL ago, and that write itself
-came within BUSY_WINDOW of the one before. Batching starts only then, under load: a message
-for a subscriber that was idle, or that got one write just now after a quiet spell, is sent
-in this turn's callbacks (call_soon), without waiting for a timer. Not paced either: `wake()`
-(window or transport freed after they stopped a pass, a subscription, retained messages) and
-a pass stopped at the batch limit (call_soon in DeliveryLoop._step), so neither low-rate
-latency nor a window-bound subscriber's throughput pays. uvloop's clock and timers move in
-whole milliseconds: 1 ms is the finest step.
+subscriber is *busy* (its last write came less than PASS_INTERVAL ago, and that write itself
+came within BUSY_WINDOW of the one before) and one of the two ends is short of time:
+  - the subscriber: messages it was sent are not acknowledged yet. The acknowledgement asks
+    for the pass again, and it runs at once if that leaves nothing unacknowledged: a busy
+    subscriber's passes follow its acknowledgements, one write in flight at a time, and a
+    subscriber that falls behind gets bigger batches instead of more writes;
+  - the event loop: its thread used BUSY_SHARE of a core over the last window (load.py).
+Batching starts only then, under load: a message for a subscriber that was idle, that got one
+write just now after a quiet spell, or that acknowledged everything on a loop with time to
+spare, is sent in this turn's callbacks (call_soon), without waiting for a timer. Not paced
+either: `wake()` (window or transport freed after they stopped a pass, a subscription,
+retained messages) and a pass stopped at the batch limit (call_soon in DeliveryLoop._step), so
+neither low-rate latency nor a window-bound subscriber's throughput pays. uvloop's clock and
+timers move in whole milliseconds: 1 ms is the finest step.
 """
 
 from __future__ import annotations
@@ -62,12 +68,16 @@ class Pacing(LoopState):
 
     def _schedule(self) -> None:
         """Schedule a pass over the ready queues (and the offset commits): in this turn's
-        callbacks, or, when the subscriber is busy (module docstring), at most PASS_INTERVAL
-        later."""
+        callbacks, or, when the subscriber is busy and it or the loop short of time (module
+        docstring), at most PASS_INTERVAL later."""
         if self._scheduled or self._stopped:
             return
         loop = self._loop
-        if self._busy and loop.time() - self._last_write < _PASS_NOT_OVER:
+        if (
+            self._busy
+            and loop.time() - self._last_write < _PASS_NOT_OVER
+            and (self.session.inflight or self.ctx.load.busy())
+        ):
             if self._pass_timer is None:
                 self._pass_timer = loop.call_later(PASS_INTERVAL, self._paced)
             return

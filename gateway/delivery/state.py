@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.access.acl import ClientAccess
 from gateway.delivery.account import DeliveryAccount
 from gateway.delivery.arrivals import ArrivalHub
 from gateway.delivery.backlog import BacklogWatch
+from gateway.delivery.load import LoopLoad
 from gateway.delivery.shared import SharedGroup
 from gateway.messages.recent import PreparedCache, RecentMessages
 from gateway.messages.records import RecordedPublish
@@ -64,6 +65,8 @@ class DeliveryContext:
     overload: BacklogWatch
     max_inflight: int  # settings.max_inflight
     outbound_topic_aliases: bool  # settings.outbound_topic_aliases
+    # whether the event loop is under load: busy subscribers' passes are batched then (pacing.py)
+    load: LoopLoad = field(default_factory=LoopLoad)
 
 
 # A ready queue's end when no arrival notice told it (the pass asks the store).

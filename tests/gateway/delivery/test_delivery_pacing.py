@@ -1,15 +1,25 @@
-"""Delivery pacing (gateway/delivery/pacing.py, PASS_INTERVAL): a pass asked for within a
-millisecond of a busy subscriber's last write runs from a timer. Nothing else has to happen for
-it to run: a message stored then is delivered with no further traffic on any connection. A
-subscriber that is not busy (its last write came after a quiet spell) gets it at once."""
+"""Delivery pacing (gateway/delivery/pacing.py, PASS_INTERVAL): while the event loop is under
+load (gateway/delivery/load.py), a pass asked for within a millisecond of a busy subscriber's
+last write runs from a timer. Nothing else has to happen for it to run: a message stored then
+is delivered with no further traffic on any connection. A subscriber that is not busy (its last
+write came after a quiet spell) gets it at once, and so does a busy one while the loop is not
+under load: batching starts only under load."""
 
 from __future__ import annotations
 
 import math
 
 from gateway.connection.client import ClientConnection
+from gateway.delivery.loop import DeliveryLoop
 from gateway.delivery.state import UNKNOWN_END
 from tests.gateway.conftest import Client, GatewayHarness, wait_until
+
+
+def _loop_load(loop: DeliveryLoop, loaded: bool) -> None:
+    """Fix the loop-load measure for this turn (its window cannot end: it started at +inf)."""
+    load = loop.ctx.load
+    load.loaded = loaded
+    load._since = math.inf
 
 
 def test_a_message_stored_right_after_a_write_arrives_without_more_traffic(
@@ -33,6 +43,7 @@ def test_a_message_stored_right_after_a_write_arrives_without_more_traffic(
         # the publish): the arrival must take the timer.
         loop._last_write = math.inf
         loop._busy = True
+        _loop_load(loop, True)
         await gw.publisher.publish_internal("paced/2", b"two", qos=1)
         return loop._pass_timer is not None
 
@@ -103,3 +114,70 @@ def test_arrival_notices_keep_the_furthest_end_and_an_unknown_one(
     assert gateway.call(notices) == (7, UNKNOWN_END)
     pub.publish("ends/1", b"one", qos=0)
     wait_until(lambda: sub.payloads() == [b"one"], what="delivery after the notices")
+
+
+def test_a_busy_subscriber_is_not_paced_while_the_loop_is_not_loaded(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    sub = Client(gateway.port, "unloaded-sub")
+    pub = Client(gateway.port, "unloaded-pub")
+    clients += [sub, pub]
+    assert sub.subscribe("unloaded/#", 1) == [1]
+    pub.publish("unloaded/1", b"one", qos=1)
+    sub.wait_messages(1)
+    gw = gateway.gw
+    assert gw is not None
+
+    def acknowledged() -> bool:
+        conn: ClientConnection = next(c for c in gw.connections if c.client_id == "unloaded-sub")
+        return conn.delivery is not None and not conn.delivery.session.inflight
+
+    # The client's PUBACK may still be on its way: with it outstanding the subscriber is the one
+    # short of time, and the pass is paced (the next test).
+    wait_until(lambda: gateway.call(acknowledged), what="the first message's PUBACK")
+
+    async def store_right_after_a_busy_write() -> tuple[bool, bool]:
+        conn: ClientConnection = next(c for c in gw.connections if c.client_id == "unloaded-sub")
+        loop = conn.delivery
+        assert loop is not None
+        # A subscriber under sustained traffic (its last write right after the one before), on
+        # a loop with time to spare: the message goes out in this turn, no pacing timer.
+        loop._last_write = math.inf
+        loop._busy = True
+        _loop_load(loop, False)
+        await gw.publisher.publish_internal("unloaded/2", b"two", qos=1)
+        return loop._pass_timer is None, loop._scheduled or loop._last_write != math.inf
+
+    no_timer, passed = gateway.run(store_right_after_a_busy_write())
+    assert no_timer, "a message waited for the pacing timer on a loop that was not loaded"
+    assert passed, "no pass was scheduled in this turn's callbacks"
+    wait_until(lambda: sub.payloads() == [b"one", b"two"], what="the unpaced message")
+
+
+def test_a_busy_subscriber_with_unacknowledged_messages_is_paced_on_an_idle_loop(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    sub = Client(gateway.port, "unacked-sub", auto_ack=False)
+    pub = Client(gateway.port, "unacked-pub")
+    clients += [sub, pub]
+    assert sub.subscribe("unacked/#", 1) == [1]
+    pub.publish("unacked/1", b"one", qos=1)
+    sub.wait_messages(1)  # and not acknowledged: its PUBLISH is in flight
+    gw = gateway.gw
+    assert gw is not None
+
+    async def store_while_one_is_unacknowledged() -> bool:
+        conn: ClientConnection = next(c for c in gw.connections if c.client_id == "unacked-sub")
+        loop = conn.delivery
+        assert loop is not None
+        assert loop.session.inflight, "the first message was acknowledged"
+        # The subscriber is the one short of time (its last write is not acknowledged), the
+        # loop is not: the message waits for the acknowledgement or the pacing timer.
+        loop._last_write = math.inf
+        loop._busy = True
+        _loop_load(loop, False)
+        await gw.publisher.publish_internal("unacked/2", b"two", qos=1)
+        return loop._pass_timer is not None
+
+    assert gateway.run(store_while_one_is_unacknowledged()), "the pass was not paced"
+    wait_until(lambda: sub.payloads() == [b"one", b"two"], what="the paced message")
