@@ -1,7 +1,7 @@
 """Persistent sessions: how fast a fleet gets them, and how fast a gateway full of them restarts.
 
     python -m bench.sessions_bench create [--sessions 10000] [--brokers lmqtt mosquitto]
-        [--clients 1] [--workers 1] [--flush async|sync]
+        [--clients 4] [--workers 1] [--flush async|sync]
     python -m bench.sessions_bench restart [--sessions 1000000]
 
 ``create``: devices connect over MQTT 3.1.1 with clean session 0, each subscribes to its own
@@ -149,7 +149,7 @@ async def create(
     persistence: bool = True,
     *,
     flush: str = "async",
-    clients: int = 1,
+    clients: int = 4,
     workers: int = 1,
 ) -> dict[str, object]:
     """Create `sessions` sessions with `workers` generator processes of `clients` concurrent
@@ -386,7 +386,7 @@ def main() -> None:
     c.add_argument("--mosquitto-memory", action="store_true", help="Mosquitto without persistence")
     c.add_argument("--flush", choices=["async", "sync"], default="async", help="lmqtt's flush mode")
     c.add_argument(
-        "--clients", type=int, default=1, help="concurrent clients per generator process"
+        "--clients", type=int, default=4, help="concurrent clients per generator process"
     )
     c.add_argument("--workers", type=int, default=1, help="generator processes")
     r = sub.add_parser("restart")
