@@ -1,14 +1,21 @@
 """Persistent sessions: how fast a fleet gets them, and how fast a gateway full of them restarts.
 
     python -m bench.sessions_bench create [--sessions 10000] [--brokers lmqtt mosquitto]
+        [--clients 4] [--workers 1] [--flush async|sync]
     python -m bench.sessions_bench restart [--sessions 1000000]
 
-``create``: devices connect one after another over MQTT 3.1.1 with clean session 0, each
-subscribes to its own ``dev/<n>/cmd`` (QoS 1), waits for the SUBACK, disconnects. The rate is
-reported per window of 1,000 devices (0-1k, 1k-2k, ...), with the broker's CPU time per
-session in each window, so a broker that slows down as its sessions accumulate shows it.
-Brokers run one after the other on the same host (Mosquitto with persistence on, autosave
-every second, the closest to lmqtt, which always stores; or without it: --mosquitto-memory).
+``create``: devices connect over MQTT 3.1.1 with clean session 0, each subscribes to its own
+``dev/<n>/cmd`` (QoS 1), waits for the SUBACK, disconnects and waits for the broker to close.
+``--clients K`` clients do this at the same time, each creating sessions one after another
+(K > 1: the broker's concurrent session writes can share one fsync, ``--flush sync``), in
+``--workers W`` generator processes (bare asyncio protocols on uvloop). The rate is reported
+per window of 1,000 sessions (0-1k, 1k-2k, ...), with the broker's CPU time per session and
+the generator's CPU (all its processes) in each window, so a broker that slows down as its
+sessions accumulate shows it, and so does a generator that was the limit: a window where one
+generator process was busy >= GENERATOR_BOUND of a core is listed in
+``generator_bound_windows`` (give it more ``--workers`` then). Brokers run one after the other
+on the same host (Mosquitto with persistence on, autosave every second, the closest to lmqtt,
+which always stores; or without it: --mosquitto-memory).
 
 ``restart``: N persistent sessions with one subscription each are written straight into a
 data directory's state log (the records the gateway itself writes, through the store's
@@ -22,14 +29,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
+import multiprocessing
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -38,75 +51,210 @@ if str(ROOT) not in sys.path:
 import psutil  # noqa: E402
 
 from bench import wire  # noqa: E402
-from bench.brokers import BrokerOptions, BrokerProcess, free_port  # noqa: E402
+from bench.brokers import LMQTT_BROKERS, BrokerOptions, BrokerProcess, free_port  # noqa: E402
+from bench.report import _cpu_model as cpu_model  # noqa: E402
 
 WINDOW = 1000
+#: A generator process busy this share of a core in a window was the limit of that window's
+#: rate (the broker may have had more to give): the window is flagged.
+GENERATOR_BOUND = 0.9
+#: How often the parent reads the workers' completion counters (window boundaries).
+POLL_S = 0.002
 
 
-async def _read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    first = (await reader.readexactly(1))[0]
-    length = shift = 0
-    while True:
-        byte = (await reader.readexactly(1))[0]
-        length |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            break
-        shift += 7
-    return first, await reader.readexactly(length)
+class _Exchange(asyncio.Protocol):
+    """One device's session: CONNECT (clean session 0) -> CONNACK, SUBSCRIBE -> SUBACK,
+    DISCONNECT, then the broker closes the connection (so the TIME_WAIT is the broker's and
+    100,000 connections in a row do not run the generator out of ports). A bare protocol on
+    uvloop: the generator must cost far less than the broker it measures."""
+
+    def __init__(self, n: int, done: asyncio.Future[None]) -> None:
+        self.n = n
+        self.done = done
+        self.buf = b""
+        self.step = 0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.write(wire.connect(f"dev-{self.n}", clean_session=False, keep_alive=60))  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        packets, used = wire.split_packets(self.buf)
+        self.buf = self.buf[used:]
+        for first, body in packets:
+            self._packet(first >> 4, body)
+
+    def _packet(self, kind: int, body: memoryview) -> None:
+        assert self.transport is not None
+        if self.step == 0 and kind == wire.CONNACK and body[1] == 0:
+            self.step = 1
+            self.transport.write(wire.subscribe(1, [f"dev/{self.n}/cmd"], 1))
+        elif self.step == 1 and kind == wire.SUBACK and body[2] < 0x80:
+            self.step = 2
+            self.transport.write(wire.DISCONNECT_PACKET)
+        else:
+            self._fail(
+                RuntimeError(f"dev-{self.n}: step {self.step}: packet {kind} {bytes(body).hex()}")
+            )
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done.done():
+            return
+        if self.step == 2:
+            self.done.set_result(None)
+        else:
+            self.done.set_exception(
+                exc or RuntimeError(f"dev-{self.n}: closed at step {self.step}")
+            )
 
 
-async def one_device(port: int, n: int) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(wire.connect(f"dev-{n}", clean_session=False, keep_alive=60))
-        first, body = await _read_packet(reader)
-        if first >> 4 != wire.CONNACK or body[1] != 0:
-            raise RuntimeError(f"dev-{n}: CONNACK {body.hex()}")
-        writer.write(wire.subscribe(1, [f"dev/{n}/cmd"], 1))
-        first, body = await _read_packet(reader)
-        if first >> 4 != wire.SUBACK or body[2] >= 0x80:
-            raise RuntimeError(f"dev-{n}: SUBACK {body.hex()}")
-        writer.write(wire.DISCONNECT_PACKET)
-        await writer.drain()
-    finally:
-        writer.close()
-        try:
-            await writer.wait_closed()
-        except OSError:
-            pass
+async def _client(port: int, numbers: Iterator[int], count: Any, slot: int) -> None:
+    """One client: sessions one after another, the next number each time."""
+    loop = asyncio.get_running_loop()
+    for n in numbers:
+        done: asyncio.Future[None] = loop.create_future()
+        await loop.create_connection(functools.partial(_Exchange, n, done), "127.0.0.1", port)
+        await asyncio.wait_for(done, 60)
+        count[slot] += 1
+
+
+def _worker(port: int, numbers: range, clients: int, count: Any, slot: int, go: Any) -> None:
+    """A generator process: `clients` concurrent clients share `numbers`, from the moment
+    `go` is set (the process started and imported before the clock starts)."""
+    import uvloop
+
+    count[slot] = -1  # ready
+    go.wait()
+    count[slot] = 0
+
+    async def run() -> None:
+        it = iter(numbers)
+        await asyncio.gather(*(_client(port, it, count, slot) for _ in range(clients)))
+
+    uvloop.run(run())
 
 
 async def create(
-    broker: str, sessions: int, workdir: Path, persistence: bool = True
+    broker: str,
+    sessions: int,
+    workdir: Path,
+    persistence: bool = True,
+    *,
+    flush: str = "async",
+    clients: int = 4,
+    workers: int = 1,
 ) -> dict[str, object]:
-    proc = BrokerProcess(broker, workdir / broker, BrokerOptions(persistence=persistence))
+    """Create `sessions` sessions with `workers` generator processes of `clients` concurrent
+    clients each; per window of WINDOW sessions: rate, broker CPU and generator CPU."""
+    opts = BrokerOptions(persistence=persistence, flush=flush)
+    proc = BrokerProcess(broker, workdir / broker, opts)
     await proc.start()
+    ctx = multiprocessing.get_context("spawn")
+    count = ctx.RawArray("q", workers)  # sessions completed, per worker (one writer each)
+    go = ctx.Event()
+    procs = [
+        ctx.Process(
+            target=_worker, args=(proc.port, range(w, sessions, workers), clients, count, w, go)
+        )
+        for w in range(workers)
+    ]
     rates: list[float] = []
     cpu_ms: list[float] = []  # broker CPU per session: what the host's load does not distort
+    gen_cores: list[float] = []  # generator CPU (every process) per second of the window
+    gen_ms: list[float] = []
+    bound: list[int] = []  # windows where a generator process was the limit
+    me = psutil.Process()
     try:
+        for p in procs:
+            p.start()
+        pss = [psutil.Process(p.pid) for p in procs]
+        while not all(c == -1 for c in count):  # every process started and imported
+            if not all(p.is_alive() for p in procs):
+                raise RuntimeError("a generator process did not start")
+            await asyncio.sleep(0.01)
+        go.set()
+
+        def gen_cpu() -> tuple[float, float]:
+            """(generator CPU seconds: workers + this process, busiest worker's)."""
+            per = []
+            for ps in pss:
+                with contextlib.suppress(psutil.Error):
+                    t = ps.cpu_times()
+                    per.append(t.user + t.system)
+            t = me.cpu_times()
+            return sum(per) + t.user + t.system, max(per, default=0.0)
+
         t0 = time.perf_counter()
         window_start = t0
         cpu_start = proc.cpu_seconds()
-        for n in range(sessions):
-            await one_device(proc.port, n)
-            if (n + 1) % WINDOW == 0:
-                now = time.perf_counter()
-                rates.append(WINDOW / (now - window_start))
-                window_start = now
+        gen_start, busiest_start = gen_cpu()
+        last_n, last_t = 0, t0
+        while True:
+            await asyncio.sleep(POLL_S)
+            n, now = sum(max(0, c) for c in count), time.perf_counter()
+            if n >= (len(rates) + 1) * WINDOW:
+                # The boundary's time, interpolated between this poll and the last.
+                edge = (len(rates) + 1) * WINDOW
+                at = last_t + (now - last_t) * (edge - last_n) / max(1, n - last_n)
+                wall = at - window_start
+                rates.append(WINDOW / wall)
                 cpu = proc.cpu_seconds()
                 cpu_ms.append((cpu - cpu_start) * 1000 / WINDOW)
-                cpu_start = cpu
+                gen, busiest = gen_cpu()
+                gen_cores.append((gen - gen_start) / wall)
+                gen_ms.append((gen - gen_start) * 1000 / WINDOW)
+                if (busiest - busiest_start) / wall >= GENERATOR_BOUND:
+                    bound.append(len(rates) - 1)
+                print(
+                    f"{broker} {edge}: {rates[-1]:.0f}/s, broker {cpu_ms[-1]:.3f} ms CPU"
+                    f" per session, generator {gen_cores[-1]:.2f} cores",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                window_start, cpu_start, gen_start, busiest_start = at, cpu, gen, busiest
+            last_n, last_t = n, now
+            if n >= sessions or not any(p.is_alive() for p in procs):
+                break
         total = time.perf_counter() - t0
+        for p in procs:
+            p.join(30)
+            if p.exitcode:
+                raise RuntimeError(f"generator process exited with {p.exitcode}")
+        if sum(count) < sessions:
+            raise RuntimeError(f"{sum(count)} of {sessions} sessions created")
         rss = proc.rss()
     finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
         await proc.stop()
+    fifth = max(1, len(rates) // 5)
     return {
         "broker": broker,
+        "cpu_model": cpu_model(),
         "persistence": persistence if broker == "mosquitto" else True,
+        "flush": flush if broker in LMQTT_BROKERS else None,
         "sessions": sessions,
+        "clients": clients * workers,
+        "generator_processes": workers,
         "rate_per_s": sessions / total,
+        "first_fifth_per_s": round(statistics.mean(rates[:fifth])),
+        "last_fifth_per_s": round(statistics.mean(rates[-fifth:])),
         "window_rates": [round(r) for r in rates],
-        "window_cpu_ms_per_session": [round(c, 2) for c in cpu_ms],
+        "window_cpu_ms_per_session": [round(c, 3) for c in cpu_ms],
+        "window_generator_cores": [round(c, 2) for c in gen_cores],
+        "window_generator_cpu_ms_per_session": [round(c, 3) for c in gen_ms],
+        # Windows in which one generator process was busy >= GENERATOR_BOUND of a core: their
+        # rate says what the generator could do, not the broker.
+        "generator_bound_windows": bound,
         "rss_mb": round(rss / 1e6, 1),
     }
 
@@ -154,6 +302,18 @@ def _vm(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+async def _read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    first = (await reader.readexactly(1))[0]
+    length = shift = 0
+    while True:
+        byte = (await reader.readexactly(1))[0]
+        length |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            break
+        shift += 7
+    return first, await reader.readexactly(length)
 
 
 async def _first_connack(port: int, deadline: float) -> None:
@@ -224,6 +384,11 @@ def main() -> None:
     c.add_argument("--sessions", type=int, default=10_000)
     c.add_argument("--brokers", nargs="+", default=["lmqtt", "mosquitto"])
     c.add_argument("--mosquitto-memory", action="store_true", help="Mosquitto without persistence")
+    c.add_argument("--flush", choices=["async", "sync"], default="async", help="lmqtt's flush mode")
+    c.add_argument(
+        "--clients", type=int, default=4, help="concurrent clients per generator process"
+    )
+    c.add_argument("--workers", type=int, default=1, help="generator processes")
     r = sub.add_parser("restart")
     r.add_argument("--sessions", type=int, default=1_000_000)
     r.add_argument("--data", type=Path, default=None, help="reuse this written data directory")
@@ -237,7 +402,20 @@ def main() -> None:
     try:
         if args.what == "create":
             keep = not args.mosquitto_memory
-            results = [asyncio.run(create(b, args.sessions, workdir, keep)) for b in args.brokers]
+            results = [
+                asyncio.run(
+                    create(
+                        b,
+                        args.sessions,
+                        workdir,
+                        keep,
+                        flush=args.flush,
+                        clients=args.clients,
+                        workers=args.workers,
+                    )
+                )
+                for b in args.brokers
+            ]
             for res in results:
                 print(json.dumps(res))
             if len(results) == 2:

@@ -170,8 +170,15 @@ class ConsumeQueueTable:
 
     def _files(self, directory: str) -> list[tuple[int, int]]:
         """``(first unit, size in bytes)`` of the queue's files (:func:`queue_files`), in order."""
+        return self._files_or_none(directory) or []
+
+    def _files_or_none(self, directory: str) -> list[tuple[int, int]] | None:
+        """_files(); None when the queue has no directory."""
+        listed = _queue_files(directory)
+        if listed is None:
+            return None
         files = []
-        for start, size in queue_files(directory):
+        for start, size in listed:
             if start % self.file_bytes:
                 log.warning("ignoring misplaced file %s/%s", directory, offset_file_name(start))
                 continue
@@ -183,12 +190,12 @@ class ConsumeQueueTable:
 
     def _load(self, name: str) -> ConsumeQueue | None:
         directory = self.dir_of(name)
-        files = self._files(directory)
+        files = self._files_or_none(directory)
+        if files is None:
+            return None  # never created (a new subscription's queue: the usual case)
         starts = [start for start, _ in files]
         if not starts:
-            if not self.read_only and os.path.isdir(directory):
-                return ConsumeQueue(name, directory, 0, 0)
-            return None
+            return None if self.read_only else ConsumeQueue(name, directory, 0, 0)
         # Use the contiguous run of files that ends with the newest one.
         first = len(starts) - 1
         while first > 0 and starts[first - 1] == starts[first] - self.upf:
@@ -392,11 +399,16 @@ def queue_files(directory: str | Path) -> list[tuple[int, int]]:
 
     Entries not named by a 20-digit offset are left out.
     """
+    return _queue_files(directory) or []
+
+
+def _queue_files(directory: str | Path) -> list[tuple[int, int]] | None:
+    """queue_files(), None when the directory does not exist (one system call says so)."""
     files = []
     try:
         entries = list(os.scandir(directory))
     except (FileNotFoundError, NotADirectoryError):
-        return []
+        return None
     for entry in entries:
         start = parse_offset_file_name(entry.name)
         if start is not None and entry.is_file():

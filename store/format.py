@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import re
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
@@ -203,6 +204,10 @@ MAX_ENCODED_NAME: Final = 240
 _SAFE_NAME_CHARS: Final = frozenset(
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.%"
 )
+#: A name made of _SAFE_NAME_CHARS only (checked in C: every new subscription's queue asks).
+_SAFE_NAME: Final = re.compile(r"[A-Za-z0-9_\-.%]+")
+#: str.translate table: every byte value outside _SAFE_NAME_CHARS -> "+HH".
+_BYTE_ESCAPES: Final = {b: f"+{b:02X}" for b in range(256) if chr(b) not in _SAFE_NAME_CHARS}
 
 
 def offset_file_name(offset: int) -> str:
@@ -239,16 +244,14 @@ def encode_queue_dir(queue: str) -> str:
     """
     if not queue:
         raise ValueError("empty queue name")
-    if all(c in _SAFE_NAME_CHARS for c in queue) and queue.strip("."):
+    if _SAFE_NAME.fullmatch(queue) and queue.strip("."):
         encoded = queue
     else:
-        out: list[str] = []
-        for b in queue.encode("utf-8", "surrogatepass"):
-            c = chr(b)
-            out.append(c if c in _SAFE_NAME_CHARS else f"+{b:02X}")
+        # Each UTF-8 byte as the character of that code point, then the escapes (in C).
+        encoded = queue.encode("utf-8", "surrogatepass").decode("latin-1")
+        encoded = encoded.translate(_BYTE_ESCAPES)
         if not queue.strip("."):
-            out[0] = "+2E"
-        encoded = "".join(out)
+            encoded = "+2E" + encoded[1:]
     if len(encoded) > MAX_ENCODED_NAME:
         raise ValueError(f"queue name too long for a file name ({len(encoded)} bytes encoded)")
     return encoded

@@ -460,9 +460,11 @@ class RetainedIndex:
         store = self._store
         if store is None:
             return 0
+        offset = self._next_offset
+        if store.max_offset(self.QUEUE) == offset:
+            return 0  # nothing new (every SUBSCRIBE asks: no cursor, no read)
         cursor = QueueCursor(store)
         applied = 0
-        offset = self._next_offset
         while True:
             messages, start, next_offset = cursor.read(self.QUEUE, offset, REPLAY_BATCH)
             if start > offset:

@@ -137,6 +137,24 @@ def test_queue_dir_names_are_reversible_and_safe(name: str) -> None:
     assert fmt.decode_queue_dir(enc) == name
 
 
+def _queue_dir_byte_by_byte(name: str) -> str:
+    """encode_queue_dir's rule spelled out one UTF-8 byte at a time (the on-disk format)."""
+    safe = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.%"
+    out = [chr(b) if chr(b) in safe else f"+{b:02X}" for b in name.encode("utf-8", "surrogatepass")]
+    if not name.strip("."):
+        out[0] = "+2E"
+    return "".join(out)
+
+
+@given(name=names | st.text(alphabet="ab/+.%-_\x00\u00e9\u20ac\U0001f600", min_size=1))
+def test_queue_dir_names_are_the_bytes_escaped(name: str) -> None:
+    try:
+        enc = fmt.encode_queue_dir(name)
+    except ValueError:
+        return
+    assert enc == _queue_dir_byte_by_byte(name)
+
+
 def test_queue_dir_names_keep_rocketmq_style_names_readable() -> None:
     assert fmt.encode_queue_dir("%LMQ%site%2F7") == "%LMQ%site%2F7"
     assert fmt.encode_queue_dir("%RETAIN%") == "%RETAIN%"

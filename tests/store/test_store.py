@@ -76,6 +76,20 @@ def test_every_get_status(open_store: OpenStore, tmp_path: Path) -> None:
     assert s.get("t", g.next_offset).status is GetStatus.FOUND
 
 
+def test_a_queue_is_there_when_its_directory_is(open_store: OpenStore, tmp_path: Path) -> None:
+    """A queue directory with no files left is an empty queue; no directory, no queue (one
+    listing answers: the look-up every new subscription's queue gets)."""
+    s = open_store()
+    assert s.max_offset("never") == 0
+    assert s.get("never", 0).status is GetStatus.NO_MATCHED_LOGIC_QUEUE
+    s.put("v", b"x")
+    s.close()
+    (tmp_path / "data" / fmt.consumequeue_path("v", 0)).unlink()
+    s = open_store()
+    assert s.get("v", 0).status is GetStatus.NO_MESSAGE_IN_QUEUE
+    assert s.get("never", 0).status is GetStatus.NO_MATCHED_LOGIC_QUEUE
+
+
 def test_segment_roll_writes_blank_filler(open_store: OpenStore, tmp_path: Path) -> None:
     s = open_store(segment_size=4096)
     body = b"b" * 300
