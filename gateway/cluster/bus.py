@@ -72,6 +72,11 @@ class ClusterBus:
         self._writer: asyncio.Task[None] | None = None
         self._readback: dict[int, asyncio.Future[None]] = {}
         self._offset = 0
+        #: Where this node began reading (records stored before are history: `history`).
+        self.origin = 0
+        #: The queue offset of the message whose records are being handled; between reads,
+        #: the next offset to read. A record sent now is stored at or after it.
+        self.position = 0
         self._wake = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
@@ -84,7 +89,7 @@ class ClusterBus:
         """Tail the queue from its end: records sent before now are history, not news."""
         store = self._store
         await store.open_queue(CLUSTER_QUEUE)
-        self._offset = store.max_offset(CLUSTER_QUEUE)
+        self._offset = self.origin = self.position = store.max_offset(CLUSTER_QUEUE)
         store.add_listener(self)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -154,22 +159,51 @@ class ClusterBus:
                     "cluster queue: records %d..%d deleted before they were read", offset, start
                 )
             for msg in messages:
+                self.position = msg.queue_offset
                 self._handle(msg.body)
             if start >= offset and next_offset > offset:
-                self._offset = next_offset
+                self._offset = self.position = next_offset
                 continue
+            self.position = offset
             # Nothing new, or the queue ends below the position (a lost tail): wait for more.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), IDLE_POLL_S)
 
     def _handle(self, body: bytes) -> None:
+        for rec in self._records(body):
+            self._handle_record(rec)
+
+    @staticmethod
+    def _records(body: bytes) -> list[Record]:
         try:
             records = from_json(body)
         except ValueError:
             log.error("cluster queue: an unreadable message skipped")
-            return
-        for rec in records if isinstance(records, list) else ():
-            self._handle_record(rec)
+            return []
+        return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+
+    async def history(self, start: int) -> list[tuple[int, Record]]:
+        """The records stored from queue offset `start` up to what this node has read (its
+        `position` when this returns), with the offset of each; handlers are not called.
+        Raises StoreError when part of that range cannot be read (deleted by retention)."""
+        store = self._store
+        read_range = getattr(store, "read_range", None)  # RocketMQ: from the broker
+        fetched = await read_range(CLUSTER_QUEUE, start, self.position) if read_range else []
+        end = self.position  # from here on synchronous: nothing is handled meanwhile
+        got = {m.queue_offset: m for m in fetched if m.queue_offset < end}
+        offset = max(got, default=start - 1) + 1
+        while offset < end:  # read since the fetch (or the embedded store: everything)
+            messages, first, after = self._cursor.read(CLUSTER_QUEUE, offset, READ_BATCH)
+            if first != offset or not messages:
+                break
+            got.update((m.queue_offset, m) for m in messages if m.queue_offset < end)
+            offset = after
+        missing = [o for o in range(start, end) if o not in got]
+        if missing:
+            raise StoreError(
+                f"cluster queue: {len(missing)} record message(s) from {missing[0]} unreadable"
+            )
+        return [(o, rec) for o in range(start, end) for rec in self._records(got[o].body)]
 
     def _handle_record(self, rec: Record) -> None:
         try:

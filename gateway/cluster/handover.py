@@ -9,8 +9,8 @@ node that holds the session hands over its state as it stands when its connectio
 
     node B: CONNECT "c" (no clean start); the newest record of c, by live node A, says connected
         "conn" {c, cs: false, h: true}        the claim asks for a hand-over
-        waits for "hand" addressed to it      (deadline: 3 heartbeats; A lost meanwhile or
-                                               B's claim superseded: no longer)
+        waits for "hand" addressed to it      (deadline: 3 heartbeats; A lost meanwhile: no
+                                               longer)
     node A, reading the claim:
         c connected here -> closed with 0x8E (takeover.py); once the connection has ended:
         c not connected here, A wrote its newest record -> at once:
@@ -19,6 +19,14 @@ node that holds the session hands over its state as it stands when its connectio
     node B: the hand's session replaces its copy (cluster_sessions.py adopt); CONNACK with
             session present, the in-flight window re-sent with DUP (MQTT-4.4.0-1), the backlog
             from the handed positions; B's record (connected on B) follows A's in the log
+
+Racing CONNECTs on three nodes: the claims are read in the log's order, say B's then C's, and
+C may have seen A's record (B had written none yet). The hand for a claim comes only from the
+node of the claim just before it (gateway/cluster/takeover.py `previous`), the latest holder:
+A hands to B only, and B, superseded by C's claim while it waits, still waits for A's hand,
+resumes it (CONNACK, then 0x8E) and hands the session as it stands to C when that connection
+ends; C waits for B's hand (twice the deadline: B waits for A's first). So C resumes from
+what B delivered, never from A's older state.
 
 Without an answer (A killed, or too slow) B resumes from A's newest record, marked `behind`
 (gateway/session/model.py: the broker's committed offsets are taken where fresher): what A had in
@@ -49,7 +57,8 @@ class _Wait:
     __slots__ = ("arrived", "got")
 
     def __init__(self) -> None:
-        self.got: dict[int, Any] = {}  # claim sequence -> the session's JSON (dict) or None
+        # claim sequence -> giving node -> the session's JSON (dict) or None
+        self.got: dict[int, dict[str, Any]] = {}
         self.arrived = asyncio.Event()
 
 
@@ -77,13 +86,13 @@ class Handover:
             del self._waits[client_id]
 
     async def receive(
-        self, wait: _Wait, seq: int, timeout: float, still: Callable[[], bool]
+        self, wait: _Wait, seq: int, giver: str, timeout: float, still: Callable[[], bool]
     ) -> Any:
-        """The session handed over for claim `seq` (its JSON as a dict, None: it ended there),
-        or NO_HAND after `timeout` or as soon as `still()` is false (the holder was lost, or
-        this claim was superseded)."""
+        """The session handed over by node `giver` for claim `seq` (its JSON as a dict, None:
+        it ended there), or NO_HAND after `timeout` or as soon as `still()` is false (the
+        giver was lost)."""
         deadline = time.monotonic() + timeout
-        while seq not in wait.got:
+        while giver not in wait.got.get(seq, {}):
             left = deadline - time.monotonic()
             if left <= 0 or not still():
                 return NO_HAND
@@ -92,7 +101,7 @@ class Handover:
                 await asyncio.wait_for(wait.arrived.wait(), min(POLL_S, left))
             except TimeoutError:
                 pass
-        return wait.got[seq]
+        return wait.got[seq][giver]
 
     def _on_hand(self, rec: Record) -> None:
         if rec.get("to") != self._bus.node_id:
@@ -100,7 +109,7 @@ class Handover:
         wait = self._waits.get(rec.get("c"))  # type: ignore[arg-type]
         seq = rec.get("s")
         if wait is not None and isinstance(seq, int):
-            wait.got[seq] = rec.get("r")
+            wait.got.setdefault(seq, {})[str(rec.get("n"))] = rec.get("r")
             wait.arrived.set()
 
     # -- the node giving it ----------------------------------------------------------------------

@@ -176,8 +176,12 @@ class Cluster:
         self.store.add_state_observer(sessions.observe)
 
         def claimed(rec: Record) -> None:  # after the takeover's handler (registered first)
-            if rec["n"] != self.node_id:
-                sessions.claimed_elsewhere(rec)
+            if rec["n"] == self.node_id:
+                return
+            prev = self.takeover.previous(rec["c"], rec["n"], rec["i"])
+            if prev is not None and prev[0] != self.node_id:
+                return  # the session is the previous claim's node's to hand over
+            sessions.claimed_elsewhere(rec)
 
         self.bus.on("conn", claimed)
 
@@ -241,21 +245,24 @@ class Cluster:
             # answer within a few heartbeats is most likely dead (a client reconnecting after
             # its node died must not wait out the whole lease): resume from the record then.
             members = self.membership
-            doc = await handover.receive(
-                wait,
-                seq,
-                min(members.lease_s, HANDOVER_HEARTBEATS * members.heartbeat_s),
-                lambda: holder in live() and takeover.holds(client_id, conn),
-            )
+            timeout = min(members.lease_s, HANDOVER_HEARTBEATS * members.heartbeat_s)
+            # The latest holder hands it: the node of the claim read just before ours, which
+            # may have claimed it after the record this node saw (handover.py, racing CONNECTs).
+            prev = takeover.previous(client_id, self.node_id, seq)
+            giver = holder
+            if prev is not None and prev[0] not in (holder, self.node_id):
+                giver, timeout = prev[0], 2 * timeout  # it waits for its own holder first
+            doc = await handover.receive(wait, seq, giver, timeout, lambda: giver in live())
         finally:
             handover.forget(client_id, wait)
         if doc is NO_HAND:
             log.warning(
                 "%r: node %s did not hand the session over; resuming from its last record",
-                client_id, holder,
+                client_id, giver,
             )  # fmt: skip
             sessions.mark_behind(client_id)
             return
+        # Superseded meanwhile? Then the claim that did is handed this session at its end.
         sessions.adopt(client_id, None if doc is None else to_json(doc))
 
     async def connected(
@@ -264,9 +271,10 @@ class Cluster:
         """Before CONNACK: claim the id cluster-wide (takeover) and make the session record
         durable (the other nodes adopt it; a survivor publishes its will if this node dies),
         its in-flight messages read for their resend."""
+        superseded = self.takeover.superseded(client_id, conn)
         claim = self.takeover.claim(client_id, conn, clean_start)
         if self.sessions is not None:
-            await asyncio.gather(claim, self.sessions.claimed(session))
+            await asyncio.gather(claim, self.sessions.claimed(session, superseded=superseded))
         else:
             await claim
 

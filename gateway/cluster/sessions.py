@@ -129,7 +129,10 @@ class ClusterSessions:
                 self.adopt(key[n:], value)
 
     def adopt(self, client_id: str, value: bytes | None) -> None:
-        """Another node's record of `client_id` replaces ours (None: it ended the session)."""
+        """Another node's record of `client_id` replaces ours (None: it ended the session).
+        A claim that took the session from a connection here is kept: that connection may
+        not have ended yet (or not begun: a CONNECT here superseded while it waited for a
+        hand-over), and its end hands the session on."""
         registry = self._registry
         mine = registry.sessions.get(client_id)
         if mine is not None and mine.connection is not None:
@@ -137,7 +140,6 @@ class ClusterSessions:
             # whichever connection claimed the id first; the live one's session stays.
             log.info("session %r: record from another node while connected here", client_id)
             return
-        self._moved.pop(client_id, None)
         # The session is the other node's now: a will this node still had pending for an
         # earlier connection here is not published (the client came back there), and the
         # copy's will is the writer's to publish (or, if it dies, the leader's: node_wills).
@@ -189,10 +191,12 @@ class ClusterSessions:
             # The session as this node's tail knows it rather than no answer.
             log.warning("%r: state log catch-up failed before CONNACK: %s", client_id, exc)
 
-    async def claimed(self, session: Session) -> None:
+    async def claimed(self, session: Session, *, superseded: bool = False) -> None:
         """The session connected here: its record goes out before CONNACK, and the messages
-        it has in flight are read (they are re-sent with DUP at once)."""
-        self._moved.pop(session.client_id, None)
+        it has in flight are read (they are re-sent with DUP at once). `superseded`: a newer
+        claim was read already (the connection closes after CONNACK and hands it on)."""
+        if not superseded:
+            self._moved.pop(session.client_id, None)
         by_queue: dict[str, list[int]] = {}
         for inf in session.inflight.values():
             if inf.queue is not None and not inf.pubrel:
@@ -238,7 +242,7 @@ class ClusterSessions:
         """Write the disconnected session's record now, and not again unless it changes here."""
         registry = self._registry
         cid = session.client_id
-        claim = self._moved.get(cid)
+        claim = self._moved.pop(cid, None)
         if claim is not None:
             if claim.get("h"):
                 # The session as it stands, exactly (None: it ended with the connection).

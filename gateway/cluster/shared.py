@@ -12,17 +12,17 @@ what was unacknowledged where.
     record   fields (besides "k", "n": sending node, "i")
     "shm"    g group, f filter, q queue, c members connected at n, s offset n's group
              started at (where a new group begins)
-    "shd"    g, f, o [[offset, node], ...] assigned, c the dispatcher's committed position
+    "shd"    g, f, o [[offset, node], ...] assigned, c the dispatcher's committed position,
+             p the bus offset the records about offsets >= c start at (q: the queue, in the
+             dispatcher's "shd" for a node that joined, which may know nothing of the group)
     "sha"    g, f, o [offset, ...] acknowledged (or finished without an ack, QoS 0) at n
     "shr"    g, f, x node, o [offset, ...] given back: x's members will not acknowledge them
 
-Every node applies the records in the bus's one order, the sender's own on read-back:
-
-    shd  offset -> node, unless the offset is assigned already (first assignment wins: two
-         dispatchers, which membership's fencing should prevent, still hand a message once)
-         nor done (acknowledged, or below a dispatcher's committed position "c": a stale
-         proposal read after the acknowledgement of the same offset is no second delivery)
-    sha  unassigned (and done) if assigned to n;   shr  unassigned if assigned to x
+Every node applies the records in the bus's one order, the sender's own on read-back, to the
+group's table (gateway/cluster/share_table.py: first assignment wins, done stays done, an
+offset below a dispatcher's committed position is done). Two dispatchers, which membership's
+fencing should prevent, still hand a message once; a stale proposal read after the
+acknowledgement of the same offset is no second delivery.
 
 A node hands out the offsets assigned to itself (read back: the dispatcher's own members too).
 QoS 1/2 stay assigned until the member's PUBACK/PUBCOMP, so at most the window is in flight.
@@ -42,14 +42,19 @@ Handover:
   dispatcher sends "shr" for everything assigned to it and assigns those offsets again, to
   the others (members see them with DUP only if they had them before: a new member gets a
   first delivery).
-- The dispatcher is lost: the next oldest node becomes dispatcher. It starts from the newest
-  committed position on the bus ("c" of the last "shd"), re-assigns what its table shows on
-  dead nodes, and every offset between that position and the highest assigned one that its
-  table does not show as done or held (assigned before it joined): those may be delivered a
-  second time (at least once), never lost.
+- The dispatcher is lost: the next oldest node becomes dispatcher. Its table lacks what was
+  assigned and acknowledged before it joined, so it reads the bus back from "p" (the newest
+  it read: every "shd" carries it, and the dispatcher sends one when a node joins) and
+  rebuilds the table from those records: what was acknowledged then is not delivered again.
+  It starts from the newest committed position ("c"), re-assigns what the table shows on dead
+  nodes, and every offset between that position and the highest assigned one that the table
+  does not show as done or held. Only if the records cannot be read back (retention deleted
+  them) or no "p" was read (the dispatcher died before a node's join was answered) are
+  offsets acknowledged before the join assigned again (at least once), never lost.
 
-Memory: per group, the assigned table (at most WINDOW per connected member) and the offsets
-acknowledged above the committed position (pruned as it moves).
+Memory: per group, the assigned table (at most WINDOW per connected member), the offsets
+acknowledged above the committed position and the bus offsets of their first assignments
+(pruned as it moves).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from typing import Any
 
 from gateway.cluster.bus import ClusterBus, Record
 from gateway.cluster.membership import Membership
+from gateway.cluster.share_table import ShareTable
 from gateway.delivery.arrivals import ArrivalHub
 from gateway.delivery.shared import SharedGroup, SharedSubscriptions, consumer_of
 from gateway.storage.cursor import QueueCursor
@@ -76,10 +82,6 @@ WINDOW = 32
 ASSIGN_BATCH = 256
 #: The dispatcher re-checks who dispatches and re-pumps this often (a notice lost costs this).
 TICK_S = 0.5
-#: Acknowledged offsets remembered above the committed position (a member that never
-#: acknowledges holds the position down): beyond this the oldest are forgotten, which costs
-#: at most a second delivery of them when the dispatch moves to another node.
-DONE_MAX = 65536
 #: Assignments sent and not read back after this long (their bus send failed) are assigned
 #: again.
 PROPOSAL_TIMEOUT_S = 10.0
@@ -87,19 +89,17 @@ PROPOSAL_TIMEOUT_S = 10.0
 Key = tuple[str, str]  # (group, filter)
 
 
-class ClusterGroup:
-    """One share group's cluster-wide table, and its dispatch when this node dispatches."""
+class ClusterGroup(ShareTable):
+    """One share group's cluster-wide table (gateway/cluster/share_table.py), and its dispatch
+    when this node dispatches."""
 
     def __init__(self, shares: ClusterShares, key: Key, queue: str) -> None:
+        super().__init__()
         self.shares = shares
         self.key = key
         self.queue = queue
         self.members: dict[str, int] = {}  # node -> members connected there
         self.start: int | None = None  # smallest start offset announced (a new group)
-        self.assigned: dict[int, str] = {}  # offset -> node holding it
-        self.done: set[int] = set()  # acknowledged offsets at or above `c`
-        self.c: int | None = None  # the newest committed position read from a dispatcher
-        self.hi = 0  # 1 + the highest offset ever assigned (0: none)
         self.local: SharedGroup | None = None
         # Dispatch (this node dispatches): None until started.
         self.next_offset: int | None = None
@@ -116,51 +116,36 @@ class ClusterGroup:
     def held_by(self, node: str) -> list[int]:
         return [o for o, n in self.assigned.items() if n == node]
 
-    def apply_assign(self, pairs: list[list[Any]], c: int) -> None:
+    def apply_assign(self, pairs: list[list[Any]], c: int, p: int | None) -> None:
         shares = self.shares
         me = shares.node_id
+        for off, _node in pairs:
+            self.proposed.pop(int(off), None)
+        taken = self.take_assign(pairs, c, p, shares.bus.position)
         mine: list[int] = []
         # Assigned to a node lost since (the dispatcher read the loss first): given back.
         live = shares.live_nodes() if shares.dispatching else None
         dead: dict[str, list[int]] = {}
-        for off, node in pairs:
-            off = int(off)
-            self.proposed.pop(off, None)
-            if off in self.assigned or off in self.done or (self.c is not None and off < self.c):
-                continue  # first assignment wins; done stays done
-            self.assigned[off] = node
-            self.done.discard(off)
-            self.hi = max(self.hi, off + 1)
+        for off, node in taken:
             if node == me:
                 mine.append(off)
             elif live is not None and node not in live:
                 dead.setdefault(node, []).append(off)
         for node, offs in dead.items():
             shares.send_returned(self, node, offs)
-        if self.c is None or c > self.c:
-            self.c = c
-            self.done = {o for o in self.done if o >= c}
         if mine:
             shares.hand_to_members(self, mine)
         self.schedule()
 
     def apply_done(self, node: str, offsets: list[int]) -> None:
-        for off in offsets:
-            if self.assigned.get(off) == node:
-                del self.assigned[off]
-                if self.c is None or off >= self.c:
-                    self.done.add(off)
-        if len(self.done) > DONE_MAX:
-            self.done = set(sorted(self.done)[DONE_MAX // 2 :])
+        self.take_done(node, offsets)
         self.schedule()
 
     def apply_returned(self, node: str, offsets: list[int]) -> None:
-        dispatching = self.next_offset is not None
-        for off in offsets:
-            if self.assigned.get(off) == node:
-                del self.assigned[off]
-                if dispatching:
-                    heapq.heappush(self.returned, off)
+        back = self.take_returned(node, offsets)
+        if self.next_offset is not None:
+            for off in back:
+                heapq.heappush(self.returned, off)
         self.schedule()
 
     # -- dispatch (the dispatcher only) ------------------------------------------------------
@@ -195,6 +180,9 @@ class ClusterGroup:
         store = shares.store
         try:
             await store.open_queue(self.queue)
+            if self.p is not None and self.p < shares.bus.origin:
+                # Assigned and acknowledged before this node joined: read back.
+                await self._read_back(self.p)
             base = self.c
             if base is None:
                 # No dispatcher's position read since this node joined: the broker's (it
@@ -236,6 +224,28 @@ class ClusterGroup:
             self.key[0], self.key[1], base, len(self.returned) + sum(map(len, by_dead.values())),
         )  # fmt: skip
         self.schedule()
+
+    async def _read_back(self, start: int) -> None:
+        """Rebuild the table from the bus records from `start`, the ones stored before this
+        node joined included: what was acknowledged then is not assigned again. Unreadable
+        (deleted by retention): the table as it is (those may come a second time)."""
+        try:
+            history = await self.shares.bus.history(start)
+        except StoreError as exc:
+            log.warning(
+                "shared group %s/%s: the records before this node joined: %s", *self.key, exc
+            )
+            return
+        g, f = self.key
+        mine = [
+            (at, str(rec["k"]), rec)
+            for at, rec in history
+            if rec.get("k") in ("shd", "sha", "shr") and rec.get("g") == g and rec.get("f") == f
+        ]
+        self.take_history(mine)
+        log.info(
+            "shared group %s/%s: %d record(s) from bus offset %d read back", g, f, len(mine), start
+        )
 
     def retry_lost_proposals(self) -> None:
         """Assignments never read back (their bus send failed): assign them again (one read
@@ -404,6 +414,12 @@ class ClusterShares:
             return
         if self._joined:
             self._younger.add(node)
+        # The newcomer learns the committed position and where the records above it start
+        # (it may dispatch one day: gateway/cluster/share_table.py).
+        if self.dispatching:
+            for g in self.groups.values():
+                if g.next_offset is not None:
+                    self.send_assign(g, [], g.committed(), q=g.queue)
         # The newcomer learns who has members (it may dispatch one day).
         for g in self.groups.values():
             if g.local is not None and g.local.members:
@@ -439,7 +455,8 @@ class ClusterShares:
     def _on_assign(self, rec: Record) -> None:
         g = self._group(rec)
         if g is not None:
-            g.apply_assign(rec.get("o", []), int(rec.get("c", 0)))
+            p = rec.get("p")
+            g.apply_assign(rec.get("o", []), int(rec.get("c", 0)), None if p is None else int(p))
 
     def _on_done(self, rec: Record) -> None:
         g = self._group(rec)
@@ -453,8 +470,9 @@ class ClusterShares:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def send_assign(self, g: ClusterGroup, pairs: list[list[Any]], c: int) -> None:
-        self.bus.send("shd", g=g.key[0], f=g.key[1], o=pairs, c=c)
+    def send_assign(self, g: ClusterGroup, pairs: list[list[Any]], c: int, **extra: Any) -> None:
+        p = g.origin(c, self.bus.position)
+        self.bus.send("shd", g=g.key[0], f=g.key[1], o=pairs, c=c, p=p, **extra)
 
     def send_returned(self, g: ClusterGroup, node: str, offsets: list[int]) -> None:
         self.bus.send("shr", g=g.key[0], f=g.key[1], x=node, o=sorted(offsets))

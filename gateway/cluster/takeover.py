@@ -13,11 +13,18 @@ The broker's order of the records decides: every node reads the same order, so t
 whose record came last survives and every other one is closed, however the CONNECTs raced.
 A takeover that continues the session (no clean start) also cancels the delayed will the
 closed connection left behind, as a reconnection on the same node does.
+
+Every node also keeps, per client id, the claims read in the last CHAIN_S seconds, in the
+log's order: the claim just before a claim (`previous`) names the node whose connection that
+claim takes the session from, so a hand-over (gateway/cluster/handover.py) always comes from
+the latest holder, even when a third CONNECT's node still saw an earlier holder's record.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 
 from gateway.cluster.bus import ClusterBus, Record
@@ -27,6 +34,10 @@ from gateway.session.model import Connected
 log = logging.getLogger("lmqtt.cluster")
 
 CLAIM_TIMEOUT_S = 10.0
+#: Claims remembered per client id this long (a hand-over is waited for a few heartbeats).
+CHAIN_S = 60.0
+
+Claim = tuple[str, int]  # (node, its record's sequence number)
 
 
 class _Claim:
@@ -55,6 +66,9 @@ class ClusterTakeover:
         self._cancel_will = cancel_will
         self._moved = moved
         self._claims: dict[str, _Claim] = {}
+        # Recent claims per client id in the log's order, and when each was read (pruning).
+        self._chain: dict[str, list[Claim]] = {}
+        self._read: deque[tuple[float, str]] = deque()
         bus.on("conn", self._on_connect)
 
     async def claim(
@@ -77,6 +91,11 @@ class ClusterTakeover:
         claim = self._claims.get(client_id)
         return claim is not None and claim.conn is conn and not claim.superseded
 
+    def superseded(self, client_id: str, conn: Connected) -> bool:
+        """A newer claim of `client_id` was read before `conn`'s CONNACK (it closes then)."""
+        claim = self._claims.get(client_id)
+        return claim is not None and claim.conn is conn and claim.superseded
+
     def answered(self, client_id: str, conn: Connected) -> None:
         """`conn`'s CONNACK is written: a takeover read in between closes it only now (a
         client is told 0x8E after its CONNACK, never instead of it)."""
@@ -94,10 +113,34 @@ class ClusterTakeover:
         if claim is not None and claim.conn is conn:
             del self._claims[client_id]
 
+    def previous(self, client_id: str, node: str, seq: int) -> Claim | None:
+        """The claim of `client_id` read just before claim `seq` of `node` (None: none in the
+        last CHAIN_S seconds, or that claim is not known)."""
+        chain = self._chain.get(client_id, [])
+        try:
+            at = chain.index((node, seq))
+        except ValueError:
+            return None
+        return chain[at - 1] if at > 0 else None
+
+    def _remember(self, cid: str, node: str, seq: int) -> None:
+        now = time.monotonic()
+        read = self._read
+        while read and now - read[0][0] > CHAIN_S:
+            _, old = read.popleft()
+            chain = self._chain.get(old)
+            if chain:
+                del chain[0]
+                if not chain:
+                    del self._chain[old]
+        self._chain.setdefault(cid, []).append((node, seq))
+        read.append((now, cid))
+
     def _on_connect(self, rec: Record) -> None:
         cid = rec.get("c")
         if not isinstance(cid, str):
             return
+        self._remember(cid, rec["n"], rec["i"])
         claim = self._claims.get(cid)
         if claim is None:
             return

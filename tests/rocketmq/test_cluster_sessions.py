@@ -19,6 +19,7 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from gateway.cluster.bus import CLUSTER_QUEUE
 from gateway.protocol import (
     Connect,
     Disconnect,
@@ -73,33 +74,46 @@ class Nodes:
         for g in self.nodes:
             g.stop()
 
-    def session_record(self, client_id: str) -> dict[str, object] | None:
-        """The newest record of `client_id`'s session in the state log, read from the broker."""
+    def bodies(self, queue: str) -> list[bytes]:
+        """The bodies of every message of this namespace's light queue `queue`, read from the
+        broker."""
 
-        async def read() -> dict[str, object] | None:
+        async def read() -> list[bytes]:
             client = RemotingClient([self.namesrv], client_id=None, request_timeout=5.0)
             try:
                 route = await client.get_cluster_info()
                 addr = route.brokers[self.broker].master_addr
                 assert addr is not None
-                lmq = encode_lmq(STATE_QUEUE, self.topic)
+                lmq = encode_lmq(queue, self.topic)
                 offset = await client.get_min_offset(addr, lmq)
                 end = await client.get_max_offset(addr, lmq)
-                found: bytes | None = None
+                out: list[bytes] = []
                 while offset < end:
                     res = await client.pull(addr, lmq, offset, consumer_group=PULL_GROUP)
                     if not res.messages:
                         break
-                    for rec in res.messages:
-                        for key, value in decode_state(rec.body)[0]:
-                            if key == "session/" + client_id:
-                                found = value
+                    out += [rec.body for rec in res.messages]
                     offset = res.next_begin_offset
-                return None if found is None else json.loads(found)
+                return out
             finally:
                 await client.close()
 
         return asyncio.run(read())
+
+    def session_record(self, client_id: str) -> dict[str, object] | None:
+        """The newest record of `client_id`'s session in the state log, read from the broker."""
+        found: bytes | None = None
+        for body in self.bodies(STATE_QUEUE):
+            for key, value in decode_state(body)[0]:
+                if key == "session/" + client_id:
+                    found = value
+        return None if found is None else json.loads(found)
+
+    def bus_records(self, kind: str) -> list[dict[str, object]]:
+        """The cluster bus records of `kind` (gateway/cluster/bus.py), in the bus's order."""
+        return [
+            r for body in self.bodies(CLUSTER_QUEUE) for r in json.loads(body) if r["k"] == kind
+        ]
 
     def wait_record(
         self,
@@ -458,3 +472,57 @@ def test_a_burst_of_connects_shares_state_log_messages(nodes: Nodes) -> None:
     assert nodes.session_record("burst-59") is not None
     written = asyncio.run(state_end()) - before
     assert 0 < written < 30, f"{written} state messages for 60 CONNECTs"
+
+
+def test_three_racing_connects_resume_from_the_latest_holder(
+    nodes: Nodes, clients: list[Client]
+) -> None:
+    """A persistent QoS 2 session on A; A stalls (SIGSTOP, within its lease), the client
+    connects on B (B's claim waits for A's hand-over), then on C, whose node still sees A's
+    record (B has written none). Once A runs again the session goes A -> B -> C: A hands it to
+    B only, B (superseded by C's claim) resumes it, is closed with 0x8E and hands it on, and
+    C resumes what B left (gateway/cluster/handover.py): never A's older state beside B's.
+    Every message published meanwhile reaches the client once."""
+    a = nodes.start(node_id="n1")
+    b = nodes.start(node_id="n2")
+    c = nodes.start(node_id="n3")
+
+    def session(port: int, connect: bool = True) -> Client:
+        made = Client(port, "three", v5=True, clean=False, session_expiry=3600, connect=connect)
+        clients.append(made)
+        return made
+
+    pub = Client(c.port, "three-pub")
+    clients.append(pub)
+    first = session(a.port)
+    first.c.reconnect_delay_set(60, 120)  # told 0x8E, it must not come back within the test
+    assert first.subscribe("three/#", 2) == [2]
+    for payload in (b"m0", b"m1"):
+        pub.publish("three/t", payload, 2)
+    first.wait_messages(2)
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        for payload in (b"m2", b"m3", b"m4"):  # for B, then C, to deliver
+            pub.publish("three/t", payload, 2)
+        second = session(b.port, connect=False)
+        second.c.reconnect_delay_set(60, 120)
+        second.connect(wait=False)
+
+        def claims() -> list[object]:
+            return [r["n"] for r in nodes.bus_records("conn") if r["c"] == "three"]
+
+        wait_until(lambda: "n2" in claims(), 20, "B's claim on the bus")
+        third = session(c.port, connect=False)
+        third.connect(wait=False)
+        wait_until(lambda: "n3" in claims(), 20, "C's claim on the bus")
+        assert claims()[-2:] == ["n2", "n3"]
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    third.wait_for(lambda: third.connack is not None, 30, "C's CONNACK")
+    assert third.connack == (True, 0)
+    got = third.wait_messages(3, timeout=30)
+    assert sorted(bytes(m.payload) for m in got) == [b"m2", b"m3", b"m4"]
+    wait_until(lambda: any("handed over to node n3" in line for line in b.output), 10, "B's hand")
+    assert not any("handed over to node n3" in line for line in a.output)
+    everything = [p for cl in (first, second, third) for p in cl.payloads()]
+    assert sorted(everything) == [b"m0", b"m1", b"m2", b"m3", b"m4"], everything

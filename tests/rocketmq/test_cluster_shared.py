@@ -19,14 +19,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 GROUP = "$share/g/site/#"
 
 
-def _publish(pubs: list[Client], per_node: int, tag: str = "m") -> list[bytes]:
-    """`per_node` QoS 1 messages through each publisher, interleaved; returns the payloads."""
+def _publish(pubs: list[Client], per_node: int, tag: str = "m", qos: int = 1) -> list[bytes]:
+    """`per_node` messages through each publisher, interleaved; returns the payloads."""
     sent = []
     infos = []
     for i in range(per_node):
         for n, pub in enumerate(pubs):
             payload = f"{tag}-{n}-{i}".encode()
-            infos.append(pub.c.publish(f"site/{n}/{i}", payload, 1))
+            infos.append(pub.c.publish(f"site/{n}/{i}", payload, qos))
             sent.append(payload)
     wait_until(lambda: all(info.is_published() for info in infos), 60, "every PUBACK")
     return sent
@@ -149,3 +149,40 @@ def test_the_dispatchers_death_keeps_what_live_members_hold(
     silent.disconnect()
     wait_until(lambda: set(acking.payloads()) >= set(sent), 60, "the held messages")
     assert set(held) <= set(acking.payloads())
+
+
+def test_a_new_dispatcher_does_not_deliver_again_what_was_completed_before_it_joined(
+    nodes: Nodes,  # noqa: F811
+    clients: list[Client],  # noqa: F811
+) -> None:
+    """QoS 2 in a group: a member on the first node (the dispatcher) completes its messages
+    while a QoS 1 member there holds its own without PUBACK (the group's committed position
+    stays at the first of them). A second node joins after, with a member, and the first is
+    killed: the second node dispatches and hands the held messages to its member, but none
+    that was completed before it joined (it reads the bus back from the first assignment
+    above the committed position instead of taking every offset above it as undelivered)."""
+    (first,) = nodes(1)
+    silent = Client(first.port, "silent", auto_ack=False)
+    early = Client(first.port, "early")
+    pub = Client(first.port, "pub")
+    clients += [silent, early, pub]
+    assert silent.subscribe(GROUP, 1) == [1]
+    assert early.subscribe(GROUP, 2) == [2]
+    sent = _publish([pub], 60, qos=2)
+    wait_until(lambda: len(_all([early, silent])) >= len(sent), 60, "every message once")
+    _each_once([early, silent], sent)
+    held, completed = silent.payloads(), early.payloads()
+    assert held, "the silent member got nothing to hold"
+    (second,) = nodes(1)
+    late = Client(second.port, "late")
+    clients.append(late)
+    assert late.subscribe(GROUP, 2) == [2]
+    first.stop(signal.SIGKILL)
+    pub2 = Client(second.port, "pub2")
+    clients.append(pub2)
+    more = _publish([pub2], 5, "after", qos=2)
+    want = set(held) | set(more)
+    wait_until(lambda: set(late.payloads()) >= want, LEASE_S * 3 + 30, "held and new messages")
+    again = sorted(set(late.payloads()) & set(completed))
+    assert not again, f"{len(again)} completed QoS 2 messages delivered again, e.g. {again[:5]}"
+    assert Counter(late.payloads()).most_common(1)[0][1] == 1

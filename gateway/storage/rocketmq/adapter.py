@@ -41,6 +41,7 @@ from gateway.storage.port import (
     StateRecord,
     Storage,
     StorageUnavailable,
+    StoredMessage,
     StoreError,
 )
 from gateway.storage.rocketmq.broker import Broker
@@ -418,6 +419,14 @@ class RocketMqStorage:
         """`queue`'s mirror read up to the broker's end now (Mirrors.catch_up)."""
         try:
             await asyncio.gather(*(m.catch_up(queue) for m in self._slots.copies(queue)))
+        except RemotingError as exc:
+            raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
+
+    async def read_range(self, queue: str, start: int, end: int) -> list[StoredMessage]:
+        """The messages at `start` up to `end` of `queue` (an unspread queue: the cluster
+        bus), read from its broker now (Mirrors.read_range)."""
+        try:
+            return await self._mirrors.read_range(queue, start, end)
         except RemotingError as exc:
             raise StoreError(f"broker {self.broker_name}: reading {queue}: {exc}") from exc
 

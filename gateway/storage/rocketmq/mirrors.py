@@ -202,6 +202,22 @@ class Mirrors:
             self._keep(m, records)
         return hi
 
+    async def read_range(self, queue: str, start: int, end: int) -> list[StoredMessage]:
+        """The messages at `start` up to `end` of `queue`, read from the broker now and not
+        kept in the mirror (a one-off reader of an old range, e.g. the cluster bus read back,
+        needs it whole, which a full mirror's trim would not leave). Offsets deleted by age
+        are skipped."""
+        m = self.mirror(queue)
+        await self._ready(m)
+        out: list[StoredMessage] = []
+        async for records in self._broker.read(m.lmq, start, end):
+            for rec in records:
+                offsets = rec.light_queue_offsets()
+                off = offsets.get(m.lmq)
+                if off is not None and start <= off < end:
+                    out.append(to_stored(rec, off, self._broker.names.queue, offsets))
+        return out
+
     async def prefetch(self, queue: str, offsets: Iterable[int]) -> None:
         """Read the messages at `offsets` of `queue` into its mirror now: the in-flight
         messages of a session resumed here are re-sent (with DUP) by synchronous reads
