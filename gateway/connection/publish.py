@@ -255,7 +255,7 @@ class PublishHandler:
         elif pub.qos == 2 and pid is not None:
             client.write(client.conn.send(PubRec(pid, code)))
             if code == 0 and session is not None:
-                session.qos2_inbound.add(pid)
+                session.add_qos2(pid)
                 self._registry.touch(session)
 
     async def _on_delayed(self, client: Publishing, pub: Publish) -> None:
@@ -326,7 +326,7 @@ class PublishHandler:
         elif pub.qos == 2:
             session = client.session
             assert session is not None
-            session.qos2_inbound.add(pid)
+            session.add_qos2(pid)
             self._registry.qos2.stored(session.client_id, pid)
             if session.persistent:
                 # The PUBREC only once the session record holding its id is saved.
@@ -358,8 +358,7 @@ class PublishHandler:
         if chain is not None and not chain.done():
             # PUBCOMP must not overtake the PUBREC of a publish still waiting for its fsync.
             await asyncio.gather(chain, return_exceptions=True)
-        known = ev.packet_id in session.qos2_inbound
-        session.qos2_inbound.discard(ev.packet_id)
+        known = session.release_qos2(ev.packet_id)
         self._registry.touch(session)
         code = (
             0

@@ -55,6 +55,7 @@ gets the committed offsets, for inspect and analytics).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -64,6 +65,9 @@ from gateway.protocol import Publish, Will
 from gateway.session.replay import Replay
 
 NEVER_EXPIRES = 0xFFFFFFFF  # an expiry interval that never ends (MQTT 5 3.1.2.11.2)
+# The QoS 2 ids of a session that has none: shared, since a set is 216 bytes and most sessions
+# (a device fleet publishes QoS 0 and 1) never receive a QoS 2 PUBLISH.
+NO_IDS: frozenset[int] = frozenset()
 
 
 class Connected(Protocol):
@@ -241,7 +245,8 @@ class Session:
         self.disconnected_at_ms: int | None = None
         self.subscriptions: dict[str, SubscriptionState] = {}
         self.by_queue: dict[str, SubscriptionState] = {}  # non-shared subscriptions by queue
-        self.qos2_inbound: set[int] = set()
+        # Read-only here; add_qos2 and release_qos2 change it (a set from the first id on).
+        self.qos2_inbound: Set[int] = NO_IDS
         self.inflight: dict[int, Inflight] = {}  # insertion order = send order
         self.connection: Connected | None = None
         self.expiry_timer: asyncio.TimerHandle | None = None
@@ -258,6 +263,29 @@ class Session:
         self.subscriptions[sub.topic_filter] = sub
         if sub.share_group is None:
             self.by_queue[sub.queue] = sub
+
+    def add_qos2(self, packet_id: int) -> bool:
+        """A QoS 2 PUBLISH with this id was received (stored); False if it was known."""
+        ids = self.qos2_inbound
+        if packet_id in ids:
+            return False
+        if isinstance(ids, set):
+            ids.add(packet_id)
+        else:
+            self.qos2_inbound = {packet_id}
+        return True
+
+    def release_qos2(self, packet_id: int) -> bool:
+        """PUBREL for this id: it leaves; False if it was not known."""
+        ids = self.qos2_inbound
+        if packet_id not in ids:
+            return False
+        if len(ids) == 1:
+            self.qos2_inbound = NO_IDS
+        else:
+            assert isinstance(ids, set)
+            ids.discard(packet_id)
+        return True
 
     def remove_subscription(self, topic_filter: str) -> SubscriptionState | None:
         sub = self.subscriptions.pop(topic_filter, None)
@@ -327,7 +355,8 @@ class Session:
         s.behind = bool(d.get("behind", False))
         for sd in d.get("subscriptions", []):
             s.add_subscription(SubscriptionState.from_json(sd))
-        s.qos2_inbound = {int(x) for x in d.get("qos2_inbound", [])}
+        for x in d.get("qos2_inbound", []):
+            s.add_qos2(int(x))
         if d.get("will"):
             s.will = will_from_json(d["will"])
             s.will_due_ms = d.get("will_due_ms")

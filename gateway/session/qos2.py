@@ -109,8 +109,6 @@ class InboundQos2:
             pid = props.get(PID)
             if start is None or pid is None or m.physical_offset < start:
                 continue
-            inbound = sessions[cid].qos2_inbound
-            if int(pid) not in inbound:
-                inbound.add(int(pid))
+            if sessions[cid].add_qos2(int(pid)):
                 added += 1
         return added
