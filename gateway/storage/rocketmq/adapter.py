@@ -414,6 +414,17 @@ class RocketMqStorage:
             raise StoreError(f"broker {self.broker_name}: reading the state queue: {exc}") from exc
         await self._state_log.reached(end)
 
+    def fence(self, node: str) -> None:
+        """`node` was declared lost: append the marker after which every reader ignores its
+        state writes (gateway/storage/rocketmq/fences.py), before any takeover of its state."""
+        self._state_log.fence(node)
+
+    async def fenced(self, node: str) -> None:
+        """Return once the marker fencing `node` is stored and applied here (so this node's view
+        is the one every reader has); appends it first if this node did not yet."""
+        await self._state_log.wait_durable(self._state_log.fence(node))
+        await self.catch_up_state()
+
     async def catch_up_queue(self, queue: str) -> None:
         """`queue`'s mirror read up to the broker's end now (Mirrors.catch_up)."""
         try:
