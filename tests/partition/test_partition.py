@@ -321,19 +321,14 @@ def test_a_qos2_message_completed_through_a_cut_node_is_not_delivered_again(
     assert sub.delivered == [b"q0", b"q1"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a QoS 2 PUBLISH the brokers stored but whose answer the cut lost is stored again "
-    "when its publisher re-sends it (DUP, same packet id) through another node: the node the "
-    "session resumes on does not know the packet id was stored (the cluster form of the "
-    "crash case of issue #33 point 2; docs/rocketmq.md, partitions)",
-)
 def test_a_qos2_publish_stored_but_not_acknowledged_before_a_cut_is_stored_once(
     nodes: NetNodes, net: Network
 ) -> None:
     """Node 1 loses only the brokers' answers: the QoS 2 PUBLISH it forwards is stored, but it
-    never learns so and never answers PUBREC. Re-sent through node 2 after node 1 fenced, the
-    message must still reach the subscriber once."""
+    never learns so and never answers PUBREC. Re-sent through node 2 after node 1 fenced (DUP,
+    same packet id), it is found in the parent topic from the position node 1's last record of
+    the session gave (`qos2_since`, gateway/session/qos2.py), acknowledged and not stored again:
+    the subscriber gets it once."""
     _, b = nodes.start_pair()
     watcher = Receiver("w-oneway")
     watcher.connect(nodes.client(2))
@@ -350,6 +345,8 @@ def test_a_qos2_publish_stored_but_not_acknowledged_before_a_cut_is_stored_once(
     assert ack.reason_code == 0 and ack.session_present, ack
     pub.send(Publish("o/t", b"o1", qos=2, packet_id=2, dup=True))
     assert pub.recv() == PubRec(2)
+    # Recognised in the log (gateway/session/qos2.py), not stored again.
+    assert logged_at(b, r"'p-oneway': QoS 2 PUBLISH 2 resent after an unknown outcome") is not None
     pub.send(PubRel(2))
     assert pub.recv() == PubComp(2)
     publish_qos2(pub, "o/t", b"o2", 3)
@@ -488,7 +485,7 @@ def test_a_fenced_node_restarts_after_the_cut_heals_and_rejoins(
         r.raw.close()
 
 
-def test_a_fenced_node_writes_nothing_after_it_is_declared_lost(
+def test_the_state_writes_of_a_fenced_node_stored_after_its_loss_are_ignored(
     nodes: NetNodes, net: Network
 ) -> None:
     """The state writes node 1 makes while it stops (its connections' disconnect records) wait
