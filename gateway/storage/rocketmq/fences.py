@@ -88,7 +88,7 @@ class Fences:
                 continue
             node = key[len(FENCE_KEY_PREFIX) :]
             if node not in self.at:
-                at = self.at[node] = int(value) if value else offset
+                at = self.at[node] = int(value) if value.isdigit() else offset
                 if self._applied.get(node, -1) >= at:
                     self.late = True
             kept.append((key, str(self.at[node]).encode()))

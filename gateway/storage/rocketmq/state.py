@@ -196,7 +196,7 @@ class StateLog:
         """Append the marker fencing `node` (a batch of its own); returns its ticket. It takes
         effect here as everywhere: when the tail reads it (gateway/storage/rocketmq/fences.py)."""
         ticket = self._fences_sent.get(node)
-        if ticket is None:
+        if ticket is None or ticket in self._failed:  # not sent yet, or refused: (again)
             body = encode_state([marker(node)])
             ticket = self._fences_sent[node] = self._send_batch(body, self.node_id, fence=node)
         return ticket
