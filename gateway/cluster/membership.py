@@ -73,6 +73,7 @@ class Membership:
         # Lost or gone nodes: a late record of theirs (sent before they stopped) does not
         # bring them back; a node that returns does so with a new id.
         self._gone: set[str] = set()
+        self.lost: set[str] = set()  # those of them whose lease ran out (not a "bye")
         self._sent_at: dict[int, float] = {}  # our heartbeat seq -> when it was sent
         self.valid_until = time.monotonic() + lease_s - self._margin  # until the first read
         self.fenced = False
@@ -199,6 +200,8 @@ class Membership:
 
     def _lost(self, node: str, *, graceful: bool) -> None:
         self._gone.add(node)
+        if not graceful:
+            self.lost.add(node)
         for callback in self.on_left if graceful else self.on_lost:
             try:
                 callback(node)

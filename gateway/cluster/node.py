@@ -50,6 +50,8 @@ log = logging.getLogger("lmqtt.cluster")
 #: How long a CONNECT waits for the hand-over of a session connected on another node, in
 #: heartbeat periods (at most the lease).
 HANDOVER_HEARTBEATS = 3
+#: A CONNECT of a lost node's session waits this long at most for that node's fence marker.
+FENCED_WAIT_S = 10.0
 
 
 class ClusterStorage(Storage, Protocol):
@@ -87,6 +89,14 @@ class ClusterStorage(Storage, Protocol):
 
     async def prefetch(self, queue: str, offsets: Iterable[int]) -> None: ...
 
+    def fence(self, node: str) -> None:
+        """`node` is lost: the state log's readers ignore what it writes from now on."""
+        ...
+
+    async def fenced(self, node: str) -> None:
+        """Once that fence is in the log and applied here."""
+        ...
+
 
 def supports_cluster(store: Storage) -> bool:
     return callable(getattr(store, "settle", None)) and hasattr(store, "node_id")
@@ -112,6 +122,9 @@ class Cluster:
             self.bus, self.membership, publisher, store.settle, store.close_queue
         )
         self._cancel_will: Callable[[str], None] = lambda _cid: None
+        # First of the loss handlers: the fence marker goes out before any takeover's writes
+        # (gateway/storage/rocketmq/fences.py).
+        self.membership.on_lost.append(store.fence)
         self.takeover = ClusterTakeover(self.bus, lambda cid: self._cancel_will(cid), self._moved)
         self.handover = Handover(self.bus, self._state_durable)
         self.wills = NodeWills(
@@ -231,6 +244,13 @@ class Cluster:
             return  # the record is exact (written at the disconnect)
         live = self.membership.live_peers
         if holder not in live():
+            if holder in self.membership.lost:
+                # Its record as every reader has it: what it wrote after its fence is no one's.
+                try:
+                    await asyncio.wait_for(self.store.fenced(holder), FENCED_WAIT_S)
+                except (StoreError, TimeoutError) as exc:
+                    log.warning("%r: the fence of lost node %s not read back: %s",
+                                client_id, holder, exc)  # fmt: skip
             sessions.mark_behind(client_id)  # its node crashed: the broker's offsets are fresher
             return
         takeover, handover = self.takeover, self.handover

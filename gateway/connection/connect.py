@@ -152,7 +152,9 @@ class ConnectHandler:
         client.session = session
         client.will = will
         if present and session.behind:
-            # From the record of a node that crashed: acknowledged since are not sent again.
+            # From the record of a node that crashed: acknowledged since are not sent again,
+            # and a QoS 2 PUBLISH it stored after that record is recognised when resent.
+            sessions.registry.qos2.resumed_behind(session)
             await sessions.skip_acknowledged(session)
             if client.closed:
                 return

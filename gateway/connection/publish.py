@@ -209,6 +209,16 @@ class PublishHandler:
                 # Re-sent before our PUBREC arrived: stored already (state survives restarts).
                 client.write(client.conn.send(PubRec(pid)))
                 return
+            if session.qos2_since is not None:
+                # A QoS 2 PUBLISH of this client has an unknown outcome (gateway/session/qos2.py).
+                if not pub.dup:
+                    session.qos2_since = None  # the resends come before any new PUBLISH
+                elif await self._registry.qos2.stored_before(session, pub):
+                    chain = client.ack_chain
+                    if chain is not None and not chain.done():
+                        await asyncio.gather(chain, return_exceptions=True)
+                    await self._acknowledge(client, pub)
+                    return
             # Until its id joins qos2_inbound, the session's saved records say where in the
             # log a restart looks for it (gateway/session/qos2.py).
             self._registry.qos2.storing(client.client_id, pid)
@@ -230,6 +240,9 @@ class PublishHandler:
             self.store_failed(client, pub, e)
             self._qos2_settled(client, pub)
             return
+        except asyncio.CancelledError:
+            self._qos2_settled(client, pub)  # the connection closed: outcome unknown
+            raise
         if pub.qos == 1:
             # _acknowledge's QoS 1 case inline: no coroutine per publish of a QoS 1 flood.
             if pid is not None and not client.closed:
@@ -314,8 +327,12 @@ class PublishHandler:
     def _qos2_settled(self, client: Publishing, pub: Publish) -> None:
         """A QoS 2 PUBLISH's id joined qos2_inbound, or never will (the store failed, the
         client left before its PUBREC): its mark goes (gateway/session/qos2.py)."""
-        if pub.qos == 2 and pub.packet_id is not None:
-            self._registry.qos2.stored(client.client_id, pub.packet_id)
+        if pub.qos == 2 and (pid := pub.packet_id) is not None:
+            session = client.session
+            qos2 = self._registry.qos2
+            if session is not None and pid not in session.qos2_inbound:
+                qos2.unsure(session, pid)  # maybe stored: a resend is looked for
+            qos2.stored(client.client_id, pid)
 
     async def _acknowledge(self, client: Publishing, pub: Publish) -> None:
         pid = pub.packet_id

@@ -21,7 +21,8 @@ Its JSON (Session.to_json), kept by the registry (gateway/session/registry.py) a
         "will": null | {"topic", "payload" (base64), "qos", "retain", "properties"},
         "will_due_ms": null | int,
         "behind": absent | true,
-        "log_pos": absent | int}
+        "log_pos": absent | int,
+        "qos2_since": absent | int}
 
 `will` is the will of the live connection (kept so a crash still publishes it after restart)
 or, with `will_due_ms`, a delayed will waiting to be published.
@@ -44,7 +45,9 @@ retained copy sent on subscribe, or a delivery whose subscription was removed): 
 
 `log_pos` (embedded store): every QoS 2 message of this client stored in the log below this
 position has its id in `qos2_inbound` or was released; a restart reads the ids of those past it
-back from the log (gateway/session/qos2.py).
+back from the log (gateway/session/qos2.py). On RocketMQ it is the parent queue's position, and
+`qos2_since` (absent: none) is at or below each QoS 2 PUBLISH of the client whose outcome its
+writer did not know: a resend of one (DUP) is looked for from there (same module).
 
 `filter` is the filter as subscribed (with a `$share/g/` prefix for shared subscriptions).
 `next_offset` is the read position; everything below it that is not in `inflight` was delivered
@@ -231,8 +234,10 @@ class Session:
         "expiry_interval",
         "expiry_timer",
         "inflight",
+        "log_pos",
         "protocol_level",
         "qos2_inbound",
+        "qos2_since",
         "subscriptions",
         "will",
         "will_due_ms",
@@ -253,6 +258,9 @@ class Session:
         self.will: Will | None = None  # of the live connection, or pending after it ended
         self.will_due_ms: int | None = None  # set while a delayed will waits
         self.behind = False  # from a crashed node's record (module docstring)
+        self.log_pos: int | None = None  # its record's (gateway/session/qos2.py)
+        #: At or below each QoS 2 PUBLISH of unknown outcome (gateway/session/qos2.py).
+        self.qos2_since: int | None = None
         self._next_packet_id = 1
 
     @property
@@ -346,6 +354,8 @@ class Session:
         }
         if self.behind:
             d["behind"] = True
+        if self.qos2_since is not None:
+            d["qos2_since"] = self.qos2_since
         return d
 
     @classmethod
@@ -353,6 +363,8 @@ class Session:
         s = cls(client_id, int(d.get("protocol_level", 4)), int(d.get("expiry_interval", 0)))
         s.disconnected_at_ms = d.get("disconnected_at_ms")
         s.behind = bool(d.get("behind", False))
+        s.log_pos = d.get("log_pos")
+        s.qos2_since = d.get("qos2_since")
         for sd in d.get("subscriptions", []):
             s.add_subscription(SubscriptionState.from_json(sd))
         for x in d.get("qos2_inbound", []):

@@ -27,31 +27,59 @@ restart reads from the larger of the floor and a session's own `log_pos`: about 
 pass of log.
 
 Only where the log reads back in order (storage.port.LogScan: the embedded store); elsewhere
-nothing is written or read.
+nothing is written or read at a restart.
+
+On RocketMQ (storage.port.PublishScan: the parent topic's queue, read asynchronously) the log is
+not read at a restart but when a resend asks for it, and the question is narrower: a QoS 2
+PUBLISH whose outcome this node does not know. A session carries `qos2_since` (record field
+QOS2_SINCE_FIELD), a position at or below every such PUBLISH of the client:
+
+    set by     a QoS 2 PUBLISH whose store ended without its id joining `qos2_inbound` (the
+               send failed or was not answered: maybe stored; the client left before PUBREC):
+               its mark; a record encoded while a QoS 2 PUBLISH is being stored: its mark (the
+               node may be lost before the outcome); a session resumed from the record of a
+               node that crashed or was lost with it connected: that record's `log_pos`
+    used by    a QoS 2 PUBLISH with DUP whose id is not in `qos2_inbound`: the parent queue is
+               read from `qos2_since` for a message of this client with that packet id, topic
+               and payload; found, it is acknowledged (PUBREC) and not stored again
+    cleared by a QoS 2 PUBLISH without DUP: the client resends its unacknowledged PUBLISH
+               packets first, in order (MQTT-4.6.0-1), so none of those comes after it
+
+A QoS 2 PUBLISH pays one mark (as on the embedded store); the read happens only for such a
+resend, from the position of the client's last record before its outcome was lost. Not kept
+with `rocketmq_spread` (one parent queue per broker): there the resend is stored again.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from gateway.storage.port import LogScan
-from topicmap.record import CLIENT, PID, QOS
+from gateway.storage.port import LogScan, PublishScan, StoreError
+from topicmap.record import CLIENT, PID, QOS, TOPIC
 
 if TYPE_CHECKING:
     from gateway.session.model import Session
 
-#: The session record's field (gateway/session/model.py, written by the registry).
+if TYPE_CHECKING:
+    from gateway.protocol import Publish
+
+log = logging.getLogger("lmqtt.session")
+
+#: The session record's fields (gateway/session/model.py, written by the registry).
 LOG_POS_FIELD = "log_pos"
+QOS2_SINCE_FIELD = "qos2_since"
 
 
 class InboundQos2:
-    """The `log_pos` of each session record, and its use at a restart."""
+    """The `log_pos` of each session record, and its use at a restart (or at a resend)."""
 
-    __slots__ = ("_scan", "_storing", "floor", "saved")
+    __slots__ = ("_publishes", "_scan", "_storing", "floor", "saved")
 
     def __init__(self, store: object) -> None:
         self._scan = store if isinstance(store, LogScan) else None
+        self._publishes = store if self._scan is None and isinstance(store, PublishScan) else None
         # client id -> {packet id: the log's end before that PUBLISH's append}
         self._storing: dict[str, dict[int, int]] = {}
         #: client id -> `log_pos` of the record of a session connected at the crash (load()).
@@ -61,12 +89,78 @@ class InboundQos2:
 
     def end(self) -> int | None:
         """The log's end now (None: no `log_pos` is kept with this backend)."""
-        return None if self._scan is None else self._scan.log_max_offset
+        if self._scan is not None:
+            return self._scan.log_max_offset
+        if self._publishes is not None:
+            return self._publishes.publish_position
+        return None
 
     def storing(self, client_id: str, packet_id: int) -> None:
         """A QoS 2 PUBLISH is about to be appended."""
-        if self._scan is not None:
-            self._storing.setdefault(client_id, {})[packet_id] = self._scan.log_max_offset
+        end = self.end()
+        if end is not None:
+            self._storing.setdefault(client_id, {})[packet_id] = end
+
+    def unsure(self, session: Session, packet_id: int) -> None:
+        """A QoS 2 PUBLISH of `session` ended without its id joining `qos2_inbound`: maybe
+        stored (a resend of it is looked for, see the module docstring). Call before
+        `stored`."""
+        if self._publishes is None:
+            return
+        marks = self._storing.get(session.client_id)
+        mark = None if marks is None else marks.get(packet_id)
+        if mark is not None:
+            since = session.qos2_since
+            session.qos2_since = mark if since is None else min(since, mark)
+
+    def resumed_behind(self, session: Session) -> None:
+        """`session` resumes from the record of a node (or run) that ended with it connected:
+        whatever it published after that record has an unknown outcome."""
+        pos = session.log_pos
+        if self._publishes is None or pos is None:
+            return
+        since = session.qos2_since
+        session.qos2_since = pos if since is None else min(since, pos)
+
+    def since(self, session: Session) -> int | None:
+        """The record's QOS2_SINCE_FIELD now: the session's, lowered to the marks of its QoS 2
+        PUBLISH packets still being stored (None: none)."""
+        if self._publishes is None:
+            return None
+        since = session.qos2_since
+        marks = self._storing.get(session.client_id)
+        if marks:
+            low = min(marks.values())
+            since = low if since is None else min(since, low)
+        return since
+
+    async def stored_before(self, session: Session, pub: Publish) -> bool:
+        """`pub` (QoS 2, DUP, its id not in `qos2_inbound`) is in the log already: a message of
+        this client with its packet id, topic and payload at or past `qos2_since`."""
+        publishes, since = self._publishes, session.qos2_since
+        if publishes is None or since is None:
+            return False
+        cid, pid = session.client_id, str(pub.packet_id)
+        try:
+            async for m in publishes.publishes_since(since):
+                props = m.properties
+                if (
+                    props.get(PID) == pid
+                    and props.get(CLIENT) == cid
+                    and props.get(QOS) == "2"
+                    and props.get(TOPIC) == pub.topic
+                    and m.body == pub.payload
+                ):
+                    log.info(
+                        "%r: QoS 2 PUBLISH %s resent after an unknown outcome was stored"
+                        " already (offset %d): acknowledged, not stored again",
+                        cid, pid, m.queue_offset,
+                    )  # fmt: skip
+                    return True
+        except StoreError as exc:
+            # At least once rather than never: stored (again).
+            log.warning("%r: the log not read for QoS 2 PUBLISH %s (%s)", cid, pid, exc)
+        return False
 
     def stored(self, client_id: str, packet_id: int) -> None:
         """Its id joined `qos2_inbound` (or the append failed, or the exchange was dropped)."""

@@ -20,7 +20,7 @@ from pydantic_core import from_json, to_json
 
 from gateway.clock import now_ms
 from gateway.session.model import NEVER_EXPIRES, Session, SubscriptionState
-from gateway.session.qos2 import LOG_POS_FIELD, InboundQos2
+from gateway.session.qos2 import LOG_POS_FIELD, QOS2_SINCE_FIELD, InboundQos2
 
 if TYPE_CHECKING:
     from gateway.protocol import Will
@@ -357,6 +357,9 @@ class SessionRegistry:
                 d = s.to_json()
                 if end is not None:
                     d[LOG_POS_FIELD] = self.qos2.position(cid, end)
+                    since = self.qos2.since(s)
+                    if since is not None:
+                        d[QOS2_SINCE_FIELD] = since
                 out.append((SESSION_KEY_PREFIX + cid, dumps(d)))
             else:
                 out.append((SESSION_KEY_PREFIX + cid, None))

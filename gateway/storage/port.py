@@ -52,7 +52,7 @@ offset in each, comma-separated, same order); a StoredMessage's `queues` is thei
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from store import (
@@ -139,6 +139,25 @@ class LogScan(Protocol):
 
     def messages_since(self, physical_offset: int) -> Iterator[StoredMessage]:
         """The records from `physical_offset` (an earlier `log_max_offset`) to the end."""
+        ...
+
+
+@runtime_checkable
+class PublishScan(Protocol):
+    """A backend whose publishes read back in store order from a position, asynchronously
+    (RocketMQ: the parent topic's queue): where a QoS 2 PUBLISH resent after an unknown outcome
+    (its node lost, its send unanswered) is looked for before it is stored again
+    (gateway/session/qos2.py)."""
+
+    @property
+    def publish_position(self) -> int | None:
+        """A position at or below that of every publish appended from now on (None: not
+        kept, e.g. publishes spread over several logs)."""
+        ...
+
+    def publishes_since(self, position: int) -> AsyncIterator[StoredMessage]:
+        """The publishes from `position` (an earlier `publish_position`) to the end as of the
+        call (StoreError: the log could not be read)."""
         ...
 
 

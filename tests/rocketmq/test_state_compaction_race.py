@@ -6,11 +6,13 @@ reach its state log) on the session's RocketMQ cluster; the batches are real bro
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 
 from bench.compaction_bench import LagProbe, TurnProbe
 from gateway.storage.rocketmq.adapter import RocketMqStorage
+from gateway.storage.rocketmq.fences import FENCE_KEY_PREFIX
 from gateway.storage.rocketmq.state import StateLog
 from tests.gateway.conftest import GatewayHarness
 from topicmap.rocketmq import STATE_QUEUE, STATE_START, encode_state
@@ -49,6 +51,59 @@ def test_a_snapshot_record_older_than_a_write_after_the_compaction_start_is_skip
     records = h.run(race())
     assert records.get("race/k") == b"new"
     assert records.get("race/other") == b"kept"
+
+
+def test_a_fenced_nodes_batch_after_its_marker_is_dropped_by_a_replay_across_a_compaction(
+    rocketmq_gateway: GatewayHarness,
+) -> None:
+    """The fence rule (gateway/storage/rocketmq/fences.py) at a replay, on the real state queue:
+    node X writes k, node B's marker fences X, the leader's compaction starts after the
+    marker, X's late batch (k again, and a key of its own) lands after that start and before
+    the snapshot's copy of the marker (value: the marker's offset). A replay from the
+    compaction's start reads the late batch before it knows the marker, so it replays again:
+    k is X's value from before the marker, the late key is absent, the marker is kept with its
+    offset (a later compaction copies it so)."""
+    h = rocketmq_gateway
+    store = h.gw.store if h.gw is not None else None
+    assert isinstance(store, RocketMqStorage)
+    state = store._state_log
+    broker = store._broker
+    x = f"x-{uuid.uuid4().hex[:6]}"
+
+    async def late_write() -> tuple[dict[str, bytes], int]:
+        lmq = broker.names.lmq(STATE_QUEUE)
+
+        async def end_at_least(n: int) -> int:
+            """The queue's end once it counts `n` (its dispatch lags SEND_OK a little)."""
+            while (end := await broker.client.get_max_offset(broker.addr, lmq)) < n:
+                await asyncio.sleep(0.01)
+            return end
+
+        before = await broker.client.get_max_offset(broker.addr, lmq)
+        log_x = StateLog(broker, state._send, x)
+        await log_x.wait_durable(log_x.append([("fence-test/k", b"before")]))
+        marked_at = await end_at_least(before + 1)  # where the marker goes
+        log_b = StateLog(broker, state._send, "B")
+        await log_b.wait_durable(log_b.fence(x))
+        start = await end_at_least(marked_at + 1)  # the compaction starts after the marker
+        late = [("fence-test/k", b"late"), ("fence-test/late", b"late")]
+        await log_x.wait_durable(log_x.append(late))
+        copies = [(FENCE_KEY_PREFIX + x, str(marked_at).encode())]
+        await log_b.wait_durable(log_b._send_batch(encode_state(copies), "B", start))
+        keep = [("fence-test/k", b"before")]
+        await log_b.wait_durable(log_b._send_batch(encode_state(keep), x, start))
+        await broker.client.update_consumer_offset(
+            broker.addr, broker.names.lmq(STATE_START), lmq, start
+        )
+        replay = StateLog(broker, state._send, "replayer")
+        await replay.load()
+        assert replay.fences.at.get(x) == marked_at
+        return replay.records, marked_at
+
+    records, marked_at = h.run(late_write())
+    assert records.get("fence-test/k") == b"before"
+    assert "fence-test/late" not in records
+    assert records.get(FENCE_KEY_PREFIX + x) == str(marked_at).encode()
 
 
 def test_a_compaction_of_100000_records_yields_to_the_loop_at_every_batch(

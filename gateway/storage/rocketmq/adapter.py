@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.clock import now_ms
@@ -44,7 +44,7 @@ from gateway.storage.port import (
     StoredMessage,
     StoreError,
 )
-from gateway.storage.rocketmq.broker import Broker
+from gateway.storage.rocketmq.broker import Broker, to_stored
 from gateway.storage.rocketmq.history import ParentHistory
 from gateway.storage.rocketmq.inbound import InboundConsumer
 from gateway.storage.rocketmq.mirrors import Mirrors
@@ -326,6 +326,24 @@ class RocketMqStorage:
     def add_listener(self, listener: ArrivalListener) -> None:
         self._slots.add_listener(listener)
 
+    # -- PublishScan (gateway/session/qos2.py): the parent topic read back ----------------------
+
+    @property
+    def publish_position(self) -> int | None:
+        if self._slots.merged is not None:
+            return None  # spread: one parent queue per broker, no single position
+        return self._history.position()
+
+    async def publishes_since(self, position: int) -> AsyncIterator[StoredMessage]:
+        broker = self._broker
+        try:
+            end = await broker.client.get_max_offset(broker.addr, broker.topic)
+            async for batch in broker.read(broker.topic, position, end):
+                for rec in batch:
+                    yield to_stored(rec, rec.queue_offset, broker.names.queue)
+        except RemotingError as exc:
+            raise StoreError(f"broker {broker.name}: reading {broker.topic}: {exc}") from exc
+
     async def open_queue(self, queue: str) -> None:
         await asyncio.gather(*(m.open_queue(queue) for m in self._slots.live_copies(queue)))
 
@@ -414,6 +432,17 @@ class RocketMqStorage:
         except RemotingError as exc:
             raise StoreError(f"broker {self.broker_name}: reading the state queue: {exc}") from exc
         await self._state_log.reached(end)
+
+    def fence(self, node: str) -> None:
+        """`node` was declared lost: append the marker after which every reader ignores its
+        state writes (gateway/storage/rocketmq/fences.py), before any takeover of its state."""
+        self._state_log.fence(node)
+
+    async def fenced(self, node: str) -> None:
+        """Return once the marker fencing `node` is stored and applied here (so this node's view
+        is the one every reader has); appends it first if this node did not yet."""
+        await self._state_log.wait_durable(self._state_log.fence(node))
+        await self.catch_up_state()
 
     async def catch_up_queue(self, queue: str) -> None:
         """`queue`'s mirror read up to the broker's end now (Mirrors.catch_up)."""

@@ -98,6 +98,11 @@ class ParentHistory:
         if queue_offset is not None and queue_offset >= self._answered:
             self._answered = queue_offset + 1
 
+    def position(self) -> int:
+        """The parent queue's end as this node knows it: every send made from now on takes an
+        offset at or past it (the broker stores in order)."""
+        return max(self._broker_max, self._answered)
+
     # -- opening ---------------------------------------------------------------------------------
 
     async def open(self, since_ms: int) -> None:

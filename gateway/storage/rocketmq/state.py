@@ -22,6 +22,9 @@ holds the value the leader knew before. Each snapshot batch says where its compa
 that start wrote (that record is newer), and the tails skip snapshot batches altogether (a
 node that tails the log has every record already). The leader applies the log up to the
 start before it copies its records, so none stored before the start is missing.
+
+A lost node's batches stored after the first fence marker naming it are dropped by every
+reader, the tails, the replays and so compaction (gateway/storage/rocketmq/fences.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.storage.port import GetResult, GetStatus, StateRecord, StoreError
 from gateway.storage.rocketmq.broker import Broker
+from gateway.storage.rocketmq.fences import FENCE_PROPERTY, Fences, has_marker, marker
 from rocketmq_remoting import RemotingError
 from topicmap.rocketmq import STATE_QUEUE, STATE_START, decode_state, encode_state
 
@@ -100,6 +104,10 @@ class StateLog:
         self._following = False  # follow() runs: reached() answers
         self._open: list[bytes] | None = None  # the queued batch later ones may join
         self._open_size = 0
+        #: The fence markers read (gateway/storage/rocketmq/fences.py): the one rule of every
+        #: reader of the log, this node's tail and replays.
+        self.fences = Fences()
+        self._fences_sent: dict[str, int] = {}  # node -> ticket of our marker fencing it
 
     async def load(self) -> None:
         """Replay the state queue (before the gateway reads state)."""
@@ -109,18 +117,41 @@ class StateLog:
         start = await client.query_consumer_offset(addr, broker.names.lmq(STATE_START), lmq)
         lo = await client.get_min_offset(addr, lmq)
         hi = await client.get_max_offset(addr, lmq)
+        fences = Fences()
+        await self._replay(lmq, max(lo, start or 0), hi, fences)
+        if fences.late:
+            # A lost node's batch came before the snapshot copy of its marker: again, with the
+            # markers known from the start.
+            log.info("state: replaying again with the fence markers of %s", sorted(fences.at))
+            fences = Fences(fences.at)
+            await self._replay(lmq, max(lo, start or 0), hi, fences)
+        self.fences = fences
+        log.info(
+            "state: %d record(s) replayed from %s offsets %d..%d, %d live",
+            self.history, STATE_QUEUE, max(lo, start or 0), hi, len(self.records),
+        )  # fmt: skip
+
+    async def _replay(self, lmq: str, offset: int, hi: int, fences: Fences) -> None:
+        broker = self._broker
         state: dict[str, bytes] = {}
         writers: dict[str, str] = {}
         history = 0
         written_at: dict[str, int] = {}  # key -> offset of its newest ordinary batch
-        offset = max(lo, start or 0)
         async for batch in broker.read(lmq, offset, hi):
             for rec in batch:
                 # The entries of a light queue are consecutive; the broker says so too.
                 offset = rec.light_queue_offsets().get(lmq, offset)
                 node = rec.properties.get(NODE_PROPERTY, "")
                 snapshot = _snapshot_start(rec.properties)
-                for key, value in _decode_state(rec.body):
+                if not fences.admits(node, offset, snapshot=snapshot is not None):
+                    offset += 1
+                    continue  # a lost node's, stored after its takeover
+                records = _decode_state(rec.body)
+                if snapshot is None:
+                    fences.applied(node, offset)
+                if has_marker(records):
+                    records = [*records, *fences.read(records, offset)]
+                for key, value in records:
                     history += 1
                     if snapshot is None:
                         written_at[key] = offset
@@ -137,10 +168,6 @@ class StateLog:
         self.writers = writers
         self.end = hi
         self.history = history
-        log.info(
-            "state: %d record(s) replayed from %s offsets %d..%d, %d live",
-            history, STATE_QUEUE, max(lo, start or 0), hi, len(state),
-        )  # fmt: skip
 
     def append(self, batch: Sequence[StateRecord]) -> int:
         """Apply `batch` and send it; returns the ticket for wait_durable."""
@@ -165,8 +192,22 @@ class StateLog:
         """The ticket of the last batch sent."""
         return self._ticket
 
+    def fence(self, node: str) -> int:
+        """Append the marker fencing `node` (a batch of its own); returns its ticket. It takes
+        effect here as everywhere: when the tail reads it (gateway/storage/rocketmq/fences.py)."""
+        ticket = self._fences_sent.get(node)
+        if ticket is None or ticket in self._failed:  # not sent yet, or refused: (again)
+            body = encode_state([marker(node)])
+            ticket = self._fences_sent[node] = self._send_batch(body, self.node_id, fence=node)
+        return ticket
+
     def _send_batch(
-        self, body: bytes, writer: str | None = None, snapshot: int | None = None
+        self,
+        body: bytes,
+        writer: str | None = None,
+        snapshot: int | None = None,
+        *,
+        fence: str | None = None,
     ) -> int:
         # Group commit: batches made while the previous send is in flight join the one queued
         # behind it (records concatenate), so N sessions saved at once (a fleet connecting,
@@ -187,6 +228,8 @@ class StateLog:
         block = f"{NODE_PROPERTY}\x01{node}\x02".encode() if node else b""
         if snapshot is not None:
             block += f"{SNAPSHOT_PROPERTY}\x01{snapshot}\x02".encode()
+        if fence is not None:
+            block += f"{FENCE_PROPERTY}\x01{fence}\x02".encode()
         self._ticket += 1
         ticket = self._ticket
         prev = self._chain
@@ -335,12 +378,27 @@ class StateLog:
             wake.clear()
             res = get(STATE_QUEUE, self.end, 32)
             if res.status is GetStatus.FOUND:
+                fences = self.fences
                 for msg in res.messages:
-                    if SNAPSHOT_PROPERTY in msg.properties:
+                    props = msg.properties
+                    if SNAPSHOT_PROPERTY in props:
                         continue  # a compaction's copy of records applied here already
-                    node = msg.properties.get(NODE_PROPERTY, "")
+                    node = props.get(NODE_PROPERTY, "")
+                    offset = msg.queue_offset
+                    if not fences.admits(node, offset):
+                        log.warning(
+                            "state: a batch of fenced node %s stored after its takeover (offset"
+                            " %d) ignored", node, offset,
+                        )  # fmt: skip
+                        continue
                     if node != self.node_id:
-                        self._apply_remote(node, _decode_state(msg.body))
+                        records = _decode_state(msg.body)
+                        if FENCE_PROPERTY in props:
+                            records = [*records, *fences.read(records, offset)]
+                        self._apply_remote(node, records)
+                    elif FENCE_PROPERTY in props:
+                        # Our own marker, read back: it takes effect here now, in log order.
+                        self._apply(node, fences.read(_decode_state(msg.body), offset))
                 self.end = res.next_offset
                 if self._reached:
                     self._release_reached()
