@@ -19,8 +19,13 @@ from gateway.messages.records import RecordedPublish, read_record
 from gateway.protocol import PreparedPublish
 from gateway.storage.port import EncodedMessage, PutResult, StoredMessage, stored_runs
 
-# RecentMessages bounds: entries and body bytes.
-RECENT_MESSAGES = 16_384
+# RecentMessages bounds: entries and body bytes. A message counts once per queue it is in (a
+# flood whose messages each go to an exact and two wildcard subscriptions fills three entries
+# per message), and the entries must cover the delivery lag the overload guard lets through at
+# such a flood's rate: a subscriber behind the window reads back from the store, which costs
+# several times more per message and puts it further behind. An entry is a StoredMessage tuple
+# and a list slot (about 120 bytes; bodies are bounded by RECENT_BYTES).
+RECENT_MESSAGES = 65_536
 RECENT_BYTES = 32 << 20
 RECORDS_CACHED = 4096  # decoded records of fan-outs
 COMPACT_AT = 1024  # a window's list drops its evicted head once it is this long and half
