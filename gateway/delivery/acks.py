@@ -97,11 +97,26 @@ class Acknowledgements(LoopState):
             self.ctx.account.moved(self.session, sub)
 
     def _commit_acknowledged(self) -> None:
+        """`_commit` of every subscription marked uncommitted (acknowledged, or read by the
+        pass that ends), in one loop: one commit stage per pass, not a call chain per queue."""
         uncommitted = self._uncommitted
-        while uncommitted:
-            _, sub = uncommitted.popitem()
-            if self.session.by_queue.get(sub.queue) is sub:  # not unsubscribed meanwhile
-                self._commit(sub)
+        if not uncommitted:
+            return
+        self._uncommitted = {}
+        session = self.session
+        by_queue = session.by_queue
+        commit = self.ctx.store.offsets.commit
+        moved = self.ctx.account.moved
+        client_id = session.client_id
+        durable = session.persistent
+        for queue, sub in uncommitted.items():
+            if by_queue.get(queue) is not sub:
+                continue  # unsubscribed meanwhile
+            committed = sub.committed()
+            if committed != sub.last_commit:  # QoS 1 sends behind an unacked one change nothing
+                sub.last_commit = committed
+                commit(client_id, queue, committed, durable=durable)
+                moved(session, sub)
 
     # -- re-sends after a reconnect ----------------------------------------------------------
 

@@ -190,6 +190,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                 progressed = self._send_retained()
                 qos2 = self._new_qos2(before)
             max_offset = self.ctx.store.max_offset
+            codec = self._plain_outbound()
             inflight = self.session.inflight
             client = self.client
             window = self.window
@@ -214,7 +215,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                 if sub.next_offset >= end:
                     continue
                 before = sub.next_offset
-                if self._read(sub):
+                if self._read(sub, codec):
                     progressed = True
                     if sub.qos == 2 and not qos2:
                         qos2 = self._sent_qos2(sub, before)
@@ -224,6 +225,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                     self._behind = True
         finally:
             self._batch = None
+            self._commit_acknowledged()  # the queues read by this pass, in one stage
             if batch:
                 self.wrote(self._loop.time())
                 if self._held is not None or (qos2 and self.session.persistent):
@@ -312,7 +314,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
 
     # -- reading queues ----------------------------------------------------------------------
 
-    def _read(self, sub: SubscriptionState) -> bool:
+    def _read(self, sub: SubscriptionState, codec: tuple[dict[int, int], int] | None) -> bool:
         offset = sub.next_offset
         messages, start, _ = self.ctx.cursor.read(sub.queue, offset, BATCH)
         if start != offset:
@@ -330,7 +332,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             sub.read_phys = None
             self.ctx.sessions.mark_progress(self.session)
         if messages:
-            return self._deliver_batch(sub, messages)
+            return self._deliver_batch(sub, messages, codec)
         return start > offset
 
     # -- shared subscriptions ----------------------------------------------------------------

@@ -34,16 +34,22 @@ class Sender(LoopState):
 
     __slots__ = ()
 
-    def _deliver_batch(self, sub: SubscriptionState, messages: list[StoredMessage]) -> bool:
-        """Send what the window allows of `messages` (written at the end of the pass)."""
+    def _deliver_batch(
+        self,
+        sub: SubscriptionState,
+        messages: list[StoredMessage],
+        codec: tuple[dict[int, int], int] | None,
+    ) -> bool:
+        """Send what the window allows of `messages` (written at the end of the pass). `codec`:
+        the pass's `_plain_outbound()`. The subscription is marked uncommitted: the pass
+        commits every queue it read in one stage at its end (nothing awaits in between)."""
         moved = None
         passed = False
         if sub.replayed_phys >= 0:  # just after a replay (one int test per batch otherwise)
             before = sub.next_offset
             messages = self._pass_replayed(sub, messages)
             passed = sub.next_offset != before
-        codec = self._plain_outbound(sub)
-        if codec is not None and type(messages) is list:
+        if codec is not None and not sub.subscription_identifier and type(messages) is list:
             moved = self._deliver_run(sub, messages, *codec)
         else:
             # Whether other loops read this queue too, asked once per batch: nothing in it
@@ -59,14 +65,16 @@ class Sender(LoopState):
                 moved = msg
         if moved is not None:
             sub.read_phys = moved.physical_offset + 1
-        self._commit(sub)
+        self._uncommitted[sub.queue] = sub
         return passed or moved is not None
 
-    def _plain_outbound(self, sub: SubscriptionState) -> tuple[dict[int, int], int] | None:
-        """The codec's outbound packet ids when this batch may go by the plain run (what the
-        plain path sends without a check of its own: no ACL, topic aliases, packet size limit
-        or subscription identifier, the pass's batch open), else None."""
-        if not self._plain or sub.subscription_identifier or self._batch is None:
+    def _plain_outbound(self) -> tuple[dict[int, int], int] | None:
+        """The codec's outbound packet ids when this pass's batches may go by the plain run
+        (what the plain path sends without a check of its own: no ACL, topic aliases or packet
+        size limit, the pass's batch open; a subscription with an identifier does not), else
+        None. Asked once per pass: nothing in a pass awaits, and a connection that closes
+        meanwhile ends the pass (DeliveryLoop._pass checks `closed` per queue)."""
+        if not self._plain or self._batch is None:
             return None
         client = self.client
         if client.acl is not None or client.conn.protocol_level != self.level:

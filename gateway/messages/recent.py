@@ -19,8 +19,13 @@ from gateway.messages.records import RecordedPublish, read_record
 from gateway.protocol import PreparedPublish
 from gateway.storage.port import EncodedMessage, PutResult, StoredMessage, stored_runs
 
-# RecentMessages bounds: entries and body bytes.
-RECENT_MESSAGES = 16_384
+# RecentMessages bounds: entries and body bytes. A message counts once per queue it is in (a
+# flood whose messages each go to an exact and two wildcard subscriptions fills three entries
+# per message), and the entries must cover the delivery lag the overload guard lets through at
+# such a flood's rate: a subscriber behind the window reads back from the store, which costs
+# several times more per message and puts it further behind. An entry is a StoredMessage tuple
+# and a list slot (about 120 bytes; bodies are bounded by RECENT_BYTES).
+RECENT_MESSAGES = 65_536
 RECENT_BYTES = 32 << 20
 RECORDS_CACHED = 4096  # decoded records of fan-outs
 COMPACT_AT = 1024  # a window's list drops its evicted head once it is this long and half
@@ -159,9 +164,29 @@ class RecentMessages:
         props: Sequence[dict[str, str]],
         results: Sequence[PutResult],
     ) -> None:
-        """add() for a batch appended with MessageStore.append_encoded."""
+        """add() for a batch appended with MessageStore.append_encoded: `_extend` of every
+        queue's run, in one loop in this frame (a batch of a thousand-topic flood touches
+        about one queue per message), with the totals added once."""
+        windows = self._windows
+        trims = self._open.trims
+        count = total = 0
         for q, (run, nbytes) in stored_runs(messages, props, results).items():
-            self._extend(q, run, nbytes)
+            first = run[0][3]
+            n = len(run)
+            if run[-1][3] - first != n - 1:
+                continue  # not consecutive (cannot happen with one writer): left to the store
+            w = windows.get(q)
+            if w is None or w.first + len(w.msgs) - w.head != first:
+                w = windows[q] = _Window(q, first)  # new queue, or a gap: start over
+            w.msgs += run
+            trims[w] = trims.get(w, 0) + n
+            count += n
+            total += nbytes
+        b = self._open
+        b.count += count
+        b.nbytes += total
+        self._count += count
+        self._bytes += total
         self._appended()
 
     def _extend(self, queue: str, run: list[StoredMessage], nbytes: int) -> None:
