@@ -492,6 +492,8 @@ FLEET_METRICS = (
     Metric("broker_cpu", "broker CPU", "cores", False),
     Metric("us_store_cpu_per_publish", "RocketMQ JVMs' CPU per publish", "us", False, ratio=False),
     Metric("store_cpu", "RocketMQ JVMs' CPU", "cores", False, ratio=False),
+    Metric("held_pulls", "pulls held on RocketMQ, the gateway's gauge", "n", False, ratio=False),
+    Metric("broker_held_pulls", "pulls held on RocketMQ, the brokers' count", "n", False, False),
     Metric("rss_mb", "RSS with the fleet connected", "MB", False),
     Metric("kib_per_device", "RSS growth per device", "KiB", False),
     Metric("loss_pct", "undelivered at end", "%", False, ratio=False),
