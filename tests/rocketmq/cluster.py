@@ -371,6 +371,10 @@ class RocketMQCluster:
                     # burst of pipelined sends would be shed as SYSTEM_BUSY
                     # ([TIMEOUT_CLEAN_QUEUE]), which the client reports as BrokerBusyError.
                     "waitTimeMillsInSendQueue=3000",
+                    # A pull answers at most 32 messages from memory by default: the parent
+                    # topic's tail (gateway/storage/rocketmq/tail.py) asks for 256, so that a
+                    # tail behind by a burst catches up in a few round trips.
+                    "maxTransferCountOnMessageInMemory=256",
                     "",
                 ]
             )
