@@ -375,6 +375,10 @@ class RocketMQCluster:
                     # topic's tail (gateway/storage/rocketmq/tail.py) asks for 256, so that a
                     # tail behind by a burst catches up in a few round trips.
                     "maxTransferCountOnMessageInMemory=256",
+                    # One send thread, as lmqtt needs (pipelined sends of one publisher stored
+                    # in order; the gateway warns otherwise): the test flags' one visible
+                    # processor gives 1 anyway, the production flags' two would give 2.
+                    "sendMessageThreadPoolNums=1",
                     "",
                 ]
             )
