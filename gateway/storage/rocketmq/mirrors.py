@@ -66,7 +66,9 @@ class Mirror:
         self.tail = 0  # where the held pull reads from
         self.msgs: dict[int, StoredMessage] = {}
         self.limit = MIRROR_SIZE  # messages kept (the oldest dropped beyond it)
-        self.fetching: set[int] = set()  # offsets of one-shot pulls in flight
+        #: Offsets of one-shot pulls in flight; None while there are none (most mirrors, a
+        #: device's command queue: an empty set is 216 bytes a subscribed queue).
+        self.fetching: set[int] | None = None
         self.task: asyncio.Task[None] | None = None
         #: Who waits for the bounds (`Mirrors._ready`); None while nobody does (most mirrors).
         self.waiters: list[asyncio.Future[None]] | None = None
@@ -132,7 +134,9 @@ class Mirrors:
         if offset >= m.max:
             # Never OVERFLOW_BADLY: our max lags the broker's, a reader past it is not wrong.
             return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, m.min, m.max)
-        if offset not in m.fetching and not self._closed:
+        if (m.fetching is None or offset not in m.fetching) and not self._closed:
+            if m.fetching is None:
+                m.fetching = set()
             m.fetching.add(offset)
             self._spawn(self._fetch(m, offset))
         return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], offset, m.min, m.max)
@@ -343,7 +347,10 @@ class Mirrors:
             log.warning("queue %s: reading offset %d failed: %s", m.queue, offset, exc)
             self._loop.call_later(1.0, self._notify, m)  # the reader will ask again
         finally:
-            m.fetching.discard(offset)
+            if m.fetching is not None:
+                m.fetching.discard(offset)
+                if not m.fetching:
+                    m.fetching = None
 
     def _arrived(self, records: list[MessageRecord]) -> None:
         """The parent topic's tail read `records`: each goes to the mirrors of the light
