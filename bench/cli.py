@@ -123,6 +123,7 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
         rate=args.rate,
         capacity=args.capacity,
         device_window=args.device_window,
+        warmup=args.warmup,
     )
     brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
     results: dict[str, Any] = {}
@@ -268,6 +269,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="fleet: QoS 1 PUBLISHes a device leaves unacknowledged before it waits (0: no "
         "limit, devices write on schedule whatever the broker does; see bench/fleetgen.py)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="fleet: first publish this many s at the offered rate, unmeasured (the RocketMQ"
+        " JVMs' JIT compiles their hot paths then: C2 with --rocketmq-jvm production)",
     )
     parser.add_argument(
         "--account-cost",

@@ -378,6 +378,7 @@ async def fleet(
     capacity: bool = True,
     admin_port: int | None = None,
     window: int = 0,
+    warmup: float = 0.0,
 ) -> Metrics:
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if devices + FD_HEADROOM > limit:
@@ -398,6 +399,8 @@ async def fleet(
             after = broker.rss()
             per_device = (after - baseline) / 1024 / max(connect["connected"], 1)
             held = await held_pulls(broker, admin_port)
+            if warmup > 0:
+                await run.phase(rate, warmup)  # unmeasured: JIT compilation, caches
             gc_before = scrape_gc(admin_port) if admin_port is not None else {}
             fifo = broker.realtime and run.scheduling(True)
             try:

@@ -44,6 +44,7 @@ class RunSettings:
     rate: float = 5_000.0  # fleet: offered msg/s over the whole fleet
     capacity: bool = True  # fleet: also search the highest rate sustained
     device_window: int = 0  # fleet: a device's QoS 1 in-flight window (0: unbounded)
+    warmup: float = 0.0  # fleet: an unmeasured paced phase first, s (the JVMs' JIT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +471,7 @@ def _fleet(qos: int) -> Callable[[BrokerProcess, RunSettings, Path], Awaitable[M
             capacity=settings.capacity,
             admin_port=broker.admin_port,
             window=settings.device_window,
+            warmup=settings.warmup,
         )
 
     return run
