@@ -354,7 +354,11 @@ class Mirrors:
 
     def _arrived(self, records: list[MessageRecord]) -> None:
         """The parent topic's tail read `records`: each goes to the mirrors of the light
-        queues it was dispatched to (the others' are skipped), whose readers are woken."""
+        queues it was dispatched to (the others' are skipped), whose readers are woken.
+        An answer handed out after `close` (the tail hands out in the loop's next step) is
+        dropped."""
+        if self._closed:
+            return
         by_lmq = self._by_lmq
         touched: dict[str, Mirror] = {}
         for rec in records:
