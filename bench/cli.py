@@ -47,9 +47,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @contextlib.asynccontextmanager
-async def rocketmq_cluster(wanted: bool, root: Path) -> AsyncIterator[RocketMQCluster | str | None]:
+async def rocketmq_cluster(
+    wanted: bool, root: Path, jvm: str = "test"
+) -> AsyncIterator[RocketMQCluster | str | None]:
     """The RocketMQ cluster ``lmqtt-rocketmq`` stores on, started once for the whole run and
-    stopped (every JVM) at the end; the reason as a string when it cannot run here."""
+    stopped (every JVM) at the end; the reason as a string when it cannot run here. `jvm`: the
+    test suite's JVM flags or production ones (tests/rocketmq/cluster.py JVM_SETS)."""
     if not wanted:
         yield None
         return
@@ -66,7 +69,7 @@ async def rocketmq_cluster(wanted: bool, root: Path) -> AsyncIterator[RocketMQCl
         yield str(exc)
         return
     root.mkdir(parents=True, exist_ok=True)
-    cluster = RocketMQCluster(root)
+    cluster = RocketMQCluster(root, jvm=jvm)
     try:
         print("... starting the RocketMQ cluster", file=sys.stderr, flush=True)
         try:
@@ -120,12 +123,13 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
         rate=args.rate,
         capacity=args.capacity,
         device_window=args.device_window,
+        warmup=args.warmup,
     )
     brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="lmqtt-bench-") as tmp:
         wanted = any(b in ROCKETMQ_NODES for b in brokers)
-        async with rocketmq_cluster(wanted, Path(tmp) / "rocketmq") as rmq:
+        async with rocketmq_cluster(wanted, Path(tmp) / "rocketmq", args.rocketmq_jvm) as rmq:
             await _run_scenarios(args, settings, brokers, Path(tmp), rmq, results)
     return results
 
@@ -146,6 +150,8 @@ async def _run_scenarios(
         pricing = args.account_cost and "lmqtt" in brokers
         for broker_name in brokers:
             options = scenario.options(broker_name)
+            if options is not None and broker_name in ROCKETMQ_NODES and args.rocketmq_flush:
+                options = replace(options, flush=args.rocketmq_flush)
             entry: dict[str, Any] = {"runs": [], "notes": []}
             results[name][broker_name] = entry
             if options is None:
@@ -231,6 +237,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " starts; needs Java and Maven; lmqtt-rocketmq-2n / -3n: 2 or 3 gateway processes on"
         " it, clients spread over them)",
     )
+    parser.add_argument(
+        "--rocketmq-jvm",
+        choices=("test", "production"),
+        default="test",
+        help="the RocketMQ cluster's JVM flags: the test suite's (small heaps, serial GC, C1"
+        " only) or a production broker's (G1, C2; tests/rocketmq/cluster.py, docs/rocketmq.md)",
+    )
+    parser.add_argument(
+        "--rocketmq-flush",
+        choices=("async", "sync"),
+        help="lmqtt-rocketmq rows: sync stores on the SYNC_FLUSH broker with lmqtt's sync mode"
+        " (PUBACK after the flush), async on the ASYNC_FLUSH one (default: the scenario's)",
+    )
     parser.add_argument("--backlog", type=int, default=1_000_000, help="offline backlog size")
     parser.add_argument(
         "--backlog-seconds", type=float, default=20.0, help="cap on backlog fill and drain, s"
@@ -250,6 +269,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="fleet: QoS 1 PUBLISHes a device leaves unacknowledged before it waits (0: no "
         "limit, devices write on schedule whatever the broker does; see bench/fleetgen.py)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="fleet: first publish this many s at the offered rate, unmeasured (the RocketMQ"
+        " JVMs' JIT compiles their hot paths then: C2 with --rocketmq-jvm production)",
     )
     parser.add_argument(
         "--account-cost",

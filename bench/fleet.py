@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.brokers import BrokerProcess, BrokerUnavailable
+from bench.brokers import ROCKETMQ_NODES, BrokerProcess, BrokerUnavailable
 from bench.realtime import make_normal, make_realtime
 from bench.workers import CpuProbe, RssSampler, Worker, invalid_reason
 
@@ -169,6 +169,36 @@ def scrape_gc(admin_port: int) -> dict[str, float]:
     return out
 
 
+def scrape_held_pulls(admin_port: int) -> int | None:
+    """The gateway's own count of the pulls it holds on its brokers (the gauge
+    ``lmqtt_rocketmq_held_pulls`` of its /metrics); None if unreachable or not on RocketMQ."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    found = re.search(r"^lmqtt_rocketmq_held_pulls ([0-9.e+-]+)$", text, re.MULTILINE)
+    return int(float(found.group(1))) if found else None
+
+
+async def held_pulls(broker: BrokerProcess, admin_port: int | None) -> Metrics:
+    """Pulls held with the fleet connected and subscribed (each device to its ``cmd/{id}``):
+    the gateway's gauge (the first node's) and the brokers' own count (their JVMs' live
+    ``PullRequest`` objects, tests/rocketmq/cluster.py held_pulls), summed over the brokers.
+    Empty for a broker that stores in its own process."""
+    if broker.rocketmq is None or broker.name not in ROCKETMQ_NODES:
+        return {}
+    out: Metrics = {}
+    if admin_port is not None:
+        gauge = scrape_held_pulls(admin_port)
+        if gauge is not None:
+            out["held_pulls"] = gauge
+    counts = await asyncio.to_thread(broker.rocketmq.held_pulls)
+    if counts and all(n is not None for n in counts.values()):
+        out["broker_held_pulls"] = sum(n or 0 for n in counts.values())
+    return out
+
+
 def gc_phase(before: dict[str, float], after: dict[str, float]) -> Metrics:
     """GC pauses between two scrapes: how many, how many over 5 ms, total, and the bound of the
     histogram bucket holding the longest (the max itself is not kept per phase)."""
@@ -246,7 +276,9 @@ class FleetRun:
         await asyncio.gather(*(w.expect("ready", 60) for w in self.workers))
         for gen in self.generators:
             gen.send("connect")
-        timeout = 60 + self.devices / 500
+        # Allows 100 connects/s: a RocketMQ-backed gateway on a shared host connects slower
+        # than 500/s (each subscription reads its queue's bounds from the broker).
+        timeout = 60 + self.devices / 100
         reports = await asyncio.gather(*(g.expect("connected", timeout) for g in self.generators))
         self.connected = [int(r["connected"]) for r in reports]
         span = max(float(r["end"]) for r in reports) - min(float(r["start"]) for r in reports)
@@ -348,6 +380,7 @@ async def fleet(
     capacity: bool = True,
     admin_port: int | None = None,
     window: int = 0,
+    warmup: float = 0.0,
 ) -> Metrics:
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if devices + FD_HEADROOM > limit:
@@ -367,6 +400,9 @@ async def fleet(
             await asyncio.sleep(2.0)  # let the broker settle (lmqtt freezes after connects)
             after = broker.rss()
             per_device = (after - baseline) / 1024 / max(connect["connected"], 1)
+            held = await held_pulls(broker, admin_port)
+            if warmup > 0:
+                await run.phase(rate, warmup)  # unmeasured: JIT compilation, caches
             gc_before = scrape_gc(admin_port) if admin_port is not None else {}
             fifo = broker.realtime and run.scheduling(True)
             try:
@@ -380,6 +416,7 @@ async def fleet(
                 "rss_mb": round(after / 2**20, 1),
                 "kib_per_device": round(per_device, 2),
                 "sched": "fifo" if fifo else "normal",
+                **held,
                 **gc_phase(gc_before, gc_after),
             }
             if capacity:

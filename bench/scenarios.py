@@ -44,6 +44,7 @@ class RunSettings:
     rate: float = 5_000.0  # fleet: offered msg/s over the whole fleet
     capacity: bool = True  # fleet: also search the highest rate sustained
     device_window: int = 0  # fleet: a device's QoS 1 in-flight window (0: unbounded)
+    warmup: float = 0.0  # fleet: an unmeasured paced phase first, s (the JVMs' JIT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -524,6 +525,7 @@ def _fleet(qos: int) -> Callable[[BrokerProcess, RunSettings, Path], Awaitable[M
             capacity=settings.capacity,
             admin_port=broker.admin_port,
             window=settings.device_window,
+            warmup=settings.warmup,
         )
 
     return run
@@ -546,6 +548,8 @@ FLEET_METRICS = (
     Metric("broker_cpu", "broker CPU", "cores", False),
     Metric("us_store_cpu_per_publish", "RocketMQ JVMs' CPU per publish", "us", False, ratio=False),
     Metric("store_cpu", "RocketMQ JVMs' CPU", "cores", False, ratio=False),
+    Metric("held_pulls", "pulls held on RocketMQ, the gateway's gauge", "n", False, ratio=False),
+    Metric("broker_held_pulls", "pulls held on RocketMQ, the brokers' count", "n", False, False),
     Metric("rss_mb", "RSS with the fleet connected", "MB", False),
     Metric("kib_per_device", "RSS growth per device", "KiB", False),
     Metric("loss_pct", "undelivered at end", "%", False, ratio=False),

@@ -185,9 +185,8 @@ class GatewaySettings(BaseSettings):
     )
     # Held pulls per node, not per subscribed light queue: one tail of the parent topic per
     # broker tells the mirrors what arrived (gateway/storage/rocketmq/tail.py). False: each
-    # mirror holds its own pull at its light queue's end (the default until the tail has run
-    # the whole RocketMQ suite and the fleet bench; docs/rocketmq.md).
-    rocketmq_notify_pulls: bool = False
+    # mirror holds its own pull at its light queue's end (docs/rocketmq.md).
+    rocketmq_notify_pulls: bool = True
     # Cluster mode (store = rocketmq): several gateway nodes on one rocketmq_topic, each with
     # `cluster = true` (gateway/cluster/node.py). A node fenced by its lease stops; a lost node's
     # wills are out within the lease (keep it under 1.5 x the clients' keep-alive).

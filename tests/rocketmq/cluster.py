@@ -59,6 +59,33 @@ JVM_OPTS = [
 NAMESRV_HEAP = ["-Xms256m", "-Xmx256m"]
 BROKER_HEAP = ["-Xms384m", "-Xmx384m", "-XX:MaxDirectMemorySize=256m"]
 
+#: The flags of a production broker (RocketMQ's own bin/runbroker.sh for JDK 9+, heaps sized to
+#: this 24 GiB host instead of its 8 GiB): G1, both JIT tiers (C2 compiles the hot paths), every
+#: processor visible. Only `python -m bench --rocketmq-jvm production` starts a cluster with
+#: them (the JVM CPU per publish of both sets: docs/rocketmq.md); the tests keep the test flags.
+PRODUCTION_JVM_OPTS = [
+    "-server",
+    "-XX:+UseG1GC",
+    "-XX:G1HeapRegionSize=16m",
+    "-XX:G1ReservePercent=25",
+    "-XX:InitiatingHeapOccupancyPercent=30",
+    "-XX:SoftRefLRUPolicyMSPerMB=0",
+    "-XX:-OmitStackTraceInFastThrow",
+    "-XX:+AlwaysPreTouch",
+    "-XX:-UseLargePages",
+    "-XX:-UsePerfData",
+    *JVM_OPTS[JVM_OPTS.index("-Djava.net.preferIPv4Stack=true") :],
+]
+PRODUCTION_NAMESRV_HEAP = ["-Xms512m", "-Xmx512m"]
+PRODUCTION_BROKER_HEAP = ["-Xms2g", "-Xmx2g", "-XX:MaxDirectMemorySize=2g"]
+#: A pull the broker holds (RocketMQCluster.held_pulls counts its instances).
+HELD_PULL_CLASS = "org.apache.rocketmq.broker.longpolling.PullRequest"
+#: `RocketMQCluster.jvm`: (flags, name server heap, broker heap) by name.
+JVM_SETS = {
+    "test": (JVM_OPTS, NAMESRV_HEAP, BROKER_HEAP),
+    "production": (PRODUCTION_JVM_OPTS, PRODUCTION_NAMESRV_HEAP, PRODUCTION_BROKER_HEAP),
+}
+
 
 def class_archive(main: str) -> Path:
     """The class-data sharing archive of the JVMs running `main` (name server or broker).
@@ -173,12 +200,14 @@ class RocketMQCluster:
     `host`: the address every process binds and the brokers advertise (brokerIP1/2); `wrap`: a
     command each JVM is started through, e.g. ``ip netns exec NS`` (tests/partition runs the
     cluster in a network namespace of its own, on an address of that namespace). By default
-    127.0.0.1 and no wrapper: the cluster of every other test.
+    127.0.0.1 and no wrapper: the cluster of every other test. `jvm`: a key of JVM_SETS, the
+    test flags unless the bench asks for the production ones.
     """
 
     root: Path
     host: str = "127.0.0.1"
     wrap: tuple[str, ...] = ()
+    jvm: str = "test"
     namesrv_addr: str = ""
     brokers: dict[str, str] = field(default_factory=dict)  # broker name -> host:port
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -192,7 +221,9 @@ class RocketMQCluster:
     def client(self, **kwargs: object) -> RemotingClient:
         return RemotingClient([self.namesrv_addr], **kwargs)  # type: ignore[arg-type]
 
-    def _spawn(self, name: str, main: str, heap: list[str], conf: Path) -> None:
+    def _spawn(self, name: str, main: str, conf: Path) -> None:
+        opts, namesrv_heap, broker_heap = JVM_SETS[self.jvm]
+        heap = namesrv_heap if name == "namesrv" else broker_heap
         java = shutil.which("java")
         assert java is not None
         home = self.root / name
@@ -200,7 +231,9 @@ class RocketMQCluster:
         env = {**os.environ, "ROCKETMQ_HOME": str(home)}
         log = (self.root / f"{name}.out").open("wb")
         archive = class_archive(main)
-        if archive.exists():
+        if self.jvm != "test":
+            cds = []  # the archives hold the test flags' classes (another collector)
+        elif archive.exists():
             cds = [f"-XX:SharedArchiveFile={archive}"]
         elif all(final != archive for _, final in self.dumps.values()):
             # One JVM per kind dumps; a name unique to it, renamed once it is complete.
@@ -213,7 +246,7 @@ class RocketMQCluster:
             *self.wrap,
             java,
             *heap,
-            *JVM_OPTS,
+            *opts,
             *cds,
             f"-Duser.home={home}",
             "-cp",
@@ -237,7 +270,7 @@ class RocketMQCluster:
             f"listenPort={port}\nbindAddress={self.host}\n"
             f"kvConfigPath={self.root / 'namesrv' / 'kvConfig.json'}\n"
         )
-        self._spawn("namesrv", "org.apache.rocketmq.namesrv.NamesrvStartup", NAMESRV_HEAP, conf)
+        self._spawn("namesrv", "org.apache.rocketmq.namesrv.NamesrvStartup", conf)
         self._wait_listening("namesrv", port, timeout)
         return self.namesrv_addr
 
@@ -278,7 +311,7 @@ class RocketMQCluster:
         """Start stopped broker `name` again on its address and store; returns once it is
         registered."""
         conf = self.root / f"{name}.conf"
-        self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
+        self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", conf)
         self.brokers[name] = addr
         self._wait_registered(name, timeout)
 
@@ -338,11 +371,19 @@ class RocketMQCluster:
                     # burst of pipelined sends would be shed as SYSTEM_BUSY
                     # ([TIMEOUT_CLEAN_QUEUE]), which the client reports as BrokerBusyError.
                     "waitTimeMillsInSendQueue=3000",
+                    # A pull answers at most 32 messages from memory by default: the parent
+                    # topic's tail (gateway/storage/rocketmq/tail.py) asks for 256, so that a
+                    # tail behind by a burst catches up in a few round trips.
+                    "maxTransferCountOnMessageInMemory=256",
+                    # One send thread, as lmqtt needs (pipelined sends of one publisher stored
+                    # in order; the gateway warns otherwise): the test flags' one visible
+                    # processor gives 1 anyway, the production flags' two would give 2.
+                    "sendMessageThreadPoolNums=1",
                     "",
                 ]
             )
         )
-        self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", BROKER_HEAP, conf)
+        self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", conf)
         self.brokers[name] = f"{self.host}:{port}"
 
     def start_extra_broker(
@@ -409,6 +450,35 @@ class RocketMQCluster:
                     registered = info.brokers[name].master_addr
                     assert registered == addr, f"{name} registered {registered}, expected {addr}"
                 return
+
+    def held_pulls(self) -> dict[str, int | None]:
+        """The pulls each broker holds now, as the broker itself counts them: the live
+        ``PullRequest`` objects of its JVM (PullRequestHoldService and its light-queue twin keep
+        one per held pull and drop it when the pull is answered), from ``jcmd
+        GC.class_histogram`` (a full collection first, so only live ones count; the broker
+        pauses for it). None for a broker jcmd could not read."""
+        out: dict[str, int | None] = {}
+        jcmd = shutil.which("jcmd")
+        for name, proc in self.procs.items():
+            if name == "namesrv" or proc.poll() is not None:
+                continue
+            out[name] = None
+            if jcmd is None:
+                continue
+            try:
+                done = subprocess.run(
+                    [*self.wrap, jcmd, str(proc.pid), "GC.class_histogram"],
+                    capture_output=True, text=True, timeout=60, check=True,
+                )  # fmt: skip
+            except (OSError, subprocess.SubprocessError):
+                continue
+            out[name] = 0
+            for line in done.stdout.splitlines():
+                # " 123:   <instances>   <bytes>  <class name> (<module>)"
+                cols = line.split()
+                if len(cols) >= 4 and cols[3] == HELD_PULL_CLASS:
+                    out[name] = int(cols[1])
+        return out
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.root / f"{name}.out"

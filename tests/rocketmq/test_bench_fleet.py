@@ -16,11 +16,20 @@ from tests.rocketmq.cluster import RocketMQCluster
 async def test_the_fleet_runs_on_the_rocketmq_backend(
     rocketmq: RocketMQCluster, tmp_path: Path
 ) -> None:
-    broker = BrokerProcess("lmqtt-rocketmq", tmp_path, BrokerOptions(), rocketmq=rocketmq)
+    options = BrokerOptions(admin=True)
+    broker = BrokerProcess("lmqtt-rocketmq", tmp_path, options, rocketmq=rocketmq)
     assert broker.command()[broker.command().index("--namesrv") + 1] == rocketmq.namesrv_addr
     await broker.start()
     try:
-        metrics = await fleet(broker, devices=60, rate=120.0, duration=1.0, qos=1, capacity=False)
+        metrics = await fleet(
+            broker,
+            devices=60,
+            rate=120.0,
+            duration=1.0,
+            qos=1,
+            capacity=False,
+            admin_port=broker.admin_port,
+        )
     finally:
         await broker.stop()
     # Every PUBLISH went to the run's own parent topic on broker-a (async mode's broker).
@@ -36,6 +45,11 @@ async def test_the_fleet_runs_on_the_rocketmq_backend(
     assert metrics["us_store_cpu_per_publish"] > 0
     for key in ("p50_ms", "p99_ms", "us_cpu_per_publish"):
         assert key in metrics
+    # Held pulls with 60 devices each subscribed to its cmd/{id}: the parent topic's tail and
+    # the inbound consumer's queues, not one per device (the gateway's gauge); the brokers'
+    # own count is read too (it may include pulls other tests' gateways left held).
+    assert 1 <= metrics["held_pulls"] <= 8
+    assert metrics["broker_held_pulls"] >= 1
 
 
 def test_without_a_cluster_the_rocketmq_broker_is_unavailable(tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ class RocketMqStorage:
         *,
         sync: bool,
         node_id: str = "",
-        notify_pulls: bool = False,
+        notify_pulls: bool = True,
     ) -> None:
         self.node_id = node_id  # cluster mode: stamped on this process's state records
         self._broker = broker

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterable
 
 from gateway.storage.port import ArrivalListener, GetResult, GetStatus, StoredMessage, StoreError
@@ -37,12 +36,26 @@ log = logging.getLogger("lmqtt.rocketmq")
 SUSPEND_S = 15.0
 #: Messages a mirror keeps per queue (oldest dropped; a reader behind them pulls them again).
 MIRROR_SIZE = 4096
+#: How long opening a queue waits for its bounds before it fails (StoreError).
+READY_S = 10.0
 
 
 class Mirror:
     """What this process knows of one light queue: its bounds and recently read messages."""
 
-    __slots__ = ("fetching", "limit", "lmq", "max", "min", "msgs", "queue", "ready", "tail", "task")
+    __slots__ = (
+        "fetching",
+        "limit",
+        "lmq",
+        "max",
+        "min",
+        "msgs",
+        "queue",
+        "ready",
+        "tail",
+        "task",
+        "waiters",
+    )
 
     def __init__(self, queue: str, lmq: str) -> None:
         self.queue = queue
@@ -53,8 +66,12 @@ class Mirror:
         self.tail = 0  # where the held pull reads from
         self.msgs: dict[int, StoredMessage] = {}
         self.limit = MIRROR_SIZE  # messages kept (the oldest dropped beyond it)
-        self.fetching: set[int] = set()  # offsets of one-shot pulls in flight
+        #: Offsets of one-shot pulls in flight; None while there are none (most mirrors, a
+        #: device's command queue: an empty set is 216 bytes a subscribed queue).
+        self.fetching: set[int] | None = None
         self.task: asyncio.Task[None] | None = None
+        #: Who waits for the bounds (`Mirrors._ready`); None while nobody does (most mirrors).
+        self.waiters: list[asyncio.Future[None]] | None = None
 
 
 class Mirrors:
@@ -89,6 +106,8 @@ class Mirrors:
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
+        for m in self._mirrors.values():
+            self._wake(m)  # a closed store answers nothing more: readers go on (and fail)
         for fut in self._phys_waiters.values():
             fut.cancel()
 
@@ -115,7 +134,9 @@ class Mirrors:
         if offset >= m.max:
             # Never OVERFLOW_BADLY: our max lags the broker's, a reader past it is not wrong.
             return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, m.min, m.max)
-        if offset not in m.fetching and not self._closed:
+        if (m.fetching is None or offset not in m.fetching) and not self._closed:
+            if m.fetching is None:
+                m.fetching = set()
             m.fetching.add(offset)
             self._spawn(self._fetch(m, offset))
         return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, [], offset, m.min, m.max)
@@ -238,11 +259,25 @@ class Mirrors:
     # -- following the broker --------------------------------------------------------------------
 
     async def _ready(self, m: Mirror) -> None:
-        deadline = time.monotonic() + 10.0
-        while not m.ready and not self._closed:
-            if time.monotonic() > deadline:
-                raise StoreError(f"broker {self._broker.name}: no answer for queue {m.queue}")
-            await asyncio.sleep(0.005)
+        """Wait until `m` knows its bounds: woken by `_bounds` (no polling: thousands of
+        subscriptions may wait at once while the broker answers)."""
+        if m.ready or self._closed:
+            return
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        if m.waiters is None:
+            m.waiters = []
+        m.waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, READY_S)
+        except TimeoutError:
+            raise StoreError(f"broker {self._broker.name}: no answer for queue {m.queue}") from None
+
+    @staticmethod
+    def _wake(m: Mirror) -> None:
+        waiters, m.waiters = m.waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _notify(self, m: Mirror) -> None:
         for listener in self._listeners:
@@ -259,6 +294,7 @@ class Mirrors:
         if not m.ready:
             m.tail = m.max
             m.ready = True
+            self._wake(m)
 
     async def _follow(self, m: Mirror) -> None:
         """Learn the queue's bounds, then hold a pull at its end for as long as we run (with
@@ -327,11 +363,18 @@ class Mirrors:
             log.warning("queue %s: reading offset %d failed: %s", m.queue, offset, exc)
             self._loop.call_later(1.0, self._notify, m)  # the reader will ask again
         finally:
-            m.fetching.discard(offset)
+            if m.fetching is not None:
+                m.fetching.discard(offset)
+                if not m.fetching:
+                    m.fetching = None
 
     def _arrived(self, records: list[MessageRecord]) -> None:
         """The parent topic's tail read `records`: each goes to the mirrors of the light
-        queues it was dispatched to (the others' are skipped), whose readers are woken."""
+        queues it was dispatched to (the others' are skipped), whose readers are woken.
+        An answer handed out after `close` (the tail hands out in the loop's next step) is
+        dropped."""
+        if self._closed:
+            return
         by_lmq = self._by_lmq
         touched: dict[str, Mirror] = {}
         for rec in records:

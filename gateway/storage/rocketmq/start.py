@@ -21,6 +21,7 @@ from gateway.storage.rocketmq.broker import Broker
 from gateway.storage.rocketmq.names import PROBE_QUEUE
 from gateway.storage.rocketmq.spread import SLOTS_KEY, slots_from_state
 from gateway.storage.rocketmq.state import STATE_QUEUE
+from gateway.storage.rocketmq.tail import TAIL_BATCH
 from rocketmq_remoting import BrokerError, BrokerNotFoundError, RemotingClient, RemotingError
 from rocketmq_remoting.admin import create_topic, get_broker_config
 from topicmap.rocketmq import encode_lmq
@@ -253,6 +254,15 @@ async def _check_broker_config(client: RemotingClient, name: str, addr: str, *, 
             "broker %s has timerWheelEnable=%s: delayed publishes ($delayed/...) will fail;"
             " set timerWheelEnable=true (and timerMaxDelaySec >= max_delay) there",
             name, config.get("timerWheelEnable", "?"),
+        )  # fmt: skip
+    most = config.get("maxTransferCountOnMessageInMemory", "")
+    if most.isdigit() and int(most) < TAIL_BATCH:
+        # The parent topic's tail then reads fewer messages per round trip than it asks for:
+        # behind by a burst, it catches up that many at a time.
+        log.warning(
+            "broker %s has maxTransferCountOnMessageInMemory=%s: the parent topic's tail reads"
+            " at most that many messages per pull; set it to %d or more",
+            name, most, TAIL_BATCH,
         )  # fmt: skip
     flush = config.get("flushDiskType", "")
     if sync and flush != "SYNC_FLUSH":

@@ -9,8 +9,11 @@ and keep no held pull of their own. Held pulls per node: one per broker, not one
 subscribed light queue.
 
     start      GET_MAX_OFFSET of the parent queue: the tail's first offset (`ready` set after it)
-    follow     PULL_MESSAGE (suspend SUSPEND_S) from the tail's offset; each answer's records go
-               to `deliver`, and the offset moves to the answer's nextBeginOffset
+    follow     PULL_MESSAGE (suspend SUSPEND_S) from the tail's offset; the offset moves to
+               each answer's nextBeginOffset and the next pull is written at once, before the
+               answer's records go to `deliver` (in the loop's next step): the broker holds
+               the next pull while this one's messages are handed out, so a message stored
+               meanwhile is not left waiting for that work
     errors     a refused or lost connection (a broker restart): the same offset again, with
                backoff, so nothing stored meanwhile is skipped; an offset out of the queue's
                range (the broker lost or deleted data): on from where the broker says
@@ -53,6 +56,7 @@ class ParentTail:
         """Follow the parent queue until cancelled."""
         broker = self._broker
         client = broker.client
+        loop = asyncio.get_running_loop()
         backoff = 0.1
         while True:
             try:
@@ -86,11 +90,16 @@ class ParentTail:
             backoff = 0.1
             if res.messages:
                 self.offset = max(self.offset, res.next_begin_offset)
-                try:
-                    self._deliver(res.messages)
-                except Exception:  # one bad answer must not stop every mirror's arrivals
-                    log.exception("parent topic %s: delivering a tail answer failed", broker.topic)
+                # Handed out in the loop's next step: the next pull (the loop's next turn,
+                # written before its first await) goes out first.
+                loop.call_soon(self._hand_out, res.messages)
             elif not res.found:
                 log.debug(
                     "parent topic %s: held pull ended empty (code %d)", broker.topic, res.code
                 )
+
+    def _hand_out(self, records: list[MessageRecord]) -> None:
+        try:
+            self._deliver(records)
+        except Exception:  # one bad answer must not stop every mirror's arrivals
+            log.exception("parent topic %s: delivering a tail answer failed", self._broker.topic)
