@@ -21,8 +21,9 @@ ROCKETMQ (binary) header (``RocketMQSerializable``)::
     code int16 | language int8 | version int16 | opaque int32 | flag int32 |
     remark len int32 + UTF-8 | extFields len int32 + (key len int16 + key, value len int32 + value)*
 
-We send JSON (what every server accepts); we read both, because a server started with
-``rocketmq.serialize.type=ROCKETMQ`` answers in binary.
+We send JSON here (what every server accepts; send_frames.py sends a producer's messages with the
+binary header); we read both, because a server started with ``rocketmq.serialize.type=ROCKETMQ``
+answers in binary.
 """
 
 from __future__ import annotations
