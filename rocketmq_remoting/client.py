@@ -105,6 +105,29 @@ class HomeBroker:
     serving: list[str]
 
 
+#: The answers to a send that mean stored (durability in doubt for all but SUCCESS).
+SEND_STORED = (
+    ResponseCode.SUCCESS,
+    ResponseCode.FLUSH_DISK_TIMEOUT,
+    ResponseCode.FLUSH_SLAVE_TIMEOUT,
+    ResponseCode.SLAVE_NOT_AVAILABLE,
+)
+
+
+def send_result(answer: RemotingCommand, broker_addr: str) -> SendResult:
+    """A send's answer as a SendResult; the typed error (BrokerBusyError, BrokerError) unless
+    the broker stored the message."""
+    raise_for(answer, broker_addr, ok=SEND_STORED)
+    return SendResult(
+        code=answer.code,
+        msg_id=answer.ext_fields.get("msgId", ""),
+        queue_id=_int(answer, "queueId"),
+        queue_offset=_int(answer, "queueOffset"),
+        transaction_id=answer.ext_fields.get("transactionId"),
+        region=answer.ext_fields.get("MSG_REGION"),
+    )
+
+
 def _int(cmd: RemotingCommand, name: str, default: int = 0) -> int:
     value = cmd.ext_fields.get(name)
     return int(value) if value not in (None, "", "null") else default
@@ -157,6 +180,16 @@ class RemotingClient:
                     log.info("rocketmq %s: reconnecting", addr)
                 conn = await Connection.open(addr, self.connect_timeout)
                 self._conns[addr] = conn
+        return conn
+
+    def open_broker_connection(self, addr: str) -> Connection | None:
+        """The open connection to the broker at `addr` (one a broker call opened, so the
+        heartbeats visit it), None if there is none now: for a caller that writes frames
+        itself (Connection.expect) and makes the first call, or one after a drop, with the
+        coroutine calls."""
+        conn = self._conns.get(addr)
+        if conn is None or conn.closed or addr not in self._brokers:
+            return None
         return conn
 
     async def invoke(
@@ -343,24 +376,7 @@ class RemotingClient:
         answer = await self.invoke_broker(
             broker_addr, RequestCode.SEND_MESSAGE_V2, fields, body, timeout
         )
-        raise_for(
-            answer,
-            broker_addr,
-            ok=(
-                ResponseCode.SUCCESS,
-                ResponseCode.FLUSH_DISK_TIMEOUT,
-                ResponseCode.FLUSH_SLAVE_TIMEOUT,
-                ResponseCode.SLAVE_NOT_AVAILABLE,
-            ),
-        )
-        return SendResult(
-            code=answer.code,
-            msg_id=answer.ext_fields.get("msgId", ""),
-            queue_id=_int(answer, "queueId"),
-            queue_offset=_int(answer, "queueOffset"),
-            transaction_id=answer.ext_fields.get("transactionId"),
-            region=answer.ext_fields.get("MSG_REGION"),
-        )
+        return send_result(answer, broker_addr)
 
     async def pull(
         self,

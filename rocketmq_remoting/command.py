@@ -21,8 +21,9 @@ ROCKETMQ (binary) header (``RocketMQSerializable``)::
     code int16 | language int8 | version int16 | opaque int32 | flag int32 |
     remark len int32 + UTF-8 | extFields len int32 + (key len int16 + key, value len int32 + value)*
 
-We send JSON (what every server accepts); we read both, because a server started with
-``rocketmq.serialize.type=ROCKETMQ`` answers in binary.
+We send JSON here (what every server accepts; send_frames.py sends a producer's messages with the
+binary header); we read both, because a server started with ``rocketmq.serialize.type=ROCKETMQ``
+answers in binary.
 """
 
 from __future__ import annotations
@@ -112,31 +113,31 @@ def java_hashmap_order(keys: list[str]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=256)
-def _hashmap_order(keys: tuple[str, ...]) -> tuple[str, ...]:
+def hashmap_order(keys: tuple[str, ...]) -> tuple[str, ...]:
     # A request type sends the same keys each time (a send: the a..n of its V2 header): the
     # order is computed once per key set, not per frame (it was a tenth of a send's CPU).
     return tuple(java_hashmap_order(list(keys)))
 
 
 def _ordered_items(fields: Mapping[str, str]) -> list[tuple[str, str]]:
-    return [(k, fields[k]) for k in _hashmap_order(tuple(fields))]
+    return [(k, fields[k]) for k in hashmap_order(tuple(fields))]
 
 
 #: A JSON string literal, non-ASCII kept as is: exactly `json.dumps(value, ensure_ascii=False)`
 #: (the C function it calls), without building a JSONEncoder per value.
-_json_str = json.encoder.encode_basestring
+json_string = json.encoder.encode_basestring
 
 
 def _encode_json_header(cmd: RemotingCommand) -> bytes:
     parts = [f'{{"code":{cmd.code}']
     if cmd.ext_fields:
         items = ",".join(
-            f"{_json_str(k)}:{_json_str(v)}" for k, v in _ordered_items(cmd.ext_fields)
+            f"{json_string(k)}:{json_string(v)}" for k, v in _ordered_items(cmd.ext_fields)
         )
         parts.append(f',"extFields":{{{items}}}')
     parts.append(f',"flag":{cmd.flag},"language":"{cmd.language}","opaque":{cmd.opaque}')
     if cmd.remark is not None:
-        parts.append(f',"remark":{_json_str(cmd.remark)}')
+        parts.append(f',"remark":{json_string(cmd.remark)}')
     parts.append(f',"serializeTypeCurrentRPC":"JSON","version":{cmd.version}}}')
     return "".join(parts).encode()
 

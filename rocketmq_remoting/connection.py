@@ -12,6 +12,11 @@ never waits on us.
 When the connection drops, every waiting request fails with :class:`RemotingClosedError`; the
 client above opens a new connection for the next request (nothing is retried blindly: a send
 may or may not have been stored).
+
+A caller that sends many requests at once (a producer's sends of one loop turn) may skip the
+coroutine per request: ``next_opaque`` + ``expect`` + ``write`` queue a frame it encoded itself
+and register a callback, called once with the answer or with the RemotingError that ended the
+wait (connection lost, or ``expire`` when the caller's own timer ran out).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+from collections.abc import Callable, Iterable
 from typing import Final
 
 from rocketmq_remoting.codes import FLAG_ONEWAY, FLAG_RESPONSE, ResponseCode
@@ -28,8 +34,12 @@ from rocketmq_remoting.errors import (
     ProtocolError,
     RemotingClosedError,
     RemotingConnectError,
+    RemotingError,
     RemotingTimeoutError,
 )
+
+#: Called once with a request's answer, or with the error that ended the wait for it.
+AnswerCallback = Callable[["RemotingCommand | RemotingError"], None]
 
 log = logging.getLogger(__name__)
 _LEN: Final = struct.Struct(">i")
@@ -52,6 +62,7 @@ class Connection:
         self._reader = reader
         self._writer = writer
         self._pending: dict[int, asyncio.Future[RemotingCommand]] = {}
+        self._callbacks: dict[int, AnswerCallback] = {}  # requests sent with `expect`
         self._opaque = 0
         self._closed = False
         self._close_reason = "connection closed"
@@ -76,7 +87,28 @@ class Connection:
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._callbacks)
+
+    def write(self, frame: bytes) -> None:
+        """Queue an encoded frame; the frames of one loop turn leave in one write."""
+        self._write(frame)
+
+    def expect(self, opaque: int, callback: AnswerCallback) -> None:
+        """Call `callback` with the answer to the request `opaque` (from `next_opaque`, its
+        frame queued with `write`), or with the error that ended the wait. The connection
+        must be open (check `closed` first): a closed one raises RemotingClosedError."""
+        if self._closed:
+            raise RemotingClosedError(self.addr, self._close_reason)
+        self._callbacks[opaque] = callback
+
+    def expire(self, opaques: Iterable[int], code: int, timeout: float) -> None:
+        """The requests of `opaques` still waiting get a RemotingTimeoutError (their
+        caller's timer ran out); a late answer is then dropped."""
+        callbacks = self._callbacks
+        for opaque in opaques:
+            callback = callbacks.pop(opaque, None)
+            if callback is not None:
+                self._call(callback, RemotingTimeoutError(self.addr, code, timeout))
 
     def _write(self, frame: bytes) -> None:
         if not self._out:
@@ -96,7 +128,7 @@ class Connection:
         if not future.done():
             future.set_exception(TimeoutError())
 
-    def _next_opaque(self) -> int:
+    def next_opaque(self) -> int:
         self._opaque = (self._opaque + 1) & 0x7FFFFFFF
         return self._opaque
 
@@ -104,7 +136,7 @@ class Connection:
         """Send ``cmd`` and wait for its answer (any code: the caller interprets it)."""
         if self._closed:
             raise RemotingClosedError(self.addr, self._close_reason)
-        cmd.opaque = self._next_opaque()
+        cmd.opaque = self.next_opaque()
         cmd.flag &= ~(FLAG_RESPONSE | FLAG_ONEWAY)
         future: asyncio.Future[RemotingCommand] = self._loop.create_future()
         self._pending[cmd.opaque] = future
@@ -129,7 +161,7 @@ class Connection:
         """Send ``cmd`` flagged one-way: the server executes it and answers nothing."""
         if self._closed:
             raise RemotingClosedError(self.addr, self._close_reason)
-        cmd.opaque = self._next_opaque()
+        cmd.opaque = self.next_opaque()
         cmd.flag = (cmd.flag | FLAG_ONEWAY) & ~FLAG_RESPONSE
         try:
             self._write(cmd.encode())
@@ -147,6 +179,10 @@ class Connection:
                     raise ProtocolError(f"frame length {length} out of range")
                 cmd = decode_frame(await self._reader.readexactly(length))
                 if cmd.is_response:
+                    callback = self._callbacks.pop(cmd.opaque, None)
+                    if callback is not None:
+                        self._call(callback, cmd)
+                        continue
                     future = self._pending.get(cmd.opaque)
                     if future is not None and not future.done():
                         future.set_result(cmd)
@@ -164,6 +200,12 @@ class Connection:
             raise
         finally:
             self._abort(reason)
+
+    def _call(self, callback: AnswerCallback, answer: RemotingCommand | RemotingError) -> None:
+        try:
+            callback(answer)
+        except Exception:  # a caller's bug must not take the connection down with it
+            log.exception("rocketmq %s: answer callback failed", self.addr)
 
     def _answer_unsupported(self, request: RemotingCommand) -> None:
         answer = RemotingCommand(
@@ -183,6 +225,9 @@ class Connection:
             if not future.done():
                 future.set_exception(RemotingClosedError(self.addr, reason))
         self._pending.clear()
+        callbacks, self._callbacks = self._callbacks, {}
+        for callback in callbacks.values():
+            self._call(callback, RemotingClosedError(self.addr, reason))
         self._writer.close()
 
     def close_nowait(self) -> None:

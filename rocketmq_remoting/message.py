@@ -274,6 +274,15 @@ def encode_message_id(store_host: tuple[str, int], commitlog_offset: int) -> str
     return (packed + struct.pack(">iq", store_host[1], commitlog_offset)).hex().upper()
 
 
+def message_id_offset(msg_id: str) -> int:
+    """The CommitLog offset of an offset message id (its last 8 bytes): decode_message_id's
+    offset without parsing the host."""
+    if len(msg_id) not in (32, 56):
+        raise ValueError(f"not an offset message id: {msg_id!r}")
+    offset = int(msg_id[-16:], 16)
+    return offset - (1 << 64) if offset >= 1 << 63 else offset
+
+
 def decode_message_id(msg_id: str) -> tuple[tuple[str, int], int]:
     """The inverse of :func:`encode_message_id`: ``((host, port), commitlog_offset)``."""
     raw = bytes.fromhex(msg_id)

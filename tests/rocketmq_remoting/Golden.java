@@ -79,5 +79,13 @@ public class Golden {
         binary.setRemark("r\u00e9mark");
         binary.setBody("hello".getBytes());
         print("BINARY", binary);
+
+        // What a producer's send frames carry (rocketmq_remoting/send_frames.py): no remark,
+        // properties with a non-ASCII value.
+        send.setI("INNER_MULTI_DISPATCH\u0001%LMQ%a,%LMQ%b\u0002WAIT\u0001false\u0002mqtt.topic\u0001t\u00f6/x\u0002");
+        RemotingCommand binarySend = stamp(RemotingCommand.createRequestCommand(310, send), 13);
+        binarySend.setSerializeTypeCurrentRPC(SerializeType.ROCKETMQ);
+        binarySend.setBody("hello".getBytes());
+        print("BINARY_SEND", binarySend);
     }
 }

@@ -29,8 +29,10 @@ from rocketmq_remoting.message import (
     dispatch_property,
     encode_message_id,
     encode_properties,
+    message_id_offset,
 )
 from rocketmq_remoting.route import ClusterInfo, TopicRoute, loads_lenient
+from rocketmq_remoting.send_frames import SendFrames
 
 GOLDEN_ROUTE = bytes.fromhex(
     "000000a5000000a17b22636f6465223a3130352c226578744669656c6473223a7b22746f706963223a226c6d"
@@ -82,6 +84,15 @@ GOLDEN_BINARY = bytes.fromhex(
     "300001690000002d494e4e45525f4d554c54495f444953504154434801254c4d5125612c254c4d5125620257"
     "41495401747275650200016a000000013000016b0000000566616c736500016d0000000566616c736568656c"
     "6c6f"
+)
+
+GOLDEN_BINARY_SEND = bytes.fromhex(
+    "000000e5010000dc01360301df0000000d0000000000000000000000c70001610000000e6c6d7174742d7072"
+    "6f6475636572000162000000046d717474000163000000065442573130320001640000000134000165000000"
+    "013000016600000001300001670000000d313736343037393230303030300001680000000130000169000000"
+    "3f494e4e45525f4d554c54495f444953504154434801254c4d5125612c254c4d51256202574149540166616c"
+    "7365026d7174742e746f7069630174c3b62f780200016a000000013000016b0000000566616c736500016d00"
+    "00000566616c736568656c6c6f"
 )
 
 PROPS = "INNER_MULTI_DISPATCH\x01%LMQ%a,%LMQ%b\x02WAIT\x01true\x02"
@@ -163,6 +174,54 @@ def test_binary_header_is_byte_identical_to_java_and_decodes() -> None:
         "PYTHON",
     )
     assert back.ext_fields == _send_fields() and back.body == b"hello"
+
+
+SEND_FRAME_PROPS = (
+    "INNER_MULTI_DISPATCH\x01%LMQ%a,%LMQ%b\x02WAIT\x01false\x02mqtt.topic\x01t\u00f6/x\x02"
+)
+
+
+def test_send_frames_are_byte_identical_to_java() -> None:
+    # The producer's template (binary header) against Java's own encoding of the same send.
+    frames = SendFrames("lmqtt-producer", "mqtt")
+    frame = frames.frame(13, 1764079200000, SEND_FRAME_PROPS.encode(), b"hello")
+    assert frame == GOLDEN_BINARY_SEND
+    back = decode_frame(frame[4:])
+    assert back.serialize_type is SerializeType.ROCKETMQ and back.remark is None
+    assert back.ext_fields["i"] == SEND_FRAME_PROPS and back.ext_fields["g"] == "1764079200000"
+
+
+@pytest.mark.parametrize("serialize_type", [SerializeType.ROCKETMQ, SerializeType.JSON])
+@pytest.mark.parametrize(
+    ("born", "props", "body", "opaque"),
+    [
+        (1764079200000, PROPS, b"hello", 8),
+        (0, "", b"", 1),
+        (2**41, 'a\x01"q\\u\u00e9\U0001f600\x02' * 300, bytes(range(256)) * 40, 2**31 - 1),
+    ],
+)
+def test_send_frames_equal_the_generic_encoder(
+    serialize_type: SerializeType, born: int, props: str, body: bytes, opaque: int
+) -> None:
+    # Every value the template fills in (opaque, g, i, body), both serialize types: the same
+    # bytes as RemotingCommand.encode (itself checked against Java above).
+    frames = SendFrames("lmqtt-producer", "mqtt", serialize_type=serialize_type)
+    fields = headers.send_message_v2(
+        producer_group="lmqtt-producer",
+        topic="mqtt",
+        queue_id=0,
+        born_timestamp=born,
+        properties=props,
+    )
+    cmd = RemotingCommand(
+        code=310, opaque=opaque, ext_fields=fields, body=body, serialize_type=serialize_type
+    )
+    assert frames.frame(opaque, born, props.encode(), body) == cmd.encode()
+
+
+def test_send_frames_refuse_a_frame_over_the_limit() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        SendFrames("g", "t").frame(1, 0, b"", bytes(16 * 1024 * 1024))
 
 
 @pytest.mark.parametrize("golden", ["ROUTE", "SEND", "PULL", "ONEWAY"])
@@ -259,6 +318,11 @@ def test_message_id_round_trip() -> None:
     msg_id = encode_message_id(("127.0.0.1", 10911), 4096)
     assert msg_id == "7F00000100002A9F0000000000001000"
     assert decode_message_id(msg_id) == (("127.0.0.1", 10911), 4096)
+    assert message_id_offset(msg_id) == 4096
+    v6 = encode_message_id(("::1", 10911), 2**40 + 7)
+    assert message_id_offset(v6) == decode_message_id(v6)[1] == 2**40 + 7
+    with pytest.raises(ValueError):
+        message_id_offset(msg_id[:-2])
 
 
 def test_route_bodies_standard_and_fastjson_integer_keys() -> None:

@@ -18,6 +18,7 @@ from rocketmq_remoting import (
     RemotingClient,
     RemotingClosedError,
     RemotingCommand,
+    RemotingError,
     RemotingTimeoutError,
     decode_frame,
 )
@@ -182,3 +183,62 @@ async def test_name_servers_are_tried_in_turn(serve: Serve) -> None:
         info = await client.get_cluster_info()
         assert info.clusters == {"c": []}
         assert client.namesrv_addrs == [good_addr, bad_addr]  # the failing one goes last
+
+
+async def test_expected_answers_reach_their_callbacks_beside_requests(serve: Serve) -> None:
+    # Frames written with `write` and answered by callback (a producer's sends) share the
+    # connection with coroutine requests; answers in any order reach the right one.
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests = [await read_cmd(reader) for _ in range(3)]
+        for req in reversed(requests):
+            writer.write(answer(req, remark=f"for {req.opaque}"))
+        await writer.drain()
+        await reader.read()
+
+    addr = await serve(handler)
+    conn = await Connection.open(addr, 1.0)
+    got: dict[int, RemotingCommand | RemotingError] = {}
+    try:
+        opaques = [conn.next_opaque() for _ in range(2)]
+        for op in opaques:
+            conn.expect(op, lambda a, op=op: got.__setitem__(op, a))
+            conn.write(RemotingCommand(code=310, opaque=op).encode())
+        plain = await conn.request(RemotingCommand(code=31), 2.0)
+        assert plain.remark == f"for {plain.opaque}"
+        await wait_until(lambda: len(got) == 2)
+        for op in opaques:
+            reply = got[op]
+            assert isinstance(reply, RemotingCommand) and reply.remark == f"for {op}"
+        assert conn.in_flight == 0
+    finally:
+        await conn.close()
+
+
+async def test_expected_answers_expire_and_fail_when_the_connection_drops(serve: Serve) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_cmd(reader)
+        await read_cmd(reader)
+        await reader.read(1)  # silent; the client drops the connection
+
+    addr = await serve(handler)
+    conn = await Connection.open(addr, 1.0)
+    got: dict[int, RemotingCommand | RemotingError] = {}
+    first, second = conn.next_opaque(), conn.next_opaque()
+    for op in (first, second):
+        conn.expect(op, lambda a, op=op: got.__setitem__(op, a))
+        conn.write(RemotingCommand(code=310, opaque=op).encode())
+    conn.expire([first], 310, 0.5)  # the caller's timer ran out for `first` only
+    assert isinstance(got.pop(first), RemotingTimeoutError) and not got
+    conn.expire([first], 310, 0.5)  # called once: nothing more
+    assert not got
+    await conn.close()
+    assert isinstance(got.pop(second), RemotingClosedError) and conn.in_flight == 0
+    with pytest.raises(RemotingClosedError):
+        conn.expect(conn.next_opaque(), got.__setitem__)  # type: ignore[arg-type]
+
+
+async def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)

@@ -2,10 +2,21 @@
 
     append   SEND_MESSAGE_V2 to the parent topic (`rocketmq_topic`, one queue), with
              the light queues of the matching filters as its dispatch property (names mapped by
-             gateway/storage/rocketmq/names.py). One task per message, all pipelined on one
-             connection; the batch's ticket (PutResult.end_offset) resolves when every send
-             is SEND_OK, and raises StoreError when one was not (refused, FLUSH_DISK_TIMEOUT,
-             connection lost: maybe stored, not acknowledged; the client sends it again).
+             gateway/storage/rocketmq/names.py), all pipelined on one connection; the batch's
+             ticket (PutResult.end_offset) resolves when every send is SEND_OK, and raises
+             StoreError when one was not (refused, FLUSH_DISK_TIMEOUT, connection lost: maybe
+             stored, not acknowledged; the client sends it again).
+    frames   a batch on an open connection (the usual case) is written at once, each message a
+             frame from the sender's template (rocketmq_remoting/send_frames.py: binary
+             header), its answer taken by a callback (_Batch), one timer per batch: no task
+             or coroutine per message. An answer other than SEND_OK (busy, refused, timeout,
+             connection lost) hands that message to the coroutine path below, as if its first
+             attempt had been made there. The first batch (no connection yet), one after a
+             drop, and one behind a `gate` take the coroutine path whole, and while one of
+             those is in flight later batches do too (they must not overtake it).
+             SEND_MESSAGE_V2 and not SEND_BATCH_MESSAGE: a 5.3.3 broker indexes the light
+             queues of single messages only (CommitLog's batch append assigns no
+             INNER_MULTI_QUEUE_OFFSET, so the consume-queue dispatch skips them).
     busy     SYSTEM_BUSY (nothing stored) is retried with backoff, SEND_ATTEMPTS times.
     sync     `--flush sync` sends WAIT=true: on a SYNC_FLUSH broker SEND_OK follows the flush.
     counted  every send is told to a SendCounter when it is made and when it is answered (its
@@ -27,18 +38,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
 from gateway.storage.port import EncodedMessage, StoreError
 from gateway.storage.rocketmq.broker import Broker
-from rocketmq_remoting import BrokerBusyError, BrokerError, RemotingError, SendResult
-from rocketmq_remoting.message import (
-    PROPERTY_TIMER_DELIVER_MS,
-    decode_message_id,
-    encode_properties,
+from rocketmq_remoting import (
+    BrokerBusyError,
+    BrokerError,
+    RemotingCommand,
+    RemotingError,
+    RequestCode,
+    ResponseCode,
+    SendResult,
 )
+from rocketmq_remoting.client import send_result
+from rocketmq_remoting.connection import Connection
+from rocketmq_remoting.message import (
+    PROPERTY_INNER_MULTI_DISPATCH,
+    PROPERTY_TIMER_DELIVER_MS,
+    PROPERTY_WAIT_STORE_MSG_OK,
+    decode_message_id,
+    dispatch_property,
+    encode_properties,
+    message_id_offset,
+)
+from rocketmq_remoting.send_frames import SendFrames
 from topicmap.record import TOPIC
 from topicmap.rocketmq import EMPTY_BODY_PROPERTY, TOPIC_PROPERTY
 
@@ -46,6 +74,8 @@ log = logging.getLogger("lmqtt.rocketmq")
 
 SEND_ATTEMPTS = 5  # broker busy (nothing stored): retried with backoff
 FAILED_TICKETS_KEPT = 10_000
+#: Light-queue sets whose encoded dispatch property a sender keeps (a route's queues repeat).
+DISPATCH_MEMO = 4096
 #: A broker cannot store an empty body (5.3.3: NullPointerException in buildMsgContext, answered
 #: SYSTEM_ERROR; Java clients refuse empty bodies before sending). An empty MQTT payload (a
 #: retained message's deletion) is sent as one byte with EMPTY_BODY_PROPERTY, and read back
@@ -63,6 +93,10 @@ def topic_in(block: bytes) -> bytes | None:
         return None
     j = block.find(b"\x02", i)
     return block[i + len(_TOPIC_PAIR) : j if j >= 0 else len(block)]
+
+
+#: What a frame-path send was answered: the broker's command, or the error that ended the wait.
+Answer = RemotingCommand | RemotingError
 
 
 class SendCounter(Protocol):
@@ -101,8 +135,17 @@ class Sender:
         self._ticket = 0
         self._batches: dict[int, asyncio.Future[None]] = {}
         self._failed: dict[int, StoreError] = {}
-        self._sending: set[asyncio.Future[None]] = set()  # one per send not answered yet
+        # One per send (coroutine path) or per batch (frames) not answered yet.
+        self._sending: set[asyncio.Future[None]] = set()
+        self._coroutine_batches = 0  # in flight: later batches must not overtake them
+        self._frames = SendFrames(broker.client.producer_group, broker.topic)
+        # Light queues -> the property head of their messages: dispatch, then WAIT.
+        self._heads: dict[tuple[str, ...], bytes] = {}
+        self._wait = encode_properties(
+            {PROPERTY_WAIT_STORE_MSG_OK: "true" if sync else "false"}
+        ).encode()
         self.log_max = 0
+        self._topic_property = broker.topic_property
         if broker.topic_property:  # chosen once: nothing added per message when it is off
             self._send = self._send_with_topic  # type: ignore[method-assign]
 
@@ -112,22 +155,70 @@ class Sender:
         """Send `messages` (all in flight at once, after `gate`); returns the batch's ticket."""
         self._ticket += 1
         ticket = self._ticket
-        sends = [self.send(queues, body, block, gate) for _parent, queues, body, block in messages]
-        batch = asyncio.ensure_future(asyncio.gather(*sends))
         fut: asyncio.Future[None] = self._loop.create_future()
         self._batches[ticket] = fut
-        batch.add_done_callback(lambda b: self._batch_done(ticket, fut, b))
+        conn = None
+        if gate is None and not self._coroutine_batches and messages:
+            conn = self._broker.client.open_broker_connection(self._broker.addr)
+        if conn is not None:
+            frames = self._encode_all(messages)
+            if frames is not None:
+                _Batch(self, ticket, fut, messages, conn).send(frames)
+                return ticket
+        self._coroutine_batches += 1
+        sends = [self.send(queues, body, block, gate) for _parent, queues, body, block in messages]
+        batch = asyncio.ensure_future(asyncio.gather(*sends))
+        batch.add_done_callback(lambda b: self._coroutine_batch_done(ticket, fut, b))
         return ticket
 
-    def _batch_done(
+    def _encode_all(self, messages: Sequence[EncodedMessage]) -> list[tuple[bytes, bytes]] | None:
+        """(properties, body) of each message as its frame carries them; None if a light
+        queue's name is unusable (the coroutine path then fails the batch, as it would)."""
+        heads = self._heads
+        out = []
+        try:
+            for _parent, queues, body, block in messages:
+                key = queues if type(queues) is tuple else tuple(queues)
+                head = heads.get(key)
+                if head is None:
+                    head = self._head(key)
+                if self._topic_property:
+                    topic = topic_in(block)
+                    if topic is not None:
+                        block += _TOPIC_PROPERTY_HEAD + topic + b"\x02"
+                if not body:
+                    body, block = b"\x00", block + _EMPTY_BODY_MARK
+                out.append((head + block, body))
+        except ValueError:
+            return None
+        return out
+
+    def _head(self, queues: tuple[str, ...]) -> bytes:
+        """The property head of a message to `queues`: what client.send_message puts before
+        the block (INNER_MULTI_DISPATCH if any queue, then WAIT)."""
+        lmq = self._broker.names.lmq
+        props = {}
+        if queues:
+            props[PROPERTY_INNER_MULTI_DISPATCH] = dispatch_property([lmq(q) for q in queues])
+        head = encode_properties(props).encode() + self._wait
+        if len(self._heads) >= DISPATCH_MEMO:
+            self._heads.clear()
+        self._heads[queues] = head
+        return head
+
+    def _coroutine_batch_done(
         self, ticket: int, fut: asyncio.Future[None], batch: asyncio.Future[list[SendResult]]
     ) -> None:
-        del self._batches[ticket]
+        self._coroutine_batches -= 1
         err: StoreError | None = None
         if batch.cancelled():
             err = StoreError("send cancelled (storage closing)")
         elif (exc := batch.exception()) is not None:
             err = exc if isinstance(exc, StoreError) else StoreError(str(exc))
+        self._batch_done(ticket, fut, err)
+
+    def _batch_done(self, ticket: int, fut: asyncio.Future[None], err: StoreError | None) -> None:
+        del self._batches[ticket]
         if err is None:
             fut.set_result(None)
             return
@@ -211,16 +302,33 @@ class Sender:
             self._sending.discard(answered)
             answered.set_result(None)
 
+    async def resend(
+        self, queues: Sequence[str], body: bytes, block: bytes, first: Answer
+    ) -> SendResult:
+        """A frame-path send (_Batch) not answered SEND_OK: its first attempt's `first`
+        answer handled, and what follows done, as on the coroutine path; counted."""
+        offset: int | None = None
+        try:
+            res = await self._send(queues, body, block, first)
+            offset = res.queue_offset
+            return res
+        finally:
+            self._counter.sent(offset)
+
     async def _send_with_topic(
-        self, queues: Sequence[str], body: bytes, block: bytes
+        self, queues: Sequence[str], body: bytes, block: bytes, first: Answer | None = None
     ) -> SendResult:
         """_send, the MQTT topic also as TOPIC_PROPERTY (settings.rocketmq_topic_property)."""
         topic = topic_in(block)
         if topic is not None:
             block += _TOPIC_PROPERTY_HEAD + topic + b"\x02"
-        return await Sender._send(self, queues, body, block)
+        return await Sender._send(self, queues, body, block, first)
 
-    async def _send(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
+    async def _send(
+        self, queues: Sequence[str], body: bytes, block: bytes, first: Answer | None = None
+    ) -> SendResult:
+        """One message, SEND_ATTEMPTS times while the broker is busy; `first`: the answer
+        to a first attempt already made (_Batch)."""
         broker = self._broker
         lmqs = [broker.names.lmq(q) for q in queues]
         if not body:
@@ -228,14 +336,20 @@ class Sender:
         delay = 0.05
         for attempt in range(SEND_ATTEMPTS):
             try:
-                res = await broker.client.send_message(
-                    broker.addr,
-                    broker.topic,
-                    body,
-                    light_queues=lmqs,
-                    raw_properties=block.decode("utf-8"),
-                    wait_store=self._sync,
-                )
+                if first is not None:
+                    answer, first = first, None
+                    if isinstance(answer, RemotingError):
+                        raise answer
+                    res = send_result(answer, broker.addr)
+                else:
+                    res = await broker.client.send_message(
+                        broker.addr,
+                        broker.topic,
+                        body,
+                        light_queues=lmqs,
+                        raw_properties=block.decode("utf-8"),
+                        wait_store=self._sync,
+                    )
             except BrokerBusyError as exc:
                 if attempt == SEND_ATTEMPTS - 1:
                     raise StoreError(f"broker {broker.name} busy: {exc}") from exc
@@ -268,3 +382,97 @@ class Sender:
     def saw_phys(self, phys: int) -> None:
         if phys >= self.log_max:
             self.log_max = phys + 1
+
+
+class _Batch:
+    """One send_batch on the frame path: a frame per message written now, answers taken by
+    callback (`_answer`), one timer for all; resolves the ticket when every message is
+    answered (the first error, if any, fails it whole)."""
+
+    __slots__ = (
+        "_answered",
+        "_conn",
+        "_error",
+        "_fut",
+        "_left",
+        "_messages",
+        "_opaques",
+        "_sender",
+        "_ticket",
+        "_timer",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        sender: Sender,
+        ticket: int,
+        fut: asyncio.Future[None],
+        messages: Sequence[EncodedMessage],
+        conn: Connection,
+    ) -> None:
+        self._sender = sender
+        self._ticket = ticket
+        self._fut = fut
+        self._messages = messages
+        self._conn = conn
+        self._left = len(messages)
+        self._error: StoreError | None = None
+        self._answered: asyncio.Future[None] = sender._loop.create_future()
+        self._opaques: list[int] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    def send(self, encoded: list[tuple[bytes, bytes]]) -> None:
+        sender = self._sender
+        sender._sending.add(self._answered)
+        sending = sender._counter.sending
+        frame = sender._frames.frame
+        conn = self._conn
+        answer = self._answer
+        opaques = self._opaques
+        born = int(time.time() * 1000)
+        for i, (properties, body) in enumerate(encoded):
+            sending()
+            opaque = conn.next_opaque()
+            conn.expect(opaque, functools.partial(answer, i))
+            conn.write(frame(opaque, born, properties, body))
+            opaques.append(opaque)
+        self._timer = sender._loop.call_later(sender._broker.client.request_timeout, self._expire)
+
+    def _expire(self) -> None:
+        timeout = self._sender._broker.client.request_timeout
+        self._conn.expire(self._opaques, RequestCode.SEND_MESSAGE_V2, timeout)
+
+    def _answer(self, i: int, answer: Answer) -> None:
+        sender = self._sender
+        if type(answer) is RemotingCommand and answer.code == ResponseCode.SUCCESS:
+            fields = answer.ext_fields
+            offset = fields.get("queueOffset")
+            with contextlib.suppress(KeyError, ValueError):
+                sender.saw_phys(message_id_offset(fields["msgId"]))
+            sender._counter.sent(int(offset) if offset and offset != "null" else 0)
+            self._one_done(None)
+            return
+        _parent, queues, body, block = self._messages[i]
+        task = sender._loop.create_task(sender.resend(queues, body, block, answer))
+        task.add_done_callback(self._resent)
+
+    def _resent(self, task: asyncio.Task[SendResult]) -> None:
+        if task.cancelled():
+            self._one_done(StoreError("send cancelled (storage closing)"))
+        elif (exc := task.exception()) is not None:
+            self._one_done(exc if isinstance(exc, StoreError) else StoreError(str(exc)))
+        else:
+            self._one_done(None)
+
+    def _one_done(self, err: StoreError | None) -> None:
+        if err is not None and self._error is None:
+            self._error = err
+        self._left -= 1
+        if self._left:
+            return
+        sender = self._sender
+        if self._timer is not None:
+            self._timer.cancel()
+        sender._sending.discard(self._answered)
+        self._answered.set_result(None)
+        sender._batch_done(self._ticket, self._fut, self._error)
