@@ -68,6 +68,8 @@ class ClientConnection(ClientTransport):
         "_eof",
         "_last_rx",
         "_opened",
+        "_plain_acl",
+        "_plain_topic",
         "_reader",
         "ack_chain",
         "acl",
@@ -98,6 +100,11 @@ class ClientConnection(ClientTransport):
         # the order of their PUBLISHes; gateway/connection/publish.py).
         self.ack_chain: asyncio.Task[None] | None = None
         self._blocks: PublishProperties | None = None  # made at the first batched PUBLISH
+        # The topic of this client's last plain publish and the ACL it was allowed by
+        # (_plain_publish): a device publishes to the same topic again and again, and the
+        # verdict stands while its ACL object does (a reload hands the client a new one).
+        self._plain_topic: str | None = None
+        self._plain_acl: ClientAccess | None = None
         # Connect timeout and keep-alive: one entry in the gateway's timer wheel (on_due),
         # not a timer per connection; packets only move _last_rx, never the wheel.
         self._opened = self._loop.time()
@@ -189,7 +196,14 @@ class ClientConnection(ClientTransport):
                 kind = type(ev)
                 if kind is Publish:
                     assert isinstance(ev, Publish)
-                    if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
+                    if (
+                        ev.qos < 2
+                        and not ev.retain
+                        and (
+                            (ev.topic == self._plain_topic and self.acl is self._plain_acl)
+                            or self._plain_publish(ev)
+                        )
+                    ):
                         if quota is not None and quota.take(len(ev.payload), self._loop.time()):
                             self._kick(ev)  # over quota: the reader task waits or refuses it
                             return
@@ -230,6 +244,8 @@ class ClientConnection(ClientTransport):
             self.ctx.access.check_publish(self, pub.topic)
         except TopicError:
             return False
+        self._plain_topic = pub.topic
+        self._plain_acl = self.acl
         return True
 
     # -- the ingest batch's side (gateway/connection/ingest.py) -------------------------------
