@@ -193,9 +193,13 @@ class ClientConnection(ClientTransport):
                     acked = []
                     self._protocol_error(err)
                     return
-                kind = type(ev)
-                if kind is Publish:
-                    assert isinstance(ev, Publish)
+                # NEED_DATA first (once per read), then by exact type: no isinstance() calls.
+                if ev is NEED_DATA:
+                    self._unparsed = 0
+                    if self._reading_paused:  # checked here: once per device read
+                        self._resume_reading()
+                    return
+                if type(ev) is Publish:
                     if (
                         ev.qos < 2
                         and not ev.retain
@@ -210,13 +214,7 @@ class ClientConnection(ClientTransport):
                         ingest.add(self, ev)
                         added += 1
                         continue
-                elif ev is NEED_DATA:
-                    self._unparsed = 0
-                    if self._reading_paused:  # checked here: once per device read
-                        self._resume_reading()
-                    return
-                elif kind is PubAck:
-                    assert isinstance(ev, PubAck)
+                elif type(ev) is PubAck:
                     acked.append(ev.packet_id)
                     continue
                 self._kick(ev)  # the task runs after this: the acknowledgements come first
