@@ -183,7 +183,9 @@ class ClientConnection(ClientTransport):
         added = 0  # publishes this read added to the batch (counted here: len() is a call)
         acked: list[int] = []  # PUBACKs of this read: one delivery-loop call for all of them
         try:
-            for _ in range(EVENTS_PER_TURN):
+            budget = EVENTS_PER_TURN
+            while budget > 0:
+                budget -= 1
                 try:
                     ev = conn.next_event()
                 except RemoteProtocolError as err:
@@ -216,6 +218,7 @@ class ClientConnection(ClientTransport):
                         continue
                 elif type(ev) is PubAck:
                     acked.append(ev.packet_id)
+                    budget -= conn.take_pubacks(acked, budget)  # the run of PUBACKs after it
                     continue
                 self._kick(ev)  # the task runs after this: the acknowledgements come first
                 return
