@@ -68,6 +68,8 @@ class ClientConnection(ClientTransport):
         "_eof",
         "_last_rx",
         "_opened",
+        "_plain_acl",
+        "_plain_topic",
         "_reader",
         "ack_chain",
         "acl",
@@ -98,6 +100,11 @@ class ClientConnection(ClientTransport):
         # the order of their PUBLISHes; gateway/connection/publish.py).
         self.ack_chain: asyncio.Task[None] | None = None
         self._blocks: PublishProperties | None = None  # made at the first batched PUBLISH
+        # The topic of this client's last plain publish and the ACL it was allowed by
+        # (_plain_publish): a device publishes to the same topic again and again, and the
+        # verdict stands while its ACL object does (a reload hands the client a new one).
+        self._plain_topic: str | None = None
+        self._plain_acl: ClientAccess | None = None
         # Connect timeout and keep-alive: one entry in the gateway's timer wheel (on_due),
         # not a timer per connection; packets only move _last_rx, never the wheel.
         self._opened = self._loop.time()
@@ -176,7 +183,9 @@ class ClientConnection(ClientTransport):
         added = 0  # publishes this read added to the batch (counted here: len() is a call)
         acked: list[int] = []  # PUBACKs of this read: one delivery-loop call for all of them
         try:
-            for _ in range(EVENTS_PER_TURN):
+            budget = EVENTS_PER_TURN
+            while budget > 0:
+                budget -= 1
                 try:
                     ev = conn.next_event()
                 except RemoteProtocolError as err:
@@ -186,24 +195,30 @@ class ClientConnection(ClientTransport):
                     acked = []
                     self._protocol_error(err)
                     return
-                kind = type(ev)
-                if kind is Publish:
-                    assert isinstance(ev, Publish)
-                    if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
+                # NEED_DATA first (once per read), then by exact type: no isinstance() calls.
+                if ev is NEED_DATA:
+                    self._unparsed = 0
+                    if self._reading_paused:  # checked here: once per device read
+                        self._resume_reading()
+                    return
+                if type(ev) is Publish:
+                    if (
+                        ev.qos < 2
+                        and not ev.retain
+                        and (
+                            (ev.topic == self._plain_topic and self.acl is self._plain_acl)
+                            or self._plain_publish(ev)
+                        )
+                    ):
                         if quota is not None and quota.take(len(ev.payload), self._loop.time()):
                             self._kick(ev)  # over quota: the reader task waits or refuses it
                             return
                         ingest.add(self, ev)
                         added += 1
                         continue
-                elif ev is NEED_DATA:
-                    self._unparsed = 0
-                    if self._reading_paused:  # checked here: once per device read
-                        self._resume_reading()
-                    return
-                elif kind is PubAck:
-                    assert isinstance(ev, PubAck)
+                elif type(ev) is PubAck:
                     acked.append(ev.packet_id)
+                    budget -= conn.take_pubacks(acked, budget)  # the run of PUBACKs after it
                     continue
                 self._kick(ev)  # the task runs after this: the acknowledgements come first
                 return
@@ -230,6 +245,8 @@ class ClientConnection(ClientTransport):
             self.ctx.access.check_publish(self, pub.topic)
         except TopicError:
             return False
+        self._plain_topic = pub.topic
+        self._plain_acl = self.acl
         return True
 
     # -- the ingest batch's side (gateway/connection/ingest.py) -------------------------------

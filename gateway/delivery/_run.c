@@ -28,7 +28,8 @@
  *   - passed over without a packet when its publisher is `passed_over`;
  *   - else its PUBLISH (QoS and RETAIN from the tables, DUP 0) goes to `batch`,
  *     and for QoS > 0: outbound[pid] = unacked, inflight[pid] = inflight_new(pid, queue,
- *     offset, qos), pending[offset] = pid.
+ *     offset, qos) (built here, without its Python __init__, when inflight_new is the class
+ *     `configure_record` named), pending[offset] = pid.
  * `state` = [next offset, next packet id, packets sent, index of the last message passed]
  * is written back on every exit, errors included.
  *
@@ -121,6 +122,79 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
     Py_INCREF(v5);
     Py_XSETREF(k_v5, v5); /* last: plain_run runs once it is set */
     Py_RETURN_NONE;
+}
+
+/* The in-flight record's class (gateway/session/model.py Inflight, a slotted dataclass), handed
+ * over by `configure_record`: its fields' member descriptors in field order, and for each field
+ * after the four plain_run fills (packet id, queue, offset, QoS) its default, or its default
+ * factory (called per record: a fresh list). When `inflight_new` is this class, plain_run builds
+ * the record here, through the descriptors, instead of running the dataclass's Python __init__:
+ * the same object, field for field (tests/gateway/delivery/test_delivery_plain_run.py). */
+static PyTypeObject *rec_type = NULL;
+static PyObject *rec_fields = NULL;    /* tuple of member descriptors */
+static PyObject *rec_defaults = NULL;  /* tuple: a default per field after the fourth */
+static PyObject *rec_factories = NULL; /* tuple of bool: that default is a factory */
+
+static PyObject *
+configure_record(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *type, *fields, *defaults, *factories;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!:configure_record", &PyType_Type, &type, &PyTuple_Type,
+                          &fields, &PyTuple_Type, &defaults, &PyTuple_Type, &factories)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(fields);
+    if (n < 4 || PyTuple_GET_SIZE(defaults) != n - 4 || PyTuple_GET_SIZE(factories) != n - 4) {
+        PyErr_SetString(PyExc_ValueError,
+                        "configure_record: four fields, then one default and flag per field");
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *d = PyTuple_GET_ITEM(fields, k);
+        if (Py_TYPE(d)->tp_descr_set == NULL) {
+            PyErr_SetString(PyExc_TypeError, "configure_record: a field is not a slot");
+            return NULL;
+        }
+    }
+    Py_INCREF(fields);
+    Py_XSETREF(rec_fields, fields);
+    Py_INCREF(defaults);
+    Py_XSETREF(rec_defaults, defaults);
+    Py_INCREF(factories);
+    Py_XSETREF(rec_factories, factories);
+    Py_INCREF(type);
+    Py_XSETREF(rec_type, (PyTypeObject *)type); /* last: plain_run uses it once it is set */
+    Py_RETURN_NONE;
+}
+
+/* A new record of rec_type: fields 0..3 from `first`, the rest their defaults; NULL with an
+ * exception on failure. */
+static PyObject *
+record_new(PyObject *const *first)
+{
+    PyObject *obj = rec_type->tp_alloc(rec_type, 0);
+    if (obj == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(rec_fields);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *value;
+        if (k < 4) {
+            value = Py_NewRef(first[k]);
+        } else if (PyTuple_GET_ITEM(rec_factories, k - 4) == Py_True) {
+            value = PyObject_CallNoArgs(PyTuple_GET_ITEM(rec_defaults, k - 4));
+        } else {
+            value = Py_NewRef(PyTuple_GET_ITEM(rec_defaults, k - 4));
+        }
+        PyObject *d = PyTuple_GET_ITEM(rec_fields, k);
+        if (value == NULL || Py_TYPE(d)->tp_descr_set(d, obj, value) < 0) {
+            Py_XDECREF(value);
+            Py_DECREF(obj);
+            return NULL;
+        }
+        Py_DECREF(value);
+    }
+    return obj;
 }
 
 /* "0", "1", "2" -> 0..2; anything else -> -1 (not the canonical shape). */
@@ -351,7 +425,9 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                 failed = 1;
                 break;
             }
-            flight = PyObject_Vectorcall(args[R_INFLIGHT_NEW], fargs, 4, NULL);
+            flight = args[R_INFLIGHT_NEW] == (PyObject *)rec_type
+                         ? record_new(fargs)
+                         : PyObject_Vectorcall(args[R_INFLIGHT_NEW], fargs, 4, NULL);
             Py_DECREF(fargs[3]);
             if (flight == NULL || PyDict_SetItem(inflight, pid_obj, flight) < 0
                 || PyDict_SetItem(pending, off_obj, pid_obj) < 0) {
@@ -408,6 +484,10 @@ static PyMethodDef methods[] = {
      "configure(topic, qos, retain, client, expiry, v5_keys, qos_table, retain_table): the "
      "record schema's key names (topicmap/record.py) and the delivery rule's tables "
      "(gateway/delivery/rules.py), once, before plain_run."},
+    {"configure_record", configure_record, METH_VARARGS,
+     "configure_record(type, fields, defaults, factories): the in-flight record's class, its "
+     "fields' member descriptors in order and, after the fourth, their defaults (a factory "
+     "where the flag is true); plain_run then builds that class's records itself."},
     {"plain_run", (PyCFunction)(void (*)(void))plain_run, METH_FASTCALL,
      "plain_run(messages, i, state, others, window, level, sub_qos, rap, passed_over, queue, "
      "inflight, pending, inflight_new, topics, outbound, receive_maximum, unacked, batch) -> "

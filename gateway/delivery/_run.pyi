@@ -14,6 +14,9 @@ def configure(
     qos_table: tuple[tuple[int, ...], ...],
     retain_table: tuple[tuple[tuple[bool, ...], ...], ...],
 ) -> None: ...
+def configure_record(
+    type: type, fields: tuple[Any, ...], defaults: tuple[Any, ...], factories: tuple[bool, ...]
+) -> None: ...
 def plain_run(
     messages: list[Any],
     i: int,

@@ -13,7 +13,9 @@ publisher whose messages the subscription passes over (`rules.passed_over`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import MISSING
 from types import ModuleType
 
 import accelerators
@@ -23,7 +25,7 @@ from gateway.session.model import Inflight
 from gateway.storage.port import StoredMessage
 from topicmap.record import CLIENT, EXPIRY, QOS, RETAIN, TOPIC, V5_KEYS
 
-__all__ = ["PLAIN_RUN", "PlainRun", "configured", "plain_run_py"]
+__all__ = ["PLAIN_RUN", "PlainRun", "configured", "plain_run_py", "record_layout"]
 
 # QOS_TABLE by granted QoS: _QOS_BY_GRANTED[granted][message QoS] -> delivered QoS.
 _QOS_BY_GRANTED = tuple(zip(*QOS_TABLE, strict=True))
@@ -131,7 +133,25 @@ def configured(kernel: ModuleType) -> PlainRun:
     """The `plain_run` of the C kernel `kernel` (gateway.delivery._run), handed the record
     schema's key names it reads and the delivery rule's tables it applies."""
     kernel.configure(TOPIC, QOS, RETAIN, CLIENT, EXPIRY, V5_KEYS, QOS_TABLE, RETAIN_TABLE)
+    kernel.configure_record(Inflight, *record_layout(Inflight))
     return kernel.plain_run
+
+
+def record_layout(cls: type) -> tuple[tuple[object, ...], tuple[object, ...], tuple[bool, ...]]:
+    """What the C kernel needs to build a record of the slotted dataclass `cls` without its
+    Python __init__, as `cls(a, b, c, d)` would: the fields' member descriptors in field order,
+    and for each field after the first four (which have no default) its default, or its
+    default factory (flagged True: called per record)."""
+    fields = dataclasses.fields(cls)
+    with_default = [f.default is not MISSING or f.default_factory is not MISSING for f in fields]
+    if "__slots__" not in vars(cls) or any(with_default[:4]) or not all(with_default[4:]):
+        raise TypeError(f"{cls.__name__}: not slotted, four fields without default, then defaults")
+    rest = fields[4:]
+    return (
+        tuple(cls.__dict__[f.name] for f in fields),
+        tuple(f.default if f.default_factory is MISSING else f.default_factory for f in rest),
+        tuple(f.default_factory is not MISSING for f in rest),
+    )
 
 
 def _load_plain_run() -> PlainRun:

@@ -343,6 +343,15 @@ class Connection:
             return queue.popleft()
         return batch[0]
 
+    def take_pubacks(self, out: list[int], limit: int) -> int:
+        """Move the ids of the (at most `limit`) PUBACKs heading the decoded queue to `out`, and
+        return how many: what the next `next_event` calls would hand out, in one call."""
+        queue, n = self._queue, 0
+        while n < limit and queue and type(queue[0]) is PubAck:
+            out.append(queue.popleft().packet_id)  # type: ignore[union-attr,arg-type]
+            n += 1
+        return n
+
     def events(self) -> list[Event]:
         """Every event available now. An error after some events is raised on the next call.
 

@@ -319,6 +319,32 @@ def test_acl_reload_applies_to_connected_clients(
     assert b"still denied" not in bob.payloads()
 
 
+def test_acl_reload_revokes_the_write_right_of_a_connected_publisher(
+    tmp_path: Path, acl_gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    """A device publishing to one topic again and again is refused the first publish after a
+    reload took its right away (the gateway keeps the verdict of the topic it publishes to
+    only while the client's rules stay the ones in force)."""
+    port = acl_gateway.port
+    alice = _user(port, "alice", v5=True)
+    bob = _user(port, "bob", v5=True)
+    clients += [alice, bob]
+    assert bob.subscribe("sensors/#", 1) == [1]
+    codes = _ack_codes(alice)
+    before = [alice.publish("sensors/a", b"before%d" % i, 1).mid for i in range(2)]
+    assert [m.payload for m in bob.wait_messages(2)] == [b"before0", b"before1"]
+    gw = acl_gateway.gw
+    assert gw is not None
+    (tmp_path / "acl").write_text(
+        E2E_ACL.replace("topic readwrite sensors/#", "topic read sensors/#")
+    )
+    assert acl_gateway.call(lambda: gw.access.reload(list(gw.connections)))
+    after = alice.publish("sensors/a", b"after", 1).mid
+    wait_until(lambda: set(before) | {after} <= set(codes), what="acks")
+    assert [codes[m] for m in (*before, after)] == [0, 0, 0x87]
+    assert b"after" not in bob.payloads()
+
+
 @pytest.mark.parametrize("v5", [True, False])
 def test_will_topic_needs_write_access(
     acl_gateway: GatewayHarness, clients: list[Client], v5: bool

@@ -297,3 +297,60 @@ def test_the_c_run_applies_the_rule_tables_it_is_handed() -> None:
 def test_the_c_run_spells_no_record_key() -> None:
     """The record schema's names come from Python (configure), not from the C source."""
     assert "mqtt." not in Path(delivery.__file__).with_name("_run.c").read_text()
+
+
+def test_the_c_run_builds_the_inflight_record_as_its_class_does() -> None:
+    """Handed the class itself as inflight_new (as the sender does), the C run builds each
+    record through the fields' descriptors, not the dataclass's __init__: every field equal to
+    what `Inflight(pid, queue, offset, qos)` holds (the reference builds it so), each record
+    with its own sub_ids list."""
+    _encode_topics()
+    p = _props("1", "0", "other", None, "t/x")
+    messages = [StoredMessage("t", b"m", p, i, 100 * i, 5, 5, i, ("q",)) for i in range(4)]
+    sides = [Side(inflight={}, outbound={}) for _ in range(2)]
+    for run, side in zip((C_RUN, delivery.plain_run_py), sides, strict=True):
+        state = [0, 65534, 0, -1]
+        result = run(
+            messages, 0, state, None, 100, 5, 2, False, None, "q", side.inflight, side.pending,
+            Inflight, ENCODED_TOPICS, side.outbound, 100, 1, side.batch,
+        )  # fmt: skip
+        assert result == (4, False)
+    c_side, py_side = sides
+    assert list(c_side.inflight) == [65534, 65535, 1, 2]
+    assert c_side.inflight == py_side.inflight
+    for inf in c_side.inflight.values():
+        assert type(inf) is Inflight
+        assert inf == Inflight(inf.packet_id, "q", inf.offset, 1)
+    sub_ids = [id(inf.sub_ids) for inf in c_side.inflight.values()]
+    assert len(set(sub_ids)) == len(sub_ids)
+    assert _observed(c_side) == _observed(py_side)
+
+
+def test_the_record_layout_is_refused_unless_the_c_run_can_build_it() -> None:
+    """The C run builds only a slotted class whose first four fields have no default and whose
+    others all have one; another layout is refused, the configured one kept."""
+
+    @dataclass
+    class NoSlots:
+        a: int
+        b: int
+        c: int
+        d: int
+
+    @dataclass(slots=True)
+    class MissingDefault:
+        a: int
+        b: int
+        c: int
+        d: int
+        e: int
+
+    for cls in (NoSlots, MissingDefault):
+        with pytest.raises(TypeError):
+            delivery.record_layout(cls)
+    with pytest.raises(TypeError):  # not descriptors
+        speedups.configure_record(NoSlots, (1, 2, 3, 4), (), ())
+    fields, defaults, factories = delivery.record_layout(Inflight)
+    with pytest.raises(ValueError):  # a default short
+        speedups.configure_record(Inflight, fields, defaults[1:], factories[1:])
+    test_the_c_run_builds_the_inflight_record_as_its_class_does()

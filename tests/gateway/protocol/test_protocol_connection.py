@@ -423,6 +423,28 @@ def test_puback_fast_path_matches_general_path() -> None:
         conn.events()  # packet id 0 falls through to the general path and is refused
 
 
+def test_take_pubacks_hands_out_the_queued_run_next_event_would() -> None:
+    """take_pubacks moves the PUBACKs heading the decoded queue, no more than its limit, and
+    stops at another packet: next_event then goes on exactly where one-by-one calls would."""
+    conn = open_connection(4)
+    for pid in range(1, 6):
+        conn.send(Publish("t", b"", 1, packet_id=pid))
+    acks = b"".join(b"\x40\x02\x00" + bytes([pid]) for pid in range(1, 5))
+    publish = encode(Publish("t", b"x", 0), 4)
+    conn.receive_data(acks + publish + b"\x40\x02\x00\x05")
+    assert conn.next_event() == PubAck(1)
+    out: list[int] = []
+    assert conn.take_pubacks(out, 2) == 2
+    assert conn.take_pubacks(out, 10) == 1
+    assert out == [2, 3, 4]
+    assert conn.take_pubacks(out, 10) == 0
+    assert conn.next_event() == Publish("t", b"x", 0)
+    assert conn.next_event() == PubAck(5)
+    assert conn.take_pubacks(out, 10) == 0 and out == [2, 3, 4]
+    assert conn.next_event() is NEED_DATA
+    assert conn.outbound_in_flight == 0
+
+
 def test_allocate_packet_id_skips_ids_in_flight() -> None:
     conn = open_connection(4)
     conn.restore_outbound(unacknowledged=[1, 2, 4])
