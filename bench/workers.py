@@ -176,6 +176,10 @@ class CpuProbe:
             flags.append("generator-bound")
         if other >= OTHER_LOAD_CORES:
             flags.append("other-load")
+        if any(p.returncode is not None for p in self.broker.processes):
+            # A node that ended mid-window (a cluster node fenced by its lease) took its CPU
+            # time with it: the broker's figure is no measurement then.
+            flags.append("broker-exited")
         cores = psutil.cpu_count() or 1
         if host >= 0.92 * cores and broker < 0.85:
             flags.append("host-saturated")
