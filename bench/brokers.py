@@ -198,6 +198,14 @@ class BrokerProcess:
                 env["LMQTT_CLUSTER"] = "true"  # several nodes on one namespace: cluster mode
         return env
 
+    @property
+    def store_pids(self) -> list[int]:
+        """The processes the broker stores through (RocketMQ's name server and brokers for the
+        ``lmqtt-rocketmq`` brokers; none for the brokers that store in their own process)."""
+        if self.rocketmq is None or self.name not in ROCKETMQ_NODES:
+            return []
+        return [proc.pid for proc in self.rocketmq.procs.values() if proc.poll() is None]
+
     def store_cpu_seconds(self) -> float:
         """CPU time of the processes the broker stores through (RocketMQ's name server and
         brokers for ``lmqtt-rocketmq``; 0 for the brokers that store in their own process)."""

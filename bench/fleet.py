@@ -66,6 +66,10 @@ class PhaseResult:
 def phase_verdict(offered: float, metrics: Metrics) -> str:
     """``ok``, ``fail`` (the broker did not keep up) or ``invalid: <flag>`` (the generator or
     the host was the limit: no verdict about the broker)."""
+    if "broker-exited" in metrics.get("flags", []):
+        # Before the invalidating flags: those are judged from the broker's CPU, which a
+        # process that ended no longer reports.
+        return "fail"
     reason = invalid_reason(metrics.get("flags", []))
     if reason is not None:
         return reason
@@ -262,8 +266,14 @@ class FleetRun:
     def scheduling(self, realtime: bool) -> bool:
         """SCHED_FIFO (bench.realtime) for broker and generators during a paced phase, or back
         to normal (connects and the capacity search: an overloaded broker at real-time
-        priority would starve the shared host). True if the kernel allowed it."""
-        pids = self.broker.pids + [w.process.pid for w in self.workers if w.process]
+        priority would starve the shared host). True if the kernel allowed it.
+
+        The RocketMQ JVMs a gateway stores through go with it: left at normal priority under
+        gateway nodes at real-time priority they got the CPU last, the nodes' heartbeats on the
+        cluster bus (sends to those JVMs) were not read back within the lease, and every node
+        fenced itself and closed its devices' connections mid-phase."""
+        pids = [*self.broker.pids, *self.broker.store_pids]
+        pids += [w.process.pid for w in self.workers if w.process]
         if not realtime:
             for pid in pids:
                 make_normal(pid)

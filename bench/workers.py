@@ -176,8 +176,13 @@ class CpuProbe:
             flags.append("generator-bound")
         if other >= OTHER_LOAD_CORES:
             flags.append("other-load")
+        if any(p.returncode is not None for p in self.broker.processes):
+            # A node that ended mid-window (a cluster node fenced by its lease) took its CPU
+            # time with it: the broker's figure is no measurement then.
+            flags.append("broker-exited")
         cores = psutil.cpu_count() or 1
-        if host >= 0.92 * cores and broker < 0.85:
+        # The JVMs a gateway stores through are the broker's own work, not what saturated it.
+        if host >= 0.92 * cores and broker + store < 0.85:
             flags.append("host-saturated")
         return {
             "broker_cpu_s": round(broker * wall, 3),

@@ -3,7 +3,9 @@ search walks, how the fleet is split and what a phase's GC figures are."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import sys
 
 from bench.fleet import (
     CAPACITY_P99_MS,
@@ -38,6 +40,8 @@ def test_invalid_reason_names_the_flag_that_voids_a_row() -> None:
 
 def test_a_generator_process_past_the_limit_flags_the_run() -> None:
     class Fixed:
+        processes: list[object] = []  # the broker's processes: none ended
+
         def __init__(self, seconds: list[float]) -> None:
             self.seconds = seconds
 
@@ -83,6 +87,36 @@ def test_phase_verdict() -> None:
     verdict = phase_verdict(10_000, _ok(flags=["generator-bound"], p99_ms=50.0))
     assert verdict == "invalid: generator-bound"
     assert phase_verdict(10_000, _ok(flags=["host-saturated"])) == "invalid: host-saturated"
+    # A node that ended mid-phase (fenced by its lease) fails it, whatever else was flagged.
+    assert phase_verdict(10_000, _ok(flags=["broker-exited", "host-saturated"])) == "fail"
+
+
+async def test_a_broker_process_that_ended_flags_the_run() -> None:
+    class Nodes:
+        def __init__(self, processes: list[asyncio.subprocess.Process]) -> None:
+            self.processes = processes
+
+        def cpu_seconds(self) -> float:
+            return 0.0
+
+        def store_cpu_seconds(self) -> float:
+            return 0.0
+
+    alive = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import time; time.sleep(30)"
+    )
+    ended = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await ended.wait()
+    try:
+        probe = CpuProbe(Nodes([alive]), [])  # type: ignore[arg-type]
+        probe.start()
+        assert "broker-exited" not in probe.stop()["flags"]
+        probe = CpuProbe(Nodes([alive, ended]), [])  # type: ignore[arg-type]
+        probe.start()
+        assert "broker-exited" in probe.stop()["flags"]
+    finally:
+        alive.kill()
+        await alive.wait()
 
 
 async def _search(limit: float, invalid_from: float = math.inf) -> tuple[float, str, list[float]]:
