@@ -26,10 +26,12 @@ leader, before its delay runs. If the leader dies too, the next leader finds the
 records of a node that is gone and publishes it when due, once: the dead leader's rewrite
 after publishing removes it, and when the leader was killed between publishing and that
 rewrite being stored, the will is in the wills log (gateway/messages/will_log.py) with its id
-(client id @ due time, both in the record). So a will found pending in a record that already
-says its session is disconnected (a process before this one had it pending, and may have
-published it) is published only if the wills log has no such id from its due time on; else
-only the rewrite is written.
+(client id @ its connection's start, both in the record). The same holds for a will its own
+node published when the connection was lost, the node dying before its record said so: the
+record still says connected, with the will. So a will found in a record that already says its
+session is disconnected (a process before this one had it pending), or in a connected one
+whose will has an id (its node may have published it), is published only if the wills log has
+no such id from the connection's start on; else only the rewrite is written.
 
 A connection of the same client id on any node before a delayed will is due cancels it (the
 session continues: gateway/cluster/takeover.py's "conn" record; the new node's record replaces the
@@ -140,10 +142,10 @@ class NodeWills:
                     rewrites.append((key, to_json(d) if keep else None))
                 if d.get("will"):
                     wills += 1
-                    if rewrite:
+                    if rewrite and d.get("will_conn_ms") is None:
                         self._schedule(cid, key, d, now)
                     else:
-                        at_risk.append((cid, key, d))  # pending before: maybe published
+                        at_risk.append((cid, key, d))  # maybe published by its writer
         if rewrites:
             # Before any will is due (the timers run after this call): the pending wills are
             # in the log with their due times, and every node starts the sessions' expiry.
@@ -184,7 +186,7 @@ class NodeWills:
         """Wills found pending in records that already said their session was disconnected:
         the ones in the wills log are only removed from their records, the others scheduled.
         The wills log unreadable: they are published (at least once rather than never)."""
-        since = min(int(d.get("will_due_ms") or 0) for _cid, _key, d in at_risk)
+        since = min(_since(d) for _cid, _key, d in at_risk)
         try:
             published = await published_wills(self._state, since)
         except Exception as exc:  # whatever failed, the wills go out (never lost)
@@ -236,7 +238,15 @@ class NodeWills:
 
 
 def _will_id(cid: str, d: dict[str, Any]) -> str:
-    return will_id(cid, int(d.get("will_due_ms") or 0))
+    conn = d.get("will_conn_ms")
+    return will_id(cid, None if conn is None else int(conn), int(d.get("will_due_ms") or 0))
+
+
+def _since(d: dict[str, Any]) -> int:
+    """Its will was published (if at all) at this time or later: the connection's start, the
+    due time for a record without it."""
+    conn = d.get("will_conn_ms")
+    return int(conn) if conn is not None else int(d.get("will_due_ms") or 0)
 
 
 def _taken_over(d: dict[str, Any], now: int) -> tuple[dict[str, Any], bool]:

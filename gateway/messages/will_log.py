@@ -4,14 +4,17 @@ A will published by the gateway is one store record like any PUBLISH, also dispa
 light queue WILLS_QUEUE and marked with the will's id (record key `mqtt.will`,
 topicmap/record.py):
 
-    will id = "<client id>@<due time, ms since the epoch>"
+    will id = "<client id>@<start of the connection that left it, ms since the epoch>"
+              (records without `will_conn_ms`: "<client id>@<due time>")
 
-The due time is in the session's record once the will is pending (gateway/session/wills.py,
-gateway/cluster/node_wills.py), so every process that finds the same pending will computes the
-same id. A process that takes over a pending will from a process that may have published it
-already (its publisher died before the rewrite of the record without the will was stored)
-reads the wills log back to the will's due time (`published_wills`) and publishes only the
-wills not found there.
+The connection's start is in the session's record with the will from the CONNECT on
+(gateway/session/wills.py, gateway/cluster/node_wills.py), so every process that finds the same
+will, pending or still of a live connection, computes the same id, whoever published it and
+whenever: a cluster leader taking over the record of a node lost right after it published its
+client's will finds that publication here. A process that takes over a will from a process
+that may have published it already (its publisher died before the rewrite of the record without
+the will was stored) reads the wills log back to the connection's start (`published_wills`) and
+publishes only the wills not found there.
 
 Only will publications pay for this (one more light queue, one property); the wills log is
 read only when a pending will is taken over from a process that is gone.
@@ -36,8 +39,9 @@ PAGE: Final = 32
 CLOCK_SKEW_MS: Final = 60_000
 
 
-def will_id(client_id: str, due_ms: int) -> str:
-    return f"{client_id}@{due_ms}"
+def will_id(client_id: str, conn_ms: int | None, due_ms: int | None) -> str:
+    """The will's id: its connection's start, or for records without it its due time."""
+    return f"{client_id}@{conn_ms if conn_ms is not None else (due_ms or 0)}"
 
 
 class WillsReader(Protocol):

@@ -20,12 +20,15 @@ Its JSON (Session.to_json), kept by the registry (gateway/session/registry.py) a
                       "sub_ids": [subscription identifiers]}],
         "will": null | {"topic", "payload" (base64), "qos", "retain", "properties"},
         "will_due_ms": null | int,
+        "will_conn_ms": absent | int,
         "behind": absent | true,
         "log_pos": absent | int,
         "qos2_since": absent | int}
 
 `will` is the will of the live connection (kept so a crash still publishes it after restart)
-or, with `will_due_ms`, a delayed will waiting to be published.
+or, with `will_due_ms`, a delayed will waiting to be published. `will_conn_ms`: when the
+connection that left the will was accepted; with the client id it names the will wherever and
+whenever it is published (gateway/messages/will_log.py).
 
 `behind`: the record was the newest of a session whose node crashed while it was connected
 (read back at a restart, or rewritten by the cluster's leader, gateway/cluster/node_wills.py): its
@@ -240,6 +243,7 @@ class Session:
         "qos2_since",
         "subscriptions",
         "will",
+        "will_conn_ms",
         "will_due_ms",
     )
 
@@ -257,6 +261,7 @@ class Session:
         self.expiry_timer: asyncio.TimerHandle | None = None
         self.will: Will | None = None  # of the live connection, or pending after it ended
         self.will_due_ms: int | None = None  # set while a delayed will waits
+        self.will_conn_ms: int | None = None  # its connection's start: the will's id
         self.behind = False  # from a crashed node's record (module docstring)
         self.log_pos: int | None = None  # its record's (gateway/session/qos2.py)
         #: At or below each QoS 2 PUBLISH of unknown outcome (gateway/session/qos2.py).
@@ -352,6 +357,8 @@ class Session:
             "will": will_to_json(self.will) if self.will is not None else None,
             "will_due_ms": self.will_due_ms,
         }
+        if self.will is not None and self.will_conn_ms is not None:
+            d["will_conn_ms"] = self.will_conn_ms
         if self.behind:
             d["behind"] = True
         if self.qos2_since is not None:
@@ -372,6 +379,7 @@ class Session:
         if d.get("will"):
             s.will = will_from_json(d["will"])
             s.will_due_ms = d.get("will_due_ms")
+            s.will_conn_ms = d.get("will_conn_ms")
         for i in d.get("inflight", []):
             inf = Inflight(
                 packet_id=int(i["packet_id"]),

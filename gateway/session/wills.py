@@ -115,6 +115,7 @@ class Wills:
         self._scheduler = WillScheduler(self._publish)
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._ids: dict[str, str] = {}  # wills of ended sessions being published: their ids
 
     def __len__(self) -> int:
         """Wills waiting for their delay."""
@@ -125,6 +126,8 @@ class Wills:
         record while it lives, published if it ends abnormally."""
         session.will = will
         session.will_due_ms = None
+        if will is not None:
+            session.will_conn_ms = now_ms()  # the will's id (gateway/messages/will_log.py)
 
     def cancel(self, client_id: str) -> None:
         """The session resumed: a delayed will of its previous connection is not published."""
@@ -135,6 +138,8 @@ class Wills:
         it, else after the will delay (bounded by the session's expiry)."""
         cid = session.client_id
         if session_ended:
+            if session.will_conn_ms is not None:  # the session is gone when it is published
+                self._ids[cid] = will_id(cid, session.will_conn_ms, None)
             self._scheduler.schedule(cid, will, 0)
             return
         delay = 0
@@ -199,7 +204,8 @@ class Wills:
         for session in sessions:
             if session.will is None or session.will_due_ms is None or session.connection:
                 continue  # its client came back meanwhile
-            if will_id(session.client_id, session.will_due_ms) in published:
+            wid = will_id(session.client_id, session.will_conn_ms, session.will_due_ms)
+            if wid in published:
                 log.info("the will of %r was published before the restart", session.client_id)
                 session.will = None
                 session.will_due_ms = None
@@ -208,13 +214,13 @@ class Wills:
                 self._schedule(session, now)
 
     async def _publish(self, client_id: str, will: Will) -> None:
+        wid = self._ids.pop(client_id, None)  # a will in a record has an id
         if self._stopping:
             return
         session = self._sessions.get(client_id)
-        wid: str | None = None  # pending in the record with its due time: the will's id
         if session is not None and session.will is will:
-            if session.will_due_ms is not None:
-                wid = will_id(client_id, session.will_due_ms)
+            if session.will_conn_ms is not None or session.will_due_ms is not None:
+                wid = will_id(client_id, session.will_conn_ms, session.will_due_ms)
             session.will = None
             session.will_due_ms = None
             self._sessions.mark_dirty(session)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic_core import from_json
@@ -67,39 +68,62 @@ def _node(rocketmq: RocketMQCluster, root: Path, namespace: str, node_id: str) -
     )  # fmt: skip
 
 
-async def _restore_pending_will(
-    rocketmq: RocketMQCluster, root: Path, namespace: str, leader: str, client_id: str
-) -> dict[str, object]:
-    """Store again, as `leader`, the newest record of `client_id` that `leader` wrote with the
-    will pending (its takeover rewrite): the log a kill before its post-publication rewrite
-    leaves. Returns that record."""
+async def _stager(
+    rocketmq: RocketMQCluster, root: Path, namespace: str, node: str
+) -> RocketMqStorage:
+    """A storage writing state records as `node` (for `_store_newest`)."""
     settings = GatewaySettings(
-        data_dir=root / "stager",
+        data_dir=root / f"stager-{node}",
         store="rocketmq",
         namesrv=rocketmq.namesrv_addr,
         rocketmq_broker="broker-a",
         rocketmq_topic=namespace,
     )
-    storage = await open_rocketmq(settings, open_storage(settings), node_id=leader)
+    storage = await open_rocketmq(settings, open_storage(settings), node_id=node)
     assert isinstance(storage, RocketMqStorage)
+    return storage
+
+
+async def _store_newest(
+    storage: RocketMqStorage, node: str, client_id: str, which: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """Store again, as `node` (the stager's), the newest record of `client_id` that `node`
+    wrote and `which` accepts: the log a kill before `node`'s next write of it leaves.
+    Returns that record."""
+    broker = storage._broker
+    lmq = broker.names.lmq(STATE_QUEUE)
+    hi = await broker.client.get_max_offset(broker.addr, lmq)
+    key = SESSION_KEY_PREFIX + client_id
+    found: bytes | None = None
+    async for batch in broker.read(lmq, 0, hi):
+        for rec in batch:
+            if rec.properties.get(NODE_PROPERTY) != node:
+                continue
+            for k, value in decode_state(rec.body)[0]:
+                if k == key and value is not None and which(from_json(value)):
+                    found = value
+    assert found is not None, f"{node}'s record of {client_id}"
+    state = storage._state_log
+    await state.wait_durable(state.append([(key, found)]))
+    doc: dict[str, Any] = from_json(found)
+    return doc
+
+
+async def _close(storage: RocketMqStorage) -> None:
+    storage.close()
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _restore_pending_will(
+    rocketmq: RocketMQCluster, root: Path, namespace: str, leader: str, client_id: str
+) -> dict[str, Any]:
+    """Store again, as `leader`, its takeover rewrite of `client_id` with the will pending."""
+    storage = await _stager(rocketmq, root, namespace, leader)
     try:
-        broker = storage._broker
-        lmq = broker.names.lmq(STATE_QUEUE)
-        hi = await broker.client.get_max_offset(broker.addr, lmq)
-        key = SESSION_KEY_PREFIX + client_id
-        pending: bytes | None = None
-        async for batch in broker.read(lmq, 0, hi):
-            for rec in batch:
-                if rec.properties.get(NODE_PROPERTY) != leader:
-                    continue
-                for k, value in decode_state(rec.body)[0]:
-                    if k == key and value is not None and from_json(value).get("will"):
-                        pending = value
-        assert pending is not None, "the leader's takeover rewrite with the will"
-        state = storage._state_log
-        await state.wait_durable(state.append([(key, pending)]))
-        doc: dict[str, object] = from_json(pending)
-        return doc
+        return await _store_newest(storage, leader, client_id, lambda d: bool(d.get("will")))
     finally:
         storage.close()
 
@@ -149,4 +173,53 @@ def test_a_will_published_by_a_leader_killed_before_its_rewrite_is_not_published
         )
         assert [m.topic for m in watcher.messages] == ["dupwill/dev", "dupwill/marker"]
     finally:
+        stop_clients(clients)
+
+
+def test_a_will_its_node_published_before_dying_is_not_published_again(
+    rocketmq: RocketMQCluster, tmp_path: Path, namespace: str, made: list[ServeProcess]
+) -> None:
+    """Node A publishes the will of a dropped connection (no delay) at once and is SIGKILLed
+    right after; its record still saying connected with the will (the housekeeping pass that
+    writes it disconnected may not have run: that record is stored again as A's newest, so the
+    window is hit every time), leader B takes it over: the watcher gets the will once."""
+    tag = uuid.uuid4().hex[:6]
+    b_id, a_id = f"{tag}-1", f"{tag}-2"  # the leader: the smallest live id
+    b, a = (_node(rocketmq, tmp_path, namespace, n) for n in (b_id, a_id))
+    made += [b, a]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(ServeProcess.start, made))
+    clients: list[Client] = []
+    loop = asyncio.new_event_loop()
+    stager = loop.run_until_complete(_stager(rocketmq, tmp_path, namespace, a_id))
+    try:
+        watcher = Client(b.port, "oncewill-watcher")
+        clients.append(watcher)
+        assert watcher.subscribe("oncewill/#", 1) == [1]
+        dev = Client(a.port, "oncewill-dev", clean=False, will=("oncewill/dev", b"gone", 1, False))
+        dev.drop()  # no DISCONNECT: A publishes the will now
+        watcher.wait_messages(1, timeout=10)
+        a.stop(signal.SIGKILL)
+        assert bytes(watcher.messages[0].payload) == b"gone"
+        record = loop.run_until_complete(
+            _store_newest(stager, a_id, "oncewill-dev", lambda d: d.get("will") is not None)
+        )
+        assert record.get("disconnected_at_ms") is None, "A's record from the CONNECT"
+
+        def settled() -> bool:
+            return len(watcher.messages) >= 2 or any(
+                "was published before its publisher was lost" in line for line in b.output
+            )
+
+        wait_until(settled, LEASE_S * 6, "B's takeover of A's will")
+        marker = Client(b.port, "oncewill-marker")
+        clients.append(marker)
+        marker.publish("oncewill/marker", b"end", 1)
+        wait_until(
+            lambda: any(m.topic == "oncewill/marker" for m in watcher.messages), 10, "the marker"
+        )
+        assert [m.topic for m in watcher.messages] == ["oncewill/dev", "oncewill/marker"]
+    finally:
+        loop.run_until_complete(_close(stager))
+        loop.close()
         stop_clients(clients)
