@@ -45,6 +45,23 @@ class Renamed:
         self._listener.on_arrival(self._name if queue == self._topic else queue, max_offset)
 
 
+class MergedEnds:
+    """Arrival listener of a broker's mirrors in a spread deployment: a notice tells where its
+    queue ends (delivery reads up to there without asking), so a spread queue's notice carries
+    the merged end over every broker (the core's one offset), never one broker's own offset;
+    other queues (home-only) pass as they are."""
+
+    def __init__(self, listener: ArrivalListener, slots: Slots) -> None:
+        self._listener = listener
+        self._slots = slots
+
+    def on_arrival(self, queue: str, max_offset: int) -> None:
+        merged = self._slots.merged
+        if merged is not None and spread_queue(queue):
+            max_offset = merged.max_offset(queue)
+        self._listener.on_arrival(queue, max_offset)
+
+
 class Slot:
     """One broker of a spread deployment other than the home broker: its sends, mirrors,
     parent-topic history and committed offsets (gateway/storage/rocketmq/spread.py)."""
@@ -104,7 +121,7 @@ class Slots:
         assert isinstance(self.offsets, SpreadOffsets)
         self.offsets.add(slot.offsets)
         for listener in self._listeners:
-            slot.mirrors.add_listener(listener)
+            slot.mirrors.add_listener(MergedEnds(listener, self))
             slot.history.add_listener(Renamed(listener, broker.topic, slot.history_queue))
         for queue in self._mirrors.queues():
             if spread_queue(queue):
@@ -113,10 +130,10 @@ class Slots:
     def add_listener(self, listener: ArrivalListener) -> None:
         """Told of arrivals on every broker's mirrors and history (added ones too, later)."""
         self._listeners.append(listener)
-        self._mirrors.add_listener(listener)
+        self._mirrors.add_listener(MergedEnds(listener, self))
         self._history.add_listener(listener)
         for slot in self.others:
-            slot.mirrors.add_listener(listener)
+            slot.mirrors.add_listener(MergedEnds(listener, self))
             slot.history.add_listener(Renamed(listener, self._topic, slot.history_queue))
 
     # -- where a message goes ---------------------------------------------------------------------
