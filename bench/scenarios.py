@@ -272,7 +272,9 @@ async def one_to_many(broker: BrokerProcess, settings: RunSettings, qos: int) ->
     )
 
 
-async def wildcard(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
+def _device_backends() -> tuple[list[str], list[dict[str, Any]]]:
+    """1,000 device topics ``dev/{id}/temp`` and the backends reading them: one connection
+    each with ``dev/+/temp`` and ``dev/#``, and ten connections with 100 exact filters each."""
     topics = [f"dev/{i}/temp" for i in range(1000)]
     connections: list[dict[str, Any]] = [
         {"id": "bench-plus", "filters": ["dev/+/temp"]},
@@ -281,6 +283,11 @@ async def wildcard(broker: BrokerProcess, settings: RunSettings, _: Path) -> Met
     connections += [
         {"id": f"bench-exact-{i}", "filters": topics[i * 100 : (i + 1) * 100]} for i in range(10)
     ]
+    return topics, connections
+
+
+async def wildcard(broker: BrokerProcess, settings: RunSettings, _: Path) -> Metrics:
+    topics, connections = _device_backends()
     return await fanout(
         broker, settings, qos=1, connections=connections, topics=topics, per_message=3
     )
@@ -290,14 +297,7 @@ async def wildcard_many(broker: BrokerProcess, settings: RunSettings, _: Path) -
     """The backend shape: 1,000 device topics published from ten connections (QoS 0); one
     connection each with ``dev/+/temp`` and ``dev/#``, and ten connections with 100 exact
     filters each, so every exact subscription gets a trickle of the flood."""
-    topics = [f"dev/{i}/temp" for i in range(1000)]
-    connections: list[dict[str, Any]] = [
-        {"id": "bench-plus", "filters": ["dev/+/temp"]},
-        {"id": "bench-hash", "filters": ["dev/#"]},
-    ]
-    connections += [
-        {"id": f"bench-exact-{i}", "filters": topics[i * 100 : (i + 1) * 100]} for i in range(10)
-    ]
+    topics, connections = _device_backends()
     return await fanout(
         broker,
         settings,
