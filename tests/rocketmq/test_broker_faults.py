@@ -101,7 +101,8 @@ def test_an_idle_subscribers_held_pull_never_times_out_across_a_broker_restart(
     """A subscriber idle while its broker (broker-b of the session) restarts: the light queue's
     held pull, taken up again once the broker is back, ends with PULL_NOT_FOUND after the
     broker's hold (no client timeout: "no answer to request code 11" is never logged), and a
-    message published then reaches the subscriber within 100 ms. With a held pull per mirror
+    message published then reaches the subscriber woken by its arrival: within 1 s, where the
+    broker's next hold check, the only other way the held pull could end, is ~5 s away. With a held pull per mirror
     (`rocketmq_notify_pulls` off): the parent topic's tail is not idle (the gateway's own
     writes reach it every ~10 s), an idle light queue is; the client's hold timing
     checked here is the same for both."""
@@ -155,7 +156,10 @@ def test_an_idle_subscribers_held_pull_never_times_out_across_a_broker_restart(
         assert bytes(got[1].payload) == b"after"
         latency = got[1].timestamp - sent
         print(f"delivered {latency * 1000:.1f} ms after the publish")
-        assert latency < 0.1, f"delivered {latency * 1000:.0f} ms after the publish"
+        # The pull was sent again right after the hold check that ended the second one, so the
+        # next check is ~5 s away: within 1 s only the arrival wake-up can have answered it (a
+        # loaded CI host took 172 ms, so a tighter bound measured the host, not the wake-up).
+        assert latency < 1.0, f"delivered {latency * 1000:.0f} ms after the publish"
     finally:
         stop_clients(clients)
         h.stop()
