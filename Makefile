@@ -43,7 +43,7 @@ lint: $(DEV)
 # fixture (the RocketMQ cluster, the Spark session) on one worker: see tests/conftest.py.
 WORKERS ?= auto
 unit: $(DEV) test-tools
-	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup --durations=40
 
 # The Debian programs end-to-end tests run, installed when missing (best effort: without root or
 # network the tests that need them skip, and fail under .ci/run's LMQTT_REQUIRE_ROCKETMQ=1 and
