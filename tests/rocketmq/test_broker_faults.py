@@ -102,10 +102,10 @@ def test_an_idle_subscribers_held_pull_never_times_out_across_a_broker_restart(
     held pull, taken up again once the broker is back, ends with PULL_NOT_FOUND after the
     broker's hold (no client timeout: "no answer to request code 11" is never logged), and a
     message published then reaches the subscriber woken by its arrival: within 1 s, where the
-    broker's next hold check, the only other way the held pull could end, is ~5 s away. With a held pull per mirror
-    (`rocketmq_notify_pulls` off): the parent topic's tail is not idle (the gateway's own
-    writes reach it every ~10 s), an idle light queue is; the client's hold timing
-    checked here is the same for both."""
+    broker's next hold check, the only other way the held pull could end, is ~5 s away. With a
+    held pull per mirror (`rocketmq_notify_pulls` off): the parent topic's tail is not idle (the
+    gateway's own writes reach it every ~10 s), an idle light queue is; the client's hold
+    timing checked here is the same for both."""
     caplog.set_level(logging.DEBUG, logger="lmqtt.rocketmq")
     h = GatewayHarness(
         tmp_path / "data",
