@@ -163,7 +163,13 @@ class Wills:
         for cid, orphan in sessions.orphan_wills:
             self._scheduler.schedule(cid, orphan, 0)
         sessions.orphan_wills.clear()
-        due_before: list[Session] = []  # due while the previous run was still up
+        # Wills the previous run may have published already: due while it was still up, or
+        # of a connection its record still shows alive (the run published the will when the
+        # connection dropped and died before the record said so). Their ids are looked up in
+        # the wills log, back to the earliest due time or connection start, before any of
+        # them is scheduled.
+        unsure: list[Session] = []
+        since = now
         for session in sessions.sessions.values():
             will = session.will
             if will is None:
@@ -171,12 +177,17 @@ class Wills:
             if session.will_due_ms is None:
                 delay = (will.properties.will_delay_interval or 0) if will.properties else 0
                 session.will_due_ms = now + delay * 1000
+                if session.will_conn_ms is not None:
+                    unsure.append(session)
+                    since = min(since, session.will_conn_ms)
+                    continue
             elif session.will_due_ms <= now:
-                due_before.append(session)
+                unsure.append(session)
+                since = min(since, session.will_due_ms)
                 continue
             self._schedule(session, now)
-        if due_before:
-            task = asyncio.get_running_loop().create_task(self._restore_due(due_before))
+        if unsure:
+            task = asyncio.get_running_loop().create_task(self._restore_unsure(unsure, since))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -188,11 +199,11 @@ class Wills:
             due = min(due, expires)
         self._scheduler.schedule(session.client_id, will, max(0, due - now) / 1000)
 
-    async def _restore_due(self, sessions: list[Session]) -> None:
-        """Wills due before this start: those the wills log has are only cleared from their
-        sessions; the others are published now. An unreadable log means publishing (at least
-        once, never lost)."""
-        since = min(s.will_due_ms or 0 for s in sessions)
+    async def _restore_unsure(self, sessions: list[Session], since: int) -> None:
+        """Wills the previous run may have published (stored at `since` or later): those the
+        wills log has are only cleared from their sessions; the others are scheduled (those
+        due already are published now). An unreadable log means publishing (at least once,
+        never lost)."""
         try:
             published = await published_wills(self._wills_log, since)
         except Exception as exc:  # whatever failed, the wills go out (never lost)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from gateway.protocol import (
     Disconnect,
     Properties,
@@ -238,42 +240,61 @@ def test_wills_of_connections_cut_by_a_crash_are_published(gateway: GatewayHarne
     w.close()
 
 
+@pytest.mark.parametrize("image", ["will-pending", "connection-alive"])
 def test_a_will_published_before_a_crash_is_not_published_again_at_the_restart(
-    gateway: GatewayHarness,
+    gateway: GatewayHarness, image: str
 ) -> None:
-    """A delayed will is published; the gateway stops before its session's record says so
-    (the state log is left with the record of the pending will, due in the past, as the
-    newest: the image a crash between the publication and the next save leaves). At the
-    restart the will's id is found in the wills log: it is not published again."""
+    """A will is published; the gateway stops before its session's record says so, and the
+    state log is left with an older record of the session as the newest: the image a crash
+    between the publication and the next save leaves. "will-pending": a delayed will's
+    record, due in the past. "connection-alive": the record written before CONNACK, the
+    connection still alive and its will (no delay) not armed. At the restart the will's id is
+    found in the wills log: it is not published again."""
     gw = gateway.gw
     assert gw is not None
     w = RawClient(gateway.port, level=4)
     w.connect("watch-once", clean=False)
     w.send(Subscribe(1, [Subscription("will/once/#", 1)]))
     w.recv()
+    delay = 1 if image == "will-pending" else 0
     c = RawClient(gateway.port, level=5)
     c.connect(
         "once-dev",
-        will=Will("will/once/dev", b"once", 1, False, Properties(will_delay_interval=1)),
+        will=Will("will/once/dev", b"once", 1, False, Properties(will_delay_interval=delay)),
         properties=Properties(session_expiry_interval=60),
     )
-    c.close()  # abnormal: the will is pending for 1 s
+    state = gateway.data_dir / "state"
+    key = SESSION_KEY_PREFIX + "once-dev"
+
+    def records(armed: bool) -> list[bytes]:
+        return [
+            v
+            for k, v in read_state_records(state)
+            if k == key and v and b'"will":{' in v and (b'"will_due_ms":null' not in v) == armed
+        ]
+
+    if image == "connection-alive":
+        gateway.run(gw.sessions.save_all())
+        alive = records(armed=False)
+        assert alive
+    c.close()  # abnormal: the will is published now, or after its 1 s delay
     wait_until(
         lambda: gateway.call(lambda: gw.sessions.get("once-dev").connection is None),  # type: ignore[union-attr]
         what="session offline",
     )
-    gateway.run(gw.sessions.save_all())  # the record with the will pending and its due time
-    state = gateway.data_dir / "state"
-    key = SESSION_KEY_PREFIX + "once-dev"
-    pending = [v for k, v in read_state_records(state) if k == key and v and b'"will":{' in v]
-    assert pending and b'"will_due_ms":null' not in pending[-1]
+    if image == "will-pending":
+        gateway.run(gw.sessions.save_all())  # the record with the will pending and its due time
+        older = records(armed=True)
+        assert older
+    else:
+        older = alive
     msg = w.recv(timeout=5)
     assert isinstance(msg, Publish) and msg.payload == b"once"
     w.send(PubAck(msg.packet_id))  # type: ignore[arg-type]
     w.close()
     gateway.stop()
     log = StateLog.open(state)
-    log.append([(key, pending[-1])])  # the newest again: as if not yet rewritten
+    log.append([(key, older[-1])])  # the newest again: as if not yet rewritten
     log.close()
     gateway.start()
     w = RawClient(gateway.port, level=4)
