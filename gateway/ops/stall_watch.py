@@ -1,0 +1,249 @@
+"""StallWatch: what holds the event loop when it is late (off unless ``stall_watch_ms`` is set).
+
+Every client of the process waits while one callback runs, so a callback (or one loop turn of
+many) that takes milliseconds is the latency tail. The overload guard sees the loop's lag
+(its own timer's lateness); this watch says what was running.
+
+A watchdog thread posts a probe onto the loop (``call_soon_threadsafe``) every PROBE_S and waits
+for it on a threading.Event (no GIL held while it waits). A probe that has not run after
+``threshold`` is a stall in progress: the watchdog then samples the loop thread's Python stack
+(``sys._current_frames``) every SAMPLE_S until the probe runs. What each stall records:
+
+    ms       how late the probe ran (the loop was not back in its poll for that long)
+    cpu_ms   CPU time the loop thread used meanwhile (well under ms: descheduled on a busy
+             host, or blocked in a system call such as fsync)
+    gc_ms    time spent in garbage collections meanwhile (timed with gc.callbacks: a collection
+             holds the GIL, so the watchdog cannot sample during it)
+    stacks   the sampled stacks, innermost frame last
+    cause    ``gc``, ``off-cpu``, or the sampled callback: its outermost and innermost frames in
+             this project (``module:function > module:function``)
+
+Each stall is logged (WARNING, at most LOG_PER_S lines a second), appended as one JSON line to
+``stall_watch_file`` when set, and counted by cause; ``summary()`` (logged when the gateway
+stops) gives count, total and longest per cause.
+
+Cost: nothing when off (no thread, no probe, no gc callback). When on, a probe every PROBE_S
+(one callback and one eventfd write each), a thread that wakes once per probe, and the
+interpreter's switch interval lowered to SWITCH_INTERVAL_S so that the sampler gets the GIL
+during a stall of Python code (a stall inside one C call, which holds the GIL throughout, shows
+as ``unsampled`` with the loop's CPU near its duration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+__all__ = ["StallWatch"]
+
+log = logging.getLogger("lmqtt.gateway")
+
+# How often a probe is posted (between one probe running and the next being posted).
+PROBE_S = 0.001
+# How often the stack is sampled while a stall lasts (the GIL is taken by the sampler only
+# when the loop thread lets go of it: at most every sys.getswitchinterval() while it runs).
+SAMPLE_S = 0.001
+MAX_SAMPLES = 50
+LOG_PER_S = 5
+# A stall whose loop-thread CPU is under this share of its duration is ``off-cpu``.
+OFF_CPU_SHARE = 0.5
+ROOTS = ("gateway", "store", "topicmap", "rocketmq_remoting")
+# The frames that run the loop (the lmqtt script, the CLI, asyncio's runner); a callback's
+# frames follow them (uvloop runs callbacks from C, with no Python frame of its own).
+RUNNER = ("lmqtt", "gateway/cli", "runners", "base_events", "events", "threading")
+# While the watch is on, a thread waiting for the GIL asks for it after this (Python's default
+# is 5 ms): the sampler then sees a stall of pure-Python callbacks within a fraction of a ms.
+SWITCH_INTERVAL_S = 0.0005
+
+
+class StallWatch:
+    """``start(loop)`` on the loop's thread, ``stop()``; ``summary()`` anytime."""
+
+    def __init__(self, threshold_ms: float, file: Path | None = None) -> None:
+        self.threshold = threshold_ms / 1000
+        self.file = file
+        self.stalls = 0
+        self.by_cause: dict[str, list[float]] = {}  # cause -> [count, total ms, max ms]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._clock = time.CLOCK_THREAD_CPUTIME_ID
+        self._ran = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._gc_ns = 0  # total time in collections
+        self._gc_started = 0
+        self._gc_gen = -1  # the oldest generation collected (reset per stall)
+        self._switch_interval = 0.005
+        self._ran_at = 0.0
+        self._ran_cpu = 0.0
+        self._logged_at = 0.0
+        self._logged = 0
+        self._out: Any = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._clock = time.pthread_getcpuclockid(self._loop_thread)
+        gc.callbacks.append(self._on_gc)
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        if self.file is not None:
+            self._out = open(self.file, "a", buffering=1)  # noqa: SIM115 - closed by stop()
+        self._thread = threading.Thread(target=self._run, name="lmqtt-stall-watch", daemon=True)
+        self._thread.start()
+        log.warning(
+            "stall watch on: event-loop stalls over %.1f ms are logged", self.threshold * 1e3
+        )
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._ran.set()
+        self._thread.join(1.0)
+        self._thread = None
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
+        sys.setswitchinterval(self._switch_interval)
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+        log.warning("stall watch: %d stalls over %.1f ms: %s", self.stalls, self.threshold * 1e3,
+                    self.summary())  # fmt: skip
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per cause, longest total first: count, total and longest stall (ms)."""
+        ranked = sorted(self.by_cause.items(), key=lambda item: -item[1][1])
+        return {
+            cause: {"count": int(c), "total_ms": round(t, 1), "max_ms": round(m, 1)}
+            for cause, (c, t, m) in ranked
+        }
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter_ns()
+            self._gc_gen = max(self._gc_gen, int(info.get("generation", 2)))
+        elif self._gc_started:
+            self._gc_ns += time.perf_counter_ns() - self._gc_started
+            self._gc_started = 0
+
+    def _probe(self) -> None:
+        # Timed here, on the loop's thread: the watchdog may wait for the GIL once woken.
+        self._ran_at = time.perf_counter()
+        self._ran_cpu = time.thread_time()
+        self._ran.set()
+
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        ran, stopping, threshold = self._ran, self._stop, self.threshold
+        clock, loop_thread = self._clock, self._loop_thread
+        while not stopping.is_set():
+            ran.clear()
+            posted = time.perf_counter()
+            cpu0 = time.clock_gettime(clock)
+            gc0 = self._gc_ns
+            self._gc_gen = -1
+            try:
+                loop.call_soon_threadsafe(self._probe)
+            except RuntimeError:  # the loop closed
+                return
+            if ran.wait(threshold):
+                stopping.wait(PROBE_S)
+                continue
+            stacks: list[list[str]] = []
+            while not ran.wait(SAMPLE_S):
+                if len(stacks) < MAX_SAMPLES:
+                    frame = sys._current_frames().get(loop_thread)
+                    if frame is not None:
+                        stacks.append(_stack(frame))
+            if stopping.is_set():
+                return
+            late = self._ran_at - posted
+            cpu = self._ran_cpu - cpu0
+            self._record(late, cpu, (self._gc_ns - gc0) / 1e9, self._gc_gen, stacks)
+
+    def _record(
+        self, late: float, cpu: float, in_gc: float, gen: int, stacks: list[list[str]]
+    ) -> None:
+        cause = _cause(late, cpu, in_gc, stacks)
+        self.stalls += 1
+        entry = self.by_cause.setdefault(cause, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += late * 1e3
+        entry[2] = max(entry[2], late * 1e3)
+        record = {
+            "at": round(time.time(), 3),
+            "ms": round(late * 1e3, 2),
+            "cpu_ms": round(cpu * 1e3, 2),
+            "gc_ms": round(in_gc * 1e3, 2),
+            "gc_gen": gen,
+            "cause": cause,
+            "stacks": stacks,
+        }
+        if self._out is not None:
+            self._out.write(json.dumps(record) + "\n")
+        now = time.monotonic()
+        if now - self._logged_at >= 1.0:
+            self._logged_at, self._logged = now, 0
+        if self._logged < LOG_PER_S:
+            self._logged += 1
+            log.warning(
+                "event loop stalled %.1f ms (loop cpu %.1f ms, gc %.1f ms): %s",
+                late * 1e3, cpu * 1e3, in_gc * 1e3, cause,
+            )  # fmt: skip
+
+
+def _stack(frame: FrameType | None) -> list[str]:
+    """`module:function:line` from the outermost frame to the innermost."""
+    out: list[str] = []
+    while frame is not None:
+        code = frame.f_code
+        out.append(f"{_module(code.co_filename)}:{code.co_name}:{frame.f_lineno}")
+        frame = frame.f_back
+    out.reverse()
+    return out
+
+
+def _module(filename: str) -> str:
+    parts = filename.replace("\\", "/").split("/")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ROOTS:
+            return "/".join(parts[i:]).removesuffix(".py")
+    return parts[-1].removesuffix(".py")
+
+
+def _cause(late: float, cpu: float, in_gc: float, stacks: list[list[str]]) -> str:
+    if in_gc >= late / 2:
+        return "gc"
+    if cpu < late * OFF_CPU_SHARE:
+        return "off-cpu"
+    if not stacks:
+        return "unsampled"
+    # The most frequent sample's callback (its outermost frame under the loop's run) and its
+    # innermost frame in this project, then the innermost frame when that is outside it.
+    counts: dict[str, int] = {}
+    for stack in stacks:
+        frames = [f.rsplit(":", 1)[0] for f in stack]
+        while frames and frames[0].split(":", 1)[0] in RUNNER:
+            del frames[0]
+        if not frames:
+            key = "idle"
+        else:
+            ours = [f for f in frames if f.split("/", 1)[0] in ROOTS]
+            key = frames[0]
+            if ours and ours[-1] != frames[0]:
+                key += " > " + ours[-1]
+            if frames[-1] not in key:
+                key += " > " + frames[-1]
+        counts[key] = counts.get(key, 0) + 1
+    return max(counts, key=counts.__getitem__)
