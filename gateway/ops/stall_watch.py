@@ -15,8 +15,10 @@ for it on a threading.Event (no GIL held while it waits). A probe that has not r
     gc_ms    time spent in garbage collections meanwhile (timed with gc.callbacks: a collection
              holds the GIL, so the watchdog cannot sample during it)
     stacks   the sampled stacks, innermost frame last
-    cause    ``gc``, ``off-cpu``, or the sampled callback: its outermost and innermost frames in
-             this project (``module:function > module:function``)
+    cause    ``gc``, ``off-cpu``, the sampled callback (its outermost and innermost frames in
+             this project, ``module:function > module:function``), ``between callbacks`` (the
+             loop in its C part with the GIL let go: socket reads and writes of a long turn of
+             many callbacks), or ``unsampled`` (one C call that held the GIL throughout)
 
 Each stall is logged (WARNING, at most LOG_PER_S lines a second), appended as one JSON line to
 ``stall_watch_file`` when set, and counted by cause; ``summary()`` (logged when the gateway
@@ -161,11 +163,14 @@ class StallWatch:
                 stopping.wait(PROBE_S)
                 continue
             stacks: list[list[str]] = []
-            while not ran.wait(SAMPLE_S):
+            while True:
                 if len(stacks) < MAX_SAMPLES:
                     frame = sys._current_frames().get(loop_thread)
-                    if frame is not None:
+                    # Taken once the GIL was ours: the stall may have ended meanwhile.
+                    if frame is not None and not ran.is_set():
                         stacks.append(_stack(frame))
+                if ran.wait(SAMPLE_S):
+                    break
             if stopping.is_set():
                 return
             late = self._ran_at - posted
@@ -237,7 +242,7 @@ def _cause(late: float, cpu: float, in_gc: float, stacks: list[list[str]]) -> st
         while frames and frames[0].split(":", 1)[0] in RUNNER:
             del frames[0]
         if not frames:
-            key = "idle"
+            key = "between callbacks"
         else:
             ours = [f for f in frames if f.split("/", 1)[0] in ROOTS]
             key = frames[0]
