@@ -12,13 +12,17 @@ for it on a threading.Event (no GIL held while it waits). A probe that has not r
     ms       how late the probe ran (the loop was not back in its poll for that long)
     cpu_ms   CPU time the loop thread used meanwhile (well under ms: descheduled on a busy
              host, or blocked in a system call such as fsync)
+    others_cpu_ms  CPU time the process's other threads used meanwhile (the store's flusher,
+             executor threads: near ms while the loop's thread waited, they held the GIL)
     gc_ms    time spent in garbage collections meanwhile (timed with gc.callbacks: a collection
              holds the GIL, so the watchdog cannot sample during it)
     stacks   the sampled stacks, innermost frame last
-    cause    ``gc``, ``off-cpu``, the sampled callback (its outermost and innermost frames in
-             this project, ``module:function > module:function``), ``between callbacks`` (the
-             loop in its C part with the GIL let go: socket reads and writes of a long turn of
-             many callbacks), or ``unsampled`` (one C call that held the GIL throughout)
+    threads  the other Python threads' innermost frames at the first sample
+    cause    ``gc``, ``other threads``, ``off-cpu``, the sampled callback (its outermost and
+             innermost frames in this project, ``module:function > module:function``),
+             ``between callbacks`` (the loop in its C part with the GIL let go: socket reads
+             and writes of a long turn of many callbacks), or ``unsampled`` (one C call that
+             held the GIL throughout)
 
 Each stall is logged (WARNING, at most LOG_PER_S lines a second), appended as one JSON line to
 ``stall_watch_file`` when set, and counted by cause; ``summary()`` (logged when the gateway
@@ -87,6 +91,7 @@ class StallWatch:
         self._switch_interval = 0.005
         self._ran_at = 0.0
         self._ran_cpu = 0.0
+        self._ran_process = 0.0
         self._logged_at = 0.0
         self._logged = 0
         self._out: Any = None
@@ -142,6 +147,7 @@ class StallWatch:
         # Timed here, on the loop's thread: the watchdog may wait for the GIL once woken.
         self._ran_at = time.perf_counter()
         self._ran_cpu = time.thread_time()
+        self._ran_process = time.process_time()
         self._ran.set()
 
     def _run(self) -> None:
@@ -153,6 +159,7 @@ class StallWatch:
             ran.clear()
             posted = time.perf_counter()
             cpu0 = time.clock_gettime(clock)
+            process0 = time.process_time()
             gc0 = self._gc_ns
             self._gc_gen = -1
             try:
@@ -163,24 +170,37 @@ class StallWatch:
                 stopping.wait(PROBE_S)
                 continue
             stacks: list[list[str]] = []
+            threads: dict[str, list[str]] = {}
             while True:
                 if len(stacks) < MAX_SAMPLES:
-                    frame = sys._current_frames().get(loop_thread)
+                    frames = sys._current_frames()
+                    frame = frames.get(loop_thread)
                     # Taken once the GIL was ours: the stall may have ended meanwhile.
                     if frame is not None and not ran.is_set():
                         stacks.append(_stack(frame))
+                        if not threads:
+                            threads = _other_threads(frames, loop_thread)
                 if ran.wait(SAMPLE_S):
                     break
             if stopping.is_set():
                 return
             late = self._ran_at - posted
             cpu = self._ran_cpu - cpu0
-            self._record(late, cpu, (self._gc_ns - gc0) / 1e9, self._gc_gen, stacks)
+            others = self._ran_process - process0 - cpu
+            in_gc = (self._gc_ns - gc0) / 1e9
+            self._record(late, cpu, others, in_gc, self._gc_gen, stacks, threads)
 
     def _record(
-        self, late: float, cpu: float, in_gc: float, gen: int, stacks: list[list[str]]
+        self,
+        late: float,
+        cpu: float,
+        others: float,
+        in_gc: float,
+        gen: int,
+        stacks: list[list[str]],
+        threads: dict[str, list[str]],
     ) -> None:
-        cause = _cause(late, cpu, in_gc, stacks)
+        cause = _cause(late, cpu, in_gc, stacks, others)
         self.stalls += 1
         entry = self.by_cause.setdefault(cause, [0, 0.0, 0.0])
         entry[0] += 1
@@ -190,10 +210,12 @@ class StallWatch:
             "at": round(time.time(), 3),
             "ms": round(late * 1e3, 2),
             "cpu_ms": round(cpu * 1e3, 2),
+            "others_cpu_ms": round(others * 1e3, 2),
             "gc_ms": round(in_gc * 1e3, 2),
             "gc_gen": gen,
             "cause": cause,
             "stacks": stacks,
+            "threads": threads,
         }
         if self._out is not None:
             self._out.write(json.dumps(record) + "\n")
@@ -203,8 +225,9 @@ class StallWatch:
         if self._logged < LOG_PER_S:
             self._logged += 1
             log.warning(
-                "event loop stalled %.1f ms (loop cpu %.1f ms, gc %.1f ms): %s",
-                late * 1e3, cpu * 1e3, in_gc * 1e3, cause,
+                "event loop stalled %.1f ms (loop cpu %.1f ms, other threads %.1f ms, gc %.1f ms):"
+                " %s",
+                late * 1e3, cpu * 1e3, others * 1e3, in_gc * 1e3, cause,
             )  # fmt: skip
 
 
@@ -227,11 +250,25 @@ def _module(filename: str) -> str:
     return parts[-1].removesuffix(".py")
 
 
-def _cause(late: float, cpu: float, in_gc: float, stacks: list[list[str]]) -> str:
+def _other_threads(frames: dict[int, FrameType], loop_thread: int) -> dict[str, list[str]]:
+    """The innermost frames of the process's other Python threads (this one left out)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    return {
+        names.get(ident, str(ident)): _stack(frame)[-4:]
+        for ident, frame in frames.items()
+        if ident not in (loop_thread, me)
+    }
+
+
+def _cause(
+    late: float, cpu: float, in_gc: float, stacks: list[list[str]], others: float = 0.0
+) -> str:
     if in_gc >= late / 2:
         return "gc"
     if cpu < late * OFF_CPU_SHARE:
-        return "off-cpu"
+        # The loop's thread did not run: the process's other threads did (the GIL), or not.
+        return "other threads" if others >= late * OFF_CPU_SHARE else "off-cpu"
     if not stacks:
         return "unsampled"
     # The most frequent sample's callback (its outermost frame under the loop's run) and its
