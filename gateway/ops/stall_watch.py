@@ -185,6 +185,8 @@ class StallWatch:
             if stopping.is_set():
                 return
             late = self._ran_at - posted
+            if late < threshold:
+                continue  # the watchdog itself was late to look (a busy host)
             cpu = self._ran_cpu - cpu0
             others = self._ran_process - process0 - cpu
             in_gc = (self._gc_ns - gc0) / 1e9
