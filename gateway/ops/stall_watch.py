@@ -26,7 +26,8 @@ for it on a threading.Event (no GIL held while it waits). A probe that has not r
 
 Each stall is logged (WARNING, at most LOG_PER_S lines a second), appended as one JSON line to
 ``stall_watch_file`` when set, and counted by cause; ``summary()`` (logged when the gateway
-stops) gives count, total and longest per cause.
+stops) gives count, total and longest per cause; ``python -m gateway.ops.stall_watch FILE``
+prints the same histogram from a ``stall_watch_file``.
 
 Cost: nothing when off (no thread, no probe, no gc callback). When on, a probe every PROBE_S
 (one callback and one eventfd write each), a thread that wakes once per probe, and the
@@ -45,6 +46,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -291,3 +293,40 @@ def _cause(
                 key += " > " + frames[-1]
         counts[key] = counts.get(key, 0) + 1
     return max(counts, key=counts.__getitem__)
+
+
+def histogram(lines: Iterable[str]) -> list[tuple[str, int, float, float, float]]:
+    """(cause, count, total ms, longest ms, loop CPU ms) per cause of a ``stall_watch_file``'s
+    lines, longest total first."""
+    by: dict[str, list[float]] = {}
+    for line in lines:
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        e = by.setdefault(r["cause"], [0, 0.0, 0.0, 0.0])
+        e[0] += 1
+        e[1] += r["ms"]
+        e[2] = max(e[2], r["ms"])
+        e[3] += r["cpu_ms"]
+    rows = [(cause, int(e[0]), e[1], e[2], e[3]) for cause, e in by.items()]
+    return sorted(rows, key=lambda row: -row[2])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gateway.ops.stall_watch FILE...``: the stalls of stall_watch_file(s) by
+    cause."""
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print("usage: python -m gateway.ops.stall_watch STALLS.jsonl...", file=sys.stderr)
+        return 2
+    lines: list[str] = []
+    for path in paths:
+        lines += Path(path).read_text().splitlines()
+    print(f"{'count':>6} {'total ms':>9} {'max ms':>8} {'cpu ms':>8}  cause")
+    for cause, count, total, longest, cpu in histogram(lines):
+        print(f"{count:6d} {total:9.1f} {longest:8.1f} {cpu:8.1f}  {cause}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway.ops.stall_watch import histogram
 from tests.gateway.conftest import GatewayHarness, wait_until
 
 
@@ -77,3 +78,8 @@ def test_stalls_are_named_by_what_held_the_loop(tmp_path: Path) -> None:
     # The summary counts every stall by cause.
     summary = watch.summary()
     assert sum(int(v["count"]) for v in summary.values()) == watch.stalls == len(stalls)
+    # ... and so does the file's histogram (python -m gateway.ops.stall_watch FILE).
+    rows = histogram(file.read_text().splitlines())
+    assert {cause: count for cause, count, *_ in rows} == {
+        cause: int(v["count"]) for cause, v in summary.items()
+    }
