@@ -50,6 +50,7 @@ from gateway.ops.ban_routes import ban_routes
 from gateway.ops.gc_monitor import GcMonitor
 from gateway.ops.live_view import LiveView
 from gateway.ops.metrics import MetricsSources
+from gateway.ops.stall_watch import StallWatch
 from gateway.protocol import ReasonCode
 from gateway.session.registry import SessionRegistry
 from gateway.session.replay import ReplayPacer
@@ -76,6 +77,12 @@ class Gateway:
         self.state = ServerState()  # graceful stop, open connections
         self.recent = RecentMessages()
         self.gc = GcMonitor()  # GC pause figures, gc.freeze after connect bursts
+        # What holds the event loop when it is late (a diagnostic, off unless configured).
+        self.stall_watch = (
+            StallWatch(settings.stall_watch_ms, settings.stall_watch_file)
+            if settings.stall_watch_ms > 0
+            else None
+        )
         # Checks the security settings and files now: a bad one stops us before start().
         self.access = AccessControl(settings)
         # TLS, WebSocket, admin HTTP (gateway/net/listeners.py); a bad certificate stops us here.
@@ -159,6 +166,8 @@ class Gateway:
         self.overload = OverloadGuard(loop, lambda: stats.messages_received)
         self.timers = TimerWheel(loop)
         self.gc.start(loop, self.state.connections.__len__)
+        if self.stall_watch is not None:
+            self.stall_watch.start(loop)
         account = self.account = (
             DeliveryAccount(self._account_writer(store), store.max_offset)
             if s.delivery_account
@@ -369,6 +378,8 @@ class Gateway:
             self.store.close()
             self._stopped.set()
         self.gc.uninstall()
+        if self.stall_watch is not None:
+            self.stall_watch.stop()
         log.info("lmqtt gateway stopped; garbage collector: %s", self.gc.summary())
 
     def _account_writer(self, store: Storage) -> AccountWriter | CountedAccount:

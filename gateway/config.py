@@ -287,6 +287,11 @@ class GatewaySettings(BaseSettings):
     flapping_window: float = Field(default=60.0, gt=0)
     flapping_ban: float = Field(default=300.0, gt=0)
 
+    # --- diagnostics (gateway/ops/stall_watch.py); off by default, no cost when off
+    # Log every event-loop stall longer than this (ms) with what the loop was running; 0 = off.
+    stall_watch_ms: float = Field(default=0.0, ge=0)
+    stall_watch_file: Path | None = None  # also append each stall here, one JSON line each
+
     @classmethod
     def settings_customise_sources(
         cls,

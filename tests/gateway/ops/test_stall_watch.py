@@ -1,0 +1,85 @@
+"""StallWatch: a gateway with ``stall_watch_ms`` names what held its event loop, and how."""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gateway.ops.stall_watch import histogram
+from tests.gateway.conftest import GatewayHarness, wait_until
+
+
+def spin_on_the_loop(ms: float) -> None:
+    """Python code that keeps the loop's thread busy for `ms` of CPU (a callback that runs
+    too long; CPU time, so that a busy host's descheduling does not shorten it)."""
+    end = time.thread_time() + ms / 1000
+    while time.thread_time() < end:
+        pass
+
+
+def block_the_loop(ms: float) -> None:
+    """The loop's thread blocked (a system call such as fsync): no CPU used."""
+    time.sleep(ms / 1000)
+
+
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+        self.data = [self]
+
+
+def collect_a_large_heap() -> None:
+    """A full collection that finds 300,000 cycles to free (and leaves none behind)."""
+    heap = [Cycle() for _ in range(300_000)]
+    del heap
+    gc.collect()
+
+
+def test_stalls_are_named_by_what_held_the_loop(tmp_path: Path) -> None:
+    switch = sys.getswitchinterval()
+    file = tmp_path / "stalls.jsonl"
+    h = GatewayHarness(tmp_path / "data", stall_watch_ms=10, stall_watch_file=file).start()
+    try:
+        watch = h.gw.stall_watch if h.gw is not None else None
+        assert watch is not None
+
+        def records() -> list[dict[str, Any]]:
+            return [json.loads(line) for line in file.read_text().splitlines()]
+
+        def seen(what: str) -> bool:
+            return any(what in json.dumps(r) for r in records())
+
+        h.call(lambda: spin_on_the_loop(60))
+        wait_until(lambda: seen("spin_on_the_loop"), what="the spin's stall")
+        h.call(lambda: block_the_loop(60))
+        wait_until(lambda: seen("block_the_loop"), what="the blocked loop's stall")
+        gc.freeze()  # the collection below walks the test's heap only
+        try:
+            h.call(collect_a_large_heap)
+        finally:
+            gc.unfreeze()
+        wait_until(lambda: seen('"gc"'), what="the collection's stall")
+    finally:
+        h.stop()
+    assert sys.getswitchinterval() == switch  # restored by stop()
+    stalls = records()
+    spin = next(r for r in stalls if "spin_on_the_loop" in json.dumps(r["stacks"]))
+    assert spin["ms"] >= 30 and spin["cpu_ms"] >= 30
+    if spin["cpu_ms"] >= spin["ms"] / 2:  # not descheduled most of the time (a busy host)
+        assert "spin_on_the_loop" in spin["cause"]
+    sleep = next(r for r in stalls if "block_the_loop" in json.dumps(r["stacks"]))
+    assert sleep["cause"] == "off-cpu" and sleep["cpu_ms"] < sleep["ms"] / 2
+    collection = next(r for r in stalls if r["cause"] == "gc")
+    assert collection["gc_gen"] == 2 and collection["gc_ms"] >= collection["ms"] / 2
+    # The summary counts every stall by cause.
+    summary = watch.summary()
+    assert sum(int(v["count"]) for v in summary.values()) == watch.stalls == len(stalls)
+    # ... and so does the file's histogram (python -m gateway.ops.stall_watch FILE).
+    rows = histogram(file.read_text().splitlines())
+    assert {cause: count for cause, count, *_ in rows} == {
+        cause: int(v["count"]) for cause, v in summary.items()
+    }
