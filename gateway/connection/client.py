@@ -137,23 +137,24 @@ class ClientConnection(ClientTransport):
         self.bytes_in += n
         self._last_rx = self._loop.time()
         ingest = self._ingest
-        topic = self._plain_topic
         if (
-            topic is not None
-            and ingest is not None
+            ingest is not None
             and self._reader is None
             and self.quota is None
             and self.acl is self._plain_acl
             and self.session is not None
         ):
-            # A device's read: its plain publishes on the topic it published before (the ACL
-            # decision stands while its ACL object does) go to the batch in one C call; what
-            # follows them, if anything, takes the path below from where it stopped.
+            # A device's read of plain publishes on the topic it published before (the ACL
+            # decision stands while its ACL object does), or a subscriber's run of PUBACKs: in
+            # one C call, the publishes to the batch, the PUBACKs to `acked`. What follows
+            # them, if anything, takes the path below from where it stopped.
             pubs = ingest.pubs
             before = len(pubs)
+            topic = self._plain_topic
+            acked: list[int] = []
             left = self.conn.take_plain(
-                data, topic, pubs, ingest.owners, self,
-                ingest.blocks, self._blocks or self.publish_blocks(),
+                data, topic, pubs, ingest.owners, self, ingest.blocks,
+                self._blocks or self.publish_blocks() if topic is not None else None, acked,
             )  # fmt: skip
             taken = len(pubs) - before
             if taken:
@@ -162,11 +163,15 @@ class ClientConnection(ClientTransport):
                 self.msgs_in += taken
                 if self._held or self.ctx.overload.overloaded:
                     self.published(taken, pubs[-1].qos == 0)
-                if not left:
-                    self._unparsed = 0
-                    if self._reading_paused:
-                        self._resume_reading()
-                    return
+            if acked:
+                delivery = self.delivery
+                if delivery is not None:
+                    delivery.on_pubacks(acked)
+            if not left:
+                self._unparsed = 0
+                if self._reading_paused:
+                    self._resume_reading()
+                return
         else:
             self.conn.receive_data(data)
         self._unparsed += len(data)

@@ -239,6 +239,7 @@ typedef struct {
     PyObject *owner;        /* the connection */
     PyObject *blocks;       /* list: `owner_blocks` appended once per publish taken */
     PyObject *owner_blocks; /* the connection's property blocks */
+    PyObject *acked;        /* list: the packet id of each PUBACK taken */
 } Plain;
 
 /* Is `topic` (from the topics cache) the plain run's topic? Identity first: both come from
@@ -246,6 +247,9 @@ typedef struct {
 static int
 plain_topic(const Plain *plain, PyObject *topic)
 {
+    if (plain->topic == Py_None) {
+        return 0; /* no topic yet: no publish is taken */
+    }
     if (topic == plain->topic) {
         return 1;
     }
@@ -270,7 +274,7 @@ scan_core(PyObject *buf_obj, Py_ssize_t off, PyObject *table, Py_ssize_t limit, 
         unsigned int first = buf[off];
         PyObject *qos_obj = PyList_GET_ITEM(table, first);
         if (qos_obj == Py_None) {
-            if (plain == NULL && first == 0x40 && buf[off + 1] == 2 && n - off >= 4) {
+            if (first == 0x40 && buf[off + 1] == 2 && n - off >= 4) {
                 long acked = (long)buf[off + 2] << 8 | buf[off + 3];
                 if (!acked) {
                     break;
@@ -286,6 +290,19 @@ scan_core(PyObject *buf_obj, Py_ssize_t off, PyObject *table, Py_ssize_t limit, 
                         Py_DECREF(id_obj);
                         return NULL;
                     }
+                }
+                if (plain != NULL && out_flight == Py_None) {
+                    Py_DECREF(id_obj);
+                    break; /* no packet ids yet: the Python path makes them */
+                }
+                if (plain != NULL) { /* the id only: no PubAck event */
+                    int failed = PyList_Append(plain->acked, id_obj);
+                    Py_DECREF(id_obj);
+                    if (failed) {
+                        return NULL;
+                    }
+                    off += 4;
+                    continue;
                 }
                 PyObject *ack = new_bare(puback_type);
                 if (ack == NULL) {
@@ -468,22 +485,26 @@ scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 }
 
 /*
- * take_plain(buf, table, limit, v5, topics, in_qos1, receive_maximum, in_flight_others, topic,
- *            pubs, owners, owner, blocks, owner_blocks) -> off: a device's read, in one call.
+ * take_plain(buf, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
+ *            in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked) -> off:
+ * a device's read (or a subscriber's run of PUBACKs), in one call.
  *
- * `scan` from offset 0 restricted to the plain publishes of one connection on the one topic
- * its ACL already allowed (Connection.take_plain, gateway/connection/client.py): PUBLISH QoS
- * 0/1, not RETAIN, topic `topic`, with scan's every other condition. Each one decoded is
- * appended to `pubs` (the turn's ingest batch, gateway/connection/ingest.py), with `owner` to
- * `owners` and `owner_blocks` to `blocks`. It stops at the first packet that is anything else
- * (a PUBACK too), and returns its offset: the caller's Python path handles the rest, with
- * every rule. Like scan, it never raises a protocol error and never decides one.
+ * `scan` from offset 0 restricted to what the connection's read path handles with no Python
+ * per packet (Connection.take_plain, gateway/connection/client.py): PUBLISH QoS 0/1, not
+ * RETAIN, on `topic`, the one topic its ACL already allowed (None: none), and PUBACK without
+ * reason code, each with scan's every other condition. A publish taken is appended to `pubs`
+ * (the turn's ingest batch, gateway/connection/ingest.py), with `owner` to `owners` and
+ * `owner_blocks` to `blocks`; a PUBACK's packet id to `acked` (dropped from `out_flight` as
+ * scan does). It stops at the first packet that is anything else and returns its offset: the
+ * caller's Python path handles the rest, with every rule. `in_qos1` and `out_flight` are None
+ * on a connection with no packet ids yet: then it stops at a QoS 1 PUBLISH or a PUBACK (the
+ * Python path makes them). Like scan, it never raises a protocol error and never decides one.
  */
 static PyObject *
 take_plain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 14) {
-        PyErr_SetString(PyExc_TypeError, "take_plain takes 14 arguments");
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "take_plain takes 16 arguments");
         return NULL;
     }
     if (publish_type == NULL || puback_type == NULL) {
@@ -491,23 +512,26 @@ take_plain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *buf_obj = args[0], *table = args[1], *topics = args[4], *in_qos1 = args[5];
-    Plain plain = {args[8], args[10], args[11], args[12], args[13]};
+    PyObject *out_flight = args[6];
+    Plain plain = {args[9], args[11], args[12], args[13], args[14], args[15]};
     if (!PyBytes_CheckExact(buf_obj) || !PyList_CheckExact(table) || PyList_GET_SIZE(table) != 256
-        || !PyDict_CheckExact(topics) || !PySet_CheckExact(in_qos1)
-        || !PyUnicode_CheckExact(plain.topic) || !PyList_CheckExact(args[9])
-        || !PyList_CheckExact(plain.owners) || !PyList_CheckExact(plain.blocks)) {
+        || !PyDict_CheckExact(topics) || (in_qos1 != Py_None && !PySet_CheckExact(in_qos1))
+        || (out_flight != Py_None && !PyDict_CheckExact(out_flight))
+        || (plain.topic != Py_None && !PyUnicode_CheckExact(plain.topic))
+        || !PyList_CheckExact(args[10]) || !PyList_CheckExact(plain.owners)
+        || !PyList_CheckExact(plain.blocks) || !PyList_CheckExact(plain.acked)) {
         PyErr_SetString(PyExc_TypeError, "take_plain: unexpected argument types");
         return NULL;
     }
     Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
     int v5 = PyObject_IsTrue(args[3]);
-    Py_ssize_t receive_maximum = PyLong_AsSsize_t(args[6]);
-    Py_ssize_t others = PyLong_AsSsize_t(args[7]);
+    Py_ssize_t receive_maximum = PyLong_AsSsize_t(args[7]);
+    Py_ssize_t others = PyLong_AsSsize_t(args[8]);
     if (PyErr_Occurred() || v5 < 0) {
         return NULL;
     }
-    return scan_core(buf_obj, 0, table, limit, v5, topics, in_qos1, Py_None, receive_maximum,
-                     others, args[9], &plain);
+    return scan_core(buf_obj, 0, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
+                     others, args[10], &plain);
 }
 
 /*
@@ -600,8 +624,9 @@ static PyMethodDef methods[] = {
      "scan(buf, off, table, limit, v5, topics, in_qos1, out_flight, receive_maximum, "
      "in_flight_others, out) -> off: fast_decoder.decode_batch's inline loop over bytes, in C."},
     {"take_plain", (PyCFunction)(void (*)(void))take_plain, METH_FASTCALL,
-     "take_plain(buf, table, limit, v5, topics, in_qos1, receive_maximum, in_flight_others, "
-     "topic, pubs, owners, owner, blocks, owner_blocks) -> off: a device's plain publishes."},
+     "take_plain(buf, table, limit, v5, topics, in_qos1, out_flight, receive_maximum, "
+     "in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked) -> off: a "
+     "device's plain publishes and a subscriber's PUBACKs."},
     {"pubacks", (PyCFunction)(void (*)(void))pubacks, METH_FASTCALL,
      "pubacks(packet_ids, in_qos1) -> bytes: a PUBACK per id (dropped from in_qos1)."},
     {"configure_scan", configure_scan, METH_VARARGS,

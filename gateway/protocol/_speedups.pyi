@@ -27,15 +27,17 @@ def take_plain(
     limit: int,
     v5: bool,
     topics: dict[bytes, str],
-    in_qos1: set[int],
+    in_qos1: set[int] | None,
+    out_flight: dict[int, int] | None,
     receive_maximum: int,
     in_flight_others: int,
-    topic: str,
+    topic: str | None,
     pubs: list[Any],
     owners: list[Any],
     owner: Any,
     blocks: list[Any],
     owner_blocks: Any,
+    acked: list[int],
 ) -> int: ...
 def pubacks(packet_ids: list[int], in_qos1: set[int] | None) -> bytes: ...
 def configure_scan(puback_type: type) -> None: ...

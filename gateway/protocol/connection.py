@@ -352,27 +352,27 @@ class Connection:
     def take_plain(
         self,
         data: bytes,
-        topic: str,
+        topic: str | None,
         pubs: list[Publish],
         owners: list[Any],
         owner: object,
         blocks: list[Any],
         owner_blocks: object,
+        acked: list[int],
     ) -> int:
-        """Receive `data` (as `receive_data`), first taking from it, in one C call, the plain
-        PUBLISHes (QoS 0/1, not RETAIN, no properties) on `topic` that `next_event` would hand
-        out first: each is appended to `pubs`, `owner` to `owners` and `owner_blocks` to
-        `blocks` (the caller's ingest batch). Returns how many bytes of `data` it left
-        buffered for `next_event` (0: it took all). Takes nothing (only buffers `data`) unless
-        the buffer is drained and the fast decoder reads `data` now; it decides nothing
-        `next_event` would not (tests/gateway/protocol/test_protocol_take_plain.py holds the
-        two together).
+        """Receive `data` (as `receive_data`), first taking from it, in one C call, what
+        `next_event` would hand out first of these: plain PUBLISHes (QoS 0/1, not RETAIN, no
+        properties) on `topic` (None: none), each appended to `pubs`, with `owner` to `owners`
+        and `owner_blocks` to `blocks` (the caller's ingest batch); PUBACKs without reason
+        code, their packet ids appended to `acked` (and no longer in flight). Returns how many
+        bytes of `data` it left buffered for `next_event` (0: it took all). Takes nothing (only
+        buffers `data`) unless the buffer is drained and the fast decoder reads `data` now; it
+        decides nothing `next_event` would not (tests/gateway/protocol/
+        test_protocol_take_plain.py holds the two together).
         """
         take = TAKE_PLAIN
-        ids = self._ids
         if (
             take is None
-            or ids is None
             or self._off != len(self._buf)
             or self._queue
             or self._phase is not CONNECTED
@@ -383,16 +383,23 @@ class Connection:
         ):
             self.receive_data(data)
             return len(data)
-        in_qos1 = ids.inbound_qos1
-        others = (
-            ids.inbound_in_flight() - len(in_qos1)
-            if ids.inbound_qos2 or ids.inbound_released
-            else 0
-        )
+        ids = self._ids
+        if ids is None:  # no packet ids yet: QoS 0 publishes only
+            in_qos1: set[int] | None = None
+            out_flight: dict[int, int] | None = None
+            others = 0
+        else:
+            in_qos1 = ids.inbound_qos1
+            out_flight = ids.outbound
+            others = (
+                ids.inbound_in_flight() - len(in_qos1)
+                if ids.inbound_qos2 or ids.inbound_released
+                else 0
+            )
         off = take(
             data, FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
-            self.max_packet_size, self.protocol_level == 5, TOPIC_CACHE, in_qos1,
-            self.receive_maximum, others, topic, pubs, owners, owner, blocks, owner_blocks,
+            self.max_packet_size, self.protocol_level == 5, TOPIC_CACHE, in_qos1, out_flight,
+            self.receive_maximum, others, topic, pubs, owners, owner, blocks, owner_blocks, acked,
         )  # fmt: skip
         left = len(data) - off
         if left:

@@ -73,20 +73,21 @@ def _load_scan() -> Scan | None:
 
 SCAN = _load_scan()
 
-# take_plain(buf, table, limit, v5, topics, in_qos1, receive_maximum, in_flight_others, topic,
-#            pubs, owners, owner, blocks, owner_blocks) -> the offset of the first packet it did
-# not take (Connection.take_plain).
+# take_plain(buf, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
+#            in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked) -> the
+# offset of the first packet it did not take (Connection.take_plain).
 TakePlain = Callable[
-    [bytes, list[int | None], int, bool, dict[bytes, str], set[int], int, int, str,
-     list[Publish], list[Any], object, list[Any], object],
+    [bytes, list[int | None], int, bool, dict[bytes, str], "set[int] | None",
+     "dict[int, int] | None", int, int,
+     "str | None", list[Publish], list[Any], object, list[Any], object, list[int]],
     int,
 ]  # fmt: skip
 
 
 def _load_take_plain() -> TakePlain | None:
-    """The C `take_plain` (a device's read of plain publishes in one call), or None when
-    `scan` is not loaded: then Connection.take_plain takes nothing and the Python path
-    (its reference) reads everything."""
+    """The C `take_plain` (a device's read of plain publishes, a subscriber's of PUBACKs, in
+    one call), or None when `scan` is not loaded: then Connection.take_plain takes nothing
+    and the Python path (its reference) reads everything."""
     if SCAN is None:
         return None
     speedups = accelerators.load("gateway.protocol._speedups", "LMQTT_PURE_PYTHON_READ")
