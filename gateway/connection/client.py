@@ -136,12 +136,49 @@ class ClientConnection(ClientTransport):
         self.ctx.stats.bytes_received += n
         self.bytes_in += n
         self._last_rx = self._loop.time()
-        self.conn.receive_data(data)
+        ingest = self._ingest
+        if (
+            ingest is not None
+            and self._reader is None
+            and self.quota is None
+            and self.acl is self._plain_acl
+            and self.session is not None
+        ):
+            # A device's read of plain publishes on the topic it published before (the ACL
+            # decision stands while its ACL object does), or a subscriber's run of PUBACKs: in
+            # one C call, the publishes to the batch, the PUBACKs to `acked`. What follows
+            # them, if anything, takes the path below from where it stopped.
+            pubs = ingest.pubs
+            before = len(pubs)
+            topic = self._plain_topic
+            acked: list[int] = []
+            left = self.conn.take_plain(
+                data, topic, pubs, ingest.owners, self, ingest.blocks,
+                self._blocks or self.publish_blocks() if topic is not None else None, acked,
+            )  # fmt: skip
+            taken = len(pubs) - before
+            if taken:
+                if not ingest.scheduled:
+                    ingest.schedule()
+                self.msgs_in += taken
+                if self._held or self.ctx.overload.overloaded:
+                    self.published(taken, pubs[-1].qos == 0)
+            if acked:
+                delivery = self.delivery
+                if delivery is not None:
+                    delivery.on_pubacks(acked)
+            if not left:
+                self._unparsed = 0
+                if self._reading_paused:
+                    self._resume_reading()
+                return
+        else:
+            self.conn.receive_data(data)
         self._unparsed += len(data)
         if self._unparsed > MAX_UNPARSED + self.ctx.settings.max_packet_size:
             self._pause_reading()
-        if self._reader is None and self._ingest is not None and self.session is not None:
-            self._read_inline(self._ingest)
+        if self._reader is None and ingest is not None and self.session is not None:
+            self._read_inline(ingest)
         else:
             self._kick()
 

@@ -52,45 +52,58 @@ class Publisher(Protocol):
 
 
 class IngestBatch:
-    """Collects plain (QoS 0/1, not retained, validated) PUBLISHes until the end of the turn."""
+    """Collects plain (QoS 0/1, not retained, validated) PUBLISHes until the end of the turn.
 
-    __slots__ = ("_append", "_loop", "_owners", "_pubs", "_scheduled")
+    `pubs`, `owners` and `blocks` are parallel: a publish, the connection it came from, that
+    connection's property blocks. `add` fills them one publish at a time; a device's read of
+    plain publishes fills them in one C call (Connection.take_plain, from
+    ClientConnection.feed), which then calls `schedule`."""
+
+    __slots__ = ("_append", "_loop", "blocks", "owners", "pubs", "scheduled")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, append: Append) -> None:
         self._loop = loop
         self._append = append
-        self._pubs: list[Publish] = []
-        self._owners: list[Publisher] = []
-        self._scheduled = False
+        self.pubs: list[Publish] = []
+        self.owners: list[Publisher] = []
+        self.blocks: list[PublishProperties] = []
+        self.scheduled = False
 
     def __len__(self) -> int:
-        return len(self._pubs)
+        return len(self.pubs)
 
     def last_qos(self) -> int:
         """QoS of the last publish added (the overload guard's question, once per read)."""
-        return self._pubs[-1].qos
+        return self.pubs[-1].qos
 
     def add(self, owner: Publisher, pub: Publish) -> None:
-        self._pubs.append(pub)
-        self._owners.append(owner)
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self._end_of_turn)
+        self.pubs.append(pub)
+        self.owners.append(owner)
+        self.blocks.append(owner.publish_blocks())
+        if not self.scheduled:
+            self.schedule()
+
+    def schedule(self) -> None:
+        """Store what was added at the end of this turn."""
+        self.scheduled = True
+        self._loop.call_soon(self._end_of_turn)
 
     def _end_of_turn(self) -> None:
-        self._scheduled = False
+        self.scheduled = False
         self.flush()
 
     def flush(self) -> None:
         """Store what was collected, then acknowledge it (one write per connection)."""
-        pubs = self._pubs
+        pubs = self.pubs
         if not pubs:
             return
-        owners = self._owners
-        self._pubs = []
-        self._owners = []
+        owners = self.owners
+        blocks = self.blocks
+        self.pubs = []
+        self.owners = []
+        self.blocks = []
         try:
-            self._append(pubs, [owner.publish_blocks() for owner in owners])
+            self._append(pubs, blocks)
         except StoreError:
             # Nothing was stored: one by one, so only a bad message fails, and each answer
             # leaves in order, exactly as without batching.

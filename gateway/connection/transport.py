@@ -237,8 +237,17 @@ class ClientTransport:
         acks = self._acks
         if acks is not None:
             acks.extend(packet_ids)
-        else:
-            self.write(self.conn.pubacks(packet_ids))
+        elif not self.closed:
+            # write()'s body inline: this runs once per publishing device per turn.
+            data = self.conn.pubacks(packet_ids)
+            n = len(data)
+            self.ctx.stats.bytes_sent += n
+            self.bytes_out += n
+            out = self._out
+            if out is not None:
+                out.append(data)
+            else:
+                self.transport.write(data)
 
     # -- closing -----------------------------------------------------------------------------
 

@@ -229,34 +229,39 @@ new_bare(PyTypeObject *type)
     return type->tp_alloc(type, 0);
 }
 
-static PyObject *
-scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+/*
+ * A device's plain publishes (`take_plain`): where they go instead of `out`, and which ones.
+ * NULL in `scan`.
+ */
+typedef struct {
+    PyObject *topic;        /* the one topic taken (str): any other stops the run */
+    PyObject *owners;       /* list: `owner` appended once per publish taken */
+    PyObject *owner;        /* the connection */
+    PyObject *blocks;       /* list: `owner_blocks` appended once per publish taken */
+    PyObject *owner_blocks; /* the connection's property blocks */
+    PyObject *acked;        /* list: the packet id of each PUBACK taken */
+} Plain;
+
+/* Is `topic` (from the topics cache) the plain run's topic? Identity first: both come from
+ * the readers' topic cache, so equal topics are almost always the same object. */
+static int
+plain_topic(const Plain *plain, PyObject *topic)
 {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "scan takes 11 arguments");
-        return NULL;
+    if (plain->topic == Py_None) {
+        return 0; /* no topic yet: no publish is taken */
     }
-    if (publish_type == NULL || puback_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "scan: configure_scan was not called");
-        return NULL;
+    if (topic == plain->topic) {
+        return 1;
     }
-    PyObject *buf_obj = args[0], *table = args[2], *topics = args[5], *in_qos1 = args[6];
-    PyObject *out_flight = args[7], *out = args[10];
-    if (!PyBytes_CheckExact(buf_obj) || !PyList_CheckExact(table) || PyList_GET_SIZE(table) != 256
-        || !PyDict_CheckExact(topics) || !PyList_CheckExact(out)
-        || (in_qos1 != Py_None && !PySet_CheckExact(in_qos1))
-        || (out_flight != Py_None && !PyDict_CheckExact(out_flight))) {
-        PyErr_SetString(PyExc_TypeError, "scan: unexpected argument types");
-        return NULL;
-    }
-    Py_ssize_t off = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
-    int v5 = PyObject_IsTrue(args[4]);
-    Py_ssize_t receive_maximum = PyLong_AsSsize_t(args[8]);
-    Py_ssize_t others = PyLong_AsSsize_t(args[9]);
-    if (PyErr_Occurred() || v5 < 0) {
-        return NULL;
-    }
+    return PyUnicode_CheckExact(topic) && PyUnicode_CheckExact(plain->topic)
+           && PyUnicode_Compare(topic, plain->topic) == 0;
+}
+
+static PyObject *
+scan_core(PyObject *buf_obj, Py_ssize_t off, PyObject *table, Py_ssize_t limit, int v5,
+          PyObject *topics, PyObject *in_qos1, PyObject *out_flight, Py_ssize_t receive_maximum,
+          Py_ssize_t others, PyObject *out, const Plain *plain)
+{
     const unsigned char *buf = (const unsigned char *)PyBytes_AS_STRING(buf_obj);
     Py_ssize_t n = PyBytes_GET_SIZE(buf_obj);
     if (off < 0 || off > n) {
@@ -286,6 +291,19 @@ scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                         return NULL;
                     }
                 }
+                if (plain != NULL && out_flight == Py_None) {
+                    Py_DECREF(id_obj);
+                    break; /* no packet ids yet: the Python path makes them */
+                }
+                if (plain != NULL) { /* the id only: no PubAck event */
+                    int failed = PyList_Append(plain->acked, id_obj);
+                    Py_DECREF(id_obj);
+                    if (failed) {
+                        return NULL;
+                    }
+                    off += 4;
+                    continue;
+                }
                 PyObject *ack = new_bare(puback_type);
                 if (ack == NULL) {
                     Py_DECREF(id_obj);
@@ -310,6 +328,9 @@ scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         if (qos < 0 || qos > 1) {
             PyErr_Clear();
             break; /* the table holds 0 and 1 only; anything else: the Python loop */
+        }
+        if (plain != NULL && (first & 1)) {
+            break; /* RETAIN: not plain */
         }
         Py_ssize_t length = buf[off + 1], start;
         if (length < 128) {
@@ -348,6 +369,9 @@ scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                 return NULL;
             }
             break; /* not cached yet: the Python loop validates and caches it */
+        }
+        if (plain != NULL && !plain_topic(plain, topic)) {
+            break; /* another topic: its ACL decision is the Python path's */
         }
         PyObject *packet_id;
         if (qos) {
@@ -419,9 +443,143 @@ scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         if (failed) {
             return NULL;
         }
+        if (plain != NULL && (PyList_Append(plain->owners, plain->owner) < 0
+                              || PyList_Append(plain->blocks, plain->owner_blocks) < 0)) {
+            return NULL;
+        }
         off = end;
     }
     return PyLong_FromSsize_t(off);
+}
+
+static PyObject *
+scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "scan takes 11 arguments");
+        return NULL;
+    }
+    if (publish_type == NULL || puback_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "scan: configure_scan was not called");
+        return NULL;
+    }
+    PyObject *buf_obj = args[0], *table = args[2], *topics = args[5], *in_qos1 = args[6];
+    PyObject *out_flight = args[7], *out = args[10];
+    if (!PyBytes_CheckExact(buf_obj) || !PyList_CheckExact(table) || PyList_GET_SIZE(table) != 256
+        || !PyDict_CheckExact(topics) || !PyList_CheckExact(out)
+        || (in_qos1 != Py_None && !PySet_CheckExact(in_qos1))
+        || (out_flight != Py_None && !PyDict_CheckExact(out_flight))) {
+        PyErr_SetString(PyExc_TypeError, "scan: unexpected argument types");
+        return NULL;
+    }
+    Py_ssize_t off = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    int v5 = PyObject_IsTrue(args[4]);
+    Py_ssize_t receive_maximum = PyLong_AsSsize_t(args[8]);
+    Py_ssize_t others = PyLong_AsSsize_t(args[9]);
+    if (PyErr_Occurred() || v5 < 0) {
+        return NULL;
+    }
+    return scan_core(buf_obj, off, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
+                     others, out, NULL);
+}
+
+/*
+ * take_plain(buf, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
+ *            in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked) -> off:
+ * a device's read (or a subscriber's run of PUBACKs), in one call.
+ *
+ * `scan` from offset 0 restricted to what the connection's read path handles with no Python
+ * per packet (Connection.take_plain, gateway/connection/client.py): PUBLISH QoS 0/1, not
+ * RETAIN, on `topic`, the one topic its ACL already allowed (None: none), and PUBACK without
+ * reason code, each with scan's every other condition. A publish taken is appended to `pubs`
+ * (the turn's ingest batch, gateway/connection/ingest.py), with `owner` to `owners` and
+ * `owner_blocks` to `blocks`; a PUBACK's packet id to `acked` (dropped from `out_flight` as
+ * scan does). It stops at the first packet that is anything else and returns its offset: the
+ * caller's Python path handles the rest, with every rule. `in_qos1` and `out_flight` are None
+ * on a connection with no packet ids yet: then it stops at a QoS 1 PUBLISH or a PUBACK (the
+ * Python path makes them). Like scan, it never raises a protocol error and never decides one.
+ */
+static PyObject *
+take_plain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "take_plain takes 16 arguments");
+        return NULL;
+    }
+    if (publish_type == NULL || puback_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "take_plain: configure_scan was not called");
+        return NULL;
+    }
+    PyObject *buf_obj = args[0], *table = args[1], *topics = args[4], *in_qos1 = args[5];
+    PyObject *out_flight = args[6];
+    Plain plain = {args[9], args[11], args[12], args[13], args[14], args[15]};
+    if (!PyBytes_CheckExact(buf_obj) || !PyList_CheckExact(table) || PyList_GET_SIZE(table) != 256
+        || !PyDict_CheckExact(topics) || (in_qos1 != Py_None && !PySet_CheckExact(in_qos1))
+        || (out_flight != Py_None && !PyDict_CheckExact(out_flight))
+        || (plain.topic != Py_None && !PyUnicode_CheckExact(plain.topic))
+        || !PyList_CheckExact(args[10]) || !PyList_CheckExact(plain.owners)
+        || !PyList_CheckExact(plain.blocks) || !PyList_CheckExact(plain.acked)) {
+        PyErr_SetString(PyExc_TypeError, "take_plain: unexpected argument types");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
+    int v5 = PyObject_IsTrue(args[3]);
+    Py_ssize_t receive_maximum = PyLong_AsSsize_t(args[7]);
+    Py_ssize_t others = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred() || v5 < 0) {
+        return NULL;
+    }
+    return scan_core(buf_obj, 0, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
+                     others, args[10], &plain);
+}
+
+/*
+ * pubacks(packet_ids, in_qos1) -> bytes: Connection.pubacks' building loop in C. Drops each id
+ * from `in_qos1` (a set, or None) and returns one PUBACK per id, in order, with reason code 0
+ * and no properties (the same 4 bytes at every level):
+ *
+ *     | 0x40 | 0x02 | packet id 2 B |
+ *
+ * The ids come from decoded PUBLISH packets (ints 1..65535); anything else is a TypeError or
+ * ValueError, never a packet. Whether PUBACKs may be sent at all is the caller's check.
+ */
+static PyObject *
+pubacks(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_CheckExact(args[0])
+        || (args[1] != Py_None && !PySet_CheckExact(args[1]))) {
+        PyErr_SetString(PyExc_TypeError, "pubacks(packet_ids: list, in_qos1: set | None)");
+        return NULL;
+    }
+    PyObject *ids = args[0], *in_qos1 = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    PyObject *data = PyBytes_FromStringAndSize(NULL, 4 * n);
+    if (data == NULL) {
+        return NULL;
+    }
+    unsigned char *at = (unsigned char *)PyBytes_AS_STRING(data);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id_obj = PyList_GET_ITEM(ids, i);
+        long pid = PyLong_Check(id_obj) ? PyLong_AsLong(id_obj) : -1;
+        if (pid < 1 || pid > 0xFFFF) {
+            Py_DECREF(data);
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "pubacks: a packet id is not in 1..65535");
+            }
+            return NULL;
+        }
+        if (in_qos1 != Py_None && PySet_Discard(in_qos1, id_obj) < 0) {
+            Py_DECREF(data);
+            return NULL;
+        }
+        at[0] = 0x40;
+        at[1] = 2;
+        at[2] = (unsigned char)(pid >> 8);
+        at[3] = (unsigned char)pid;
+        at += 4;
+    }
+    return data;
 }
 
 static PyObject *
@@ -465,6 +623,12 @@ static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
      "scan(buf, off, table, limit, v5, topics, in_qos1, out_flight, receive_maximum, "
      "in_flight_others, out) -> off: fast_decoder.decode_batch's inline loop over bytes, in C."},
+    {"take_plain", (PyCFunction)(void (*)(void))take_plain, METH_FASTCALL,
+     "take_plain(buf, table, limit, v5, topics, in_qos1, out_flight, receive_maximum, "
+     "in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked) -> off: a "
+     "device's plain publishes and a subscriber's PUBACKs."},
+    {"pubacks", (PyCFunction)(void (*)(void))pubacks, METH_FASTCALL,
+     "pubacks(packet_ids, in_qos1) -> bytes: a PUBACK per id (dropped from in_qos1)."},
     {"configure_scan", configure_scan, METH_VARARGS,
      "configure_scan(puback_type): bind the PubAck class (after configure)."},
     {NULL, NULL, 0, NULL},

@@ -21,4 +21,23 @@ def scan(
     in_flight_others: int,
     out: list[Any],
 ) -> int: ...
+def take_plain(
+    buf: bytes,
+    table: list[int | None],
+    limit: int,
+    v5: bool,
+    topics: dict[bytes, str],
+    in_qos1: set[int] | None,
+    out_flight: dict[int, int] | None,
+    receive_maximum: int,
+    in_flight_others: int,
+    topic: str | None,
+    pubs: list[Any],
+    owners: list[Any],
+    owner: Any,
+    blocks: list[Any],
+    owner_blocks: Any,
+    acked: list[int],
+) -> int: ...
+def pubacks(packet_ids: list[int], in_qos1: set[int] | None) -> bytes: ...
 def configure_scan(puback_type: type) -> None: ...

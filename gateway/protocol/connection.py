@@ -56,7 +56,13 @@ from gateway.protocol.events import (
     Subscribe,
     UnsubAck,
 )
-from gateway.protocol.fast_decoder import FAST_PUBLISH_QOS, SCAN, decode_batch
+from gateway.protocol.fast_decoder import (
+    FAST_PUBLISH_QOS,
+    PUBACKS,
+    SCAN,
+    TAKE_PLAIN,
+    decode_batch,
+)
 from gateway.protocol.packet_ids import UNACKED, PacketIds
 from gateway.protocol.phases import (
     AWAIT_CONNECT,
@@ -343,6 +349,64 @@ class Connection:
             return queue.popleft()
         return batch[0]
 
+    def take_plain(
+        self,
+        data: bytes,
+        topic: str | None,
+        pubs: list[Publish],
+        owners: list[Any],
+        owner: object,
+        blocks: list[Any],
+        owner_blocks: object,
+        acked: list[int],
+    ) -> int:
+        """Receive `data` (as `receive_data`), first taking from it, in one C call, what
+        `next_event` would hand out first of these: plain PUBLISHes (QoS 0/1, not RETAIN, no
+        properties) on `topic` (None: none), each appended to `pubs`, with `owner` to `owners`
+        and `owner_blocks` to `blocks` (the caller's ingest batch); PUBACKs without reason
+        code, their packet ids appended to `acked` (and no longer in flight). Returns how many
+        bytes of `data` it left buffered for `next_event` (0: it took all). Takes nothing (only
+        buffers `data`) unless the buffer is drained and the fast decoder reads `data` now; it
+        decides nothing `next_event` would not (tests/gateway/protocol/
+        test_protocol_take_plain.py holds the two together).
+        """
+        take = TAKE_PLAIN
+        if (
+            take is None
+            or self._off != len(self._buf)
+            or self._queue
+            or self._phase is not CONNECTED
+            or self._eof
+            or self._pending_error is not None
+            or self.max_packet_size < 130
+            or type(data) is not bytes
+        ):
+            self.receive_data(data)
+            return len(data)
+        ids = self._ids
+        if ids is None:  # no packet ids yet: QoS 0 publishes only
+            in_qos1: set[int] | None = None
+            out_flight: dict[int, int] | None = None
+            others = 0
+        else:
+            in_qos1 = ids.inbound_qos1
+            out_flight = ids.outbound
+            others = (
+                ids.inbound_in_flight() - len(in_qos1)
+                if ids.inbound_qos2 or ids.inbound_released
+                else 0
+            )
+        off = take(
+            data, FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
+            self.max_packet_size, self.protocol_level == 5, TOPIC_CACHE, in_qos1, out_flight,
+            self.receive_maximum, others, topic, pubs, owners, owner, blocks, owner_blocks, acked,
+        )  # fmt: skip
+        left = len(data) - off
+        if left:
+            self._buf = data
+            self._off = off
+        return left
+
     def take_pubacks(self, out: list[int], limit: int) -> int:
         """Move the ids of the (at most `limit`) PUBACKs heading the decoded queue to `out`, and
         return how many: what the next `next_event` calls would hand out, in one call."""
@@ -497,6 +561,9 @@ class Connection:
         limit = self.client_max_packet_size
         if self._connack_sent and not self._sending_closed and (limit is None or limit >= 4):
             ids = self._ids
+            build = PUBACKS
+            if build is not None and type(packet_ids) is list:
+                return build(packet_ids, ids.inbound_qos1 if ids is not None else None)
             if ids is not None and ids.inbound_qos1:
                 discard = ids.inbound_qos1.discard
                 for packet_id in packet_ids:

@@ -18,7 +18,7 @@ read), so a test that swaps it swaps both.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import accelerators
 from gateway.protocol import writers
@@ -72,6 +72,47 @@ def _load_scan() -> Scan | None:
 
 
 SCAN = _load_scan()
+
+# take_plain(buf, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
+#            in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked) -> the
+# offset of the first packet it did not take (Connection.take_plain).
+TakePlain = Callable[
+    [bytes, list[int | None], int, bool, dict[bytes, str], "set[int] | None",
+     "dict[int, int] | None", int, int,
+     "str | None", list[Publish], list[Any], object, list[Any], object, list[int]],
+    int,
+]  # fmt: skip
+
+
+def _load_take_plain() -> TakePlain | None:
+    """The C `take_plain` (a device's read of plain publishes, a subscriber's of PUBACKs, in
+    one call), or None when `scan` is not loaded: then Connection.take_plain takes nothing
+    and the Python path (its reference) reads everything."""
+    if SCAN is None:
+        return None
+    speedups = accelerators.load("gateway.protocol._speedups", "LMQTT_PURE_PYTHON_READ")
+    if speedups is None:
+        return None
+    take: TakePlain = speedups.take_plain
+    return take
+
+
+TAKE_PLAIN = _load_take_plain()
+
+
+def _load_pubacks() -> Callable[[list[int], set[int] | None], bytes] | None:
+    """The C `pubacks` (Connection.pubacks' loop: PUBACKs of stored publishes), or None:
+    Connection.pubacks builds them in Python (its reference)."""
+    if SCAN is None:
+        return None
+    speedups = accelerators.load("gateway.protocol._speedups", "LMQTT_PURE_PYTHON_READ")
+    if speedups is None:
+        return None
+    build: Callable[[list[int], set[int] | None], bytes] = speedups.pubacks
+    return build
+
+
+PUBACKS = _load_pubacks()
 
 
 class _Slow(Exception):
