@@ -21,8 +21,9 @@ sends leaves with one transport.write().
 
 The loop is composed of parts, each in its own module over the shared LoopState (state.py):
 
-    pacing.py     when a pass runs (at once, or under load paced to one per PASS_INTERVAL;
-                  load.py: whether the event loop is short of time)
+    pacing.py     when a pass runs (at once, with the next arrival for a busy subscriber, or
+                  under load paced to one per PASS_INTERVAL; load.py: whether the event
+                  loop is short of time)
     send.py       the send paths of a queue's batch (plain run, plain, general)
     overlap.py    which of a session's overlapping subscriptions delivers a message
     acks.py       acknowledgements, re-sends after a reconnect, offset commits
@@ -85,6 +86,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self._last_write = -PASS_INTERVAL
         self._busy = False
         self._pass_timer = None
+        self._waiting = False
         self._full = False
         self._ready = {}  # an ordered set: smaller than a set when empty
         self._behind = False
@@ -138,6 +140,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     def _step(self) -> None:
         """One pass; another is scheduled (after whatever else is ready) while it progresses."""
         self._scheduled = False
+        self._waiting = False
         if self._pass_timer is not None:  # this pass does what it was waiting for
             self._pass_timer.cancel()
             self._pass_timer = None
@@ -227,7 +230,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             self._batch = None
             self._commit_acknowledged()  # the queues read by this pass, in one stage
             if batch:
-                self.wrote(self._loop.time())
+                self.wrote()
                 if self._held is not None or (qos2 and self.session.persistent):
                     self._hold(batch)
                 else:

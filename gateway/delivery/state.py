@@ -92,6 +92,7 @@ class LoopState:
         "_scheduled",
         "_stopped",
         "_uncommitted",
+        "_waiting",
         "_watched",
         "alias_max",
         "aliases",
@@ -128,6 +129,8 @@ class LoopState:
     _last_write: float
     _busy: bool
     _pass_timer: asyncio.TimerHandle | None
+    # A busy subscriber's pass held for the next arrival's company (pacing.py).
+    _waiting: bool
     # Next pass: every queue (_full) or only those the store reported (_ready: queue -> where
     # the notice said it ends, or UNKNOWN_END; ordered).
     _full: bool
