@@ -147,8 +147,6 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         if self._stopped:
             return
         try:
-            if self._uncommitted:
-                self._commit_acknowledged()
             if self._pass() and (self._ready or self._full or self.retained_backlog):
                 self._scheduled = True
                 self._loop.call_soon(self._step)
@@ -165,8 +163,11 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             self.client.abort(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
 
     def _pass(self) -> bool:
+        """Read the ready queues (or all of them) and send what the window allows, with one
+        write; the acknowledged and the read positions are committed in one stage at its end."""
         if not self.can_send():
             self._behind = True
+            self._commit_acknowledged()
             return False
         by_queue = self.session.by_queue
         ready = self._ready
@@ -228,7 +229,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                     self._behind = True
         finally:
             self._batch = None
-            self._commit_acknowledged()  # the queues read by this pass, in one stage
+            self._commit_acknowledged()  # the queues acknowledged and read, in one stage
             if batch:
                 self.wrote()
                 if self._held is not None or (qos2 and self.session.persistent):
