@@ -87,6 +87,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self._busy = False
         self._pass_timer = None
         self._waiting = False
+        self._arrived_at = self._gap = self._gap_before = 0.0
         self._full = False
         self._ready = {}  # an ordered set: smaller than a set when empty
         self._behind = False

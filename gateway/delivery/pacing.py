@@ -38,6 +38,9 @@ PASS_INTERVAL = 0.001
 # PASS_INTERVAL after a write, fires up to one more whole-ms clock step later, so paced writes
 # come up to two intervals apart and keep a subscriber under load busy.
 BUSY_WINDOW = 2 * PASS_INTERVAL + 1e-6
+# An arrival waits for company only when the next one is predicted within this (seconds): the
+# wait is that gap, about a quarter of what the median message pays through an idle gateway.
+COMPANY_GAP = 0.6 * PASS_INTERVAL
 
 
 class Pacing(LoopState):
@@ -63,8 +66,29 @@ class Pacing(LoopState):
         known = ready.get(queue)
         if known is None or UNKNOWN_END < known < end:
             ready[queue] = end
-        if not self._scheduled:
-            self._schedule(True)
+        if self._scheduled:
+            return
+        now = monotonic()
+        gap = now - self._arrived_at
+        # Only one new message waits for company (a batch is company enough), and only when
+        # the next arrival is due soon. The gap before last predicts it: a fleet's arrivals
+        # come from several evenly paced sources, whose gaps alternate.
+        sub = self.session.by_queue.get(queue)
+        soon = (
+            self._gap_before < COMPANY_GAP
+            and sub is not None
+            and end - sub.next_offset <= 1
+            and len(ready) == 1
+        )
+        self._gap_before = self._gap
+        self._gap = gap
+        self._arrived_at = now
+        if self._waiting:  # the waiting message has company: both go in this turn's callbacks
+            self._waiting = False
+            self._scheduled = True
+            self._loop.call_soon(self._step)
+            return
+        self._schedule(soon)
 
     def wrote(self) -> None:
         """A pass wrote to the subscriber now (once per pass that sent)."""
@@ -72,24 +96,20 @@ class Pacing(LoopState):
         self._busy = now - self._last_write < BUSY_WINDOW
         self._last_write = now
 
-    def _schedule(self, arrival: bool = False) -> None:
+    def _schedule(self, company_soon: bool = False) -> None:
         """Schedule a pass over the ready queues (and the offset commits): in this turn's
         callbacks, or, when the subscriber is busy (module docstring), from the pacing timer:
-        paced while it or the loop is short of time; else a new `arrival` waits for company
-        (the next arrival, which sends both in this turn's callbacks), and an acknowledgement
+        paced while it or the loop is short of time; else an arrival whose company is due
+        soon (`company_soon`) waits for it (arrived() sends both), and an acknowledgement
         does not end that wait."""
-        if self._scheduled or self._stopped:
+        if self._scheduled or self._stopped or self._waiting:
             return
-        if self._waiting:
-            if not arrival:
-                return
-            self._waiting = False
-        elif self._busy and monotonic() - self._last_write < PASS_INTERVAL:
+        if self._busy and monotonic() - self._last_write < PASS_INTERVAL:
             if self.session.inflight or self.ctx.load.busy():
                 if self._pass_timer is None:
                     self._pass_timer = self._loop.call_later(PASS_INTERVAL, self._paced)
                 return
-            if arrival and self._pass_timer is None:
+            if company_soon and self._pass_timer is None:
                 self._pass_timer = self._loop.call_later(PASS_INTERVAL, self._paced)
                 self._waiting = True
                 return
