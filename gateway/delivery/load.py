@@ -6,7 +6,8 @@ the gateway; batching its passes (one per PASS_INTERVAL) saves a pass and a sock
 batch, and costs up to two intervals of latency per message. That is worth paying only while
 the loop is short of time: then each pass saved is time given to the rest. So a busy
 subscriber's pass is paced only while the loop's thread used at least BUSY_SHARE of a core
-over the last measured window; below that every message goes out in the turn it arrived.
+over the last measured window; below that a busy subscriber's message waits only for the next
+arrival's company (pacing.py), and every other message goes out in the turn it arrived.
 
 The measure is the thread's CPU time (time.thread_time) against the wall clock, taken at most
 once per WINDOW_S, when pacing asks (a subscriber that wrote within the last PASS_INTERVAL): no

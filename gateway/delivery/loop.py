@@ -21,8 +21,9 @@ sends leaves with one transport.write().
 
 The loop is composed of parts, each in its own module over the shared LoopState (state.py):
 
-    pacing.py     when a pass runs (at once, or under load paced to one per PASS_INTERVAL;
-                  load.py: whether the event loop is short of time)
+    pacing.py     when a pass runs (at once, with the next arrival for a busy subscriber, or
+                  under load paced to one per PASS_INTERVAL; load.py: whether the event
+                  loop is short of time)
     send.py       the send paths of a queue's batch (plain run, plain, general)
     overlap.py    which of a session's overlapping subscriptions delivers a message
     acks.py       acknowledgements, re-sends after a reconnect, offset commits
@@ -85,6 +86,8 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self._last_write = -PASS_INTERVAL
         self._busy = False
         self._pass_timer = None
+        self._waiting = False
+        self._arrived_at = self._gap = self._gap_before = 0.0
         self._full = False
         self._ready = {}  # an ordered set: smaller than a set when empty
         self._behind = False
@@ -138,14 +141,13 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     def _step(self) -> None:
         """One pass; another is scheduled (after whatever else is ready) while it progresses."""
         self._scheduled = False
+        self._waiting = False
         if self._pass_timer is not None:  # this pass does what it was waiting for
             self._pass_timer.cancel()
             self._pass_timer = None
         if self._stopped:
             return
         try:
-            if self._uncommitted:
-                self._commit_acknowledged()
             if self._pass() and (self._ready or self._full or self.retained_backlog):
                 self._scheduled = True
                 self._loop.call_soon(self._step)
@@ -162,8 +164,11 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             self.client.abort(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
 
     def _pass(self) -> bool:
+        """Read the ready queues (or all of them) and send what the window allows, with one
+        write; the acknowledged and the read positions are committed in one stage at its end."""
         if not self.can_send():
             self._behind = True
+            self._commit_acknowledged()
             return False
         by_queue = self.session.by_queue
         ready = self._ready
@@ -225,9 +230,9 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                     self._behind = True
         finally:
             self._batch = None
-            self._commit_acknowledged()  # the queues read by this pass, in one stage
+            self._commit_acknowledged()  # the queues acknowledged and read, in one stage
             if batch:
-                self.wrote(self._loop.time())
+                self.wrote()
                 if self._held is not None or (qos2 and self.session.persistent):
                     self._hold(batch)
                 else:

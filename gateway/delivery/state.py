@@ -77,10 +77,13 @@ class LoopState:
     """The state of one session's delivery loop, shared by its parts (set by DeliveryLoop)."""
 
     __slots__ = (
+        "_arrived_at",
         "_batch",
         "_behind",
         "_busy",
         "_full",
+        "_gap",
+        "_gap_before",
         "_held",
         "_last_write",
         "_live",
@@ -92,6 +95,7 @@ class LoopState:
         "_scheduled",
         "_stopped",
         "_uncommitted",
+        "_waiting",
         "_watched",
         "alias_max",
         "aliases",
@@ -128,6 +132,12 @@ class LoopState:
     _last_write: float
     _busy: bool
     _pass_timer: asyncio.TimerHandle | None
+    # A busy subscriber's pass waiting for the next arrival's company (pacing.py), the time of
+    # the last arrival that asked for a pass, and the last two gaps between such arrivals.
+    _waiting: bool
+    _arrived_at: float
+    _gap: float
+    _gap_before: float
     # Next pass: every queue (_full) or only those the store reported (_ready: queue -> where
     # the notice said it ends, or UNKNOWN_END; ordered).
     _full: bool

@@ -2,12 +2,13 @@
 load (gateway/delivery/load.py), a pass asked for within a millisecond of a busy subscriber's
 last write runs from a timer. Nothing else has to happen for it to run: a message stored then
 is delivered with no further traffic on any connection. A subscriber that is not busy (its last
-write came after a quiet spell) gets it at once, and so does a busy one while the loop is not
-under load: batching starts only under load."""
+write came after a quiet spell) gets it at once; a busy one on a loop with time to spare sends
+it with the next arrival (company), or alone from the same timer."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from gateway.connection.client import ClientConnection
 from gateway.delivery.loop import DeliveryLoop
@@ -116,42 +117,78 @@ def test_arrival_notices_keep_the_furthest_end_and_an_unknown_one(
     wait_until(lambda: sub.payloads() == [b"one"], what="delivery after the notices")
 
 
-def test_a_busy_subscriber_is_not_paced_while_the_loop_is_not_loaded(
-    gateway: GatewayHarness, clients: list[Client]
-) -> None:
-    sub = Client(gateway.port, "unloaded-sub")
-    pub = Client(gateway.port, "unloaded-pub")
+def _acknowledged_subscriber(
+    gateway: GatewayHarness, clients: list[Client], name: str
+) -> tuple[Client, Client, Callable[[], DeliveryLoop]]:
+    """A subscriber to `name`/# that got one message and acknowledged it (nothing in flight:
+    with its PUBACK outstanding the subscriber is the one short of time, and the pass is paced,
+    the last test), its publisher, and its delivery loop."""
+    sub = Client(gateway.port, f"{name}-sub")
+    pub = Client(gateway.port, f"{name}-pub")
     clients += [sub, pub]
-    assert sub.subscribe("unloaded/#", 1) == [1]
-    pub.publish("unloaded/1", b"one", qos=1)
+    assert sub.subscribe(f"{name}/#", 1) == [1]
+    pub.publish(f"{name}/1", b"one", qos=1)
     sub.wait_messages(1)
     gw = gateway.gw
     assert gw is not None
 
-    def acknowledged() -> bool:
-        conn: ClientConnection = next(c for c in gw.connections if c.client_id == "unloaded-sub")
-        return conn.delivery is not None and not conn.delivery.session.inflight
+    def delivery() -> DeliveryLoop:
+        conn: ClientConnection = next(c for c in gw.connections if c.client_id == f"{name}-sub")
+        assert conn.delivery is not None
+        return conn.delivery
 
-    # The client's PUBACK may still be on its way: with it outstanding the subscriber is the one
-    # short of time, and the pass is paced (the next test).
-    wait_until(lambda: gateway.call(acknowledged), what="the first message's PUBACK")
+    wait_until(lambda: not gateway.call(delivery).session.inflight, what="the first PUBACK")
+    return sub, pub, delivery
 
-    async def store_right_after_a_busy_write() -> tuple[bool, bool]:
-        conn: ClientConnection = next(c for c in gw.connections if c.client_id == "unloaded-sub")
-        loop = conn.delivery
-        assert loop is not None
-        # A subscriber under sustained traffic (its last write right after the one before), on
-        # a loop with time to spare: the message goes out in this turn, no pacing timer.
-        loop._last_write = math.inf
-        loop._busy = True
-        _loop_load(loop, False)
-        await gw.publisher.publish_internal("unloaded/2", b"two", qos=1)
-        return loop._pass_timer is None, loop._scheduled or loop._last_write != math.inf
 
-    no_timer, passed = gateway.run(store_right_after_a_busy_write())
-    assert no_timer, "a message waited for the pacing timer on a loop that was not loaded"
-    assert passed, "no pass was scheduled in this turn's callbacks"
-    wait_until(lambda: sub.payloads() == [b"one", b"two"], what="the unpaced message")
+def _busy_on_an_idle_loop(loop: DeliveryLoop) -> None:
+    """As if a pass had just written to the subscriber under sustained traffic (that write came
+    right after the one before; the clock cannot move past it), on a loop with time to spare."""
+    loop._last_write = math.inf
+    loop._busy = True
+    _loop_load(loop, False)
+
+
+def test_a_busy_subscribers_message_on_an_idle_loop_goes_with_the_next_arrival(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    """Company: the first arrival waits (the pacing timer is its bound), the second sends both
+    in this turn's callbacks, without waiting for the timer."""
+    sub, _, delivery = _acknowledged_subscriber(gateway, clients, "company")
+    gw = gateway.gw
+    assert gw is not None
+
+    async def two_arrivals() -> tuple[bool, bool]:
+        loop = delivery()
+        _busy_on_an_idle_loop(loop)
+        await gw.publisher.publish_internal("company/2", b"two", qos=1)
+        held = loop._waiting and not loop._scheduled and loop._pass_timer is not None
+        await gw.publisher.publish_internal("company/3", b"three", qos=1)
+        return held, loop._scheduled and not loop._waiting
+
+    held, released = gateway.run(two_arrivals())
+    assert held, "a busy subscriber's message on an idle loop did not wait for company"
+    assert released, "the next arrival did not send the waiting one in this turn's callbacks"
+    wait_until(lambda: sub.payloads() == [b"one", b"two", b"three"], what="both messages")
+
+
+def test_a_message_waiting_for_company_arrives_alone_without_more_traffic(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    """No second arrival: the pacing timer sends the waiting message (nothing else happens on
+    any connection)."""
+    sub, _, delivery = _acknowledged_subscriber(gateway, clients, "alone")
+    gw = gateway.gw
+    assert gw is not None
+
+    async def one_arrival() -> bool:
+        loop = delivery()
+        _busy_on_an_idle_loop(loop)
+        await gw.publisher.publish_internal("alone/2", b"two", qos=1)
+        return loop._waiting and loop._pass_timer is not None
+
+    assert gateway.run(one_arrival()), "the message did not wait for company"
+    wait_until(lambda: sub.payloads() == [b"one", b"two"], what="the waiting message")
 
 
 def test_a_busy_subscriber_with_unacknowledged_messages_is_paced_on_an_idle_loop(
