@@ -54,6 +54,18 @@ async def get_broker_config(client: RemotingClient, broker_addr: str) -> dict[st
     return config
 
 
+async def update_broker_config(
+    client: RemotingClient, broker_addr: str, settings: dict[str, str]
+) -> None:
+    """UPDATE_BROKER_CONFIG (25): change settings of a running broker (Java properties text in
+    the body, ``key=value`` lines), applied to its live configuration objects."""
+    body = "".join(f"{key}={value}\n" for key, value in settings.items()).encode()
+    answer = await client.invoke_broker(
+        broker_addr, RequestCode.UPDATE_BROKER_CONFIG, {}, body=body
+    )
+    raise_for(answer, broker_addr)
+
+
 async def wait_for_brokers(
     client: RemotingClient, cluster: str, broker_names: Iterable[str], timeout: float
 ) -> ClusterInfo:

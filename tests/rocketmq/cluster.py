@@ -379,6 +379,13 @@ class RocketMQCluster:
                     # in order; the gateway warns otherwise): the test flags' one visible
                     # processor gives 1 anyway, the production flags' two would give 2.
                     "sendMessageThreadPoolNums=1",
+                    # Dispatch (the consume queues, the light queues, the held pulls' wake-up)
+                    # at the append, not after the flush: a SYNC_FLUSH broker's SEND_OK still
+                    # waits for the flush. With the default (false) 5.3.3's reput thread spins
+                    # while it has dispatched all that is flushed and more is written (its loop
+                    # re-reads the same offset until the flush moves), a core on a busy
+                    # SYNC_FLUSH broker, and every delivery waits for the fsync.
+                    "readUnCommitted=true",
                     "",
                 ]
             )

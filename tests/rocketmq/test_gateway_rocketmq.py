@@ -26,7 +26,7 @@ import pytest
 
 from gateway.protocol import PubAck, Publish
 from rocketmq_remoting import RemotingClient, TopicNotExistError
-from rocketmq_remoting.admin import create_topic
+from rocketmq_remoting.admin import create_topic, update_broker_config
 from tests.gateway.conftest import Client, RawClient, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster
 from topicmap.rocketmq import encode_lmq
@@ -295,6 +295,7 @@ def test_sync_mode_on_a_sync_flush_broker_sigkill_loses_no_acknowledged_message(
     try:
         g.start()
         assert any("broker broker-b" in line for line in g.output)
+        assert not any("readUnCommitted" in line for line in g.output), g.output
         keeper = Client(g.port, "keeper", clean=False)
         clients.append(keeper)
         keeper.subscribe("k/#", 1)
@@ -428,6 +429,43 @@ def test_sync_mode_on_an_async_flush_broker_warns(
         assert any("flushDiskType=ASYNC_FLUSH" in line for line in g.output), g.output
     finally:
         g.stop()
+
+
+def test_sync_flush_broker_that_dispatches_only_flushed_messages_is_warned_about(
+    rocketmq: RocketMQCluster, tmp_path: Path
+) -> None:
+    """broker-b (SYNC_FLUSH) runs with readUnCommitted=true (a gateway on it says nothing:
+    the SIGKILL test above); switched to the broker's default (false) at run time, a gateway
+    started on it warns (deliveries would wait for the flush, its reput thread spins between
+    flushes)."""
+
+    async def set_read_uncommitted(value: str) -> None:
+        async with rocketmq.client() as client:
+            await update_broker_config(
+                client, rocketmq.brokers["broker-b"], {"readUnCommitted": value}
+            )
+
+    def start() -> ServeProcess:
+        return ServeProcess(
+            tmp_path / uuid.uuid4().hex[:8],
+            "--store", "rocketmq", "--namesrv", rocketmq.namesrv_addr, "--flush", "sync",
+            env={
+                "LMQTT_ROCKETMQ_TOPIC": f"t{uuid.uuid4().hex[:8]}",
+                "LMQTT_ROCKETMQ_BROKER": "broker-b",
+            },
+        ).start()  # fmt: skip
+
+    asyncio.run(set_read_uncommitted("false"))
+    try:
+        g = start()
+        try:
+            assert any(
+                "flushDiskType=SYNC_FLUSH and readUnCommitted=false" in line for line in g.output
+            ), g.output
+        finally:
+            g.stop()
+    finally:
+        asyncio.run(set_read_uncommitted("true"))
 
 
 def test_sessions_live_in_rocketmq_a_gateway_with_a_wiped_data_dir_resumes_them(

@@ -213,11 +213,13 @@ def test_the_rocketmq_profile_has_a_name_server_and_two_brokers_with_light_queue
     for name, service in brokers.items():
         config = broker_config(service)
         # What the gateway's start-up check requires (gateway/storage/rocketmq/start.py): light
-        # queues on, one send thread (publish order), SYNC_FLUSH (for --flush sync).
+        # queues on, one send thread (publish order), SYNC_FLUSH (for --flush sync) dispatching
+        # at the append (readUnCommitted).
         assert config["enableLmq"] == "true", name
         assert config["enableMultiDispatch"] == "true", name
         assert config["sendMessageThreadPoolNums"] == "1", name
         assert config["flushDiskType"] == "SYNC_FLUSH", name
+        assert config["readUnCommitted"] == "true", name
         assert config["namesrvAddr"] == f"{namesrv[0]}:9876", name
         assert service["environment"]["NAMESRV_ADDR"] == f"{namesrv[0]}:9876", name
         names.add(config["brokerName"])

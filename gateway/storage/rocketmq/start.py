@@ -272,6 +272,16 @@ async def _check_broker_config(client: RemotingClient, name: str, addr: str, *, 
             " set flushDiskType=SYNC_FLUSH there",
             name, flush or "?",
         )  # fmt: skip
+    if flush == "SYNC_FLUSH" and config.get("readUnCommitted", "").lower() != "true":
+        # The broker then dispatches (consume queues, light queues, held pulls woken) only
+        # what is flushed: every delivery waits for the fsync, and its reput thread re-reads
+        # the offset after the flushed one until the flush moves, a core while sends flow.
+        log.warning(
+            "broker %s has flushDiskType=SYNC_FLUSH and readUnCommitted=%s: deliveries wait"
+            " for its disk flush and its dispatch thread spins between flushes; set"
+            " readUnCommitted=true there (SEND_OK still waits for the flush)",
+            name, config.get("readUnCommitted", "?"),
+        )  # fmt: skip
 
 
 async def _probe_light_queues(client: RemotingClient, name: str, addr: str, topic: str) -> None:
