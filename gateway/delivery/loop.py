@@ -97,17 +97,16 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self.sent = 0
 
     def start(self) -> None:
-        session = self.session
-        if not session.subscriptions and not session.inflight:
+        for sub in self.session.by_queue.values():
+            self.watch(sub.queue)
+        self._resend_inflight()
+        if self.session.subscriptions or self.session.inflight:
+            self.wake()
+        else:
             # Started by its session's first SUBSCRIBE: nothing missed, nothing to look at
             # until a message arrives (a new subscription starts at its queue's end, and the
             # arrival notices of the queues it watches from then on schedule the passes).
             self._live = True
-            return
-        for sub in session.by_queue.values():
-            self.watch(sub.queue)
-        self._resend_inflight()
-        self.wake()
 
     def stop(self) -> None:
         self._stopped = True
