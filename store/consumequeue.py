@@ -15,6 +15,8 @@ import itertools
 import logging
 import os
 import shutil
+from array import array
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -99,6 +101,15 @@ class ConsumeQueueTable:
         #: look-up listed a directory. Only this process creates queues (the store's lock), and
         #: get_or_create forgets the name, so the answer stays true. Cleared when it is full.
         self.absent: set[str] = set()
+        #: Whether a queue may have a directory, answered without listing it: the hashes of
+        #: the directory names under the root when a writable store first looks up a queue it
+        #: does not hold (one listing, sorted: 8 bytes a queue), and of every queue it created
+        #: since (get_or_create; only this process creates queues). A name in neither has no
+        #: directory: a device fleet's new command queues are told so without one failed
+        #: directory listing each. A hash collision costs the listing it saved. None: not
+        #: listed yet (and always, read-only: a live writer creates queues meanwhile).
+        self._listed: array[int] | None = None
+        self._created: set[int] = set()
         #: Bumped whenever a state leaves ``states``: holders of ConsumeQueue objects (the
         #: store's route cache) re-resolve them when it changed, so they never append to a
         #: state that was written out and replaced by a fresh copy.
@@ -120,7 +131,7 @@ class ConsumeQueueTable:
             return cq
         if name in self.absent:
             return None
-        cq = self._load(name)
+        cq = self._load(name) if self._may_exist(name) else None
         if cq is not None:
             self._insert(cq)
         elif not self.read_only:
@@ -134,9 +145,38 @@ class ConsumeQueueTable:
         if cq is not None:
             return cq
         self.absent.discard(name)
-        cq = self._load(name) or ConsumeQueue(name, self.dir_of(name), 0, 0)
+        cq = self._load(name) if self._may_exist(name) else None
+        if cq is None:
+            cq = ConsumeQueue(name, self.dir_of(name), 0, 0)
+            if self._listed is not None:
+                self._note_created(hash(encode_queue_dir(name)))
         self._insert(cq)
         return cq
+
+    def _may_exist(self, name: str) -> bool:
+        """False: `name` has no directory (see `_listed`); True: it may have one (look)."""
+        if self.read_only:
+            return True
+        listed = self._listed
+        if listed is None:
+            try:
+                entries = os.listdir(self.root)
+            except FileNotFoundError:
+                entries = []
+            listed = self._listed = array("q", sorted(hash(e) for e in entries))
+        key = hash(encode_queue_dir(name))
+        i = bisect_left(listed, key)
+        return (i < len(listed) and listed[i] == key) or key in self._created
+
+    def _note_created(self, key: int) -> None:
+        """A queue was created: its hash joins `_created`, merged into the sorted `_listed` once
+        it holds a quarter as many (8 bytes a queue rather than a set entry's ~60)."""
+        created = self._created
+        created.add(key)
+        listed = self._listed
+        if listed is not None and len(created) >= max(1024, len(listed) // 4):
+            self._listed = array("q", sorted([*listed, *created]))
+            created.clear()
 
     def cached(self) -> Iterator[ConsumeQueue]:
         return iter(list(self.states.values()))

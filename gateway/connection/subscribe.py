@@ -95,6 +95,10 @@ class SubscribeHandler:
         if ev.properties is not None and ev.properties.subscription_identifiers:
             sub_id = ev.properties.subscription_identifiers[0]
         codes: list[int] = []
+        # Whether the delivery loop must look at the session's queues after the SUBACK: not
+        # when every subscription is new, own (not shared) and live (no replay): each starts
+        # at its queue's end, and what arrives from then on wakes the loop by itself.
+        look = False
         retained_for: list[tuple[SubscriptionState, TopicFilter]] = []
         notes: list[str] = []  # MQTT 5 SUBACK reason string (replay cut off by retention)
         prop_from: str | None = None
@@ -132,6 +136,7 @@ class SubscribeHandler:
                 codes.append(refusal if level == 5 else ReasonCode.UNSPECIFIED_ERROR)
                 continue
             qos = min(req.qos, self._max_qos)
+            look = look or not new or since is not None or tf.is_shared
             await subscriptions.open_queue(session, tf, since)
             sub, cutoff = subscriptions.subscribe(
                 session, delivery, tf, req, qos, sub_id, since, start
@@ -155,8 +160,9 @@ class SubscribeHandler:
                 return
         props = Properties(reason_string="; ".join(notes)) if notes and level == 5 else None
         client.write(client.conn.send(SubAck(ev.packet_id, codes, props)))
-        subscriptions.send_retained(delivery, retained_for)
-        delivery.wake()
+        subscriptions.send_retained(delivery, retained_for)  # wakes the loop if any
+        if look:
+            delivery.wake()
 
     def on_unsubscribe(self, client: Subscribing, ev: Unsubscribe) -> None:
         session = client.session

@@ -103,7 +103,13 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         for sub in self.session.by_queue.values():
             self.watch(sub.queue)
         self._resend_inflight()
-        self.wake()
+        if self.session.subscriptions or self.session.inflight:
+            self.wake()
+        else:
+            # Started by its session's first SUBSCRIBE: nothing missed, nothing to look at
+            # until a message arrives (a new subscription starts at its queue's end, and the
+            # arrival notices of the queues it watches from then on schedule the passes).
+            self._live = True
 
     def stop(self) -> None:
         self._stopped = True

@@ -370,3 +370,38 @@ def test_retention_by_age_and_size(open_store: OpenStore, tmp_path: Path) -> Non
 def test_read_only_requires_existing_store(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="no store"):
         MessageStore.open(StoreConfig(data_dir=tmp_path / "none", read_only=True))
+
+
+def test_new_queues_are_told_absent_without_listing_their_directories(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device fleet subscribes to thousands of queues that have no directory yet: each
+    look-up is answered from the one listing of the queue root (and the queues created
+    since), not by a failed listing of its own; queues created, evicted from the cache and
+    looked up again are found, before and after a restart."""
+    listings: list[str] = []
+    scandir = os.scandir
+
+    def counting(path: str) -> object:
+        if "consumequeue/%LMQ%" in str(path):  # a light queue's own directory
+            listings.append(str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", counting)
+    s = open_store(max_cached_queues=64, cq_units_per_file=4)
+    n = 1500  # past the merge of the created queues into the sorted listing (1,024)
+    for i in range(n):
+        assert s.max_offset(f"%LMQ%cmd{i}") == 0  # a new subscription's queue
+        s.put("dev", b"%d" % i, [f"%LMQ%cmd{i}"])
+    assert listings == []
+    s.flush()
+    assert len(s.queues_table.states) < n  # most were evicted: found again on disk
+    assert [s.max_offset(f"%LMQ%cmd{i}") for i in (0, 1, 777, n - 1)] == [1, 1, 1, 1]
+    assert s.get("%LMQ%cmd3", 0).messages[0].body == b"3"
+    s.close()
+    s = open_store(max_cached_queues=64, cq_units_per_file=4)
+    listings.clear()
+    assert s.max_offset("%LMQ%new") == 0 and listings == []
+    assert s.max_offset("%LMQ%cmd42") == 1 and len(listings) == 1  # from the previous run
+    s.put("dev", b"x", ["%LMQ%new"])
+    assert s.max_offset("%LMQ%new") == 1
