@@ -292,9 +292,7 @@ class Gateway:
         self._tasks.append(loop.create_task(bans.run()))
         self.timers.start()
         self._tasks.append(loop.create_task(delayed.run()))
-        self._tasks.append(
-            loop.create_task(account.run(registry.sessions.values, shared.groups.values))
-        )
+        self._tasks.append(loop.create_task(account.run(registry.sessions, shared.groups.values)))
         self._tasks.append(
             loop.create_task(retained.snapshot_periodically(s.retained_snapshot_interval))
         )

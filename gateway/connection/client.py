@@ -75,7 +75,6 @@ class ClientConnection(ClientTransport):
         "acl",
         "client_id",
         "delivery",
-        "peer",
         "session",
         "timer_due",
         "username",
@@ -84,8 +83,6 @@ class ClientConnection(ClientTransport):
 
     def __init__(self, context: ClientContext, transport: asyncio.Transport) -> None:
         super().__init__(context, transport)
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.client_id = ""
         self.username: str | None = None  # authenticated (or asserted, without password file)
         self.acl: ClientAccess | None = None  # None: no ACL file, everything allowed
@@ -95,7 +92,9 @@ class ClientConnection(ClientTransport):
         self._cleaned = False
         self._eof = False
         self._abnormal = True
-        self._last_rx = self._loop.time()
+        # Connect timeout and keep-alive: one entry in the gateway's timer wheel (on_due),
+        # not a timer per connection; packets only move _last_rx, never the wheel.
+        self._opened = self._last_rx = self._loop.time()  # one float until the first packet
         # The last sync-flush acknowledgement task: the next one waits for it (PUBACKs leave in
         # the order of their PUBLISHes; gateway/connection/publish.py).
         self.ack_chain: asyncio.Task[None] | None = None
@@ -105,9 +104,6 @@ class ClientConnection(ClientTransport):
         # verdict stands while its ACL object does (a reload hands the client a new one).
         self._plain_topic: str | None = None
         self._plain_acl: ClientAccess | None = None
-        # Connect timeout and keep-alive: one entry in the gateway's timer wheel (on_due),
-        # not a timer per connection; packets only move _last_rx, never the wheel.
-        self._opened = self._loop.time()
         self.timer_due: float | None = None
         context.timers.schedule(self, self._opened + context.settings.connect_timeout)
         # The reader task exists only while there are bytes to handle: an idle connection
@@ -115,6 +111,16 @@ class ClientConnection(ClientTransport):
         self._reader: asyncio.Task[None] | None = None
 
     # -- what the live view reads (gateway/ops/live_view.py) -----------------------------------
+
+    @property
+    def peer(self) -> str:
+        """The client's address (host:port), for logs and the live view: asked when needed,
+        not kept per connection (an idle device's footprint limits how many fit)."""
+        try:
+            peer = self.transport.get_extra_info("peername")
+        except Exception:  # a transport already torn down
+            peer = None
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
     @property
     def opened(self) -> float:

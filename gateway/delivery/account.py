@@ -12,9 +12,13 @@ there. Off the hot path:
     busy subscription costs one 64-byte record per record_s, however many messages it got;
   - when a subscription ends (unsubscribe, clean session over, expiry) its closing record,
     carrying the queue end it saw last, is written within `flush_s`;
-  - every `sample_s` every open subscription whose queue grew is written too, online or not,
-    so the report can draw lag over time for a subscriber that stopped acknowledging (walked
-    in slices between flushes, remembering one end per queue);
+  - every `sample_s` the subscriptions that may lag without moving are written too when their
+    queue grew, so the report can draw lag over time for a subscriber that stopped
+    acknowledging: those of offline persistent sessions, and those of online sessions whose
+    delivery loop left something unsent since the last cycle (`behind`, once per such pass).
+    The sessions to look at are collected as they change (a delivery loop starting, stopping
+    or falling behind), not found by walking every session: a cycle costs what lags, whatever
+    the number connected (walked in slices between flushes, remembering one end per queue);
   - `close()` writes everything at shutdown.
 """
 
@@ -24,7 +28,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from gateway.storage.port import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, AccountWriter
@@ -67,6 +71,12 @@ class DeliveryAccount:
         self._pending: list[AccountRecord] = []  # written by the next flush
         self._queue_seen: dict[str, int] = {}  # queue -> its end at the last sampling cycle
         self._group_qos: dict[tuple[str, str], int] = {}
+        # What the next sampling cycle looks at (see the module docstring), by client id:
+        # persistent sessions without a delivery loop, and online ones whose loop fell behind
+        # since the last cycle. None until the first cycle seeds it with the sessions then
+        # offline (restored at start).
+        self._offline: dict[str, Session] | None = None
+        self._lagging: dict[str, Session] = {}
 
     # -- hot path ------------------------------------------------------------------------------
 
@@ -76,6 +86,22 @@ class DeliveryAccount:
 
     def group_moved(self, group: SharedGroup) -> None:
         self._dirty_groups[id(group)] = group
+
+    # -- what sampling looks at (delivery loops call these; not per message) --------------------
+
+    def online(self, session: Session) -> None:
+        """`session`'s delivery loop started: it is sampled only while it falls behind."""
+        if self._offline is not None:
+            self._offline.pop(session.client_id, None)
+
+    def offline(self, session: Session) -> None:
+        """`session`'s delivery loop stopped: a persistent session's queues go on growing."""
+        if self._offline is not None and session.persistent:
+            self._offline[session.client_id] = session
+
+    def behind(self, session: Session) -> None:
+        """`session`'s delivery loop left something unsent (once per such pass)."""
+        self._lagging[session.client_id] = session
 
     # -- ends ----------------------------------------------------------------------------------
 
@@ -122,10 +148,11 @@ class DeliveryAccount:
         return self.flush()
 
     async def run(
-        self, sessions: Callable[[], Iterable[Session]], groups: Callable[[], Iterable[SharedGroup]]
+        self, sessions: Mapping[str, Session], groups: Callable[[], Iterable[SharedGroup]]
     ) -> None:
-        """Flush every flush_s; every sample_s start a sampling cycle, walked SAMPLE_SLICE
-        subscriptions per flush (a million offline sessions must not stall the loop)."""
+        """Flush every flush_s; every sample_s start a sampling cycle over the sessions that
+        may lag (`_due`), walked SAMPLE_SLICE subscriptions per flush (a million offline
+        sessions must not stall the loop). `sessions`: the registry's, by client id."""
         cycle: Iterator[bool] | None = None
         next_cycle = time.monotonic() + self.sample_s
         next_record = time.monotonic() + self.record_s
@@ -134,7 +161,7 @@ class DeliveryAccount:
             now = time.monotonic()
             if cycle is None and now >= next_cycle:
                 next_cycle = now + self.sample_s
-                cycle = self._cycle(list(sessions()), list(groups()))
+                cycle = self._cycle(self._due(sessions), list(groups()))
             for step in range(SAMPLE_STEPS):
                 if cycle is None:
                     break
@@ -146,6 +173,25 @@ class DeliveryAccount:
             if moved:
                 next_record = now + self.record_s
             self.flush(moved)
+
+    def _due(self, sessions: Mapping[str, Session]) -> list[Session]:
+        """The sessions a sampling cycle looks at: the offline persistent ones (the first
+        cycle finds those restored at start, once) and those that fell behind since the last
+        cycle; a session ended since it was listed is dropped (it is no longer `sessions`')."""
+        offline = self._offline
+        if offline is None:
+            offline = self._offline = {
+                cid: s for cid, s in sessions.items() if s.persistent and s.connection is None
+            }
+        lagging, self._lagging = self._lagging, {}
+        due: list[Session] = []
+        for cid, s in list(offline.items()):
+            if sessions.get(cid) is not s or s.connection is not None:
+                del offline[cid]  # ended, replaced by a new session, or online again
+            elif cid not in lagging:
+                due.append(s)
+        due += [s for cid, s in lagging.items() if sessions.get(cid) is s]
+        return due
 
     def close(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> None:
         """Write the final state of every open subscription and close the files. Clean
@@ -283,6 +329,15 @@ class NoDeliveryAccount(DeliveryAccount):
     def group_moved(self, group: SharedGroup) -> None:
         pass
 
+    def online(self, session: Session) -> None:
+        pass
+
+    def offline(self, session: Session) -> None:
+        pass
+
+    def behind(self, session: Session) -> None:
+        pass
+
     def ended(self, session: Session, sub: SubscriptionState) -> None:
         pass
 
@@ -296,9 +351,28 @@ class NoDeliveryAccount(DeliveryAccount):
         return 0
 
     async def run(
-        self, sessions: Callable[[], Iterable[Session]], groups: Callable[[], Iterable[SharedGroup]]
+        self, sessions: Mapping[str, Session], groups: Callable[[], Iterable[SharedGroup]]
     ) -> None:
         return
+
+    def _due(self, sessions: Mapping[str, Session]) -> list[Session]:
+        """The sessions a sampling cycle looks at: the offline persistent ones (the first
+        cycle finds those restored at start, once) and those that fell behind since the last
+        cycle; a session ended since it was listed is dropped (it is no longer `sessions`')."""
+        offline = self._offline
+        if offline is None:
+            offline = self._offline = {
+                cid: s for cid, s in sessions.items() if s.persistent and s.connection is None
+            }
+        lagging, self._lagging = self._lagging, {}
+        due: list[Session] = []
+        for cid, s in list(offline.items()):
+            if sessions.get(cid) is not s or s.connection is not None:
+                del offline[cid]  # ended, replaced by a new session, or online again
+            elif cid not in lagging:
+                due.append(s)
+        due += [s for cid, s in lagging.items() if sessions.get(cid) is s]
+        return due
 
     def close(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> None:
         pass

@@ -51,7 +51,10 @@ class Acknowledgements(LoopState):
                 sub = by_queue.get(inf.queue)
                 if sub is not None and sub.pending.get(inf.offset) == packet_id:
                     del sub.pending[inf.offset]
-                    self._uncommitted[sub.queue] = sub  # committed by the next pass
+                    uncommitted = self._uncommitted  # committed by the next pass
+                    if uncommitted is None:
+                        uncommitted = self._uncommitted = {}
+                    uncommitted[sub.queue] = sub
         if not done:
             return
         self.ctx.sessions.mark_progress(session)
@@ -87,7 +90,8 @@ class Acknowledgements(LoopState):
     # -- commits -----------------------------------------------------------------------------
 
     def _commit(self, sub: SubscriptionState) -> None:
-        self._uncommitted.pop(sub.queue, None)
+        if self._uncommitted is not None:
+            self._uncommitted.pop(sub.queue, None)
         committed = sub.committed()
         if committed != sub.last_commit:  # QoS 1 sends behind an unacked one change nothing
             sub.last_commit = committed
@@ -102,7 +106,7 @@ class Acknowledgements(LoopState):
         uncommitted = self._uncommitted
         if not uncommitted:
             return
-        self._uncommitted = {}
+        self._uncommitted = None
         session = self.session
         by_queue = session.by_queue
         commit = self.ctx.store.offsets.commit

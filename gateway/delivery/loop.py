@@ -47,7 +47,7 @@ from gateway.delivery.replay import Replaying
 from gateway.delivery.rules import decide
 from gateway.delivery.send import Sender
 from gateway.delivery.shared import SharedGroup
-from gateway.delivery.state import UNKNOWN_END, DeliveryContext, Subscriber
+from gateway.delivery.state import NO_ALIASES, UNKNOWN_END, DeliveryContext, Subscriber
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import ReasonCode
@@ -59,6 +59,8 @@ __all__ = ["BATCH", "DeliveryContext", "DeliveryLoop", "Subscriber"]
 log = logging.getLogger("lmqtt.gateway")
 
 BATCH = 32
+# A new loop's last write: long enough ago that it is not busy (one float for every loop).
+_NEVER_WROTE = -PASS_INTERVAL
 
 
 class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
@@ -77,24 +79,26 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         alias_max = conn.client_topic_alias_maximum or 0
         self.alias_max = alias_max if context.outbound_topic_aliases else 0
         self._plain = not self.alias_max and self.max_packet is None
-        self.aliases = {}
+        # Memory per idle device is what limits how many fit: what most loops never use is
+        # shared (NO_ALIASES, the empty tuples) or None until first used.
+        self.aliases = {} if self.alias_max else NO_ALIASES
         self.retained_backlog = None  # allocated on first use: most subscribers never need it
-        self.groups = []
+        self.groups = ()
         self._loop = asyncio.get_running_loop()
         self._scheduled = False
         self._stopped = False
-        self._last_write = -PASS_INTERVAL
+        self._last_write = _NEVER_WROTE
         self._busy = False
         self._pass_timer = None
         self._waiting = False
         self._arrived_at = self._gap = self._gap_before = 0.0
         self._full = False
-        self._ready = {}  # an ordered set: smaller than a set when empty
+        self._ready = None
         self._behind = False
         self._live = False
-        self._watched = []
+        self._watched = ()
         self._batch = None
-        self._uncommitted = {}
+        self._uncommitted = None
         self._replay_timer = None
         self._held = None
         self.sent = 0
@@ -102,6 +106,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     def start(self) -> None:
         for sub in self.session.by_queue.values():
             self.watch(sub.queue)
+        self.ctx.account.online(self.session)
         self._resend_inflight()
         if self.session.subscriptions or self.session.inflight:
             self.wake()
@@ -113,6 +118,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
 
     def stop(self) -> None:
         self._stopped = True
+        self.ctx.account.offline(self.session)
         if self._pass_timer is not None:
             self._pass_timer.cancel()
             self._pass_timer = None
@@ -122,21 +128,22 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self._commit_acknowledged()
         for q in self._watched:
             self.ctx.arrivals.unwatch(q, self)
-        self._watched.clear()
-        for group in list(self.groups):
+        self._watched = ()
+        for group in self.groups:
             group.leave(self)
-        self.groups.clear()
+        self.groups = ()
 
     def watch(self, queue: str) -> None:
         if queue not in self._watched:
-            self._watched.append(queue)
+            self._watched = (*self._watched, queue)
             self.ctx.arrivals.watch(queue, self)
 
     def unwatch(self, queue: str) -> None:
         if queue in self._watched:
-            self._watched.remove(queue)
+            self._watched = tuple(q for q in self._watched if q != queue)
             self.ctx.arrivals.unwatch(queue, self)
-            self._ready.pop(queue, None)
+            if self._ready is not None:
+                self._ready.pop(queue, None)
 
     def capacity(self) -> int:
         return self.window - len(self.session.inflight)
@@ -163,6 +170,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                 # the session missed while away, not falling behind the load of the moment).
                 if self._live:
                     self.ctx.overload.behind(self)
+                    self.ctx.account.behind(self.session)  # its lag is sampled
             elif not self._live:
                 self._live = True
         except Exception:
@@ -183,9 +191,9 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             self._full = False
             self._behind = False
             subs = [(sub, UNKNOWN_END) for sub in by_queue.values()]
-            ready.clear()
+            self._ready = None
         elif ready:
-            self._ready = {}
+            self._ready = None
             subs = [(sub, end) for q, end in ready.items() if (sub := by_queue.get(q)) is not None]
         else:
             subs = []
@@ -231,7 +239,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                     if sub.qos == 2 and not qos2:
                         qos2 = self._sent_qos2(sub, before)
                     if sub.next_offset < end:
-                        self._ready[sub.queue] = end  # batch limit: the rest in the next pass
+                        self._mark_ready(sub.queue, end)  # batch limit: the rest next pass
                 elif sub.next_offset < end:
                     self._behind = True
         finally:

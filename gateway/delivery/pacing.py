@@ -63,9 +63,12 @@ class Pacing(LoopState):
         notice, UNKNOWN_END, is asked); notices may come out of order (the flusher thread's
         are handed over later), so the furthest end is kept."""
         ready = self._ready
-        known = ready.get(queue)
-        if known is None or UNKNOWN_END < known < end:
-            ready[queue] = end
+        if ready is None:
+            ready = self._ready = {queue: end}
+        else:
+            known = ready.get(queue)
+            if known is None or UNKNOWN_END < known < end:
+                ready[queue] = end
         if self._scheduled:
             return
         now = monotonic()
@@ -89,6 +92,14 @@ class Pacing(LoopState):
             self._loop.call_soon(self._step)
             return
         self._schedule(soon)
+
+    def _mark_ready(self, queue: str, end: int) -> None:
+        """`queue` is to be read by the next pass (up to `end`, or UNKNOWN_END: ask the store)."""
+        ready = self._ready
+        if ready is None:
+            self._ready = {queue: end}
+        else:
+            ready[queue] = end
 
     def wrote(self) -> None:
         """A pass wrote to the subscriber now (once per pass that sent)."""

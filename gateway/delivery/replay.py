@@ -93,7 +93,7 @@ class Replaying(LoopState):
             moved = True
         if moved:
             self.ctx.sessions.mark_progress(session)
-            self._ready[sub.queue] = UNKNOWN_END  # more to replay (paced: see _replay)
+            self._mark_ready(sub.queue, UNKNOWN_END)  # more to replay (paced: see _replay)
         return moved
 
     def _pass_replayed(

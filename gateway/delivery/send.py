@@ -65,7 +65,11 @@ class Sender(LoopState):
                 moved = msg
         if moved is not None:
             sub.read_phys = moved.physical_offset + 1
-        self._uncommitted[sub.queue] = sub
+        uncommitted = self._uncommitted
+        if uncommitted is None:
+            self._uncommitted = {sub.queue: sub}
+        else:
+            uncommitted[sub.queue] = sub
         return passed or moved is not None
 
     def _plain_outbound(self) -> tuple[dict[int, int], int] | None:
@@ -158,7 +162,7 @@ class Sender(LoopState):
                 ctx = self.ctx
                 if owner_has_read(session.by_queue, sub, msg, ctx.store, ctx.cursor):
                     return True
-                self._ready[sub.queue] = UNKNOWN_END
+                self._mark_ready(sub.queue, UNKNOWN_END)
                 return False
             out = decide(rec, sub, session.client_id, self.level, False, others)
         if out is None:

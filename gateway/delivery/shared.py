@@ -48,7 +48,7 @@ class Member(Protocol):
     """A connected member of a group: its session's delivery loop (gateway/delivery/loop.py)."""
 
     session: Session
-    groups: list[SharedGroup]
+    groups: tuple[SharedGroup, ...]  # replaced, not changed in place (see LoopState)
 
     def capacity(self) -> int: ...
 
@@ -130,7 +130,7 @@ class SharedGroup:
         if member not in self.members:
             self.members.append(member)
             if self not in member.groups:
-                member.groups.append(self)
+                member.groups = (*member.groups, self)
             if self.link is not None:
                 self.link.members_changed(self)
         if len(self.members) == 1:
@@ -143,7 +143,7 @@ class SharedGroup:
         if was_member:
             self.members.remove(member)
         if self in member.groups:
-            member.groups.remove(self)
+            member.groups = tuple(g for g in member.groups if g is not self)
         inflight = member.session.inflight
         for pid, inf in list(inflight.items()):
             if inf.group is self:

@@ -71,6 +71,8 @@ class DeliveryContext:
 
 # A ready queue's end when no arrival notice told it (the pass asks the store).
 UNKNOWN_END = -1
+# The topic aliases of every loop without any (alias_max 0): shared, never written.
+NO_ALIASES: dict[str, int] = {}
 
 
 class LoopState:
@@ -117,11 +119,13 @@ class LoopState:
     window: int  # packets at QoS > 0 in flight at most
     max_packet: int | None  # the client's Maximum Packet Size
     alias_max: int  # outbound topic aliases (0: none)
-    aliases: dict[str, int]
+    aliases: dict[str, int]  # NO_ALIASES (shared, never written) while alias_max is 0
     # Neither topic aliases nor a packet size limit: the plain send path may send.
     _plain: bool
     retained_backlog: deque[tuple[RetainedMessage, SubscriptionState]] | None
-    groups: list[SharedGroup]
+    # Shared groups joined, and (below) queues watched: tuples, replaced when they change
+    # (rarely), so a loop with none holds the one empty tuple rather than a list of its own.
+    groups: tuple[SharedGroup, ...]
     sent: int  # PUBLISH packets sent on this connection (the live view reads it)
     _loop: asyncio.AbstractEventLoop
     # Pacing (pacing.py): a pass is scheduled; the loop stopped; loop time of the last pass
@@ -139,20 +143,22 @@ class LoopState:
     _gap: float
     _gap_before: float
     # Next pass: every queue (_full) or only those the store reported (_ready: queue -> where
-    # the notice said it ends, or UNKNOWN_END; ordered).
+    # the notice said it ends, or UNKNOWN_END; ordered; None when there are none: an idle
+    # loop holds no dict, and a pass that takes them leaves None rather than a new one).
     _full: bool
-    _ready: dict[str, int]
+    _ready: dict[str, int] | None
     # A pass stopped at a full window or transport: the next acknowledgement looks at all.
     _behind: bool
     _live: bool  # caught up once since it started (see DeliveryLoop._step)
-    _watched: list[str]  # queues watched with the ArrivalHub (a session has few)
+    _watched: tuple[str, ...]  # queues watched with the ArrivalHub (a session has few)
     # Packets of the pass being made, written with one transport.write() at its end.
     _batch: list[bytes] | None
     # Passes' packets waiting for the session record to be saved (a QoS 2 delivery; loop.py
     # _hold), or None.
     _held: list[bytes] | None
-    # Subscriptions whose acknowledged position moved since it was last committed (acks.py).
-    _uncommitted: dict[str, SubscriptionState]
+    # Subscriptions whose acknowledged position moved since it was last committed (acks.py);
+    # None when there are none (as _ready).
+    _uncommitted: dict[str, SubscriptionState] | None
     # Set while a replay waits for its share of the loop (replay.py).
     _replay_timer: asyncio.TimerHandle | None
 
@@ -163,6 +169,8 @@ class LoopState:
         def wake(self) -> None: ...
 
         def _schedule(self) -> None: ...
+
+        def _mark_ready(self, queue: str, end: int) -> None: ...
 
         def _step(self) -> None: ...
 

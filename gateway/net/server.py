@@ -33,6 +33,8 @@ class ServerState:
 
 
 class MqttServerProtocol(asyncio.Protocol):
+    __slots__ = ("client", "ctx", "state")  # one per connection: no __dict__
+
     def __init__(self, context: ClientContext, state: ServerState) -> None:
         self.ctx = context
         self.state = state

@@ -61,12 +61,14 @@ class LiveClient(Protocol):
 
     client_id: str
     username: str | None
-    peer: str
     closed: bool
     conn: Connection
     msgs_in: int
     bytes_in: int
     bytes_out: int
+
+    @property
+    def peer(self) -> str: ...
 
     @property
     def session(self) -> Session | None: ...

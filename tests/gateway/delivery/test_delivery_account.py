@@ -101,3 +101,49 @@ def test_turned_off_the_gateway_writes_no_account(tmp_path: Path) -> None:
     assert (data / "commitlog").is_dir()
     assert not (data / ACCOUNT_DIR).exists()
     assert read_account(data) == []
+
+
+def test_lag_sampled_for_offline_and_stalled_subscribers_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampling looks at what may lag without moving, collected as it changes (not a walk over
+    every session): an offline persistent subscriber and an online one that stopped
+    acknowledging (its window full) both get records whose queue end grows past what they
+    acknowledged."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    quick_account(monkeypatch)
+    data = tmp_path / "data"
+    h = GatewayHarness(data).start()
+    made: list[Client] = []
+    try:
+        archive = Client(h.port, "archive", clean=False)
+        made.append(archive)
+        archive.subscribe("lag/#", qos=1)
+        archive.disconnect()  # offline: its share waits in its queue
+        props = Properties(PacketTypes.CONNECT)
+        props.ReceiveMaximum = 2
+        stalled = Client(h.port, "stalled", v5=True, auto_ack=False, connect_props=props)
+        pub = Client(h.port, "pub")
+        made += [stalled, pub]
+        stalled.subscribe("lag/#", qos=1)
+
+        def lagging(subscriber: str, end: int) -> bool:
+            r = _newest(data, subscriber, "lag/#")
+            return r is not None and r.queue_end >= end and r.acked == 0
+
+        # The first messages move the stalled subscriber's position (sent), and that is
+        # written; what comes after its window filled moves nothing: only sampling writes it.
+        for end in (N, 2 * N):
+            for i in range(N):
+                pub.publish("lag/1", str(i).encode(), qos=1)
+            wait_until(
+                lambda: lagging("archive", end) and lagging("stalled", end),  # noqa: B023
+                timeout=30,
+                what=f"lag samples up to {end}",
+            )
+        assert len(stalled.messages) == 2  # it never acknowledged: the window stayed full
+    finally:
+        stop_clients(made)
+        h.stop()
