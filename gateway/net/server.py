@@ -32,13 +32,20 @@ class ServerState:
     connections: set[ClientConnection] = field(default_factory=set)
 
 
+def _unread(data: bytes) -> None:
+    """A refused connection's reads (its transport is aborted: none come)."""
+
+
 class MqttServerProtocol(asyncio.Protocol):
-    __slots__ = ("client", "ctx", "state")  # one per connection: no __dict__
+    # One per connection: no __dict__. `data_received` is a slot, not a method: it holds the
+    # connection's `feed` (see connection_made).
+    __slots__ = ("client", "ctx", "data_received", "state")
 
     def __init__(self, context: ClientContext, state: ServerState) -> None:
         self.ctx = context
         self.state = state
         self.client: ClientConnection | None = None
+        self.data_received = _unread  # type: ignore[method-assign]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio.Transport.
@@ -57,16 +64,12 @@ class MqttServerProtocol(asyncio.Protocol):
         connections.add(client)
         # Every read goes straight to the connection: the transport calls the bound method it
         # caches at set_protocol (uvloop) or looks up per read (asyncio, TLS, WebSocket), and
-        # either way finds `feed`, not the forwarding method below: a Python call less per read.
+        # either way finds `feed`: no forwarding method, a Python call less per read.
         self.data_received = client.feed  # type: ignore[method-assign]
         try:
             transport.set_protocol(self)
         except NotImplementedError:
             pass  # a transport of our own (WebSocketTransport): it looks the method up per read
-
-    def data_received(self, data: bytes) -> None:
-        if self.client is not None:
-            self.client.feed(data)
 
     def eof_received(self) -> bool:
         if self.client is not None:
