@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rocketmq_remoting import headers
@@ -46,6 +46,7 @@ from rocketmq_remoting.message import (
     decode_records,
     dispatch_property,
     encode_properties,
+    scan_records,
 )
 from rocketmq_remoting.route import ClusterInfo, TopicRoute
 
@@ -89,6 +90,9 @@ class PullResult:
     min_offset: int
     max_offset: int
     messages: list[MessageRecord] = field(default_factory=list)
+    #: With `pull(wanted=...)`: the CommitLog offset of the answer's last record, passed over
+    #: or not (-1 if none): how far the broker's log goes, as far as this answer shows.
+    last_commitlog_offset: int = -1
 
     @property
     def found(self) -> bool:
@@ -391,6 +395,7 @@ class RemotingClient:
         commit_offset: int | None = None,
         check_crc: bool = True,
         timeout: float | None = None,
+        wanted: Container[str] | None = None,
     ) -> PullResult:
         """PULL_MESSAGE (11) from ``offset``; with ``suspend_timeout`` a long poll.
 
@@ -401,6 +406,8 @@ class RemotingClient:
         next hold check; unless told otherwise the client waits that long (suspend +
         HOLD_CHECK_S) plus ``request_timeout``.
         ``commit_offset`` also commits the group's offset (PULL_COMMIT_OFFSET).
+        ``wanted``: only the records dispatched to one of these light queues are decoded and
+        returned (``message.scan_records``; the answer's last CommitLog offset is kept).
         Raises :class:`OffsetMovedError` when the offset is outside the queue.
         """
         sys_flag = PULL_SUBSCRIPTION
@@ -449,12 +456,13 @@ class RemotingClient:
                 ResponseCode.PULL_RETRY_IMMEDIATELY,
             ),
         )
-        messages = (
-            list(decode_records(answer.body, check_crc))
-            if answer.code == ResponseCode.SUCCESS
-            else []
-        )
-        return PullResult(answer.code, next_begin, min_offset, max_offset, messages)
+        if answer.code != ResponseCode.SUCCESS:
+            return PullResult(answer.code, next_begin, min_offset, max_offset, [])
+        if wanted is None:
+            messages = list(decode_records(answer.body, check_crc))
+            return PullResult(answer.code, next_begin, min_offset, max_offset, messages)
+        messages, last = scan_records(answer.body, wanted, check_crc)
+        return PullResult(answer.code, next_begin, min_offset, max_offset, messages, last)
 
     # -- broker: offsets ----------------------------------------------------------------------
 
