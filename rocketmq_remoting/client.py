@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rocketmq_remoting import headers
@@ -48,6 +49,7 @@ from rocketmq_remoting.message import (
     encode_properties,
     scan_records,
 )
+from rocketmq_remoting.pull_frames import PullFrames
 from rocketmq_remoting.route import ClusterInfo, TopicRoute
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,9 @@ log = logging.getLogger(__name__)
 #: up to suspend + HOLD_CHECK_S after it arrived, and waiting only suspend + the request
 #: timeout for it races the broker's answer.
 HOLD_CHECK_S = 5.0
+#: Pull frame templates kept (one per reader: a tail per broker, a mirror per queue without
+#: notify pulls); past it they are made again.
+PULL_TEMPLATES = 1024
 
 
 @dataclass(slots=True)
@@ -159,6 +164,8 @@ class RemotingClient:
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._brokers: set[str] = set()
+        #: Frame templates of the pulls made (pull_frames.py), by their constant fields.
+        self._pull_frames: dict[tuple[str, str, int, int, int, int], PullFrames] = {}
         # Consumer groups this client is a member of, announced in every heartbeat
         # (consumer_group.py).
         self.groups = ConsumerGroups()
@@ -228,6 +235,16 @@ class RemotingClient:
             self._brokers.add(addr)
             self._start_heartbeats()
         return await self.invoke(addr, code, ext_fields, body, timeout)
+
+    async def _request_frame(
+        self, addr: str, encode: Callable[[int], bytes], code: int, timeout: float
+    ) -> RemotingCommand:
+        """invoke_broker() of a frame made by `encode(opaque)` (a template's)."""
+        if addr not in self._brokers:
+            self._brokers.add(addr)
+            self._start_heartbeats()
+        conn = await self.connection(addr)
+        return await conn.request_frame(encode, code, timeout)
 
     async def _invoke_namesrv(
         self, code: int, ext_fields: Mapping[str, str]
@@ -416,17 +433,6 @@ class RemotingClient:
         if commit_offset is not None:
             sys_flag |= PULL_COMMIT_OFFSET
         suspend_ms = int((suspend_timeout or 0) * 1000)
-        fields = headers.pull_message(
-            consumer_group=consumer_group,
-            topic=topic,
-            queue_id=queue_id,
-            queue_offset=offset,
-            max_msg_nums=max_messages,
-            sys_flag=sys_flag,
-            commit_offset=commit_offset or 0,
-            suspend_timeout_millis=suspend_ms,
-            subscription="*",
-        )
         if timeout is None:
             # A held pull: the broker's whole hold (see HOLD_CHECK_S), then the usual margin.
             timeout = self.request_timeout
@@ -435,9 +441,42 @@ class RemotingClient:
         held = suspend_timeout is not None
         self.held_pulls += held
         try:
-            answer = await self.invoke_broker(
-                broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
-            )
+            if commit_offset is None:
+                # The usual pull: its frame from the reader's template (only the offset varies).
+                key = (consumer_group, topic, queue_id, max_messages, sys_flag, suspend_ms)
+                frames = self._pull_frames.get(key)
+                if frames is None:
+                    if len(self._pull_frames) >= PULL_TEMPLATES:
+                        self._pull_frames.clear()  # readers of many queues: start over
+                    frames = self._pull_frames[key] = PullFrames(
+                        consumer_group=consumer_group,
+                        topic=topic,
+                        queue_id=queue_id,
+                        max_msg_nums=max_messages,
+                        sys_flag=sys_flag,
+                        suspend_timeout_millis=suspend_ms,
+                    )
+                answer = await self._request_frame(
+                    broker_addr,
+                    functools.partial(frames.frame, queue_offset=offset),
+                    RequestCode.PULL_MESSAGE,
+                    timeout,
+                )
+            else:
+                fields = headers.pull_message(
+                    consumer_group=consumer_group,
+                    topic=topic,
+                    queue_id=queue_id,
+                    queue_offset=offset,
+                    max_msg_nums=max_messages,
+                    sys_flag=sys_flag,
+                    commit_offset=commit_offset,
+                    suspend_timeout_millis=suspend_ms,
+                    subscription="*",
+                )
+                answer = await self.invoke_broker(
+                    broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
+                )
         finally:
             self.held_pulls -= held
         next_begin = _int(answer, "nextBeginOffset")

@@ -32,6 +32,7 @@ from rocketmq_remoting.message import (
     message_id_offset,
     scan_records,
 )
+from rocketmq_remoting.pull_frames import PullFrames
 from rocketmq_remoting.route import ClusterInfo, TopicRoute, loads_lenient
 from rocketmq_remoting.send_frames import SendFrames
 
@@ -218,6 +219,43 @@ def test_send_frames_equal_the_generic_encoder(
         code=310, opaque=opaque, ext_fields=fields, body=body, serialize_type=serialize_type
     )
     assert frames.frame(opaque, born, props.encode(), body) == cmd.encode()
+
+
+@pytest.mark.parametrize(
+    ("offset", "suspend_ms", "sys_flag", "opaque"),
+    [(0, 15000, 0x6, 1), (2**40 + 7, 0, 0x4, 2**31 - 1), (123456, 1000, 0x6, 77)],
+)
+def test_pull_frames_equal_the_generic_encoder(
+    offset: int, suspend_ms: int, sys_flag: int, opaque: int
+) -> None:
+    # The pull template's bytes (offset and opaque filled in) against RemotingCommand.encode
+    # of the same header, binary serialize type; decoded back, the broker's fields.
+    frames = PullFrames(
+        consumer_group="lmqtt-pull",
+        topic="%LMQ%site.%2b.dev.\u00e9",
+        queue_id=0,
+        max_msg_nums=256,
+        sys_flag=sys_flag,
+        suspend_timeout_millis=suspend_ms,
+    )
+    fields = headers.pull_message(
+        consumer_group="lmqtt-pull",
+        topic="%LMQ%site.%2b.dev.\u00e9",
+        queue_id=0,
+        queue_offset=offset,
+        max_msg_nums=256,
+        sys_flag=sys_flag,
+        commit_offset=0,
+        suspend_timeout_millis=suspend_ms,
+        subscription="*",
+    )
+    cmd = RemotingCommand(
+        code=11, opaque=opaque, ext_fields=fields, serialize_type=SerializeType.ROCKETMQ
+    )
+    frame = frames.frame(opaque, offset)
+    assert frame == cmd.encode()
+    back = decode_frame(frame[4:])
+    assert back.ext_fields == fields and back.opaque == opaque and back.code == 11
 
 
 def test_send_frames_refuse_a_frame_over_the_limit() -> None:
