@@ -151,6 +151,10 @@ class Mirrors:
     def queues(self) -> list[str]:
         return list(self._mirrors)
 
+    def mirrored(self, queue: str) -> bool:
+        """Whether this process follows `queue` now (a mirror is open: something reads it)."""
+        return queue in self._mirrors
+
     def add_listener(self, listener: ArrivalListener) -> None:
         self._listeners.append(listener)
 
