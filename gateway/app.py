@@ -169,7 +169,11 @@ class Gateway:
         if self.stall_watch is not None:
             self.stall_watch.start(loop)
         account = self.account = (
-            DeliveryAccount(self._account_writer(store), store.max_offset)
+            # RocketMQ: the ends of the queues read here only (read_max_offset), so sampling
+            # another node's sessions opens no mirror of their queues on this one.
+            DeliveryAccount(
+                self._account_writer(store), getattr(store, "read_max_offset", store.max_offset)
+            )
             if s.delivery_account
             else NoDeliveryAccount()
         )

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rocketmq_remoting import headers
@@ -46,7 +47,9 @@ from rocketmq_remoting.message import (
     decode_records,
     dispatch_property,
     encode_properties,
+    scan_records,
 )
+from rocketmq_remoting.pull_frames import PullFrames
 from rocketmq_remoting.route import ClusterInfo, TopicRoute
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,9 @@ log = logging.getLogger(__name__)
 #: up to suspend + HOLD_CHECK_S after it arrived, and waiting only suspend + the request
 #: timeout for it races the broker's answer.
 HOLD_CHECK_S = 5.0
+#: Pull frame templates kept (one per reader: a tail per broker, a mirror per queue without
+#: notify pulls); past it they are made again.
+PULL_TEMPLATES = 1024
 
 
 @dataclass(slots=True)
@@ -89,6 +95,9 @@ class PullResult:
     min_offset: int
     max_offset: int
     messages: list[MessageRecord] = field(default_factory=list)
+    #: With `pull(wanted=...)`: the CommitLog offset of the answer's last record, passed over
+    #: or not (-1 if none): how far the broker's log goes, as far as this answer shows.
+    last_commitlog_offset: int = -1
 
     @property
     def found(self) -> bool:
@@ -155,6 +164,8 @@ class RemotingClient:
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._brokers: set[str] = set()
+        #: Frame templates of the pulls made (pull_frames.py), by their constant fields.
+        self._pull_frames: dict[tuple[str, str, int, int, int, int], PullFrames] = {}
         # Consumer groups this client is a member of, announced in every heartbeat
         # (consumer_group.py).
         self.groups = ConsumerGroups()
@@ -224,6 +235,16 @@ class RemotingClient:
             self._brokers.add(addr)
             self._start_heartbeats()
         return await self.invoke(addr, code, ext_fields, body, timeout)
+
+    async def _request_frame(
+        self, addr: str, encode: Callable[[int], bytes], code: int, timeout: float
+    ) -> RemotingCommand:
+        """invoke_broker() of a frame made by `encode(opaque)` (a template's)."""
+        if addr not in self._brokers:
+            self._brokers.add(addr)
+            self._start_heartbeats()
+        conn = await self.connection(addr)
+        return await conn.request_frame(encode, code, timeout)
 
     async def _invoke_namesrv(
         self, code: int, ext_fields: Mapping[str, str]
@@ -391,6 +412,7 @@ class RemotingClient:
         commit_offset: int | None = None,
         check_crc: bool = True,
         timeout: float | None = None,
+        wanted: Container[str] | None = None,
     ) -> PullResult:
         """PULL_MESSAGE (11) from ``offset``; with ``suspend_timeout`` a long poll.
 
@@ -401,6 +423,8 @@ class RemotingClient:
         next hold check; unless told otherwise the client waits that long (suspend +
         HOLD_CHECK_S) plus ``request_timeout``.
         ``commit_offset`` also commits the group's offset (PULL_COMMIT_OFFSET).
+        ``wanted``: only the records dispatched to one of these light queues are decoded and
+        returned (``message.scan_records``; the answer's last CommitLog offset is kept).
         Raises :class:`OffsetMovedError` when the offset is outside the queue.
         """
         sys_flag = PULL_SUBSCRIPTION
@@ -409,17 +433,6 @@ class RemotingClient:
         if commit_offset is not None:
             sys_flag |= PULL_COMMIT_OFFSET
         suspend_ms = int((suspend_timeout or 0) * 1000)
-        fields = headers.pull_message(
-            consumer_group=consumer_group,
-            topic=topic,
-            queue_id=queue_id,
-            queue_offset=offset,
-            max_msg_nums=max_messages,
-            sys_flag=sys_flag,
-            commit_offset=commit_offset or 0,
-            suspend_timeout_millis=suspend_ms,
-            subscription="*",
-        )
         if timeout is None:
             # A held pull: the broker's whole hold (see HOLD_CHECK_S), then the usual margin.
             timeout = self.request_timeout
@@ -428,9 +441,42 @@ class RemotingClient:
         held = suspend_timeout is not None
         self.held_pulls += held
         try:
-            answer = await self.invoke_broker(
-                broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
-            )
+            if commit_offset is None:
+                # The usual pull: its frame from the reader's template (only the offset varies).
+                key = (consumer_group, topic, queue_id, max_messages, sys_flag, suspend_ms)
+                frames = self._pull_frames.get(key)
+                if frames is None:
+                    if len(self._pull_frames) >= PULL_TEMPLATES:
+                        self._pull_frames.clear()  # readers of many queues: start over
+                    frames = self._pull_frames[key] = PullFrames(
+                        consumer_group=consumer_group,
+                        topic=topic,
+                        queue_id=queue_id,
+                        max_msg_nums=max_messages,
+                        sys_flag=sys_flag,
+                        suspend_timeout_millis=suspend_ms,
+                    )
+                answer = await self._request_frame(
+                    broker_addr,
+                    functools.partial(frames.frame, queue_offset=offset),
+                    RequestCode.PULL_MESSAGE,
+                    timeout,
+                )
+            else:
+                fields = headers.pull_message(
+                    consumer_group=consumer_group,
+                    topic=topic,
+                    queue_id=queue_id,
+                    queue_offset=offset,
+                    max_msg_nums=max_messages,
+                    sys_flag=sys_flag,
+                    commit_offset=commit_offset,
+                    suspend_timeout_millis=suspend_ms,
+                    subscription="*",
+                )
+                answer = await self.invoke_broker(
+                    broker_addr, RequestCode.PULL_MESSAGE, fields, timeout=timeout
+                )
         finally:
             self.held_pulls -= held
         next_begin = _int(answer, "nextBeginOffset")
@@ -449,12 +495,13 @@ class RemotingClient:
                 ResponseCode.PULL_RETRY_IMMEDIATELY,
             ),
         )
-        messages = (
-            list(decode_records(answer.body, check_crc))
-            if answer.code == ResponseCode.SUCCESS
-            else []
-        )
-        return PullResult(answer.code, next_begin, min_offset, max_offset, messages)
+        if answer.code != ResponseCode.SUCCESS:
+            return PullResult(answer.code, next_begin, min_offset, max_offset, [])
+        if wanted is None:
+            messages = list(decode_records(answer.body, check_crc))
+            return PullResult(answer.code, next_begin, min_offset, max_offset, messages)
+        messages, last = scan_records(answer.body, wanted, check_crc)
+        return PullResult(answer.code, next_begin, min_offset, max_offset, messages, last)
 
     # -- broker: offsets ----------------------------------------------------------------------
 

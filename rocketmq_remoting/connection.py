@@ -134,26 +134,38 @@ class Connection:
 
     async def request(self, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
         """Send ``cmd`` and wait for its answer (any code: the caller interprets it)."""
+        cmd.flag &= ~(FLAG_RESPONSE | FLAG_ONEWAY)
+
+        def encode(opaque: int) -> bytes:
+            cmd.opaque = opaque
+            return cmd.encode()
+
+        return await self.request_frame(encode, cmd.code, timeout)
+
+    async def request_frame(
+        self, encode: Callable[[int], bytes], code: int, timeout: float
+    ) -> RemotingCommand:
+        """Send the request frame `encode(opaque)` (a template's, e.g. pull_frames.py) and wait
+        for its answer (any code); `code` names the request in a timeout's error."""
         if self._closed:
             raise RemotingClosedError(self.addr, self._close_reason)
-        cmd.opaque = self.next_opaque()
-        cmd.flag &= ~(FLAG_RESPONSE | FLAG_ONEWAY)
+        opaque = self.next_opaque()
         future: asyncio.Future[RemotingCommand] = self._loop.create_future()
-        self._pending[cmd.opaque] = future
+        self._pending[opaque] = future
         # One timer handle per request (wait_for + shield cost a task and two futures more).
         timer = self._loop.call_later(timeout, self._expire, future)
         try:
-            self._write(cmd.encode())
+            self._write(encode(opaque))
             await self._writer.drain()
             return await future
         except TimeoutError:
-            raise RemotingTimeoutError(self.addr, cmd.code, timeout) from None
+            raise RemotingTimeoutError(self.addr, code, timeout) from None
         except (ConnectionError, OSError) as exc:
             self._abort(f"write failed: {exc}")
             raise RemotingClosedError(self.addr, self._close_reason) from exc
         finally:
             timer.cancel()
-            self._pending.pop(cmd.opaque, None)
+            self._pending.pop(opaque, None)
             if not future.done():
                 future.cancel()
 

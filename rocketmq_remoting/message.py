@@ -35,7 +35,7 @@ import ipaddress
 import socket
 import struct
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -128,6 +128,14 @@ def user_properties(properties: Mapping[str, str]) -> dict[str, str]:
 MAX_PROPERTIES_BYTES: Final = 32767
 
 _FIXED_HEAD: Final = struct.Struct(">iIIiiqqiq")  # up to BORNTIMESTAMP, 48 bytes
+_I32: Final = struct.Struct(">i")
+_I16: Final = struct.Struct(">h")
+#: How INNER_MULTI_DISPATCH starts in a record's properties, and the separators, as bytes: the
+#: scan of `decode_records(wanted=...)` reads them without decoding the properties.
+_DISPATCH_KEY: Final = (PROPERTY_INNER_MULTI_DISPATCH + NAME_VALUE_SEPARATOR).encode()
+_PROPERTY_SEPARATOR_BYTES: Final = PROPERTY_SEPARATOR.encode()
+_PROPERTY_SEPARATOR_BYTE: Final = _PROPERTY_SEPARATOR_BYTES[0]
+_DISPATCH_SEPARATOR_BYTES: Final = LMQ_DISPATCH_SEPARATOR.encode()
 
 
 def encode_properties(properties: Mapping[str, str]) -> str:
@@ -210,8 +218,51 @@ def _host(buf: bytes | memoryview, pos: int, v6: bool) -> tuple[tuple[str, int],
     return (addr, port), pos + n + 4
 
 
-def decode_records(body: bytes | memoryview, check_crc: bool = True) -> Iterator[MessageRecord]:
-    """The records of a pull answer's body, in order."""
+def decode_records(
+    body: bytes | memoryview, check_crc: bool = True, wanted: Container[str] | None = None
+) -> Iterator[MessageRecord]:
+    """The records of a pull answer's body, in order.
+
+    With `wanted`, only the records dispatched to at least one light queue in it (a name of
+    their INNER_MULTI_DISPATCH): the others are passed over from their properties alone, their
+    body neither copied nor checked (a reader of the parent topic that mirrors a few of its
+    light queues; `scan_records` also says how far the answer went).
+    """
+    return _records(body, check_crc, wanted, None)
+
+
+def scan_records(
+    body: bytes | memoryview, wanted: Container[str], check_crc: bool = True
+) -> tuple[list[MessageRecord], int]:
+    """`decode_records` with `wanted`, and the CommitLog offset of the answer's last record
+    (-1 if it had none): a reader that passes records over still learns how far the log goes."""
+    last = [-1]
+    return list(_records(body, check_crc, wanted, last)), last[0]
+
+
+def _dispatched_to(props: bytes, wanted: Container[str]) -> bool:
+    """Whether the properties `props` (``k \\x01 v \\x02 ...``) name a light queue in `wanted`
+    in their INNER_MULTI_DISPATCH, read without decoding the other properties."""
+    at = props.find(_DISPATCH_KEY)
+    while at > 0 and props[at - 1] != _PROPERTY_SEPARATOR_BYTE:  # a value's text, not a key
+        at = props.find(_DISPATCH_KEY, at + 1)
+    if at < 0:
+        return False
+    start = at + len(_DISPATCH_KEY)
+    end = props.find(_PROPERTY_SEPARATOR_BYTES, start)
+    names = props[start : end if end >= 0 else len(props)]
+    return any(
+        name.decode("utf-8", "surrogateescape") in wanted
+        for name in names.split(_DISPATCH_SEPARATOR_BYTES)
+    )
+
+
+def _records(
+    body: bytes | memoryview,
+    check_crc: bool,
+    wanted: Container[str] | None,
+    last: list[int] | None,
+) -> Iterator[MessageRecord]:
     buf = memoryview(body)
     pos = 0
     end = len(buf)
@@ -225,7 +276,24 @@ def decode_records(body: bytes | memoryview, check_crc: bool = True) -> Iterator
             return
         if magic not in (MAGIC_V1, MAGIC_V2) or size <= 0 or pos + size > end:
             raise ProtocolError(f"bad record at {pos}: magic {magic:#x}, size {size}")
+        if last is not None:
+            last[0] = phys
         p = pos + _FIXED_HEAD.size
+        if wanted is not None:
+            # Straight to the properties: hosts, timestamps and body by their lengths only.
+            q = p + (20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8) + 8
+            q += (20 if sys_flag & SYSFLAG_STOREHOST_V6 else 8) + 4 + 8
+            (body_len,) = _I32.unpack_from(buf, q)
+            q += 4 + body_len
+            if magic == MAGIC_V2:
+                (topic_len,) = _I16.unpack_from(buf, q)
+                q += 2 + topic_len
+            else:
+                q += 1 + buf[q]
+            (props_len,) = _I16.unpack_from(buf, q)
+            if props_len <= 0 or not _dispatched_to(bytes(buf[q + 2 : q + 2 + props_len]), wanted):
+                pos += size
+                continue
         born_host, p = _host(buf, p, bool(sys_flag & SYSFLAG_BORNHOST_V6))
         (store_ts,) = struct.unpack_from(">q", buf, p)
         store_host, p = _host(buf, p + 8, bool(sys_flag & SYSFLAG_STOREHOST_V6))

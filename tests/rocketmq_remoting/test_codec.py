@@ -30,7 +30,9 @@ from rocketmq_remoting.message import (
     encode_message_id,
     encode_properties,
     message_id_offset,
+    scan_records,
 )
+from rocketmq_remoting.pull_frames import PullFrames
 from rocketmq_remoting.route import ClusterInfo, TopicRoute, loads_lenient
 from rocketmq_remoting.send_frames import SendFrames
 
@@ -219,6 +221,43 @@ def test_send_frames_equal_the_generic_encoder(
     assert frames.frame(opaque, born, props.encode(), body) == cmd.encode()
 
 
+@pytest.mark.parametrize(
+    ("offset", "suspend_ms", "sys_flag", "opaque"),
+    [(0, 15000, 0x6, 1), (2**40 + 7, 0, 0x4, 2**31 - 1), (123456, 1000, 0x6, 77)],
+)
+def test_pull_frames_equal_the_generic_encoder(
+    offset: int, suspend_ms: int, sys_flag: int, opaque: int
+) -> None:
+    # The pull template's bytes (offset and opaque filled in) against RemotingCommand.encode
+    # of the same header, binary serialize type; decoded back, the broker's fields.
+    frames = PullFrames(
+        consumer_group="lmqtt-pull",
+        topic="%LMQ%site.%2b.dev.\u00e9",
+        queue_id=0,
+        max_msg_nums=256,
+        sys_flag=sys_flag,
+        suspend_timeout_millis=suspend_ms,
+    )
+    fields = headers.pull_message(
+        consumer_group="lmqtt-pull",
+        topic="%LMQ%site.%2b.dev.\u00e9",
+        queue_id=0,
+        queue_offset=offset,
+        max_msg_nums=256,
+        sys_flag=sys_flag,
+        commit_offset=0,
+        suspend_timeout_millis=suspend_ms,
+        subscription="*",
+    )
+    cmd = RemotingCommand(
+        code=11, opaque=opaque, ext_fields=fields, serialize_type=SerializeType.ROCKETMQ
+    )
+    frame = frames.frame(opaque, offset)
+    assert frame == cmd.encode()
+    back = decode_frame(frame[4:])
+    assert back.ext_fields == fields and back.opaque == opaque and back.code == 11
+
+
 def test_send_frames_refuse_a_frame_over_the_limit() -> None:
     with pytest.raises(ProtocolError, match="exceeds"):
         SendFrames("g", "t").frame(1, 0, b"", bytes(16 * 1024 * 1024))
@@ -267,7 +306,9 @@ def test_properties_round_trip_and_dispatch_rules() -> None:
             dispatch_property([bad])
 
 
-def _record(magic: int, topic: str, body: bytes, props: str, v6: bool = False) -> bytes:
+def _record(
+    magic: int, topic: str, body: bytes, props: str, v6: bool = False, phys: int = 4096
+) -> bytes:
     sys_flag = 0x30 if v6 else 0
     host = (b"\x00" * 15 + b"\x01") if v6 else bytes([127, 0, 0, 1])
     topic_b = topic.encode()
@@ -284,7 +325,7 @@ def _record(magic: int, topic: str, body: bytes, props: str, v6: bool = False) -
         + struct.pack(">h", len(props_b))
         + props_b
     )
-    head_rest = struct.pack(">Iiiqqiq", zlib.crc32(body) & 0x7FFFFFFF, 0, 0, 5, 4096, sys_flag, 999)
+    head_rest = struct.pack(">Iiiqqiq", zlib.crc32(body) & 0x7FFFFFFF, 0, 0, 5, phys, sys_flag, 999)
     born = host + struct.pack(">i", 5555)
     size = 4 + 4 + len(head_rest) + len(born) + len(tail)
     return struct.pack(">iI", size, magic) + head_rest + born + tail
@@ -312,6 +353,28 @@ def test_records_decode_v1_v2_and_ipv6() -> None:
         list(decode_records(bytes(bad)))
     with pytest.raises(ProtocolError):
         list(decode_records(bytes(bad[:40])))
+
+
+def test_records_wanted_pass_over_the_others_from_their_dispatch_alone() -> None:
+    def dispatch(*names: str) -> str:
+        return f"INNER_MULTI_DISPATCH\x01{','.join(names)}\x02INNER_MULTI_QUEUE_OFFSET\x011\x02"
+
+    kept_v6 = _record(MAGIC_V2, "t" * 300, b"ipv6", dispatch("%LMQ%x", "%LMQ%b"), True, 100)
+    other = bytearray(_record(MAGIC_V1, "mqtt", b"not ours", dispatch("%LMQ%c"), phys=200))
+    other[other.index(b"not ours")] ^= 0xFF  # passed over: its body is not even checked
+    lookalike = _record(MAGIC_V1, "mqtt", b"x", "MYINNER_MULTI_DISPATCH\x01%LMQ%a\x02", phys=300)
+    kept = _record(MAGIC_V1, "mqtt", b"ours", "K\x01v\x02" + dispatch("%LMQ%a"), phys=400)
+    none = _record(MAGIC_V2, "mqtt", b"no light queue", "", True, 500)
+    body = kept_v6 + bytes(other) + lookalike + kept + none
+    wanted = {"%LMQ%a", "%LMQ%b"}
+    records, last = scan_records(body, wanted)
+    assert [(r.commitlog_offset, r.body) for r in records] == [(100, b"ipv6"), (400, b"ours")]
+    assert last == 500  # the answer's last record, passed over
+    assert records[1].properties["K"] == "v" and records[0].store_host == ("::1", 10911)
+    assert [r.body for r in decode_records(body, wanted=wanted)] == [b"ipv6", b"ours"]
+    assert scan_records(b"", wanted) == ([], -1)
+    with pytest.raises(ProtocolError, match="CRC"):
+        list(decode_records(body))  # without `wanted` every record is decoded and checked
 
 
 def test_message_id_round_trip() -> None:

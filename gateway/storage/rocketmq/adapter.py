@@ -286,6 +286,16 @@ class RocketMqStorage:
             return self._history.max_offset()
         return self._mirrors.max_offset(queue)
 
+    def read_max_offset(self, queue: str) -> int:
+        """`max_offset` of a queue this process reads (its mirror is open); -1 for a queue it
+        does not read, without opening one (max_offset would: a mirror, then every message
+        of the queue decoded and kept here). For an observer of queue ends that must not
+        become a reader: the delivery account samples every session this node knows, in a
+        cluster also those adopted from other nodes (connected there, read there)."""
+        if not any(m.mirrored(queue) for m in self._slots.copies(queue)):
+            return -1
+        return self.max_offset(queue)
+
     def offset_by_time(self, queue: str, timestamp_ms: int) -> int:
         if self._slots.merged is not None and (hist := self._slots.history_of(queue)) is not None:
             return hist[1].offset_by_time(timestamp_ms)

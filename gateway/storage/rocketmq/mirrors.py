@@ -93,7 +93,7 @@ class Mirrors:
         self._tail: ParentTail | None = None
         self._by_lmq: dict[str, Mirror] = {}
         if notify:
-            self._tail = ParentTail(broker, self._arrived)
+            self._tail = ParentTail(broker, self._arrived, self._by_lmq)
             self._spawn(self._tail.run())
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
@@ -150,6 +150,10 @@ class Mirrors:
 
     def queues(self) -> list[str]:
         return list(self._mirrors)
+
+    def mirrored(self, queue: str) -> bool:
+        """Whether this process follows `queue` now (a mirror is open: something reads it)."""
+        return queue in self._mirrors
 
     def add_listener(self, listener: ArrivalListener) -> None:
         self._listeners.append(listener)
@@ -368,13 +372,16 @@ class Mirrors:
                 if not m.fetching:
                     m.fetching = None
 
-    def _arrived(self, records: list[MessageRecord]) -> None:
-        """The parent topic's tail read `records`: each goes to the mirrors of the light
+    def _arrived(self, records: list[MessageRecord], last_phys: int) -> None:
+        """The parent topic's tail read `records` (those dispatched to a mirrored queue; the
+        answer went up to CommitLog offset `last_phys`): each goes to the mirrors of the light
         queues it was dispatched to (the others' are skipped), whose readers are woken.
         An answer handed out after `close` (the tail hands out in the loop's next step) is
         dropped."""
         if self._closed:
             return
+        if last_phys >= 0:
+            self._saw_phys(last_phys)
         by_lmq = self._by_lmq
         touched: dict[str, Mirror] = {}
         for rec in records:
@@ -384,7 +391,6 @@ class Mirrors:
                 if m is not None:
                     self._keep_one(m, rec, off, offsets)
                     touched[lmq] = m
-            self._saw_phys(rec.commitlog_offset)
         for m in touched.values():
             self._trim(m)
             if m.ready:

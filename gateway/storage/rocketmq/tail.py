@@ -14,6 +14,11 @@ subscribed light queue.
                answer's records go to `deliver` (in the loop's next step): the broker holds
                the next pull while this one's messages are handed out, so a message stored
                meanwhile is not left waiting for that work
+    pass over  only the records dispatched to a light queue this node mirrors (`wanted`) are
+               decoded; the others are passed over from their INNER_MULTI_DISPATCH property
+               (rocketmq_remoting.message.scan_records), their body never copied. A mirror
+               opened after the answer was read finds such a record below its end (bounds
+               read after registering), as with one handed out before it registered
     errors     a refused or lost connection (a broker restart): the same offset again, with
                backoff, so nothing stored meanwhile is skipped; an offset out of the queue's
                range (the broker lost or deleted data): on from where the broker says
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from gateway.storage.rocketmq.broker import PULL_GROUP, Broker
 from rocketmq_remoting import OffsetMovedError, RemotingError
@@ -46,9 +51,17 @@ TAIL_BATCH = 256
 class ParentTail:
     """The parent queue of one broker, followed from its end (see the module docstring)."""
 
-    def __init__(self, broker: Broker, deliver: Callable[[list[MessageRecord]], None]) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        deliver: Callable[[list[MessageRecord], int], None],
+        wanted: Container[str],
+    ) -> None:
         self._broker = broker
         self._deliver = deliver
+        #: The light queues this node mirrors (read live: mirrors come and go). A message
+        #: dispatched to none of them is passed over from its properties, never decoded.
+        self._wanted = wanted
         self.ready = asyncio.Event()  # the start offset is known
         self.offset = 0  # the next parent offset the tail reads
 
@@ -70,6 +83,7 @@ class ParentTail:
                     consumer_group=PULL_GROUP,
                     max_messages=TAIL_BATCH,
                     suspend_timeout=SUSPEND_S,
+                    wanted=self._wanted,
                 )
             except OffsetMovedError as exc:
                 log.warning(
@@ -88,18 +102,18 @@ class ParentTail:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
-            if res.messages:
+            if res.found:
                 self.offset = max(self.offset, res.next_begin_offset)
                 # Handed out in the loop's next step: the next pull (the loop's next turn,
                 # written before its first await) goes out first.
-                loop.call_soon(self._hand_out, res.messages)
+                loop.call_soon(self._hand_out, res.messages, res.last_commitlog_offset)
             elif not res.found:
                 log.debug(
                     "parent topic %s: held pull ended empty (code %d)", broker.topic, res.code
                 )
 
-    def _hand_out(self, records: list[MessageRecord]) -> None:
+    def _hand_out(self, records: list[MessageRecord], last_phys: int) -> None:
         try:
-            self._deliver(records)
+            self._deliver(records, last_phys)
         except Exception:  # one bad answer must not stop every mirror's arrivals
             log.exception("parent topic %s: delivering a tail answer failed", self._broker.topic)
