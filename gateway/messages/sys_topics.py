@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -42,7 +43,9 @@ SYS_PREFIX = "$SYS/broker/"
 PublishInternal = Callable[..., Awaitable[None]]
 
 
+@functools.cache
 def _version() -> str:
+    """The installed package's version (read once: it scans the installed distributions)."""
     try:
         return metadata.version("lmqtt")
     except metadata.PackageNotFoundError:
