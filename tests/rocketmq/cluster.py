@@ -420,8 +420,11 @@ class RocketMQCluster:
         return addr
 
     def _stop_signal(self, name: str, sig: int) -> int:
-        """A JVM dumping its class archive writes it at a graceful exit only."""
-        return signal.SIGTERM if name in self.dumps else sig
+        """A JVM dumping its class archive writes it at a graceful exit only: it gets SIGTERM
+        while the archive is still missing (another JVM, of this cluster or of another
+        worker's, may have written it meanwhile: then there is nothing to wait for)."""
+        dump = self.dumps.get(name)
+        return signal.SIGTERM if dump is not None and not dump[1].exists() else sig
 
     def _keep_archive(self, name: str, proc: subprocess.Popen[bytes]) -> None:
         dump = self.dumps.pop(name, None)
