@@ -355,25 +355,6 @@ class NoDeliveryAccount(DeliveryAccount):
     ) -> None:
         return
 
-    def _due(self, sessions: Mapping[str, Session]) -> list[Session]:
-        """The sessions a sampling cycle looks at: the offline persistent ones (the first
-        cycle finds those restored at start, once) and those that fell behind since the last
-        cycle; a session ended since it was listed is dropped (it is no longer `sessions`')."""
-        offline = self._offline
-        if offline is None:
-            offline = self._offline = {
-                cid: s for cid, s in sessions.items() if s.persistent and s.connection is None
-            }
-        lagging, self._lagging = self._lagging, {}
-        due: list[Session] = []
-        for cid, s in list(offline.items()):
-            if sessions.get(cid) is not s or s.connection is not None:
-                del offline[cid]  # ended, replaced by a new session, or online again
-            elif cid not in lagging:
-                due.append(s)
-        due += [s for cid, s in lagging.items() if sessions.get(cid) is s]
-        return due
-
     def close(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> None:
         pass
 
