@@ -174,20 +174,25 @@ def acked_connection(level: int, **kwargs: Any) -> Any:
     return make
 
 
+# The CONNACK's limits a session may run under (5.0): none, a receive maximum, a QoS ceiling,
+# retain refused.
+connack_limits = st.sampled_from(
+    [
+        None,
+        Properties(receive_maximum=2),
+        Properties(maximum_qos=0),
+        Properties(retain_available=0),
+    ]
+)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     level=st.sampled_from([4, 5, 3]),
     packets=stream,
     cuts=st.lists(st.integers(0, 40_000), max_size=5),
     cached=st.booleans(),
-    connack=st.sampled_from(
-        [
-            None,
-            Properties(receive_maximum=2),
-            Properties(maximum_qos=0),
-            Properties(retain_available=0),
-        ]
-    ),
+    connack=connack_limits,
 )
 def test_c_scan_equals_python_loop(
     level: int,

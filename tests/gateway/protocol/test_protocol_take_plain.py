@@ -33,6 +33,7 @@ from tests.gateway.protocol.test_protocol_scan_speedup import (
     PURE,
     TOPICS,
     acked_connection,
+    connack_limits,
     raw_publish,
     scan_as,
     stream,
@@ -163,14 +164,7 @@ def same_as_python(make: Any, data: bytes, cuts: list[int], cached: bool) -> Non
     packets=device_stream,
     cuts=st.lists(st.integers(0, 40_000), max_size=5),
     cached=st.booleans(),
-    connack=st.sampled_from(
-        [
-            None,
-            Properties(receive_maximum=2),
-            Properties(maximum_qos=0),
-            Properties(retain_available=0),
-        ]
-    ),
+    connack=connack_limits,
 )
 def test_take_plain_equals_python_path(
     level: int, packets: list[bytes], cuts: list[int], cached: bool, connack: Properties | None
