@@ -19,7 +19,6 @@ import asyncio
 import logging
 
 from gateway.access.acl import ClientAccess
-from gateway.access.quotas import QuotaBucket
 from gateway.connection.context import ClientContext
 from gateway.connection.ingest import IngestBatch
 from gateway.connection.transport import MAX_UNPARSED, ClientTransport
@@ -111,16 +110,6 @@ class ClientConnection(ClientTransport):
         self._reader: asyncio.Task[None] | None = None
 
     # -- what the live view reads (gateway/ops/live_view.py) -----------------------------------
-
-    @property
-    def peer(self) -> str:
-        """The client's address (host:port), for logs and the live view: asked when needed,
-        not kept per connection (an idle device's footprint limits how many fit)."""
-        try:
-            peer = self.transport.get_extra_info("peername")
-        except Exception:  # a transport already torn down
-            peer = None
-        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
     @property
     def opened(self) -> float:
@@ -481,36 +470,6 @@ class ClientConnection(ClientTransport):
             self._out = None
             if self._reader is asyncio.current_task():
                 self._reader = None
-
-    async def _over_quota(self, quota: QuotaBucket, pub: Publish, wait: float) -> bool:
-        """`pub` is over this client's publish quota (gateway/access/quotas.py). Reject: MQTT 5
-        QoS 1/2 get 0x97 (Quota exceeded), QoS 0 is dropped (False: not to be stored).
-        Otherwise reading pauses and the reader waits until the bucket has refilled (True:
-        store it now)."""
-        level5 = self.conn.protocol_level == 5
-        if quota.reject and (pub.qos == 0 or level5):
-            quota.rejected()
-            self.ctx.stats.publish_dropped += 1
-            pid = pub.packet_id
-            if pid is not None and pub.qos:
-                self.release_acks()  # PUBACKs leave in the order of their PUBLISHes
-                ack = PubAck if pub.qos == 1 else PubRec
-                self.write(self.conn.send(ack(pid, ReasonCode.QUOTA_EXCEEDED)))
-            return False
-        quota.throttled()
-        # What was collected goes out now, and deliveries written meanwhile go out directly.
-        self._flush_out()
-        self._out = None
-        quota.waiting = True
-        self._pause_reading()
-        try:
-            while wait and not self.closed:
-                await asyncio.sleep(wait)
-                wait = quota.take(len(pub.payload), self._loop.time())
-        finally:
-            quota.waiting = False
-            self._out = []
-        return not self.closed
 
     def _protocol_error(self, err: RemoteProtocolError) -> None:
         log.warning(

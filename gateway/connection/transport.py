@@ -23,7 +23,7 @@ import asyncio
 
 from gateway.access.quotas import QuotaBucket
 from gateway.connection.context import ClientContext
-from gateway.protocol import Connection
+from gateway.protocol import Connection, PubAck, Publish, PubRec, ReasonCode
 
 __all__ = ["HELD_READ_MAX", "LINGER_S", "MAX_PENDING_PUTS", "MAX_UNPARSED", "ClientTransport"]
 
@@ -98,6 +98,16 @@ class ClientTransport:
         self.msgs_in = 0
         self.bytes_in = 0
         self.bytes_out = 0
+
+    @property
+    def peer(self) -> str:
+        """The client's address (host:port), for logs and the live view: asked when needed,
+        not kept per connection (an idle device's footprint limits how many fit)."""
+        try:
+            peer = self.transport.get_extra_info("peername")
+        except Exception:  # a transport already torn down
+            peer = None
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
     # -- out ---------------------------------------------------------------------------------
 
@@ -275,3 +285,35 @@ class ClientTransport:
             self._reading_paused = False
             transport.resume_reading()
         self._loop.call_later(LINGER_S, transport.close)
+
+    # -- the publish quota ------------------------------------------------------------------
+
+    async def _over_quota(self, quota: QuotaBucket, pub: Publish, wait: float) -> bool:
+        """`pub` is over this client's publish quota (gateway/access/quotas.py). Reject: MQTT 5
+        QoS 1/2 get 0x97 (Quota exceeded), QoS 0 is dropped (False: not to be stored).
+        Otherwise reading pauses and the reader waits until the bucket has refilled (True:
+        store it now)."""
+        level5 = self.conn.protocol_level == 5
+        if quota.reject and (pub.qos == 0 or level5):
+            quota.rejected()
+            self.ctx.stats.publish_dropped += 1
+            pid = pub.packet_id
+            if pid is not None and pub.qos:
+                self.release_acks()  # PUBACKs leave in the order of their PUBLISHes
+                ack = PubAck if pub.qos == 1 else PubRec
+                self.write(self.conn.send(ack(pid, ReasonCode.QUOTA_EXCEEDED)))
+            return False
+        quota.throttled()
+        # What was collected goes out now, and deliveries written meanwhile go out directly.
+        self._flush_out()
+        self._out = None
+        quota.waiting = True
+        self._pause_reading()
+        try:
+            while wait and not self.closed:
+                await asyncio.sleep(wait)
+                wait = quota.take(len(pub.payload), self._loop.time())
+        finally:
+            quota.waiting = False
+            self._out = []
+        return not self.closed

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Literal
 
 from gateway.protocol import packet_types as pt
@@ -63,7 +63,7 @@ from gateway.protocol.fast_decoder import (
     TAKE_PLAIN,
     decode_batch,
 )
-from gateway.protocol.packet_ids import UNACKED, PacketIds
+from gateway.protocol.packet_ids import UNACKED, ConnectionPacketIds
 from gateway.protocol.phases import (
     AWAIT_CONNECT,
     CLOSED,
@@ -127,7 +127,7 @@ _CONNACK_311_CODES = (
 _PROBLEM_INFORMATION_PACKETS = frozenset({PubAck, PubRec, PubRel, PubComp, SubAck, UnsubAck, Auth})
 
 
-class Connection:
+class Connection(ConnectionPacketIds):
     """Server side of one MQTT 3.1 / 3.1.1 / 5.0 connection. Not thread-safe.
 
     A gateway holds one per client, most of them idle: slots instead of an instance dict, and
@@ -142,7 +142,6 @@ class Connection:
         "_connack_sent",
         "_connect_session_expiry",
         "_eof",
-        "_ids",
         "_off",
         "_pending_error",
         "_phase",
@@ -151,7 +150,6 @@ class Connection:
         "_sending_closed",
         "client_id",
         "client_max_packet_size",
-        "client_receive_maximum",
         "client_topic_alias_maximum",
         "keep_alive",
         "max_packet_size",
@@ -166,6 +164,7 @@ class Connection:
     def __init__(self, max_packet_size: int = 1_048_576) -> None:
         if max_packet_size < 2:
             raise ValueError("max_packet_size must allow at least a fixed header")
+        super().__init__()
         self.max_packet_size = max_packet_size
         self._buf: bytes | bytearray = b""
         self._off = 0
@@ -179,7 +178,6 @@ class Connection:
         self.protocol_level: int | None = None
         self.client_id: str | None = None
         self.keep_alive = 0
-        self.client_receive_maximum = 65535
         self.client_max_packet_size: int | None = None
         self.client_topic_alias_maximum = 0
         self._connect_session_expiry = 0
@@ -193,13 +191,6 @@ class Connection:
         self.retain_available = True
         self.subscription_identifier_available = True
         self._aliases: dict[int, str] | None = None  # inbound topic aliases (MQTT 5)
-        self._ids: PacketIds | None = None  # made by the first QoS 1/2 packet or restore_*
-
-    def _packet_ids(self) -> PacketIds:
-        ids = self._ids
-        if ids is None:
-            ids = self._ids = PacketIds()
-        return ids
 
     # ----------------------------------------------------------------- data as data
 
@@ -207,49 +198,6 @@ class Connection:
     def keep_alive_timeout(self) -> float | None:
         """Seconds of silence after which the client is gone (1.5 x keep alive), or None."""
         return self.keep_alive * 1.5 if self.keep_alive else None
-
-    @property
-    def outbound_in_flight(self) -> int:
-        ids = self._ids
-        return len(ids.outbound) if ids is not None else 0
-
-    @property
-    def outbound_quota(self) -> int:
-        """How many more QoS 1/2 PUBLISH packets the client's Receive Maximum allows now."""
-        return max(0, self.client_receive_maximum - self.outbound_in_flight)
-
-    def allocate_packet_id(self) -> int:
-        """A packet identifier not in flight outbound (1..65535, round robin).
-
-        Raises LocalProtocolError when all 65535 are in use. The caller may also use its own
-        (persistent) allocator; `send` checks whatever id it gets.
-        """
-        return self._packet_ids().allocate()
-
-    def outbound_packet_ids(self) -> frozenset[int]:
-        ids = self._ids
-        return frozenset(ids.outbound) if ids is not None else frozenset()
-
-    def inbound_qos2_ids(self) -> frozenset[int]:
-        """Inbound QoS 2 ids whose PUBREL has not arrived yet."""
-        ids = self._ids
-        return frozenset(ids.inbound_qos2 or ()) if ids is not None else frozenset()
-
-    def restore_inbound_qos2(self, packet_ids: Iterable[int]) -> None:
-        """A resumed session had these QoS 2 ids received and waiting for PUBREL."""
-        self._packet_ids().restore_inbound_qos2(packet_ids)
-
-    def restore_outbound(
-        self, unacknowledged: Iterable[int] = (), released: Iterable[int] = ()
-    ) -> None:
-        """A resumed session had these outbound PUBLISH ids unacknowledged (waiting for
-        PUBACK/PUBREC) and these PUBREL ids waiting for PUBCOMP."""
-        self._packet_ids().restore_outbound(unacknowledged, released)
-
-    def forget_outbound(self, packet_id: int) -> None:
-        """A restored outbound PUBLISH that will not be re-sent (the gateway dropped it): its
-        id no longer counts against the client's Receive Maximum and may be used again."""
-        self._packet_ids().puback_received(packet_id)
 
     # ----------------------------------------------------------------- receiving
 
@@ -383,19 +331,7 @@ class Connection:
         ):
             self.receive_data(data)
             return len(data)
-        ids = self._ids
-        if ids is None:  # no packet ids yet: QoS 0 publishes only
-            in_qos1: set[int] | None = None
-            out_flight: dict[int, int] | None = None
-            others = 0
-        else:
-            in_qos1 = ids.inbound_qos1
-            out_flight = ids.outbound
-            others = (
-                ids.inbound_in_flight() - len(in_qos1)
-                if ids.inbound_qos2 or ids.inbound_released
-                else 0
-            )
+        in_qos1, out_flight, others = self.kernel_ids()
         off = take(
             data, FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
             self.max_packet_size, self.protocol_level == 5, TOPIC_CACHE, in_qos1, out_flight,

@@ -48,6 +48,8 @@ class Connection(Protocol):
 
     def _packet_ids(self) -> PacketIds: ...
 
+    def kernel_ids(self) -> tuple[set[int] | None, dict[int, int] | None, int]: ...
+
     def _next_one(self) -> Event | Literal[Sentinel.NEED_DATA]: ...
 
 
@@ -163,15 +165,7 @@ def decode_batch(conn: Connection, stop_after_connect: bool = False) -> list[Eve
     topics = TOPIC_CACHE
     # QoS 2 and PUBREL take the general path, so only QoS 1 ids change inside the loop.
     # No packet ids yet (an idle or QoS 0 connection): the first QoS 1 PUBLISH makes them.
-    ids = conn._ids
-    if ids is None:
-        in_qos1 = None
-        out_flight = None
-        in_flight_others = 0
-    else:
-        in_qos1 = ids.inbound_qos1
-        out_flight = ids.outbound
-        in_flight_others = ids.inbound_in_flight() - len(in_qos1)
+    in_qos1, out_flight, in_flight_others = conn.kernel_ids()
     receive_maximum = conn.receive_maximum
     # With the default 65535 only a reused id could exceed the quota: no check per packet.
     limited = receive_maximum < 0xFFFF
@@ -307,11 +301,8 @@ def decode_batch(conn: Connection, stop_after_connect: bool = False) -> list[Eve
         scan = SCAN if is_bytes and fast else None
         v5 = conn.protocol_level == 5
         id_size = 3 if v5 else 2
-        ids = conn._ids
-        if ids is not None:
-            in_qos1 = ids.inbound_qos1
-            out_flight = ids.outbound
-            in_flight_others = ids.inbound_in_flight() - len(in_qos1)
+        if conn._ids is not None:
+            in_qos1, out_flight, in_flight_others = conn.kernel_ids()
         receive_maximum = conn.receive_maximum
         limited = receive_maximum < 0xFFFF
     if off == n:

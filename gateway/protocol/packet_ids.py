@@ -148,3 +148,78 @@ class PacketIds:
             self.outbound[packet_id] = UNACKED
         for packet_id in released:
             self.outbound[packet_id] = RELEASED
+
+
+class ConnectionPacketIds:
+    """A connection's packet identifiers as it presents them (the base of Connection,
+    gateway/protocol/connection.py): its PacketIds, made by the first QoS 1/2 packet or
+    restore_* (most devices' connections never need the outbound side), and the client's
+    Receive Maximum that bounds what is sent to it."""
+
+    __slots__ = ("_ids", "client_receive_maximum")
+
+    def __init__(self) -> None:
+        self._ids: PacketIds | None = None
+        self.client_receive_maximum = 65535
+
+    def _packet_ids(self) -> PacketIds:
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = PacketIds()
+        return ids
+
+    def kernel_ids(self) -> tuple[set[int] | None, dict[int, int] | None, int]:
+        """What the read kernels (gateway/protocol/fast_decoder.py scan, take_plain) are handed
+        of the packet ids: the inbound QoS 1 set, the outbound map, and how many other inbound
+        ids (QoS 2) are in flight; None, None, 0 before the first QoS 1/2 packet."""
+        ids = self._ids
+        if ids is None:
+            return None, None, 0
+        qos1 = ids.inbound_qos1
+        others = (
+            ids.inbound_in_flight() - len(qos1) if ids.inbound_qos2 or ids.inbound_released else 0
+        )
+        return qos1, ids.outbound, others
+
+    @property
+    def outbound_in_flight(self) -> int:
+        ids = self._ids
+        return len(ids.outbound) if ids is not None else 0
+
+    @property
+    def outbound_quota(self) -> int:
+        """How many more QoS 1/2 PUBLISH packets the client's Receive Maximum allows now."""
+        return max(0, self.client_receive_maximum - self.outbound_in_flight)
+
+    def allocate_packet_id(self) -> int:
+        """A packet identifier not in flight outbound (1..65535, round robin).
+
+        Raises LocalProtocolError when all 65535 are in use. The caller may also use its own
+        (persistent) allocator; `send` checks whatever id it gets.
+        """
+        return self._packet_ids().allocate()
+
+    def outbound_packet_ids(self) -> frozenset[int]:
+        ids = self._ids
+        return frozenset(ids.outbound) if ids is not None else frozenset()
+
+    def inbound_qos2_ids(self) -> frozenset[int]:
+        """Inbound QoS 2 ids whose PUBREL has not arrived yet."""
+        ids = self._ids
+        return frozenset(ids.inbound_qos2 or ()) if ids is not None else frozenset()
+
+    def restore_inbound_qos2(self, packet_ids: Iterable[int]) -> None:
+        """A resumed session had these QoS 2 ids received and waiting for PUBREL."""
+        self._packet_ids().restore_inbound_qos2(packet_ids)
+
+    def restore_outbound(
+        self, unacknowledged: Iterable[int] = (), released: Iterable[int] = ()
+    ) -> None:
+        """A resumed session had these outbound PUBLISH ids unacknowledged (waiting for
+        PUBACK/PUBREC) and these PUBREL ids waiting for PUBCOMP."""
+        self._packet_ids().restore_outbound(unacknowledged, released)
+
+    def forget_outbound(self, packet_id: int) -> None:
+        """A restored outbound PUBLISH that will not be re-sent (the gateway dropped it): its
+        id no longer counts against the client's Receive Maximum and may be used again."""
+        self._packet_ids().puback_received(packet_id)
