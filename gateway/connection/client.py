@@ -169,7 +169,8 @@ class ClientConnection(ClientTransport):
                 return
         else:
             self.conn.receive_data(data)
-        self._unparsed += len(data)
+            left = len(data)
+        self._unparsed += left  # what the connection buffered unparsed
         if self._unparsed > MAX_UNPARSED + self.ctx.settings.max_packet_size:
             self._pause_reading()
         if self._reader is None and ingest is not None and self.session is not None:
