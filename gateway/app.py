@@ -169,11 +169,9 @@ class Gateway:
         if self.stall_watch is not None:
             self.stall_watch.start(loop)
         account = self.account = (
-            # RocketMQ: the ends of the queues read here only (read_max_offset), so sampling
+            # The ends of the queues read here only (read_max_offset): on RocketMQ, sampling
             # another node's sessions opens no mirror of their queues on this one.
-            DeliveryAccount(
-                self._account_writer(store), getattr(store, "read_max_offset", store.max_offset)
-            )
+            DeliveryAccount(self._account_writer(store), store.read_max_offset)
             if s.delivery_account
             else NoDeliveryAccount()
         )

@@ -25,6 +25,10 @@ class EmbeddedStorage(MessageStore):
     _state_sync: asyncio.Future[None] | None = None  # the state log fsync running (sync mode)
     _timers: TimerQueue | None = None
 
+    def read_max_offset(self, queue: str) -> int:
+        """The store reads every queue itself: `max_offset` (see the port)."""
+        return self.max_offset(queue)
+
     @property
     def timers(self) -> TimerQueue:
         """The store's timer queue, its pending entries recovered on first use."""
