@@ -100,16 +100,11 @@ class PublishProperties:
     may be mutated. A PUBLISH with properties is encoded in full every time.
     """
 
-    __slots__ = ("_client_id", "_encode", "_tails", "blocks")
+    __slots__ = ("_client_id", "_encode", "blocks")
 
     def __init__(self, client_id: str, encode: Callable[[dict[str, str]], bytes]) -> None:
         self._client_id = client_id
         self._encode = encode
-        # (QoS, retain) -> the QOS, RETAIN and CLIENT pairs that follow the TOPIC pair in a
-        # block, encoded once: a new topic's block is then the store's encoding of its TOPIC
-        # pair and this (blocks with distinct keys concatenate to a block, in the order
-        # message_properties() writes them).
-        self._tails: dict[tuple[int, bool], bytes] = {}
         # (topic, QoS, retain) -> (block, properties); read by PublishPath's batch loop too
         # (gateway/messages/publishing.py encode_publishes_py and its C twin), which call of() on a
         # miss.
@@ -125,12 +120,7 @@ class PublishProperties:
         hit = self.blocks.get(key)
         if hit is None:
             props = _base_properties(pub.topic, pub.qos, pub.retain, self._client_id)
-            tail = self._tails.get(key[1:])
-            if tail is None:
-                tail = self._tails[key[1:]] = self._encode(
-                    {QOS: props[QOS], RETAIN: props[RETAIN], CLIENT: self._client_id}
-                )
-            hit = (self._encode({TOPIC: pub.topic}) + tail, props)
+            hit = (self._encode(props), props)
             if len(self.blocks) >= PROPERTY_BLOCKS_SIZE:
                 self.blocks.clear()
             self.blocks[key] = hit

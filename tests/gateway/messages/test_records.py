@@ -1,7 +1,6 @@
-"""PublishProperties (gateway/messages/records.py): the block it makes for a new topic (the
-store's encoding of the TOPIC pair, then the client's QOS, RETAIN and CLIENT pairs encoded
-once) is the store's encoding of message_properties(), byte for byte, and a topic the store
-refuses is refused the same way."""
+"""PublishProperties (gateway/messages/records.py): the cached block of a topic is the store's
+encoding of message_properties() byte for byte (the packet id pair appended per message), and
+a topic the store refuses is refused the same way."""
 
 from __future__ import annotations
 
