@@ -40,6 +40,9 @@ from typing import Any, cast
 
 from bench import wire
 
+# Latency "after the start" counts messages sent this long after a phase's first message.
+STEADY_AFTER_NS = 1_000_000_000
+
 
 class DeliveryBoard:
     """Delivery counters shared between processes through a small mapped file.
@@ -81,6 +84,11 @@ class Deliveries:
     first: float = 0.0
     last: float = 0.0
     latencies_ns: list[int] = field(default_factory=list)
+    # Latencies of the messages sent STEADY_AFTER_NS or more after the phase's first one (by
+    # their send stamps): the run without its start, whose first publish of every device
+    # (a topic the broker has not routed yet) weighs on the tail.
+    steady_ns: list[int] = field(default_factory=list)
+    first_sent_ns: int = 0
     seqs: list[int] = field(default_factory=list)
     measure_latency: bool = False
     track_seqs: bool = False
@@ -154,6 +162,11 @@ class BenchClient(asyncio.Protocol):
                             deliveries.skip_latency -= 1
                         else:
                             deliveries.latencies_ns.append(now_ns - sent_ns)
+                            first_sent = deliveries.first_sent_ns
+                            if not first_sent:
+                                deliveries.first_sent_ns = sent_ns
+                            elif sent_ns - first_sent >= STEADY_AFTER_NS:
+                                deliveries.steady_ns.append(now_ns - sent_ns)
             elif kind == wire.PUBACK:
                 if self.on_puback is not None:
                     self.on_puback((body[0] << 8) | body[1])
@@ -303,8 +316,11 @@ async def run_sub(spec: dict[str, Any], commands: Commands) -> None:
                 count=deliveries.count,
                 last=deliveries.last,
                 latency_ms=percentiles_ms(deliveries.latencies_ns),
+                steady_latency_ms=percentiles_ms(deliveries.steady_ns),
             )
             deliveries.latencies_ns = []
+            deliveries.steady_ns = []
+            deliveries.first_sent_ns = 0
             deliveries.skip_latency = int(spec.get("skip_latency", 0))
             continue
         break
@@ -317,6 +333,7 @@ async def run_sub(spec: dict[str, Any], commands: Commands) -> None:
         first=deliveries.first,
         last=deliveries.last,
         latency_ms=percentiles_ms(deliveries.latencies_ns),
+        steady_latency_ms=percentiles_ms(deliveries.steady_ns),
         gc_ms=percentiles_ms(GC_PAUSES.pauses_ns),
         seqs=deliveries.seqs if deliveries.track_seqs else None,
     )

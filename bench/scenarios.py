@@ -543,6 +543,8 @@ FLEET_METRICS = (
     Metric("p50_ms", "latency p50", "ms", False),
     Metric("p99_ms", "latency p99", "ms", False),
     Metric("p999_ms", "latency p99.9", "ms", False),
+    Metric("p99_steady_ms", "latency p99 after the first second", "ms", False),
+    Metric("p999_steady_ms", "latency p99.9 after the first second", "ms", False),
     Metric("us_cpu_per_delivery", "broker CPU per delivery", "us", False),
     Metric("us_cpu_per_publish", "broker CPU per publish", "us", False),
     Metric("broker_cpu", "broker CPU", "cores", False),

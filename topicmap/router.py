@@ -26,8 +26,12 @@ both. The topic cache maps a topic string to its result, in two generations (a c
 approximation of LRU). The prefix cache maps a topic without its last level (`site/7/dev/42`)
 to what every topic under it matches whatever the last level is ("#" and "+" filters) and the
 nodes whose literal children may match the last level, so the many metrics a device publishes
-under one prefix only pay one dict lookup per live node. `cache_size=0, prefix_cache_size=0` is the
-plain walk. Not thread-safe: the gateway calls it from one event loop.
+under one prefix only pay one dict lookup per live node. A prefix seen for the first time is
+walked from the state its own parent path left (`site/7/dev`: the live nodes and the "#" queues
+met so far, kept in the walk cache beside the prefix cache), so a fleet whose device id sits in
+the middle of the topic (`site/7/dev/42/temp`: every prefix new, the parent paths few) walks one
+level per new device, not all of them. `cache_size=0, prefix_cache_size=0` is the plain walk.
+Not thread-safe: the gateway calls it from one event loop.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class Router:
         "_queues",
         "_refs",
         "_root",
+        "_walked",
     )
 
     def __init__(
@@ -85,6 +90,8 @@ class Router:
         self._cache_old: dict[str, tuple[str, ...]] = {}
         self._prefix_cache_size = max(0, prefix_cache_size)
         self._prefixes: dict[str, tuple[tuple[Node, ...], tuple[str, ...]]] = {}
+        # A prefix's parent path -> (live nodes, "#" queues matched) after walking it (_settle).
+        self._walked: dict[str, tuple[tuple[Node, ...], tuple[str, ...]]] = {}
 
     # registration -------------------------------------------------------------------------
 
@@ -235,7 +242,21 @@ class Router:
     def _settle(self, prefix: str) -> tuple[list[Node], set[str]]:
         """Everything a topic `prefix/<last>` matches whatever its last level is, and the nodes
         whose literal child named <last> may still end a matching filter."""
-        nodes, found = self._advance(prefix.split("/"))
+        cut = prefix.rfind("/")
+        if cut > 0 and self._prefix_cache_size:
+            # Walk the prefix's last level from the state its parent path left, kept.
+            parent = prefix[:cut]
+            walked = self._walked.get(parent)
+            if walked is None:
+                nodes, found = self._advance(parent.split("/"))
+                if len(self._walked) >= self._prefix_cache_size:
+                    self._walked.clear()
+                self._walked[parent] = (tuple(nodes), tuple(found))
+            else:
+                nodes, found = list(walked[0]), set(walked[1])
+            nodes = self._step(nodes, prefix[cut + 1 :], found)
+        else:
+            nodes, found = self._advance(prefix.split("/"))
         for node in nodes:
             queue = node.get(_HASH)  # one or more levels below the prefix
             if queue is not None:
@@ -287,26 +308,32 @@ class Router:
         for index in range(1, len(levels)):
             if not nodes:
                 break
-            level = levels[index]
-            following = []
-            for node in nodes:
-                queue = node.get(_HASH)
-                if queue is not None:
-                    found.add(queue)
-                child = node.get(level)
-                if child is not None:
-                    following.append(child)
-                child = node.get(_PLUS)
-                if child is not None:
-                    following.append(child)
-            nodes = following
+            nodes = self._step(nodes, levels[index], found)
         return nodes, found
 
+    @staticmethod
+    def _step(nodes: Sequence[Node], level: str, found: set[str]) -> list[Node]:
+        """Consume one level (not the first) from `nodes`: the nodes still matching; "#"
+        filters ending at `nodes` match (one or more levels from here) and go to `found`."""
+        following = []
+        for node in nodes:
+            queue = node.get(_HASH)
+            if queue is not None:
+                found.add(queue)
+            child = node.get(level)
+            if child is not None:
+                following.append(child)
+            child = node.get(_PLUS)
+            if child is not None:
+                following.append(child)
+        return following
+
     def _invalidate(self) -> None:
-        if self._cache or self._cache_old or self._prefixes:
+        if self._cache or self._cache_old or self._prefixes or self._walked:
             self._cache = {}
             self._cache_old = {}
             self._prefixes = {}
+            self._walked = {}
 
     # persistence --------------------------------------------------------------------------
 

@@ -98,7 +98,7 @@ class PublishPath:
         self.store = store
         self.recent = recent
         self.stats = stats
-        self.router = Router()
+        self.router = Router(cache_size=0)  # routes are cached per name here (_routes)
         # Set by the composition root once the index is open (it is rebuilt from the state
         # log after the sessions, whose filters must be routed first).
         self.retained: RetainedIndex | None = None

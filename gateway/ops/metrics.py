@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence, Sized
@@ -242,9 +241,9 @@ class _GatewayCollector(Collector):
             by_gen_count.add_metric([str(generation)], monitor.by_generation[generation])
         yield by_gen
         yield by_gen_count
-        yield gauge(
-            "gc_frozen_objects", "objects in the permanent generation", gc.get_freeze_count()
-        )
+        # No gauge of the frozen objects: gc.get_freeze_count() walks the permanent generation
+        # object by object, holding the GIL (the event loop's stall on every scrape grows
+        # with the fleet); GcMonitor.summary() reports it once, at stop.
 
         store = src.store
         sessions = src.sessions

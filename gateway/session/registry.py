@@ -39,7 +39,14 @@ IMPORTED_KEY = META_KEY_PREFIX + "sessions.json-imported"
 #: appended at each progress pass: the decimal log position.
 QOS2_FLOOR_KEY = META_KEY_PREFIX + "qos2-floor"
 PROGRESS_SAVE_S = 10.0  # see SessionRegistry.mark_progress
-RECORDS_PER_STEP = 200  # session records encoded per event-loop step by housekeeping saves
+RECORDS_PER_STEP = 200  # session records encoded per event-loop step by save_all
+# Housekeeping's saves (save_if_dirty: every PROGRESS_SAVE_S the records of every session whose
+# progress moved, a whole fleet's at once) go in smaller steps, each followed by a pause
+# PACED_PAUSE_RATIO times as long as the step took: the save takes at most 1 / (1 + ratio) of
+# the event loop, so a loaded gateway's deliveries keep the time they need meanwhile (steps
+# back to back would hold the loop nearly whole until the save is done: a latency spike).
+PACED_RECORDS_PER_STEP = 50
+PACED_PAUSE_RATIO = 9.0
 _ID_BITS = 31  # dormant expiry: (due second << _ID_BITS | index); seconds fit 33 bits
 _ID_MASK = (1 << _ID_BITS) - 1
 
@@ -382,10 +389,12 @@ class SessionRegistry:
         cids = self._take(progress)
         return self._store.append_state(self._records(cids)) if cids else 0
 
-    async def _write_in_steps(self, progress: bool) -> int:
+    async def _write_in_steps(self, progress: bool, paced: bool = False) -> int:
         """`_write`, RECORDS_PER_STEP records per event-loop step: when a large fleet's
         progress all moved, encoding its records at once would hold the event loop for too
-        long. A session changed after its step is due again later."""
+        long. `paced`: PACED_RECORDS_PER_STEP records per step, then a pause (see
+        PACED_PAUSE_RATIO). A session changed after its step is due again later; the ids not
+        written when the save is cancelled are due again (the final save writes them)."""
         ids = list(self._take(progress))
         position = 0
         floor = self.qos2.floor_now() if progress else None
@@ -393,10 +402,19 @@ class SessionRegistry:
             # Every id that joined a qos2_inbound before now was saved already (qos2.py).
             position = self._store.append_state([(QOS2_FLOOR_KEY, str(floor).encode())])
             self.qos2.floor = floor
-        for i in range(0, len(ids), RECORDS_PER_STEP):
+        step = PACED_RECORDS_PER_STEP if paced else RECORDS_PER_STEP
+        pause = 0.0
+        for i in range(0, len(ids), step):
             if i:
-                await asyncio.sleep(0)
-            position = self._store.append_state(self._records(set(ids[i : i + RECORDS_PER_STEP])))
+                try:
+                    await asyncio.sleep(pause)
+                except BaseException:
+                    self._dirty.update(ids[i:])
+                    raise
+            started = time.perf_counter()
+            position = self._store.append_state(self._records(set(ids[i : i + step])))
+            if paced:
+                pause = (time.perf_counter() - started) * PACED_PAUSE_RATIO
         return position
 
     async def save(self, session: Session) -> None:
@@ -430,7 +448,7 @@ class SessionRegistry:
     async def save_if_dirty(self, progress_interval_s: float = PROGRESS_SAVE_S) -> None:
         """Housekeeping: append pending changes; compact the state log when due."""
         progress = time.monotonic() - self._last_save >= progress_interval_s
-        await self._write_in_steps(progress)
+        await self._write_in_steps(progress, paced=True)
         await self._store.compact_state()
 
 

@@ -170,3 +170,27 @@ def test_a_stall_of_the_event_loop_is_counted(admin_gateway: GatewayHarness) -> 
     m = scrape(admin_gateway)
     assert m["lmqtt_event_loop_stalls_total"] >= before["lmqtt_event_loop_stalls_total"] + 1
     assert m["lmqtt_event_loop_lag_max_seconds"] >= 0.15
+
+
+def test_a_scrape_does_not_walk_the_frozen_objects(admin_gateway: GatewayHarness) -> None:
+    """A scrape runs on the event loop: its cost must not grow with what gc.freeze() moved out
+    of the collector's way (the whole fleet's objects), or every scrape stalls the loop. The
+    gateway runs in this process: objects frozen here are the gateway's too."""
+    gw = admin_gateway.gw
+    assert gw is not None
+    metrics = gw.listeners.metrics
+
+    def render_cpu() -> float:
+        started = time.thread_time()
+        metrics.render()
+        return time.thread_time() - started
+
+    lean = min(admin_gateway.call(render_cpu) for _ in range(3))
+    ballast = [[i] for i in range(1_500_000)]  # tracked containers, as a fleet's objects are
+    gc.freeze()
+    try:
+        heavy = min(admin_gateway.call(render_cpu) for _ in range(3))
+    finally:
+        gc.unfreeze()
+        del ballast
+    assert heavy < lean + 0.02, f"scrape {heavy * 1e3:.1f} ms with the ballast frozen"
