@@ -188,11 +188,15 @@ class ConnectHandler:
             present,
         )
         # The state machine must accept acks for ids of a previous connection of this session.
-        conn.restore_inbound_qos2(session.qos2_inbound)
-        conn.restore_outbound(
-            [i.packet_id for i in session.inflight.values() if not i.pubrel],
-            [i.packet_id for i in session.inflight.values() if i.pubrel],
-        )
+        # A session with none leaves the connection without packet-id sets until its first
+        # QoS 1/2 packet (a device that only subscribes never needs them).
+        if session.qos2_inbound:
+            conn.restore_inbound_qos2(session.qos2_inbound)
+        if session.inflight:
+            conn.restore_outbound(
+                [i.packet_id for i in session.inflight.values() if not i.pubrel],
+                [i.packet_id for i in session.inflight.values() if i.pubrel],
+            )
         client.start_keep_alive()
         if session.subscriptions or session.inflight:
             # A session with nothing to receive gets its loop at its first SUBSCRIBE.

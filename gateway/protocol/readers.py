@@ -158,9 +158,13 @@ def read_connack(flags: int, body: bytes, level: int) -> ConnAck:
 # Topic names repeat (a sensor publishes to the same few topics for days), so the hot path
 # keeps a bounded map from raw topic bytes to the validated name: one dict probe replaces
 # UTF-8 decoding and the U+0000 / wildcard scans. Only valid, non-empty names are stored.
+# Full, it is cleared, so it must hold every topic a fleet publishes to (a device publishes to
+# its own): with more topics than entries nearly every probe misses, and each miss costs the
+# C reader's fast path (the packet goes to the Python decoder) and a decode. The same size
+# bounds the writers' encoded-topic cache, whose misses cost the delivery's plain run.
 TOPIC_CACHE: dict[bytes, str] = {}
-TOPIC_CACHE_SIZE = 4096
-TOPIC_CACHE_KEY_MAX = 256  # bytes; at most 4096 x 256 B pinned
+TOPIC_CACHE_SIZE = 65_536
+TOPIC_CACHE_KEY_MAX = 256  # bytes; at most 65,536 x 256 B (16 MiB) of keys pinned
 
 
 def cache_topic(raw: bytes) -> str | None:

@@ -35,6 +35,7 @@ from gateway.protocol.events import (
     Unsubscribe,
 )
 from gateway.protocol.properties import Properties, write_properties
+from gateway.protocol.readers import TOPIC_CACHE_SIZE
 from gateway.protocol.reason_codes import (
     ALLOWED_REASON_CODES,
     connack_return_code_v4,
@@ -132,7 +133,7 @@ _ENCODED_TOPICS: dict[str, bytes] = {}
 # leave a miss to these writers (gateway/delivery/loop.py's plain run).
 ENCODED_TOPICS = _ENCODED_TOPICS
 _ENCODED_TOPICS_NO_PROPS: dict[str, bytes] = {}
-_TOPIC_CACHE_SIZE = 4096
+_TOPIC_CACHE_SIZE = TOPIC_CACHE_SIZE
 
 # Fixed header with a two-byte remaining length (128..16383).
 _pack_header3 = struct.Struct(">BBB").pack

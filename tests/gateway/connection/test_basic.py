@@ -58,3 +58,25 @@ def test_publish_internal_is_routed_like_a_client_publish(
     clients.append(late)
     late.subscribe("$SYS/broker/+", 0)
     assert late.wait_messages(1)[0].retain
+
+
+def test_a_new_session_leaves_the_connection_without_packet_ids_until_qos1(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    """A device that only subscribed holds no packet-id sets (their containers are most of an
+    idle connection's protocol state); its first QoS 1 PUBLISH makes them, and is stored,
+    acknowledged and delivered as any other."""
+    gw = gateway.gw
+    assert gw is not None
+    d = Client(gateway.port, "ids-d")
+    clients.append(d)
+    assert d.subscribe("ids/cmd", 1) == [1]
+
+    def ids() -> object:
+        (conn,) = [c.conn for c in gw.state.connections if c.client_id == "ids-d"]
+        return conn._ids
+
+    assert gateway.call(ids) is None
+    d.publish("ids/cmd", b"x", 1)  # waits for its PUBACK
+    assert d.wait_messages(1)[0].payload == b"x"
+    assert gateway.call(ids) is not None

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.protocol import LocalProtocolError, Properties, Publish, encode, writers
+from gateway.protocol import LocalProtocolError, Properties, Publish, encode, readers, writers
 from gateway.protocol.readers import read_publish
 
 topics = st.text(
@@ -91,6 +91,21 @@ def test_empty_topic_is_never_cached() -> None:
     data = encode(Publish("", b"x", properties=Properties(topic_alias=3)), 5)
     assert _decode(data, 5).properties.topic_alias == 3  # type: ignore[union-attr]
     assert "" not in writers._ENCODED_TOPICS
+
+
+def test_a_fleets_topics_stay_cached() -> None:
+    """10,000 devices, each publishing to its own topic: every topic stays in the readers'
+    and the writers' caches (a cache cleared when full, smaller than the fleet, would miss on
+    nearly every message)."""
+    readers.TOPIC_CACHE.clear()
+    writers._ENCODED_TOPICS.clear()
+    writers._ENCODED_TOPICS_NO_PROPS.clear()
+    topics = [f"site/{d % 50}/dev/{d}/temp" for d in range(10_000)]
+    for topic in topics:
+        assert readers.cache_topic(topic.encode()) == topic
+        encode(Publish(topic, b""), 4)
+    assert all(readers.TOPIC_CACHE.get(t.encode()) == t for t in topics)
+    assert all(t in writers._ENCODED_TOPICS for t in topics)
 
 
 def test_topic_caches_stay_bounded() -> None:
