@@ -5,16 +5,20 @@ worker thread, started at the first wait, runs one fsync at a time; each covers 
 appended before it started, so every caller waiting at that moment is answered by it:
 
     loop thread                               sync thread
-    append A; wait(A) -- request -------->    fsync (covers A)
+    append A; wait(A); append Z; wait(Z)
+    (end of the turn) -- request -------->    fsync (covers A and Z)
     append B; wait(B)    (one running:             |
     append C; wait(C)     no request)              |
-    <-- done: A answered, B and C left ------  call_soon_threadsafe(_done)
+    <-- done: A, Z answered; B, C left ------  call_soon_threadsafe(_done)
     _done: request again ---------------->    fsync (covers B and C)
     <-- done: B and C answered --------------  call_soon_threadsafe(_done)
 
-A wait costs one future; an fsync costs one request (a C queue) and one call back into the
-loop, however many callers it answers (a thread pool job per fsync with a shielded future
-per caller cost several times that: the loop's share of a synchronous session write).
+The first wait of a loop turn requests the fsync at the end of the turn, so the turn's other
+writes (one SUBSCRIBE per client whose packet came in the same poll) share it rather than
+wait for the next one. A wait costs one future; an fsync costs one request (a C queue) and
+one call back into the loop, however many callers it answers (a thread pool job per fsync
+with a shielded future per caller cost several times that: the loop's share of a
+synchronous session write).
 """
 
 from __future__ import annotations
@@ -44,7 +48,16 @@ class GroupCommit:
     """Answers `wait(position)` once `log` is durable up to `position` (see the module
     docstring). Used from one event loop; `stop()` ends the worker thread."""
 
-    __slots__ = ("_busy", "_log", "_loop", "_name", "_requests", "_thread", "_waiters")
+    __slots__ = (
+        "_busy",
+        "_log",
+        "_loop",
+        "_name",
+        "_requests",
+        "_stopped",
+        "_thread",
+        "_waiters",
+    )
 
     def __init__(self, log: Syncable, name: str) -> None:
         self._log = log
@@ -52,9 +65,10 @@ class GroupCommit:
         # (position, future) of the callers not answered yet, in append order.
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._busy = False  # an fsync was requested and its _done has not run yet
+        self._busy = False  # an fsync is requested (or will be this turn), its _done not run
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
 
     async def wait(self, position: int) -> None:
         """Return once the log is durable up to `position` (an fsync's error is raised)."""
@@ -64,24 +78,27 @@ class GroupCommit:
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append((position, fut))
         if not self._busy:
-            self._request(loop)
+            # At the end of this loop turn: the other writes of the turn share the fsync.
+            self._busy = True
+            loop.call_soon(self._request, loop)
         await fut
 
     def stop(self) -> None:
         """End the worker (after the fsync it runs). Called once the log is closed (its
         close fsyncs everything): the callers still waiting are answered."""
+        self._stopped = True
         if self._thread is not None:
             self._requests.put(_STOP)
             self._thread = None
-        loop = self._loop
-        if self._waiters and loop is not None and not loop.is_closed():
+        if self._waiters and not self._waiters[0][1].get_loop().is_closed():
             self._done(None)
             for _, fut in self._waiters:  # not covered: the log was not closed
                 fut.cancel()
             self._waiters = []
 
     def _request(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._busy = True
+        if self._stopped:
+            return
         if self._thread is None:
             self._loop = loop
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
@@ -119,5 +136,6 @@ class GroupCommit:
             else:
                 left.append((position, fut))
         self._waiters = left
-        if left and self._thread is not None and self._loop is not None:
+        if left and self._loop is not None:
+            self._busy = True
             self._request(self._loop)
