@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import GatewaySettings
+from gateway.storage.group_commit import GroupCommit
 from gateway.storage.port import Storage
 from store import AccountWriter, FlushMode, MessageStore, StoreConfig, TimerQueue
 from topicmap import TopicFilter, replay_parents
@@ -22,7 +23,7 @@ class EmbeddedStorage(MessageStore):
     """MessageStore + the port's async state operations."""
 
     _compacting: asyncio.Future[None] | None = None
-    _state_sync: asyncio.Future[None] | None = None  # the state log fsync running (sync mode)
+    _state_commit: GroupCommit | None = None  # the state log's fsyncs (sync mode)
     _timers: TimerQueue | None = None
 
     def read_max_offset(self, queue: str) -> int:
@@ -78,22 +79,24 @@ class EmbeddedStorage(MessageStore):
         """Nothing to do: the committed offsets table was read at open."""
 
     async def wait_state_durable(self, position: int) -> None:
-        """Sync flush mode: wait until the state log is fsynced up to `position`. Group
-        commit: one fsync runs at a time, in a worker thread, covering everything appended
-        before it started; the callers it covers wait for that one, and those that appended
-        while it ran share the next (one worker job per fsync, not per caller). Async mode:
-        the write already survives a process crash; the store's periodic full flush (each
-        second) makes it survive a power loss, as for messages."""
+        """Sync flush mode: wait until the state log is fsynced up to `position`, one fsync
+        for every caller waiting at once (group commit: gateway/storage/group_commit.py).
+        Async mode: the write already survives a process crash; the store's periodic full
+        flush (each second) makes it survive a power loss, as for messages."""
         state = self.state
         if self.config.flush != FlushMode.SYNC or state is None:
             return
-        while state.synced < position:
-            running = self._state_sync
-            if running is None or running.done():
-                running = asyncio.get_running_loop().run_in_executor(None, state.sync)
-                self._state_sync = running
-            # Shielded: a caller that is cancelled does not cancel the others' fsync.
-            await asyncio.shield(running)
+        commit = self._state_commit
+        if commit is None:
+            commit = self._state_commit = GroupCommit(state, "lmqtt-state-fsync")
+        await commit.wait(position)
+
+    def close(self) -> None:
+        """Close the store (its state log fsynced), then end the state fsync worker."""
+        super().close()
+        if self._state_commit is not None:
+            self._state_commit.stop()
+            self._state_commit = None
 
     async def compact_state(self) -> None:
         if self.read_only or not self.state_needs_compaction():
