@@ -110,6 +110,13 @@ class IngestBatch:
                 if not owner.closed:  # a failure closes a 3.1.1 client: the rest is dropped
                     self._store_one(pub, owner)
             return
+        if len(set(owners)) == len(owners):
+            # Each connection handed in one publish (a fleet's devices): its PUBACK alone.
+            for pub, owner in zip(pubs, owners, strict=True):
+                packet_id = pub.packet_id
+                if packet_id is not None and pub.qos and not owner.closed:
+                    owner.acknowledge_stored([packet_id])
+            return
         # Packet ids per connection, in order; a connection's publishes of one read are
         # consecutive, so the dict is looked up once per run of them.
         acks: dict[Publisher, list[int]] = {}
