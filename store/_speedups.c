@@ -346,7 +346,7 @@ crc32(PyObject *Py_UNUSED(module), PyObject *arg)
  * write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result)
  *   -> index of the first message not written
  *
- * Appender._write's loop over a batch (store/append.py), its common case in one
+ * Appender._section's loop over a batch (store/append.py), its common case in one
  * call: for each prepared message (route, body, user properties, born) from `i` whose route
  * is resolved for `generation` and whose record fits before `limit`, append the record (as
  * append_record does), dispatch its consume-queue unit to the route's queues (parent first:
@@ -911,7 +911,7 @@ static PyMethodDef methods[] = {
      "dispatch(queues, unit, dirty): the unit joins every queue (store.consumequeue.dispatch)."},
     {"write_run", (PyCFunction)(void (*)(void))write_run, METH_FASTCALL,
      "write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result) "
-     "-> i: Appender._write's loop, its common case (store.append.write_run_py)."},
+     "-> i: Appender._section's loop, its common case (store.append.write_run_py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -159,7 +159,7 @@ def write_run_py(
     results: list[PutResult],
     put_result: type[PutResult],
 ) -> int:
-    """Appender._write's common case: from ``batch[i]`` on, while a message's route is
+    """Appender._section's common case: from ``batch[i]`` on, while a message's route is
     resolved for ``generation`` and its record fits before ``limit``, append the record,
     dispatch its unit to the route's queues and add its PutResult to ``results``; return the
     index of the first message left (a route to resolve again, a record for the next segment).
@@ -365,7 +365,17 @@ class Appender:
 
     # -- the critical section ------------------------------------------------------------------
     def _section(self, batch: Sequence[Prepared]) -> list[PutResult]:
-        """Write a prepared batch under one lock acquisition."""
+        """Write a prepared batch under one lock acquisition: assign every offset, append the
+        records and dispatch their units.
+
+        The common case, a run of records that fit in the segment on routes resolved already,
+        is ``_write_run`` (store/_speedups.c ``write_run``, or its reference ``write_run_py``);
+        the record it stops at (a route to resolve, a segment to roll) is ``_write_one``.
+        Sizes were checked against the worst case when the batch was prepared, so nothing here
+        should fail; should it anyway, each record is complete in the buffer before its queues
+        move and ``finally`` writes out the records whose queues moved, leaving those written
+        and dispatched. One frame for the whole section: it runs once per batch.
+        """
         with self.lock:
             if self.closed:
                 raise StoreClosedError("store is closed")
@@ -377,47 +387,32 @@ class Appender:
             self.last_store_ts = now
             table = self.table
             try:
-                results = self._write(batch, now)
+                gen = table.generation
+                results: list[PutResult] = []
+                writer = self.commitlog.batch()
+                state = [writer.start, 0]  # next physical offset, units dispatched
+                items = batch if type(batch) is list else list(batch)
+                n = len(items)
+                i = 0
+                try:
+                    while True:
+                        i = _write_run(
+                            items, i, now, writer.buf, writer.limit, state, gen, table.dirty,
+                            results, PutResult,
+                        )  # fmt: skip
+                        if i >= n:
+                            break
+                        self._write_one(writer, items[i], now, gen, state, results)
+                        i += 1
+                finally:
+                    writer.finish(state[0])
+                    self.units_total += state[1]
             finally:
                 if len(table.states) > table.max_cached:
                     table.evict_overflow()
         if self.lock_wanted:
             # A full flush waits for the lock: let it have it before our next put.
             time.sleep(0)
-        return results
-
-    def _write(self, batch: Sequence[Prepared], now: int) -> list[PutResult]:
-        """Assign every offset, append the records and dispatch their units. Lock held.
-
-        The common case, a run of records that fit in the segment on routes resolved already,
-        is ``_write_run`` (store/_speedups.c ``write_run``, or its reference ``write_run_py``);
-        the record it stops at (a route to resolve, a segment to roll) is done here. Sizes
-        were checked against the worst case when the batch was prepared, so nothing here
-        should fail; should it anyway, each record is complete in the buffer before its
-        queues move and ``finally`` writes out the records whose queues moved, leaving those
-        written and dispatched.
-        """
-        table = self.table
-        gen = table.generation
-        results: list[PutResult] = []
-        writer = self.commitlog.batch()
-        state = [writer.start, 0]  # next physical offset, units dispatched
-        items = batch if type(batch) is list else list(batch)
-        n = len(items)
-        i = 0
-        try:
-            while True:
-                i = _write_run(
-                    items, i, now, writer.buf, writer.limit, state, gen, table.dirty, results,
-                    PutResult,
-                )  # fmt: skip
-                if i >= n:
-                    break
-                self._write_one(writer, items[i], now, gen, state, results)
-                i += 1
-        finally:
-            writer.finish(state[0])
-            self.units_total += state[1]
         return results
 
     def _write_one(
@@ -429,7 +424,8 @@ class Appender:
         state: list[int],
         results: list[PutResult],
     ) -> None:
-        """One record ``_write_run`` left: resolve its route, or roll to the next segment."""
+        """One record ``_write_run`` left: resolve its route, or roll to the next segment.
+        Lock held."""
         table = self.table
         route, body, uprops, born = item
         if route.generation != gen:

@@ -86,14 +86,13 @@ class IngestBatch:
     def schedule(self) -> None:
         """Store what was added at the end of this turn."""
         self.scheduled = True
-        self._loop.call_soon(self._end_of_turn)
-
-    def _end_of_turn(self) -> None:
-        self.scheduled = False
-        self.flush()
+        self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Store what was collected, then acknowledge it (one write per connection)."""
+        """Store what was collected, then acknowledge it (one write per connection). The end
+        of the turn's callback (`schedule`); called before it (a protocol error answered
+        now), the callback still runs and stores what was added since, if anything."""
+        self.scheduled = False
         pubs = self.pubs
         if not pubs:
             return
@@ -111,15 +110,28 @@ class IngestBatch:
                 if not owner.closed:  # a failure closes a 3.1.1 client: the rest is dropped
                     self._store_one(pub, owner)
             return
+        if len(set(owners)) == len(owners):
+            # Each connection handed in one publish (a fleet's devices): its PUBACK alone.
+            for pub, owner in zip(pubs, owners, strict=True):
+                packet_id = pub.packet_id
+                if packet_id is not None and pub.qos and not owner.closed:
+                    owner.acknowledge_stored([packet_id])
+            return
+        # Packet ids per connection, in order; a connection's publishes of one read are
+        # consecutive, so the dict is looked up once per run of them.
         acks: dict[Publisher, list[int]] = {}
-        for i, pub in enumerate(pubs):
-            if pub.qos and pub.packet_id is not None:
-                owner = owners[i]
-                ids = acks.get(owner)
-                if ids is None:
-                    acks[owner] = [pub.packet_id]
-                else:
-                    ids.append(pub.packet_id)
+        last: Publisher | None = None
+        ids: list[int] = []
+        for pub, owner in zip(pubs, owners, strict=True):
+            packet_id = pub.packet_id
+            if packet_id is not None and pub.qos:
+                if owner is not last:
+                    last = owner
+                    found = acks.get(owner)
+                    if found is None:
+                        found = acks[owner] = []
+                    ids = found
+                ids.append(packet_id)
         for owner, ids in acks.items():
             if not owner.closed:
                 owner.acknowledge_stored(ids)

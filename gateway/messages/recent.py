@@ -193,7 +193,12 @@ class RecentMessages:
         b.nbytes += total
         self._count += count
         self._bytes += total
-        self._appended()
+        # _appended(), inlined: this runs once per event-loop turn that stores publishes.
+        if b.count >= self._bucket_size or b.nbytes >= self._bucket_bytes:
+            self._closed.append(b)
+            self._open = _Bucket()
+        if self._count > self._size or self._bytes > self._max_bytes:
+            self._evict()
 
     def _extend(self, queue: str, run: list[StoredMessage], nbytes: int) -> None:
         """Append `run` (consecutive offsets of `queue`, the store assigned them in one go)."""

@@ -5,7 +5,10 @@ the hot paths pay nothing for them. The latency histograms time the store from o
 wrapping its methods on the instance when the admin endpoint is on: each append call (a single
 `put_async`, which in sync mode includes the covering fsync, or a batched `append_encoded` of one
 reader turn's run of publishes), the wait for durability a batched run's PUBACKs make in sync
-mode (`wait_durable`), and the flusher's CommitLog fsync.
+mode (`wait_durable`), and the flusher's CommitLog fsync. The append timing runs once per event
+loop turn that stores publishes, so it is kept as plain bucket counts (`_Timings`: one C bisect
+and two list additions) and shaped into a histogram when scraped, instead of prometheus_client's
+Histogram.observe and Counter.inc (a lock and several Python calls each).
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ import asyncio
 import functools
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
     Histogram,
     generate_latest,
 )
@@ -269,6 +272,52 @@ class _GatewayCollector(Collector):
             )
 
 
+class _Timings:
+    """A latency histogram as plain counts, for a path timed once per event-loop turn.
+
+    `counts[i]`: observations in (bounds[i-1], bounds[i]] (the last slot: above every bound),
+    so `counts[bisect_left(bounds, seconds)] += 1` files one; `sums[0]`: their total seconds;
+    `items[0]`: what the timed calls handled (messages appended). One writer (the event-loop
+    thread); the scrape only reads. `collect` shapes them as Prometheus expects (cumulative
+    `le` buckets, `_count` and `_sum`, the counter's `_total`)."""
+
+    __slots__ = ("bounds", "counts", "doc", "items", "items_doc", "items_name", "name", "sums")
+
+    def __init__(
+        self, name: str, doc: str, items_name: str, items_doc: str, bounds: Sequence[float]
+    ) -> None:
+        self.name = name
+        self.doc = doc
+        self.items_name = items_name
+        self.items_doc = items_doc
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sums = [0.0]
+        self.items = [0]
+
+    def observe(self, seconds: float, items: int = 0) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sums[0] += seconds
+        self.items[0] += items
+
+    def collect(self) -> Iterator[Any]:
+        buckets: list[tuple[str, float]] = []
+        cumulative = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sums[0])
+        yield CounterMetricFamily(self.items_name, self.items_doc, value=self.items[0])
+
+
+class _TimingsCollector(Collector):
+    def __init__(self, timings: _Timings) -> None:
+        self.timings = timings
+
+    def collect(self) -> Iterator[Any]:
+        return self.timings.collect()
+
+
 class GatewayMetrics:
     """The registry for one gateway, plus the store latency histograms."""
 
@@ -276,18 +325,15 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.backlog = _Backlog(sources)
         self.registry.register(_GatewayCollector(sources, self.backlog))
-        self.append_seconds = Histogram(
+        self.append_seconds = _Timings(
             "lmqtt_store_append_seconds",
             "store append latency per call: put_async of one message (sync flush: with the "
             "covering fsync) or append_encoded of one reader turn's run of publishes",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.appended = Counter(
             "lmqtt_store_appended_messages",
             "messages appended to the CommitLog by the gateway",
-            registry=self.registry,
+            LATENCY_BUCKETS,
         )
+        self.registry.register(_TimingsCollector(self.append_seconds))
         self.durable_wait_seconds = Histogram(
             "lmqtt_store_durable_wait_seconds",
             "sync flush: wait from a batched append until the CommitLog is fsynced past it",
@@ -308,31 +354,40 @@ class GatewayMetrics:
         histograms otherwise, and a wrapper around every put costs CPU on every publish. The
         gateway's ingest path is the same either way (batched runs go through append_encoded,
         which is timed per batch)."""
-        append = self.append_seconds
-        appended = self.appended
+        timings = self.append_seconds
+        observe = timings.observe
+        bounds = timings.bounds
+        counts = timings.counts
+        sums = timings.sums
+        items = timings.items
         put_async: Callable[..., Awaitable[Any]] = store.put_async
         append_encoded: Callable[[Sequence[Any]], list[Any]] = store.append_encoded
         wait_durable: Callable[[int], Awaitable[None]] = store.wait_durable
         durable = self.durable_wait_seconds
+        perf_counter = time.perf_counter
 
         @functools.wraps(put_async)
         async def timed_put_async(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 result = await put_async(*args, **kwargs)
-            finally:
-                append.observe(time.perf_counter() - t0)
-            appended.inc()
+            except BaseException:
+                observe(time.perf_counter() - t0)
+                raise
+            observe(time.perf_counter() - t0, 1)
             return result
 
         @functools.wraps(append_encoded)
         def timed_append_encoded(messages: Sequence[Any]) -> list[Any]:
-            t0 = time.perf_counter()
+            # _Timings.observe inlined: this runs once per turn that stores publishes.
+            t0 = perf_counter()
             try:
                 results = append_encoded(messages)
             finally:
-                append.observe(time.perf_counter() - t0)
-            appended.inc(len(results))
+                seconds = perf_counter() - t0
+                counts[bisect_left(bounds, seconds)] += 1
+                sums[0] += seconds
+            items[0] += len(results)
             return results
 
         @functools.wraps(wait_durable)

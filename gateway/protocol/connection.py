@@ -331,7 +331,18 @@ class Connection(ConnectionPacketIds):
         ):
             self.receive_data(data)
             return len(data)
-        in_qos1, out_flight, others = self.kernel_ids()
+        ids = self._ids  # kernel_ids(), inlined: this runs once per read of a device
+        if ids is None:
+            in_qos1 = out_flight = None
+            others = 0
+        else:
+            in_qos1 = ids.inbound_qos1
+            out_flight = ids.outbound
+            others = (
+                ids.inbound_in_flight() - len(in_qos1)
+                if ids.inbound_qos2 or ids.inbound_released
+                else 0
+            )
         off = take(
             data, FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
             self.max_packet_size, self.protocol_level == 5, TOPIC_CACHE, in_qos1, out_flight,

@@ -1,4 +1,4 @@
-"""store/_speedups.c `write_run` and `prepare_run` (Appender._write's and Appender.append's
+"""store/_speedups.c `write_run` and `prepare_run` (Appender._section's and Appender.append's
 loops in C) against their Python references in store/append.py, `write_run_py` and
 `prepare_run_py`: two stores fed the same batches, one per implementation, must
 return the same PutResults, leave the same CommitLog and consume-queue bytes on disk, the
