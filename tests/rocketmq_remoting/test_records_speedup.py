@@ -14,7 +14,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import accelerators
@@ -65,9 +65,9 @@ def record(draw: st.DrawFn) -> bytes:
         )
 
     body = draw(st.binary(max_size=80))
-    topic = draw(st.text(min_size=1, max_size=40 if magic == MAGIC_V1 else 300)).encode()
-    if magic == MAGIC_V1 and len(topic) > 255:
-        topic = topic[:255].decode("utf-8", "ignore").encode()
+    topic = draw(st.text(min_size=1, max_size=12)).encode()
+    if magic == MAGIC_V2 and draw(st.booleans()):
+        topic *= 300 // len(topic) + 1  # over a v1 record's 255 bytes
     tlen = struct.pack(">h", len(topic)) if magic == MAGIC_V2 else bytes([len(topic)])
     props = draw(properties())
     i64 = st.integers(-(2**63), 2**63 - 1)
@@ -106,6 +106,11 @@ def outcome(fn: object, *args: object) -> object:
         return ("error", type(exc).__name__)
 
 
+#: Generating records is slow on a loaded host; the examples still run.
+SLOW_OK = settings(suppress_health_check=[HealthCheck.too_slow])
+
+
+@SLOW_OK
 @given(
     records=st.lists(record(), max_size=6),
     wanted=st.one_of(st.none(), st.sets(st.sampled_from(NAMES))),
@@ -123,6 +128,7 @@ def test_records_agree_with_the_reference(
     assert kernel.records(memoryview(body), check_crc, wanted) == expected
 
 
+@SLOW_OK
 @given(records=st.lists(record(), min_size=1, max_size=3), cut=st.integers(1, 400))
 def test_bad_answers_raise_like_the_reference(records: list[bytes], cut: int) -> None:
     body = bytearray(b"".join(records))
