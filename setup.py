@@ -19,6 +19,7 @@ SOURCES = {
     "gateway.delivery._run": "gateway/delivery/_run.c",
     "gateway.messages._batch": "gateway/messages/_batch.c",
     "store._speedups": "store/_speedups.c",
+    "rocketmq_remoting._speedups": "rocketmq_remoting/_speedups.c",
 }
 
 

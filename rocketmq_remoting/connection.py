@@ -43,6 +43,8 @@ AnswerCallback = Callable[["RemotingCommand | RemotingError"], None]
 
 log = logging.getLogger(__name__)
 _LEN: Final = struct.Struct(">i")
+#: At most this much is read from the socket at once (then every whole frame in it handled).
+READ_CHUNK: Final = 1 << 18
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -183,25 +185,29 @@ class Connection:
             raise RemotingClosedError(self.addr, self._close_reason) from exc
 
     async def _read_loop(self) -> None:
+        """Read what the socket has, then hand out every whole frame in it: one await per read
+        (a pull answer and the send answers of a burst often arrive in one), not two per
+        frame (its length, then the rest)."""
         reason = "closed by peer"
+        buf = bytearray()
+        read = self._reader.read
+        unpack = _LEN.unpack_from
         try:
             while True:
-                (length,) = _LEN.unpack(await self._reader.readexactly(4))
-                if length < 4 or length > FRAME_MAX:
-                    raise ProtocolError(f"frame length {length} out of range")
-                cmd = decode_frame(await self._reader.readexactly(length))
-                if cmd.is_response:
-                    callback = self._callbacks.pop(cmd.opaque, None)
-                    if callback is not None:
-                        self._call(callback, cmd)
-                        continue
-                    future = self._pending.get(cmd.opaque)
-                    if future is not None and not future.done():
-                        future.set_result(cmd)
-                elif not cmd.is_oneway:
-                    self._answer_unsupported(cmd)
-        except asyncio.IncompleteReadError:
-            reason = "closed by peer"
+                data = await read(READ_CHUNK)
+                if not data:
+                    break
+                buf += data
+                pos, have = 0, len(buf)
+                while have - pos >= 4:
+                    (length,) = unpack(buf, pos)
+                    if length < 4 or length > FRAME_MAX:
+                        raise ProtocolError(f"frame length {length} out of range")
+                    if have - pos - 4 < length:
+                        break
+                    self._received(decode_frame(bytes(buf[pos + 4 : pos + 4 + length])))
+                    pos += 4 + length
+                del buf[:pos]
         except (ConnectionError, OSError) as exc:
             reason = f"connection lost: {exc}"
         except ProtocolError as exc:
@@ -212,6 +218,18 @@ class Connection:
             raise
         finally:
             self._abort(reason)
+
+    def _received(self, cmd: RemotingCommand) -> None:
+        if cmd.is_response:
+            callback = self._callbacks.pop(cmd.opaque, None)
+            if callback is not None:
+                self._call(callback, cmd)
+                return
+            future = self._pending.get(cmd.opaque)
+            if future is not None and not future.done():
+                future.set_result(cmd)
+        elif not cmd.is_oneway:
+            self._answer_unsupported(cmd)
 
     def _call(self, callback: AnswerCallback, answer: RemotingCommand | RemotingError) -> None:
         try:

@@ -39,6 +39,7 @@ from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+import accelerators
 from rocketmq_remoting.codes import LMQ_DISPATCH_SEPARATOR
 from rocketmq_remoting.errors import ProtocolError
 
@@ -221,14 +222,15 @@ def _host(buf: bytes | memoryview, pos: int, v6: bool) -> tuple[tuple[str, int],
 def decode_records(
     body: bytes | memoryview, check_crc: bool = True, wanted: Container[str] | None = None
 ) -> Iterator[MessageRecord]:
-    """The records of a pull answer's body, in order.
+    """The records of a pull answer's body, in order (all read before the first is returned: a
+    bad record anywhere raises ProtocolError here).
 
     With `wanted`, only the records dispatched to at least one light queue in it (a name of
     their INNER_MULTI_DISPATCH): the others are passed over from their properties alone, their
     body neither copied nor checked (a reader of the parent topic that mirrors a few of its
     light queues; `scan_records` also says how far the answer went).
     """
-    return _records(body, check_crc, wanted, None)
+    return iter(records(body, check_crc, wanted)[0])
 
 
 def scan_records(
@@ -236,6 +238,15 @@ def scan_records(
 ) -> tuple[list[MessageRecord], int]:
     """`decode_records` with `wanted`, and the CommitLog offset of the answer's last record
     (-1 if it had none): a reader that passes records over still learns how far the log goes."""
+    return records(body, check_crc, wanted)
+
+
+def records_py(
+    body: bytes | memoryview, check_crc: bool, wanted: Container[str] | None
+) -> tuple[list[MessageRecord], int]:
+    """The records of `body` (those dispatched to a light queue in `wanted`, unless None) and
+    the CommitLog offset of its last record, passed over or not (-1 if none): the reference of
+    the C kernel `_speedups.records`, which must return exactly the same."""
     last = [-1]
     return list(_records(body, check_crc, wanted, last)), last[0]
 
@@ -359,3 +370,30 @@ def decode_message_id(msg_id: str) -> tuple[tuple[str, int], int]:
         raise ValueError(f"not an offset message id: {msg_id!r}")
     port, offset = struct.unpack_from(">iq", raw, n)
     return (str(ipaddress.ip_address(raw[:n])), port), offset
+
+
+def _host_v6(raw: bytes) -> str:
+    return str(ipaddress.ip_address(raw))
+
+
+#: The C kernel of `records_py` (rocketmq_remoting/_speedups.c), unless it is not built or
+#: LMQTT_PURE_PYTHON(_READ) keeps the reference: handed the layout's names and constants here.
+_kernel = accelerators.load("rocketmq_remoting._speedups", "LMQTT_PURE_PYTHON_READ")
+if _kernel is not None:
+    _kernel.configure(
+        MessageRecord,
+        ProtocolError,
+        zlib.crc32,
+        _host_v6,
+        _DISPATCH_KEY,
+        NAME_VALUE_SEPARATOR,
+        PROPERTY_SEPARATOR,
+        LMQ_DISPATCH_SEPARATOR,
+        MAGIC_V1,
+        MAGIC_V2,
+        BLANK_MAGIC,
+        SYSFLAG_BORNHOST_V6,
+        SYSFLAG_STOREHOST_V6,
+    )
+#: A pull answer's records: the kernel's, else the reference.
+records = records_py if _kernel is None else _kernel.records

@@ -9,6 +9,7 @@ tests/rocketmq/.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -77,6 +78,37 @@ async def test_answers_out_of_order_reach_their_requests(serve: Serve) -> None:
         assert [r.remark for r in results] == ["for 30", "for 31", "for 14"]
         assert [r.ext_fields["echo"] for r in results] == ["30", "31", "14"]
         assert len({r.opaque for r in results}) == 3 and conn.in_flight == 0
+    finally:
+        await conn.close()
+
+
+async def test_answers_split_across_reads_or_joined_in_one_all_arrive(serve: Serve) -> None:
+    """The reader hands out every whole frame of what one read brought and keeps the rest:
+    three answers in one write, then one (a body bigger than a read) in pieces down to its
+    length field's bytes, with pauses between them."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests = [await read_cmd(reader) for _ in range(4)]
+        writer.write(b"".join(answer(req, remark=f"for {req.code}") for req in requests[:3]))
+        await writer.drain()
+        last = RemotingCommand(
+            code=0, opaque=requests[3].opaque, flag=FLAG_RESPONSE, body=bytes(range(256)) * 2048
+        ).encode()
+        cuts = [0, 2, 4, 9, 70_000, 300_000, len(last)]
+        for start, end in itertools.pairwise(cuts):
+            await asyncio.sleep(0.02)
+            writer.write(last[start:end])
+            await writer.drain()
+        await reader.read()  # until the client closes
+
+    addr = await serve(handler)
+    conn = await Connection.open(addr, 1.0)
+    try:
+        results = await asyncio.gather(
+            *(conn.request(RemotingCommand(code=c), 2.0) for c in (30, 31, 14, 11))
+        )
+        assert [r.remark for r in results[:3]] == ["for 30", "for 31", "for 14"]
+        assert results[3].body == bytes(range(256)) * 2048 and conn.in_flight == 0
     finally:
         await conn.close()
 

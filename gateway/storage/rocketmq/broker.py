@@ -27,6 +27,7 @@ log = logging.getLogger("lmqtt.rocketmq")
 #: consumer registration either.
 PULL_GROUP = "%LMQ%lmqtt-gateway"
 PULL_BATCH = 32
+_tuple_new = tuple.__new__  # builds a StoredMessage without NamedTuple's Python __new__
 
 
 @dataclass
@@ -84,14 +85,23 @@ def to_stored(
     # What the broker added is not the MQTT message's: no reader of the gateway sees it.
     props = {k: v for k, v in rec.properties.items() if k not in BROKER_PROPERTIES}
     body = b"" if props.pop(EMPTY_BODY_PROPERTY, None) is not None else rec.body
-    return StoredMessage(
-        rec.topic,
-        body,
-        props,
-        offset,
-        rec.commitlog_offset,
-        rec.store_timestamp,
-        rec.born_timestamp,
-        rec.queue_offset,
-        tuple(queue_of(n) for n in lights),
+    return _tuple_new(
+        StoredMessage,
+        (
+            rec.topic,
+            body,
+            props,
+            offset,
+            rec.commitlog_offset,
+            rec.store_timestamp,
+            rec.born_timestamp,
+            rec.queue_offset,
+            tuple(map(queue_of, lights)),
+        ),
     )
+
+
+def at_offset(stored: StoredMessage, offset: int) -> StoredMessage:
+    """`stored` as read from another light queue it was dispatched to, at `offset` there (the
+    same topic, body and properties: one decoded record serves every queue of it)."""
+    return _tuple_new(StoredMessage, (*stored[:3], offset, *stored[4:]))

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from gateway.storage.port import ArrivalListener, GetResult, GetStatus, StoredMessage, StoreError
-from gateway.storage.rocketmq.broker import PULL_BATCH, PULL_GROUP, Broker, to_stored
+from gateway.storage.rocketmq.broker import PULL_BATCH, PULL_GROUP, Broker, at_offset, to_stored
 from gateway.storage.rocketmq.tail import ParentTail
 from rocketmq_remoting import OffsetMovedError, RemotingError
 from rocketmq_remoting.message import MessageRecord
@@ -383,13 +383,19 @@ class Mirrors:
         if last_phys >= 0:
             self._saw_phys(last_phys)
         by_lmq = self._by_lmq
+        queue_of = self._broker.names.queue
         touched: dict[str, Mirror] = {}
         for rec in records:
             offsets = rec.light_queue_offsets()
+            stored: StoredMessage | None = None  # decoded once for all its mirrors here
             for lmq, off in offsets.items():
                 m = by_lmq.get(lmq)
                 if m is not None:
-                    self._keep_one(m, rec, off, offsets)
+                    if stored is None:
+                        stored = to_stored(rec, off, queue_of, offsets)
+                    else:
+                        stored = at_offset(stored, off)
+                    self._put(m, stored, off)
                     touched[lmq] = m
         for m in touched.values():
             self._trim(m)
@@ -405,10 +411,15 @@ class Mirrors:
         self._trim(m)
 
     def _keep_one(self, m: Mirror, rec: MessageRecord, off: int, offsets: dict[str, int]) -> None:
-        phys = rec.commitlog_offset
-        m.msgs[off] = to_stored(rec, off, self._broker.names.queue, offsets)
-        self._saw_phys(phys)
+        self._put(m, to_stored(rec, off, self._broker.names.queue, offsets), off)
+        self._saw_phys(rec.commitlog_offset)
+
+    def _put(self, m: Mirror, stored: StoredMessage, off: int) -> None:
+        """`stored` at `off` in `m`: kept, its phys waiter told, the mirror's end moved (the
+        caller tells the log's end: the tail once per answer)."""
+        m.msgs[off] = stored
         if self._phys_waiters:
+            phys = stored.physical_offset
             waiter = self._phys_waiters.get((m.queue, phys))
             if waiter is not None and not waiter.done():
                 waiter.set_result(off)

@@ -1,0 +1,571 @@
+/*
+ * Optional C kernel of rocketmq_remoting: `records`, the loop of rocketmq_remoting/message.py
+ * `_records` (what `decode_records` and `scan_records` return: a pull answer's CommitLog records
+ * as MessageRecords, or only those dispatched to a wanted light queue). Its Python reference is
+ * message.py `records_py`, which it must match exactly
+ * (tests/rocketmq_remoting/test_records_speedup.py). The record layout is drawn in message.py;
+ * the property names and separators, the MessageRecord class, the error class and the IPv6
+ * host formatter come from Python (`configure`), so this file spells no property name.
+ *
+ * records(body, check_crc, wanted) -> (list of MessageRecord, CommitLog offset of the last
+ * record read, passed over or not; -1 if none)
+ *
+ * `wanted` None: every record. Otherwise a container of light queue names: a record is decoded
+ * only when one name of its dispatch property is `in wanted`; the others are passed over from
+ * their properties alone (body neither copied nor checked).
+ *
+ * Built by setup.py as an optional extension; accelerators.load decides whether it runs.
+ */
+#define _GNU_SOURCE 1 /* memmem */
+#include "kernel.h"
+#include <string.h>
+
+/* What `configure` was given; owned references, set once per process. */
+static PyObject *record_type = NULL;    /* message.MessageRecord */
+static PyObject *protocol_error = NULL; /* errors.ProtocolError */
+static PyObject *crc32_func = NULL;     /* zlib.crc32 */
+static PyObject *host_v6 = NULL;        /* 16 raw bytes -> the address's text (ipaddress) */
+static char dispatch_key[128];          /* "INNER_MULTI_DISPATCH" + name/value separator */
+static Py_ssize_t dispatch_key_len = 0;
+static unsigned char name_value_sep, property_sep, dispatch_sep;
+static uint32_t magic_v1, magic_v2, blank_magic, sysflag_born_v6, sysflag_store_v6;
+
+enum { FIXED_HEAD = 48 };
+
+static PyObject *
+configure(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *type_obj, *error, *crc, *v6;
+    const char *key;
+    Py_ssize_t key_len;
+    int nv, ps, ds;
+    unsigned int m1, m2, blank, born6, store6;
+    if (!PyArg_ParseTuple(args, "OOOOy#CCCIIIII:configure", &type_obj, &error, &crc, &v6, &key,
+                          &key_len, &nv, &ps, &ds, &m1, &m2, &blank, &born6, &store6)) {
+        return NULL;
+    }
+    if (key_len <= 0 || key_len >= (Py_ssize_t)sizeof(dispatch_key) || nv > 0x7F || ps > 0x7F
+        || ds > 0x7F) {
+        PyErr_SetString(PyExc_ValueError, "configure: unusable dispatch key or separators");
+        return NULL;
+    }
+    memcpy(dispatch_key, key, key_len);
+    dispatch_key_len = key_len;
+    name_value_sep = (unsigned char)nv;
+    property_sep = (unsigned char)ps;
+    dispatch_sep = (unsigned char)ds;
+    magic_v1 = m1;
+    magic_v2 = m2;
+    blank_magic = blank;
+    sysflag_born_v6 = born6;
+    sysflag_store_v6 = store6;
+    Py_INCREF(type_obj);
+    Py_INCREF(error);
+    Py_INCREF(crc);
+    Py_INCREF(v6);
+    Py_XSETREF(record_type, type_obj);
+    Py_XSETREF(protocol_error, error);
+    Py_XSETREF(crc32_func, crc);
+    Py_XSETREF(host_v6, v6);
+    Py_RETURN_NONE;
+}
+
+static inline uint32_t
+u32(const unsigned char *p)
+{
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static inline int32_t
+i32(const unsigned char *p)
+{
+    return (int32_t)u32(p);
+}
+
+static inline int16_t
+i16(const unsigned char *p)
+{
+    return (int16_t)(((uint16_t)p[0] << 8) | p[1]);
+}
+
+static inline int64_t
+i64(const unsigned char *p)
+{
+    return (int64_t)(((uint64_t)u32(p) << 32) | u32(p + 4));
+}
+
+/* Raise ProtocolError(`fmt` % a). */
+static void
+protocol(const char *fmt, long long a)
+{
+    PyObject *msg = PyUnicode_FromFormat(fmt, a);
+    if (msg != NULL) {
+        PyErr_SetObject(protocol_error, msg);
+        Py_DECREF(msg);
+    }
+}
+
+/* Whether the properties p[0:n] name a light queue in `wanted` in their dispatch property
+ * (message.py `_dispatched_to`); -1 on error. */
+static int
+dispatched_to(const unsigned char *p, Py_ssize_t n, PyObject *wanted)
+{
+    Py_ssize_t at = -1;
+    const unsigned char *from = p;
+    while (from < p + n) {
+        const unsigned char *hit = memmem(from, p + n - from, dispatch_key, dispatch_key_len);
+        if (hit == NULL) {
+            break;
+        }
+        if (hit == p || hit[-1] == property_sep) {
+            at = hit - p;
+            break;
+        }
+        from = hit + 1;
+    }
+    /* `props.find` from 0 finds an occurrence at 0 first; one inside a value's text (not
+     * after a property separator) is passed over, as the Python loop does. */
+    if (at < 0) {
+        return 0;
+    }
+    Py_ssize_t start = at + dispatch_key_len, end = start;
+    while (end < n && p[end] != property_sep) {
+        end++;
+    }
+    Py_ssize_t name = start;
+    for (Py_ssize_t i = start; i <= end; i++) {
+        if (i == end || p[i] == dispatch_sep) {
+            PyObject *s = PyUnicode_DecodeUTF8((const char *)p + name, i - name, "surrogateescape");
+            if (s == NULL) {
+                return -1;
+            }
+            int found = PySequence_Contains(wanted, s);
+            Py_DECREF(s);
+            if (found != 0) {
+                return found;
+            }
+            name = i + 1;
+        }
+    }
+    return 0;
+}
+
+/* The last host decoded per kind (born, store): most records of an answer share them, and a
+ * tuple is immutable, so the same one is handed out again (equal to a new one). */
+typedef struct {
+    unsigned char raw[20];
+    int len;
+    PyObject *value;
+} HostMemo;
+
+/* (address text, port) of the host at p (v6: 16 bytes, else 4), then its port. */
+static PyObject *
+host_of(const unsigned char *p, int v6)
+{
+    PyObject *addr;
+    if (v6) {
+        PyObject *raw = PyBytes_FromStringAndSize((const char *)p, 16);
+        if (raw == NULL) {
+            return NULL;
+        }
+        addr = PyObject_CallOneArg(host_v6, raw);
+        Py_DECREF(raw);
+    }
+    else {
+        char text[16];
+        int n = 0;
+        for (int i = 0; i < 4; i++) {
+            unsigned int v = p[i];
+            if (i) {
+                text[n++] = '.';
+            }
+            if (v >= 100) {
+                text[n++] = (char)('0' + v / 100);
+            }
+            if (v >= 10) {
+                text[n++] = (char)('0' + v / 10 % 10);
+            }
+            text[n++] = (char)('0' + v % 10);
+        }
+        addr = PyUnicode_FromStringAndSize(text, n);
+    }
+    if (addr == NULL) {
+        return NULL;
+    }
+    PyObject *port = PyLong_FromLong(i32(p + (v6 ? 16 : 4)));
+    if (port == NULL) {
+        Py_DECREF(addr);
+        return NULL;
+    }
+    PyObject *out = PyTuple_Pack(2, addr, port);
+    Py_DECREF(addr);
+    Py_DECREF(port);
+    return out;
+}
+
+/* host_of, remembered in `memo`; a new reference. */
+static PyObject *
+host(const unsigned char *p, int v6, HostMemo *memo)
+{
+    int len = v6 ? 20 : 8;
+    if (memo->value != NULL && memo->len == len && memcmp(memo->raw, p, len) == 0) {
+        Py_INCREF(memo->value);
+        return memo->value;
+    }
+    PyObject *value = host_of(p, v6);
+    if (value != NULL) {
+        memcpy(memo->raw, p, len);
+        memo->len = len;
+        Py_INCREF(value);
+        Py_XSETREF(memo->value, value);
+    }
+    return value;
+}
+
+/* Property names seen (their bytes and text): a few names repeat in every record, so each is
+ * decoded once per answer. */
+enum { NAME_MEMO = 32 };
+typedef struct {
+    const unsigned char *raw;
+    Py_ssize_t len;
+    PyObject *text;
+} NameMemo;
+
+typedef struct {
+    HostMemo born, store;
+    NameMemo names[NAME_MEMO];
+    int n_names;
+} Memo;
+
+static void
+memo_clear(Memo *memo)
+{
+    Py_CLEAR(memo->born.value);
+    Py_CLEAR(memo->store.value);
+    for (int i = 0; i < memo->n_names; i++) {
+        Py_CLEAR(memo->names[i].text);
+    }
+    memo->n_names = 0;
+}
+
+/* The text of the property name s[0:len] (surrogateescape), a new reference. */
+static PyObject *
+name_text(const unsigned char *s, Py_ssize_t len, Memo *memo)
+{
+    for (int i = 0; i < memo->n_names; i++) {
+        NameMemo *m = &memo->names[i];
+        if (m->len == len && memcmp(m->raw, s, len) == 0) {
+            Py_INCREF(m->text);
+            return m->text;
+        }
+    }
+    PyObject *text = PyUnicode_DecodeUTF8((const char *)s, len, "surrogateescape");
+    if (text != NULL && memo->n_names < NAME_MEMO) {
+        NameMemo *m = &memo->names[memo->n_names++];
+        m->raw = s; /* points into the body, which outlives the memo */
+        m->len = len;
+        Py_INCREF(text);
+        m->text = text;
+    }
+    return text;
+}
+
+/* message.py `decode_properties` over the raw bytes (decoding each name and value on its own
+ * is the same as decoding the whole: the separators are ASCII, never inside a UTF-8 sequence,
+ * and surrogateescape maps only bytes >= 0x80). */
+static PyObject *
+properties(const unsigned char *p, Py_ssize_t n, Memo *memo)
+{
+    PyObject *out = PyDict_New();
+    if (out == NULL || n <= 0) {
+        return out;
+    }
+    Py_ssize_t item = 0;
+    for (Py_ssize_t i = 0; i <= n; i++) {
+        if (i < n && p[i] != property_sep) {
+            continue;
+        }
+        const unsigned char *s = p + item;
+        Py_ssize_t len = i - item;
+        const unsigned char *sep = memchr(s, name_value_sep, len);
+        if (sep != NULL && sep > s) {
+            PyObject *k = name_text(s, sep - s, memo);
+            PyObject *v = k == NULL ? NULL
+                                    : PyUnicode_DecodeUTF8((const char *)sep + 1,
+                                                           len - (sep - s) - 1, "surrogateescape");
+            if (v == NULL || PyDict_SetItem(out, k, v) < 0) {
+                Py_XDECREF(k);
+                Py_XDECREF(v);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(k);
+            Py_DECREF(v);
+        }
+        item = i + 1;
+    }
+    return out;
+}
+
+/* One record at b[pos:pos+size], decoded (message.py `_records`, the yield). */
+static PyObject *
+decode_one(const unsigned char *b, Py_ssize_t pos, Py_ssize_t end, int check_crc, Memo *memo)
+{
+    const unsigned char *r = b + pos;
+    int32_t size = i32(r);
+    uint32_t magic = u32(r + 4), body_crc = u32(r + 8);
+    int32_t queue_id = i32(r + 12), flag = i32(r + 16), sys_flag = i32(r + 36);
+    int64_t queue_offset = i64(r + 20), phys = i64(r + 28), born_ts = i64(r + 40);
+    int born6 = (sys_flag & sysflag_born_v6) != 0, store6 = (sys_flag & sysflag_store_v6) != 0;
+    Py_ssize_t p = pos + FIXED_HEAD;
+    /* born host, store timestamp, store host, reconsume times, prepared offset, body length */
+    Py_ssize_t need = (born6 ? 20 : 8) + 8 + (store6 ? 20 : 8) + 4 + 8 + 4;
+    if (p + need > end) {
+        protocol("truncated record at %lld", (long long)pos);
+        return NULL;
+    }
+    PyObject *born_host = NULL, *store_host = NULL, *payload = NULL, *topic = NULL;
+    PyObject *props = NULL, *out = NULL;
+    born_host = host(b + p, born6, &memo->born);
+    if (born_host == NULL) {
+        goto done;
+    }
+    p += born6 ? 20 : 8;
+    int64_t store_ts = i64(b + p);
+    p += 8;
+    store_host = host(b + p, store6, &memo->store);
+    if (store_host == NULL) {
+        goto done;
+    }
+    p += store6 ? 20 : 8;
+    int32_t reconsume = i32(b + p);
+    int32_t body_len = i32(b + p + 12);
+    p += 16;
+    if (body_len < 0 || p + body_len > end) {
+        protocol("truncated record at %lld", (long long)pos);
+        goto done;
+    }
+    payload = PyBytes_FromStringAndSize((const char *)b + p, body_len);
+    if (payload == NULL) {
+        goto done;
+    }
+    p += body_len;
+    if (check_crc) {
+        PyObject *crc = PyObject_CallOneArg(crc32_func, payload);
+        if (crc == NULL) {
+            goto done;
+        }
+        unsigned long value = PyLong_AsUnsignedLong(crc);
+        Py_DECREF(crc);
+        if (value == (unsigned long)-1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if ((value & 0x7FFFFFFFUL) != body_crc) {
+            protocol("body CRC mismatch in record at commitlog offset %lld", (long long)phys);
+            goto done;
+        }
+    }
+    Py_ssize_t topic_len;
+    if (magic == magic_v2) {
+        if (p + 2 > end) {
+            protocol("truncated record at %lld", (long long)pos);
+            goto done;
+        }
+        topic_len = i16(b + p);
+        p += 2;
+    }
+    else {
+        if (p + 1 > end) {
+            protocol("truncated record at %lld", (long long)pos);
+            goto done;
+        }
+        topic_len = b[p];
+        p += 1;
+    }
+    if (topic_len < 0 || p + topic_len + 2 > end) {
+        protocol("truncated record at %lld", (long long)pos);
+        goto done;
+    }
+    topic = PyUnicode_DecodeUTF8((const char *)b + p, topic_len, NULL);
+    if (topic == NULL) {
+        goto done;
+    }
+    p += topic_len;
+    Py_ssize_t props_len = i16(b + p);
+    p += 2;
+    if (props_len > end - p) {
+        props_len = end - p; /* what a slice past the end leaves */
+    }
+    props = properties(b + p, props_len, memo);
+    if (props == NULL) {
+        goto done;
+    }
+    /* MessageRecord's fields, in order (message.py). */
+    PyObject *ints[9] = {
+        PyLong_FromLong(queue_id), PyLong_FromLongLong(queue_offset), PyLong_FromLongLong(phys),
+        PyLong_FromLong(sys_flag), PyLong_FromLong(flag),          PyLong_FromLongLong(born_ts),
+        PyLong_FromLongLong(store_ts), PyLong_FromLong(reconsume), PyLong_FromLong(size),
+    };
+    int ok = 1;
+    for (int i = 0; i < 9; i++) {
+        ok &= ints[i] != NULL;
+    }
+    if (ok) {
+        PyObject *fields[14] = {
+            topic,    payload,  ints[0],    ints[1],   ints[2], ints[3], ints[4],
+            ints[5],  ints[6],  born_host,  store_host, ints[7], props,  ints[8],
+        };
+        out = PyObject_Vectorcall(record_type, fields, 14, NULL);
+    }
+    for (int i = 0; i < 9; i++) {
+        Py_XDECREF(ints[i]);
+    }
+done:
+    Py_XDECREF(born_host);
+    Py_XDECREF(store_host);
+    Py_XDECREF(payload);
+    Py_XDECREF(topic);
+    Py_XDECREF(props);
+    return out;
+}
+
+/* Where the properties of the record at b[pos:] start, and their length (-1: none). */
+static Py_ssize_t
+properties_at(const unsigned char *b, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t *len)
+{
+    const unsigned char *r = b + pos;
+    uint32_t magic = u32(r + 4);
+    int32_t sys_flag = i32(r + 36);
+    Py_ssize_t q = pos + FIXED_HEAD;
+    q += ((sys_flag & sysflag_born_v6) ? 20 : 8) + 8;
+    q += ((sys_flag & sysflag_store_v6) ? 20 : 8) + 4 + 8;
+    if (q + 4 > end) {
+        return -1;
+    }
+    int32_t body_len = i32(b + q);
+    q += 4 + (Py_ssize_t)body_len;
+    if (magic == magic_v2) {
+        if (q < 0 || q + 2 > end) {
+            return -1;
+        }
+        q += 2 + i16(b + q);
+    }
+    else {
+        if (q < 0 || q + 1 > end) {
+            return -1;
+        }
+        q += 1 + b[q];
+    }
+    if (q < 0 || q + 2 > end) {
+        return -1;
+    }
+    *len = i16(b + q);
+    q += 2;
+    if (*len > end - q) {
+        *len = end - q; /* what a slice past the end leaves */
+    }
+    return q;
+}
+
+static PyObject *
+records(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "records takes 3 arguments, not %zd", nargs);
+        return NULL;
+    }
+    if (record_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "records: configure() was not called");
+        return NULL;
+    }
+    int check_crc = PyObject_IsTrue(args[1]);
+    if (check_crc < 0) {
+        return NULL;
+    }
+    PyObject *wanted = args[2] == Py_None ? NULL : args[2];
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const unsigned char *b = view.buf;
+    Py_ssize_t end = view.len, pos = 0;
+    long long last = -1;
+    Memo memo;
+    memset(&memo, 0, sizeof(memo));
+    PyObject *list = PyList_New(0);
+    if (list == NULL) {
+        goto fail;
+    }
+    while (pos < end) {
+        if (end - pos < FIXED_HEAD) {
+            protocol("truncated record at %lld", (long long)pos);
+            goto fail;
+        }
+        int32_t size = i32(b + pos);
+        uint32_t magic = u32(b + pos + 4);
+        if (magic == blank_magic) {
+            break;
+        }
+        if ((magic != magic_v1 && magic != magic_v2) || size <= 0 || pos + size > end) {
+            PyObject *msg = PyUnicode_FromFormat("bad record at %zd: magic 0x%x, size %d", pos,
+                                                 (unsigned int)magic, (int)size);
+            if (msg != NULL) {
+                PyErr_SetObject(protocol_error, msg);
+                Py_DECREF(msg);
+            }
+            goto fail;
+        }
+        last = i64(b + pos + 28);
+        if (wanted != NULL) {
+            Py_ssize_t props_len = 0;
+            Py_ssize_t q = properties_at(b, pos, end, &props_len);
+            if (q < 0) {
+                protocol("truncated record at %lld", (long long)pos);
+                goto fail;
+            }
+            int keep = props_len > 0 ? dispatched_to(b + q, props_len, wanted) : 0;
+            if (keep < 0) {
+                goto fail;
+            }
+            if (!keep) {
+                pos += size;
+                continue;
+            }
+        }
+        PyObject *rec = decode_one(b, pos, end, check_crc, &memo);
+        if (rec == NULL || PyList_Append(list, rec) < 0) {
+            Py_XDECREF(rec);
+            goto fail;
+        }
+        Py_DECREF(rec);
+        pos += size;
+    }
+    memo_clear(&memo);
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(NL)", list, last);
+fail:
+    memo_clear(&memo);
+    Py_XDECREF(list);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(MessageRecord, ProtocolError, crc32, host_v6, dispatch key, name/value "
+     "separator, property separator, dispatch separator, magic v1, magic v2, blank magic, "
+     "born host v6 flag, store host v6 flag)"},
+    {"records", (PyCFunction)(void (*)(void))records, METH_FASTCALL,
+     "records(body, check_crc, wanted) -> (records, last CommitLog offset)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "rocketmq_remoting._speedups", NULL, -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    return lmqtt_module(&module_def);
+}
