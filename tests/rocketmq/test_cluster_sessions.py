@@ -531,5 +531,8 @@ def test_three_racing_connects_resume_from_the_latest_holder(
     assert sorted(bytes(m.payload) for m in got) == [b"m2", b"m3", b"m4"]
     wait_until(lambda: any("handed over to node n3" in line for line in b.output), 10, "B's hand")
     assert not any("handed over to node n3" in line for line in a.output)
+    # Once: the takeover's close ends A's connection, which hands the session as it stands;
+    # the same claim read next must not hand A's last record of it after that.
+    assert sum("handed over to node n2" in line for line in a.output) == 1, a.output
     everything = [p for cl in (first, second, third) for p in cl.payloads()]
     assert sorted(everything) == [b"m0", b"m1", b"m2", b"m3", b"m4"], everything
