@@ -116,6 +116,11 @@ class ClusterSessions:
         # Taken over by another node: write nothing at the end (the claim that took it: its
         # node may want the session handed over, gateway/cluster/handover.py).
         self._moved: dict[str, Record] = {}
+        # The claim a connection's end handed the session to last: when the takeover's close
+        # ends the connection at once, `claimed_elsewhere` reads the same claim right after and
+        # must not hand it again (from the copy re-adopted from this node's last record, which
+        # lags what was acknowledged since).
+        self._handed: Record | None = None
         # Catch-ups asked for while one runs share the next one (a fleet connecting at once
         # costs a few reads of the state log, not one per CONNECT).
         self._wanted: asyncio.Future[None] | None = None
@@ -230,6 +235,9 @@ class ClusterSessions:
         cid = claim.get("c")
         if not claim.get("h") or not isinstance(cid, str) or self._moved.get(cid) is claim:
             return
+        if self._handed is claim:
+            self._handed = None
+            return  # handed at its connection's end already (connection_ended)
         if not self._mine(cid):
             return  # another node's record: that node hands it over
         session = self._registry.get(cid)  # a dormant one is built: unchanged, but here
@@ -248,6 +256,7 @@ class ClusterSessions:
                 # The session as it stands, exactly (None: it ended with the connection).
                 doc = session.to_json() if registry.sessions.get(cid) is session else None
                 self._handover.give(cid, claim["n"], claim["i"], doc)
+                self._handed = claim
             # The taker's record is the session's: adopt it now if the tail read it while the
             # connection here was still open (adopt skips connected sessions), else it comes.
             registry.drop_changes(cid)
