@@ -30,7 +30,10 @@ under one prefix only pay one dict lookup per live node. A prefix seen for the f
 walked from the state its own parent path left (`site/7/dev`: the live nodes and the "#" queues
 met so far, kept in the walk cache beside the prefix cache), so a fleet whose device id sits in
 the middle of the topic (`site/7/dev/42/temp`: every prefix new, the parent paths few) walks one
-level per new device, not all of them. `cache_size=0, prefix_cache_size=0` is the plain walk.
+level per new device, not all of them. A prefix whose last level is no literal child of the
+nodes its parent path left (a device id no filter names) matches what any other value there
+matches, so it is kept under its shape (`site/7/dev/+`: no topic prefix contains "+") and a
+fleet's new devices share one entry. `cache_size=0, prefix_cache_size=0` is the plain walk.
 Not thread-safe: the gateway calls it from one event loop.
 """
 
