@@ -141,7 +141,26 @@ def is_store_name(name: str) -> bool:
 def parent_topic(topic: str | Topic) -> str:
     """The store name of the topic's first level (its parent topic); see the module docstring."""
     name = topic.name if isinstance(topic, Topic) else Topic(topic).name
-    first = name.split("/", 1)[0]
+    first = name.partition("/")[0]
+    known = _PARENTS.get(first)
+    if known is not None:
+        return known
+    known = _parent_of_level(first)
+    if len(first) <= _PARENTS_LEVEL_MAX:
+        if len(_PARENTS) >= _PARENTS_SIZE:
+            _PARENTS.clear()
+        _PARENTS[first] = known
+    return known
+
+
+# First level -> parent topic, for the levels of at most _PARENTS_LEVEL_MAX characters (the
+# cache stays under a few MB): a fleet's new topics share a few first levels.
+_PARENTS: dict[str, str] = {}
+_PARENTS_SIZE = 4096
+_PARENTS_LEVEL_MAX = 256
+
+
+def _parent_of_level(first: str) -> str:
     if not first:
         return EMPTY_PARENT
     body = encode_text(first)

@@ -30,7 +30,10 @@ under one prefix only pay one dict lookup per live node. A prefix seen for the f
 walked from the state its own parent path left (`site/7/dev`: the live nodes and the "#" queues
 met so far, kept in the walk cache beside the prefix cache), so a fleet whose device id sits in
 the middle of the topic (`site/7/dev/42/temp`: every prefix new, the parent paths few) walks one
-level per new device, not all of them. `cache_size=0, prefix_cache_size=0` is the plain walk.
+level per new device, not all of them. A prefix whose last level is no literal child of the
+nodes its parent path left (a device id no filter names) matches what any other value there
+matches, so it is kept under its shape (`site/7/dev/+`: no topic prefix contains "+") and a
+fleet's new devices share one entry. `cache_size=0, prefix_cache_size=0` is the plain walk.
 Not thread-safe: the gateway calls it from one event loop.
 """
 
@@ -216,15 +219,9 @@ class Router:
             return self._match_one_level(topic)
         prefix = topic[:cut]
         state = self._prefixes.get(prefix)
-        nodes: Sequence[Node]
         if state is None:
-            nodes, found = self._settle(prefix)
-            if self._prefix_cache_size:
-                if len(self._prefixes) >= self._prefix_cache_size:
-                    self._prefixes.clear()
-                self._prefixes[prefix] = (tuple(nodes), tuple(found))
-        else:
-            nodes, found = state[0], set(state[1])
+            state = self._settle(prefix)
+        nodes, found = state[0], set(state[1])
         # Only literal children depend on the last level: a filter ending there ("/"), or "#"
         # under it matching zero further levels (`a/b/#` matches `a/b`).
         last = topic[cut + 1 :]
@@ -239,10 +236,14 @@ class Router:
                     found.add(queue)
         return found
 
-    def _settle(self, prefix: str) -> tuple[list[Node], set[str]]:
+    def _settle(self, prefix: str) -> tuple[tuple[Node, ...], tuple[str, ...]]:
         """Everything a topic `prefix/<last>` matches whatever its last level is, and the nodes
-        whose literal child named <last> may still end a matching filter."""
+        whose literal child named <last> may still end a matching filter; kept in the prefix
+        cache (when on) under the prefix, or under its shape when its last level is no literal
+        of the filters walked there (`site/7/dev/+`: every device id in that place matches
+        the same "+" and "#" filters, so the new devices of a fleet share one entry)."""
         cut = prefix.rfind("/")
+        key = prefix
         if cut > 0 and self._prefix_cache_size:
             # Walk the prefix's last level from the state its parent path left, kept.
             parent = prefix[:cut]
@@ -251,10 +252,18 @@ class Router:
                 nodes, found = self._advance(parent.split("/"))
                 if len(self._walked) >= self._prefix_cache_size:
                     self._walked.clear()
-                self._walked[parent] = (tuple(nodes), tuple(found))
+                walked = self._walked[parent] = (tuple(nodes), tuple(found))
+            level = prefix[cut + 1 :]
+            for node in walked[0]:
+                if level in node:  # a literal child (a topic level is never a special key)
+                    break
             else:
-                nodes, found = list(walked[0]), set(walked[1])
-            nodes = self._step(nodes, prefix[cut + 1 :], found)
+                key = parent + "/" + _PLUS  # no topic prefix contains "+"
+                state = self._prefixes.get(key)
+                if state is not None:
+                    return state
+            found = set(walked[1])
+            nodes = self._step(walked[0], level, found)
         else:
             nodes, found = self._advance(prefix.split("/"))
         for node in nodes:
@@ -269,7 +278,12 @@ class Router:
                 queue = child.get(_HASH)
                 if queue is not None:
                     found.add(queue)
-        return nodes, found
+        state = (tuple(nodes), tuple(found))
+        if self._prefix_cache_size:
+            if len(self._prefixes) >= self._prefix_cache_size:
+                self._prefixes.clear()
+            self._prefixes[key] = state
+        return state
 
     def _match_one_level(self, topic: str) -> set[str]:
         found: set[str] = set()

@@ -43,7 +43,7 @@ _SEPARATORS = ("\x01", "\x02")
 
 
 def _safe(value: str) -> bool:
-    return not any(sep in value for sep in _SEPARATORS)
+    return _SEPARATORS[0] not in value and _SEPARATORS[1] not in value
 
 
 def _base_properties(topic: str, qos: int, retain: bool, client_id: str) -> dict[str, str]:
@@ -85,6 +85,13 @@ def message_properties(publish: Publish, client_id: str) -> dict[str, str]:
 PID_HEAD = PID.encode() + b"\x01"
 PID_TAIL = b"\x02"
 PID_BLOCK = PID_HEAD + b"%d" + PID_TAIL
+#: The head of a block's first pair, TOPIC \x01 <topic name> \x02: a new topic's block is this
+#: pair then the store-encoded rest of its (QoS, retain) block, cached per publisher.
+TOPIC_HEAD = TOPIC.encode() + b"\x01"
+#: (QoS, retain) -> QOS \x01 <qos> \x02 RETAIN \x01 <0|1> \x02 CLIENT \x01: a base block
+#: between its topic name and its client id, cut from the first block of the kind the store
+#: encoded (every storage encodes properties in the store's record format).
+_KIND_MIDDLES: dict[tuple[int, bool], bytes] = {}
 # Distinct (topic, QoS, retain) blocks one publisher keeps (cleared when full).
 PROPERTY_BLOCKS_SIZE = 4096
 
@@ -100,7 +107,7 @@ class PublishProperties:
     may be mutated. A PUBLISH with properties is encoded in full every time.
     """
 
-    __slots__ = ("_client_id", "_encode", "blocks")
+    __slots__ = ("_client_id", "_client_raw", "_encode", "blocks")
 
     def __init__(self, client_id: str, encode: Callable[[dict[str, str]], bytes]) -> None:
         self._client_id = client_id
@@ -109,6 +116,8 @@ class PublishProperties:
         # (gateway/messages/publishing.py encode_publishes_py and its C twin), which call of() on a
         # miss.
         self.blocks: dict[tuple[str, int, bool], tuple[bytes, dict[str, str]]] = {}
+        # The client id's value and pair end, once known free of the store's separators.
+        self._client_raw: bytes | None = None
 
     def of(self, pub: Publish) -> tuple[bytes, dict[str, str]]:
         """(encoded block, properties) of `pub`; InvalidPropertyError (a StoreError) if the
@@ -120,13 +129,31 @@ class PublishProperties:
         hit = self.blocks.get(key)
         if hit is None:
             props = _base_properties(pub.topic, pub.qos, pub.retain, self._client_id)
-            hit = (self._encode(props), props)
+            hit = (self._new_block(props, pub.topic, pub.qos, pub.retain), props)
             if len(self.blocks) >= PROPERTY_BLOCKS_SIZE:
                 self.blocks.clear()
             self.blocks[key] = hit
         if pub.qos and pub.packet_id is not None:
             return hit[0] + PID_BLOCK % pub.packet_id, hit[1]
         return hit
+
+    def _new_block(self, props: dict[str, str], topic: str, qos: int, retain: bool) -> bytes:
+        """The block of `props` (_base_properties of a new topic), byte for byte what the
+        store encodes: TOPIC_HEAD, the name, the kind's middle (encoded by the store once per
+        process), the client id. Blocks concatenate (the store's encode_properties), so a name
+        and a client id without the store's separators need no other check: the keys are the
+        kind's, which the store validated."""
+        middle = _KIND_MIDDLES.get((qos, retain))
+        client = self._client_raw
+        if client is None and _safe(self._client_id):
+            client = self._client_raw = self._client_id.encode() + b"\x02"
+        if middle is None or client is None or not _safe(topic):
+            block = self._encode(props)  # validates all; refuses a name or id with a separator
+            if client is not None:
+                start = block.index(b"\x02") + 1  # after the topic's pair
+                _KIND_MIDDLES[(qos, retain)] = block[start : len(block) - len(client)]
+            return block
+        return TOPIC_HEAD + topic.encode() + b"\x02" + middle + client
 
 
 @dataclass(slots=True)

@@ -239,6 +239,7 @@ def test_name_table_refuses_a_hash_collision() -> None:
 def test_parent_topic_examples(topic: str, parent: str) -> None:
     assert parent_topic(topic) == parent
     assert is_store_name(parent)
+    assert parent_topic(topic + "/more") == parent  # the first level's cached parent
 
 
 def test_parent_topic_of_long_first_level_is_bounded() -> None:

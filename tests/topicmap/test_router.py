@@ -142,6 +142,28 @@ def test_prefix_cache_sees_additions_under_a_cached_prefix() -> None:
     assert router.route("d/1/hum") == {third}
 
 
+def test_new_devices_share_one_prefix_entry_per_shape() -> None:
+    # A device id that no filter names is routed by its place alone: every new device under
+    # site/k/dev shares one prefix entry, and the ids a filter does name keep their own.
+    registered = ["site/+/dev/+/temp", "site/#", "site/3/dev/42/#", "site/+/dev/7/+", "+/+/dev/+"]
+    router = Router(names=NameTable(), cache_size=0)
+    for text in registered:
+        router.add(text)
+    probes = [f"site/{k}/dev/{d}/{m}" for k in range(6) for d in range(60) for m in ("temp", "x")]
+    probes += [f"site/{k}/dev/{d}" for k in range(6) for d in range(60)]
+    for topic in probes:
+        expected = {queue_name(f) for f in reference_route(registered, topic)}
+        assert router.route(topic) == expected, topic
+    # site/k/dev/+ and site/k/dev/7 (6 each), site/3/dev/42, site/k/dev (6): not 360 devices.
+    assert len(router._prefixes) == 19
+    router.add("site/1/dev/5/temp")  # a device named by a new filter leaves its shape
+    assert router.route("site/1/dev/5/temp") == {
+        queue_name(f)
+        for f in reference_route([*registered, "site/1/dev/5/temp"], "site/1/dev/5/temp")
+    }
+    assert queue_name("site/1/dev/5/temp") not in router.route("site/1/dev/6/temp")
+
+
 def test_route_result_is_a_fresh_set() -> None:
     router = Router()
     queue = router.add("a")
