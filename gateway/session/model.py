@@ -76,6 +76,39 @@ NEVER_EXPIRES = 0xFFFFFFFF  # an expiry interval that never ends (MQTT 5 3.1.2.1
 NO_IDS: frozenset[int] = frozenset()
 
 
+class _NoPending(dict[int, int]):
+    """The one empty `SubscriptionState.pending` of every subscription that has none yet
+    (most never get one: QoS 0, or not delivered to): each holds this instead of an empty
+    dict of its own. Written only through a real dict: the delivery loop puts one in before
+    it reads the subscription's queue (`pending_of`), a restore before it fills one; a write
+    here raises rather than leak into every subscription."""
+
+    __slots__ = ()
+
+    def _read_only(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("NO_PENDING is shared: give the subscription a dict of its own")
+
+    __setitem__ = _read_only
+    setdefault = _read_only  # type: ignore[assignment]
+    update = _read_only
+    __ior__ = _read_only  # type: ignore[assignment]
+
+
+NO_PENDING: dict[int, int] = _NoPending()
+
+
+def _no_pending() -> dict[int, int]:
+    return NO_PENDING
+
+
+def pending_of(sub: SubscriptionState) -> dict[int, int]:
+    """`sub.pending`, made its own dict first if it still holds the shared empty one."""
+    pending = sub.pending
+    if pending is NO_PENDING:
+        sub.pending = pending = {}
+    return pending
+
+
 class Connected(Protocol):
     """The live connection of a session (gateway/connection/client.py ClientConnection): what the
     session side needs of it is to end it (a takeover)."""
@@ -123,7 +156,8 @@ class SubscriptionState:
     # queue offset -> packet id, for QoS > 0 messages read from this queue and not yet
     # acknowledged. Offsets are added in increasing order (the queue is read forwards), so the
     # first key is the smallest.
-    pending: dict[int, int] = field(default_factory=dict)
+    # NO_PENDING (shared, read-only) until the first one: see pending_of.
+    pending: dict[int, int] = field(default_factory=_no_pending)
     # What this run last gave store.offsets (-1: nothing yet): a commit that would not change
     # it is skipped (not persisted; the store's copy is the truth).
     last_commit: int = field(default=-1, compare=False, repr=False)
@@ -400,7 +434,7 @@ class Session:
             if sub is None:
                 continue  # shared or unsubscribed: nothing to resume it against
             s.inflight[inf.packet_id] = inf
-            sub.pending[inf.offset] = inf.packet_id
+            pending_of(sub)[inf.offset] = inf.packet_id
         for sub in s.subscriptions.values():
             if len(sub.pending) > 1:
                 sub.pending = dict(sorted(sub.pending.items()))  # committed() needs the order
