@@ -61,8 +61,9 @@ gets the committed offsets, for inspect and analytics).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Set
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from gateway.messages.message_json import will_from_json, will_to_json
@@ -258,6 +259,40 @@ class Inflight:
         return self.queue is not None or self.pubrel or self.message is not None
 
 
+class OneSubscription(Mapping[str, SubscriptionState]):
+    """A session's subscriptions while it has one (most devices): the filter and its state,
+    without a dict's hash table. Read-only, like NO_SUBSCRIPTIONS (the empty one)."""
+
+    __slots__ = ("_filter", "_sub")
+
+    def __init__(self, topic_filter: str, sub: SubscriptionState) -> None:
+        self._filter = topic_filter
+        self._sub = sub
+
+    def __getitem__(self, key: str) -> SubscriptionState:
+        if key == self._filter:
+            return self._sub
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._sub if key == self._filter else default
+
+    def __contains__(self, key: object) -> bool:
+        return key == self._filter
+
+    def __iter__(self) -> Iterator[str]:
+        yield self._filter
+
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"{{{self._filter!r}: {self._sub!r}}}"
+
+
+NO_SUBSCRIPTIONS: Mapping[str, SubscriptionState] = MappingProxyType({})
+
+
 class Session:
     """State of one client id, live or offline."""
 
@@ -286,7 +321,9 @@ class Session:
         self.protocol_level = protocol_level
         self.expiry_interval = expiry_interval
         self.disconnected_at_ms: int | None = None
-        self.subscriptions: dict[str, SubscriptionState] = {}
+        # By filter; read-only here (add_subscription and remove_subscription change it):
+        # NO_SUBSCRIPTIONS, a OneSubscription, or a dict from the second one on.
+        self.subscriptions: Mapping[str, SubscriptionState] = NO_SUBSCRIPTIONS
         self.by_queue: dict[str, SubscriptionState] = {}  # non-shared subscriptions by queue
         # Read-only here; add_qos2 and release_qos2 change it (a set from the first id on).
         self.qos2_inbound: Set[int] = NO_IDS
@@ -307,7 +344,14 @@ class Session:
         return self.expiry_interval > 0
 
     def add_subscription(self, sub: SubscriptionState) -> None:
-        self.subscriptions[sub.topic_filter] = sub
+        subs = self.subscriptions
+        key = sub.topic_filter
+        if isinstance(subs, dict):
+            subs[key] = sub
+        elif not subs or key in subs:
+            self.subscriptions = OneSubscription(key, sub)
+        else:
+            self.subscriptions = {**subs, key: sub}  # subscription order kept
         if sub.share_group is None:
             self.by_queue[sub.queue] = sub
 
@@ -335,7 +379,14 @@ class Session:
         return True
 
     def remove_subscription(self, topic_filter: str) -> SubscriptionState | None:
-        sub = self.subscriptions.pop(topic_filter, None)
+        subs = self.subscriptions
+        sub = subs.get(topic_filter)
+        if sub is None:
+            return None
+        if isinstance(subs, dict):
+            del subs[topic_filter]
+        else:
+            self.subscriptions = NO_SUBSCRIPTIONS
         if sub is not None and sub.share_group is None:
             self.by_queue.pop(sub.queue, None)
         return sub
