@@ -71,6 +71,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     def __init__(self, context: DeliveryContext, session: Session, client: Subscriber) -> None:
         self.ctx = context
         self.session = session
+        session.inflight_of()  # what this loop sends is written to the session's own dict
         self.client = client
         conn = client.conn
         self.level = conn.protocol_level or 4

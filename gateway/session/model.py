@@ -77,25 +77,28 @@ NEVER_EXPIRES = 0xFFFFFFFF  # an expiry interval that never ends (MQTT 5 3.1.2.1
 NO_IDS: frozenset[int] = frozenset()
 
 
-class _NoPending(dict[int, int]):
-    """The one empty `SubscriptionState.pending` of every subscription that has none yet
-    (most never get one: QoS 0, or not delivered to): each holds this instead of an empty
-    dict of its own. Written only through a real dict: the delivery loop puts one in before
-    it reads the subscription's queue (`pending_of`), a restore before it fills one; a write
-    here raises rather than leak into every subscription."""
+class _SharedEmpty(dict[Any, Any]):
+    """The one empty `SubscriptionState.pending` (NO_PENDING) and `Session.inflight`
+    (NO_INFLIGHT) of all that have none yet: most never get one (QoS 0, not delivered to, a
+    device that only publishes), so each holds the shared one instead of an empty dict of
+    its own. Written only through a real dict: the delivery loop puts one in before it
+    writes (`pending_of` when it reads a subscription's queue, its start for the session's
+    in-flight window), a restore before it fills one; a write here raises rather than leak
+    into every holder."""
 
     __slots__ = ()
 
     def _read_only(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("NO_PENDING is shared: give the subscription a dict of its own")
+        raise TypeError("a shared empty dict: give its holder a dict of its own")
 
     __setitem__ = _read_only
-    setdefault = _read_only  # type: ignore[assignment]
+    setdefault = _read_only
     update = _read_only
     __ior__ = _read_only  # type: ignore[assignment]
 
 
-NO_PENDING: dict[int, int] = _NoPending()
+NO_PENDING: dict[int, int] = _SharedEmpty()
+NO_INFLIGHT: dict[int, Inflight] = _SharedEmpty()
 
 
 def _no_pending() -> dict[int, int]:
@@ -327,7 +330,9 @@ class Session:
         self.by_queue: dict[str, SubscriptionState] = {}  # non-shared subscriptions by queue
         # Read-only here; add_qos2 and release_qos2 change it (a set from the first id on).
         self.qos2_inbound: Set[int] = NO_IDS
-        self.inflight: dict[int, Inflight] = {}  # insertion order = send order
+        # Insertion order = send order. NO_INFLIGHT until a delivery loop or a restore gives
+        # it a dict of its own (inflight_of).
+        self.inflight: dict[int, Inflight] = NO_INFLIGHT
         self.connection: Connected | None = None
         self.expiry_timer: asyncio.TimerHandle | None = None
         self.will: Will | None = None  # of the live connection, or pending after it ended
@@ -338,6 +343,13 @@ class Session:
         #: At or below each QoS 2 PUBLISH of unknown outcome (gateway/session/qos2.py).
         self.qos2_since: int | None = None
         self._next_packet_id = 1
+
+    def inflight_of(self) -> dict[int, Inflight]:
+        """`inflight`, made its own dict first if it still holds the shared empty one."""
+        inflight = self.inflight
+        if inflight is NO_INFLIGHT:
+            self.inflight = inflight = {}
+        return inflight
 
     @property
     def persistent(self) -> bool:
@@ -479,12 +491,12 @@ class Session:
                     inf.retain = bool(i.get("retain", False))
                     inf.sub_ids = [int(x) for x in i.get("sub_ids", [])]
                 if inf.resumable:
-                    s.inflight[inf.packet_id] = inf
+                    s.inflight_of()[inf.packet_id] = inf
                 continue
             sub = s.by_queue.get(inf.queue)
             if sub is None:
                 continue  # shared or unsubscribed: nothing to resume it against
-            s.inflight[inf.packet_id] = inf
+            s.inflight_of()[inf.packet_id] = inf
             pending_of(sub)[inf.offset] = inf.packet_id
         for sub in s.subscriptions.values():
             if len(sub.pending) > 1:

@@ -7,6 +7,7 @@ import pytest
 
 from gateway.session.model import (
     NO_IDS,
+    NO_INFLIGHT,
     NO_PENDING,
     NO_SUBSCRIPTIONS,
     Inflight,
@@ -73,7 +74,12 @@ def test_pending_is_shared_until_delivery_gives_its_own_and_round_trips() -> Non
     s = Session("s", 5, 60)
     s.add_subscription(a)
     s.add_subscription(b)
-    s.inflight[3] = Inflight(3, a.queue, 5, 1)
+    assert s.inflight is NO_INFLIGHT
+    with pytest.raises(TypeError):
+        s.inflight[3] = Inflight(3, a.queue, 5, 1)
+    s.inflight_of()[3] = Inflight(3, a.queue, 5, 1)
+    assert NO_INFLIGHT == {} and Session("t", 5, 60).inflight is NO_INFLIGHT
     restored = Session.from_json("s", s.to_json())
     assert restored.subscriptions["a"].pending == {5: 3} and restored.inflight.keys() == {3}
     assert restored.subscriptions["b"].pending is NO_PENDING
+    assert Session.from_json("b", Session("b", 5, 60).to_json()).inflight is NO_INFLIGHT
