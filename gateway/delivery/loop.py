@@ -51,7 +51,7 @@ from gateway.delivery.state import NO_ALIASES, UNKNOWN_END, DeliveryContext, Sub
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import ReasonCode
-from gateway.session.model import Inflight, Session, SubscriptionState
+from gateway.session.model import Inflight, Session, SubscriptionState, pending_of
 from gateway.storage.port import StoredMessage, StoreError
 
 __all__ = ["BATCH", "DeliveryContext", "DeliveryLoop", "Subscriber"]
@@ -71,6 +71,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     def __init__(self, context: DeliveryContext, session: Session, client: Subscriber) -> None:
         self.ctx = context
         self.session = session
+        session.inflight_of()  # what this loop sends is written to the session's own dict
         self.client = client
         conn = client.conn
         self.level = conn.protocol_level or 4
@@ -334,6 +335,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     # -- reading queues ----------------------------------------------------------------------
 
     def _read(self, sub: SubscriptionState, codec: tuple[dict[int, int], int] | None) -> bool:
+        pending_of(sub)  # what the batch sends at QoS > 0 is recorded in its own dict
         offset = sub.next_offset
         messages, start, _ = self.ctx.cursor.read(sub.queue, offset, BATCH)
         if start != offset:

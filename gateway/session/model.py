@@ -61,8 +61,9 @@ gets the committed offsets, for inspect and analytics).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Set
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from gateway.messages.message_json import will_from_json, will_to_json
@@ -74,6 +75,42 @@ NEVER_EXPIRES = 0xFFFFFFFF  # an expiry interval that never ends (MQTT 5 3.1.2.1
 # The QoS 2 ids of a session that has none: shared, since a set is 216 bytes and most sessions
 # (a device fleet publishes QoS 0 and 1) never receive a QoS 2 PUBLISH.
 NO_IDS: frozenset[int] = frozenset()
+
+
+class _SharedEmpty(dict[Any, Any]):
+    """The one empty `SubscriptionState.pending` (NO_PENDING) and `Session.inflight`
+    (NO_INFLIGHT) of all that have none yet: most never get one (QoS 0, not delivered to, a
+    device that only publishes), so each holds the shared one instead of an empty dict of
+    its own. Written only through a real dict: the delivery loop puts one in before it
+    writes (`pending_of` when it reads a subscription's queue, its start for the session's
+    in-flight window), a restore before it fills one; a write here raises rather than leak
+    into every holder."""
+
+    __slots__ = ()
+
+    def _read_only(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a shared empty dict: give its holder a dict of its own")
+
+    __setitem__ = _read_only
+    setdefault = _read_only
+    update = _read_only
+    __ior__ = _read_only  # type: ignore[assignment]
+
+
+NO_PENDING: dict[int, int] = _SharedEmpty()
+NO_INFLIGHT: dict[int, Inflight] = _SharedEmpty()
+
+
+def _no_pending() -> dict[int, int]:
+    return NO_PENDING
+
+
+def pending_of(sub: SubscriptionState) -> dict[int, int]:
+    """`sub.pending`, made its own dict first if it still holds the shared empty one."""
+    pending = sub.pending
+    if pending is NO_PENDING:
+        sub.pending = pending = {}
+    return pending
 
 
 class Connected(Protocol):
@@ -123,7 +160,8 @@ class SubscriptionState:
     # queue offset -> packet id, for QoS > 0 messages read from this queue and not yet
     # acknowledged. Offsets are added in increasing order (the queue is read forwards), so the
     # first key is the smallest.
-    pending: dict[int, int] = field(default_factory=dict)
+    # NO_PENDING (shared, read-only) until the first one: see pending_of.
+    pending: dict[int, int] = field(default_factory=_no_pending)
     # What this run last gave store.offsets (-1: nothing yet): a commit that would not change
     # it is skipped (not persisted; the store's copy is the truth).
     last_commit: int = field(default=-1, compare=False, repr=False)
@@ -224,6 +262,40 @@ class Inflight:
         return self.queue is not None or self.pubrel or self.message is not None
 
 
+class OneSubscription(Mapping[str, SubscriptionState]):
+    """A session's subscriptions while it has one (most devices): the filter and its state,
+    without a dict's hash table. Read-only, like NO_SUBSCRIPTIONS (the empty one)."""
+
+    __slots__ = ("_filter", "_sub")
+
+    def __init__(self, topic_filter: str, sub: SubscriptionState) -> None:
+        self._filter = topic_filter
+        self._sub = sub
+
+    def __getitem__(self, key: str) -> SubscriptionState:
+        if key == self._filter:
+            return self._sub
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._sub if key == self._filter else default
+
+    def __contains__(self, key: object) -> bool:
+        return key == self._filter
+
+    def __iter__(self) -> Iterator[str]:
+        yield self._filter
+
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"{{{self._filter!r}: {self._sub!r}}}"
+
+
+NO_SUBSCRIPTIONS: Mapping[str, SubscriptionState] = MappingProxyType({})
+
+
 class Session:
     """State of one client id, live or offline."""
 
@@ -252,11 +324,15 @@ class Session:
         self.protocol_level = protocol_level
         self.expiry_interval = expiry_interval
         self.disconnected_at_ms: int | None = None
-        self.subscriptions: dict[str, SubscriptionState] = {}
+        # By filter; read-only here (add_subscription and remove_subscription change it):
+        # NO_SUBSCRIPTIONS, a OneSubscription, or a dict from the second one on.
+        self.subscriptions: Mapping[str, SubscriptionState] = NO_SUBSCRIPTIONS
         self.by_queue: dict[str, SubscriptionState] = {}  # non-shared subscriptions by queue
         # Read-only here; add_qos2 and release_qos2 change it (a set from the first id on).
         self.qos2_inbound: Set[int] = NO_IDS
-        self.inflight: dict[int, Inflight] = {}  # insertion order = send order
+        # Insertion order = send order. NO_INFLIGHT until a delivery loop or a restore gives
+        # it a dict of its own (inflight_of).
+        self.inflight: dict[int, Inflight] = NO_INFLIGHT
         self.connection: Connected | None = None
         self.expiry_timer: asyncio.TimerHandle | None = None
         self.will: Will | None = None  # of the live connection, or pending after it ended
@@ -268,12 +344,26 @@ class Session:
         self.qos2_since: int | None = None
         self._next_packet_id = 1
 
+    def inflight_of(self) -> dict[int, Inflight]:
+        """`inflight`, made its own dict first if it still holds the shared empty one."""
+        inflight = self.inflight
+        if inflight is NO_INFLIGHT:
+            self.inflight = inflight = {}
+        return inflight
+
     @property
     def persistent(self) -> bool:
         return self.expiry_interval > 0
 
     def add_subscription(self, sub: SubscriptionState) -> None:
-        self.subscriptions[sub.topic_filter] = sub
+        subs = self.subscriptions
+        key = sub.topic_filter
+        if isinstance(subs, dict):
+            subs[key] = sub
+        elif not subs or key in subs:
+            self.subscriptions = OneSubscription(key, sub)
+        else:
+            self.subscriptions = {**subs, key: sub}  # subscription order kept
         if sub.share_group is None:
             self.by_queue[sub.queue] = sub
 
@@ -301,7 +391,14 @@ class Session:
         return True
 
     def remove_subscription(self, topic_filter: str) -> SubscriptionState | None:
-        sub = self.subscriptions.pop(topic_filter, None)
+        subs = self.subscriptions
+        sub = subs.get(topic_filter)
+        if sub is None:
+            return None
+        if isinstance(subs, dict):
+            del subs[topic_filter]
+        else:
+            self.subscriptions = NO_SUBSCRIPTIONS
         if sub is not None and sub.share_group is None:
             self.by_queue.pop(sub.queue, None)
         return sub
@@ -394,13 +491,13 @@ class Session:
                     inf.retain = bool(i.get("retain", False))
                     inf.sub_ids = [int(x) for x in i.get("sub_ids", [])]
                 if inf.resumable:
-                    s.inflight[inf.packet_id] = inf
+                    s.inflight_of()[inf.packet_id] = inf
                 continue
             sub = s.by_queue.get(inf.queue)
             if sub is None:
                 continue  # shared or unsubscribed: nothing to resume it against
-            s.inflight[inf.packet_id] = inf
-            sub.pending[inf.offset] = inf.packet_id
+            s.inflight_of()[inf.packet_id] = inf
+            pending_of(sub)[inf.offset] = inf.packet_id
         for sub in s.subscriptions.values():
             if len(sub.pending) > 1:
                 sub.pending = dict(sorted(sub.pending.items()))  # committed() needs the order

@@ -1,8 +1,21 @@
-"""Session's QoS 2 ids: shared empty until the first one (memory per device), set semantics."""
+"""Session's QoS 2 ids, subscriptions and pending offsets: shared empty (and one subscription
+without a dict) until more come (memory per device), with dict semantics."""
 
 from __future__ import annotations
 
-from gateway.session.model import NO_IDS, Session
+import pytest
+
+from gateway.session.model import (
+    NO_IDS,
+    NO_INFLIGHT,
+    NO_PENDING,
+    NO_SUBSCRIPTIONS,
+    Inflight,
+    OneSubscription,
+    Session,
+    SubscriptionState,
+    pending_of,
+)
 
 
 def test_qos2_ids_are_shared_until_the_first_and_round_trip() -> None:
@@ -18,3 +31,55 @@ def test_qos2_ids_are_shared_until_the_first_and_round_trip() -> None:
     restored = Session.from_json("a", a.to_json())
     assert restored.qos2_inbound == {3}
     assert Session.from_json("b", b.to_json()).qos2_inbound is NO_IDS
+
+
+def _sub(topic_filter: str, share_group: str | None = None) -> SubscriptionState:
+    return SubscriptionState(topic_filter, f"q/{topic_filter}", share_group, 1)
+
+
+def test_subscriptions_none_one_then_a_dict_in_order() -> None:
+    s = Session("a", 5, 0)
+    assert s.subscriptions is NO_SUBSCRIPTIONS and not s.subscriptions and s.by_queue == {}
+    a, b, c = _sub("a/1"), _sub("$share/g/b", "g"), _sub("c/#")
+    s.add_subscription(a)
+    assert isinstance(s.subscriptions, OneSubscription) and dict(s.subscriptions) == {"a/1": a}
+    assert (
+        "a/1" in s.subscriptions and "x" not in s.subscriptions and s.subscriptions.get("x") is None
+    )
+    again = _sub("a/1")
+    s.add_subscription(again)  # the same filter again replaces it
+    assert list(s.subscriptions.values()) == [again] and s.by_queue == {"q/a/1": again}
+    s.add_subscription(b)
+    s.add_subscription(c)
+    assert list(s.subscriptions) == ["a/1", "$share/g/b", "c/#"]
+    assert list(s.by_queue) == ["q/a/1", "q/c/#"]  # shared ones are not the session's queues
+    assert s.remove_subscription("a/1") is again and s.remove_subscription("a/1") is None
+    assert s.remove_subscription("c/#") is c and s.remove_subscription("$share/g/b") is b
+    assert not s.subscriptions and s.by_queue == {}
+    one = Session("o", 5, 0)
+    one.add_subscription(a)
+    assert one.remove_subscription("x") is None and one.remove_subscription("a/1") is a
+    assert one.subscriptions is NO_SUBSCRIPTIONS
+    assert NO_SUBSCRIPTIONS == {}  # the shared empty one was not changed
+
+
+def test_pending_is_shared_until_delivery_gives_its_own_and_round_trips() -> None:
+    a, b = _sub("a"), _sub("b")
+    assert a.pending is NO_PENDING and b.pending is NO_PENDING
+    with pytest.raises(TypeError):
+        a.pending[5] = 1  # a missed pending_of raises instead of writing every subscription's
+    pending_of(a)[5] = 1
+    assert a.pending == {5: 1} and b.pending is NO_PENDING and NO_PENDING == {}
+    assert a.committed() == 5 and b.committed() == 0
+    s = Session("s", 5, 60)
+    s.add_subscription(a)
+    s.add_subscription(b)
+    assert s.inflight is NO_INFLIGHT
+    with pytest.raises(TypeError):
+        s.inflight[3] = Inflight(3, a.queue, 5, 1)
+    s.inflight_of()[3] = Inflight(3, a.queue, 5, 1)
+    assert NO_INFLIGHT == {} and Session("t", 5, 60).inflight is NO_INFLIGHT
+    restored = Session.from_json("s", s.to_json())
+    assert restored.subscriptions["a"].pending == {5: 3} and restored.inflight.keys() == {3}
+    assert restored.subscriptions["b"].pending is NO_PENDING
+    assert Session.from_json("b", Session("b", 5, 60).to_json()).inflight is NO_INFLIGHT
