@@ -251,8 +251,24 @@ class Connection(ConnectionPacketIds):
         ):
             # Drained: a device's one packet per read was handed out; skip the decoder's setup.
             return NEED_DATA
-        scan = SCAN
         buf = self._buf
+        off = self._off
+        if (
+            off < len(buf)
+            and buf[off] >> 4 not in _BATCHED
+            and self._phase is CONNECTED
+            and not self._eof
+            and self._pending_error is None
+        ):
+            # A control packet (SUBSCRIBE, DISCONNECT, PINGREQ, ...) first: decode_batch would
+            # take it through the general path before anything else, so take it there
+            # directly, without the batch's setup; what follows it is the next call's.
+            event = self._next_one()
+            if self._off == len(self._buf):
+                self._buf = b""  # as in decode_batch: an idle connection keeps no old chunk
+                self._off = 0
+            return event
+        scan = SCAN
         ids = self._ids
         if (
             scan is not None
@@ -596,6 +612,11 @@ def _without_problem_information(event: Event) -> Event:
 # bytes: `Connection._next` hands PUBLISH to `_on_publish` and every other packet to
 # `_on_packet`, which checks that it may come now and runs its rule (CONNECT's or the table's).
 # A RemoteProtocolError on the way ends the receiving side in `_fail`.
+
+
+# Packet types decode_batch and the C scan decode in a batch (the rest go one by one through
+# the general path).
+_BATCHED = frozenset({pt.PUBLISH, pt.PUBACK})
 
 
 def _on_packet(conn: Connection, ptype: int, flags: int, body: bytes) -> Event:
