@@ -67,6 +67,7 @@ class Router:
         "_cache",
         "_cache_old",
         "_cache_size",
+        "_named",
         "_names",
         "_prefix_cache_size",
         "_prefixes",
@@ -87,6 +88,9 @@ class Router:
         self._refs: dict[str, int] = {}
         self._queues: dict[str, str] = {}
         self._names = DEFAULT_NAME_TABLE if names is None else names
+        # (underlying filter, queue name) of the last unregistered filter queue_name() named:
+        # a new subscription asks its name (to open the queue) right before add().
+        self._named: tuple[str, str] | None = None
         self._cache_size = max(0, cache_size)
         # Results are stored as tuples: a 5-name tuple is 80 bytes, a 5-name frozenset 700.
         self._cache: dict[str, tuple[str, ...]] = {}
@@ -106,7 +110,11 @@ class Router:
         if queue is not None:
             self._refs[underlying] += 1
             return queue
-        queue = self._names.queue_name(parsed)
+        named = self._named
+        if named is not None and named[0] == underlying:
+            queue = named[1]
+        else:
+            queue = self._names.queue_name(parsed)
         node = self._root
         *path, last = parsed.levels
         for level in path:
@@ -167,7 +175,12 @@ class Router:
     def queue_name(self, filter: str | TopicFilter) -> str:
         """The queue `filter` has or would get from add() (registers nothing)."""
         parsed = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)
-        return self._queues.get(parsed.filter) or self._names.queue_name(parsed)
+        underlying = parsed.filter
+        queue = self._queues.get(underlying)
+        if queue is None:
+            queue = self._names.queue_name(parsed)
+            self._named = (underlying, queue)
+        return queue
 
     def queue_of(self, filter: str | TopicFilter) -> str | None:
         """The queue of a registered filter, or None."""
