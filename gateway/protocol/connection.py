@@ -256,13 +256,14 @@ class Connection(ConnectionPacketIds):
         if (
             off < len(buf)
             and buf[off] >> 4 not in _BATCHED
-            and self._phase is CONNECTED
+            and (self._phase is CONNECTED or self._phase is AWAIT_CONNECT)
             and not self._eof
             and self._pending_error is None
         ):
-            # A control packet (SUBSCRIBE, DISCONNECT, PINGREQ, ...) first: decode_batch would
-            # take it through the general path before anything else, so take it there
-            # directly, without the batch's setup; what follows it is the next call's.
+            # A control packet (CONNECT, SUBSCRIBE, DISCONNECT, PINGREQ, ...) first:
+            # decode_batch would take it through the general path before anything else (and
+            # stop after a CONNECT), so take it there directly, without the batch's setup;
+            # what follows it is the next call's.
             event = self._next_one()
             if self._off == len(self._buf):
                 self._buf = b""  # as in decode_batch: an idle connection keeps no old chunk
