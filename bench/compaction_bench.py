@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
+from pydantic_core import to_json
 
 from gateway.connection.overload import TICK_S
 from gateway.session.model import Session, SubscriptionState
-from gateway.session.registry import SESSION_KEY_PREFIX, _dumps
+from gateway.session.registry import SESSION_KEY_PREFIX
 from store.statelog import give_way
 
 WRITE_BATCH = 10_000
@@ -57,7 +58,7 @@ def session_records(sessions: int, generation: int = 0) -> list[tuple[str, bytes
         text = f"dev/{n}/cmd"
         s.add_subscription(SubscriptionState(text, f"%LMQ%dev%{n}%cmd", None, 1))
         s.subscriptions[text].next_offset = generation
-        out.append((SESSION_KEY_PREFIX + cid, _dumps(s.to_json())))
+        out.append((SESSION_KEY_PREFIX + cid, to_json(s.to_json())))
     return out
 
 
