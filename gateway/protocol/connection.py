@@ -25,7 +25,9 @@ in this module:
   and drops its consumed prefix once that is more than half of it. Every byte is thus copied
   O(1) times however the input is split, and a huge declared length costs O(1) per call until
   the body is complete. A packet above `max_packet_size` is refused from its header (0x95).
-* Packet identifiers and Receive Maximum quotas: see `packet_ids.py`.
+* Packet identifiers and Receive Maximum quotas: see `packet_ids.py`; the sending side's state
+  and the sends that need only it (a delivery run's prepared PUBLISHes, an error's answer):
+  `sending.py`, the base of Connection.
 * Timers belong to the caller: `keep_alive` and `keep_alive_timeout` are plain data.
 """
 
@@ -38,7 +40,7 @@ from typing import Any, Literal
 
 from gateway.protocol import packet_types as pt
 from gateway.protocol import wire
-from gateway.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from gateway.protocol.errors import LocalProtocolError, RemoteProtocolError
 from gateway.protocol.events import (
     Auth,
     ConnAck,
@@ -63,7 +65,6 @@ from gateway.protocol.fast_decoder import (
     TAKE_PLAIN,
     decode_batch,
 )
-from gateway.protocol.packet_ids import UNACKED, ConnectionPacketIds
 from gateway.protocol.phases import (
     AWAIT_CONNECT,
     CLOSED,
@@ -73,7 +74,6 @@ from gateway.protocol.phases import (
     Phase,
     Sentinel,
 )
-from gateway.protocol.prepared import PreparedPublish
 from gateway.protocol.readers import (
     READERS,
     TOPIC_CACHE,
@@ -83,9 +83,10 @@ from gateway.protocol.readers import (
     read_connect,
     read_publish,
 )
-from gateway.protocol.reason_codes import ALLOWED_REASON_CODES, ReasonCode
+from gateway.protocol.reason_codes import ReasonCode
+from gateway.protocol.sending import CONNACK_311_CODES, PACKET_TOO_LARGE, ConnectionSending
 from gateway.protocol.wire import PACKET_ID_BYTES
-from gateway.protocol.writers import WRITERS, write_connack, write_disconnect, write_publish
+from gateway.protocol.writers import WRITERS, write_publish
 
 # Every change of phase the state machine makes, with its cause. `_enter` refuses any other, so
 # a new code path that moves the phase must be added here, where the whole machine is visible.
@@ -113,21 +114,15 @@ SERVER_SENDS = frozenset(
 
 _PUBACK_HEADER = b"\x40\x02"  # PUBACK, remaining length 2: packet id only
 TOPIC_ALIAS_INVALID = ReasonCode.TOPIC_ALIAS_INVALID
-PACKET_TOO_LARGE = ReasonCode.PACKET_TOO_LARGE
 RETAIN_NOT_SUPPORTED = ReasonCode.RETAIN_NOT_SUPPORTED
 QOS_NOT_SUPPORTED = ReasonCode.QOS_NOT_SUPPORTED
 SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED = ReasonCode.SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED
-# The only refusals a 3.1.1 CONNACK can carry (MQTT-3.2.2-5), as return codes 1 and 2.
-_CONNACK_311_CODES = (
-    ReasonCode.UNSUPPORTED_PROTOCOL_VERSION,
-    ReasonCode.CLIENT_IDENTIFIER_NOT_VALID,
-)
 # Packets that must not carry a Reason String or User Properties when the client set
 # Request Problem Information to 0 (MQTT-3.1.2-29).
 _PROBLEM_INFORMATION_PACKETS = frozenset({PubAck, PubRec, PubRel, PubComp, SubAck, UnsubAck, Auth})
 
 
-class Connection(ConnectionPacketIds):
+class Connection(ConnectionSending):
     """Server side of one MQTT 3.1 / 3.1.1 / 5.0 connection. Not thread-safe.
 
     A gateway holds one per client, most of them idle: slots instead of an instance dict, and
@@ -136,10 +131,8 @@ class Connection(ConnectionPacketIds):
 
     __slots__ = (
         "_aliases",
-        "_answer_level",
         "_auth_method",
         "_buf",
-        "_connack_sent",
         "_connect_session_expiry",
         "_eof",
         "_off",
@@ -147,9 +140,7 @@ class Connection(ConnectionPacketIds):
         "_phase",
         "_problem_information",
         "_queue",
-        "_sending_closed",
         "client_id",
-        "client_max_packet_size",
         "client_topic_alias_maximum",
         "keep_alive",
         "max_packet_size",
@@ -170,20 +161,15 @@ class Connection(ConnectionPacketIds):
         self._off = 0
         self._eof = False
         self._phase = AWAIT_CONNECT  # the receiving side (their state): see TRANSITIONS
-        self._sending_closed = False  # we sent DISCONNECT, a refusing CONNACK or an error answer
         self._pending_error: RemoteProtocolError | None = None
         self._queue: deque[Event] | None = None  # decoded, not yet returned by next_event
-        # Level used to answer errors: known from the CONNECT bytes even if they are malformed.
-        self._answer_level: int | None = None
         self.protocol_level: int | None = None
         self.client_id: str | None = None
         self.keep_alive = 0
-        self.client_max_packet_size: int | None = None
         self.client_topic_alias_maximum = 0
         self._connect_session_expiry = 0
         self._auth_method: str | None = None
         self._problem_information = True  # Request Problem Information from CONNECT
-        self._connack_sent = False
         # What we announced in CONNACK (defaults apply until then).
         self.receive_maximum = 65535
         self.topic_alias_maximum = 0
@@ -536,69 +522,6 @@ class Connection(ConnectionPacketIds):
             return b"".join([_PUBACK_HEADER + PACKET_ID_BYTES[i] for i in packet_ids])
         return b"".join([self.send(PubAck(i)) for i in packet_ids])
 
-    def prepared_outbound(self) -> tuple[dict[int, int], int] | None:
-        """For a run of `send_prepared` calls done outside it (gateway/delivery/loop.py PLAIN_RUN):
-        (the outbound packet-id map, the value of an id in flight), or None unless every
-        check of send_prepared that is not per packet passes (open, CONNACK sent, no maximum
-        packet size). Per packet the runner checks the level, the id (not in the map) and the
-        client's Receive Maximum (the map's size), and adds the id to the map."""
-        if (
-            self._sending_closed
-            or not self._connack_sent
-            or self.client_max_packet_size is not None
-        ):
-            return None
-        return self._packet_ids().outbound, UNACKED
-
-    def send_prepared(
-        self, prepared: PreparedPublish, packet_id: int | None = None, dup: bool = False
-    ) -> bytes:
-        """`prepared.packet(packet_id, dup)`, recording the id as outbound in flight."""
-        if prepared.level != self.protocol_level:
-            raise LocalProtocolError(
-                f"PUBLISH prepared for level {prepared.level} on a level "
-                f"{self.protocol_level} connection"
-            )
-        if self._sending_closed or not self._connack_sent:
-            raise LocalProtocolError("cannot send PUBLISH: connection is not open")
-        limit = self.client_max_packet_size
-        if limit is not None and prepared.size > limit:
-            raise LocalProtocolError(
-                f"PUBLISH of {prepared.size} bytes exceeds the client's maximum {limit}",
-                PACKET_TOO_LARGE,
-            )
-        data = prepared.packet(packet_id, dup)
-        if packet_id is not None:
-            self._packet_ids().publish_sent(packet_id, dup, self.client_receive_maximum)
-        return data
-
-    # ----------------------------------------------------------------- errors
-
-    def error_packet(self, err: ProtocolError) -> bytes:
-        """What to send before closing after `err` (b"" when the answer is to just close)."""
-        if not isinstance(err, RemoteProtocolError):
-            return b""
-        level = self._answer_level
-        if level is None or self._sending_closed:
-            return b""
-        self._sending_closed = True
-        if err.send_connack and not self._connack_sent:
-            self._connack_sent = True
-            code = err.reason_code
-            if code not in ALLOWED_REASON_CODES[pt.CONNACK]:
-                code = ReasonCode.PROTOCOL_ERROR
-            if level == 5:
-                return write_connack(ConnAck(False, code), 5)
-            if code in _CONNACK_311_CODES:
-                return write_connack(ConnAck(False, code), 4)
-            return b""
-        if (err.send_connack or err.send_disconnect) and level == 5:
-            code = err.reason_code
-            if code not in ALLOWED_REASON_CODES[pt.DISCONNECT]:
-                code = ReasonCode.PROTOCOL_ERROR
-            return write_disconnect(Disconnect(code), 5)
-        return b""
-
 
 def _without_problem_information(event: Event) -> Event:
     props = getattr(event, "properties", None)
@@ -778,7 +701,7 @@ def _fail(conn: Connection, err: RemoteProtocolError) -> None:
         err.send_connack = True
     else:
         # 3.1.1 answers only a bad protocol level or client identifier (MQTT-3.2.2-5).
-        err.send_connack = level is not None and err.reason_code in _CONNACK_311_CODES
+        err.send_connack = level is not None and err.reason_code in CONNACK_311_CODES
     conn._enter(ERROR)
 
 
