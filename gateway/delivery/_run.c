@@ -233,7 +233,10 @@ plain_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     PyObject *others = args[R_OTHERS], *queue = args[R_QUEUE];
     if (!PyList_Check(messages) || !PyList_Check(state) || PyList_GET_SIZE(state) != 4
         || (others != Py_None && !PyDict_Check(others))
-        || !PyDict_Check(inflight) || !PyDict_Check(pending) || !PyDict_Check(topics)
+        /* inflight and pending exactly dicts: PyDict_SetItem would write past the read-only
+         * subclass a session shares while it has none (gateway/session/model.py NO_INFLIGHT,
+         * NO_PENDING), into every holder; the reference's writes raise there. */
+        || !PyDict_CheckExact(inflight) || !PyDict_CheckExact(pending) || !PyDict_Check(topics)
         || !PyDict_Check(outbound) || !PyList_Check(batch)) {
         PyErr_SetString(PyExc_TypeError, "plain_run: unexpected argument types");
         return NULL;

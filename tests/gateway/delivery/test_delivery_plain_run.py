@@ -25,7 +25,7 @@ from gateway.delivery.rules import decide, passed_over
 from gateway.delivery.send import _prepare
 from gateway.messages.records import read_record
 from gateway.protocol import ENCODED_TOPICS, Publish, encode
-from gateway.session.model import Inflight, SubscriptionState
+from gateway.session.model import NO_INFLIGHT, NO_PENDING, Inflight, SubscriptionState
 from gateway.storage.port import StoredMessage
 from topicmap import record
 
@@ -225,6 +225,25 @@ def test_plain_run_takes_a_canonical_batch() -> None:
         assert side.batch == [
             encode(Publish("t/x", b"m%d" % i, 1, packet_id=i + 1), 4) for i in range(5)
         ]
+
+
+def test_neither_run_writes_into_the_shared_empty_dicts() -> None:
+    """A session's in-flight dict and a subscription's pending dict are one shared read-only
+    empty dict until the delivery loop gives them their own: a QoS 1 run handed one raises
+    (TypeError) in the C run as in the reference, and the shared ones stay empty."""
+    _encode_topics()
+    p = _props("1", "0", "other", None, "t/x")
+    messages = [StoredMessage("t", b"m", p, 0, 100, 5, 5, 0, ("q",))]
+    args = dict(start=0, next_offset=0, next_pid=1, others=None, window=100, level=4,
+                sub_qos=1, no_local=False, rap=False, receive_maximum=100, fail_at=0)  # fmt: skip
+    for run in (C_RUN, delivery.plain_run_py):
+        for side in (
+            Side(inflight=NO_INFLIGHT, outbound={}),
+            Side(inflight={}, outbound={}, pending=NO_PENDING),
+        ):
+            with pytest.raises(TypeError):
+                _run(run, side, messages, args)
+    assert not NO_INFLIGHT and not NO_PENDING
 
 
 def test_plain_run_takes_messages_other_queues_of_the_session_do_not_hold() -> None:
