@@ -60,10 +60,10 @@ def main() -> None:
             agains.append(run(again, blocks, False))
         gc.enable()
         store.close()
-    f, a = statistics.median(firsts), statistics.median(agains)
+    first_us, again_us = statistics.median(firsts), statistics.median(agains)
     print(
-        f"{n:,} topics x {args.rounds} rounds, CPU per publish (medians): first {f:.2f} us, "
-        f"again {a:.2f} us, a new topic's extra {f - a:.2f} us"
+        f"{n:,} topics x {args.rounds} rounds, CPU per publish (medians): first {first_us:.2f} us, "
+        f"again {again_us:.2f} us, a new topic's extra {first_us - again_us:.2f} us"
     )
 
 
