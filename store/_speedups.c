@@ -8,6 +8,8 @@
  *   write_run      store.append.write_run_py: the append loop's common case, built on the two
  *                  above (tests/store/test_write_run.py)
  *   prepare_run    store.append.prepare_run_py: the validation loop's common case (ditto)
+ *   append_batch   store.append.append_batch_py: both loops' common case fused, one call per
+ *                  batch, through the slots configure_batch names (tests/store/test_append_batch.py)
  *   stored_runs    store.results.stored_runs_py (tests/store/test_stored_runs.py)
  *
  * The record format is store/format.py's: it is drawn there, and `configure` hands this
@@ -181,6 +183,110 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
 }
 
 /*
+ * The record step on C values: append one record (header, body, topic field, properties with
+ * the light-queue offsets `offs[0..n)` after `head`, CRC trailer) to the bytearray `buf`.
+ * *size_out is its size, or -1 (nothing appended) if it is larger than `room`. -1 on error.
+ * Both append_record and append_batch write with it: one encoder, one set of bytes.
+ */
+static int
+put_record(PyObject *buf, long long room, long long qoff, long long phys, long long born,
+           long long stored, const Py_buffer *body, const Py_buffer *topic,
+           const Py_buffer *uprops, const Py_buffer *head, const long long *offs, Py_ssize_t n,
+           Py_ssize_t *size_out)
+{
+    if (n > MAX_OFFSETS) {
+        PyErr_SetString(PyExc_ValueError, "append_record: too many light queues");
+        return -1;
+    }
+    /* The offsets as text, "o1,o2,...,on\x02", at most 20 characters each with its comma. */
+    char small[256];
+    char *digits = small;
+    Py_ssize_t cap = n * 21 + 1;
+    if (cap > (Py_ssize_t)sizeof(small)) {
+        digits = PyMem_Malloc((size_t)cap);
+        if (digits == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    int rc = -1;
+    Py_ssize_t dlen = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (offs[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "append_record: negative light-queue offset");
+            goto done;
+        }
+        char tmp[24];
+        char *start = decimal(tmp + sizeof(tmp), (unsigned long long)offs[i]);
+        Py_ssize_t len = tmp + sizeof(tmp) - start;
+        if (i) {
+            digits[dlen++] = ',';
+        }
+        memcpy(digits + dlen, start, (size_t)len);
+        dlen += len;
+    }
+    if (n) {
+        digits[dlen++] = '\x02';
+    }
+    Py_ssize_t plen = uprops->len + (n ? head->len + dlen : 0) + crc_trailer_size;
+    Py_ssize_t size = head_size + body->len + topic->len + 2 + plen;
+    if (plen > 0xFFFF || size > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "append_record: record fields too long");
+        goto done;
+    }
+    if (size > room) {
+        *size_out = -1;
+        rc = 0;
+        goto done;
+    }
+    Py_ssize_t old = PyByteArray_GET_SIZE(buf);
+    if (PyByteArray_Resize(buf, old + size) < 0) {
+        goto done;
+    }
+    unsigned char *rec = (unsigned char *)PyByteArray_AS_STRING(buf) + old;
+    unsigned char *p = rec;
+    memset(p, 0, (size_t)head_size);
+    put32(p + head_at[H_TOTALSIZE], (uint32_t)size);
+    put32(p + head_at[H_MAGIC], magic);
+    put32(p + head_at[H_BODYCRC], crc32_of(body->buf, body->len) & crc_mask);
+    put64(p + head_at[H_QUEUEOFFSET], qoff);
+    put64(p + head_at[H_PHYSICALOFFSET], phys);
+    put64(p + head_at[H_BORN], born);
+    put64(p + head_at[H_STORED], stored);
+    put32(p + head_at[H_BODYLENGTH], (uint32_t)body->len);
+    p += head_size;
+    memcpy(p, body->buf, (size_t)body->len);
+    p += body->len;
+    memcpy(p, topic->buf, (size_t)topic->len);
+    p += topic->len;
+    *p++ = (unsigned char)(plen >> 8);
+    *p++ = (unsigned char)(plen & 0xFF);
+    memcpy(p, uprops->buf, (size_t)uprops->len);
+    p += uprops->len;
+    if (n) {
+        memcpy(p, head->buf, (size_t)head->len);
+        p += head->len;
+        memcpy(p, digits, (size_t)dlen);
+        p += dlen;
+    }
+    uint32_t crc = crc32_of(rec, p - rec) & crc_mask;
+    memcpy(p, crc_prefix, (size_t)crc_prefix_len);
+    p += crc_prefix_len;
+    for (int i = CRC_DIGITS - 1; i >= 0; i--) {
+        p[i] = (unsigned char)('0' + crc % 10);
+        crc /= 10;
+    }
+    p[CRC_DIGITS] = '\x02';
+    *size_out = size;
+    rc = 0;
+done:
+    if (digits != small) {
+        PyMem_Free(digits);
+    }
+    return rc;
+}
+
+/*
  * append_record(buf, room, queue_offset, physical_offset, born, stored, body, topic_field,
  *               user_props, inner_head, light_offsets) -> size, or -1 if size > room
  */
@@ -195,7 +301,6 @@ append_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_RuntimeError, "store._speedups is not configured");
         return NULL;
     }
-    PyObject *result = NULL;
     PyObject *buf = args[0];
     if (!PyByteArray_Check(buf)) {
         PyErr_SetString(PyExc_TypeError, "append_record: buf must be a bytearray");
@@ -216,42 +321,20 @@ append_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "append_record: too many light queues");
         return NULL;
     }
-    /* The offsets as text, "o1,o2,...,on\x02", at most 20 characters each with its comma. */
-    char small[256];
-    char *digits = small;
-    Py_ssize_t cap = n * 21 + 1;
-    if (cap > (Py_ssize_t)sizeof(small)) {
-        digits = PyMem_Malloc((size_t)cap);
-        if (digits == NULL) {
-            return PyErr_NoMemory();
-        }
+    long long small[32];
+    long long *offs = small;
+    if (n > 32 && (offs = PyMem_Malloc(sizeof(long long) * (size_t)n)) == NULL) {
+        return PyErr_NoMemory();
     }
-    Py_ssize_t dlen = 0;
+    PyObject *result = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long v;
-        if (as_ll(PyTuple_GET_ITEM(offsets, i), &v)) {
-            goto fail_digits;
+        if (as_ll(PyTuple_GET_ITEM(offsets, i), &offs[i])) {
+            goto fail_offs;
         }
-        if (v < 0) {
-            PyErr_SetString(PyExc_ValueError, "append_record: negative light-queue offset");
-            goto fail_digits;
-        }
-        char tmp[24];
-        char *start = decimal(tmp + sizeof(tmp), (unsigned long long)v);
-        Py_ssize_t len = tmp + sizeof(tmp) - start;
-        if (i) {
-            digits[dlen++] = ',';
-        }
-        memcpy(digits + dlen, start, (size_t)len);
-        dlen += len;
     }
-    if (n) {
-        digits[dlen++] = '\x02';
-    }
-
     Py_buffer body, topic, uprops, head;
     if (PyObject_GetBuffer(args[6], &body, PyBUF_SIMPLE) < 0) {
-        goto fail_digits;
+        goto fail_offs;
     }
     if (PyObject_GetBuffer(args[7], &topic, PyBUF_SIMPLE) < 0) {
         goto fail_body;
@@ -262,56 +345,11 @@ append_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
     if (PyObject_GetBuffer(args[9], &head, PyBUF_SIMPLE) < 0) {
         goto fail_uprops;
     }
-    Py_ssize_t plen = uprops.len + (n ? head.len + dlen : 0) + crc_trailer_size;
-    Py_ssize_t size = head_size + body.len + topic.len + 2 + plen;
-    if (plen > 0xFFFF || size > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "append_record: record fields too long");
-        goto done;
+    Py_ssize_t size;
+    if (put_record(buf, room, qoff, phys, born, stored, &body, &topic, &uprops, &head, offs, n,
+                   &size) == 0) {
+        result = PyLong_FromSsize_t(size);
     }
-    if (size > room) {
-        result = PyLong_FromLong(-1);
-        goto done;
-    }
-    Py_ssize_t old = PyByteArray_GET_SIZE(buf);
-    if (PyByteArray_Resize(buf, old + size) < 0) {
-        goto done;
-    }
-    unsigned char *rec = (unsigned char *)PyByteArray_AS_STRING(buf) + old;
-    unsigned char *p = rec;
-    memset(p, 0, (size_t)head_size);
-    put32(p + head_at[H_TOTALSIZE], (uint32_t)size);
-    put32(p + head_at[H_MAGIC], magic);
-    put32(p + head_at[H_BODYCRC], crc32_of(body.buf, body.len) & crc_mask);
-    put64(p + head_at[H_QUEUEOFFSET], qoff);
-    put64(p + head_at[H_PHYSICALOFFSET], phys);
-    put64(p + head_at[H_BORN], born);
-    put64(p + head_at[H_STORED], stored);
-    put32(p + head_at[H_BODYLENGTH], (uint32_t)body.len);
-    p += head_size;
-    memcpy(p, body.buf, (size_t)body.len);
-    p += body.len;
-    memcpy(p, topic.buf, (size_t)topic.len);
-    p += topic.len;
-    *p++ = (unsigned char)(plen >> 8);
-    *p++ = (unsigned char)(plen & 0xFF);
-    memcpy(p, uprops.buf, (size_t)uprops.len);
-    p += uprops.len;
-    if (n) {
-        memcpy(p, head.buf, (size_t)head.len);
-        p += head.len;
-        memcpy(p, digits, (size_t)dlen);
-        p += dlen;
-    }
-    uint32_t crc = crc32_of(rec, p - rec) & crc_mask;
-    memcpy(p, crc_prefix, (size_t)crc_prefix_len);
-    p += crc_prefix_len;
-    for (int i = CRC_DIGITS - 1; i >= 0; i--) {
-        p[i] = (unsigned char)('0' + crc % 10);
-        crc /= 10;
-    }
-    p[CRC_DIGITS] = '\x02';
-    result = PyLong_FromSsize_t(size);
-done:
     PyBuffer_Release(&head);
 fail_uprops:
     PyBuffer_Release(&uprops);
@@ -319,15 +357,11 @@ fail_topic:
     PyBuffer_Release(&topic);
 fail_body:
     PyBuffer_Release(&body);
-    if (digits != small) {
-        PyMem_Free(digits);
+fail_offs:
+    if (offs != small) {
+        PyMem_Free(offs);
     }
     return result;
-fail_digits:
-    if (digits != small) {
-        PyMem_Free(digits);
-    }
-    return NULL;
 }
 
 static PyObject *
@@ -892,6 +926,388 @@ prepare_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromSsize_t(i);
 }
 
+/*
+ * append_batch(messages, routes, max_body, now, buf, limit, state, generation, dirty, results,
+ *              put_result, ends) -> index of the first message not written, or -1
+ *
+ * Appender.append's common case as one call under the store lock (store/append.py
+ * Appender._append_common): the validation of prepare_run and the writing of write_run fused,
+ * with no prepared tuple per message. First every message (topic, light queues tuple, body,
+ * property block) is checked: its route cached in `routes` (keyed by (topic, light queues)),
+ * resolved for `generation`, body and properties within the route's worst-case room and
+ * `max_body`. If one is not, nothing is written or changed and the answer is -1 (the general
+ * loops do the batch). Otherwise the records are written from the first on as write_run
+ * writes them (born = stored = `now`): record, its unit dispatched to the route's queues, its
+ * PutResult(physical offset, queue offset, {light queue: offset}, end, now) in `results`.
+ * A record that needs the next segment stops the run (the general loop rolls and writes the
+ * rest); when all were written, `ends` gets what Appender._notify would tell the listeners:
+ * every queue the batch touched and where it ends, the routes in batch order. `state` =
+ * [next physical offset, units dispatched] is written back on every exit, errors included.
+ *
+ * Routes and consume-queue states are read and set through their slots, whose names
+ * configure_batch was given (store.kernel.configure); an object of another type, or a slot
+ * not set, makes the batch the general loops'. The reference is store.append.append_batch_py
+ * (tests/store/test_append_batch.py: the same files, queues, results and notices).
+ */
+enum { R_GENERATION, R_PARENT, R_CQS, R_QUEUES, R_TOPIC, R_TOPIC_FIELD, R_INNER_HEAD, R_UNITS,
+       R_SIZE_ROOM, R_PROPS_ROOM, R_COUNT };
+enum { Q_NAME, Q_MAX_OFFSET, Q_PENDING, Q_COUNT };
+static PyObject *route_type, *cq_type;
+static Py_ssize_t route_at[R_COUNT], cq_at[Q_COUNT];
+#define SLOT(obj, at) (*(PyObject **)((char *)(obj) + (at)))
+
+/* configure_batch(route_type, route_slots, queue_type, queue_slots): the types append_batch
+ * reads and their slot names, in the order of R_* and Q_* above (store.kernel.configure). */
+static PyObject *
+configure_batch(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *rtype, *rslots, *qtype, *qslots;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!:configure_batch", &PyType_Type, &rtype,
+                          &PyTuple_Type, &rslots, &PyType_Type, &qtype, &PyTuple_Type, &qslots)) {
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(rslots) != R_COUNT || PyTuple_GET_SIZE(qslots) != Q_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "configure_batch: a slot name per field read");
+        return NULL;
+    }
+    const char *rnames[R_COUNT], *qnames[Q_COUNT];
+    for (int k = 0; k < R_COUNT; k++) {
+        if ((rnames[k] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(rslots, k))) == NULL) {
+            return NULL;
+        }
+    }
+    for (int k = 0; k < Q_COUNT; k++) {
+        if ((qnames[k] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(qslots, k))) == NULL) {
+            return NULL;
+        }
+    }
+    Py_ssize_t rat[R_COUNT], qat[Q_COUNT];
+    if (lmqtt_slot_offsets("configure_batch", rtype, rnames, R_COUNT, rat) < 0
+        || lmqtt_slot_offsets("configure_batch", qtype, qnames, Q_COUNT, qat) < 0) {
+        return NULL;
+    }
+    memcpy(route_at, rat, sizeof(rat));
+    memcpy(cq_at, qat, sizeof(qat));
+    Py_INCREF(rtype);
+    Py_XSETREF(route_type, rtype);
+    Py_INCREF(qtype);
+    Py_XSETREF(cq_type, qtype);
+    Py_RETURN_NONE;
+}
+
+/* A consume-queue state append_batch can dispatch to: its type, its slots set and typed. */
+static int
+usable_queue(PyObject *cq)
+{
+    if (!Py_IS_TYPE(cq, (PyTypeObject *)cq_type)) {
+        return 0;
+    }
+    PyObject *name = SLOT(cq, cq_at[Q_NAME]), *max = SLOT(cq, cq_at[Q_MAX_OFFSET]);
+    PyObject *pending = SLOT(cq, cq_at[Q_PENDING]);
+    return name != NULL && PyUnicode_CheckExact(name) && max != NULL && PyLong_CheckExact(max)
+           && pending != NULL && PyByteArray_CheckExact(pending);
+}
+
+/* A route append_batch can write: resolved for `gen`, its fields set and typed. */
+static int
+usable_route(PyObject *route, long long gen)
+{
+    if (!Py_IS_TYPE(route, (PyTypeObject *)route_type)) {
+        return 0;
+    }
+    for (int k = 0; k < R_COUNT; k++) {
+        if (SLOT(route, route_at[k]) == NULL) {
+            return 0;
+        }
+    }
+    PyObject *g = SLOT(route, route_at[R_GENERATION]);
+    if (!PyLong_CheckExact(g) || PyLong_AsLongLong(g) != gen) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *cqs = SLOT(route, route_at[R_CQS]), *queues = SLOT(route, route_at[R_QUEUES]);
+    if (!PyTuple_CheckExact(cqs) || !PyTuple_CheckExact(queues)
+        || PyTuple_GET_SIZE(queues) != PyTuple_GET_SIZE(cqs) + 1
+        || PyTuple_GET_SIZE(cqs) > MAX_OFFSETS
+        || PyTuple_GET_ITEM(queues, 0) != SLOT(route, route_at[R_PARENT])
+        || !PyBytes_CheckExact(SLOT(route, route_at[R_TOPIC_FIELD]))
+        || !PyBytes_CheckExact(SLOT(route, route_at[R_INNER_HEAD]))
+        || !PyUnicode_CheckExact(SLOT(route, route_at[R_TOPIC]))
+        || !PyLong_CheckExact(SLOT(route, route_at[R_UNITS]))) {
+        return 0;
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(queues); k++) {
+        if (!usable_queue(PyTuple_GET_ITEM(queues, k))
+            || (k && PyTuple_GET_ITEM(queues, k) != PyTuple_GET_ITEM(cqs, k - 1))) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* dispatch's rule on a usable queue: the unit joins `pending`, max_offset moves by one. */
+static int
+dispatch_slot(PyObject *cq, const unsigned char *unit, PyObject *dirty)
+{
+    PyObject *pending = SLOT(cq, cq_at[Q_PENDING]);
+    Py_ssize_t old = PyByteArray_GET_SIZE(pending);
+    if (!old && PyDict_SetItem(dirty, SLOT(cq, cq_at[Q_NAME]), cq) < 0) {
+        return -1;
+    }
+    if (PyByteArray_Resize(pending, old + CQ_UNIT_SIZE) < 0) {
+        return -1;
+    }
+    memcpy(PyByteArray_AS_STRING(pending) + old, unit, CQ_UNIT_SIZE);
+    long long max = PyLong_AsLongLong(SLOT(cq, cq_at[Q_MAX_OFFSET]));
+    if (max == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *next = PyLong_FromLongLong(max + 1);
+    if (next == NULL) {
+        return -1;
+    }
+    Py_SETREF(SLOT(cq, cq_at[Q_MAX_OFFSET]), next);
+    return 0;
+}
+
+static PyObject *
+append_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "append_batch takes 12 arguments, not %zd", nargs);
+        return NULL;
+    }
+    if (!configured || route_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "store._speedups is not configured");
+        return NULL;
+    }
+    PyObject *messages = args[0], *routes = args[1], *now = args[3], *buf = args[4];
+    PyObject *state = args[6], *dirty = args[8], *results = args[9], *put_result = args[10];
+    PyObject *ends = args[11];
+    if (!PyList_Check(messages) || !PyDict_Check(routes) || !PyByteArray_Check(buf)
+        || !PyList_Check(state) || PyList_GET_SIZE(state) != 2 || !PyDict_Check(dirty)
+        || !PyList_Check(results) || !PyType_Check(put_result)
+        || !PyType_IsSubtype((PyTypeObject *)put_result, &PyTuple_Type) || !PyDict_Check(ends)) {
+        PyErr_SetString(PyExc_TypeError, "append_batch: unexpected argument types");
+        return NULL;
+    }
+    long long max_body, now_ll, limit, gen, phys, units;
+    if (as_ll(args[2], &max_body) || as_ll(now, &now_ll) || as_ll(args[5], &limit)
+        || as_ll(args[7], &gen) || as_ll(PyList_GET_ITEM(state, 0), &phys)
+        || as_ll(PyList_GET_ITEM(state, 1), &units)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(messages);
+    /* The batch's messages and routes, held for the call: routes[k], messages[k] */
+    PyObject **held = PyMem_Calloc((size_t)(2 * n + 1), sizeof(PyObject *));
+    if (held == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t i = -1;
+    int failed = 0;
+    /* 1. The checks: every message on a usable route, within its room, or none is written. */
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *m = PyList_GET_ITEM(messages, k);
+        if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 4
+            || !PyTuple_CheckExact(PyTuple_GET_ITEM(m, 1))
+            || !PyBytes_Check(PyTuple_GET_ITEM(m, 2)) || !PyBytes_Check(PyTuple_GET_ITEM(m, 3))) {
+            goto release;
+        }
+        PyObject *key = PyTuple_Pack(2, PyTuple_GET_ITEM(m, 0), PyTuple_GET_ITEM(m, 1));
+        if (key == NULL) {
+            failed = 1;
+            goto release;
+        }
+        PyObject *route = PyDict_GetItemWithError(routes, key);
+        Py_DECREF(key);
+        if (route == NULL) {
+            failed = PyErr_Occurred() != NULL;
+            goto release;
+        }
+        if (!usable_route(route, gen)) {
+            goto release;
+        }
+        long long size_room, props_room;
+        if (as_ll(SLOT(route, route_at[R_SIZE_ROOM]), &size_room)
+            || as_ll(SLOT(route, route_at[R_PROPS_ROOM]), &props_room)) {
+            failed = 1;
+            goto release;
+        }
+        long long blen = PyBytes_GET_SIZE(PyTuple_GET_ITEM(m, 2));
+        long long plen = PyBytes_GET_SIZE(PyTuple_GET_ITEM(m, 3));
+        if (blen > max_body || blen + plen > size_room || plen > props_room) {
+            goto release;
+        }
+        Py_INCREF(route);
+        held[k] = route;
+        Py_INCREF(m);
+        held[n + k] = m;
+    }
+    /* 2. The records, their units and results, as write_run makes them. */
+    for (i = 0; i < n; i++) {
+        PyObject *route = held[i], *m = held[n + i];
+        PyObject *parent = SLOT(route, route_at[R_PARENT]), *cqs = SLOT(route, route_at[R_CQS]);
+        PyObject *queues = SLOT(route, route_at[R_QUEUES]);
+        Py_ssize_t ncq = PyTuple_GET_SIZE(cqs);
+        PyObject *qoff = SLOT(parent, cq_at[Q_MAX_OFFSET]);
+        Py_INCREF(qoff); /* dispatch replaces the slot's value */
+        long long qoff_ll, offs_small[32];
+        long long *offs = offs_small;
+        PyObject *lo = PyDict_New(), *phys_obj = NULL, *end = NULL, *result = NULL;
+        Py_ssize_t size = -1;
+        if (lo == NULL || as_ll(qoff, &qoff_ll)) {
+            failed = 1;
+            goto next;
+        }
+        if (ncq > 32 && (offs = PyMem_Malloc(sizeof(long long) * (size_t)ncq)) == NULL) {
+            PyErr_NoMemory();
+            failed = 1;
+            goto next;
+        }
+        for (Py_ssize_t k = 0; k < ncq; k++) {
+            PyObject *cq = PyTuple_GET_ITEM(cqs, k);
+            if (PyDict_SetItem(lo, SLOT(cq, cq_at[Q_NAME]), SLOT(cq, cq_at[Q_MAX_OFFSET])) < 0) {
+                failed = 1;
+                goto next;
+            }
+        }
+        /* tuple(lo.values()): a name twice in cqs keeps its first place, as in a dict */
+        Py_ssize_t nlo = 0;
+        {
+            Py_ssize_t pos = 0;
+            PyObject *key, *value;
+            while (PyDict_Next(lo, &pos, &key, &value)) {
+                if (as_ll(value, &offs[nlo++])) {
+                    failed = 1;
+                    goto next;
+                }
+            }
+        }
+        {
+            PyObject *body = PyTuple_GET_ITEM(m, 2), *uprops = PyTuple_GET_ITEM(m, 3);
+            PyObject *tf = SLOT(route, route_at[R_TOPIC_FIELD]);
+            PyObject *ih = SLOT(route, route_at[R_INNER_HEAD]);
+            Py_buffer b = {0}, t = {0}, u = {0}, h = {0};
+            b.buf = PyBytes_AS_STRING(body);
+            b.len = PyBytes_GET_SIZE(body);
+            t.buf = PyBytes_AS_STRING(tf);
+            t.len = PyBytes_GET_SIZE(tf);
+            u.buf = PyBytes_AS_STRING(uprops);
+            u.len = PyBytes_GET_SIZE(uprops);
+            h.buf = PyBytes_AS_STRING(ih);
+            h.len = PyBytes_GET_SIZE(ih);
+            if (put_record(buf, limit - phys, qoff_ll, phys, now_ll, now_ll, &b, &t, &u, &h, offs,
+                           nlo, &size) < 0) {
+                failed = 1;
+                goto next;
+            }
+        }
+        if (size < 0) {
+            goto next; /* the next segment: the general loop rolls */
+        }
+        {
+            unsigned char unit[CQ_UNIT_SIZE];
+            put64(unit, phys);
+            put32(unit + 8, (uint32_t)size);
+            memset(unit + 12, 0, 8);
+            for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(queues); k++) {
+                if (dispatch_slot(PyTuple_GET_ITEM(queues, k), unit, dirty) < 0) {
+                    failed = 1;
+                    goto next;
+                }
+            }
+            long long route_units;
+            if (as_ll(SLOT(route, route_at[R_UNITS]), &route_units)) {
+                failed = 1;
+                goto next;
+            }
+            units += route_units;
+        }
+        if ((phys_obj = PyLong_FromLongLong(phys)) == NULL
+            || (end = PyLong_FromLongLong(phys + size)) == NULL
+            || (result = ((PyTypeObject *)put_result)->tp_alloc((PyTypeObject *)put_result, 5))
+                   == NULL) {
+            failed = 1;
+            goto next;
+        }
+        PyTuple_SET_ITEM(result, 0, phys_obj);
+        phys_obj = NULL;
+        Py_INCREF(qoff);
+        PyTuple_SET_ITEM(result, 1, qoff);
+        Py_INCREF(lo);
+        PyTuple_SET_ITEM(result, 2, lo);
+        PyTuple_SET_ITEM(result, 3, end);
+        end = NULL;
+        Py_INCREF(now);
+        PyTuple_SET_ITEM(result, 4, now);
+        if (PyList_Append(results, result) < 0) {
+            failed = 1;
+            goto next;
+        }
+        phys += size;
+    next:
+        Py_DECREF(qoff);
+        Py_XDECREF(lo);
+        Py_XDECREF(phys_obj);
+        Py_XDECREF(end);
+        Py_XDECREF(result);
+        if (offs != offs_small) {
+            PyMem_Free(offs);
+        }
+        if (failed || size < 0) {
+            break;
+        }
+    }
+    /* 3. All written: where each queue touched ends, the routes in batch order. */
+    for (Py_ssize_t k = 0; !failed && i == n && k < n; k++) {
+        PyObject *route = held[k], *cqs = SLOT(route, route_at[R_CQS]);
+        PyObject *parent = SLOT(route, route_at[R_PARENT]);
+        if (PyDict_SetItem(ends, SLOT(route, route_at[R_TOPIC]),
+                           SLOT(parent, cq_at[Q_MAX_OFFSET])) < 0) {
+            failed = 1;
+            break;
+        }
+        for (Py_ssize_t q = 0; q < PyTuple_GET_SIZE(cqs); q++) {
+            PyObject *cq = PyTuple_GET_ITEM(cqs, q);
+            if (PyDict_SetItem(ends, SLOT(cq, cq_at[Q_NAME]), SLOT(cq, cq_at[Q_MAX_OFFSET])) < 0) {
+                failed = 1;
+                break;
+            }
+        }
+    }
+    {
+        PyObject *exc_type = NULL, *exc = NULL, *exc_tb = NULL;
+        if (failed) {
+            PyErr_Fetch(&exc_type, &exc, &exc_tb);
+        }
+        PyObject *p = PyLong_FromLongLong(phys), *u = PyLong_FromLongLong(units);
+        if (p == NULL || u == NULL) {
+            Py_XDECREF(p);
+            Py_XDECREF(u);
+            Py_XDECREF(exc_type);
+            Py_XDECREF(exc);
+            Py_XDECREF(exc_tb);
+            failed = 2;
+        }
+        else {
+            PyList_SetItem(state, 0, p);
+            PyList_SetItem(state, 1, u);
+            if (failed) {
+                PyErr_Restore(exc_type, exc, exc_tb);
+            }
+        }
+    }
+release:
+    for (Py_ssize_t k = 0; k < 2 * n; k++) {
+        Py_XDECREF(held[k]);
+    }
+    PyMem_Free(held);
+    if (failed) {
+        return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(magic, crc_mask, crc_prefix, header_size, field_offsets, unit_size): the "
@@ -909,6 +1325,13 @@ static PyMethodDef methods[] = {
      "Appender.append's validation loop, its common case (store.append.prepare_run_py)."},
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
      "dispatch(queues, unit, dirty): the unit joins every queue (store.consumequeue.dispatch)."},
+    {"configure_batch", configure_batch, METH_VARARGS,
+     "configure_batch(route_type, route_slots, queue_type, queue_slots): what append_batch "
+     "reads, by slot (store.kernel.configure)."},
+    {"append_batch", (PyCFunction)(void (*)(void))append_batch, METH_FASTCALL,
+     "append_batch(messages, routes, max_body, now, buf, limit, state, generation, dirty, "
+     "results, put_result, ends) -> i, or -1: Appender.append's common case in one call "
+     "(store.append.append_batch_py)."},
     {"write_run", (PyCFunction)(void (*)(void))write_run, METH_FASTCALL,
      "write_run(batch, i, now, buf, limit, state, generation, dirty, results, put_result) "
      "-> i: Appender._section's loop, its common case (store.append.write_run_py)."},

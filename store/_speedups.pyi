@@ -55,3 +55,25 @@ def prepare_run(
     touched: dict[Any, None],
     /,
 ) -> int: ...
+def configure_batch(
+    route_type: type,
+    route_slots: tuple[str, ...],
+    queue_type: type,
+    queue_slots: tuple[str, ...],
+    /,
+) -> None: ...
+def append_batch(
+    messages: list[Any],
+    routes: dict[Any, Any],
+    max_body: int,
+    now: int,
+    buf: bytearray,
+    limit: int,
+    state: list[int],
+    generation: int,
+    dirty: dict[str, Any],
+    results: list[Any],
+    put_result: type,
+    ends: dict[str, int],
+    /,
+) -> int: ...

@@ -12,10 +12,17 @@ before the lock is released, so a get right after a put sees the message. The la
 rest: the CommitLog's BatchWriter places the records (one write per batch, rolls), the record
 step (format.append_record) builds each record, and consumequeue.dispatch adds its units.
 
-Accelerated: store/_speedups.c has the record step (append_record) and the two loops' common
-cases (prepare_run, write_run), each the twin of the Python reference beside it here or in
-format.py; LMQTT_PURE_PYTHON (every accelerator) or LMQTT_PURE_PYTHON_APPEND (this path's, for
-A/B runs; the record step follows LMQTT_PURE_PYTHON only) keep the references.
+A batch whose messages all have a cached, resolved route and fit it (a fleet's steady state)
+takes one step instead, under the lock: ``_append_batch`` checks every message, then writes
+and dispatches them and collects the queue ends for the listeners, with no prepared tuple per
+message (:meth:`Appender._append_common`); any other batch, or one message, goes through the
+two loops.
+
+Accelerated: store/_speedups.c has the record step (append_record), the two loops' common
+cases (prepare_run, write_run) and the one step (append_batch), each the twin of the Python
+reference beside it here or in format.py; LMQTT_PURE_PYTHON (every accelerator) or
+LMQTT_PURE_PYTHON_APPEND (this path's, for A/B runs; the record step follows
+LMQTT_PURE_PYTHON only) keep the references.
 """
 
 from __future__ import annotations
@@ -195,11 +202,99 @@ def write_run_py(
     return i
 
 
+def append_batch_py(
+    messages: list[EncodedMessage],
+    routes: dict[tuple[str, tuple[str, ...]], Route],
+    max_body: int,
+    now: int,
+    buf: bytearray,
+    limit: int,
+    state: list[int],
+    generation: int,
+    dirty: dict[str, ConsumeQueue],
+    results: list[PutResult],
+    put_result: type[PutResult],
+    ends: dict[str, int],
+) -> int:
+    """Appender.append's common case in one call, lock held (Appender._append_common):
+    prepare_run_py's checks and write_run_py's writing fused, with no prepared tuple.
+
+    If a message is not on a route cached in ``routes`` and resolved for ``generation``, or
+    not within its route's worst-case room or ``max_body``, nothing is written or changed and
+    the answer is -1 (the general loops do the batch). Otherwise the records are written from
+    the first on (born = stored = ``now``) as write_run_py writes them, until one needs the
+    next segment (the general loop rolls and writes the rest); the answer is the index of the
+    first not written. When all were, ``ends`` gets what :meth:`Appender._notify` would tell
+    the listeners: every queue touched and where it ends, the routes in batch order.
+    ``state`` = [next physical offset, units dispatched] is written back on every exit. The
+    reference of store/_speedups.c ``append_batch``, which must give the same bytes, queues,
+    results and ends (tests/store/test_append_batch.py)."""
+    found: list[Route] = []
+    for m in messages:
+        if type(m) is not tuple or len(m) != 4:
+            return -1
+        topic, lights, body, uprops = m
+        if (
+            type(lights) is not tuple
+            or not isinstance(body, bytes)
+            or not isinstance(uprops, bytes)
+        ):
+            return -1
+        route = routes.get((topic, lights))
+        if route is None or route.generation != generation:
+            return -1
+        blen = len(body)
+        plen = len(uprops)
+        if blen > max_body or blen + plen > route.size_room or plen > route.props_room:
+            return -1
+        found.append(route)
+    phys, units = state
+    i = 0
+    try:
+        for route, (_, _, body, uprops) in zip(found, messages, strict=True):
+            qoff = route.parent.max_offset
+            lo: dict[str, int] = {}
+            for cq in route.cqs:
+                lo[cq.name] = cq.max_offset
+            size = _append_record(
+                buf, limit - phys, qoff, phys, now, now, body, route.topic_field, uprops,
+                route.inner_head, tuple(lo.values()),
+            )  # fmt: skip
+            if size < 0:
+                break
+            dispatch(route.queues, _pack_unit(phys, size, 0), dirty)
+            units += route.units
+            end = phys + size
+            results.append(_tuple_new(put_result, (phys, qoff, lo, end, now)))
+            phys = end
+            i += 1
+    finally:
+        state[0] = phys
+        state[1] = units
+    if i == len(found):
+        for route in found:
+            ends[route.topic] = route.parent.max_offset
+            for cq in route.cqs:
+                ends[cq.name] = cq.max_offset
+    return i
+
+
+#: The Route and ConsumeQueue slots store/_speedups.c ``append_batch`` reads and sets, in the
+#: order its ``configure_batch`` takes them.
+BATCH_ROUTE_SLOTS = (
+    "generation", "parent", "cqs", "queues", "topic", "topic_field", "inner_head", "units",
+    "size_room", "props_room",
+)  # fmt: skip
+BATCH_QUEUE_SLOTS = ("name", "max_offset", "pending")
+
 _record_kernel = load_kernel()
 _run_kernel = load_kernel("LMQTT_PURE_PYTHON_APPEND")
 _append_record: Callable[..., int] = getattr(_record_kernel, "append_record", append_record)
 _write_run: Callable[..., int] = getattr(_run_kernel, "write_run", write_run_py)
 _prepare_run: Callable[..., int] = getattr(_run_kernel, "prepare_run", prepare_run_py)
+if _run_kernel is not None:
+    _run_kernel.configure_batch(Route, BATCH_ROUTE_SLOTS, ConsumeQueue, BATCH_QUEUE_SLOTS)
+_append_batch: Callable[..., int] = getattr(_run_kernel, "append_batch", append_batch_py)
 #: Whether the record step runs in C.
 SPEEDUPS = _append_record is not append_record
 
@@ -290,11 +385,15 @@ class Appender:
     def append(self, messages: Sequence[EncodedMessage], born: int | None) -> list[PutResult]:
         """Validate (before the lock), append, then tell the listeners; ``born`` is the born
         timestamp of every message (None: the store timestamp)."""
+        items = messages if type(messages) is list else list(messages)
+        if born is None:
+            results = self._append_common(items)
+            if results is not None:
+                return results
         routes = self.routes
         max_body = self.max_body
         batch: list[Prepared] = []
         touched: dict[Route, None] = {}
-        items = messages if type(messages) is list else list(messages)
         n = len(items)
         i = 0
         while True:
@@ -316,6 +415,54 @@ class Appender:
         results = self._section(batch)
         if self.listeners:
             self._notify(touched)
+        return results
+
+    def _append_common(self, items: list[EncodedMessage]) -> list[PutResult] | None:
+        """:meth:`append` of a batch whose messages all have a cached, resolved route and fit
+        it, born now: checked and written by one ``_append_batch`` call under the lock (the
+        rest through the general loop if a record needs the next segment), the listeners told
+        after. None (nothing written) when one does not qualify: the general path does it."""
+        ends: dict[str, int] | None = {}
+        with self.lock:
+            if self.closed:
+                raise StoreClosedError("store is closed")
+            now = int(_time() * 1000)  # as in _section: never decreasing
+            if now < self.last_store_ts:
+                now = self.last_store_ts
+            self.last_store_ts = now
+            table = self.table
+            try:
+                results: list[PutResult] = []
+                gen = table.generation
+                writer = self.commitlog.batch()
+                state = [writer.start, 0]  # next physical offset, units dispatched
+                try:
+                    i = _append_batch(
+                        items, self.routes, self.max_body, now, writer.buf, writer.limit, state,
+                        gen, table.dirty, results, PutResult, ends,
+                    )  # fmt: skip
+                    if i < 0:
+                        return None
+                    if i < len(items):  # the next segment: the general loop rolls
+                        routes = self.routes
+                        rest: list[Prepared] = [
+                            (routes[(m[0], m[1])], m[2], m[3], None) for m in items[i:]
+                        ]
+                        self._write(writer, rest, 0, now, gen, state, results)
+                        ends = None
+                finally:
+                    writer.finish(state[0])
+                    self.units_total += state[1]
+            finally:
+                if len(table.states) > table.max_cached:
+                    table.evict_overflow()
+        if self.lock_wanted:
+            time.sleep(0)  # as in _section
+        if self.listeners:
+            if ends is None:
+                routes = self.routes
+                ends = self._ends(dict.fromkeys([routes[(m[0], m[1])] for m in items]))
+            self._tell(ends)
         return results
 
     def put(
@@ -347,11 +494,20 @@ class Appender:
         Queue ends are read after the lock: later puts only move them further, and a
         listener is told "ends at least here", once per queue for the whole batch.
         """
+        self._tell(self._ends(routes))
+
+    @staticmethod
+    def _ends(routes: Iterable[Route]) -> dict[str, int]:
+        """Every queue of ``routes`` and where it ends now."""
         ends: dict[str, int] = {}
         for route in routes:
             ends[route.topic] = route.parent.max_offset
             for cq in route.cqs:
                 ends[cq.name] = cq.max_offset
+        return ends
+
+    def _tell(self, ends: dict[str, int]) -> None:
+        """Tell every listener where the queues an append touched end."""
         for listener in self.listeners:
             try:
                 batch = getattr(listener, "on_arrivals", None)
@@ -392,18 +548,8 @@ class Appender:
                 writer = self.commitlog.batch()
                 state = [writer.start, 0]  # next physical offset, units dispatched
                 items = batch if type(batch) is list else list(batch)
-                n = len(items)
-                i = 0
                 try:
-                    while True:
-                        i = _write_run(
-                            items, i, now, writer.buf, writer.limit, state, gen, table.dirty,
-                            results, PutResult,
-                        )  # fmt: skip
-                        if i >= n:
-                            break
-                        self._write_one(writer, items[i], now, gen, state, results)
-                        i += 1
+                    self._write(writer, items, 0, now, gen, state, results)
                 finally:
                     writer.finish(state[0])
                     self.units_total += state[1]
@@ -414,6 +560,29 @@ class Appender:
             # A full flush waits for the lock: let it have it before our next put.
             time.sleep(0)
         return results
+
+    def _write(
+        self,
+        writer: BatchWriter,
+        items: list[Prepared],
+        i: int,
+        now: int,
+        gen: int,
+        state: list[int],
+        results: list[PutResult],
+    ) -> None:
+        """Write ``items[i:]``: runs by ``_write_run``, the record it stops at by
+        ``_write_one``. Lock held."""
+        n = len(items)
+        dirty = self.table.dirty
+        while True:
+            i = _write_run(
+                items, i, now, writer.buf, writer.limit, state, gen, dirty, results, PutResult
+            )
+            if i >= n:
+                break
+            self._write_one(writer, items[i], now, gen, state, results)
+            i += 1
 
     def _write_one(
         self,

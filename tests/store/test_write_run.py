@@ -67,6 +67,8 @@ def test_c_run_writes_what_the_reference_writes(
     seen = []
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
         patch.setattr(append_module, "_time", lambda: 1_700_000_000.0)  # one store time
+        # The general loops on every batch (append_batch has its own test, test_append_batch.py).
+        patch.setattr(append_module, "_append_batch", lambda *args: -1)
         for name, run, prepare in (
             ("c", speedups.write_run, speedups.prepare_run),
             ("py", append_module.write_run_py, append_module.prepare_run_py),
