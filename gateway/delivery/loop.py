@@ -84,6 +84,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self.ctx = context
         self.session = session
         session.inflight_of()  # what this loop sends is written to the session's own dict
+        session.by_queue_of()  # and its queues are looked up in a dict of the session's own
         self.client = client
         conn = client.conn
         self.level = conn.protocol_level or 4

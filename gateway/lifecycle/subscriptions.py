@@ -199,9 +199,10 @@ class SubscriptionLifecycle:
         session.add_subscription(sub)
         if tf.share_group is not None:
             self.shared.acquire(tf.share_group, tf.filter, queue, resume=False)
-        else:
-            # A clean session's position ends with it: not written at every flush.
-            store.offsets.commit(session.client_id, queue, start, durable=session.persistent)
+        elif session.persistent:
+            # A clean session's position ends with it and nothing reads it back: it has none
+            # until its delivery loop commits one (in memory: gateway/delivery/acks.py).
+            store.offsets.commit(session.client_id, queue, start)
         self._stats.subscriptions += 1
         return sub
 
