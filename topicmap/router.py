@@ -14,6 +14,12 @@ with a level of a valid *topic* and carry the wildcards and the queues:
 Topic levels never contain "/" and never equal "+" or "#" (topic names have no wildcards and
 `route` checks that), so `node.get(level)` only ever finds a literal child.
 
+Only filters with a wildcard are in the trie. A filter without one matches exactly the topic
+equal to it, so it is found with one lookup of the topic in `_queues` (filter -> queue, which
+holds every filter anyway): a fleet's devices each subscribing to their own topic (`cmd/42`)
+leave no trie node behind (a leaf dict, its level string and a slot in its parent: about 270
+bytes per device), and the walk never meets them.
+
 `route` walks the topic's levels once, keeping the (few) nodes whose path matches so far:
 at each node it collects "#" (matches one or more remaining levels, and also zero at the end:
 `a/#` matches `a`), then follows the literal child and the "+" child. At the end it collects
@@ -115,20 +121,21 @@ class Router:
             queue = named[1]
         else:
             queue = self._names.queue_name(parsed)
-        node = self._root
-        *path, last = parsed.levels
-        for level in path:
-            child = node.get(level)
-            if child is None:
-                child = node[level] = {}
-            node = child
-        if last == _HASH:
-            node[_HASH] = queue
-        else:
-            child = node.get(last)
-            if child is None:
-                child = node[last] = {}
-            child[_EXACT] = queue
+        if parsed.is_wildcard:  # a filter without one is matched in _queues (docstring)
+            node = self._root
+            *path, last = parsed.levels
+            for level in path:
+                child = node.get(level)
+                if child is None:
+                    child = node[level] = {}
+                node = child
+            if last == _HASH:
+                node[_HASH] = queue
+            else:
+                child = node.get(last)
+                if child is None:
+                    child = node[last] = {}
+                child[_EXACT] = queue
         self._queues[underlying] = queue
         self._refs[underlying] = 1
         self._invalidate()
@@ -147,6 +154,9 @@ class Router:
             return False
         del self._refs[underlying]
         del self._queues[underlying]
+        if not parsed.is_wildcard:
+            self._invalidate()
+            return True
         levels = parsed.levels
         if levels[-1] == _HASH:
             trail = [self._root]
@@ -247,6 +257,9 @@ class Router:
                 queue = child.get(_HASH)
                 if queue is not None:
                     found.add(queue)
+        queue = self._queues.get(topic)  # the filter without a wildcard equal to the topic
+        if queue is not None:
+            found.add(queue)
         return found
 
     def _settle(self, prefix: str) -> tuple[tuple[Node, ...], tuple[str, ...]]:
@@ -299,7 +312,8 @@ class Router:
         return state
 
     def _match_one_level(self, topic: str) -> set[str]:
-        found: set[str] = set()
+        queue = self._queues.get(topic)  # the filter without a wildcard equal to the topic
+        found: set[str] = set() if queue is None else {queue}
         root = self._root
         ends = [root.get(topic)]
         if topic[0] != "$":

@@ -195,6 +195,11 @@ class ClientConnection(ClientTransport):
         if self.delivery is not None:
             self.delivery.on_transport_resumed()
 
+    def arrived(self, queue: str, end: int) -> None:
+        """ArrivalHub: a queue watched for the delivery loop-to-be grew (gateway/delivery/loop.py,
+        "Standby"): the loop starts and takes the notice."""
+        self.ctx.packets.subscribe.delivery_loop(self).arrived(queue, end)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cleanup()
@@ -333,10 +338,12 @@ class ClientConnection(ClientTransport):
         self._cleaned = True
         self.closed = True
         self.ctx.timers.cancel(self)  # the wheel lets go of a closed connection at once
+        session = self.session
         if self.delivery is not None:
             self.delivery.stop()
             self.delivery = None
-        session = self.session
+        elif session is not None:
+            self.ctx.packets.subscribe.stand_down(self, session)
         if session is None or session.connection is not self:
             return
         session.connection = None
@@ -475,11 +482,8 @@ class ClientConnection(ClientTransport):
     def _protocol_error(self, err: RemoteProtocolError) -> None:
         log.warning(
             "%s (%r): protocol error 0x%02X: %s",
-            self.peer,
-            self.client_id,
-            err.reason_code,
-            err.message,
-        )
+            self.peer, self.client_id, err.reason_code, err.message,
+        )  # fmt: skip
         self.write(self.conn.error_packet(err))
         self.close()
 

@@ -34,7 +34,8 @@ log = logging.getLogger("lmqtt.gateway")
 
 class Subscribing(Client, Protocol):
     """The connection as SubscribeHandler sees it (gateway/connection/client.py
-    ClientConnection); its delivery loop starts at its first SUBSCRIBE."""
+    ClientConnection); its delivery loop starts at its first message (it watches the queues
+    for it until then: `arrived`, the ArrivalHub's Watcher)."""
 
     conn: Connection
     closed: bool
@@ -47,6 +48,8 @@ class Subscribing(Client, Protocol):
     def write(self, data: bytes) -> None: ...
 
     def abort(self, reason: int) -> None: ...
+
+    def arrived(self, queue: str, end: int) -> None: ...
 
     def fail(self, reason: int, message: str) -> None:
         """A rule the gateway enforces was broken: MQTT 5 DISCONNECT `reason`, close."""
@@ -75,18 +78,31 @@ class SubscribeHandler:
         self._cluster = cluster
         self._max_qos = max_qos
 
-    def _delivery_loop(self, client: Subscribing) -> DeliveryLoop:
+    def delivery_loop(self, client: Subscribing) -> DeliveryLoop:
+        """The client's delivery loop, started now if it has none: it stood by until now
+        (gateway/delivery/loop.py, "Standby"), the connection watching its queues for it."""
         delivery = client.delivery
         if delivery is None:
             assert client.session is not None
             delivery = client.delivery = DeliveryLoop(self._delivery, client.session, client)
-            delivery.start()
+            delivery.start(standby=client)
         return delivery
+
+    def stand_down(self, client: Subscribing, session: Session) -> None:
+        """The connection closes without having started its loop: it lets go of the queues
+        it watched for it (those of the session's own subscriptions)."""
+        if session.by_queue:
+            arrivals = self._delivery.arrivals
+            for queue in session.by_queue:
+                arrivals.unwatch(queue, client)
+            self._delivery.account.offline(session)
 
     async def on_subscribe(self, client: Subscribing, ev: Subscribe) -> None:
         session = client.session
         assert session is not None
-        delivery = self._delivery_loop(client)
+        # None until this session's first message or a subscription that needs it at once
+        # (a shared one, a replay, a re-subscription, retained messages to send).
+        delivery = client.delivery
         subscriptions = self._subscriptions
         registry = self._registry
         cluster = self._cluster
@@ -136,11 +152,18 @@ class SubscribeHandler:
                 codes.append(refusal if level == 5 else ReasonCode.UNSPECIFIED_ERROR)
                 continue
             qos = min(req.qos, self._max_qos)
-            look = look or not new or since is not None or tf.is_shared
+            at_once = not new or since is not None or tf.is_shared
+            look = look or at_once
             await subscriptions.open_queue(session, tf, since)
+            if delivery is None and at_once and not client.closed:
+                delivery = self.delivery_loop(client)
             sub, cutoff = subscriptions.subscribe(
                 session, delivery, tf, req, qos, sub_id, since, start
             )
+            if delivery is None and not client.closed and sub.share_group is None:
+                # The connection watches the new queue for its loop-to-be.
+                self._delivery.arrivals.watch(sub.queue, client)
+                self._delivery.account.online(session)
             codes.append(qos)
             if cutoff is not None:
                 log.warning("%r: %s", client.client_id, cutoff.text(tf.filter))
@@ -160,9 +183,9 @@ class SubscribeHandler:
                 return
         props = Properties(reason_string="; ".join(notes)) if notes and level == 5 else None
         client.write(client.conn.send(SubAck(ev.packet_id, codes, props)))
-        subscriptions.send_retained(delivery, retained_for)  # wakes the loop if any
+        subscriptions.send_retained(lambda: self.delivery_loop(client), retained_for)
         if look:
-            delivery.wake()
+            self.delivery_loop(client).wake()
 
     def on_unsubscribe(self, client: Subscribing, ev: Unsubscribe) -> None:
         session = client.session
@@ -177,6 +200,8 @@ class SubscribeHandler:
             if sub is None:
                 codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
                 continue
+            if client.delivery is None and sub.share_group is None:
+                self._delivery.arrivals.unwatch(sub.queue, client)  # watched for the loop-to-be
             self._subscriptions.unsubscribe(session, sub, client.delivery)
             codes.append(0)
         self._registry.touch(session)

@@ -33,6 +33,17 @@ The loop is composed of parts, each in its own module over the shared LoopState 
 This module holds the pass itself, the loop's lifecycle, and the two paths that do not read a
 light queue of the session: shared groups (shared.py pushes to a member) and retained messages
 sent on SUBSCRIBE.
+
+Standby. Most devices of a fleet subscribe to their own command topic and receive nothing for
+hours, and memory per idle device is what limits how many fit: a loop each (its state, its
+queue tuple, the session's own in-flight dict: about 390 bytes) would sit idle. So a new
+subscriber's loop starts at its first message, not at its SUBSCRIBE: until then its connection
+(gateway/connection/client.py), which exists anyway, watches the session's own queues with the
+ArrivalHub, and the hub's first notice for one of them starts the loop (`start(standby=...)`),
+which takes the watches over and the notice. Whatever else needs a loop starts it at once: a
+shared subscription, a replay, retained messages to send, a re-subscription, a session resumed
+with subscriptions or messages in flight. A started loop runs as it always did: nothing is
+added to the message path.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import logging
 from collections import deque
 
 from gateway.delivery.acks import Acknowledgements
+from gateway.delivery.arrivals import Watcher
 from gateway.delivery.pacing import PASS_INTERVAL, Pacing
 from gateway.delivery.replay import Replaying
 from gateway.delivery.rules import decide
@@ -72,6 +84,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self.ctx = context
         self.session = session
         session.inflight_of()  # what this loop sends is written to the session's own dict
+        session.by_queue_of()  # and its queues are looked up in a dict of the session's own
         self.client = client
         conn = client.conn
         self.level = conn.protocol_level or 4
@@ -104,17 +117,24 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         self._held = None
         self.sent = 0
 
-    def start(self) -> None:
+    def start(self, standby: Watcher | None = None) -> None:
+        """Watch the session's queues and look at what it missed. `standby`: the connection
+        that watched them for this loop until now (module docstring, "Standby"): it lets go
+        of them, nothing was missed, and the notice that started the loop is handed to it."""
+        arrivals = self.ctx.arrivals
         for sub in self.session.by_queue.values():
+            if standby is not None:
+                arrivals.unwatch(sub.queue, standby)
             self.watch(sub.queue)
         self.ctx.account.online(self.session)
         self._resend_inflight()
-        if self.session.subscriptions or self.session.inflight:
+        if standby is None and (self.session.subscriptions or self.session.inflight):
             self.wake()
         else:
-            # Started by its session's first SUBSCRIBE: nothing missed, nothing to look at
-            # until a message arrives (a new subscription starts at its queue's end, and the
-            # arrival notices of the queues it watches from then on schedule the passes).
+            # Started by its session's first SUBSCRIBE or first message: nothing missed,
+            # nothing to look at until a message arrives (a new subscription starts at its
+            # queue's end, and the arrival notices of the queues it watches from then on
+            # schedule the passes).
             self._live = True
 
     def stop(self) -> None:

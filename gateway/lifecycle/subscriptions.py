@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from gateway.delivery.account import DeliveryAccount
 from gateway.delivery.loop import DeliveryLoop
@@ -113,7 +114,7 @@ class SubscriptionLifecycle:
     def subscribe(
         self,
         session: Session,
-        delivery: DeliveryLoop,
+        delivery: DeliveryLoop | None,
         tf: TopicFilter,
         req: Subscription,
         qos: int,
@@ -135,7 +136,7 @@ class SubscriptionLifecycle:
         sub.retain_as_published = req.retain_as_published
         sub.retain_handling = req.retain_handling
         sub.subscription_identifier = sub_id
-        if existing is None:
+        if existing is None and delivery is not None:  # None: the caller watches (loop.py)
             if sub.share_group is None:
                 delivery.watch(sub.queue)
             else:
@@ -167,16 +168,19 @@ class SubscriptionLifecycle:
         )
 
     def send_retained(
-        self, delivery: DeliveryLoop, subs: list[tuple[SubscriptionState, TopicFilter]]
+        self,
+        delivery: Callable[[], DeliveryLoop],
+        subs: list[tuple[SubscriptionState, TopicFilter]],
     ) -> None:
-        """Queue the retained messages matching each new subscription (after the SUBACK)."""
+        """Queue the retained messages matching each new subscription (after the SUBACK) with
+        the session's delivery loop, asked for only when there are some (it starts then)."""
         retained = self.retained
         if retained is None:
             return
         for sub, tf in subs:
             matches = retained.match(tf.filter)
             if matches:
-                delivery.queue_retained(matches, sub)
+                delivery().queue_retained(matches, sub)
 
     def _add(self, session: Session, tf: TopicFilter, qos: int) -> SubscriptionState:
         """Register a new subscription; it starts at the queue's current end."""
@@ -195,9 +199,10 @@ class SubscriptionLifecycle:
         session.add_subscription(sub)
         if tf.share_group is not None:
             self.shared.acquire(tf.share_group, tf.filter, queue, resume=False)
-        else:
-            # A clean session's position ends with it: not written at every flush.
-            store.offsets.commit(session.client_id, queue, start, durable=session.persistent)
+        elif session.persistent:
+            # A clean session's position ends with it and nothing reads it back: it has none
+            # until its delivery loop commits one (in memory: gateway/delivery/acks.py).
+            store.offsets.commit(session.client_id, queue, start)
         self._stats.subscriptions += 1
         return sub
 

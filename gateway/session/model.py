@@ -264,7 +264,8 @@ class Inflight:
 
 class OneSubscription(Mapping[str, SubscriptionState]):
     """A session's subscriptions while it has one (most devices): the filter and its state,
-    without a dict's hash table. Read-only, like NO_SUBSCRIPTIONS (the empty one)."""
+    without a dict's hash table. Read-only, like NO_SUBSCRIPTIONS (the empty one). Its
+    `by_queue` too (keyed by the queue), until a delivery loop starts."""
 
     __slots__ = ("_filter", "_sub")
 
@@ -327,7 +328,9 @@ class Session:
         # By filter; read-only here (add_subscription and remove_subscription change it):
         # NO_SUBSCRIPTIONS, a OneSubscription, or a dict from the second one on.
         self.subscriptions: Mapping[str, SubscriptionState] = NO_SUBSCRIPTIONS
-        self.by_queue: dict[str, SubscriptionState] = {}  # non-shared subscriptions by queue
+        # The non-shared ones by queue; read-only here as `subscriptions` (NO_SUBSCRIPTIONS, a
+        # OneSubscription) until a delivery loop makes it a dict of its own (by_queue_of).
+        self.by_queue: Mapping[str, SubscriptionState] = NO_SUBSCRIPTIONS
         # Read-only here; add_qos2 and release_qos2 change it (a set from the first id on).
         self.qos2_inbound: Set[int] = NO_IDS
         # Insertion order = send order. NO_INFLIGHT until a delivery loop or a restore gives
@@ -351,6 +354,14 @@ class Session:
             self.inflight = inflight = {}
         return inflight
 
+    def by_queue_of(self) -> dict[str, SubscriptionState]:
+        """`by_queue`, made a dict first if it is still a read-only one (a delivery loop looks
+        its queues up per message: a dict's C lookup, not a Python method)."""
+        by_queue = self.by_queue
+        if not isinstance(by_queue, dict):
+            self.by_queue = by_queue = dict(by_queue)
+        return by_queue
+
     @property
     def persistent(self) -> bool:
         return self.expiry_interval > 0
@@ -365,7 +376,13 @@ class Session:
         else:
             self.subscriptions = {**subs, key: sub}  # subscription order kept
         if sub.share_group is None:
-            self.by_queue[sub.queue] = sub
+            by_queue = self.by_queue
+            if isinstance(by_queue, dict):
+                by_queue[sub.queue] = sub
+            elif not by_queue or sub.queue in by_queue:
+                self.by_queue = OneSubscription(sub.queue, sub)
+            else:
+                self.by_queue = {**by_queue, sub.queue: sub}
 
     def add_qos2(self, packet_id: int) -> bool:
         """A QoS 2 PUBLISH with this id was received (stored); False if it was known."""
@@ -399,8 +416,12 @@ class Session:
             del subs[topic_filter]
         else:
             self.subscriptions = NO_SUBSCRIPTIONS
-        if sub is not None and sub.share_group is None:
-            self.by_queue.pop(sub.queue, None)
+        if sub.share_group is None:
+            by_queue = self.by_queue
+            if isinstance(by_queue, dict):
+                by_queue.pop(sub.queue, None)
+            elif sub.queue in by_queue:
+                self.by_queue = NO_SUBSCRIPTIONS
         return sub
 
     @property

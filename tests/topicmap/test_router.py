@@ -108,6 +108,30 @@ def test_removal_prunes_the_trie() -> None:
     assert router._root == {}
 
 
+def test_a_filter_without_wildcards_leaves_no_trie_node() -> None:
+    # A device's own topic is matched by one lookup of the topic, not by a trie leaf of its
+    # own (the trie holds the wildcard filters); both ways route as before.
+    router = Router(names=NameTable())
+    exact = [f"cmd/{d}" for d in range(50)] + ["solo", "$SYS/x"]
+    for text in exact:
+        router.add(text)
+    assert router._root == {}
+    wild = router.add("cmd/+")
+    assert router.route("cmd/7") == {queue_name("cmd/7"), wild}
+    assert router.route("solo") == {queue_name("solo")}
+    assert router.route("$SYS/x") == {queue_name("$SYS/x")}
+    assert router.route("cmd/x") == {wild}
+    assert router.add("$share/g/cmd/7") == queue_name("cmd/7")
+    assert router.remove("cmd/7") is False  # the shared subscription's reference is left
+    assert router.remove("$share/g/cmd/7") is True
+    assert router.route("cmd/7") == {wild}
+    for text in exact[:-3]:
+        if text != "cmd/7":
+            router.remove(text)
+    router.remove("cmd/+")
+    assert router._root == {} and router.route("cmd/8") == set()
+
+
 def test_remove_keeps_siblings() -> None:
     router = Router()
     router.add("a/b/c")

@@ -96,8 +96,7 @@ def test_arrival_notices_keep_the_furthest_end_and_an_unknown_one(
 
     def notices() -> tuple[int, int]:
         conn: ClientConnection = next(c for c in gw.connections if c.client_id == "ends-sub")
-        loop = conn.delivery
-        assert loop is not None
+        loop = conn.ctx.packets.subscribe.delivery_loop(conn)  # started as a message would
         queue = next(iter(loop.session.by_queue))
         loop._scheduled = True  # no pass in between: only what the notices leave
         try:

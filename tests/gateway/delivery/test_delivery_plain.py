@@ -54,9 +54,12 @@ def _set_plain(gateway: GatewayHarness, client_ids: list[str], plain: bool) -> N
         n = 0
         for conn in list(gw.connections):
             assert isinstance(conn, ClientConnection)
-            if conn.client_id in client_ids and conn.delivery is not None:
-                assert conn.delivery._plain, "the fixture's connections must allow the plain path"
-                conn.delivery._plain = plain
+            if conn.client_id in client_ids:
+                # Started now rather than at the first message (gateway/delivery/loop.py,
+                # "Standby"), as that message would start it.
+                loop = conn.ctx.packets.subscribe.delivery_loop(conn)
+                assert loop._plain, "the fixture's connections must allow the plain path"
+                loop._plain = plain
                 n += 1
         return n
 

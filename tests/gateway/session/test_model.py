@@ -63,6 +63,29 @@ def test_subscriptions_none_one_then_a_dict_in_order() -> None:
     assert NO_SUBSCRIPTIONS == {}  # the shared empty one was not changed
 
 
+def test_by_queue_holds_no_dict_until_a_delivery_loop_asks_for_one() -> None:
+    s = Session("a", 5, 0)
+    a, b, g = _sub("a/1"), _sub("b/+"), _sub("$share/g/c", "g")
+    assert s.by_queue is NO_SUBSCRIPTIONS
+    s.add_subscription(g)  # a shared one is not the session's queue
+    assert s.by_queue is NO_SUBSCRIPTIONS
+    s.add_subscription(a)
+    assert isinstance(s.by_queue, OneSubscription) and s.by_queue.get("q/a/1") is a
+    assert s.by_queue.get("a/1") is None  # keyed by queue, not by filter
+    assert s.remove_subscription("a/1") is a and s.by_queue is NO_SUBSCRIPTIONS
+    s.add_subscription(a)
+    s.add_subscription(b)  # a second one: a dict, in order
+    assert type(s.by_queue) is dict and list(s.by_queue) == ["q/a/1", "q/b/+"]
+    one = Session("o", 5, 0)
+    one.add_subscription(a)
+    own = one.by_queue_of()  # a delivery loop starts: a dict of the session's own
+    assert type(own) is dict and own == {"q/a/1": a} and one.by_queue is own
+    assert one.by_queue_of() is own
+    assert one.remove_subscription("a/1") is a and one.by_queue is own and own == {}
+    one.add_subscription(b)
+    assert own == {"q/b/+": b}  # the loop's dict stays the one written
+
+
 def test_pending_is_shared_until_delivery_gives_its_own_and_round_trips() -> None:
     a, b = _sub("a"), _sub("b")
     assert a.pending is NO_PENDING and b.pending is NO_PENDING
