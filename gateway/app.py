@@ -218,6 +218,7 @@ class Gateway:
             overload=self.overload,
             max_inflight=s.max_inflight,
             outbound_topic_aliases=s.outbound_topic_aliases,
+            ingest=self.ingest,
         )
         # After the sessions' filters are routed: a due delayed message reaches them.
         delayed = self.delayed = DelayedPublishes(store, publisher, self.stats)

@@ -16,7 +16,8 @@ Ordering: a connection hands everything after its first non-plain packet to its 
 which is created after the connection's publishes were added, so it runs after the flush: the
 store sees a connection's packets in the order it sent them, and its PUBACKs leave before any
 later reply. Anything that must see the batch stored sooner (a protocol error answered now)
-calls `flush()` itself.
+calls `flush()` itself, and so does a delivery pass queued ahead of the flush callback
+(gateway/delivery/loop.py `_step`): the messages of the turn's reads go with it.
 
 Only the async flush mode batches here: in sync mode every acknowledgement waits for its
 fsync, and the reader tasks' group commit already shares one fsync among many publishes.

@@ -10,6 +10,10 @@ sleeps (no task, no timer) until woken by:
   - an acknowledgement freeing window space, the transport draining below its low-water mark
     (resume_writing), a new subscription or retained messages: the next pass looks at every
     queue (`wake()`).
+A pass first stores the publishes the event loop's turn read and has not stored yet (the
+ingest batch, gateway/connection/ingest.py, otherwise stored by a callback queued behind the
+pass): a device's message read just before a pass goes with it, where it would make a pass, a
+socket write and an acknowledgement read of its own one turn later.
 A queue still behind after its read (batch limit) stays ready, and a pass that made progress
 schedules the next one (call_soon, so publishers and other sessions run in between). A queue
 left behind because the window or the transport was full is looked at again by the full pass
@@ -173,7 +177,17 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         return self.client.writable and not self.client.closed
 
     def _step(self) -> None:
-        """One pass; another is scheduled (after whatever else is ready) while it progresses."""
+        """One pass; another is scheduled (after whatever else is ready) while it progresses.
+        What this turn of the event loop read and has not stored yet is stored first: its
+        messages for this subscriber join this pass (marked ready, not scheduled anew)
+        rather than making a pass and a write of their own in the next turn."""
+        ingest = self.ctx.ingest
+        if ingest is not None and ingest.pubs:
+            self._scheduled = True  # this flush's arrivals here are marked ready, not scheduled
+            try:
+                ingest.flush()
+            except Exception:
+                log.exception("storing this turn's publishes before a delivery pass failed")
         self._scheduled = False
         self._waiting = False
         if self._pass_timer is not None:  # this pass does what it was waiting for

@@ -24,7 +24,7 @@ from gateway.delivery.shared import SharedGroup
 from gateway.messages.recent import PreparedCache, RecentMessages
 from gateway.messages.records import RecordedPublish
 from gateway.messages.retained import RetainedMessage
-from gateway.protocol import Connection
+from gateway.protocol import Connection, Publish
 from gateway.session.model import Session, SubscriptionState
 from gateway.session.registry import SessionRegistry
 from gateway.session.replay import ReplayPacer
@@ -44,6 +44,16 @@ class Subscriber(Protocol):
     def write(self, data: bytes) -> None: ...
 
     def abort(self, reason: int) -> None: ...
+
+
+class UnstoredInput(Protocol):
+    """The publishes this turn of the event loop read and has not stored yet
+    (gateway/connection/ingest.py IngestBatch, stored at the end of the turn)."""
+
+    pubs: list[Publish]
+
+    def flush(self) -> None:
+        """Store them now (and acknowledge them)."""
 
 
 @dataclass(slots=True)
@@ -67,6 +77,9 @@ class DeliveryContext:
     outbound_topic_aliases: bool  # settings.outbound_topic_aliases
     # whether the event loop is under load: busy subscribers' passes are batched then (pacing.py)
     load: LoopLoad = field(default_factory=LoopLoad)
+    # stored before a pass, so that what this turn read goes with it (loop.py _step); None in
+    # sync flush mode
+    ingest: UnstoredInput | None = None
 
 
 # A ready queue's end when no arrival notice told it (the pass asks the store).

@@ -7,12 +7,14 @@ it with the next arrival (company), or alone from the same timer."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 
 from gateway.connection.client import ClientConnection
 from gateway.delivery.loop import DeliveryLoop
 from gateway.delivery.state import UNKNOWN_END
+from gateway.protocol import Publish
 from tests.gateway.conftest import Client, GatewayHarness, wait_until
 
 
@@ -217,3 +219,32 @@ def test_a_busy_subscriber_with_unacknowledged_messages_is_paced_on_an_idle_loop
 
     assert gateway.run(store_while_one_is_unacknowledged()), "the pass was not paced"
     wait_until(lambda: sub.payloads() == [b"one", b"two"], what="the paced message")
+
+
+def test_a_publish_read_in_the_turn_before_a_pass_leaves_with_it(
+    gateway: GatewayHarness, clients: list[Client]
+) -> None:
+    """A pass first stores what the event loop's turn read (the ingest batch, stored at the end
+    of the turn otherwise): a device's message read while a subscriber's pass waits in the
+    turn's callbacks goes with that pass, not in a pass and a write of its own after it."""
+    sub, _, delivery = _acknowledged_subscriber(gateway, clients, "turn")
+    gw = gateway.gw
+    assert gw is not None and gw.ingest is not None
+    ingest = gw.ingest
+
+    async def a_read_behind_a_scheduled_pass() -> tuple[bool, int]:
+        loop = delivery()
+        device = next(c for c in gw.connections if c.client_id == "turn-pub")
+        sent = loop.sent
+        await gw.publisher.publish_internal("turn/2", b"two", qos=1)
+        scheduled = loop._scheduled  # its pass waits in this turn's callbacks
+        # What ClientConnection.feed does with a device's read of a plain PUBLISH.
+        ingest.add(device, Publish(topic="turn/3", payload=b"three", qos=0))
+        while loop.sent == sent:
+            await asyncio.sleep(0)  # resumes after the callbacks queued before it
+        return scheduled, loop.sent - sent
+
+    scheduled, first_pass = gateway.run(a_read_behind_a_scheduled_pass())
+    assert scheduled, "the stored message did not schedule a pass in this turn's callbacks"
+    assert first_pass == 2, "the message read in the same turn made a pass of its own"
+    wait_until(lambda: sub.payloads() == [b"one", b"two", b"three"], what="both messages")
