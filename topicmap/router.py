@@ -39,7 +39,10 @@ the middle of the topic (`site/7/dev/42/temp`: every prefix new, the parent path
 level per new device, not all of them. A prefix whose last level is no literal child of the
 nodes its parent path left (a device id no filter names) matches what any other value there
 matches, so it is kept under its shape (`site/7/dev/+`: no topic prefix contains "+") and a
-fleet's new devices share one entry. `cache_size=0, prefix_cache_size=0` is the plain walk.
+fleet's new devices share one entry. Such a shared entry also keeps, per last level, the sorted
+tuple `route_sorted` answers (what a store record lists), so a fleet's new device costs the
+prefix lookups, not the match and the sort. `cache_size=0, prefix_cache_size=0` is the plain
+walk.
 Not thread-safe: the gateway calls it from one event loop.
 """
 
@@ -59,8 +62,14 @@ _EXACT = "/"
 _PLUS = "+"
 _HASH = "#"
 _SHORT_ENOUGH = 65_535 // 4
+# Last levels whose sorted routes one shared prefix entry keeps (cleared when full).
+_ENDS_SIZE = 1024
 
 Node = dict[str, Any]
+# A prefix's state (_settle): the nodes whose literal children may match the last level, the
+# queues matched whatever the last level is, and, for an entry shared by a shape
+# (`site/7/dev/+`), last level -> sorted queues (route_sorted); None for one prefix's own entry.
+PrefixState = tuple[tuple[Node, ...], tuple[str, ...], dict[str, tuple[str, ...]] | None]
 
 
 class Router:
@@ -102,7 +111,7 @@ class Router:
         self._cache: dict[str, tuple[str, ...]] = {}
         self._cache_old: dict[str, tuple[str, ...]] = {}
         self._prefix_cache_size = max(0, prefix_cache_size)
-        self._prefixes: dict[str, tuple[tuple[Node, ...], tuple[str, ...]]] = {}
+        self._prefixes: dict[str, PrefixState] = {}
         # A prefix's parent path -> (live nodes, "#" queues matched) after walking it (_settle).
         self._walked: dict[str, tuple[tuple[Node, ...], tuple[str, ...]]] = {}
 
@@ -244,11 +253,45 @@ class Router:
         state = self._prefixes.get(prefix)
         if state is None:
             state = self._settle(prefix)
-        nodes, found = state[0], set(state[1])
+        return self._end(state, topic[cut + 1 :])
+
+    def route_sorted(self, topic: str) -> tuple[str, ...]:
+        """`sorted(route(topic))` as a tuple, for a topic name (TopicError if invalid). Under a
+        prefix whose state a shape shares (see the module docstring) the answer is kept per
+        last level: the next device of the fleet publishing that metric gets the same tuple."""
+        cut = topic.rfind("/")
+        if (
+            cut < 0
+            or not self._prefix_cache_size
+            or "+" in topic
+            or "#" in topic
+            or "\x00" in topic
+            or len(topic) > _SHORT_ENOUGH
+        ):
+            return tuple(sorted(self.route(topic)))
+        prefix = topic[:cut]
+        state = self._prefixes.get(prefix)
+        if state is None:
+            state = self._settle(prefix)
+        last = topic[cut + 1 :]
+        ends = state[2]
+        if ends is None:
+            return tuple(sorted(self._end(state, last)))
+        hit = ends.get(last)
+        if hit is None:
+            hit = tuple(sorted(self._end(state, last)))
+            if len(ends) >= _ENDS_SIZE:
+                ends.clear()
+            ends[last] = hit
+        return hit
+
+    @staticmethod
+    def _end(state: PrefixState, last: str) -> set[str]:
+        """The queues a topic `<prefix>/<last>` matches, from its prefix's state."""
+        found = set(state[1])
         # Only literal children depend on the last level: a filter ending there ("/"), or "#"
         # under it matching zero further levels (`a/b/#` matches `a/b`).
-        last = topic[cut + 1 :]
-        for node in nodes:
+        for node in state[0]:
             child = node.get(last)
             if child is not None:
                 queue = child.get(_EXACT)
@@ -262,7 +305,7 @@ class Router:
             found.add(queue)
         return found
 
-    def _settle(self, prefix: str) -> tuple[tuple[Node, ...], tuple[str, ...]]:
+    def _settle(self, prefix: str) -> PrefixState:
         """Everything a topic `prefix/<last>` matches whatever its last level is, and the nodes
         whose literal child named <last> may still end a matching filter; kept in the prefix
         cache (when on) under the prefix, or under its shape when its last level is no literal
@@ -270,6 +313,7 @@ class Router:
         the same "+" and "#" filters, so the new devices of a fleet share one entry)."""
         cut = prefix.rfind("/")
         key = prefix
+        shared = False  # kept under its shape, for every prefix of that shape
         if cut > 0 and self._prefix_cache_size:
             # Walk the prefix's last level from the state its parent path left, kept.
             parent = prefix[:cut]
@@ -285,6 +329,7 @@ class Router:
                     break
             else:
                 key = parent + "/" + _PLUS  # no topic prefix contains "+"
+                shared = True
                 state = self._prefixes.get(key)
                 if state is not None:
                     return state
@@ -304,7 +349,7 @@ class Router:
                 queue = child.get(_HASH)
                 if queue is not None:
                     found.add(queue)
-        state = (tuple(nodes), tuple(found))
+        state = (tuple(nodes), tuple(found), {} if shared else None)
         if self._prefix_cache_size:
             if len(self._prefixes) >= self._prefix_cache_size:
                 self._prefixes.clear()

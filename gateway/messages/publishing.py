@@ -28,7 +28,7 @@ from gateway.messages.records import (
 )
 from gateway.messages.retained import RetainedIndex, RetainedMessage
 from gateway.messages.will_log import WILLS_QUEUE
-from gateway.protocol import Publish
+from gateway.protocol import Publish, remember_topic
 from gateway.stats import GatewayStats
 from gateway.storage.port import EncodedMessage, PutResult, Storage, StoreError
 from topicmap import Router, Topic, TopicFilter, parent_topic
@@ -158,8 +158,10 @@ class PublishPath:
         cached until a filter is added or removed. TopicError if the name is invalid."""
         route = self._routes.get(name)
         if route is None:
-            topic, parent = self._topic_entry(name)
-            route = (parent, tuple(sorted(self.router.route(topic))))
+            parent = self._topic_entry(name)[1]  # validates the name
+            route = (parent, self.router.route_sorted(name))
+            if route[1]:
+                remember_topic(name)  # its deliveries will encode it: the first one too
             if len(self._routes) >= TOPIC_CACHE_SIZE:
                 self._routes.clear()
             self._routes[name] = route

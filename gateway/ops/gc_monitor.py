@@ -22,6 +22,14 @@ permanent generation is handed back to the collector (``gc.unfreeze``) for one f
 one long pause (about a microsecond per live object) this policy keeps, made rare. After a burst
 of connects the young generations are collected before freezing, so that the burst's own
 short-lived cycles are not kept.
+
+Between ticks, a youngest-generation collection that found no garbage freezes its survivors
+at once (while the monitor runs, ``start``). A burst of new long-lived objects (a fleet's
+first publishes: every new topic's entries in the routing, encoding and property caches)
+otherwise climbs into generation 1, whose collections walk it all again (milliseconds each,
+several per burst) before the next tick would have frozen it unwalked. Freezing what one
+young collection has just walked keeps less than the tick's freeze of everything alive does;
+a young collection that found cyclic garbage leaves the generations alone.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ class GcMonitor:
         self.escaped = 0  # cyclic garbage found by generation 1 and 2 collections since then
         self._installed = False
         self._timer: asyncio.TimerHandle | None = None
+        self._freeze_young = False  # freeze the survivors of a young collection (start)
 
     def install(self) -> None:
         if not self._installed:
@@ -84,11 +93,13 @@ class GcMonitor:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._freeze_young = False
 
     def start(self, loop: asyncio.AbstractEventLoop, connections: Callable[[], int]) -> None:
         """Timing, plus ``tick`` every FREEZE_INTERVAL_S on ``loop`` (``connections()``: how
         many connections are open now)."""
         self.install()
+        self._freeze_young = True
 
         def run() -> None:
             try:
@@ -115,6 +126,9 @@ class GcMonitor:
         generation = info.get("generation", 2)
         if generation >= 1:
             self.escaped += int(info.get("collected", 0))
+        elif self._freeze_young and not info.get("collected"):
+            gc.freeze()  # nothing died young: what it walked goes where the tick puts it
+            self.freezes += 1
         if 0 <= generation <= 2:
             self.by_generation[generation] += 1
             if pause > self.max_by_generation[generation]:

@@ -28,7 +28,7 @@ from gateway.protocol.prepared import PreparedPublish
 from gateway.protocol.properties import Properties
 from gateway.protocol.readers import decode_packet
 from gateway.protocol.reason_codes import ReasonCode
-from gateway.protocol.writers import ENCODED_TOPICS, encode
+from gateway.protocol.writers import ENCODED_TOPICS, encode, remember_topic
 
 __all__ = [
     "ENCODED_TOPICS",
@@ -62,4 +62,5 @@ __all__ = [
     "Will",
     "decode_packet",
     "encode",
+    "remember_topic",
 ]

@@ -147,6 +147,16 @@ _property_values = operator.attrgetter(*(f.name for f in dataclasses.fields(Prop
 _ABSENT_PROPERTIES = (None,) * len(dataclasses.fields(Properties))
 
 
+def remember_topic(topic: str) -> None:
+    """Cache the encoded forms of a topic name that PUBLISHes will carry (the publish path
+    calls it once per new topic it routes to a subscriber), so that the first delivery of
+    the topic hits the cache (the delivery's plain run, a C loop, stops at a miss and leaves
+    the message to the general path). The same checks as a miss's: wildcards and invalid
+    UTF-8 raise LocalProtocolError."""
+    if topic not in _ENCODED_TOPICS:
+        _encoded_topic(topic)
+
+
 def _encoded_topic(topic: str) -> bytes:
     if "+" in topic or "#" in topic:
         raise LocalProtocolError(f"wildcard in PUBLISH topic {topic!r}")

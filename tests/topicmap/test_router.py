@@ -79,6 +79,8 @@ def test_route_equals_reference_matcher(registered: list[str], probes: list[str]
         for router in routers:
             assert router.route(topic) == expected
             assert router.route(topic) == expected  # second time from a cache
+            assert router.route_sorted(topic) == tuple(sorted(expected))
+            assert router.route_sorted(topic) == tuple(sorted(expected))  # kept per shape
 
 
 def test_refcounts_and_shared_subscriptions() -> None:
@@ -180,6 +182,12 @@ def test_new_devices_share_one_prefix_entry_per_shape() -> None:
         assert router.route(topic) == expected, topic
     # site/k/dev/+ and site/k/dev/7 (6 each), site/3/dev/42, site/k/dev (6): not 360 devices.
     assert len(router._prefixes) == 19
+    # The sorted answer is kept with the shape: the next device's is the same tuple.
+    for topic in probes:
+        expected = {queue_name(f) for f in reference_route(registered, topic)}
+        assert router.route_sorted(topic) == tuple(sorted(expected)), topic
+    assert router.route_sorted("site/2/dev/11/temp") is router.route_sorted("site/2/dev/12/temp")
+    assert router.route_sorted("site/2/dev/7/temp") != router.route_sorted("site/2/dev/8/temp")
     router.add("site/1/dev/5/temp")  # a device named by a new filter leaves its shape
     assert router.route("site/1/dev/5/temp") == {
         queue_name(f)

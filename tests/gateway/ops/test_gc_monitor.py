@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 from gateway.ops.gc_monitor import BUCKETS_S, FREEZE_MIN, RECLAIM_GARBAGE, RECLAIM_MAX_S, GcMonitor
@@ -63,4 +64,30 @@ def test_freeze_each_tick_burst_and_reclaim() -> None:
         assert monitor.escaped == 0
         assert (monitor.freezes, monitor.unfreezes) == (6, 3)
     finally:
+        gc.unfreeze()
+
+
+def test_a_young_collection_without_garbage_freezes_its_survivors_while_running() -> None:
+    loop = asyncio.new_event_loop()
+    monitor = GcMonitor()
+    try:
+        gc.collect()
+        gc.unfreeze()
+        kept = [[i] for i in range(1000)]  # new long-lived objects: no garbage among them
+        monitor.install()  # timing only: a young collection promotes as usual
+        gc.collect(0)
+        assert gc.get_freeze_count() == 0
+        monitor.start(loop, lambda: 0)
+        kept += [[i] for i in range(1000)]
+        gc.collect(0)
+        frozen = gc.get_freeze_count()
+        assert frozen >= 2000  # the survivors, not left to generation 1's walks
+        for _ in range(100):
+            Cycle()  # cyclic garbage: the collection that finds it freezes nothing
+        gc.collect(0)
+        assert gc.get_freeze_count() == frozen
+        assert len(kept) == 2000
+    finally:
+        monitor.uninstall()
+        loop.close()
         gc.unfreeze()
