@@ -253,7 +253,11 @@ class Router:
         state = self._prefixes.get(prefix)
         if state is None:
             state = self._settle(prefix)
-        return self._end(state, topic[cut + 1 :])
+        found = self._trie_end(state, topic[cut + 1 :])
+        queue = self._queues.get(topic)  # the filter without a wildcard equal to the topic
+        if queue is not None:
+            found.add(queue)
+        return found
 
     def route_sorted(self, topic: str) -> tuple[str, ...]:
         """`sorted(route(topic))` as a tuple, for a topic name (TopicError if invalid). Under a
@@ -273,21 +277,24 @@ class Router:
         state = self._prefixes.get(prefix)
         if state is None:
             state = self._settle(prefix)
+        if topic in self._queues:  # a filter without a wildcard names it: not the shape's
+            return tuple(sorted(self._match(topic)))
         last = topic[cut + 1 :]
         ends = state[2]
         if ends is None:
-            return tuple(sorted(self._end(state, last)))
+            return tuple(sorted(self._trie_end(state, last)))
         hit = ends.get(last)
         if hit is None:
-            hit = tuple(sorted(self._end(state, last)))
+            hit = tuple(sorted(self._trie_end(state, last)))
             if len(ends) >= _ENDS_SIZE:
                 ends.clear()
             ends[last] = hit
         return hit
 
     @staticmethod
-    def _end(state: PrefixState, last: str) -> set[str]:
-        """The queues a topic `<prefix>/<last>` matches, from its prefix's state."""
+    def _trie_end(state: PrefixState, last: str) -> set[str]:
+        """The queues of filters with a wildcard a topic `<prefix>/<last>` matches, from its
+        prefix's state (a filter without one is looked up in `_queues` by the caller)."""
         found = set(state[1])
         # Only literal children depend on the last level: a filter ending there ("/"), or "#"
         # under it matching zero further levels (`a/b/#` matches `a/b`).
@@ -300,9 +307,6 @@ class Router:
                 queue = child.get(_HASH)
                 if queue is not None:
                     found.add(queue)
-        queue = self._queues.get(topic)  # the filter without a wildcard equal to the topic
-        if queue is not None:
-            found.add(queue)
         return found
 
     def _settle(self, prefix: str) -> PrefixState:

@@ -316,3 +316,17 @@ class RouterModel(RuleBasedStateMachine):
 
 TestRouterModel = RouterModel.TestCase
 TestRouterModel.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_a_filter_without_wildcards_is_routed_beside_its_shape() -> None:
+    # Such a filter is not in the trie, so its device keeps the shape its siblings share; the
+    # answer kept per shape must not stand in for the device whose topic a filter names.
+    registered = ["site/+/dev/+/temp", "site/2/dev/13/temp"]
+    router = Router(names=NameTable(), cache_size=0)
+    for text in registered:
+        router.add(text)
+    for topic in ("site/2/dev/12/temp", "site/2/dev/13/temp", "site/2/dev/14/temp"):
+        expected = {queue_name(f) for f in reference_route(registered, topic)}
+        assert router.route_sorted(topic) == tuple(sorted(expected)), topic
+        assert router.route(topic) == expected, topic
+    assert len(router.route_sorted("site/2/dev/13/temp")) == 2
