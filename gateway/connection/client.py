@@ -253,6 +253,17 @@ class ClientConnection(ClientTransport):
                     acked.append(ev.packet_id)
                     budget -= conn.take_pubacks(acked, budget)  # the run of PUBACKs after it
                     continue
+                elif type(ev) is Disconnect:
+                    # It only closes (nothing to wait for): here, without a reader task, once
+                    # the publishes batched before it are stored and acknowledged, as the
+                    # task would find them (it runs after the batch).
+                    if ingest.scheduled:
+                        ingest.flush()
+                    if acked:  # the PUBACKs before it count for the session's record
+                        self._pubacks(acked)
+                        acked = []
+                    self.ctx.packets.connect.on_disconnect(self, ev)
+                    return
                 self._kick(ev)  # the task runs after this: the acknowledgements come first
                 return
             self._kick()  # a flood: the reader task goes on after the turn

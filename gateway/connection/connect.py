@@ -146,9 +146,7 @@ class ConnectHandler:
             if client.closed:
                 cluster.released(cid, client)  # a claim made while it waited for a hand-over
                 return
-        session, present = sessions.connect(
-            cid, level, expiry, ev.clean_start, client, will, client.peer
-        )
+        session, present = sessions.connect(cid, level, expiry, ev.clean_start, client, will)
         client.session = session
         client.will = will
         if present and session.behind:
@@ -177,16 +175,17 @@ class ConnectHandler:
         client.write(conn.send(ConnAck(session_present=present, reason_code=0, properties=props)))
         stats.clients_connected += 1
         stats.clients_total += 1
-        log.info(
-            "%r connected from %s (level %d, clean %s, keep-alive %d, expiry %d, present %s)",
-            cid,
-            client.peer,
-            level,
-            ev.clean_start,
-            conn.keep_alive,
-            expiry,
-            present,
-        )
+        if log.isEnabledFor(logging.INFO):  # the peer's address is asked of the transport
+            log.info(
+                "%r connected from %s (level %d, clean %s, keep-alive %d, expiry %d, present %s)",
+                cid,
+                client.peer,
+                level,
+                ev.clean_start,
+                conn.keep_alive,
+                expiry,
+                present,
+            )
         # The state machine must accept acks for ids of a previous connection of this session.
         # A session with none leaves the connection without packet-id sets until its first
         # QoS 1/2 packet (a device that only subscribes never needs them).

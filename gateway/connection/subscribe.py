@@ -126,7 +126,8 @@ class SubscribeHandler:
                 if level == 5:
                     notes.append(str(e))
                 continue
-            if tf.is_shared and req.no_local:
+            shared = tf.is_shared
+            if shared and req.no_local:
                 client.fail(ReasonCode.PROTOCOL_ERROR, "no-local on a shared subscription")
                 return
             new = tf.text not in session.subscriptions
@@ -136,7 +137,7 @@ class SubscribeHandler:
                 codes.append(refusal if level == 5 else ReasonCode.UNSPECIFIED_ERROR)
                 continue
             qos = min(req.qos, self._max_qos)
-            look = look or not new or since is not None or tf.is_shared
+            look = look or not new or since is not None or shared
             await subscriptions.open_queue(session, tf, since)
             sub, cutoff = subscriptions.subscribe(
                 session, delivery, tf, req, qos, sub_id, since, start

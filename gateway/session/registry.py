@@ -9,6 +9,7 @@ gateway/session/model.py); a DELETE record ends the session. A `config/sessions.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from pydantic_core import from_json, to_json
 
 from gateway.clock import now_ms
 from gateway.session.model import NEVER_EXPIRES, Session, SubscriptionState
-from gateway.session.qos2 import LOG_POS_FIELD, QOS2_SINCE_FIELD, InboundQos2
+from gateway.session.qos2 import LOG_POS_FIELD, InboundQos2
 
 if TYPE_CHECKING:
     from gateway.protocol import Will
@@ -47,6 +48,8 @@ RECORDS_PER_STEP = 200  # session records encoded per event-loop step by save_al
 # back to back would hold the loop nearly whole until the save is done: a latency spike).
 PACED_RECORDS_PER_STEP = 50
 PACED_PAUSE_RATIO = 9.0
+#: Offline sessions expire in ticks of this many ms (see SessionRegistry.schedule_expiry).
+EXPIRY_TICK_MS = 100
 _ID_BITS = 31  # dormant expiry: (due second << _ID_BITS | index); seconds fit 33 bits
 _ID_MASK = (1 << _ID_BITS) - 1
 
@@ -86,6 +89,13 @@ class SessionRegistry:
         self._dormant_due = array("Q")
         self._dormant_next = 0
         self._dormant_timer: asyncio.TimerHandle | None = None
+        # The expiry of the other offline sessions (schedule_expiry): by EXPIRY_TICK_MS tick,
+        # the ticks with sessions due in a heap, one loop timer for the earliest (a timer per
+        # session would cost a loop timer handle each, and a system call to make it).
+        self._expiring: dict[int, dict[str, Session]] = {}  # tick -> client id -> session
+        self._due: dict[str, int] = {}  # client id -> its tick in _expiring
+        self._expiry_ticks: list[int] = []
+        self._expiry_timer: asyncio.TimerHandle | None = None
         # Each record's `log_pos`, and the QoS 2 ids a restart finds past it (session/qos2.py).
         self.qos2 = InboundQos2(store)
 
@@ -135,24 +145,54 @@ class SessionRegistry:
     # -- expiry ------------------------------------------------------------------------------
 
     def schedule_expiry(self, session: Session) -> None:
-        self.cancel_expiry(session)
+        """`session` went offline (or its expiry changed): it ends when its expiry is due, in
+        the first EXPIRY_TICK_MS tick at or after that (one loop timer for every session)."""
+        cid = session.client_id
+        if cid in self._due:
+            self.cancel_expiry(session)
         at = session.expires_at_ms()
         if at is None:
             return
-        delay = max(0.0, (at - now_ms()) / 1000)
-        loop = asyncio.get_running_loop()
-        session.expiry_timer = loop.call_later(delay, self._expire, session)
+        tick = -(-at // EXPIRY_TICK_MS)
+        due = self._expiring.get(tick)
+        if due is None:
+            due = self._expiring[tick] = {}
+            heapq.heappush(self._expiry_ticks, tick)
+            if self._expiry_ticks[0] == tick:
+                self._arm_expiry()
+        due[cid] = session
+        self._due[cid] = tick
 
     def cancel_expiry(self, session: Session) -> None:
-        if session.expiry_timer is not None:
-            session.expiry_timer.cancel()
-            session.expiry_timer = None
+        cid = session.client_id
+        tick = self._due.pop(cid, None)
+        due = None if tick is None else self._expiring.get(tick)
+        if due is not None:  # (None: its tick is being expired now)
+            due.pop(cid, None)
 
-    def _expire(self, session: Session) -> None:
-        session.expiry_timer = None
-        if self.sessions.get(session.client_id) is session and session.connection is None:
-            log.info("session %r expired", session.client_id)
-            self.on_expire(session)
+    def _arm_expiry(self) -> None:
+        """The expiry timer, for the earliest tick with sessions due."""
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+            self._expiry_timer = None
+        if self._expiry_ticks:
+            delay = max(0.0, (self._expiry_ticks[0] * EXPIRY_TICK_MS - now_ms()) / 1000)
+            loop = asyncio.get_running_loop()
+            self._expiry_timer = loop.call_later(delay, self._expire_due)
+
+    def _expire_due(self) -> None:
+        """End the sessions of every tick that is due (a tick emptied by cancels is passed)."""
+        self._expiry_timer = None
+        now = now_ms()
+        ticks = self._expiry_ticks
+        while ticks and ticks[0] * EXPIRY_TICK_MS <= now:
+            due = self._expiring.pop(heapq.heappop(ticks))
+            for cid, session in list(due.items()):
+                self._due.pop(cid, None)
+                if self.sessions.get(cid) is session and session.connection is None:
+                    log.info("session %r expired", cid)
+                    self.on_expire(session)
+        self._arm_expiry()
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -355,18 +395,18 @@ class SessionRegistry:
         out: list[StateRecord] = []
         dumps = to_json  # compact JSON by pydantic's core: faster than the json module
         end = self.qos2.end()
+        fields = self.qos2.record_fields
+        dormant = self._dormant
+        sessions = self.sessions
         for cid in cids:
-            if cid in self._dormant:
+            if cid in dormant:
                 continue  # unchanged since its record was read
-            s = self.sessions.get(cid)
+            s = sessions.get(cid)
             # Clean sessions are listed while connected (inspect, analytics), not after.
             if s is not None and (s.persistent or s.connection is not None):
                 d = s.to_json()
                 if end is not None:
-                    d[LOG_POS_FIELD] = self.qos2.position(cid, end)
-                    since = self.qos2.since(s)
-                    if since is not None:
-                        d[QOS2_SINCE_FIELD] = since
+                    fields(s, end, d)
                 out.append((SESSION_KEY_PREFIX + cid, dumps(d)))
             else:
                 out.append((SESSION_KEY_PREFIX + cid, None))
@@ -440,9 +480,10 @@ class SessionRegistry:
     async def close(self) -> None:
         """Final save of every session that changed since its record was last written (a
         graceful stop has touched every session it disconnected)."""
-        if self._dormant_timer is not None:
-            self._dormant_timer.cancel()
-            self._dormant_timer = None
+        for timer in (self._dormant_timer, self._expiry_timer):
+            if timer is not None:
+                timer.cancel()
+        self._dormant_timer = self._expiry_timer = None
         self.save_now()
 
     async def save_if_dirty(self, progress_interval_s: float = PROGRESS_SAVE_S) -> None:
