@@ -480,8 +480,9 @@ class ClientConnection(ClientTransport):
         finally:
             self._flush_out()
             self._out = None
-            if self._reader is asyncio.current_task():
-                self._reader = None
+            # This is the reader task (_kick starts one only while none runs): no
+            # current_task(), which asks the running loop (a getpid() system call) each time.
+            self._reader = None
 
     def _protocol_error(self, err: RemoteProtocolError) -> None:
         log.warning(

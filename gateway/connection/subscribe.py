@@ -148,14 +148,17 @@ class SubscribeHandler:
                 notes.append(cutoff.text(tf.filter))
             if since is None and subscriptions.wants_retained(tf, req, new):
                 retained_for.append((sub, tf))
-        await cluster.subscribed()  # every node routes to the new filters (cluster mode)
+        single = isinstance(cluster, SingleNode)
+        if not single:
+            await cluster.subscribed()  # every node routes to the new filters
+
         if session.persistent:
             await registry.save(session)  # the subscription must survive a crash once SUBACKed
         else:
             registry.touch(session)
         if client.closed:
             return
-        if retained_for and not isinstance(cluster, SingleNode):
+        if retained_for and not single:
             await cluster.retained_caught_up()  # set through another node a moment ago
             if client.closed:
                 return
