@@ -36,6 +36,7 @@ from gateway.protocol import (
     PubRec,
     ReasonCode,
     RemoteProtocolError,
+    Subscribe,
     Will,
 )
 from gateway.session.model import Session
@@ -253,17 +254,29 @@ class ClientConnection(ClientTransport):
                     acked.append(ev.packet_id)
                     budget -= conn.take_pubacks(acked, budget)  # the run of PUBACKs after it
                     continue
-                elif type(ev) is Disconnect:
-                    # It only closes (nothing to wait for): here, without a reader task, once
-                    # the publishes batched before it are stored and acknowledged, as the
-                    # task would find them (it runs after the batch).
+                elif type(ev) is Disconnect or type(ev) is Subscribe:
+                    # Handled here, without a reader task, when nothing it does waits (a
+                    # DISCONNECT only closes; see SubscribeHandler.subscribe_now), once what
+                    # came before it is done as the task would find it (it runs after the
+                    # batch): the publishes stored and acknowledged, the PUBACKs applied.
+                    if added:  # counted now: the batch is stored below
+                        self.msgs_in += added
+                        if self._held or self.ctx.overload.overloaded:
+                            self.published(added, ingest.last_qos() == 0)
+                        added = 0
                     if ingest.scheduled:
                         ingest.flush()
-                    if acked:  # the PUBACKs before it count for the session's record
+                    if acked:
                         self._pubacks(acked)
                         acked = []
-                    self.ctx.packets.connect.on_disconnect(self, ev)
-                    return
+                    if type(ev) is Disconnect:
+                        self.ctx.packets.connect.on_disconnect(self, ev)
+                        return
+                    assert isinstance(ev, Subscribe)
+                    if self.ctx.packets.subscribe.subscribe_now(self, ev):
+                        if self.closed:
+                            return
+                        continue
                 self._kick(ev)  # the task runs after this: the acknowledgements come first
                 return
             self._kick()  # a flood: the reader task goes on after the turn

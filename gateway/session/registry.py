@@ -466,6 +466,12 @@ class SessionRegistry:
         if position:
             await self._store.wait_state_durable(position)
 
+    def save_written(self, session: Session) -> None:
+        """`save` on a store that `waits` not (gateway/storage/port.py): the append is all there
+        is to it, so no coroutine."""
+        self._dirty.add(session.client_id)
+        self._write(progress=False)
+
     async def save_all(self) -> None:
         """Append every pending change, the slower kind included (in steps), and wait until
         it is durable."""
