@@ -166,6 +166,26 @@ def test_pubacks_before_a_disconnect_in_one_segment_count(gateway: GatewayHarnes
         c.close()
 
 
+def test_subscribe_after_publishes_in_one_segment(gateway: GatewayHarness) -> None:
+    """A SUBSCRIBE read after publishes (handled in the read callback, without a reader
+    task): they are stored and acknowledged first, so the new subscription starts after
+    them and receives only what is published after it."""
+    c = RawClient(gateway.port, level=4)
+    assert c.connect("pre-sub").reason_code == 0
+    c.send_bytes(
+        _segment(
+            4,
+            Publish("pre/t", b"before", qos=1, packet_id=1),
+            Subscribe(2, [Subscription("pre/t", 1)]),
+        )
+    )
+    assert [c.recv(), c.recv()] == [PubAck(1), SubAck(2, [1])]
+    c.send(Publish("pre/t", b"after", qos=1, packet_id=3))
+    got = c.recv_until(Publish)
+    assert got is not None and got.payload == b"after"
+    c.close()
+
+
 def test_long_run_over_several_turns(gateway: GatewayHarness) -> None:
     """More publishes in one write than one turn handles: all stored, acked, in order."""
     watcher = _subscriber(gateway, "run/+")
