@@ -73,6 +73,7 @@ class ConnectHandler:
         "_access",
         "_cluster",
         "_delivery",
+        "_loop",
         "_server",
         "_sessions",
         "_settings",
@@ -100,6 +101,7 @@ class ConnectHandler:
         self._subscriptions = subscriptions
         self._delivery = delivery
         self._cluster = cluster
+        self._loop: asyncio.AbstractEventLoop | None = None  # the gateway's, once running
 
     async def on_connect(self, client: Connecting, ev: Connect) -> None:
         s = self._settings
@@ -205,9 +207,11 @@ class ConnectHandler:
         sessions.registry.touch(session)
         cluster.answered(cid, client)  # cluster mode: a takeover read meanwhile is done now
 
-    @staticmethod
-    def _loop_time() -> float:
-        return asyncio.get_running_loop().time()
+    def _loop_time(self) -> float:
+        loop = self._loop
+        if loop is None:  # asked once: get_running_loop() makes a getpid() system call
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.time()
 
     def _connack_properties(
         self, ev: Connect, assigned: str | None, expiry: int, requested: int

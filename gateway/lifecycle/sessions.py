@@ -120,13 +120,13 @@ class SessionLifecycle:
         """A CONNECT was accepted: the session it continues or starts, and whether one was
         present (CONNACK's Session Present)."""
         registry = self.registry
-        old = registry.get(client_id)
-        if old is not None and old.connection is not None:
+        session = registry.get(client_id)
+        if session is not None and session.connection is not None:
             log.info(
                 "%r: session taken over by a new connection from %s", client_id, connection.peer
             )
-            old.connection.close(ReasonCode.SESSION_TAKEN_OVER)
-        session = registry.get(client_id)  # the old connection may have ended it
+            session.connection.close(ReasonCode.SESSION_TAKEN_OVER)
+            session = registry.get(client_id)  # the old connection may have ended it
         present = False
         if session is not None and clean_start:
             self.end(session)

@@ -166,9 +166,20 @@ class SessionRegistry:
     def cancel_expiry(self, session: Session) -> None:
         cid = session.client_id
         tick = self._due.pop(cid, None)
-        due = None if tick is None else self._expiring.get(tick)
-        if due is not None:  # (None: its tick is being expired now)
-            due.pop(cid, None)
+        if tick is None:
+            return
+        due = self._expiring.get(tick)
+        if due is None:
+            return  # its tick is being expired now
+        del due[cid]
+        if not due:
+            # An emptied tick goes (devices that come back before their expiry leave one
+            # behind each time): memory follows the sessions offline, not the time the
+            # gateway has run. Its heap entry goes when the heap is rebuilt.
+            del self._expiring[tick]
+            if len(self._expiry_ticks) > 2 * len(self._expiring) + 64:
+                self._expiry_ticks = list(self._expiring)
+                heapq.heapify(self._expiry_ticks)
 
     def _arm_expiry(self) -> None:
         """The expiry timer, for the earliest tick with sessions due."""
@@ -186,7 +197,9 @@ class SessionRegistry:
         now = now_ms()
         ticks = self._expiry_ticks
         while ticks and ticks[0] * EXPIRY_TICK_MS <= now:
-            due = self._expiring.pop(heapq.heappop(ticks))
+            due = self._expiring.pop(heapq.heappop(ticks), None)
+            if due is None:
+                continue  # emptied by cancels
             for cid, session in list(due.items()):
                 self._due.pop(cid, None)
                 if self.sessions.get(cid) is session and session.connection is None:
