@@ -9,7 +9,6 @@ gateway/session/model.py); a DELETE record ends the session. A `config/sessions.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import json
 import logging
 import time
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pydantic_core import from_json, to_json
 
 from gateway.clock import now_ms
+from gateway.session.expiry import ExpiryTicks
 from gateway.session.model import NEVER_EXPIRES, Session, SubscriptionState
 from gateway.session.qos2 import LOG_POS_FIELD, InboundQos2
 
@@ -48,8 +48,6 @@ RECORDS_PER_STEP = 200  # session records encoded per event-loop step by save_al
 # back to back would hold the loop nearly whole until the save is done: a latency spike).
 PACED_RECORDS_PER_STEP = 50
 PACED_PAUSE_RATIO = 9.0
-#: Offline sessions expire in ticks of this many ms (see SessionRegistry.schedule_expiry).
-EXPIRY_TICK_MS = 100
 _ID_BITS = 31  # dormant expiry: (due second << _ID_BITS | index); seconds fit 33 bits
 _ID_MASK = (1 << _ID_BITS) - 1
 
@@ -89,13 +87,8 @@ class SessionRegistry:
         self._dormant_due = array("Q")
         self._dormant_next = 0
         self._dormant_timer: asyncio.TimerHandle | None = None
-        # The expiry of the other offline sessions (schedule_expiry): by EXPIRY_TICK_MS tick,
-        # the ticks with sessions due in a heap, one loop timer for the earliest (a timer per
-        # session would cost a loop timer handle each, and a system call to make it).
-        self._expiring: dict[int, dict[str, Session]] = {}  # tick -> client id -> session
-        self._due: dict[str, int] = {}  # client id -> its tick in _expiring
-        self._expiry_ticks: list[int] = []
-        self._expiry_timer: asyncio.TimerHandle | None = None
+        # The expiry of the other offline sessions (schedule_expiry).
+        self._expiry: ExpiryTicks[Session] = ExpiryTicks(self._expire)
         # Each record's `log_pos`, and the QoS 2 ids a restart finds past it (session/qos2.py).
         self.qos2 = InboundQos2(store)
 
@@ -145,67 +138,21 @@ class SessionRegistry:
     # -- expiry ------------------------------------------------------------------------------
 
     def schedule_expiry(self, session: Session) -> None:
-        """`session` went offline (or its expiry changed): it ends when its expiry is due, in
-        the first EXPIRY_TICK_MS tick at or after that (one loop timer for every session)."""
-        cid = session.client_id
-        if cid in self._due:
-            self.cancel_expiry(session)
+        """`session` went offline (or its expiry changed): it ends when its expiry is due
+        (gateway/session/expiry.py: one loop timer for every session)."""
         at = session.expires_at_ms()
         if at is None:
-            return
-        tick = -(-at // EXPIRY_TICK_MS)
-        due = self._expiring.get(tick)
-        if due is None:
-            due = self._expiring[tick] = {}
-            heapq.heappush(self._expiry_ticks, tick)
-            if self._expiry_ticks[0] == tick:
-                self._arm_expiry()
-        due[cid] = session
-        self._due[cid] = tick
+            self._expiry.discard(session.client_id)
+        else:
+            self._expiry.add(session.client_id, session, at)
 
     def cancel_expiry(self, session: Session) -> None:
-        cid = session.client_id
-        tick = self._due.pop(cid, None)
-        if tick is None:
-            return
-        due = self._expiring.get(tick)
-        if due is None:
-            return  # its tick is being expired now
-        del due[cid]
-        if not due:
-            # An emptied tick goes (devices that come back before their expiry leave one
-            # behind each time): memory follows the sessions offline, not the time the
-            # gateway has run. Its heap entry goes when the heap is rebuilt.
-            del self._expiring[tick]
-            if len(self._expiry_ticks) > 2 * len(self._expiring) + 64:
-                self._expiry_ticks = list(self._expiring)
-                heapq.heapify(self._expiry_ticks)
+        self._expiry.discard(session.client_id)
 
-    def _arm_expiry(self) -> None:
-        """The expiry timer, for the earliest tick with sessions due."""
-        if self._expiry_timer is not None:
-            self._expiry_timer.cancel()
-            self._expiry_timer = None
-        if self._expiry_ticks:
-            delay = max(0.0, (self._expiry_ticks[0] * EXPIRY_TICK_MS - now_ms()) / 1000)
-            loop = asyncio.get_running_loop()
-            self._expiry_timer = loop.call_later(delay, self._expire_due)
-
-    def _expire_due(self) -> None:
-        """End the sessions of every tick that is due (a tick emptied by cancels is passed)."""
-        self._expiry_timer = None
-        now = now_ms()
-        ticks = self._expiry_ticks
-        while ticks and ticks[0] * EXPIRY_TICK_MS <= now:
-            due = self._expiring.pop(heapq.heappop(ticks), None)
-            if due is None:
-                continue  # emptied by cancels
-            for cid, session in list(due.items()):
-                self._due.pop(cid, None)
-                if self.sessions.get(cid) is session and session.connection is None:
-                    log.info("session %r expired", cid)
-                    self.on_expire(session)
-        self._arm_expiry()
+    def _expire(self, session: Session) -> None:
+        if self.sessions.get(session.client_id) is session and session.connection is None:
+            log.info("session %r expired", session.client_id)
+            self.on_expire(session)
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -499,10 +446,10 @@ class SessionRegistry:
     async def close(self) -> None:
         """Final save of every session that changed since its record was last written (a
         graceful stop has touched every session it disconnected)."""
-        for timer in (self._dormant_timer, self._expiry_timer):
-            if timer is not None:
-                timer.cancel()
-        self._dormant_timer = self._expiry_timer = None
+        if self._dormant_timer is not None:
+            self._dormant_timer.cancel()
+            self._dormant_timer = None
+        self._expiry.close()
         self.save_now()
 
     async def save_if_dirty(self, progress_interval_s: float = PROGRESS_SAVE_S) -> None:
