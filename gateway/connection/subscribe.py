@@ -3,6 +3,10 @@
 The handler parses the packet (replay requests included), asks access control, and hands the
 session's side to SubscriptionLifecycle (gateway/lifecycle/subscriptions.py); the SUBACK leaves
 once the subscriptions are durable and routed on every node, then the retained messages follow.
+Where nothing of that can wait (a single node, a store that `waits` not: the embedded store in
+async flush mode; no replay), `subscribe_now` does it in the transport's read callback, without
+a reader task; otherwise the reader task runs `on_subscribe`. Both take the same steps:
+`_admit` (parse, access), `_take` (subscribe), `_answer` (SUBACK, retained).
 """
 
 from __future__ import annotations
