@@ -36,6 +36,7 @@ from gateway.protocol import (
     PubRec,
     ReasonCode,
     RemoteProtocolError,
+    Subscribe,
     Will,
 )
 from gateway.session.model import Session
@@ -258,6 +259,29 @@ class ClientConnection(ClientTransport):
                     acked.append(ev.packet_id)
                     budget -= conn.take_pubacks(acked, budget)  # the run of PUBACKs after it
                     continue
+                elif type(ev) is Disconnect or type(ev) is Subscribe:
+                    # Handled here, without a reader task, when nothing it does waits (a
+                    # DISCONNECT only closes; see SubscribeHandler.subscribe_now), once what
+                    # came before it is done as the task would find it (it runs after the
+                    # batch): the publishes stored and acknowledged, the PUBACKs applied.
+                    if added:  # counted now: the batch is stored below
+                        self.msgs_in += added
+                        if self._held or self.ctx.overload.overloaded:
+                            self.published(added, ingest.last_qos() == 0)
+                        added = 0
+                    if ingest.scheduled:
+                        ingest.flush()
+                    if acked:
+                        self._pubacks(acked)
+                        acked = []
+                    if type(ev) is Disconnect:
+                        self.ctx.packets.connect.on_disconnect(self, ev)
+                        return
+                    assert isinstance(ev, Subscribe)
+                    if self.ctx.packets.subscribe.subscribe_now(self, ev):
+                        if self.closed:
+                            return
+                        continue
                 self._kick(ev)  # the task runs after this: the acknowledgements come first
                 return
             self._kick()  # a flood: the reader task goes on after the turn
@@ -476,8 +500,9 @@ class ClientConnection(ClientTransport):
         finally:
             self._flush_out()
             self._out = None
-            if self._reader is asyncio.current_task():
-                self._reader = None
+            # This is the reader task (_kick starts one only while none runs): no
+            # current_task(), which asks the running loop (a getpid() system call) each time.
+            self._reader = None
 
     def _protocol_error(self, err: RemoteProtocolError) -> None:
         log.warning(

@@ -73,6 +73,7 @@ class ConnectHandler:
         "_access",
         "_cluster",
         "_delivery",
+        "_loop",
         "_server",
         "_sessions",
         "_settings",
@@ -100,6 +101,7 @@ class ConnectHandler:
         self._subscriptions = subscriptions
         self._delivery = delivery
         self._cluster = cluster
+        self._loop: asyncio.AbstractEventLoop | None = None  # the gateway's, once running
 
     async def on_connect(self, client: Connecting, ev: Connect) -> None:
         s = self._settings
@@ -146,9 +148,7 @@ class ConnectHandler:
             if client.closed:
                 cluster.released(cid, client)  # a claim made while it waited for a hand-over
                 return
-        session, present = sessions.connect(
-            cid, level, expiry, ev.clean_start, client, will, client.peer
-        )
+        session, present = sessions.connect(cid, level, expiry, ev.clean_start, client, will)
         client.session = session
         client.will = will
         if present and session.behind:
@@ -177,16 +177,17 @@ class ConnectHandler:
         client.write(conn.send(ConnAck(session_present=present, reason_code=0, properties=props)))
         stats.clients_connected += 1
         stats.clients_total += 1
-        log.info(
-            "%r connected from %s (level %d, clean %s, keep-alive %d, expiry %d, present %s)",
-            cid,
-            client.peer,
-            level,
-            ev.clean_start,
-            conn.keep_alive,
-            expiry,
-            present,
-        )
+        if log.isEnabledFor(logging.INFO):  # the peer's address is asked of the transport
+            log.info(
+                "%r connected from %s (level %d, clean %s, keep-alive %d, expiry %d, present %s)",
+                cid,
+                client.peer,
+                level,
+                ev.clean_start,
+                conn.keep_alive,
+                expiry,
+                present,
+            )
         # The state machine must accept acks for ids of a previous connection of this session.
         # A session with none leaves the connection without packet-id sets until its first
         # QoS 1/2 packet (a device that only subscribes never needs them).
@@ -206,9 +207,11 @@ class ConnectHandler:
         sessions.registry.touch(session)
         cluster.answered(cid, client)  # cluster mode: a takeover read meanwhile is done now
 
-    @staticmethod
-    def _loop_time() -> float:
-        return asyncio.get_running_loop().time()
+    def _loop_time(self) -> float:
+        loop = self._loop
+        if loop is None:  # asked once: get_running_loop() makes a getpid() system call
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.time()
 
     def _connack_properties(
         self, ev: Connect, assigned: str | None, expiry: int, requested: int

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from gateway.clock import now_ms
 from gateway.lifecycle.subscriptions import SubscriptionLifecycle
@@ -32,6 +33,15 @@ from gateway.session.wills import Wills
 from gateway.storage.port import Storage, StorageUnavailable, StoreError
 
 log = logging.getLogger("lmqtt.gateway")
+
+
+class Connecting(Connected, Protocol):
+    """A connection whose CONNECT was accepted (gateway/connection/client.py ClientConnection)."""
+
+    @property
+    def peer(self) -> str:
+        """The client's address, for a takeover's log line (asked only then)."""
+        ...
 
 
 class SessionLifecycle:
@@ -104,18 +114,19 @@ class SessionLifecycle:
         level: int,
         expiry: int,
         clean_start: bool,
-        connection: Connected,
+        connection: Connecting,
         will: Will | None,
-        peer: str,
     ) -> tuple[Session, bool]:
         """A CONNECT was accepted: the session it continues or starts, and whether one was
         present (CONNACK's Session Present)."""
         registry = self.registry
-        old = registry.get(client_id)
-        if old is not None and old.connection is not None:
-            log.info("%r: session taken over by a new connection from %s", client_id, peer)
-            old.connection.close(ReasonCode.SESSION_TAKEN_OVER)
-        session = registry.get(client_id)  # the old connection may have ended it
+        session = registry.get(client_id)
+        if session is not None and session.connection is not None:
+            log.info(
+                "%r: session taken over by a new connection from %s", client_id, connection.peer
+            )
+            session.connection.close(ReasonCode.SESSION_TAKEN_OVER)
+            session = registry.get(client_id)  # the old connection may have ended it
         present = False
         if session is not None and clean_start:
             self.end(session)

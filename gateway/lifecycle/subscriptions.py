@@ -67,6 +67,11 @@ class SubscriptionLifecycle:
         # Shared groups saved by the previous run: resumed once their queues are open.
         self._to_resume: list[tuple[str, str, str]] = []
 
+    @property
+    def store_waits(self) -> bool:
+        """Whether opening a queue or saving state may wait (the storage port's `waits`)."""
+        return self._store.waits
+
     # -- restart -----------------------------------------------------------------------------
 
     def restore(self, sub: SubscriptionEntry | SubscriptionState) -> None:

@@ -403,8 +403,15 @@ class RetainedIndex:
             return []
         # Records another writer put in %RETAIN% without telling us become visible here.
         self._catch_up(confirmable=True)
+        if "+" in topic_filter or "#" in topic_filter:
+            found = self._trie.match(topic_filter)
+        else:
+            # An exact filter (a device's own topic, the common case): one path down the trie.
+            exact = self._trie.get(topic_filter)
+            if exact is None:
+                return []
+            found = [exact]
         now = _now_ms()
-        found = self._trie.match(topic_filter)
         live = []
         for msg in found:
             if msg.expired(now):

@@ -543,6 +543,9 @@ def _without_problem_information(event: Event) -> Event:
 _BATCHED = frozenset({pt.PUBLISH, pt.PUBACK})
 
 
+_MQTT_NAME = b"\x00\x04MQTT"  # a CONNECT body's start: the protocol name of 3.1.1 and 5
+
+
 def _on_packet(conn: Connection, ptype: int, flags: int, body: bytes) -> Event:
     phase = conn._phase
     if ptype not in SERVER_RECEIVES:
@@ -552,7 +555,9 @@ def _on_packet(conn: Connection, ptype: int, flags: int, body: bytes) -> Event:
     if phase == AWAIT_CONNECT:
         if ptype != pt.CONNECT:
             raise wire.protocol_error(f"{pt.NAMES[ptype]} before CONNECT")
-        claimed = connect_level(body)
+        # The level the CONNECT claims, to answer even a malformed one in its own version:
+        # read from its place when the protocol name is "MQTT" (read_connect checks it all).
+        claimed = body[6] if body[:6] == _MQTT_NAME and len(body) > 6 else connect_level(body)
         if claimed is not None:
             conn._answer_level = claimed if claimed in (3, 4, 5) else 4
         check_fixed_flags(ptype, flags, conn._answer_level or 4)

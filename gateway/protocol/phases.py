@@ -26,5 +26,9 @@ class Phase(enum.Enum):
     CLOSED = "closed"  # nothing: DISCONNECT or EOF came
     ERROR = "error"  # nothing: a RemoteProtocolError was raised
 
+    # Members are singletons compared by identity: hashed by identity too, in C (Enum's own
+    # __hash__ is a Python call, made twice per phase change by the TRANSITIONS lookup).
+    __hash__ = object.__hash__
+
 
 AWAIT_CONNECT, CONNECTED, CLOSED, ERROR = Phase

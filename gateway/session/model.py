@@ -267,19 +267,19 @@ class OneSubscription(Mapping[str, SubscriptionState]):
     without a dict's hash table. Read-only, like NO_SUBSCRIPTIONS (the empty one). Its
     `by_queue` too (keyed by the queue), until a delivery loop starts."""
 
-    __slots__ = ("_filter", "_sub")
+    __slots__ = ("_filter", "sub")
 
     def __init__(self, topic_filter: str, sub: SubscriptionState) -> None:
         self._filter = topic_filter
-        self._sub = sub
+        self.sub = sub  # the one subscription (read-only)
 
     def __getitem__(self, key: str) -> SubscriptionState:
         if key == self._filter:
-            return self._sub
+            return self.sub
         raise KeyError(key)
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self._sub if key == self._filter else default
+        return self.sub if key == self._filter else default
 
     def __contains__(self, key: object) -> bool:
         return key == self._filter
@@ -291,7 +291,7 @@ class OneSubscription(Mapping[str, SubscriptionState]):
         return 1
 
     def __repr__(self) -> str:
-        return f"{{{self._filter!r}: {self._sub!r}}}"
+        return f"{{{self._filter!r}: {self.sub!r}}}"
 
 
 NO_SUBSCRIPTIONS: Mapping[str, SubscriptionState] = MappingProxyType({})
@@ -465,13 +465,23 @@ class Session:
         return skipped
 
     def to_json(self) -> dict[str, Any]:
+        # Encoded at every change of the session: the common shapes (one subscription, none
+        # in flight, no QoS 2 ids) without a views object, a comprehension or a sort each.
+        subs = self.subscriptions
+        inflight = self.inflight
         d: dict[str, Any] = {
             "protocol_level": self.protocol_level,
             "expiry_interval": self.expiry_interval,
             "disconnected_at_ms": self.disconnected_at_ms,
-            "subscriptions": [s.to_json() for s in self.subscriptions.values()],
-            "qos2_inbound": sorted(self.qos2_inbound),
-            "inflight": [i.to_json() for i in self.inflight.values() if i.resumable],
+            "subscriptions": (
+                [subs.sub.to_json()]
+                if type(subs) is OneSubscription
+                else [s.to_json() for s in subs.values()]
+            ),
+            "qos2_inbound": sorted(self.qos2_inbound) if self.qos2_inbound else [],
+            "inflight": (
+                [i.to_json() for i in inflight.values() if i.resumable] if inflight else []
+            ),
             "will": will_to_json(self.will) if self.will is not None else None,
             "will_due_ms": self.will_due_ms,
         }

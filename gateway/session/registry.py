@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pydantic_core import from_json, to_json
 
 from gateway.clock import now_ms
+from gateway.session.expiry import ExpiryTicks
 from gateway.session.model import NEVER_EXPIRES, Session, SubscriptionState
-from gateway.session.qos2 import LOG_POS_FIELD, QOS2_SINCE_FIELD, InboundQos2
+from gateway.session.qos2 import LOG_POS_FIELD, InboundQos2
 
 if TYPE_CHECKING:
     from gateway.protocol import Will
@@ -86,6 +87,8 @@ class SessionRegistry:
         self._dormant_due = array("Q")
         self._dormant_next = 0
         self._dormant_timer: asyncio.TimerHandle | None = None
+        # The expiry of the other offline sessions (schedule_expiry).
+        self._expiry: ExpiryTicks[Session] = ExpiryTicks(self._expire)
         # Each record's `log_pos`, and the QoS 2 ids a restart finds past it (session/qos2.py).
         self.qos2 = InboundQos2(store)
 
@@ -135,21 +138,18 @@ class SessionRegistry:
     # -- expiry ------------------------------------------------------------------------------
 
     def schedule_expiry(self, session: Session) -> None:
-        self.cancel_expiry(session)
+        """`session` went offline (or its expiry changed): it ends when its expiry is due
+        (gateway/session/expiry.py: one loop timer for every session)."""
         at = session.expires_at_ms()
         if at is None:
-            return
-        delay = max(0.0, (at - now_ms()) / 1000)
-        loop = asyncio.get_running_loop()
-        session.expiry_timer = loop.call_later(delay, self._expire, session)
+            self._expiry.discard(session.client_id)
+        else:
+            self._expiry.add(session.client_id, session, at)
 
     def cancel_expiry(self, session: Session) -> None:
-        if session.expiry_timer is not None:
-            session.expiry_timer.cancel()
-            session.expiry_timer = None
+        self._expiry.discard(session.client_id)
 
     def _expire(self, session: Session) -> None:
-        session.expiry_timer = None
         if self.sessions.get(session.client_id) is session and session.connection is None:
             log.info("session %r expired", session.client_id)
             self.on_expire(session)
@@ -355,18 +355,18 @@ class SessionRegistry:
         out: list[StateRecord] = []
         dumps = to_json  # compact JSON by pydantic's core: faster than the json module
         end = self.qos2.end()
+        fields = self.qos2.record_fields
+        dormant = self._dormant
+        sessions = self.sessions
         for cid in cids:
-            if cid in self._dormant:
+            if cid in dormant:
                 continue  # unchanged since its record was read
-            s = self.sessions.get(cid)
+            s = sessions.get(cid)
             # Clean sessions are listed while connected (inspect, analytics), not after.
             if s is not None and (s.persistent or s.connection is not None):
                 d = s.to_json()
                 if end is not None:
-                    d[LOG_POS_FIELD] = self.qos2.position(cid, end)
-                    since = self.qos2.since(s)
-                    if since is not None:
-                        d[QOS2_SINCE_FIELD] = since
+                    fields(s, end, d)
                 out.append((SESSION_KEY_PREFIX + cid, dumps(d)))
             else:
                 out.append((SESSION_KEY_PREFIX + cid, None))
@@ -426,6 +426,12 @@ class SessionRegistry:
         if position:
             await self._store.wait_state_durable(position)
 
+    def save_written(self, session: Session) -> None:
+        """`save` on a store that `waits` not (gateway/storage/port.py): the append is all there
+        is to it, so no coroutine."""
+        self._dirty.add(session.client_id)
+        self._write(progress=False)
+
     async def save_all(self) -> None:
         """Append every pending change, the slower kind included (in steps), and wait until
         it is durable."""
@@ -443,6 +449,7 @@ class SessionRegistry:
         if self._dormant_timer is not None:
             self._dormant_timer.cancel()
             self._dormant_timer = None
+        self._expiry.close()
         self.save_now()
 
     async def save_if_dirty(self, progress_interval_s: float = PROGRESS_SAVE_S) -> None:

@@ -56,6 +56,11 @@ class EmbeddedStorage(MessageStore):
     async def drain(self) -> None:
         """Nothing to wait for: appends are written in the caller's thread; close() fsyncs."""
 
+    @property
+    def waits(self) -> bool:
+        """Only the state log's fsyncs (sync flush) are waited for: see the port."""
+        return self.config.flush == FlushMode.SYNC
+
     async def open_queue(self, queue: str) -> None:
         """Nothing to do: every queue's end is in memory."""
 

@@ -177,6 +177,13 @@ class Storage(Protocol):
     def closed(self) -> bool: ...
 
     @property
+    def waits(self) -> bool:
+        """False when `open_queue` and `wait_state_durable` return at once whatever they are
+        given (the embedded store in async flush mode): a SUBSCRIBE is then handled without
+        a task (gateway/connection/subscribe.py)."""
+        ...
+
+    @property
     def tail_may_be_lost(self) -> bool:
         """True when the last stop was unclean and the newest messages may be gone (async
         flush), so a saved read position may lie past its queue's end."""

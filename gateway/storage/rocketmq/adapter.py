@@ -181,6 +181,10 @@ class RocketMqStorage:
         return self._closed
 
     @property
+    def waits(self) -> bool:
+        return True  # queues are opened at the broker, state is durable once it says so
+
+    @property
     def tail_may_be_lost(self) -> bool:
         # Acknowledged messages are the broker's to keep; our saved positions are never past
         # what it acknowledged.

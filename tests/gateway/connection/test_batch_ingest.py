@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from gateway.protocol import (
+    Disconnect,
     PubAck,
     PubComp,
     Publish,
@@ -106,6 +107,83 @@ def test_mixed_segment_keeps_order_and_acks(gateway: GatewayHarness) -> None:
     assert [p.payload for p in _received(fresh, 1)] == [b"4"]
     for c in (watcher, pub, fresh):
         c.close()
+
+
+def test_disconnect_after_publishes_in_one_segment(gateway: GatewayHarness) -> None:
+    """A DISCONNECT read with the publishes before it (handled in the read callback, without
+    a reader task): they are stored and acknowledged first, then the connection closes."""
+    watcher = _subscriber(gateway, "bye/#")
+    pub = RawClient(gateway.port, level=5)
+    assert pub.connect("leaver").reason_code == 0
+    pub.send_bytes(
+        _segment(
+            5,
+            Publish("bye/1", b"1", qos=1, packet_id=1),
+            Publish("bye/2", b"2", qos=0),
+            Publish("bye/3", b"3", qos=1, packet_id=3),
+            Disconnect(),
+        )
+    )
+    assert [pub.recv() for _ in range(3)] == [PubAck(1), PubAck(3), None]
+    assert [p.payload for p in _received(watcher, 3)] == [b"1", b"2", b"3"]
+    watcher.close()
+
+
+def test_pubacks_before_a_disconnect_in_one_segment_count(gateway: GatewayHarness) -> None:
+    """A persistent session that acknowledges its messages and disconnects in one segment
+    gets none of them again when it resumes: the PUBACKs are applied before the session's
+    connection ends (its record then has nothing in flight)."""
+    device = RawClient(gateway.port, level=4)
+    assert device.connect("acker", clean=False).reason_code == 0
+    device.send(Subscribe(1, [Subscription("ack/t", 1)]))
+    assert isinstance(device.recv(), SubAck)
+    pub = RawClient(gateway.port, level=4)
+    assert pub.connect("acker-pub").reason_code == 0
+    for i in (1, 2):
+        pub.send(Publish("ack/t", str(i).encode(), qos=1, packet_id=i))
+        assert pub.recv() == PubAck(i)
+    got = [device.recv_until(Publish) for _ in range(2)]
+    assert [p.payload for p in got] == [b"1", b"2"]
+    # A publish first: the PUBACKs after it are read one by one (not by the C read of a
+    # run of PUBACKs), as what a DISCONNECT may follow in the same read.
+    device.send_bytes(
+        _segment(
+            4,
+            Publish("ack/status", b"bye", qos=0),
+            *(PubAck(p.packet_id) for p in got),
+            Disconnect(),
+        )
+    )
+    assert device.recv() is None
+    again = RawClient(gateway.port, level=4)
+    ack = again.connect("acker", clean=False)
+    assert ack.session_present
+    pub.send(Publish("ack/t", b"3", qos=1, packet_id=3))
+    assert pub.recv() == PubAck(3)
+    nxt = again.recv_until(Publish)
+    assert nxt is not None and nxt.payload == b"3" and not nxt.dup
+    for c in (pub, again):
+        c.close()
+
+
+def test_subscribe_after_publishes_in_one_segment(gateway: GatewayHarness) -> None:
+    """A SUBSCRIBE read after publishes (handled in the read callback, without a reader
+    task): they are stored and acknowledged first, so the new subscription starts after
+    them and receives only what is published after it."""
+    c = RawClient(gateway.port, level=4)
+    assert c.connect("pre-sub").reason_code == 0
+    c.send_bytes(
+        _segment(
+            4,
+            Publish("pre/t", b"before", qos=1, packet_id=1),
+            Subscribe(2, [Subscription("pre/t", 1)]),
+        )
+    )
+    assert [c.recv(), c.recv()] == [PubAck(1), SubAck(2, [1])]
+    c.send(Publish("pre/t", b"after", qos=1, packet_id=3))
+    got = c.recv_until(Publish)
+    assert got is not None and got.payload == b"after"
+    c.close()
 
 
 def test_long_run_over_several_turns(gateway: GatewayHarness) -> None:

@@ -33,8 +33,14 @@ class Cycle:
 
 
 def collect_a_large_heap() -> None:
-    """A full collection that finds 300,000 cycles to free (and leaves none behind)."""
-    heap = [Cycle() for _ in range(300_000)]
+    """A full collection that finds 300,000 cycles to free (and leaves none behind). Built
+    with the collector off: a young collection finding no garbage would freeze them
+    (gateway/ops/gc_monitor.py), and the full one would have nothing to walk."""
+    gc.disable()
+    try:
+        heap = [Cycle() for _ in range(300_000)]
+    finally:
+        gc.enable()
     del heap
     gc.collect()
 
