@@ -156,7 +156,7 @@ def _encode_binary_header(cmd: RemotingCommand) -> bytes:
     return bytes(out)
 
 
-def decode_frame(frame: bytes | memoryview) -> RemotingCommand:
+def decode_frame(frame: bytes | bytearray | memoryview) -> RemotingCommand:
     """One frame without its length prefix (``mark`` int, header, body) -> command."""
     if len(frame) < 4:
         raise ProtocolError("frame shorter than its header-length field")
