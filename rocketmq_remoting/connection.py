@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import Final
 
 from rocketmq_remoting.codes import FLAG_ONEWAY, FLAG_RESPONSE, ResponseCode
-from rocketmq_remoting.command import FRAME_MAX, RemotingCommand, decode_frame
+from rocketmq_remoting.command import FRAME_MAX, RemotingCommand, decode_frame_at
 from rocketmq_remoting.errors import (
     ProtocolError,
     RemotingClosedError,
@@ -131,6 +131,7 @@ class Connection(asyncio.Protocol):
             view = data
         pos, have = 0, len(view)
         unpack = _LEN.unpack_from
+        decode = decode_frame_at
         try:
             while have - pos >= 4:
                 (length,) = unpack(view, pos)
@@ -138,7 +139,7 @@ class Connection(asyncio.Protocol):
                     raise ProtocolError(f"frame length {length} out of range")
                 if have - pos - 4 < length:
                     break
-                self._received(decode_frame(view[pos + 4 : pos + 4 + length]))
+                self._received(decode(view, pos + 4, pos + 4 + length))
                 pos += 4 + length
         except ProtocolError as exc:
             log.warning("rocketmq %s: %s; dropping the connection", self.addr, exc)
