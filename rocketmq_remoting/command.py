@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import accelerators
 from rocketmq_remoting.codes import (
     FLAG_ONEWAY,
     FLAG_RESPONSE,
@@ -156,7 +157,7 @@ def _encode_binary_header(cmd: RemotingCommand) -> bytes:
     return bytes(out)
 
 
-def decode_frame(frame: bytes | memoryview) -> RemotingCommand:
+def decode_frame(frame: bytes | bytearray | memoryview) -> RemotingCommand:
     """One frame without its length prefix (``mark`` int, header, body) -> command."""
     if len(frame) < 4:
         raise ProtocolError("frame shorter than its header-length field")
@@ -195,23 +196,29 @@ def _json_object(header: bytes) -> Any:
     return value
 
 
+#: The JSON header's keys the decoder reads (also handed to the C kernel, below).
+_HEADER_KEYS: Final = ("code", "extFields", "flag", "language", "opaque", "remark", "version")
+
+
 def _decode_json_header(header: bytes) -> RemotingCommand:
     try:
         raw = _json_object(header)
-        ext = raw.get("extFields") or {}
+        code, ext_key, flag, language, opaque, remark, version = _HEADER_KEYS
+        ext = raw.get(ext_key) or {}
         if not all(type(v) is str for v in ext.values()):  # a Java server writes strings
             ext = {str(k): str(v) for k, v in ext.items()}
         return RemotingCommand(
-            code=int(raw["code"]),
-            opaque=int(raw.get("opaque", 0)),
-            flag=int(raw.get("flag", 0)),
-            remark=raw.get("remark"),
+            code=int(raw[code]),
+            opaque=int(raw.get(opaque, 0)),
+            flag=int(raw.get(flag, 0)),
+            remark=raw.get(remark),
             ext_fields=ext,
-            language=str(raw.get("language", "JAVA")),
-            version=int(raw.get("version", 0)),
+            language=str(raw.get(language, "JAVA")),
+            version=int(raw.get(version, 0)),
             serialize_type=SerializeType.JSON,
         )
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+        # OverflowError: a number JSON reads as infinite (`Infinity`, `1e999`) where an int goes
         raise ProtocolError(f"bad JSON header: {exc}") from exc
 
 
@@ -254,3 +261,21 @@ def _decode_binary_header(header: bytes) -> RemotingCommand:
         )
     except (struct.error, UnicodeDecodeError) as exc:
         raise ProtocolError(f"bad binary header: {exc}") from exc
+
+
+def decode_frame_at_py(buf: bytes | bytearray, start: int, end: int) -> RemotingCommand:
+    """`decode_frame` of the frame buf[start:end] (the reference of the C kernel's `frame`)."""
+    return decode_frame(buf[start:end])
+
+
+#: The C kernel (rocketmq_remoting/_speedups.c `frame`) decodes the frames every broker answer
+#: is (a compact JSON header without escapes, and the body) itself and hands any other to
+#: `decode_frame`: exactly decode_frame_at_py (tests/rocketmq_remoting/test_frame_speedup.py).
+#: LMQTT_PURE_PYTHON(_READ) keeps the reference.
+_kernel = accelerators.load("rocketmq_remoting._speedups", "LMQTT_PURE_PYTHON_READ")
+if _kernel is not None:
+    _kernel.configure_frames(RemotingCommand, SerializeType.JSON, decode_frame, _HEADER_KEYS)
+#: A frame at buf[start:end] (without its length prefix) -> its command.
+decode_frame_at: Callable[[bytes | bytearray, int, int], RemotingCommand] = (
+    decode_frame_at_py if _kernel is None else _kernel.frame
+)

@@ -13,6 +13,10 @@ When the connection drops, every waiting request fails with :class:`RemotingClos
 client above opens a new connection for the next request (nothing is retried blindly: a send
 may or may not have been stored).
 
+The connection is the socket's asyncio protocol itself: each socket read is handed to
+``data_received``, which hands out every whole frame in it there and then (no stream reader
+buffering it, no reader task woken per read), and frames leave through the transport.
+
 A caller that sends many requests at once (a producer's sends of one loop turn) may skip the
 coroutine per request: ``next_opaque`` + ``expect`` + ``write`` queue a frame it encoded itself
 and register a callback, called once with the answer or with the RemotingError that ended the
@@ -22,14 +26,13 @@ wait (connection lost, or ``expire`` when the caller's own timer ran out).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import struct
 from collections.abc import Callable, Iterable
 from typing import Final
 
 from rocketmq_remoting.codes import FLAG_ONEWAY, FLAG_RESPONSE, ResponseCode
-from rocketmq_remoting.command import FRAME_MAX, RemotingCommand, decode_frame
+from rocketmq_remoting.command import FRAME_MAX, RemotingCommand, decode_frame_at
 from rocketmq_remoting.errors import (
     ProtocolError,
     RemotingClosedError,
@@ -43,8 +46,6 @@ AnswerCallback = Callable[["RemotingCommand | RemotingError"], None]
 
 log = logging.getLogger(__name__)
 _LEN: Final = struct.Struct(">i")
-#: At most this much is read from the socket at once (then every whole frame in it handled).
-READ_CHUNK: Final = 1 << 18
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -54,15 +55,12 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class Connection:
+class Connection(asyncio.Protocol):
     """A connected, pipelined remoting channel. Create with :meth:`open`."""
 
-    def __init__(
-        self, addr: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    def __init__(self, addr: str) -> None:
         self.addr = addr
-        self._reader = reader
-        self._writer = writer
+        self._transport: asyncio.Transport | None = None
         self._pending: dict[int, asyncio.Future[RemotingCommand]] = {}
         self._callbacks: dict[int, AnswerCallback] = {}  # requests sent with `expect`
         self._opaque = 0
@@ -70,18 +68,87 @@ class Connection:
         self._close_reason = "connection closed"
         self._loop = asyncio.get_running_loop()
         self._out: list[bytes] = []  # frames of this loop turn, written by _flush_out
-        self._read_task = asyncio.get_running_loop().create_task(
-            self._read_loop(), name=f"rocketmq-remoting-read-{addr}"
-        )
+        self._buf = bytearray()  # the start of a frame not whole yet
+        self._paused = False  # the transport's write buffer is full (pause_writing)
+        self._writable: list[asyncio.Future[None]] = []  # who waits for resume_writing
+        self._lost: asyncio.Future[None] = self._loop.create_future()
 
     @classmethod
     async def open(cls, addr: str, timeout: float) -> Connection:
         host, port = split_addr(addr)
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            _transport, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: cls(addr), host, port), timeout
+            )
         except (OSError, TimeoutError) as exc:
             raise RemotingConnectError(addr, exc or "timeout") from exc
-        return cls(addr, reader, writer)
+        return conn
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._abort(f"connection lost: {exc}" if exc is not None else "closed by peer")
+        self._wake_writers()
+        if not self._lost.done():
+            self._lost.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_writers()
+
+    def _wake_writers(self) -> None:
+        writable, self._writable = self._writable, []
+        for fut in writable:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _drain(self) -> None:
+        """Wait while the transport's write buffer is over its high-water mark."""
+        while self._paused and not self._closed:
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._writable.append(fut)
+            await fut
+        if self._closed:
+            raise ConnectionResetError(self._close_reason)
+
+    def data_received(self, data: bytes) -> None:
+        """Hand out every whole frame of what the socket had (a pull answer and the send
+        answers of a burst often arrive in one read); keep the start of the next."""
+        if self._closed:
+            return
+        buf = self._buf
+        if buf:
+            buf += data
+            view: bytes | bytearray = buf
+        else:
+            view = data
+        pos, have = 0, len(view)
+        unpack = _LEN.unpack_from
+        decode = decode_frame_at
+        try:
+            while have - pos >= 4:
+                (length,) = unpack(view, pos)
+                if length < 4 or length > FRAME_MAX:
+                    raise ProtocolError(f"frame length {length} out of range")
+                if have - pos - 4 < length:
+                    break
+                self._received(decode(view, pos + 4, pos + 4 + length))
+                pos += 4 + length
+        except ProtocolError as exc:
+            log.warning("rocketmq %s: %s; dropping the connection", self.addr, exc)
+            self._abort(str(exc))
+            return
+        if buf:
+            del buf[:pos]
+        elif pos < have:
+            buf += data[pos:]
 
     @property
     def closed(self) -> bool:
@@ -119,9 +186,9 @@ class Connection:
 
     def _flush_out(self) -> None:
         out, self._out = self._out, []
-        if out and not self._closed:
+        if out and not self._closed and self._transport is not None:
             try:
-                self._writer.write(out[0] if len(out) == 1 else b"".join(out))
+                self._transport.write(out[0] if len(out) == 1 else b"".join(out))
             except (ConnectionError, OSError) as exc:
                 self._abort(f"write failed: {exc}")
 
@@ -158,7 +225,8 @@ class Connection:
         timer = self._loop.call_later(timeout, self._expire, future)
         try:
             self._write(encode(opaque))
-            await self._writer.drain()
+            if self._paused:
+                await self._drain()
             return await future
         except TimeoutError:
             raise RemotingTimeoutError(self.addr, code, timeout) from None
@@ -179,45 +247,11 @@ class Connection:
         cmd.flag = (cmd.flag | FLAG_ONEWAY) & ~FLAG_RESPONSE
         try:
             self._write(cmd.encode())
-            await self._writer.drain()
+            if self._paused:
+                await self._drain()
         except (ConnectionError, OSError) as exc:
             self._abort(f"write failed: {exc}")
             raise RemotingClosedError(self.addr, self._close_reason) from exc
-
-    async def _read_loop(self) -> None:
-        """Read what the socket has, then hand out every whole frame in it: one await per read
-        (a pull answer and the send answers of a burst often arrive in one), not two per
-        frame (its length, then the rest)."""
-        reason = "closed by peer"
-        buf = bytearray()
-        read = self._reader.read
-        unpack = _LEN.unpack_from
-        try:
-            while True:
-                data = await read(READ_CHUNK)
-                if not data:
-                    break
-                buf += data
-                pos, have = 0, len(buf)
-                while have - pos >= 4:
-                    (length,) = unpack(buf, pos)
-                    if length < 4 or length > FRAME_MAX:
-                        raise ProtocolError(f"frame length {length} out of range")
-                    if have - pos - 4 < length:
-                        break
-                    self._received(decode_frame(bytes(buf[pos + 4 : pos + 4 + length])))
-                    pos += 4 + length
-                del buf[:pos]
-        except (ConnectionError, OSError) as exc:
-            reason = f"connection lost: {exc}"
-        except ProtocolError as exc:
-            log.warning("rocketmq %s: %s; dropping the connection", self.addr, exc)
-            reason = str(exc)
-        except asyncio.CancelledError:
-            reason = "closed"
-            raise
-        finally:
-            self._abort(reason)
 
     def _received(self, cmd: RemotingCommand) -> None:
         if cmd.is_response:
@@ -258,20 +292,17 @@ class Connection:
         callbacks, self._callbacks = self._callbacks, {}
         for callback in callbacks.values():
             self._call(callback, RemotingClosedError(self.addr, reason))
-        self._writer.close()
+        if self._transport is not None:
+            self._transport.close()
 
     def close_nowait(self) -> None:
         """Drop the connection without waiting for its reader to finish (frames queued in
         this loop turn, one-way ones included, are written first)."""
         self._flush_out()
         self._abort("closed")
-        self._read_task.cancel()
 
     async def close(self) -> None:
         self._flush_out()
         self._abort("closed")
-        self._read_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError):
-            await self._read_task
-        with contextlib.suppress(ConnectionError, OSError):
-            await self._writer.wait_closed()
+        if self._transport is not None:
+            await asyncio.shield(self._lost)

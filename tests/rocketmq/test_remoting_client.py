@@ -342,7 +342,8 @@ async def test_reconnect_after_the_connection_drops(client: RemotingClient, brok
     )
     await asyncio.sleep(0.3)
     assert not held.done()
-    first._writer.transport.abort()  # the TCP connection is reset under the in-flight pull
+    assert first._transport is not None
+    first._transport.abort()  # the TCP connection is reset under the in-flight pull
     with pytest.raises(RemotingClosedError):
         await asyncio.wait_for(held, 5.0)
     assert first.closed
