@@ -1,25 +1,28 @@
 """GroupCommit: the event loop's waits for an append-only log's fsync, one fsync for all of them.
 
 Callers append to the log in the event loop's thread, then `await wait(position)`. An fsync
-thread (fsync_thread.py: in C, without the GIL, when built) runs one fdatasync at a time;
-each covers everything appended before it was requested, so every caller waiting at that
+thread (fsync_thread.py: in C, without the GIL, when built) runs one fdatasync at a time,
+each for the highest position requested when it starts, so every caller waiting at that
 moment is answered by it. The thread says it is done through an eventfd the loop watches
 (`add_reader`), so answering costs the loop one callback, however many callers it answers:
 
     loop thread                               fsync thread
     append A; wait(A); append Z; wait(Z)
     (end of the turn) -- request(Z) ----->    fdatasync (covers A and Z)
-    append B; wait(B)    (one running:             |
-    append C; wait(C)     no request)              |
-    <-- eventfd: A, Z answered; B, C left ----  write(eventfd)
-    _done: request(C) ------------------->    fdatasync (covers B and C)
-    <-- eventfd: B and C answered -----------  write(eventfd)
+    append B; wait(B)                              |
+    (end of the turn) -- request(B) ----->         |   (noted: runs next)
+    <-- eventfd: A, Z answered ------------   write(eventfd); fdatasync (covers B)
+    append C; wait(C)                              |
+    (end of the turn) -- request(C) ----->         |
+    <-- eventfd: B answered ---------------   write(eventfd); fdatasync (covers C)
 
 The first wait of a loop turn requests the fsync at the end of the turn, so the turn's other
 writes (one SUBSCRIBE per client whose packet came in the same poll) share it rather than
-wait for the next one. A wait costs one future; an fsync costs one request (a mutex and a
-condition signal) and one eventfd read, and the fsync thread never contends for the GIL with
-the loop (a Python thread took it twice per fsync: after its wake-up and after the fsync).
+wait for the next one; a request made while an fsync runs starts the next one as soon as it
+ends, without a round trip through the loop. A wait costs one future; a turn's request one
+mutex and a condition signal; an fsync one eventfd read, and the fsync thread never
+contends for the GIL with the loop (a Python thread took it twice per fsync: after its
+wake-up and after the fsync).
 """
 
 from __future__ import annotations
@@ -60,13 +63,13 @@ class GroupCommit:
     """Answers `wait(position)` once `log` is durable up to `position` (see the module
     docstring). Used from one event loop; `stop()` ends the fsync thread."""
 
-    __slots__ = ("_busy", "_generation", "_log", "_loop", "_stopped", "_thread", "_waiters")
+    __slots__ = ("_generation", "_log", "_loop", "_scheduled", "_stopped", "_thread", "_waiters")
 
     def __init__(self, log: Syncable) -> None:
         self._log = log
         # (position, future) of the callers not answered yet, in append order.
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._busy = False  # an fsync is requested (or will be this turn), its _done not run
+        self._scheduled = False  # a request is due at the end of this loop turn
         self._thread: FsyncThreadLike | None = None
         self._generation = -1  # of the file the thread syncs
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -79,9 +82,9 @@ class GroupCommit:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append((position, fut))
-        if not self._busy:
+        if not self._scheduled:
             # At the end of this loop turn: the other writes of the turn share the fsync.
-            self._busy = True
+            self._scheduled = True
             loop.call_soon(self._request, loop)
         await fut
 
@@ -102,6 +105,7 @@ class GroupCommit:
             self._waiters = []
 
     def _request(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._scheduled = False
         if self._stopped:
             return
         log, thread = self._log, self._thread
@@ -116,7 +120,6 @@ class GroupCommit:
             try:
                 fd, self._generation = log.dup_for_sync()
             except Exception as exc:  # closed under the waiters: they hear why
-                self._busy = False
                 waiters, self._waiters = self._waiters, []
                 for _, fut in waiters:
                     if not fut.done():
@@ -126,25 +129,21 @@ class GroupCommit:
         thread.request(log.written)
 
     def _done(self) -> None:
-        """The fsync thread signalled (in the loop's thread): answer the callers it covered;
-        request the next fsync for those who appended while it ran."""
+        """The fsync thread signalled (in the loop's thread): answer the callers it covered.
+        The others' positions were requested at the end of their turns: the thread runs
+        (or ran) the fsync that covers them."""
         thread = self._thread
         if thread is None:
             return
         synced, fsyncs, error = thread.collect()
         if fsyncs:
             self._log.note_synced(synced, fsyncs)
-        if not fsyncs and not error:
-            return  # nothing ended (a spurious wake-up): the fsync still runs
-        self._busy = False
-        left = self._answer(error)
-        if left and self._loop is not None:
-            self._busy = True
-            self._request(self._loop)
+        if fsyncs or error:
+            self._answer(error)
 
-    def _answer(self, error: int) -> bool:
+    def _answer(self, error: int) -> None:
         """Answer the waiters the log's durable position covers; `error` (an errno) fails
-        the others. Whether any are left waiting."""
+        the others (the thread dropped their request)."""
         synced = self._log.synced
         left: list[tuple[int, asyncio.Future[None]]] = []
         for position, fut in self._waiters:
@@ -157,4 +156,3 @@ class GroupCommit:
             else:
                 left.append((position, fut))
         self._waiters = left
-        return bool(left)
