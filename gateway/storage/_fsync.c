@@ -18,6 +18,7 @@
  */
 #include "kernel.h"
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/eventfd.h>
@@ -88,7 +89,8 @@ fsync_run(void *arg)
 static PyObject *
 FsyncThread_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    if (!_PyArg_NoPositional("FsyncThread", args) || !_PyArg_NoKeywords("FsyncThread", kwds)) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "FsyncThread() takes no arguments");
         return NULL;
     }
     int efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -159,10 +161,15 @@ FsyncThread_fileno(FsyncThread *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 FsyncThread_set_fd(FsyncThread *self, PyObject *arg)
 {
-    int fd = _PyLong_AsInt(arg);
-    if (fd == -1 && PyErr_Occurred()) {
+    long value = PyLong_AsLong(arg);
+    if (value == -1 && PyErr_Occurred()) {
         return NULL;
     }
+    if (value < 0 || value > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "set_fd: not a file descriptor");
+        return NULL;
+    }
+    int fd = (int)value;
     pthread_mutex_lock(&self->mu);
     int old = self->fd;
     self->fd = fd;

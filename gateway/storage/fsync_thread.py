@@ -80,6 +80,8 @@ class PyFsyncThread:
         return self._efd
 
     def set_fd(self, fd: int) -> None:
+        if fd < 0:
+            raise ValueError("set_fd: not a file descriptor")
         with self._cond:
             old, self._fd = self._fd, fd
             if old >= 0 and old == self._using:

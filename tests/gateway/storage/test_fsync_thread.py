@@ -66,6 +66,8 @@ def _script(make: Callable[[], FsyncThreadLike], tmp_path: Path) -> list[object]
         thread.request(3)
         readable, _, _ = select.select([thread.fileno()], [], [], 0.2)
         out.append(bool(readable))
+        with pytest.raises(ValueError):
+            thread.set_fd(-1)
         # Replacing the file closes the one handed over before (the thread is idle).
         first = os.dup(fd)
         thread.set_fd(first)
