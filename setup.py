@@ -18,6 +18,7 @@ SOURCES = {
     "gateway.protocol._speedups": "gateway/protocol/_speedups.c",
     "gateway.delivery._run": "gateway/delivery/_run.c",
     "gateway.messages._batch": "gateway/messages/_batch.c",
+    "gateway.storage._fsync": "gateway/storage/_fsync.c",
     "store._speedups": "store/_speedups.c",
     "rocketmq_remoting._speedups": "rocketmq_remoting/_speedups.c",
 }

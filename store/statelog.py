@@ -368,6 +368,30 @@ class StateLog:
     def synced(self) -> int:
         return self._synced
 
+    @property
+    def generation(self) -> int:
+        """The generation appends go to (it changes at a compaction's roll)."""
+        return self._generation
+
+    def dup_for_sync(self) -> tuple[int, int]:
+        """(a duplicate of the current log's descriptor, its generation), taken together
+        under the lock, for a thread that fsyncs it (gateway/storage/fsync_thread.py): a
+        compaction's roll fsyncs the old log before it closes it, so an fsync of the
+        duplicate vouches for every position appended before the roll. The caller owns and
+        closes the duplicate."""
+        with self._lock:
+            if self._closed or self._fd is None:
+                raise StoreClosedError("state log is closed")
+            return os.dup(self._fd), self._generation
+
+    def note_synced(self, position: int, fsyncs: int) -> None:
+        """`fsyncs` fsyncs made outside sync() (an fsync thread) made everything up to
+        `position` durable. Unlocked: racing sync()'s own update can only leave `synced`
+        lower than it could be (a waiter then waits for one more fsync), never higher."""
+        self.fsyncs += fsyncs
+        if position > self._synced:
+            self._synced = position
+
     def sync(self, position: int | None = None) -> None:
         """Return once everything appended up to `position` (default: now) is on disk."""
         target = self._written if position is None else position

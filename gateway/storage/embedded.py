@@ -93,7 +93,7 @@ class EmbeddedStorage(MessageStore):
             return
         commit = self._state_commit
         if commit is None:
-            commit = self._state_commit = GroupCommit(state, "lmqtt-state-fsync")
+            commit = self._state_commit = GroupCommit(state)
         await commit.wait(position)
 
     def close(self) -> None:

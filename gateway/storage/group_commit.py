@@ -1,36 +1,39 @@
 """GroupCommit: the event loop's waits for an append-only log's fsync, one fsync for all of them.
 
-Callers append to the log in the event loop's thread, then `await wait(position)`. One
-worker thread, started at the first wait, runs one fsync at a time; each covers everything
-appended before it started, so every caller waiting at that moment is answered by it:
+Callers append to the log in the event loop's thread, then `await wait(position)`. An fsync
+thread (fsync_thread.py: in C, without the GIL, when built) runs one fdatasync at a time,
+each for the highest position requested when it starts, so every caller waiting at that
+moment is answered by it. The thread says it is done through an eventfd the loop watches
+(`add_reader`), so answering costs the loop one callback, however many callers it answers:
 
-    loop thread                               sync thread
+    loop thread                               fsync thread
     append A; wait(A); append Z; wait(Z)
-    (end of the turn) -- request -------->    fsync (covers A and Z)
-    append B; wait(B)    (one running:             |
-    append C; wait(C)     no request)              |
-    <-- done: A, Z answered; B, C left ------  call_soon_threadsafe(_done)
-    _done: request again ---------------->    fsync (covers B and C)
-    <-- done: B and C answered --------------  call_soon_threadsafe(_done)
+    (end of the turn) -- request(Z) ----->    fdatasync (covers A and Z)
+    append B; wait(B)                              |
+    (end of the turn) -- request(B) ----->         |   (noted: runs next)
+    <-- eventfd: A, Z answered ------------   write(eventfd); fdatasync (covers B)
+    append C; wait(C)                              |
+    (end of the turn) -- request(C) ----->         |
+    <-- eventfd: B answered ---------------   write(eventfd); fdatasync (covers C)
 
 The first wait of a loop turn requests the fsync at the end of the turn, so the turn's other
 writes (one SUBSCRIBE per client whose packet came in the same poll) share it rather than
-wait for the next one. A wait costs one future; an fsync costs one request (a C queue) and
-one call back into the loop, however many callers it answers (a thread pool job per fsync
-with a shielded future per caller cost several times that: the loop's share of a
-synchronous session write).
+wait for the next one; a request made while an fsync runs starts the next one as soon as it
+ends, without a round trip through the loop. A wait costs one future; a turn's request one
+mutex and a condition signal; an fsync one eventfd read, and the fsync thread never
+contends for the GIL with the loop (a Python thread took it twice per fsync: after its
+wake-up and after the fsync).
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
+import os
 from typing import Protocol
 
-__all__ = ["GroupCommit", "Syncable"]
+from gateway.storage.fsync_thread import FsyncThreadLike, new_fsync_thread
 
-_STOP = object()  # the worker's request to end
+__all__ = ["GroupCommit", "Syncable"]
 
 
 class Syncable(Protocol):
@@ -40,33 +43,35 @@ class Syncable(Protocol):
     def synced(self) -> int:
         """The position up to which the log is durable."""
 
-    def sync(self, position: int | None = None) -> None:
-        """Fsync everything appended up to now (blocking; thread-safe)."""
+    @property
+    def written(self) -> int:
+        """The position of the end of the appends."""
+
+    @property
+    def generation(self) -> int:
+        """Which file appends go to now (changes when the log rolls to a new file)."""
+
+    def dup_for_sync(self) -> tuple[int, int]:
+        """(a duplicate of the current file's descriptor, its generation), taken together;
+        every position appended before a roll is durable once the old file's is."""
+
+    def note_synced(self, position: int, fsyncs: int) -> None:
+        """An fsync made elsewhere made everything up to `position` durable."""
 
 
 class GroupCommit:
     """Answers `wait(position)` once `log` is durable up to `position` (see the module
-    docstring). Used from one event loop; `stop()` ends the worker thread."""
+    docstring). Used from one event loop; `stop()` ends the fsync thread."""
 
-    __slots__ = (
-        "_busy",
-        "_log",
-        "_loop",
-        "_name",
-        "_requests",
-        "_stopped",
-        "_thread",
-        "_waiters",
-    )
+    __slots__ = ("_generation", "_log", "_loop", "_scheduled", "_stopped", "_thread", "_waiters")
 
-    def __init__(self, log: Syncable, name: str) -> None:
+    def __init__(self, log: Syncable) -> None:
         self._log = log
-        self._name = name
         # (position, future) of the callers not answered yet, in append order.
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._busy = False  # an fsync is requested (or will be this turn), its _done not run
-        self._thread: threading.Thread | None = None
+        self._scheduled = False  # a request is due at the end of this loop turn
+        self._thread: FsyncThreadLike | None = None
+        self._generation = -1  # of the file the thread syncs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
 
@@ -77,65 +82,77 @@ class GroupCommit:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append((position, fut))
-        if not self._busy:
+        if not self._scheduled:
             # At the end of this loop turn: the other writes of the turn share the fsync.
-            self._busy = True
+            self._scheduled = True
             loop.call_soon(self._request, loop)
         await fut
 
     def stop(self) -> None:
-        """End the worker (after the fsync it runs). Called once the log is closed (its
+        """End the fsync thread (after the fsync it runs). Called once the log is closed (its
         close fsyncs everything): the callers still waiting are answered."""
         self._stopped = True
-        if self._thread is not None:
-            self._requests.put(_STOP)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(thread.fileno())
+            thread.stop()
         if self._waiters and not self._waiters[0][1].get_loop().is_closed():
-            self._done(None)
+            self._answer(0)
             for _, fut in self._waiters:  # not covered: the log was not closed
                 fut.cancel()
             self._waiters = []
 
     def _request(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._scheduled = False
         if self._stopped:
             return
-        if self._thread is None:
+        log, thread = self._log, self._thread
+        if thread is None:
             self._loop = loop
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
-        self._requests.put(None)
-
-    def _run(self) -> None:
-        """The worker: one fsync per request, then one call back into the loop."""
-        requests, log, loop = self._requests, self._log, self._loop
-        assert loop is not None
-        while requests.get() is not _STOP:
-            error: BaseException | None = None
+            thread = self._thread = new_fsync_thread()
+            loop.add_reader(thread.fileno(), self._done)
+        if log.generation != self._generation:
+            # The log rolled (or this is the first request): sync its current file. No
+            # append runs meanwhile (appends are this thread's), so `written` below lies in
+            # this file or in older ones, fsynced by the roll.
             try:
-                log.sync()
-            except BaseException as exc:  # handed to the waiters, not lost in this thread
-                error = exc
-            try:
-                loop.call_soon_threadsafe(self._done, error)
-            except RuntimeError:  # the loop is closed: nobody waits any more
+                fd, self._generation = log.dup_for_sync()
+            except Exception as exc:  # closed under the waiters: they hear why
+                waiters, self._waiters = self._waiters, []
+                for _, fut in waiters:
+                    if not fut.done():
+                        fut.set_exception(exc)
                 return
+            thread.set_fd(fd)
+        thread.request(log.written)
 
-    def _done(self, error: BaseException | None) -> None:
-        """An fsync ended (in the loop's thread): answer the callers it covered; request
-        the next fsync for those who appended while it ran."""
-        self._busy = False
+    def _done(self) -> None:
+        """The fsync thread signalled (in the loop's thread): answer the callers it covered.
+        The others' positions were requested at the end of their turns: the thread runs
+        (or ran) the fsync that covers them."""
+        thread = self._thread
+        if thread is None:
+            return
+        synced, fsyncs, error = thread.collect()
+        if fsyncs:
+            self._log.note_synced(synced, fsyncs)
+        if fsyncs or error:
+            self._answer(error)
+
+    def _answer(self, error: int) -> None:
+        """Answer the waiters the log's durable position covers; `error` (an errno) fails
+        the others (the thread dropped their request)."""
         synced = self._log.synced
         left: list[tuple[int, asyncio.Future[None]]] = []
         for position, fut in self._waiters:
             if fut.done():  # the caller was cancelled
                 continue
-            if error is not None:
-                fut.set_exception(error)
-            elif position <= synced:
+            if position <= synced:
                 fut.set_result(None)
+            elif error:
+                fut.set_exception(OSError(error, f"state log fsync: {os.strerror(error)}"))
             else:
                 left.append((position, fut))
         self._waiters = left
-        if left and self._loop is not None:
-            self._busy = True
-            self._request(self._loop)

@@ -25,7 +25,7 @@ async def _write(log: StateLog, commit: GroupCommit, key: str, work_s: float = 0
 
 def test_the_writes_of_one_loop_turn_share_one_fsync(tmp_path: Path) -> None:
     log = StateLog.open(tmp_path)
-    commit = GroupCommit(log, "test-fsync")
+    commit = GroupCommit(log)
 
     async def main() -> None:
         # Ten writers whose first steps run in the same turn (as SUBSCRIBEs of one poll).
@@ -45,7 +45,7 @@ def test_the_writes_of_one_loop_turn_share_one_fsync(tmp_path: Path) -> None:
 
 def test_writers_that_append_during_an_fsync_are_answered_by_the_next(tmp_path: Path) -> None:
     log = StateLog.open(tmp_path)
-    commit = GroupCommit(log, "test-fsync")
+    commit = GroupCommit(log)
 
     async def writer(n: int) -> None:
         for i in range(50):
@@ -66,7 +66,7 @@ def test_writers_that_append_during_an_fsync_are_answered_by_the_next(tmp_path: 
 
 def test_a_cancelled_waiter_leaves_the_others_answered(tmp_path: Path) -> None:
     log = StateLog.open(tmp_path)
-    commit = GroupCommit(log, "test-fsync")
+    commit = GroupCommit(log)
 
     async def main() -> None:
         gone = asyncio.ensure_future(_write(log, commit, "gone"))
@@ -86,7 +86,7 @@ def test_a_cancelled_waiter_leaves_the_others_answered(tmp_path: Path) -> None:
 
 def test_waiters_left_at_stop_are_answered_by_the_logs_close(tmp_path: Path) -> None:
     log = StateLog.open(tmp_path)
-    commit = GroupCommit(log, "test-fsync")
+    commit = GroupCommit(log)
 
     async def main() -> None:
         task = asyncio.ensure_future(_write(log, commit, "last"))
