@@ -21,7 +21,8 @@ import logging
 from gateway.access.acl import ClientAccess
 from gateway.connection.context import ClientContext
 from gateway.connection.ingest import IngestBatch
-from gateway.connection.transport import MAX_UNPARSED, ClientTransport
+from gateway.connection.keep_alive import KeepAlive
+from gateway.connection.transport import MAX_UNPARSED
 from gateway.delivery.loop import DeliveryLoop
 from gateway.messages.records import PublishProperties
 from gateway.protocol import (
@@ -54,10 +55,10 @@ EVENTS_PER_TURN = 128
 _COLLECTED = frozenset({Publish, PubAck, PubComp, PingReq})
 
 
-class ClientConnection(ClientTransport):
+class ClientConnection(KeepAlive):
     """One network connection: who the client is, its session, the reader task, the inline
     publish path, keep-alive and closing. What is written and when it is read is
-    ClientTransport's."""
+    ClientTransport's, its deadlines KeepAlive's."""
 
     # Slots: an idle connection's footprint is what limits how many devices fit. A new
     # attribute must be listed here (or in ClientTransport's).
@@ -66,8 +67,6 @@ class ClientConnection(ClientTransport):
         "_blocks",
         "_cleaned",
         "_eof",
-        "_last_rx",
-        "_opened",
         "_plain_acl",
         "_plain_topic",
         "_reader",
@@ -76,7 +75,6 @@ class ClientConnection(ClientTransport):
         "client_id",
         "delivery",
         "session",
-        "timer_due",
         "username",
         "will",
     )
@@ -92,9 +90,6 @@ class ClientConnection(ClientTransport):
         self._cleaned = False
         self._eof = False
         self._abnormal = True
-        # Connect timeout and keep-alive: one entry in the gateway's timer wheel (on_due),
-        # not a timer per connection; packets only move _last_rx, never the wheel.
-        self._opened = self._last_rx = self._loop.time()  # one float until the first packet
         # The last sync-flush acknowledgement task: the next one waits for it (PUBACKs leave in
         # the order of their PUBLISHes; gateway/connection/publish.py).
         self.ack_chain: asyncio.Task[None] | None = None
@@ -104,18 +99,11 @@ class ClientConnection(ClientTransport):
         # verdict stands while its ACL object does (a reload hands the client a new one).
         self._plain_topic: str | None = None
         self._plain_acl: ClientAccess | None = None
-        self.timer_due: float | None = None
-        context.timers.schedule(self, self._opened + context.settings.connect_timeout)
         # The reader task exists only while there are bytes to handle: an idle connection
         # costs no task (memory per connection is what limits how many devices fit).
         self._reader: asyncio.Task[None] | None = None
 
     # -- what the live view reads (gateway/ops/live_view.py) -----------------------------------
-
-    @property
-    def opened(self) -> float:
-        """Event-loop time the connection was accepted."""
-        return self._opened
 
     @property
     def messages_sent(self) -> int:
@@ -373,42 +361,6 @@ class ClientConnection(ClientTransport):
         session.connection = None
         will = self.will if self._abnormal else None
         self.ctx.packets.connect.connection_ended(self, session, will)
-
-    def start_keep_alive(self) -> None:
-        """The CONNECT was answered: the keep-alive deadline runs from now."""
-        self._last_rx = self._loop.time()
-        keep_alive = self.conn.keep_alive_timeout
-        if keep_alive is not None:
-            self.ctx.timers.schedule(self, self._last_rx + keep_alive)
-
-    def on_due(self, now: float) -> float | None:
-        """Timer wheel: close a socket that sent no CONNECT in time, or a client silent for
-        1.5 x its keep-alive (the server keep-alive when we imposed one); else the next
-        deadline to look again (the wheel's lazy re-check)."""
-        if self.closed:
-            return None
-        if self.conn.protocol_level is None:
-            timeout = self.ctx.settings.connect_timeout
-            if now - self._opened >= timeout:
-                log.info("%s: no CONNECT within %.1f s; closing", self.peer, timeout)
-                self.close()
-                return None
-            return self._opened + timeout
-        if self.session is None:
-            return now + 1.0  # CONNECT still being handled (authentication)
-        keep_alive = self.conn.keep_alive_timeout
-        if keep_alive is None:
-            return None
-        if self._reading_paused or self._held:
-            # We stopped reading it (overload guard, backlog) or hold the PUBACKs its window
-            # waits for (overload guard): its silence is ours.
-            self._last_rx = now
-        idle = now - self._last_rx
-        if idle >= keep_alive:
-            log.info("%r: keep-alive timeout (%.1f s idle); closing", self.client_id, idle)
-            self.close(ReasonCode.KEEP_ALIVE_TIMEOUT)
-            return None
-        return self._last_rx + keep_alive
 
     # -- the reader task ---------------------------------------------------------------------
 

@@ -180,15 +180,11 @@ class RocketMqStorage:
     def closed(self) -> bool:
         return self._closed
 
-    @property
-    def waits(self) -> bool:
-        return True  # queues are opened at the broker, state is durable once it says so
-
-    @property
-    def tail_may_be_lost(self) -> bool:
-        # Acknowledged messages are the broker's to keep; our saved positions are never past
-        # what it acknowledged.
-        return False
+    # Queues are opened at the broker, state is durable once it says so.
+    waits = True
+    # Acknowledged messages are the broker's to keep; our saved positions are never past what
+    # it acknowledged.
+    tail_may_be_lost = False
 
     def encode_properties(self, properties: dict[str, str]) -> bytes:
         # The embedded store's block is RocketMQ's own property format (`k \x01 v \x02`).
