@@ -154,6 +154,36 @@ def prepare_run_py(
     return i
 
 
+def _write_record(
+    route: Route,
+    body: bytes,
+    uprops: bytes,
+    born: int,
+    now: int,
+    buf: bytearray,
+    limit: int,
+    phys: int,
+    dirty: dict[str, ConsumeQueue],
+    results: list[PutResult],
+    put_result: type[PutResult],
+) -> int:
+    """One record of the references' runs (write_run_py, append_batch_py) at ``phys``: the
+    record written, its unit dispatched to the route's queues, its PutResult added; its size,
+    or < 0 if it does not fit before ``limit`` (nothing is changed then)."""
+    qoff = route.parent.max_offset
+    lo: dict[str, int] = {}
+    for cq in route.cqs:
+        lo[cq.name] = cq.max_offset
+    size = _append_record(
+        buf, limit - phys, qoff, phys, born, now, body, route.topic_field, uprops,
+        route.inner_head, tuple(lo.values()),
+    )  # fmt: skip
+    if size >= 0:
+        dispatch(route.queues, _pack_unit(phys, size, 0), dirty)
+        results.append(_tuple_new(put_result, (phys, qoff, lo, phys + size, now)))
+    return size
+
+
 def write_run_py(
     batch: list[Prepared],
     i: int,
@@ -180,21 +210,14 @@ def write_run_py(
             route, body, uprops, born = batch[i]
             if route.generation != generation:
                 break
-            qoff = route.parent.max_offset
-            lo: dict[str, int] = {}
-            for cq in route.cqs:
-                lo[cq.name] = cq.max_offset
-            size = _append_record(
-                buf, limit - phys, qoff, phys, now if born is None else born, now, body,
-                route.topic_field, uprops, route.inner_head, tuple(lo.values()),
+            size = _write_record(
+                route, body, uprops, now if born is None else born, now, buf, limit, phys,
+                dirty, results, put_result,
             )  # fmt: skip
             if size < 0:
                 break
-            dispatch(route.queues, _pack_unit(phys, size, 0), dirty)
             units += route.units
-            end = phys + size
-            results.append(_tuple_new(put_result, (phys, qoff, lo, end, now)))
-            phys = end
+            phys += size
             i += 1
     finally:
         state[0] = phys
@@ -252,21 +275,13 @@ def append_batch_py(
     i = 0
     try:
         for route, (_, _, body, uprops) in zip(found, messages, strict=True):
-            qoff = route.parent.max_offset
-            lo: dict[str, int] = {}
-            for cq in route.cqs:
-                lo[cq.name] = cq.max_offset
-            size = _append_record(
-                buf, limit - phys, qoff, phys, now, now, body, route.topic_field, uprops,
-                route.inner_head, tuple(lo.values()),
-            )  # fmt: skip
+            size = _write_record(
+                route, body, uprops, now, now, buf, limit, phys, dirty, results, put_result
+            )
             if size < 0:
                 break
-            dispatch(route.queues, _pack_unit(phys, size, 0), dirty)
             units += route.units
-            end = phys + size
-            results.append(_tuple_new(put_result, (phys, qoff, lo, end, now)))
-            phys = end
+            phys += size
             i += 1
     finally:
         state[0] = phys
