@@ -508,6 +508,36 @@ fail:
     return NULL;
 }
 
+/*
+ * The runs' state = [next physical offset, units dispatched] written back into its list on
+ * every exit, a pending error (`failed`) kept as it was: 0, or -1 with an error set (the
+ * pending one, or a failed allocation's).
+ */
+static int
+state_write_back(PyObject *state, long long phys, long long units, int failed)
+{
+    PyObject *exc_type = NULL, *exc = NULL, *exc_tb = NULL;
+    if (failed) {
+        PyErr_Fetch(&exc_type, &exc, &exc_tb);
+    }
+    PyObject *p = PyLong_FromLongLong(phys), *u = PyLong_FromLongLong(units);
+    if (p == NULL || u == NULL) {
+        Py_XDECREF(p);
+        Py_XDECREF(u);
+        Py_XDECREF(exc_type);
+        Py_XDECREF(exc);
+        Py_XDECREF(exc_tb);
+        return -1;
+    }
+    PyList_SetItem(state, 0, p);
+    PyList_SetItem(state, 1, u);
+    if (failed) {
+        PyErr_Restore(exc_type, exc, exc_tb);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 write_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -694,23 +724,7 @@ write_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
     }
-    PyObject *exc_type = NULL, *exc = NULL, *exc_tb = NULL;
-    if (failed) {
-        PyErr_Fetch(&exc_type, &exc, &exc_tb);
-    }
-    PyObject *p = PyLong_FromLongLong(phys), *u = PyLong_FromLongLong(units);
-    if (p == NULL || u == NULL) {
-        Py_XDECREF(p);
-        Py_XDECREF(u);
-        Py_XDECREF(exc_type);
-        Py_XDECREF(exc);
-        Py_XDECREF(exc_tb);
-        return NULL;
-    }
-    PyList_SetItem(state, 0, p);
-    PyList_SetItem(state, 1, u);
-    if (failed) {
-        PyErr_Restore(exc_type, exc, exc_tb);
+    if (state_write_back(state, phys, units, failed) < 0) {
         return NULL;
     }
     return PyLong_FromSsize_t(i);
@@ -1275,27 +1289,8 @@ append_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
             }
         }
     }
-    {
-        PyObject *exc_type = NULL, *exc = NULL, *exc_tb = NULL;
-        if (failed) {
-            PyErr_Fetch(&exc_type, &exc, &exc_tb);
-        }
-        PyObject *p = PyLong_FromLongLong(phys), *u = PyLong_FromLongLong(units);
-        if (p == NULL || u == NULL) {
-            Py_XDECREF(p);
-            Py_XDECREF(u);
-            Py_XDECREF(exc_type);
-            Py_XDECREF(exc);
-            Py_XDECREF(exc_tb);
-            failed = 2;
-        }
-        else {
-            PyList_SetItem(state, 0, p);
-            PyList_SetItem(state, 1, u);
-            if (failed) {
-                PyErr_Restore(exc_type, exc, exc_tb);
-            }
-        }
+    if (state_write_back(state, phys, units, failed) < 0) {
+        failed = 1;
     }
 release:
     for (Py_ssize_t k = 0; k < 2 * n; k++) {
