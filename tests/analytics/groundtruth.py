@@ -10,10 +10,10 @@ this module itself put, never over anything read back from the files.
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from store import (
     FLAG_CLEAN,
@@ -23,6 +23,7 @@ from store import (
     MessageStore,
     StoreConfig,
 )
+from store import append as append_module
 from topicmap import LMQ_PREFIX, Router, TopicFilter
 
 
@@ -158,10 +159,9 @@ def build_world(
     store timestamps are known exactly and span enough time to prune segments by.
     """
     world = World(data_dir, segment_size)
-    store_module = importlib.import_module("store.append")
-    wall_clock = store_module._time
+    wall_clock = append_module._time
     clock_s = [t0_ms / 1000]
-    store_module._time = lambda: clock_s[0]
+    append_module._time = lambda: clock_s[0]
     router = Router()
     store = MessageStore.open(StoreConfig(data_dir=data_dir, segment_size=segment_size))
     subscribed: dict[int, str] = {}  # index in SUBS -> queue
@@ -220,7 +220,7 @@ def build_world(
                 )
             )
             assert r.store_timestamp == ts
-        sessions: dict[str, dict[str, object]] = {}
+        sessions: dict[str, dict[str, Any]] = {}  # JSON documents
         for k, sub in enumerate(SUBS):
             queue = subscribed[k]
             tf = TopicFilter(sub.filter)
@@ -248,7 +248,7 @@ def build_world(
                     "inflight": [],
                 },
             )
-            session["subscriptions"].append(  # type: ignore[union-attr]
+            session["subscriptions"].append(
                 {
                     "filter": sub.filter,
                     "queue": queue,
@@ -296,7 +296,7 @@ def build_world(
     finally:
         writer.close()
         store.close()
-        store_module._time = wall_clock
+        append_module._time = wall_clock
     return world
 
 

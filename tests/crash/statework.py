@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from store import MessageStore, StateRecord, StoreConfig
+from store import FlushMode, MessageStore, StateRecord, StoreConfig
 
 KEYS = 5
 COMPACT_EVERY = 7
@@ -44,7 +44,9 @@ def expected(rounds: int) -> dict[str, bytes]:
 
 
 def _open(data: Path) -> MessageStore:
-    return MessageStore.open(StoreConfig(data_dir=data, segment_size=64 * 1024, flush="sync"))
+    return MessageStore.open(
+        StoreConfig(data_dir=data, segment_size=64 * 1024, flush=FlushMode.SYNC)
+    )
 
 
 def main(data: Path, rounds: int) -> None:

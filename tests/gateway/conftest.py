@@ -106,6 +106,12 @@ class GatewayHarness:
         assert self.gw is not None
         return self.gw.port
 
+    @property
+    def running(self) -> Gateway:
+        """The started Gateway (`gw`, known not None: for a test reading its state)."""
+        assert self.gw is not None
+        return self.gw
+
     def stop(self) -> None:
         if self.gw is None or self.loop is None:
             return
@@ -132,6 +138,13 @@ def gateway(tmp_path: Path) -> Iterator[GatewayHarness]:
         yield h
     finally:
         h.stop()
+
+
+def paho_property(msg: mqtt.MQTTMessage, name: str) -> Any:
+    """Property `name` (e.g. "UserProperty") of a message a v5 paho client received: paho sets
+    each property read from the packet as an attribute of that name, which its types omit."""
+    assert msg.properties is not None, "no properties: not an MQTT 5 message"
+    return getattr(msg.properties, name)
 
 
 class Client:

@@ -111,7 +111,11 @@ def test_subscription_on_one_node_routes_publishes_of_another_with_no_gap(
             topics[mid] = f"gap/{i}/x"
         # Woken by the SUBACK itself: a polling wait would add its interval to every round.
         with acked:
-            assert acked.wait_for(lambda n=i: len(subacked) > n, 10), f"timed out: SUBACK {i}"
+
+            def more(n: int = i) -> bool:
+                return len(subacked) > n
+
+            assert acked.wait_for(more, 10), f"timed out: SUBACK {i}"
     wait_until(lambda: all(p.is_published() for p in published), 120, "every PUBACK")
     sub.wait_messages(GAP_ROUNDS, timeout=120)
     got = sorted(bytes(m.payload).decode() for m in sub.messages)

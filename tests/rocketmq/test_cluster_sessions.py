@@ -328,7 +328,11 @@ def test_a_lost_nodes_sessions_are_disconnected_and_expire_on_every_node(nodes: 
     nodes.wait_record("keep", lambda r: r.get("disconnected_at_ms") is not None, timeout)
     nodes.wait_record("short", None, timeout + 4)  # expired
     for g in (lead, c):  # each node ended its copy when due, not only the leader
-        wait_until(lambda g=g: any("'short' expired" in x for x in g.output), 10, "expiry")
+
+        def expired(g: ServeProcess = g) -> bool:
+            return any("'short' expired" in x for x in g.output)
+
+        wait_until(expired, 10, "expiry")
     for port, cid, present in [(c.port, "keep", True), (lead.port, "short", False)]:
         again = RawClient(port, level=5)
         ack = again.connect(cid, clean=False, properties=_expiry(3600))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.conftest import Client, stop_clients, wait_until
+from tests.gateway.conftest import Client, paho_property, stop_clients, wait_until
 from tests.rocketmq import java_apps
 from tests.rocketmq.cluster import RocketMQCluster
 from tests.rocketmq.test_gateway_rocketmq import ROOT, ServeProcess
@@ -151,7 +151,7 @@ def test_a_producers_messages_reach_wildcard_and_exact_subscribers_on_both_nodes
         assert sorted(got) == sorted(want), got
     m = {bytes(m.payload): m for m in plus.messages}[b"open-1"]
     assert m.topic == "cmd/dev1/valve" and m.qos == 1
-    assert sorted(m.properties.UserProperty) == [("request", "1"), ("site", "7")]
+    assert sorted(paho_property(m, "UserProperty")) == [("request", "1"), ("site", "7")]
     assert all(m.qos == 1 for m in exact.messages)  # min(publish 1, subscription 2)
     late = Client(deployment.nodes[1].port, "late")
     deployment.clients.append(late)

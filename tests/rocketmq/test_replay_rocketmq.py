@@ -58,7 +58,11 @@ def test_export_of_a_rocketmq_deployment(
                 pub.publish(t, f"{t}:{i}".encode(), 1)
             pub.publish("other/x", b"\xff\xfe", 1)
             now = int(time.time() * 1000)
-            wait_until(lambda now=now: int(time.time() * 1000) > now + 1, what="the clock")
+
+            def moved(now: int = now) -> bool:
+                return int(time.time() * 1000) > now + 1
+
+            wait_until(moved, what="the clock")
             marks.append(now + 1)
     finally:
         stop_clients(clients)

@@ -38,8 +38,12 @@ def test_mirrors_and_held_pulls_are_released_with_the_last_reader(
             assert a.subscribe(topic, 1) == [1]
             assert b.subscribe(f"$share/g/{topic}", 1) == [1]
             pub.publish(topic, f"m{i}", 1)
-            wait_until(lambda i=i: f"m{i}".encode() in a.payloads(), what=f"m{i} at a")
-            wait_until(lambda i=i: f"m{i}".encode() in b.payloads(), what=f"m{i} at b")
+
+            def at(c: Client, m: bytes = f"m{i}".encode()) -> bool:
+                return m in c.payloads()
+
+            wait_until(lambda: at(a), what=f"m{i} at a")
+            wait_until(lambda: at(b), what=f"m{i} at b")
             a.unsubscribe(topic)
             assert h.call(lambda: len(mirrors.queues())) > base[0]  # b still reads it
             b.unsubscribe(f"$share/g/{topic}")

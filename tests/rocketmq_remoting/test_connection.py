@@ -9,6 +9,7 @@ tests/rocketmq/.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -233,7 +234,7 @@ async def test_expected_answers_reach_their_callbacks_beside_requests(serve: Ser
     try:
         opaques = [conn.next_opaque() for _ in range(2)]
         for op in opaques:
-            conn.expect(op, lambda a, op=op: got.__setitem__(op, a))
+            conn.expect(op, functools.partial(got.__setitem__, op))
             conn.write(RemotingCommand(code=310, opaque=op).encode())
         plain = await conn.request(RemotingCommand(code=31), 2.0)
         assert plain.remark == f"for {plain.opaque}"
@@ -257,7 +258,7 @@ async def test_expected_answers_expire_and_fail_when_the_connection_drops(serve:
     got: dict[int, RemotingCommand | RemotingError] = {}
     first, second = conn.next_opaque(), conn.next_opaque()
     for op in (first, second):
-        conn.expect(op, lambda a, op=op: got.__setitem__(op, a))
+        conn.expect(op, functools.partial(got.__setitem__, op))
         conn.write(RemotingCommand(code=310, opaque=op).encode())
     conn.expire([first], 310, 0.5)  # the caller's timer ran out for `first` only
     assert isinstance(got.pop(first), RemotingTimeoutError) and not got

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import MessageStore, StoreConfig, kernel
+from store import FlushMode, MessageStore, StoreConfig, kernel
 from store import append as append_module
 from store.errors import StoreError
 
@@ -66,7 +66,9 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _feed(root: Path, batches: list[Batch]) -> tuple[Any, ...]:
-    store = MessageStore.open(StoreConfig(data_dir=root, segment_size=SEGMENT, flush="async"))
+    store = MessageStore.open(
+        StoreConfig(data_dir=root, segment_size=SEGMENT, flush=FlushMode.ASYNC)
+    )
     listener = Ends()
     store.add_listener(listener)
     results: list[object] = []
@@ -153,7 +155,9 @@ def test_the_rare_cases_agree_and_are_reached() -> None:
 
 def test_a_stale_route_is_left_to_the_general_loops() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        store = MessageStore.open(StoreConfig(data_dir=tmp, segment_size=SEGMENT, flush="async"))
+        store = MessageStore.open(
+            StoreConfig(data_dir=Path(tmp), segment_size=SEGMENT, flush=FlushMode.ASYNC)
+        )
         try:
             block = store.encode_properties({})
             store.append_encoded([("t", ("l/a",), b"x", block)])

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from store import CorruptStoreError, GetStatus, MessageStore, StoreConfig
+from store import CorruptStoreError, FlushMode, GetStatus, MessageStore, StoreConfig
 from store import format as fmt
 from store.statelog import fold_records
 
@@ -46,7 +46,7 @@ def stores(tmp_path: Path) -> Iterator[list[MessageStore]]:
 
 
 def _open(stores: list[MessageStore], data: Path, seg: int = SEG) -> MessageStore:
-    s = MessageStore.open(StoreConfig(data_dir=data, segment_size=seg, flush="sync"))
+    s = MessageStore.open(StoreConfig(data_dir=data, segment_size=seg, flush=FlushMode.SYNC))
     stores.append(s)
     return s
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import MessageStore, StoreConfig, kernel
+from store import FlushMode, MessageStore, StoreConfig, kernel
 from store import append as append_module
 from store import results as results_module
 
@@ -43,7 +43,7 @@ def _files(root: Path) -> dict[str, bytes]:
 def _feed(
     root: Path, batches: list[list[tuple[str, tuple[str, ...], bytes, dict[str, str]]]]
 ) -> tuple[list[object], dict[str, tuple[int, int]], dict[str, list[bytes]]]:
-    store = MessageStore.open(StoreConfig(data_dir=root, segment_size=4096, flush="async"))
+    store = MessageStore.open(StoreConfig(data_dir=root, segment_size=4096, flush=FlushMode.ASYNC))
     results: list[object] = []
     try:
         for batch in batches:
@@ -86,7 +86,9 @@ def test_c_run_writes_what_the_reference_writes(
 def test_a_run_stops_for_a_roll_and_a_new_route() -> None:
     """Not vacuous: a run stops where the segment is full and where a route is new."""
     with tempfile.TemporaryDirectory() as tmp:
-        store = MessageStore.open(StoreConfig(data_dir=tmp, segment_size=4096, flush="async"))
+        store = MessageStore.open(
+            StoreConfig(data_dir=Path(tmp), segment_size=4096, flush=FlushMode.ASYNC)
+        )
         try:
             block = store.encode_properties({})
             first = store.append_encoded([("t", ("l/a",), b"x" * 100, block)])

@@ -216,7 +216,11 @@ def test_max_inflight_window(limited: GatewayHarness, clients: list[Client]) -> 
     assert len(slow.messages) == 5
     acked = 0
     while acked < 20:
-        wait_until(lambda n=acked: len(slow.messages) > n, what="next message")
+
+        def more(n: int = acked) -> bool:
+            return len(slow.messages) > n
+
+        wait_until(more, what="next message")
         with slow.lock:
             batch = slow.messages[acked:]
         for m in batch:

@@ -324,7 +324,11 @@ max_publish_burst = 2
                 pub.loop_start()
                 for i in range(20):
                     pub.publish(f"r/{cid}", b"%s %d" % (cid.encode(), i), qos=1)
-                wait_until(lambda out=out: len(out) == 20, 10, f"{cid}'s 20 PUBACKs")
+
+                def all_acked(out: list[int] = out) -> bool:
+                    return len(out) == 20
+
+                wait_until(all_acked, 10, f"{cid}'s 20 PUBACKs")
                 pub.publish(f"r/{cid}", b"%s q0" % cid.encode(), qos=0)
                 pub.disconnect()
                 pub.loop_stop()

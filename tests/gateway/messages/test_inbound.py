@@ -59,7 +59,7 @@ def test_a_message_that_is_no_publish_is_rejected_with_the_reason(
 ) -> None:
     inbound, _, _ = _publisher(store)
     with pytest.raises(Rejected) as info:
-        inbound.publish_of(msg(**props))
+        inbound.publish_of(msg(b"on", **props))
     assert reason in info.value.reason
 
 

@@ -24,17 +24,20 @@ from gateway.messages.retained import (
     RetainedMessage,
     RetainedTrie,
 )
-from store import MessageStore, StoreConfig, read_state
+from gateway.storage.embedded import EmbeddedStorage
+from store import StoreConfig, read_state
 from store.format import ABORT_FILE, LOCK_FILE
 
 QUEUE = RetainedIndex.QUEUE
 
 
-def _open(path: Path, **kw: object) -> MessageStore:
-    return MessageStore.open(StoreConfig(data_dir=path, **kw))  # type: ignore[arg-type]
+def _open(path: Path, **kw: object) -> EmbeddedStorage:
+    s = EmbeddedStorage.open(StoreConfig(data_dir=path, **kw))  # type: ignore[arg-type]
+    assert isinstance(s, EmbeddedStorage)
+    return s
 
 
-def _crash(s: MessageStore, dest: Path) -> Path:
+def _crash(s: EmbeddedStorage, dest: Path) -> Path:
     """The data directory as a crash of the process leaves it: copied while the store is open
     (abort marker present, consume-queue units still in memory, no final checkpoint and no
     retained snapshot written on the way out), then the original closed."""
@@ -54,14 +57,14 @@ def _crash(s: MessageStore, dest: Path) -> Path:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[MessageStore]:
+def store(tmp_path: Path) -> Iterator[EmbeddedStorage]:
     s = _open(tmp_path / "data")
     yield s
     s.close()
 
 
 def _publish(
-    store: MessageStore,
+    store: EmbeddedStorage,
     index: RetainedIndex | None,
     topic: str,
     payload: bytes,
@@ -150,7 +153,7 @@ def test_trie_matches_reference(topics: list[str], flt: str) -> None:
     assert _topics(t.match(flt)) == {x for x in set(topics) if _reference_match(flt, x)}
 
 
-def test_shared_filter_gets_no_retained(store: MessageStore) -> None:
+def test_shared_filter_gets_no_retained(store: EmbeddedStorage) -> None:
     index = RetainedIndex.open(store)
     _publish(store, index, "a/b", b"1")
     assert index.match("$share/g/a/b") == []
@@ -160,7 +163,7 @@ def test_shared_filter_gets_no_retained(store: MessageStore) -> None:
 # ---------------------------------------------------------------- index over a store
 
 
-def test_set_replace_delete(store: MessageStore) -> None:
+def test_set_replace_delete(store: EmbeddedStorage) -> None:
     index = RetainedIndex.open(store)
     _publish(store, index, "site/1/t", b"one", qos=1)
     _publish(store, index, "site/2/t", b"two")
@@ -220,7 +223,7 @@ def test_crash_without_snapshot_replays_the_log(tmp_path: Path) -> None:
         s.close()
 
 
-def test_replay_reads_records_as_delivery_does(store: MessageStore) -> None:
+def test_replay_reads_records_as_delivery_does(store: EmbeddedStorage) -> None:
     """The log is read with the delivery's record decoder (read_record): a %RETAIN% record
     whose QoS or expiry is not a number is skipped, not fatal to open(); an expiry interval
     of 0 read back from the log means none; the store's own properties are left out."""
@@ -259,7 +262,7 @@ def test_snapshot_then_more_publishes_then_crash(tmp_path: Path) -> None:
         s.close()
 
 
-def test_out_of_order_applies_keep_log_order(store: MessageStore) -> None:
+def test_out_of_order_applies_keep_log_order(store: EmbeddedStorage) -> None:
     """Concurrent publishers can call apply() out of log order; the newer offset wins."""
     index = RetainedIndex.open(store)
     first = _publish(store, None, "t", b"first")
@@ -276,7 +279,7 @@ def test_out_of_order_applies_keep_log_order(store: MessageStore) -> None:
     assert _topics(index.match("#")) == {"u"}
 
 
-def test_offsetless_applies_follow_the_log(store: MessageStore) -> None:
+def test_offsetless_applies_follow_the_log(store: EmbeddedStorage) -> None:
     index = RetainedIndex.open(store)
     a = _publish(store, None, "t", b"a", with_offset=False)
     b = _publish(store, None, "t", b"b", with_offset=False)
@@ -289,7 +292,7 @@ def test_offsetless_applies_follow_the_log(store: MessageStore) -> None:
     assert [m.payload for m in index.match("v")] == [b"direct"]
 
 
-def test_writes_of_others_become_visible_on_match(store: MessageStore) -> None:
+def test_writes_of_others_become_visible_on_match(store: EmbeddedStorage) -> None:
     index = RetainedIndex.open(store)
     _publish(store, None, "late/1", b"x")
     assert _topics(index.match("late/#")) == {"late/1"}
@@ -321,7 +324,7 @@ def test_expiry(tmp_path: Path) -> None:
         s.close()
 
 
-def test_expired_before_apply_is_not_stored(store: MessageStore) -> None:
+def test_expired_before_apply_is_not_stored(store: EmbeddedStorage) -> None:
     index = RetainedIndex.open(store)
     msg = RetainedMessage(
         "old", b"x", 0, stored_at_ms=int(time.time() * 1000) - 10_000, expiry_interval_s=1
@@ -403,7 +406,7 @@ def test_read_only_store_open_does_not_write(tmp_path: Path) -> None:
         s.close()
 
 
-async def test_periodic_snapshot(store: MessageStore) -> None:
+async def test_periodic_snapshot(store: EmbeddedStorage) -> None:
     import asyncio
 
     index = RetainedIndex.open(store)
@@ -501,7 +504,7 @@ def test_acknowledged_retained_publish_survives_sigkill(tmp_path: Path) -> None:
 
     proc, port = _serve(data)
     try:
-        got: dict[str, bytes] = {}
+        got: dict[str, bytes | bytearray] = {}
         flags: list[bool] = []  # checked here, not in paho's thread (which would swallow it)
         done = threading.Event()
 

@@ -39,7 +39,11 @@ def history(tmp_path: Path, clients: list[Client]) -> tuple[Path, int, int]:
                 pub.publish(topic, f"{topic}:{i}".encode(), 1)
             pub.publish("other/x", b"\xff\xfe", 1)
             t = int(time.time() * 1000)
-            wait_until(lambda t=t: int(time.time() * 1000) > t + 1, what="the clock")
+
+            def moved(t: int = t) -> bool:
+                return int(time.time() * 1000) > t + 1
+
+            wait_until(moved, what="the clock")
             marks.append(t + 1)
         pub.disconnect()
     finally:

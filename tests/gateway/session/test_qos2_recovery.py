@@ -43,6 +43,7 @@ def test_a_publish_between_its_append_and_its_id_lowers_the_saved_position(
     tmp_path: Path,
 ) -> None:
     store = EmbeddedStorage.open(StoreConfig(data_dir=tmp_path))
+    assert isinstance(store, EmbeddedStorage)
     try:
         marks = InboundQos2(store)
         _put(store, "a", 1)
@@ -71,6 +72,7 @@ def test_the_floor_bounds_the_read_for_an_idle_sessions_old_log_pos(tmp_path: Pa
     """An idle connected session's record is not rewritten, so its `log_pos` may be old; the
     floor recorded by a progress pass is where a restart starts reading instead."""
     store = EmbeddedStorage.open(StoreConfig(data_dir=tmp_path))
+    assert isinstance(store, EmbeddedStorage)
     try:
         marks = InboundQos2(store)
         a_pos = store.log_max_offset  # "a" saved long ago, idle since

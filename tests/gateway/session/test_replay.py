@@ -13,8 +13,10 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from gateway.session.model import Session
 from gateway.session.replay import iso_ms
-from tests.gateway.conftest import Client, GatewayHarness, wait_until
+from gateway.storage.embedded import EmbeddedStorage
+from tests.gateway.conftest import Client, GatewayHarness, paho_property, wait_until
 from topicmap import TopicFilter, queue_name
 
 
@@ -44,6 +46,12 @@ def _history_end(gateway: GatewayHarness, flt: str) -> int:
         return sum(store.max_offset(q) for q in store.history_queues(TopicFilter(flt)))
 
     return gateway.call(ends)
+
+
+def _session(gateway: GatewayHarness, client_id: str) -> Session:
+    s = gateway.running.sessions.get(client_id)
+    assert s is not None
+    return s
 
 
 def _seqs(c: Client) -> list[int]:
@@ -201,9 +209,11 @@ def test_retention_cut_off_starts_at_the_oldest_kept_and_says_so(
         pub = Client(h.port, "pub")
         clients.append(pub)
         _publish_seq(pub, "site/t", 0, 150)
-        h.call(lambda: h.gw.store.delete_expired())  # what the store's maintenance runs
-        assert h.call(lambda: h.gw.store.min_offset("site")) > 0  # retention deleted some
-        oldest = h.call(lambda: h.gw.store.min_offset("site"))
+        store = h.running.store
+        assert isinstance(store, EmbeddedStorage)
+        h.call(lambda: store.delete_expired())  # what the store's maintenance runs
+        assert h.call(lambda: store.min_offset("site")) > 0  # retention deleted some
+        oldest = h.call(lambda: store.min_offset("site"))
         sub = Client(h.port, "sub", v5=True)
         clients.append(sub)
         got: dict[str, Any] = {}
@@ -313,7 +323,7 @@ def test_unsubscribe_by_the_replay_filter(gateway: GatewayHarness, clients: list
     clients.append(sub)
     sub.subscribe("$replay/earliest/site/#", 1)
     sub.unsubscribe("$replay/earliest/site/#")
-    wait_until(lambda: gateway.call(lambda: gateway.gw.sessions.get("sub").subscriptions == {}))
+    wait_until(lambda: gateway.call(lambda: _session(gateway, "sub").subscriptions == {}))
     pub.publish("site/t", b"x", 1)
     sub.subscribe("other", 1)
     pub.publish("other", b"other:1", 1)
@@ -335,9 +345,9 @@ def test_replay_at_qos2_with_a_subscription_identifier(
     msgs = sub.wait_messages(5)
     assert _seqs(sub) == [0, 1, 2, 3, 4]
     assert {m.qos for m in msgs} == {2}
-    assert all(m.properties.SubscriptionIdentifier == [7] for m in msgs)
+    assert all(paho_property(m, "SubscriptionIdentifier") == [7] for m in msgs)
     # Every QoS 2 exchange completed: nothing left in flight.
-    wait_until(lambda: gateway.call(lambda: not gateway.gw.sessions.get("sub").inflight))
+    wait_until(lambda: gateway.call(lambda: not _session(gateway, "sub").inflight))
 
 
 def test_overlapping_live_subscription_is_not_held_by_a_replay(
@@ -357,11 +367,11 @@ def test_overlapping_live_subscription_is_not_held_by_a_replay(
     _subscribe(sub, "ov/#", 1, "earliest")
     held = sub.wait_messages(5)  # the window is full: the replay waits
     live = queue_name("ov/live")
-    before = gateway.call(lambda: gateway.gw.store.max_offset(live))
+    before = gateway.call(lambda: gateway.running.store.max_offset(live))
     pub.publish("ov/live", b"ov/live:100", 0)
     # In `ov/live`'s light queue, where the next pass finds it (on RocketMQ a moment after the
     # PUBACK: once stored, and pulled by the gateway).
-    wait_until(lambda: gateway.call(lambda: gateway.gw.store.max_offset(live)) > before)
+    wait_until(lambda: gateway.call(lambda: gateway.running.store.max_offset(live)) > before)
     sub.c.ack(held[0].mid, 1)  # room for one more: the pass serves `ov/live` too
     msgs = sub.wait_messages(7)
     assert ("ov/live", b"ov/live:100") in [(m.topic, bytes(m.payload)) for m in msgs]
