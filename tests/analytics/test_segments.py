@@ -20,7 +20,7 @@ from tests.analytics.groundtruth import World
 
 def _decoded(world: World) -> list[fmt.DecodedRecord]:
     """Every record as the store's own decoder sees it (the reference for the fast parser)."""
-    out = []
+    out: list[fmt.DecodedRecord] = []
     for seg in list_segments(world.data_dir):
         data = Path(seg.path).read_bytes()
         out.extend(fmt.iter_records(data))

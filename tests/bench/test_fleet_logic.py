@@ -55,7 +55,8 @@ def test_a_generator_process_past_the_limit_flags_the_run() -> None:
     broker = Fixed([0.0, 0.1])
     busy = Fixed([0.0, 0.0])
     hot = Fixed([0.0, 0.0])
-    probe = CpuProbe(broker, [busy, hot])  # type: ignore[arg-type]
+    # Fixed stands in for BrokerProcess and Worker: only the counters CpuProbe reads.
+    probe = CpuProbe(broker, [busy, hot])  # type: ignore[arg-type, list-item]
     probe.start()
     wall = probe.wall0
     probe.wall0 = wall - 1.0  # one second of wall time

@@ -64,7 +64,7 @@ def test_config_file_from_environment(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_frozen() -> None:
     s = load_settings()
     with pytest.raises(pydantic.ValidationError):
-        s.port = 1  # type: ignore[misc]
+        s.port = 1
 
 
 def test_unknown_toml_key_named_with_suggestion(tmp_path: Path) -> None:
@@ -123,7 +123,7 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
 )
 def test_validation_messages(overrides: dict[str, object], expected: str) -> None:
     with pytest.raises(SettingsError) as info:
-        load_settings(**overrides)
+        load_settings(None, **overrides)
     assert expected in str(info.value)
 
 

@@ -458,8 +458,8 @@ async def test_messages_spread_over_the_routes_brokers_and_each_indexes_its_own_
             assert res.messages
             for m in res.messages:
                 offsets.append(m.light_queue_offsets()[lmq])
-                topic, n = m.body.decode().rsplit(" ", 1)
+                topic, seq = m.body.decode().rsplit(" ", 1)
                 assert homes[topic] == b
-                got.setdefault(topic, []).append(int(n))
+                got.setdefault(topic, []).append(int(seq))
         assert offsets == list(range(per_broker[b]))
     assert got == {t: [0, 1, 2] for t in topics}

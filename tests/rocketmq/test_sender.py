@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.storage.port import StoreError
+from gateway.storage.port import EncodedMessage, StoreError
 from gateway.storage.rocketmq.broker import Broker
 from gateway.storage.rocketmq.sender import Sender
 from rocketmq_remoting import RemotingClient
@@ -62,7 +62,7 @@ async def test_frame_batches_are_stored_and_indexed_like_coroutine_sends(
     await sender.wait_durable(sender.send_batch([("p", ("a/x",), b"first", block)]))
     conn = client.open_broker_connection(broker.addr)
     assert conn is not None
-    batch = [("p", ("a/x", "a/y"), f"m{i}".encode(), block) for i in range(5)]
+    batch: list[EncodedMessage] = [("p", ("a/x", "a/y"), f"m{i}".encode(), block) for i in range(5)]
     batch.append(("p", ("a/y",), b"", block))  # an empty payload (a retained deletion)
     ticket = sender.send_batch(batch)
     assert conn.in_flight == len(batch)  # written now, each waiting on its callback

@@ -38,20 +38,20 @@ def frame(header: bytes, body: bytes = b"", kind: int = 0) -> bytes:
     return struct.pack(">i", (kind << 24) | len(header)) + header + body
 
 
-def outcome(fn: object, buf: bytes, start: int, end: int) -> object:
+def outcome(fn: object, buf: bytes | bytearray, start: int, end: int) -> object:
     try:
         return fn(buf, start, end)  # type: ignore[operator]
     except ProtocolError as exc:
         return ("ProtocolError", str(exc))
 
 
-def agree(buf: bytes, start: int = 0, end: int | None = None) -> object:
+def agree(buf: bytes | bytearray, start: int = 0, end: int | None = None) -> object:
     end = len(buf) if end is None else end
     ours = outcome(kernel.frame, buf, start, end)
     ref = outcome(decode_frame_at_py, buf, start, end)
     assert ours == ref
     if isinstance(ours, RemotingCommand):
-        assert type(ours) is RemotingCommand
+        assert type(ours) is RemotingCommand and isinstance(ref, RemotingCommand)
         assert [type(getattr(ours, f)) for f in ours.__slots__] == [
             type(getattr(ref, f)) for f in ref.__slots__
         ]

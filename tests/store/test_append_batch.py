@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import FlushMode, MessageStore, StoreConfig, kernel
+from store import EncodedMessage, FlushMode, MessageStore, PutResult, StoreConfig, kernel
 from store import append as append_module
 from store.errors import StoreError
 
@@ -55,6 +55,10 @@ class Ends:
 
     def on_arrivals(self, ends: dict[str, int]) -> None:
         self.seen.append(dict(ends))
+
+    def on_arrival(self, queue: str, max_offset: int) -> None:
+        """The per-queue notice of ArrivalListener; the store calls on_arrivals instead."""
+        self.seen.append({queue: max_offset})
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -161,11 +165,13 @@ def test_a_stale_route_is_left_to_the_general_loops() -> None:
         try:
             block = store.encode_properties({})
             store.append_encoded([("t", ("l/a",), b"x", block)])
-            msgs = [("t", ("l/a",), b"y", block)]
+            msgs: list[EncodedMessage] = [("t", ("l/a",), b"y", block)]
             gen = store.queues_table.generation
             args = (msgs, store._appender.routes, 1 << 20, 1, bytearray(), 1 << 40)
             for step in (speedups.append_batch, append_module.append_batch_py):
-                state, results, ends = [0, 0], [], {}
+                state = [0, 0]
+                results: list[PutResult] = []
+                ends: dict[str, int] = {}
                 stale = step(*args, state, gen + 1, {}, results, append_module.PutResult, ends)
                 assert (stale, state, results, ends) == (-1, [0, 0], [], {})
         finally:

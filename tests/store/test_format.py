@@ -13,7 +13,7 @@ from store import format as fmt
 
 names = st.text(min_size=1, max_size=60).filter(lambda s: "\x00" not in s)
 prop_text = st.text(
-    alphabet=st.characters(blacklist_characters="\x01\x02", blacklist_categories=("Cs",)),
+    alphabet=st.characters(blacklist_characters="\x01\x02", blacklist_categories=["Cs"]),
     max_size=20,
 )
 

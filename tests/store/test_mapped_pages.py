@@ -98,7 +98,9 @@ def test_log_flush_unmaps_after_a_fast_writer(open_store: OpenStore) -> None:
     path = segment_path(store)
     assert read_all(store) == COUNT
     assert mapped_rss(path) > store.log_max_offset // 2
-    store._files.flush_log()  # what the flusher thread runs every flush_interval_ms
+    files = store._files
+    assert files is not None  # an open store
+    files.flush_log()  # what the flusher thread runs every flush_interval_ms
     assert mapped_rss(path) <= MAPPED_TAIL_BYTES + (1 << 20)
     assert read_all(store) == COUNT
 

@@ -15,12 +15,18 @@ from store import results as results_module
 
 speedups = pytest.importorskip("store._speedups")
 
+# (topic, light queues, body, property block): what an appended batch is made of.
+Encoded = tuple[str, tuple[str, ...], bytes, bytes]
+Batch = tuple[list[Encoded], list[dict[str, str]], list[PutResult]]
+
 QUEUES = ["a", "b", "c/#", "d"]
 
 
 @st.composite
-def batches(draw: st.DrawFn) -> tuple[list[object], list[dict[str, str]], list[PutResult]]:
-    messages, props, results = [], [], []
+def batches(draw: st.DrawFn) -> Batch:
+    messages: list[Encoded] = []
+    props: list[dict[str, str]] = []
+    results: list[PutResult] = []
     phys = 0
     for k in range(draw(st.integers(0, 10))):
         lights = draw(st.lists(st.sampled_from(QUEUES), max_size=3, unique=True))
@@ -37,10 +43,10 @@ def batches(draw: st.DrawFn) -> tuple[list[object], list[dict[str, str]], list[P
 
 @given(batch=batches())
 def test_c_runs_equal_python_runs(
-    batch: tuple[list[object], list[dict[str, str]], list[PutResult]],
+    batch: Batch,
 ) -> None:
     ours = speedups.stored_runs(*batch, StoredMessage)
-    reference = results_module.stored_runs_py(*batch)  # type: ignore[arg-type]
+    reference = results_module.stored_runs_py(*batch)
     assert ours == reference
     assert list(ours) == list(reference)
     for run, _ in ours.values():
@@ -55,7 +61,7 @@ def test_runs_of_a_batch() -> None:
     results = [PutResult(0, 7, {"a": 3, "b": 9}, 90, 5), PutResult(90, 8, {"a": 4}, 180, 6)]
     for runs in (
         speedups.stored_runs(messages, props, results, StoredMessage),
-        results_module.stored_runs_py(messages, props, results),  # type: ignore[arg-type]
+        results_module.stored_runs_py(messages, props, results),
     ):
         assert runs == {
             "a": (

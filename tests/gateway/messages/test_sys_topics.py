@@ -46,7 +46,7 @@ def _gateway(tmp_path: Path, **kw: object) -> RecordingGateway:
     data = tmp_path / "data"
     (data / "commitlog").mkdir(parents=True)
     (data / "commitlog" / "00000000000000000000").write_bytes(b"x" * 5000)
-    return RecordingGateway(settings=load_settings(data_dir=data, **kw))
+    return RecordingGateway(settings=load_settings(None, data_dir=data, **kw))
 
 
 def _publisher(gw: RecordingGateway) -> SysPublisher:
@@ -156,7 +156,7 @@ async def test_sys_topics_reach_a_subscriber(tmp_path: Path) -> None:
     gateway = app.Gateway(settings)
     await gateway.start()
     try:
-        got: dict[str, bytes] = {}
+        got: dict[str, bytes | bytearray] = {}
         loop = asyncio.get_running_loop()
         seen_all = asyncio.Event()
 
@@ -193,7 +193,11 @@ async def test_sys_topics_reach_a_subscriber(tmp_path: Path) -> None:
             )
             c2.on_message = on_other
             subscribed = asyncio.Event()
-            c2.on_subscribe = lambda *a: loop.call_soon_threadsafe(subscribed.set)
+
+            def on_subscribe(*_a: object) -> None:
+                loop.call_soon_threadsafe(subscribed.set)
+
+            c2.on_subscribe = on_subscribe
             c2.connect("127.0.0.1", gateway.port)
             c2.loop_start()
             try:
