@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -17,11 +18,14 @@ from store import format as fmt
 from tests.analytics.groundtruth import World
 from topicmap import LMQ_PREFIX
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
 # Spark start-up and jobs are slow on a shared 2-core machine: generous per-test limits.
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
 
 
-def _rows(out: Path, table: str, key: str) -> dict[str, dict[str, object]]:
+def _rows(out: Path, table: str, key: str) -> dict[str, dict[str, Any]]:
     return {r[key]: r for r in pq.read_table(out / "report" / table).to_pylist()}
 
 
@@ -135,7 +139,7 @@ def test_show_reads_the_real_report(report: tuple[Path, ReportMeta], tmp_path: P
     assert (tmp_path / "r.html").read_text().count("<svg") == 7  # every chart has data
 
 
-def test_data_source_reads_every_segment(spark, world: World) -> None:  # type: ignore[no-untyped-def]
+def test_data_source_reads_every_segment(spark: SparkSession, world: World) -> None:
     df = spark.read.format("lmqtt-commitlog").load(str(world.data_dir))
     assert df.rdd.getNumPartitions() == len(list_segments(world.data_dir))
     row = df.selectExpr("count(*) n", "sum(body_size) b", "sum(size(queues)) q").collect()[0]
@@ -144,8 +148,8 @@ def test_data_source_reads_every_segment(spark, world: World) -> None:  # type: 
     assert row.q == sum(len(m.queues) for m in world.messages)
 
 
-def test_compaction_gives_the_same_rows(  # type: ignore[no-untyped-def]
-    spark, world: World, report: tuple[Path, ReportMeta], tmp_path: Path
+def test_compaction_gives_the_same_rows(
+    spark: SparkSession, world: World, report: tuple[Path, ReportMeta], tmp_path: Path
 ) -> None:
     from analytics.compaction import compact
     from analytics.fanout import load_messages
@@ -179,10 +183,10 @@ def test_compaction_gives_the_same_rows(  # type: ignore[no-untyped-def]
 
 
 def test_corrupt_segment_is_one_clear_error(
-    spark,
+    spark: SparkSession,
     world: World,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     data = tmp_path / "data"
     shutil.copytree(world.data_dir, data)
@@ -203,7 +207,9 @@ def test_corrupt_segment_is_one_clear_error(
 
 
 @pytest.mark.slow
-def test_since_until_restrict_the_messages(spark, world: World, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_since_until_restrict_the_messages(
+    spark: SparkSession, world: World, tmp_path: Path
+) -> None:
     from analytics.fanout import run_fanout
     from analytics.segments import read_segment_table
 
@@ -225,7 +231,7 @@ def test_since_until_restrict_the_messages(spark, world: World, tmp_path: Path) 
     assert {q: r["end_offset"] for q, r in backlog.items()} == world.ends
 
 
-def test_source_errors_surface_as_analytics_errors(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_source_errors_surface_as_analytics_errors(spark: SparkSession, tmp_path: Path) -> None:
     from analytics.errors import DataDirError, recover_worker_error
 
     with pytest.raises(Exception) as raised:

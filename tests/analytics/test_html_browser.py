@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,7 +87,7 @@ def chromium() -> str:
     return path
 
 
-def _render(chromium: str, page: str, tmp_path: Path) -> dict:  # type: ignore[type-arg]
+def _render(chromium: str, page: str, tmp_path: Path) -> dict[str, Any]:
     """The check's findings for `page` as Chromium laid it out."""
     page = page.replace("<head>", "<head>" + _ERRORS_HOOK, 1)
     page = page.replace("</body>", _CHECK + "</body>", 1)
@@ -101,7 +102,7 @@ def _render(chromium: str, page: str, tmp_path: Path) -> dict:  # type: ignore[t
     assert done.returncode == 0, done.stderr[-2000:]
     found = re.search(r'<pre id="__check">(.*?)</pre>', done.stdout, re.S)
     assert found is not None, f"the check did not run: {done.stdout[-1000:]}"
-    return json.loads(html.unescape(found.group(1)))  # type: ignore[no-any-return]
+    return json.loads(html.unescape(found.group(1)))
 
 
 def test_charts_are_drawn_without_script_errors(

@@ -212,25 +212,25 @@ def check_gateway(
         probe = b"probe:%d" % t_cut
         pub = RawClient(gw.port)
         pub.connect("prober", clean=True)
-        for s in subs:
-            pub.send(Publish(_probe_topic(s.topic_filter), probe, qos=1, packet_id=1))
+        for sub in subs:
+            pub.send(Publish(_probe_topic(sub.topic_filter), probe, qos=1, packet_id=1))
             pub.recv_until(PubAck, max(0.1, deadline - time.monotonic()))
         pub.close()
-        for s in subs:
+        for sub in subs:
             c = RawClient(gw.port)
-            ack = c.connect(s.client, clean=False)
+            ack = c.connect(sub.client, clean=False)
             if not ack.session_present:
-                problems.append(f"{s.client}: SUBACKed before the cut, session gone")
+                problems.append(f"{sub.client}: SUBACKed before the cut, session gone")
                 c.close()
                 continue
             try:
                 got = _drain_until_probe(c, probe, deadline)
             except (TimeoutError, ConnectionError) as e:
-                problems.append(f"{s.client} ({s.topic_filter}): subscription lost? {e}")
+                problems.append(f"{sub.client} ({sub.topic_filter}): subscription lost? {e}")
                 c.close()
                 continue
             c.close()
-            if s.client != KEEPER:
+            if sub.client != KEEPER:
                 continue
             counts: dict[bytes, int] = {}
             for b in got:

@@ -275,7 +275,7 @@ def _roundtrip(port: int) -> bytes:
     client.on_subscribe = lambda *a: ready.set()
 
     def on_message(_c: object, _u: object, msg: mqtt.MQTTMessage) -> None:
-        got.append(msg.payload)
+        got.append(bytes(msg.payload))
         arrived.set()
 
     client.on_message = on_message

@@ -72,7 +72,7 @@ class Good:
         self.subscribed = threading.Event()
         self.connected = threading.Event()
         self.c.on_connect = lambda *a: self.connected.set()
-        self.c.on_message = lambda _c, _u, m: self.got.add(m.payload[:32])
+        self.c.on_message = lambda _c, _u, m: self.got.add(bytes(m.payload[:32]))
         self.c.on_subscribe = lambda *a: self.subscribed.set()
         self.c.connect("127.0.0.1", port, keepalive=30)
         self.c.loop_start()

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from paho.mqtt.packettypes import PacketTypes
@@ -100,7 +101,7 @@ class Nodes:
 
         return asyncio.run(read())
 
-    def session_record(self, client_id: str) -> dict[str, object] | None:
+    def session_record(self, client_id: str) -> dict[str, Any] | None:
         """The newest record of `client_id`'s session in the state log, read from the broker."""
         found: bytes | None = None
         for body in self.bodies(STATE_QUEUE):
@@ -397,8 +398,8 @@ def test_acknowledged_messages_do_not_come_again_after_a_crash(nodes: Nodes) -> 
         time.sleep(1.5)  # the broker has the committed offset (sent every second)
         rec = nodes.session_record("crashed")
         assert rec is not None
-        (sd,) = rec["subscriptions"]  # type: ignore[misc]
-        pending = [i["offset"] for i in rec["inflight"]]  # type: ignore[attr-defined]
+        (sd,) = rec["subscriptions"]
+        pending = [i["offset"] for i in rec["inflight"]]
         if min([sd["next_offset"], *pending]) < acked:
             break
     else:
@@ -511,6 +512,7 @@ def test_three_racing_connects_resume_from_the_latest_holder(
     # PUBREL stage and C re-send only the PUBRELs (MQTT-4.4.0-1), which `third`, a client
     # object without `first`'s state, never counts as messages.
     first.c.loop_stop()
+    assert a.proc is not None
     a.proc.send_signal(signal.SIGSTOP)
     try:
         for payload in (b"m2", b"m3", b"m4"):  # for B, then C, to deliver

@@ -131,10 +131,16 @@ def test_a_compaction_of_100000_records_yields_to_the_loop_at_every_batch(
         per_turn: dict[int, int] = {}
         send = state._send_batch
 
-        def spy(body: bytes, writer: str | None = None, snapshot: int | None = None) -> int:
+        def spy(
+            body: bytes,
+            writer: str | None = None,
+            snapshot: int | None = None,
+            *,
+            fence: str | None = None,
+        ) -> int:
             if snapshot is not None:
                 per_turn[turn] = per_turn.get(turn, 0) + 1
-            return send(body, writer, snapshot)
+            return send(body, writer, snapshot, fence=fence)
 
         async def count_turns() -> None:
             nonlocal turn

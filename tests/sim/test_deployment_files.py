@@ -266,7 +266,8 @@ def test_the_rocketmq_profiles_gateways_store_on_its_brokers(
         if s.get("image") == "lmqtt:demo" and s.get("command", [""])[0] == "serve"
     }
     assert len(gateways) == 2
-    topics, ports = set(), set()
+    topics: set[str] = set()
+    ports: set[str] = set()
     for name, service in gateways.items():
         assert "entrypoint" not in service  # the image's `lmqtt`
         args = lmqtt_parser().parse_args(service["command"])

@@ -158,7 +158,7 @@ class _Fleet:
         at = int(sent) / 1e9
         with self.lock:
             self.latency.append((at, now - at))
-            self.received.add(msg.payload)
+            self.received.add(bytes(msg.payload))
 
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
@@ -293,7 +293,7 @@ max_publish_burst = 2
 """
     with ServedGateway(tmp_path, toml) as gw:
         sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="r-sub")
-        got: list[bytes] = []
+        got: list[bytes | bytearray] = []
         lock = threading.Lock()
 
         def on_message(c: object, u: object, msg: mqtt.MQTTMessage) -> None:

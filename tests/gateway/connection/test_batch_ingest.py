@@ -26,6 +26,7 @@ from gateway.protocol import (
     Subscription,
     encode,
 )
+from gateway.storage.embedded import EmbeddedStorage
 from store import GetStatus
 from tests.gateway.conftest import GatewayHarness, RawClient
 
@@ -273,8 +274,9 @@ def test_sync_flush_batch_acked_only_after_fsync(sync_gateway: GatewayHarness) -
     """With the flusher held at a gate (the real fsync runs once it opens), a run's messages
     are stored and routed but not one PUBACK leaves; they all come, in order, after it."""
     gateway = sync_gateway
-    assert gateway.gw is not None
-    flusher = gateway.gw.store._flusher
+    store = gateway.running.store
+    assert isinstance(store, EmbeddedStorage)
+    flusher = store._flusher
     assert flusher is not None
     gate = threading.Event()
     flush_log, flush_all = flusher._flush_log, flusher._flush_all

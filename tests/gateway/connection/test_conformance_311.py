@@ -260,14 +260,14 @@ def test_unsubscribing_the_owner_of_overlapping_matches_loses_nothing(
     assert s.connect("ovu", clean=False).session_present
     m0 = s.recv()
     assert m0.payload == b"m0"
+
     # Whichever filter owns the three, dropping either leaves one that matches them all.
-    owner = gateway.call(
-        lambda: (
-            min(
-                gateway.gw.sessions.get("ovu").by_queue.values(), key=lambda x: x.queue
-            ).topic_filter
-        )
-    )  # type: ignore[union-attr]
+    def owner_filter() -> str:
+        session = gateway.running.sessions.get("ovu")
+        assert session is not None
+        return min(session.by_queue.values(), key=lambda x: x.queue).topic_filter
+
+    owner = gateway.call(owner_filter)
     s.send(Unsubscribe(2, [owner]))
     assert s.recv() == UnsubAck(2)
     s.send(PubAck(m0.packet_id))

@@ -3,6 +3,7 @@ graceful stop says 0x8B; QoS 2 outbound state survives a restart."""
 
 from __future__ import annotations
 
+from gateway.connection.client import ClientConnection
 from gateway.net.server import WRITE_HIGH_WATER
 from gateway.protocol import (
     Disconnect,
@@ -36,7 +37,7 @@ def test_slow_subscriber_pauses_delivery_with_bounded_buffer(gateway: GatewayHar
 
     def state() -> tuple[int, int, int]:
         s = gw.sessions.get("slow")
-        assert s is not None and s.connection is not None
+        assert s is not None and isinstance(s.connection, ClientConnection)
         sub = next(iter(s.subscriptions.values()))
         return (
             s.connection.transport.get_write_buffer_size(),

@@ -262,7 +262,7 @@ def _unacked_retained_copy(gateway: GatewayHarness, cid: str) -> Publish:
     first = s.recv()
     assert first.payload == b"retained"
     s.close()
-    return first  # type: ignore[no-any-return]
+    return first
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["live", "after-restart"])

@@ -25,7 +25,7 @@ def _connection(h: GatewayHarness, client_id: str) -> ClientConnection:
     def find() -> ClientConnection:
         assert h.gw is not None
         session = h.gw.sessions.get(client_id)
-        assert session is not None and session.connection is not None
+        assert session is not None and isinstance(session.connection, ClientConnection)
         return session.connection
 
     return h.call(find)

@@ -104,6 +104,7 @@ def test_arrival_notices_keep_the_furthest_end_and_an_unknown_one(
         try:
             loop.arrived(queue, 7)
             loop.arrived(queue, 3)
+            assert loop._ready is not None  # the notices made it
             furthest = loop._ready[queue]
             loop._ready[queue] = UNKNOWN_END
             loop.arrived(queue, 9)

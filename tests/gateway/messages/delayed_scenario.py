@@ -49,8 +49,8 @@ topic read cmd/#
 
 def _connect(port: int, cid: str, level: int = 5, clean: bool = True) -> RawClient:
     c = RawClient(port, level=level)
-    kw = {"properties": Properties(session_expiry_interval=3600)} if level == 5 else {}
-    ack = c.connect(cid, clean=clean, **kw)
+    props = Properties(session_expiry_interval=3600) if level == 5 else None
+    ack = c.connect(cid, clean=clean, properties=props)
     assert isinstance(ack, ConnAck) and ack.reason_code == 0, ack
     return c
 

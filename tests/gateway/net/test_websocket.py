@@ -74,6 +74,7 @@ class WsClient:
 
     def subscribe(self, topic: str, qos: int) -> list[int]:
         _rc, mid = self.c.subscribe(topic, qos)
+        assert mid is not None
         wait_until(lambda: mid in self.subacks, what="SUBACK")
         return self.subacks[mid]
 

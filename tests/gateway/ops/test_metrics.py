@@ -179,6 +179,7 @@ def test_a_scrape_does_not_walk_the_frozen_objects(admin_gateway: GatewayHarness
     gw = admin_gateway.gw
     assert gw is not None
     metrics = gw.listeners.metrics
+    assert metrics is not None  # the admin listener serves /metrics
 
     def render_cpu() -> float:
         started = time.thread_time()

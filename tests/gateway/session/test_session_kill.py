@@ -92,10 +92,8 @@ def _barrier(port: int, n: list[int] = [0]) -> None:  # noqa: B006 (a counter on
 def _persistent_sub(port: int, cid: str, topic_filter: str, qos: int, level: int = 4) -> None:
     c = RawClient(port, level=level)
     try:
-        kw = {}
-        if level == 5:
-            kw["properties"] = Properties(session_expiry_interval=3600)
-        assert c.connect(cid, clean=False, **kw).reason_code == 0
+        props = Properties(session_expiry_interval=3600) if level == 5 else None
+        assert c.connect(cid, clean=False, properties=props).reason_code == 0
         c.send(Subscribe(1, [Subscription(topic_filter, qos)]))
         ack = c.recv()
         assert isinstance(ack, SubAck) and ack.reason_codes == [qos]

@@ -163,6 +163,7 @@ def test_offline_sessions_stay_dormant_until_their_client_returns(gateway: Gatew
     assert c.connect("dev-3", clean=False).session_present
     msg = c.recv()
     assert isinstance(msg, Publish) and msg.payload == b"wake"
+    assert msg.packet_id is not None  # QoS 1
     c.send(PubAck(msg.packet_id))
     c.close()
     assert gateway.call(lambda: "dev-3" in gw.sessions.sessions)
