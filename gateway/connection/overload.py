@@ -9,12 +9,12 @@ Overload, seen from inside the process, shows two ways, and the guard watches bo
     (past LAG_HOLD_S);
   - delivery lag: the oldest message an online subscriber (or shared-subscription group) has
     not been sent yet was stored more than BACKLOG_HOLD_S ago. The loop may be on time while
-    subscribers fall behind: their QoS 1 windows are full, or their passes read BATCH messages
-    a turn while more arrive. Delivery loops and share groups report themselves when a pass
-    leaves something unsent (`behind()`, O(1) per pass); each tick asks at most CHECK_PER_TICK
-    of them for the store time of their oldest unsent message (`oldest_unsent_ms()`, a look at
-    each of their queues' next message), so the cost is per tick, never per message or per
-    connection.
+    subscribers fall behind: their QoS 1 windows are full, or their passes (at most
+    PASS_LIMIT messages of a queue) take less a turn than arrives. Delivery loops and share
+    groups report themselves when a pass leaves something unsent (`behind()`, O(1) per pass);
+    each tick asks at most CHECK_PER_TICK of them for the store time of their oldest unsent
+    message (`oldest_unsent_ms()`, a look at each of their queues' next message), so the cost
+    is per tick, never per message or per connection.
 
 The guard's timer runs every TICK_S while it has anything to watch closely: it holds, someone is
 still held, or the last tick saw either lag past its release bound. Otherwise (the usual case,

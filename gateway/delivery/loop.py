@@ -15,7 +15,17 @@ ingest batch, gateway/connection/ingest.py, otherwise stored by a callback queue
 pass): a device's message read just before a pass goes with it, where it would make a pass, a
 socket write and an acknowledgement read of its own one turn later.
 A queue still behind after its read (batch limit) stays ready, and a pass that made progress
-schedules the next one (call_soon, so publishers and other sessions run in between). A queue
+schedules the next one (call_soon, so publishers and other sessions run in between).
+
+Behind. A read takes BATCH messages. A queue with more than that waiting (a long turn of the
+event loop left a backlog while some twenty messages a millisecond kept arriving) is read
+again in the same pass, BATCH at a time, while its window has a free slot (QoS > 0), up to
+PASS_LIMIT messages of it, and while the pass's packets are under PASS_BYTES (so the transport
+takes at most that beyond one read past its high-water mark). Draining a backlog one BATCH per
+turn stretched every hiccup several times over for a subscriber that gets every message; the
+limits keep a pass short enough that the next turn's reads (the devices' PUBLISHes and
+acknowledgements) come soon. A queue not behind pays nothing for it: the further reads start
+only where a read already ended before the queue's end. A queue
 left behind because the window or the transport was full is looked at again by the full pass
 that the next acknowledgement or resume_writing triggers (`_behind`; otherwise an
 acknowledgement only commits offsets, without looking at every queue). The store calls the
@@ -70,11 +80,17 @@ from gateway.protocol import ReasonCode
 from gateway.session.model import Inflight, Session, SubscriptionState, pending_of
 from gateway.storage.port import StoredMessage, StoreError
 
-__all__ = ["BATCH", "DeliveryContext", "DeliveryLoop", "Subscriber"]
+__all__ = ["BATCH", "PASS_BYTES", "PASS_LIMIT", "DeliveryContext", "DeliveryLoop", "Subscriber"]
 
 log = logging.getLogger("lmqtt.gateway")
 
+# Messages one read of a queue takes. A queue still behind after it is read again in the same
+# pass (module docstring, "Behind"): up to PASS_LIMIT messages for one queue (PASS_LIMIT - BATCH
+# over the pass's further reads), while the pass's packets are under PASS_BYTES (a quarter of
+# the transport's high-water mark).
 BATCH = 32
+PASS_LIMIT = 256
+PASS_BYTES = 64 * 1024
 # A new loop's last write: long enough ago that it is not busy (one float for every loop).
 _NEVER_WROTE = -PASS_INTERVAL
 
@@ -248,6 +264,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             inflight = self.session.inflight
             client = self.client
             window = self.window
+            room = PASS_LIMIT - BATCH  # what reads past a queue's first may still take
             for sub, end in subs:
                 if window - len(inflight) <= 0 or not client.writable or client.closed:
                     self._behind = True
@@ -271,6 +288,8 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                 before = sub.next_offset
                 if self._read(sub, codec):
                     progressed = True
+                    if sub.next_offset < end and room > 0:  # behind: more in this pass
+                        room = self._catch_up(sub, codec, end, room)
                     if sub.qos == 2 and not qos2:
                         qos2 = self._sent_qos2(sub, before)
                     if sub.next_offset < end:
@@ -389,6 +408,32 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
         if messages:
             return self._deliver_batch(sub, messages, codec)
         return start > offset
+
+    def _catch_up(
+        self, sub: SubscriptionState, codec: tuple[dict[int, int], int] | None, end: int, room: int
+    ) -> int:
+        """Further reads of `sub`'s queue, behind after its first read of this pass, while it
+        is (up to `end`), each of BATCH: up to `room` more messages, while its window has a
+        free slot (QoS > 0) and the pass's packets are under PASS_BYTES (module docstring,
+        "Behind"). Returns what is left of `room`."""
+        batch = self._batch
+        assert batch is not None
+        inflight = self.session.inflight
+        window = self.window if sub.qos else 0
+        size = 0
+        counted = 0
+        while room > 0 and sub.next_offset < end:
+            if window and window - len(inflight) <= 0:
+                break
+            size += sum(map(len, batch[counted:]))
+            counted = len(batch)
+            if size >= PASS_BYTES:
+                break
+            before = sub.next_offset
+            if not self._read(sub, codec):
+                break
+            room -= sub.next_offset - before
+        return room
 
     # -- shared subscriptions ----------------------------------------------------------------
 
