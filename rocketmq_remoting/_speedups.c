@@ -48,6 +48,39 @@ static unsigned char name_value_sep, property_sep, dispatch_sep;
 static uint32_t magic_v1, magic_v2, blank_magic, sysflag_born_v6, sysflag_store_v6;
 
 enum { FIXED_HEAD = 48 };
+/* MessageRecord's slots, in its fields' order (its __slots__, read by `configure`): a record is
+ * allocated and its slots set straight, without a call of its Python __init__. */
+enum { RECORD_SLOTS = 14 };
+static Py_ssize_t record_offsets[RECORD_SLOTS];
+
+static int
+record_slot_offsets(PyObject *type_obj)
+{
+    if (!PyType_Check(type_obj)) {
+        PyErr_SetString(PyExc_TypeError, "configure: MessageRecord is not a type");
+        return -1;
+    }
+    PyObject *slots = PyObject_GetAttrString(type_obj, "__slots__");
+    if (slots == NULL) {
+        return -1;
+    }
+    int rc = -1;
+    const char *names[RECORD_SLOTS];
+    if (!PyTuple_Check(slots) || PyTuple_GET_SIZE(slots) != RECORD_SLOTS) {
+        PyErr_SetString(PyExc_TypeError, "configure: MessageRecord needs its 14 fields as slots");
+        goto done;
+    }
+    for (int i = 0; i < RECORD_SLOTS; i++) {
+        names[i] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(slots, i));
+        if (names[i] == NULL) {
+            goto done;
+        }
+    }
+    rc = lmqtt_slot_offsets("configure", type_obj, names, RECORD_SLOTS, record_offsets);
+done:
+    Py_DECREF(slots);
+    return rc;
+}
 
 static PyObject *
 configure(PyObject *Py_UNUSED(module), PyObject *args)
@@ -64,6 +97,9 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
     if (key_len <= 0 || key_len >= (Py_ssize_t)sizeof(dispatch_key) || nv > 0x7F || ps > 0x7F
         || ds > 0x7F) {
         PyErr_SetString(PyExc_ValueError, "configure: unusable dispatch key or separators");
+        return NULL;
+    }
+    if (record_slot_offsets(type_obj) < 0) {
         return NULL;
     }
     memcpy(dispatch_key, key, key_len);
@@ -428,11 +464,18 @@ decode_one(const unsigned char *b, Py_ssize_t pos, Py_ssize_t end, int check_crc
         ok &= ints[i] != NULL;
     }
     if (ok) {
-        PyObject *fields[14] = {
+        PyObject *fields[RECORD_SLOTS] = {
             topic,    payload,  ints[0],    ints[1],   ints[2], ints[3], ints[4],
             ints[5],  ints[6],  born_host,  store_host, ints[7], props,  ints[8],
         };
-        out = PyObject_Vectorcall(record_type, fields, 14, NULL);
+        PyTypeObject *tp = (PyTypeObject *)record_type;
+        out = tp->tp_alloc(tp, 0);
+        if (out != NULL) { /* each slot takes a reference of its own */
+            for (int i = 0; i < RECORD_SLOTS; i++) {
+                Py_INCREF(fields[i]);
+                *(PyObject **)((char *)out + record_offsets[i]) = fields[i];
+            }
+        }
     }
     for (int i = 0; i < 9; i++) {
         Py_XDECREF(ints[i]);
