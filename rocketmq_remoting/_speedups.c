@@ -24,6 +24,13 @@
  * calling the reference (the tests use it to see which frames the C path takes).
  * The header keys it reads are command.py's (`configure_frames`).
  *
+ * send_frames(pieces, first_opaque, born_ms, messages) -> bytes: send_frames.py
+ * `SendFrames.frames_py`, exactly (tests/rocketmq_remoting/test_codec.py): the SEND_MESSAGE_V2
+ * frames (binary header) of `messages` ((properties, body) pairs) one after the other, the
+ * i-th with opaque first_opaque + i, each from the template's constant pieces (head, the bytes
+ * after the opaque, up to g's value, between g's and i's, after i's; the frame limit).
+ * ProtocolError if a frame would exceed the limit.
+ *
  * Built by setup.py as an optional extension; accelerators.load decides whether it runs.
  */
 #define _GNU_SOURCE 1 /* memmem */
@@ -41,6 +48,39 @@ static unsigned char name_value_sep, property_sep, dispatch_sep;
 static uint32_t magic_v1, magic_v2, blank_magic, sysflag_born_v6, sysflag_store_v6;
 
 enum { FIXED_HEAD = 48 };
+/* MessageRecord's slots, in its fields' order (its __slots__, read by `configure`): a record is
+ * allocated and its slots set straight, without a call of its Python __init__. */
+enum { RECORD_SLOTS = 14 };
+static Py_ssize_t record_offsets[RECORD_SLOTS];
+
+static int
+record_slot_offsets(PyObject *type_obj)
+{
+    if (!PyType_Check(type_obj)) {
+        PyErr_SetString(PyExc_TypeError, "configure: MessageRecord is not a type");
+        return -1;
+    }
+    PyObject *slots = PyObject_GetAttrString(type_obj, "__slots__");
+    if (slots == NULL) {
+        return -1;
+    }
+    int rc = -1;
+    const char *names[RECORD_SLOTS];
+    if (!PyTuple_Check(slots) || PyTuple_GET_SIZE(slots) != RECORD_SLOTS) {
+        PyErr_SetString(PyExc_TypeError, "configure: MessageRecord needs its 14 fields as slots");
+        goto done;
+    }
+    for (int i = 0; i < RECORD_SLOTS; i++) {
+        names[i] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(slots, i));
+        if (names[i] == NULL) {
+            goto done;
+        }
+    }
+    rc = lmqtt_slot_offsets("configure", type_obj, names, RECORD_SLOTS, record_offsets);
+done:
+    Py_DECREF(slots);
+    return rc;
+}
 
 static PyObject *
 configure(PyObject *Py_UNUSED(module), PyObject *args)
@@ -57,6 +97,9 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
     if (key_len <= 0 || key_len >= (Py_ssize_t)sizeof(dispatch_key) || nv > 0x7F || ps > 0x7F
         || ds > 0x7F) {
         PyErr_SetString(PyExc_ValueError, "configure: unusable dispatch key or separators");
+        return NULL;
+    }
+    if (record_slot_offsets(type_obj) < 0) {
         return NULL;
     }
     memcpy(dispatch_key, key, key_len);
@@ -421,11 +464,18 @@ decode_one(const unsigned char *b, Py_ssize_t pos, Py_ssize_t end, int check_crc
         ok &= ints[i] != NULL;
     }
     if (ok) {
-        PyObject *fields[14] = {
+        PyObject *fields[RECORD_SLOTS] = {
             topic,    payload,  ints[0],    ints[1],   ints[2], ints[3], ints[4],
             ints[5],  ints[6],  born_host,  store_host, ints[7], props,  ints[8],
         };
-        out = PyObject_Vectorcall(record_type, fields, 14, NULL);
+        PyTypeObject *tp = (PyTypeObject *)record_type;
+        out = tp->tp_alloc(tp, 0);
+        if (out != NULL) { /* each slot takes a reference of its own */
+            for (int i = 0; i < RECORD_SLOTS; i++) {
+                Py_INCREF(fields[i]);
+                *(PyObject **)((char *)out + record_offsets[i]) = fields[i];
+            }
+        }
     }
     for (int i = 0; i < 9; i++) {
         Py_XDECREF(ints[i]);
@@ -1018,6 +1068,115 @@ frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     return cmd;
 }
 
+/* -- send_frames ------------------------------------------------------------------------- */
+
+static inline unsigned char *
+put_be32(unsigned char *o, uint32_t v)
+{
+    o[0] = (unsigned char)(v >> 24);
+    o[1] = (unsigned char)(v >> 16);
+    o[2] = (unsigned char)(v >> 8);
+    o[3] = (unsigned char)v;
+    return o + 4;
+}
+
+static inline unsigned char *
+put_bytes(unsigned char *o, const char *b, Py_ssize_t n)
+{
+    memcpy(o, b, (size_t)n);
+    return o + n;
+}
+
+enum { SEND_PIECES = 7 };
+
+static PyObject *
+send_frames(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "send_frames(pieces, first_opaque, born_ms, messages) takes 4 arguments");
+        return NULL;
+    }
+    PyObject *pieces = args[0], *messages = args[3];
+    if (!PyTuple_Check(pieces) || PyTuple_GET_SIZE(pieces) != SEND_PIECES ||
+        !PyList_Check(messages)) {
+        PyErr_SetString(PyExc_TypeError, "send_frames: pieces tuple and a list of messages");
+        return NULL;
+    }
+    /* head (code, language, version), after the opaque (flag, remark), up to g's value,
+     * between g's and i's, after i's; the mark's serialize type bits; the frame limit */
+    const char *piece[5];
+    Py_ssize_t piece_len[5];
+    for (int k = 0; k < 5; k++) {
+        PyObject *b = PyTuple_GET_ITEM(pieces, k);
+        if (!PyBytes_Check(b)) {
+            PyErr_SetString(PyExc_TypeError, "send_frames: template pieces must be bytes");
+            return NULL;
+        }
+        piece[k] = PyBytes_AS_STRING(b);
+        piece_len[k] = PyBytes_GET_SIZE(b);
+    }
+    long long mark = PyLong_AsLongLong(PyTuple_GET_ITEM(pieces, 5));
+    long long frame_max = PyLong_AsLongLong(PyTuple_GET_ITEM(pieces, 6));
+    long long first = PyLong_AsLongLong(args[1]);
+    long long born = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    char g[24];
+    int g_len = snprintf(g, sizeof g, "%lld", born);
+    Py_ssize_t n = PyList_GET_SIZE(messages);
+    /* Constant part of a frame: length, mark, head, opaque, after-opaque, fields length,
+     * the field pieces and g's and i's length prefixes and g's value. */
+    Py_ssize_t fixed = 4 + 4 + piece_len[0] + 4 + piece_len[1] + 4 + piece_len[2] + 4 + g_len +
+                       piece_len[3] + 4 + piece_len[4];
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = PyList_GET_ITEM(messages, i);
+        if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) != 2 ||
+            !PyBytes_Check(PyTuple_GET_ITEM(m, 0)) || !PyBytes_Check(PyTuple_GET_ITEM(m, 1))) {
+            PyErr_SetString(PyExc_TypeError, "send_frames: messages are (bytes, bytes) pairs");
+            return NULL;
+        }
+        Py_ssize_t length = fixed - 4 + PyBytes_GET_SIZE(PyTuple_GET_ITEM(m, 0)) +
+                            PyBytes_GET_SIZE(PyTuple_GET_ITEM(m, 1));
+        if (length > frame_max) {
+            PyErr_Format(protocol_error != NULL ? protocol_error : PyExc_ValueError,
+                         "frame of %zd bytes exceeds %lld", length, frame_max);
+            return NULL;
+        }
+        total += 4 + length;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL) {
+        return NULL;
+    }
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = PyList_GET_ITEM(messages, i);
+        PyObject *props = PyTuple_GET_ITEM(m, 0), *body = PyTuple_GET_ITEM(m, 1);
+        Py_ssize_t props_len = PyBytes_GET_SIZE(props), body_len = PyBytes_GET_SIZE(body);
+        Py_ssize_t fields_len = piece_len[2] + 4 + g_len + piece_len[3] + 4 + props_len +
+                                piece_len[4];
+        Py_ssize_t header_len = piece_len[0] + 4 + piece_len[1] + 4 + fields_len;
+        o = put_be32(o, (uint32_t)(4 + header_len + body_len));
+        o = put_be32(o, (uint32_t)mark | (uint32_t)header_len);
+        o = put_bytes(o, piece[0], piece_len[0]);
+        o = put_be32(o, (uint32_t)(first + i));
+        o = put_bytes(o, piece[1], piece_len[1]);
+        o = put_be32(o, (uint32_t)fields_len);
+        o = put_bytes(o, piece[2], piece_len[2]);
+        o = put_be32(o, (uint32_t)g_len);
+        o = put_bytes(o, g, g_len);
+        o = put_bytes(o, piece[3], piece_len[3]);
+        o = put_be32(o, (uint32_t)props_len);
+        o = put_bytes(o, PyBytes_AS_STRING(props), props_len);
+        o = put_bytes(o, piece[4], piece_len[4]);
+        o = put_bytes(o, PyBytes_AS_STRING(body), body_len);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(MessageRecord, ProtocolError, crc32, host_v6, dispatch key, name/value "
@@ -1031,6 +1190,8 @@ static PyMethodDef methods[] = {
      "frame(buf, start, end) -> decode_frame(buf[start:end])"},
     {"frame_fast", (PyCFunction)(void (*)(void))frame_fast, METH_FASTCALL,
      "frame_fast(buf, start, end) -> the command of a plain JSON frame, else None"},
+    {"send_frames", (PyCFunction)(void (*)(void))send_frames, METH_FASTCALL,
+     "send_frames(pieces, first_opaque, born_ms, messages) -> the frames, joined"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -63,6 +63,8 @@ HOLD_CHECK_S = 5.0
 #: Pull frame templates kept (one per reader: a tail per broker, a mirror per queue without
 #: notify pulls); past it they are made again.
 PULL_TEMPLATES = 1024
+#: The sys flag of a held pull without commit (`pull_nowait`).
+_HELD_PULL = PULL_SUBSCRIPTION | PULL_SUSPEND
 
 
 @dataclass(slots=True)
@@ -121,6 +123,35 @@ SEND_STORED = (
     ResponseCode.FLUSH_SLAVE_TIMEOUT,
     ResponseCode.SLAVE_NOT_AVAILABLE,
 )
+
+
+def pull_result(
+    answer: RemotingCommand, broker_addr: str, wanted: Container[str] | None, check_crc: bool
+) -> PullResult:
+    """A PULL_MESSAGE answer as `RemotingClient.pull` returns it (see there), or raised."""
+    next_begin = _int(answer, "nextBeginOffset")
+    min_offset = _int(answer, "minOffset")
+    max_offset = _int(answer, "maxOffset")
+    if answer.code == ResponseCode.PULL_OFFSET_MOVED:
+        raise OffsetMovedError(
+            answer.code, answer.remark, broker_addr, next_begin, min_offset, max_offset
+        )
+    raise_for(
+        answer,
+        broker_addr,
+        ok=(
+            ResponseCode.SUCCESS,
+            ResponseCode.PULL_NOT_FOUND,
+            ResponseCode.PULL_RETRY_IMMEDIATELY,
+        ),
+    )
+    if answer.code != ResponseCode.SUCCESS:
+        return PullResult(answer.code, next_begin, min_offset, max_offset, [])
+    if wanted is None:
+        messages = list(decode_records(answer.body, check_crc))
+        return PullResult(answer.code, next_begin, min_offset, max_offset, messages)
+    messages, last = scan_records(answer.body, wanted, check_crc)
+    return PullResult(answer.code, next_begin, min_offset, max_offset, messages, last)
 
 
 def send_result(answer: RemotingCommand, broker_addr: str) -> SendResult:
@@ -443,19 +474,9 @@ class RemotingClient:
         try:
             if commit_offset is None:
                 # The usual pull: its frame from the reader's template (only the offset varies).
-                key = (consumer_group, topic, queue_id, max_messages, sys_flag, suspend_ms)
-                frames = self._pull_frames.get(key)
-                if frames is None:
-                    if len(self._pull_frames) >= PULL_TEMPLATES:
-                        self._pull_frames.clear()  # readers of many queues: start over
-                    frames = self._pull_frames[key] = PullFrames(
-                        consumer_group=consumer_group,
-                        topic=topic,
-                        queue_id=queue_id,
-                        max_msg_nums=max_messages,
-                        sys_flag=sys_flag,
-                        suspend_timeout_millis=suspend_ms,
-                    )
+                frames = self._pull_template(
+                    consumer_group, topic, queue_id, max_messages, sys_flag, suspend_ms
+                )
                 answer = await self._request_frame(
                     broker_addr,
                     functools.partial(frames.frame, queue_offset=offset),
@@ -479,29 +500,77 @@ class RemotingClient:
                 )
         finally:
             self.held_pulls -= held
-        next_begin = _int(answer, "nextBeginOffset")
-        min_offset = _int(answer, "minOffset")
-        max_offset = _int(answer, "maxOffset")
-        if answer.code == ResponseCode.PULL_OFFSET_MOVED:
-            raise OffsetMovedError(
-                answer.code, answer.remark, broker_addr, next_begin, min_offset, max_offset
-            )
-        raise_for(
-            answer,
-            broker_addr,
-            ok=(
-                ResponseCode.SUCCESS,
-                ResponseCode.PULL_NOT_FOUND,
-                ResponseCode.PULL_RETRY_IMMEDIATELY,
-            ),
+        return pull_result(answer, broker_addr, wanted, check_crc)
+
+    def pull_nowait(
+        self,
+        broker_addr: str,
+        topic: str,
+        offset: int,
+        answered: Callable[[PullResult | RemotingError], None],
+        *,
+        consumer_group: str,
+        max_messages: int,
+        suspend_timeout: float,
+        wanted: Container[str] | None = None,
+    ) -> bool:
+        """A held pull (`pull` with `suspend_timeout`, no commit) without a coroutine: its frame
+        written on the broker's open connection now, `answered` called once with its
+        PullResult or the RemotingError that ended it (OffsetMovedError included, the
+        connection lost, no answer in time). False, nothing sent, when no connection to the
+        broker is open (the caller pulls with `pull`, which opens one): a follower of a queue
+        (the parent topic's tail) answers itself without a task step per answer."""
+        conn = self.open_broker_connection(broker_addr)
+        if conn is None:
+            return False
+        suspend_ms = int(suspend_timeout * 1000)
+        frames = self._pull_template(
+            consumer_group, topic, LMQ_QUEUE_ID, max_messages, _HELD_PULL, suspend_ms
         )
-        if answer.code != ResponseCode.SUCCESS:
-            return PullResult(answer.code, next_begin, min_offset, max_offset, [])
-        if wanted is None:
-            messages = list(decode_records(answer.body, check_crc))
-            return PullResult(answer.code, next_begin, min_offset, max_offset, messages)
-        messages, last = scan_records(answer.body, wanted, check_crc)
-        return PullResult(answer.code, next_begin, min_offset, max_offset, messages, last)
+        timeout = self.request_timeout + suspend_timeout + HOLD_CHECK_S
+        opaque = conn.next_opaque()
+        timer = asyncio.get_running_loop().call_later(
+            timeout, conn.expire, (opaque,), RequestCode.PULL_MESSAGE, timeout
+        )
+        self.held_pulls += 1
+
+        def on_answer(_opaque: int, answer: RemotingCommand | RemotingError) -> None:
+            timer.cancel()
+            self.held_pulls -= 1
+            if not isinstance(answer, RemotingError):
+                try:
+                    answer = pull_result(answer, broker_addr, wanted, True)  # type: ignore[assignment]
+                except RemotingError as exc:
+                    answer = exc
+            answered(answer)  # type: ignore[arg-type]
+
+        conn.expect(opaque, on_answer)
+        conn.write(frames.frame(opaque, offset))
+        return True
+
+    def _pull_template(
+        self,
+        consumer_group: str,
+        topic: str,
+        queue_id: int,
+        max_messages: int,
+        sys_flag: int,
+        suspend_ms: int,
+    ) -> PullFrames:
+        key = (consumer_group, topic, queue_id, max_messages, sys_flag, suspend_ms)
+        frames = self._pull_frames.get(key)
+        if frames is None:
+            if len(self._pull_frames) >= PULL_TEMPLATES:
+                self._pull_frames.clear()  # readers of many queues: start over
+            frames = self._pull_frames[key] = PullFrames(
+                consumer_group=consumer_group,
+                topic=topic,
+                queue_id=queue_id,
+                max_msg_nums=max_messages,
+                sys_flag=sys_flag,
+                suspend_timeout_millis=suspend_ms,
+            )
+        return frames
 
     # -- broker: offsets ----------------------------------------------------------------------
 

@@ -19,8 +19,10 @@ buffering it, no reader task woken per read), and frames leave through the trans
 
 A caller that sends many requests at once (a producer's sends of one loop turn) may skip the
 coroutine per request: ``next_opaque`` + ``expect`` + ``write`` queue a frame it encoded itself
-and register a callback, called once with the answer or with the RemotingError that ended the
-wait (connection lost, or ``expire`` when the caller's own timer ran out).
+and register a callback, called once per request with its opaque and the answer or the
+RemotingError that ended the wait (connection lost, or ``expire`` when the caller's own timer
+ran out). A batch takes ``reserve_opaques(n)`` (n consecutive opaques), writes its frames at
+once and registers one callback for all of them with ``expect_all``.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from rocketmq_remoting.errors import (
     RemotingTimeoutError,
 )
 
-#: Called once with a request's answer, or with the error that ended the wait for it.
-AnswerCallback = Callable[["RemotingCommand | RemotingError"], None]
+#: Called once per request: its opaque, and its answer or the error that ended the wait for it.
+AnswerCallback = Callable[[int, "RemotingCommand | RemotingError"], None]
 
 log = logging.getLogger(__name__)
 _LEN: Final = struct.Struct(">i")
@@ -163,12 +165,20 @@ class Connection(asyncio.Protocol):
         self._write(frame)
 
     def expect(self, opaque: int, callback: AnswerCallback) -> None:
-        """Call `callback` with the answer to the request `opaque` (from `next_opaque`, its
-        frame queued with `write`), or with the error that ended the wait. The connection
-        must be open (check `closed` first): a closed one raises RemotingClosedError."""
+        """Call `callback` with `opaque` and the answer to the request `opaque` (from
+        `next_opaque`, its frame queued with `write`), or the error that ended the wait. The
+        connection must be open (check `closed` first): a closed one raises
+        RemotingClosedError."""
         if self._closed:
             raise RemotingClosedError(self.addr, self._close_reason)
         self._callbacks[opaque] = callback
+
+    def expect_all(self, first: int, count: int, callback: AnswerCallback) -> None:
+        """`expect` for the `count` requests of opaques `first` on (`reserve_opaques`), one
+        callback for all of them: called once per request."""
+        if self._closed:
+            raise RemotingClosedError(self.addr, self._close_reason)
+        self._callbacks.update(dict.fromkeys(range(first, first + count), callback))
 
     def expire(self, opaques: Iterable[int], code: int, timeout: float) -> None:
         """The requests of `opaques` still waiting get a RemotingTimeoutError (their
@@ -177,7 +187,7 @@ class Connection(asyncio.Protocol):
         for opaque in opaques:
             callback = callbacks.pop(opaque, None)
             if callback is not None:
-                self._call(callback, RemotingTimeoutError(self.addr, code, timeout))
+                self._call(callback, opaque, RemotingTimeoutError(self.addr, code, timeout))
 
     def _write(self, frame: bytes) -> None:
         if not self._out:
@@ -200,6 +210,15 @@ class Connection(asyncio.Protocol):
     def next_opaque(self) -> int:
         self._opaque = (self._opaque + 1) & 0x7FFFFFFF
         return self._opaque
+
+    def reserve_opaques(self, count: int) -> int:
+        """The first of `count` consecutive opaques for the caller's requests (never wrapping
+        past the largest int32 inside them)."""
+        if self._opaque + count > 0x7FFFFFFF:
+            self._opaque = 0
+        first = self._opaque + 1
+        self._opaque += count
+        return first
 
     async def request(self, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
         """Send ``cmd`` and wait for its answer (any code: the caller interprets it)."""
@@ -254,20 +273,26 @@ class Connection(asyncio.Protocol):
             raise RemotingClosedError(self.addr, self._close_reason) from exc
 
     def _received(self, cmd: RemotingCommand) -> None:
-        if cmd.is_response:
-            callback = self._callbacks.pop(cmd.opaque, None)
+        if cmd.flag & FLAG_RESPONSE:  # RemotingCommand.is_response, inlined: once per answer
+            opaque = cmd.opaque
+            callback = self._callbacks.pop(opaque, None)
             if callback is not None:
-                self._call(callback, cmd)
+                try:
+                    callback(opaque, cmd)
+                except Exception:  # a caller's bug must not take the connection down with it
+                    log.exception("rocketmq %s: answer callback failed", self.addr)
                 return
-            future = self._pending.get(cmd.opaque)
+            future = self._pending.get(opaque)
             if future is not None and not future.done():
                 future.set_result(cmd)
         elif not cmd.is_oneway:
             self._answer_unsupported(cmd)
 
-    def _call(self, callback: AnswerCallback, answer: RemotingCommand | RemotingError) -> None:
+    def _call(
+        self, callback: AnswerCallback, opaque: int, answer: RemotingCommand | RemotingError
+    ) -> None:
         try:
-            callback(answer)
+            callback(opaque, answer)
         except Exception:  # a caller's bug must not take the connection down with it
             log.exception("rocketmq %s: answer callback failed", self.addr)
 
@@ -290,8 +315,8 @@ class Connection(asyncio.Protocol):
                 future.set_exception(RemotingClosedError(self.addr, reason))
         self._pending.clear()
         callbacks, self._callbacks = self._callbacks, {}
-        for callback in callbacks.values():
-            self._call(callback, RemotingClosedError(self.addr, reason))
+        for opaque, callback in callbacks.items():
+            self._call(callback, opaque, RemotingClosedError(self.addr, reason))
         if self._transport is not None:
             self._transport.close()
 

@@ -15,6 +15,7 @@ import pytest
 
 from rocketmq_remoting import (
     OffsetMovedError,
+    PullResult,
     RemotingClient,
     RemotingClosedError,
     RemotingTimeoutError,
@@ -202,6 +203,57 @@ async def test_suspended_pull_is_woken_by_a_send(client: RemotingClient, broker_
     woke_after = time.monotonic() - sent_at
     assert result.found and [m.body for m in result.messages] == [b"wake up"]
     assert woke_after < 2.0, f"long poll answered {woke_after:.3f}s after the send"
+
+
+async def test_a_pull_without_a_coroutine_is_held_woken_and_failed_by_a_drop(
+    rocketmq: RocketMQCluster, broker_a: str
+) -> None:
+    """pull_nowait (the parent topic's tail after its first pull): on the broker's open
+    connection the pull is held, answered by callback with the records a send brought (parsed
+    as pull's: `wanted`, offsets), counted as held meanwhile; a dropped connection ends it with
+    the error, and with no open connection nothing is sent."""
+    async with rocketmq.client(request_timeout=5.0) as client:
+        parent = await _parent(client, broker_a)
+        lmq, other = _name("%LMQ%nowait-"), _name("%LMQ%other-")
+        got: list[object] = []
+        group = _name(GROUP_PREFIX)
+
+        def pull(offset: int, wanted: set[str] | None = None) -> bool:
+            return client.pull_nowait(
+                broker_a,
+                parent,
+                offset,
+                got.append,
+                consumer_group=group,
+                max_messages=32,
+                suspend_timeout=20.0,
+                wanted=wanted,
+            )
+
+        start = await client.get_max_offset(broker_a, parent)
+        assert pull(start, {lmq})
+        await asyncio.sleep(0.5)
+        assert got == [] and client.held_pulls == 1  # held by the broker
+        await client.send_message(broker_a, parent, b"skipped", light_queues=[other])
+        await client.send_message(broker_a, parent, b"wanted", light_queues=[lmq])
+        deadline = time.monotonic() + 15
+        while not got:
+            assert time.monotonic() < deadline, "held pull not answered"
+            await asyncio.sleep(0.02)
+        (res,) = got
+        assert isinstance(res, PullResult) and res.found and client.held_pulls == 0
+        # Woken by the first send or both: only the wanted record is decoded, if in the answer.
+        assert [m.body for m in res.messages] in ([], [b"wanted"])
+        assert res.next_begin_offset > start
+        got.clear()
+        assert pull(await client.get_max_offset(broker_a, parent))  # held: nothing comes
+        conn = client.open_broker_connection(broker_a)
+        assert conn is not None
+        conn.close_nowait()
+        await asyncio.sleep(0)
+        assert len(got) == 1 and isinstance(got[0], RemotingClosedError)
+        assert client.held_pulls == 0
+        assert not pull(0)  # no open connection now: nothing sent (the caller uses pull)
 
 
 async def test_suspended_pull_without_arrival_answers_not_found_at_timeout(

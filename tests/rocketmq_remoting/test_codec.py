@@ -10,6 +10,8 @@ import struct
 import zlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rocketmq_remoting import headers
 from rocketmq_remoting.codes import FLAG_ONEWAY, FLAG_RESPONSE, SerializeType
@@ -261,6 +263,40 @@ def test_pull_frames_equal_the_generic_encoder(
 def test_send_frames_refuse_a_frame_over_the_limit() -> None:
     with pytest.raises(ProtocolError, match="exceeds"):
         SendFrames("g", "t").frame(1, 0, b"", bytes(16 * 1024 * 1024))
+    for frames in (SendFrames("g", "t").frames, SendFrames("g", "t").frames_py):
+        with pytest.raises(ProtocolError, match="exceeds"):
+            frames(1, 0, [(b"", b"x"), (b"", bytes(16 * 1024 * 1024))])
+
+
+def test_a_batch_of_send_frames_is_java_s_frame_and_the_reference_s() -> None:
+    # The batch kernel (C when built): its first frame is Java's own encoding of the send, and
+    # the whole batch is the reference's (each frame of `frame`, opaques counting up).
+    frames = SendFrames("lmqtt-producer", "mqtt")
+    batch = [(SEND_FRAME_PROPS.encode(), b"hello"), (b"", b"\x00"), (b"a\x01b\x02" * 99, b"z")]
+    joined = frames.frames(13, 1764079200000, batch)
+    assert joined.startswith(GOLDEN_BINARY_SEND)
+    assert joined == frames.frames_py(13, 1764079200000, batch)
+    assert joined == b"".join(
+        frames.frame(13 + i, 1764079200000, p, b) for i, (p, b) in enumerate(batch)
+    )
+    assert frames.frames(1, 0, []) == b""
+
+
+@given(
+    batch=st.lists(st.tuples(st.binary(max_size=300), st.binary(max_size=300)), max_size=6),
+    first=st.integers(1, 2**31 - 8),
+    born=st.integers(0, 2**62),
+    group=st.text(max_size=20),
+    topic=st.text(min_size=1, max_size=20),
+)
+@settings(max_examples=300, deadline=None)
+def test_send_frames_kernel_agrees_with_its_reference(
+    batch: list[tuple[bytes, bytes]], first: int, born: int, group: str, topic: str
+) -> None:
+    kernel = pytest.importorskip("rocketmq_remoting._speedups")
+    frames = SendFrames(group, topic)
+    ours = kernel.send_frames(frames.pieces, first, born, batch)
+    assert ours == frames.frames_py(first, born, batch) == frames.frames(first, born, batch)
 
 
 @pytest.mark.parametrize("golden", ["ROUTE", "SEND", "PULL", "ONEWAY"])

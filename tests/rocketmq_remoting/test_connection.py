@@ -9,7 +9,6 @@ tests/rocketmq/.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -232,10 +231,10 @@ async def test_expected_answers_reach_their_callbacks_beside_requests(serve: Ser
     conn = await Connection.open(addr, 1.0)
     got: dict[int, RemotingCommand | RemotingError] = {}
     try:
-        opaques = [conn.next_opaque() for _ in range(2)]
-        for op in opaques:
-            conn.expect(op, functools.partial(got.__setitem__, op))
-            conn.write(RemotingCommand(code=310, opaque=op).encode())
+        first = conn.reserve_opaques(2)
+        opaques = [first, first + 1]
+        conn.expect_all(first, 2, got.__setitem__)  # one callback, told each opaque
+        conn.write(b"".join(RemotingCommand(code=310, opaque=op).encode() for op in opaques))
         plain = await conn.request(RemotingCommand(code=31), 2.0)
         assert plain.remark == f"for {plain.opaque}"
         await wait_until(lambda: len(got) == 2)
@@ -258,7 +257,7 @@ async def test_expected_answers_expire_and_fail_when_the_connection_drops(serve:
     got: dict[int, RemotingCommand | RemotingError] = {}
     first, second = conn.next_opaque(), conn.next_opaque()
     for op in (first, second):
-        conn.expect(op, functools.partial(got.__setitem__, op))
+        conn.expect(op, got.__setitem__)
         conn.write(RemotingCommand(code=310, opaque=op).encode())
     conn.expire([first], 310, 0.5)  # the caller's timer ran out for `first` only
     assert isinstance(got.pop(first), RemotingTimeoutError) and not got
@@ -267,7 +266,22 @@ async def test_expected_answers_expire_and_fail_when_the_connection_drops(serve:
     await conn.close()
     assert isinstance(got.pop(second), RemotingClosedError) and conn.in_flight == 0
     with pytest.raises(RemotingClosedError):
-        conn.expect(conn.next_opaque(), got.__setitem__)  # type: ignore[arg-type]
+        conn.expect(conn.next_opaque(), got.__setitem__)
+
+
+async def test_reserved_opaques_are_consecutive_and_never_wrap_inside(serve: Serve) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    conn = await Connection.open(await serve(handler), 1.0)
+    try:
+        first = conn.reserve_opaques(3)
+        assert conn.next_opaque() == first + 3
+        conn._opaque = 0x7FFFFFFF - 2  # near the end of the int32 range: starts over
+        first = conn.reserve_opaques(3)
+        assert first == 1 and conn.next_opaque() == 4
+    finally:
+        await conn.close()
 
 
 async def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:

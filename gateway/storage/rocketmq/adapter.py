@@ -84,6 +84,10 @@ class _StateWake:
         if queue == STATE_QUEUE:
             self._state_log.wake()
 
+    def on_arrivals(self, ends: dict[str, int]) -> None:
+        if STATE_QUEUE in ends:
+            self._state_log.wake()
+
 
 class RocketMqStorage:
     """The Storage port on RocketMQ; create with :func:`open_rocketmq`. One broker (the home

@@ -290,6 +290,21 @@ class Mirrors:
             except Exception:
                 log.exception("arrival listener failed")
 
+    def _notify_all(self, ends: dict[str, int]) -> None:
+        """Where the queues of one tail answer end now: one call per listener with an
+        `on_arrivals` (the store's batch notice, store/results.py ArrivalListener), else one
+        per queue."""
+        for listener in self._listeners:
+            try:
+                batch = getattr(listener, "on_arrivals", None)
+                if batch is not None:
+                    batch(ends)
+                else:
+                    for queue, end in ends.items():
+                        listener.on_arrival(queue, end)
+            except Exception:
+                log.exception("arrival listener failed")
+
     async def _bounds(self, m: Mirror) -> None:
         broker = self._broker
         lo = await broker.client.get_min_offset(broker.addr, m.lmq)
@@ -385,6 +400,7 @@ class Mirrors:
         by_lmq = self._by_lmq
         queue_of = self._broker.names.queue
         touched: dict[str, Mirror] = {}
+        put = self._put if self._phys_waiters else None  # someone waits for a message's offset
         for rec in records:
             offsets = rec.light_queue_offsets()
             stored: StoredMessage | None = None  # decoded once for all its mirrors here
@@ -395,12 +411,20 @@ class Mirrors:
                         stored = to_stored(rec, off, queue_of, offsets)
                     else:
                         stored = at_offset(stored, off)
-                    self._put(m, stored, off)
+                    if put is not None:
+                        put(m, stored, off)
+                    else:  # _put without a waiter to tell, inlined: once per message and mirror
+                        m.msgs[off] = stored
+                        if off >= m.max:
+                            m.max = off + 1
                     touched[lmq] = m
+        ends: dict[str, int] = {}
         for m in touched.values():
             self._trim(m)
             if m.ready:
-                self._notify(m)
+                ends[m.queue] = m.max
+        if ends:
+            self._notify_all(ends)  # one notice per answer, as the embedded store's per batch
 
     def _keep(self, m: Mirror, records: list[MessageRecord]) -> None:
         for rec in records:

@@ -6,10 +6,11 @@
              ticket (PutResult.end_offset) resolves when every send is SEND_OK, and raises
              StoreError when one was not (refused, FLUSH_DISK_TIMEOUT, connection lost: maybe
              stored, not acknowledged; the client sends it again).
-    frames   a batch on an open connection (the usual case) is written at once, each message a
-             frame from the sender's template (rocketmq_remoting/send_frames.py: binary
-             header), its answer taken by a callback (_Batch), one timer per batch: no task
-             or coroutine per message. An answer other than SEND_OK (busy, refused, timeout,
+    frames   a batch on an open connection (the usual case) is written at once: its frames
+             (one per message, consecutive opaques) built in one call from the sender's
+             template (rocketmq_remoting/send_frames.py: binary header, in C), their answers
+             taken by one callback (_Batch), one timer per batch: no task, coroutine or
+             callback object per message. An answer other than SEND_OK (busy, refused, timeout,
              connection lost) hands that message to the coroutine path below, as if its first
              attempt had been made there. The first batch (no connection yet), one after a
              drop, and one behind a `gate` take the coroutine path whole, and while one of
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Sequence
@@ -49,6 +49,7 @@ from gateway.storage.rocketmq.broker import Broker
 from rocketmq_remoting import (
     BrokerBusyError,
     BrokerError,
+    ProtocolError,
     RemotingCommand,
     RemotingError,
     RequestCode,
@@ -161,10 +162,16 @@ class Sender:
         if gate is None and not self._coroutine_batches and messages:
             conn = self._broker.client.open_broker_connection(self._broker.addr)
         if conn is not None:
-            frames = self._encode_all(messages)
-            if frames is not None:
-                _Batch(self, ticket, fut, messages, conn).send(frames)
-                return ticket
+            encoded = self._encode_all(messages)
+            if encoded is not None:
+                first = conn.reserve_opaques(len(encoded))
+                try:
+                    frames = self._frames.frames(first, int(time.time() * 1000), encoded)
+                except ProtocolError:  # a message over the frame limit: refused below
+                    frames = None
+                if frames is not None:
+                    _Batch(self, ticket, fut, messages, conn, first).send(frames)
+                    return ticket
         self._coroutine_batches += 1
         sends = [self.send(queues, body, block, gate) for _parent, queues, body, block in messages]
         batch = asyncio.ensure_future(asyncio.gather(*sends))
@@ -385,18 +392,18 @@ class Sender:
 
 
 class _Batch:
-    """One send_batch on the frame path: a frame per message written now, answers taken by
-    callback (`_answer`), one timer for all; resolves the ticket when every message is
-    answered (the first error, if any, fails it whole)."""
+    """One send_batch on the frame path: its frames (consecutive opaques, built in one call)
+    written now, answers taken by one callback (`_answer`), one timer for all; resolves the
+    ticket when every message is answered (the first error, if any, fails it whole)."""
 
     __slots__ = (
         "_answered",
         "_conn",
         "_error",
+        "_first",
         "_fut",
         "_left",
         "_messages",
-        "_opaques",
         "_sender",
         "_ticket",
         "_timer",
@@ -409,50 +416,53 @@ class _Batch:
         fut: asyncio.Future[None],
         messages: Sequence[EncodedMessage],
         conn: Connection,
+        first: int,
     ) -> None:
         self._sender = sender
         self._ticket = ticket
         self._fut = fut
         self._messages = messages
         self._conn = conn
+        self._first = first  # the opaque of messages[0]; messages[i]'s is first + i
         self._left = len(messages)
         self._error: StoreError | None = None
         self._answered: asyncio.Future[None] = sender._loop.create_future()
-        self._opaques: list[int] = []
         self._timer: asyncio.TimerHandle | None = None
 
-    def send(self, encoded: list[tuple[bytes, bytes]]) -> None:
+    def send(self, frames: bytes) -> None:
+        """Write `frames` (every message's, SendFrames.frames) and take their answers."""
         sender = self._sender
         sender._sending.add(self._answered)
         sending = sender._counter.sending
-        frame = sender._frames.frame
-        conn = self._conn
-        answer = self._answer
-        opaques = self._opaques
-        born = int(time.time() * 1000)
-        for i, (properties, body) in enumerate(encoded):
+        for _ in range(self._left):
             sending()
-            opaque = conn.next_opaque()
-            conn.expect(opaque, functools.partial(answer, i))
-            conn.write(frame(opaque, born, properties, body))
-            opaques.append(opaque)
+        self._conn.expect_all(self._first, self._left, self._answer)
+        self._conn.write(frames)
         self._timer = sender._loop.call_later(sender._broker.client.request_timeout, self._expire)
 
     def _expire(self) -> None:
         timeout = self._sender._broker.client.request_timeout
-        self._conn.expire(self._opaques, RequestCode.SEND_MESSAGE_V2, timeout)
+        opaques = range(self._first, self._first + len(self._messages))
+        self._conn.expire(opaques, RequestCode.SEND_MESSAGE_V2, timeout)
 
-    def _answer(self, i: int, answer: Answer) -> None:
+    def _answer(self, opaque: int, answer: Answer) -> None:
         sender = self._sender
         if type(answer) is RemotingCommand and answer.code == ResponseCode.SUCCESS:
             fields = answer.ext_fields
             offset = fields.get("queueOffset")
-            with contextlib.suppress(KeyError, ValueError):
-                sender.saw_phys(message_id_offset(fields["msgId"]))
+            try:
+                phys = message_id_offset(fields["msgId"])
+            except (KeyError, ValueError):
+                pass
+            else:
+                if phys >= sender.log_max:  # saw_phys, inlined: once per answer
+                    sender.log_max = phys + 1
             sender._counter.sent(int(offset) if offset and offset != "null" else 0)
-            self._one_done(None)
+            self._left -= 1
+            if not self._left:
+                self._finish()
             return
-        _parent, queues, body, block = self._messages[i]
+        _parent, queues, body, block = self._messages[opaque - self._first]
         task = sender._loop.create_task(sender.resend(queues, body, block, answer))
         task.add_done_callback(self._resent)
 
@@ -468,8 +478,10 @@ class _Batch:
         if err is not None and self._error is None:
             self._error = err
         self._left -= 1
-        if self._left:
-            return
+        if not self._left:
+            self._finish()
+
+    def _finish(self) -> None:
         sender = self._sender
         if self._timer is not None:
             self._timer.cancel()

@@ -61,6 +61,19 @@ class MergedEnds:
             max_offset = merged.max_offset(queue)
         self._listener.on_arrival(queue, max_offset)
 
+    def on_arrivals(self, ends: dict[str, int]) -> None:
+        """The queues of one tail answer (Mirrors' batch notice): passed on in one call when
+        the listener takes batches, spread queues at their merged ends."""
+        batch = getattr(self._listener, "on_arrivals", None)
+        merged = self._slots.merged
+        if batch is None:
+            for queue, end in ends.items():
+                self.on_arrival(queue, end)
+            return
+        if merged is not None:
+            ends = {q: merged.max_offset(q) if spread_queue(q) else e for q, e in ends.items()}
+        batch(ends)
+
 
 class Slot:
     """One broker of a spread deployment other than the home broker: its sends, mirrors,

@@ -13,7 +13,10 @@ subscribed light queue.
                each answer's nextBeginOffset and the next pull is written at once, before the
                answer's records go to `deliver` (in the loop's next step): the broker holds
                the next pull while this one's messages are handed out, so a message stored
-               meanwhile is not left waiting for that work
+               meanwhile is not left waiting for that work. After the first answer the pulls
+               follow one another by callback on the open connection (`pull_nowait`: no task
+               step or coroutine per answer); the first pull, and the one after an error or
+               a dropped connection, is the coroutine's (`run`), which reconnects and backs off
     pass over  only the records dispatched to a light queue this node mirrors (`wanted`) are
                decoded; the others are passed over from their INNER_MULTI_DISPATCH property
                (rocketmq_remoting.message.scan_records), their body never copied. A mirror
@@ -37,7 +40,7 @@ import logging
 from collections.abc import Callable, Container
 
 from gateway.storage.rocketmq.broker import PULL_GROUP, Broker
-from rocketmq_remoting import OffsetMovedError, RemotingError
+from rocketmq_remoting import OffsetMovedError, PullResult, RemotingError
 from rocketmq_remoting.message import MessageRecord
 
 log = logging.getLogger("lmqtt.rocketmq")
@@ -64,12 +67,15 @@ class ParentTail:
         self._wanted = wanted
         self.ready = asyncio.Event()  # the start offset is known
         self.offset = 0  # the next parent offset the tail reads
+        self._loop = asyncio.get_running_loop()
+        #: While the pulls follow by callback: what `run` awaits, resolved (None) when no
+        #: connection is open for the next pull, or failed with the error that ended one.
+        self._back: asyncio.Future[None] | None = None
 
     async def run(self) -> None:
         """Follow the parent queue until cancelled."""
         broker = self._broker
         client = broker.client
-        loop = asyncio.get_running_loop()
         backoff = 0.1
         while True:
             try:
@@ -85,6 +91,12 @@ class ParentTail:
                     suspend_timeout=SUSPEND_S,
                     wanted=self._wanted,
                 )
+                backoff = 0.1
+                # The next pulls by callback (`_answered`) until one fails or finds no open
+                # connection; the loop's next turn then pulls again from the same offset.
+                self._back = back = self._loop.create_future()
+                self._took(res)
+                await back
             except OffsetMovedError as exc:
                 log.warning(
                     "parent topic %s: offset %d moved (broker range %d..%d): following from %d",
@@ -101,16 +113,43 @@ class ParentTail:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            backoff = 0.1
-            if res.found:
-                self.offset = max(self.offset, res.next_begin_offset)
-                # Handed out in the loop's next step: the next pull (the loop's next turn,
-                # written before its first await) goes out first.
-                loop.call_soon(self._hand_out, res.messages, res.last_commitlog_offset)
-            elif not res.found:
-                log.debug(
-                    "parent topic %s: held pull ended empty (code %d)", broker.topic, res.code
-                )
+            finally:
+                self._back = None
+
+    def _took(self, res: PullResult) -> None:
+        """An answer: the next pull written (by callback), then its records handed out in
+        the loop's next step, after the next pull's frame left (its write was queued first)."""
+        if res.found:
+            self.offset = max(self.offset, res.next_begin_offset)
+        else:
+            log.debug(
+                "parent topic %s: held pull ended empty (code %d)", self._broker.topic, res.code
+            )
+        broker = self._broker
+        if not broker.client.pull_nowait(
+            broker.addr,
+            broker.topic,
+            self.offset,
+            self._answered,
+            consumer_group=PULL_GROUP,
+            max_messages=TAIL_BATCH,
+            suspend_timeout=SUSPEND_S,
+            wanted=self._wanted,
+        ):
+            back = self._back
+            if back is not None and not back.done():
+                back.set_result(None)  # no open connection: `run` pulls (and reconnects)
+        if res.found:
+            self._loop.call_soon(self._hand_out, res.messages, res.last_commitlog_offset)
+
+    def _answered(self, res: PullResult | RemotingError) -> None:
+        back = self._back
+        if back is None or back.done():
+            return  # `run` was cancelled (the storage closed) or took over: nothing follows
+        if isinstance(res, RemotingError):
+            back.set_exception(res)  # `run` handles it as a failed pull of its own
+            return
+        self._took(res)
 
     def _hand_out(self, records: list[MessageRecord], last_phys: int) -> None:
         try:
