@@ -291,7 +291,7 @@ class ClientConnection(KeepAlive):
         if self.session is None or pub.topic.startswith("$"):
             return False
         try:
-            self.ctx.topic(pub.topic)
+            self.ctx.route(pub.topic)  # validates; the batch's append finds the route
             self.ctx.access.check_publish(self, pub.topic)
         except TopicError:
             return False
