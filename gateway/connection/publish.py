@@ -122,7 +122,7 @@ class PublishHandler:
         self._registry = registry
         self._stats = stats
         self._sync = sync
-        # publisher.topic, bound once: every PUBLISH's topic is validated with it.
+        # publisher.check_topic, bound once: every PUBLISH's topic is validated with it.
         self._topic: Callable[[str], str] = publisher.check_topic
 
     async def store_run(self, client: Publishing, run: list[Publish]) -> None:
