@@ -9,6 +9,7 @@ PublishProperties.of gives, and the store's own encoding."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +181,23 @@ def test_a_first_publish_stays_in_the_c_loop_once_its_kind_is_known(tmp_path: Pa
                 assert message[3] == store.encode_properties({**base, PID: "5"})
     finally:
         store.close()
+
+
+def test_new_blocks_leak_no_reference() -> None:
+    """The C loop's new block holds and lets go of what it reads (the kind's middle, the
+    encoded client id, the name, the client id), block after block."""
+    publisher = PublishProperties("dev-1", _encode)
+    publisher.of(Publish("a/1", b"", 1, packet_id=1))  # teaches the kind (1, False)
+    pubs = [Publish("a/2", b"x", 1, packet_id=2)]
+    middle = records.KIND_MIDDLES[(1, False)]
+    watched = (middle, publisher._client_raw, publisher._client_id, pubs[0].topic)
+
+    def run() -> None:
+        publisher.blocks.clear()
+        assert speedups.encode_publishes(pubs, [publisher], ROUTES, [], [], 0) == 1
+
+    run()
+    counts = [sys.getrefcount(o) for o in watched]
+    for _ in range(20_000):
+        run()
+    assert [sys.getrefcount(o) for o in watched] == counts

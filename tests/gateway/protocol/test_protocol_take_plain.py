@@ -290,3 +290,27 @@ def test_c_pubacks_refuse_what_is_no_packet_id() -> None:
     for bad in ([0], [0x10000], [-1], ["1"]):
         with pytest.raises((ValueError, TypeError)):
             speedups.pubacks(bad, set())
+
+
+def test_a_first_publish_leaks_no_reference() -> None:
+    """`other` and the topic cached in C: every reference taken is let go."""
+    raw = b"site/9/dev/1/temp"
+    data = raw_publish(0x30, raw, b"", b"", b"x" * 8)
+    table = fast_decoder.FAST_PUBLISH_QOS[True, True]
+
+    def run() -> tuple[int, str]:
+        TOPIC_CACHE.pop(raw, None)  # cached anew each time
+        other: list[Any] = []
+        off = TAKE(
+            data, table, 1 << 20, False, TOPIC_CACHE, None, None, 65535, 0, None,
+            [], [], None, [], None, [], other,
+        )  # fmt: skip
+        return off, other[0].topic
+
+    assert run() == (len(data), raw.decode())
+    counts = [sys.getrefcount(o) for o in (data, table)]
+    for _ in range(20_000):
+        run()
+    assert [sys.getrefcount(o) for o in (data, table)] == counts
+    held = sys.getrefcount(TOPIC_CACHE[raw])  # outside the assert: pytest's would hold one
+    assert held == 2  # the cache's and the call's only
