@@ -8,6 +8,7 @@ from topicmap.naming import (
     NameTable,
     filter_of,
     is_store_name,
+    parent_of_name,
     parent_topic,
     queue_name,
 )
@@ -21,7 +22,7 @@ from topicmap.replay import (
     split_replay,
 )
 from topicmap.router import Router
-from topicmap.topic import MAX_TOPIC_BYTES, Topic, TopicFilter, matches_levels
+from topicmap.topic import MAX_TOPIC_BYTES, Topic, TopicFilter, check_topic_name, matches_levels
 
 __all__ = [
     "EMPTY_PARENT",
@@ -36,10 +37,12 @@ __all__ = [
     "Topic",
     "TopicError",
     "TopicFilter",
+    "check_topic_name",
     "filter_of",
     "is_parent_name",
     "is_store_name",
     "matches_levels",
+    "parent_of_name",
     "parent_topic",
     "parse_replay_from",
     "queue_name",

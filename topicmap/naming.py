@@ -140,7 +140,11 @@ def is_store_name(name: str) -> bool:
 
 def parent_topic(topic: str | Topic) -> str:
     """The store name of the topic's first level (its parent topic); see the module docstring."""
-    name = topic.name if isinstance(topic, Topic) else Topic(topic).name
+    return parent_of_name(topic.name if isinstance(topic, Topic) else Topic(topic).name)
+
+
+def parent_of_name(name: str) -> str:
+    """parent_topic() of a name already checked (topicmap.topic.check_topic_name)."""
     first = name.partition("/")[0]
     known = _PARENTS.get(first)
     if known is not None:

@@ -68,6 +68,23 @@ def check_utf8_string(kind: str, text: object, reason_code: int) -> str:
     return text
 
 
+def check_topic_name(name: object) -> str:
+    """Check the rules of a topic name (what a PUBLISH is sent to) and return it: the MQTT
+    UTF-8 string rules and no wildcard. TopicError with the reason otherwise. Topic() checks
+    with it; a caller that needs no Topic object (the publish path's per-name cache) calls it
+    alone."""
+    text = check_utf8_string("topic name", name, TOPIC_NAME_INVALID)
+    if "+" in text or "#" in text:
+        wildcard = "+" if "+" in text else "#"
+        raise TopicError(
+            f"topic name {shown(text)} contains the wildcard {wildcard!r}; wildcards are only "
+            "allowed in subscription filters, not in the topic a message is published to",
+            value=text,
+            reason_code=TOPIC_NAME_INVALID,
+        )
+    return text
+
+
 def matches_levels(filter_levels: Sequence[str], topic_levels: Sequence[str]) -> bool:
     """True when a (non-shared) filter, split into levels, matches a topic split into levels.
 
@@ -95,15 +112,7 @@ class Topic:
     levels: tuple[str, ...]
 
     def __init__(self, name: str) -> None:
-        check_utf8_string("topic name", name, TOPIC_NAME_INVALID)
-        if "+" in name or "#" in name:
-            wildcard = "+" if "+" in name else "#"
-            raise TopicError(
-                f"topic name {shown(name)} contains the wildcard {wildcard!r}; wildcards are only "
-                "allowed in subscription filters, not in the topic a message is published to",
-                value=name,
-                reason_code=TOPIC_NAME_INVALID,
-            )
+        check_topic_name(name)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "levels", tuple(name.split("/")))
 

@@ -121,6 +121,7 @@ class ClientConnection(KeepAlive):
         self.bytes_in += n
         self._last_rx = self._loop.time()
         ingest = self._ingest
+        first: Publish | None = None
         if (
             ingest is not None
             and self._reader is None
@@ -132,14 +133,22 @@ class ClientConnection(KeepAlive):
             # decision stands while its ACL object does), or a subscriber's run of PUBACKs: in
             # one C call, the publishes to the batch, the PUBACKs to `acked`. What follows
             # them, if anything, takes the path below from where it stopped.
+            # A plain publish on another topic (the device's first) ends the C call's run in
+            # `other`: checked and routed here (_plain_publish), or handed to the reader task.
             pubs = ingest.pubs
             before = len(pubs)
             topic = self._plain_topic
             acked: list[int] = []
+            other: list[Publish] = []
             left = self.conn.take_plain(
                 data, topic, pubs, ingest.owners, self, ingest.blocks,
-                self._blocks or self.publish_blocks() if topic is not None else None, acked,
+                self._blocks or self.publish_blocks() if topic is not None else None, acked, other,
             )  # fmt: skip
+            if other:
+                if self._plain_publish(other[0]):
+                    ingest.add(self, other[0])
+                else:
+                    first = other[0]  # refused or not plain here: the reader task's, first
             taken = len(pubs) - before
             if taken:
                 if not ingest.scheduled:
@@ -151,7 +160,7 @@ class ClientConnection(KeepAlive):
                 delivery = self.delivery
                 if delivery is not None:
                     delivery.on_pubacks(acked)
-            if not left:
+            if not left and first is None:
                 self._unparsed = 0
                 if self._reading_paused:
                     self._resume_reading()
@@ -162,7 +171,9 @@ class ClientConnection(KeepAlive):
         self._unparsed += left  # what the connection buffered unparsed
         if self._unparsed > MAX_UNPARSED + self.ctx.settings.max_packet_size:
             self._pause_reading()
-        if self._reader is None and ingest is not None and self.session is not None:
+        if first is not None:
+            self._kick(first)
+        elif self._reader is None and ingest is not None and self.session is not None:
             self._read_inline(ingest)
         else:
             self._kick()
@@ -291,7 +302,7 @@ class ClientConnection(KeepAlive):
         if self.session is None or pub.topic.startswith("$"):
             return False
         try:
-            self.ctx.topic(pub.topic)
+            self.ctx.route(pub.topic)  # validates; the batch's append finds the route
             self.ctx.access.check_publish(self, pub.topic)
         except TopicError:
             return False

@@ -14,7 +14,6 @@ from gateway.connection.overload import OverloadGuard
 from gateway.connection.timers import TimerWheel
 from gateway.messages.publishing import PublishPath
 from gateway.stats import GatewayStats
-from topicmap import Topic
 
 __all__ = ["ClientContext"]
 
@@ -34,11 +33,12 @@ class ClientContext:
     overload: OverloadGuard
     publisher: PublishPath
     packets: PacketDispatch  # the packet handlers
-    # publisher.topic, bound once: the inline path validates every PUBLISH's topic with it.
-    topic: Callable[[str], Topic] = field(init=False)
+    # publisher.publish_route, bound once: the inline path validates and routes a topic new to
+    # a connection with it, so the batch's C loop (gateway/messages/_batch.c) finds the route.
+    route: Callable[[str], tuple[str, tuple[str, ...]]] = field(init=False)
     # packets.dispatch, bound once: the reader task hands it every packet but plain publishes.
     dispatch: Callable[[Handled, object], Awaitable[None]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.topic = self.publisher.topic
+        self.route = self.publisher.publish_route
         self.dispatch = self.packets.dispatch

@@ -31,7 +31,7 @@ from gateway.session.model import Session
 from gateway.session.registry import SessionRegistry
 from gateway.stats import GatewayStats
 from gateway.storage.port import StoreError
-from topicmap import Topic, TopicError
+from topicmap import TopicError
 
 __all__ = ["PublishHandler", "Publishing"]
 
@@ -122,8 +122,8 @@ class PublishHandler:
         self._registry = registry
         self._stats = stats
         self._sync = sync
-        # publisher.topic, bound once: every PUBLISH's topic is validated with it.
-        self._topic: Callable[[str], Topic] = publisher.topic
+        # publisher.check_topic, bound once: every PUBLISH's topic is validated with it.
+        self._topic: Callable[[str], str] = publisher.check_topic
 
     async def store_run(self, client: Publishing, run: list[Publish]) -> None:
         """Store a run of plain publishes with one store call, then acknowledge the QoS 1

@@ -91,7 +91,7 @@ class InboundPublisher:
         if topic.startswith("$"):
             raise Rejected(f"{MQTT_TOPIC} {topic!r} is a $-topic (reserved for the server)")
         try:
-            self._publisher.topic(topic)
+            self._publisher.check_topic(topic)
         except TopicError as exc:
             raise Rejected(f"{MQTT_TOPIC}: {exc}") from None
         qos_text = props.get(MQTT_QOS, "0")

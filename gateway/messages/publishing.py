@@ -1,6 +1,6 @@
 """PublishPath: a PUBLISH from a client (or the gateway itself) into the store.
 
-    topic name -> validated Topic, parent topic (cached)
+    topic name -> validated, parent topic (cached)
                -> light queues of every registered filter matching it (router, cached)
                -> one store record dispatched to those queues (plus %RETAIN%)
                -> the recent cache (delivery reads it from there), the retained index
@@ -20,9 +20,12 @@ import accelerators
 from gateway.clock import now_ms
 from gateway.messages.recent import RecentMessages
 from gateway.messages.records import (
+    KIND_MIDDLES,
     PID_BLOCK,
     PID_HEAD,
     PID_TAIL,
+    PROPERTY_BLOCKS_SIZE,
+    TOPIC_HEAD,
     PublishProperties,
     message_properties,
 )
@@ -31,8 +34,8 @@ from gateway.messages.will_log import WILLS_QUEUE
 from gateway.protocol import Publish, remember_topic
 from gateway.stats import GatewayStats
 from gateway.storage.port import EncodedMessage, PutResult, Storage, StoreError
-from topicmap import Router, Topic, TopicFilter, parent_topic
-from topicmap.record import WILL_ID
+from topicmap import Router, TopicFilter, check_topic_name, parent_of_name
+from topicmap.record import CLIENT, QOS, RETAIN, TOPIC, WILL_ID
 
 # Validated topic names and their parent topics remembered (cleared when full): validating
 # and naming the parent cost more per PUBLISH than the rest of the gateway's put path.
@@ -49,11 +52,13 @@ def encode_publishes_py(
 ) -> int:
     """PublishPath.append_publishes's loop, its common case: from `pubs[i]` on, while a
     PUBLISH has no MQTT 5 properties, its topic a cached route and its publisher
-    (`blocks[k]`) the block of its (topic, QoS, retain), append (parent, light queues,
-    payload, block + the packet id pair for QoS > 0) to `messages` and the block's properties
-    to `props`; returns the index of the first PUBLISH left (the caller routes it and has its
-    block encoded). The reference of gateway/messages/_batch.c `encode_publishes`, which
-    must do exactly this (tests/gateway/messages/test_encode_publishes.py)."""
+    (`blocks[k]`) the block of its (topic, QoS, retain) or one it makes without the store
+    (PublishProperties.new_plain: a device's first publish to its topic), append (parent,
+    light queues, payload, block + the packet id pair for QoS > 0) to `messages` and the
+    block's properties to `props`; returns the index of the first PUBLISH left (the caller
+    routes it and has its block encoded). The reference of gateway/messages/_batch.c
+    `encode_publishes`, which must do exactly this (tests/gateway/messages/
+    test_encode_publishes.py)."""
     if len(blocks) != len(pubs):
         raise ValueError("encode_publishes: pubs and blocks differ in length")
     n = len(pubs)
@@ -64,9 +69,12 @@ def encode_publishes_py(
         route = routes.get(pub.topic)
         if route is None:
             break
-        hit = blocks[i].blocks.get((pub.topic, pub.qos, pub.retain))
+        publisher = blocks[i]
+        hit = publisher.blocks.get((pub.topic, pub.qos, pub.retain))
         if hit is None:
-            break
+            hit = publisher.new_plain(pub.topic, pub.qos, pub.retain)
+            if hit is None:
+                break
         block = (
             hit[0] + PID_BLOCK % pub.packet_id if pub.qos and pub.packet_id is not None else hit[0]
         )
@@ -84,6 +92,10 @@ def _load_encode_publishes() -> Callable[..., int]:
     if kernel is None:
         return encode_publishes_py
     kernel.configure(Publish, "blocks", PID_HEAD, PID_TAIL)
+    kernel.configure_new(
+        "_client_id", "_client_raw", KIND_MIDDLES, TOPIC_HEAD, (TOPIC, QOS, RETAIN, CLIENT),
+        PROPERTY_BLOCKS_SIZE,
+    )  # fmt: skip
     return kernel.encode_publishes
 
 
@@ -102,7 +114,7 @@ class PublishPath:
         # Set by the composition root once the index is open (it is rebuilt from the state
         # log after the sessions, whose filters must be routed first).
         self.retained: RetainedIndex | None = None
-        self._topics: dict[str, tuple[Topic, str]] = {}  # name -> (Topic, parent topic)
+        self._topics: dict[str, str] = {}  # valid name -> parent topic
         # name -> (parent topic, light queues): valid until the router changes (cleared then).
         self._routes: dict[str, tuple[str, tuple[str, ...]]] = {}
         # Cluster mode (gateway/cluster/filter_registry.py): told of each local filter reference
@@ -138,27 +150,24 @@ class PublishPath:
 
     # -- topics and routes -------------------------------------------------------------------
 
-    def topic(self, name: str) -> Topic:
-        """The validated Topic of a published name (TopicError if invalid), cached."""
-        entry = self._topics.get(name)
-        return entry[0] if entry is not None else self._topic_entry(name)[0]
-
-    def _topic_entry(self, name: str) -> tuple[Topic, str]:
-        entry = self._topics.get(name)
-        if entry is None:
-            topic = Topic(name)
-            entry = (topic, parent_topic(topic))
+    def check_topic(self, name: str) -> str:
+        """The parent topic of a published name, which it validates (TopicError if invalid);
+        cached per name. No Topic object is made or kept: a fleet's device names each come
+        once, and the check and the parent are all a publish needs of them."""
+        parent = self._topics.get(name)
+        if parent is None:
+            parent = parent_of_name(check_topic_name(name))
             if len(self._topics) >= TOPIC_CACHE_SIZE:
                 self._topics.clear()
-            self._topics[name] = entry
-        return entry
+            self._topics[name] = parent
+        return parent
 
     def publish_route(self, name: str) -> tuple[str, tuple[str, ...]]:
         """(parent topic, light queues of every matching filter) of a topic name, sorted,
         cached until a filter is added or removed. TopicError if the name is invalid."""
         route = self._routes.get(name)
         if route is None:
-            parent = self._topic_entry(name)[1]  # validates the name
+            parent = self.check_topic(name)  # validates the name
             route = (parent, self.router.route_sorted(name))
             if route[1]:
                 remember_topic(name)  # its deliveries will encode it: the first one too
@@ -206,7 +215,7 @@ class PublishPath:
 
     async def store_publish(self, pub: Publish, client_id: str, will: str | None = None) -> None:
         """Append one PUBLISH to the store (awaits the covering fsync in sync mode). The topic
-        name's validation and parent topic come from the same cache `topic()` fills. `will`:
+        name's validation and parent topic come from the same cache `check_topic()` fills. `will`:
         the PUBLISH is that will (its id), recorded in the wills log (will_log.py)."""
         if self.fenced is not None:
             self._check_fence()

@@ -90,10 +90,12 @@ PID_BLOCK = PID_HEAD + b"%d" + PID_TAIL
 TOPIC_HEAD = TOPIC.encode() + b"\x01"
 #: (QoS, retain) -> QOS \x01 <qos> \x02 RETAIN \x01 <0|1> \x02 CLIENT \x01: a base block
 #: between its topic name and its client id, cut from the first block of the kind the store
-#: encoded (every storage encodes properties in the store's record format).
+#: encoded (every storage encodes properties in the store's record format). The publish
+#: batch's C loop is handed this dict and reads it the same way (`KIND_MIDDLES`).
 _KIND_MIDDLES: dict[tuple[int, bool], bytes] = {}
 # Distinct (topic, QoS, retain) blocks one publisher keeps (cleared when full).
 PROPERTY_BLOCKS_SIZE = 4096
+KIND_MIDDLES = _KIND_MIDDLES
 
 
 class PublishProperties:
@@ -113,11 +115,17 @@ class PublishProperties:
         self._client_id = client_id
         self._encode = encode
         # (topic, QoS, retain) -> (block, properties); read by PublishPath's batch loop too
-        # (gateway/messages/publishing.py encode_publishes_py and its C twin), which call of() on a
-        # miss.
+        # (gateway/messages/publishing.py encode_publishes_py and its C twin), which make a
+        # new one with new_plain() and leave the rest to of().
         self.blocks: dict[tuple[str, int, bool], tuple[bytes, dict[str, str]]] = {}
-        # The client id's value and pair end, once known free of the store's separators.
+        # The client id's value and pair end; None when it holds a separator (or cannot be
+        # encoded): then the store encodes (and refuses) each new block.
         self._client_raw: bytes | None = None
+        if _safe(client_id):
+            try:
+                self._client_raw = client_id.encode() + b"\x02"
+            except UnicodeEncodeError:
+                pass
 
     def of(self, pub: Publish) -> tuple[bytes, dict[str, str]]:
         """(encoded block, properties) of `pub`; InvalidPropertyError (a StoreError) if the
@@ -128,32 +136,57 @@ class PublishProperties:
         key = (pub.topic, pub.qos, pub.retain)
         hit = self.blocks.get(key)
         if hit is None:
-            props = _base_properties(pub.topic, pub.qos, pub.retain, self._client_id)
-            hit = (self._new_block(props, pub.topic, pub.qos, pub.retain), props)
-            if len(self.blocks) >= PROPERTY_BLOCKS_SIZE:
-                self.blocks.clear()
-            self.blocks[key] = hit
+            hit = self.new_plain(pub.topic, pub.qos, pub.retain)
+            if hit is None:
+                props = _base_properties(pub.topic, pub.qos, pub.retain, self._client_id)
+                hit = (self._encoded(props, pub.qos, pub.retain), props)
+                self._keep(key, hit)
         if pub.qos and pub.packet_id is not None:
             return hit[0] + PID_BLOCK % pub.packet_id, hit[1]
         return hit
 
-    def _new_block(self, props: dict[str, str], topic: str, qos: int, retain: bool) -> bytes:
-        """The block of `props` (_base_properties of a new topic), byte for byte what the
-        store encodes: TOPIC_HEAD, the name, the kind's middle (encoded by the store once per
-        process), the client id. Blocks concatenate (the store's encode_properties), so a name
-        and a client id without the store's separators need no other check: the keys are the
-        kind's, which the store validated."""
+    def new_plain(self, topic: str, qos: int, retain: bool) -> tuple[bytes, dict[str, str]] | None:
+        """The (block, properties) of a (topic, QoS, retain) this publisher has no block for,
+        made without the store and kept; None (nothing kept) when the store must encode it:
+        its kind's middle unknown yet (the first block of a kind in the process is the
+        store's), or the name or the client id holding a separator or unencodable.
+
+        Byte for byte what the store encodes: TOPIC_HEAD, the name, the kind's middle, the
+        client id. Blocks concatenate (the store's encode_properties), so a name and a client
+        id without the store's separators need no other check: the keys are the kind's, which
+        the store validated. The publish batch's loop makes a device's first block here
+        (encode_publishes_py), and its C twin (gateway/messages/_batch.c) does exactly this."""
         middle = _KIND_MIDDLES.get((qos, retain))
         client = self._client_raw
-        if client is None and _safe(self._client_id):
-            client = self._client_raw = self._client_id.encode() + b"\x02"
         if middle is None or client is None or not _safe(topic):
-            block = self._encode(props)  # validates all; refuses a name or id with a separator
-            if client is not None:
-                start = block.index(b"\x02") + 1  # after the topic's pair
-                _KIND_MIDDLES[(qos, retain)] = block[start : len(block) - len(client)]
-            return block
-        return TOPIC_HEAD + topic.encode() + b"\x02" + middle + client
+            return None
+        try:
+            name = topic.encode()
+        except UnicodeEncodeError:
+            return None
+        hit = (
+            TOPIC_HEAD + name + b"\x02" + middle + client,
+            _base_properties(topic, qos, retain, self._client_id),
+        )
+        self._keep((topic, qos, retain), hit)
+        return hit
+
+    def _keep(self, key: tuple[str, int, bool], hit: tuple[bytes, dict[str, str]]) -> None:
+        blocks = self.blocks
+        if len(blocks) >= PROPERTY_BLOCKS_SIZE:
+            blocks.clear()
+        blocks[key] = hit
+
+    def _encoded(self, props: dict[str, str], qos: int, retain: bool) -> bytes:
+        """The store's block of `props` (_base_properties): validates all, refuses a name or
+        an id with a separator. With a client id free of them, it also teaches the kind's
+        middle (what lies between the name's pair and the client id) to new_plain()."""
+        block = self._encode(props)
+        client = self._client_raw
+        if client is not None and (qos, retain) not in _KIND_MIDDLES:
+            start = block.index(b"\x02") + 1  # after the topic's pair
+            _KIND_MIDDLES[(qos, retain)] = block[start : len(block) - len(client)]
+        return block
 
 
 @dataclass(slots=True)

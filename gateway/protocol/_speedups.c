@@ -201,7 +201,8 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
  *
  * It decodes, from `off` on, the packets the Python loop decodes inline -- PUBLISH whose first
  * byte `table` maps to a QoS (fast_decoder.FAST_PUBLISH_QOS), with a remaining
- * length of 1-2 bytes, a topic already in the readers' TOPIC_CACHE, a non-zero packet id for
+ * length of 1-2 bytes, a topic in the readers' TOPIC_CACHE (a missing one of at most
+ * TOPIC_CACHE_KEY_MAX bytes is checked and cached as cache_topic does), a non-zero packet id for
  * QoS 1, no MQTT 5 properties; and PUBACK without reason code -- appends one event per packet
  * to `out` (Publish / PubAck built as bare instances with every slot set, as in Python), records
  * QoS 1 ids in `in_qos1` and drops acknowledged ids from `out_flight`, exactly as the Python loop
@@ -240,7 +241,48 @@ typedef struct {
     PyObject *blocks;       /* list: `owner_blocks` appended once per publish taken */
     PyObject *owner_blocks; /* the connection's property blocks */
     PyObject *acked;        /* list: the packet id of each PUBACK taken */
+    PyObject *other;        /* list: the plain publish on another topic that ends the run */
 } Plain;
+
+/* The readers' topic cache bounds (readers.py TOPIC_CACHE_KEY_MAX, TOPIC_CACHE_SIZE), from
+ * configure_scan. */
+static Py_ssize_t topic_key_max = 0, topic_cache_size = 0;
+
+/*
+ * readers.cache_topic in C, for a `raw` topic missing from `topics`: its name if valid for a
+ * PUBLISH (strict UTF-8, not empty, no U+0000, no wildcard), cached in `topics` (cleared when
+ * full), as a reference borrowed from it. NULL with no exception when the Python loop must
+ * decide (invalid, or too long to be cached: cache_topic decodes it each time); NULL with an
+ * exception on a real error.
+ */
+static PyObject *
+cache_new_topic(PyObject *topics, PyObject *raw)
+{
+    Py_ssize_t n = PyBytes_GET_SIZE(raw);
+    if (n == 0 || n > topic_key_max) {
+        return NULL;
+    }
+    PyObject *topic = PyUnicode_DecodeUTF8(PyBytes_AS_STRING(raw), n, "strict");
+    if (topic == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+            PyErr_Clear();
+        }
+        return NULL;
+    }
+    Py_ssize_t len = PyUnicode_GET_LENGTH(topic);
+    if (PyUnicode_FindChar(topic, 0, 0, len, 1) != -1
+        || PyUnicode_FindChar(topic, '+', 0, len, 1) != -1
+        || PyUnicode_FindChar(topic, '#', 0, len, 1) != -1) {
+        Py_DECREF(topic);
+        return NULL;
+    }
+    if (PyDict_GET_SIZE(topics) >= topic_cache_size) {
+        PyDict_Clear(topics);
+    }
+    int failed = PyDict_SetItem(topics, raw, topic);
+    Py_DECREF(topic); /* the cache holds it */
+    return failed ? NULL : topic;
+}
 
 /* Is `topic` (from the topics cache) the plain run's topic? Identity first: both come from
  * the readers' topic cache, so equal topics are almost always the same object. */
@@ -363,15 +405,24 @@ scan_core(PyObject *buf_obj, Py_ssize_t off, PyObject *table, Py_ssize_t limit, 
             return NULL;
         }
         PyObject *topic = PyDict_GetItemWithError(topics, raw); /* borrowed */
+        if (topic == NULL && !PyErr_Occurred()) {
+            topic = cache_new_topic(topics, raw); /* borrowed from the cache */
+        }
         Py_DECREF(raw);
         if (topic == NULL) {
             if (PyErr_Occurred()) {
                 return NULL;
             }
-            break; /* not cached yet: the Python loop validates and caches it */
+            break; /* invalid or long: the Python loop decides */
         }
+        /* A plain publish on another topic ends a device's run: taken into `other` (its ACL
+         * decision is the caller's), when the caller asks for it. */
+        int to_other = 0;
         if (plain != NULL && !plain_topic(plain, topic)) {
-            break; /* another topic: its ACL decision is the Python path's */
+            if (plain->other == NULL || PyList_GET_SIZE(plain->other) != 0) {
+                break;
+            }
+            to_other = 1;
         }
         PyObject *packet_id;
         if (qos) {
@@ -379,14 +430,18 @@ scan_core(PyObject *buf_obj, Py_ssize_t off, PyObject *table, Py_ssize_t limit, 
                 break;
             }
             long pid = (long)buf[pos] << 8 | buf[pos + 1];
-            if (!pid || (v5 && buf[pos + 2]) || in_qos1 == Py_None) {
+            if (!pid || (v5 && buf[pos + 2]) || (in_qos1 == Py_None && !to_other)) {
                 break; /* properties, id 0, or no packet ids yet: the Python loop */
             }
             packet_id = PyLong_FromLong(pid);
             if (packet_id == NULL) {
                 return NULL;
             }
-            if (limited) {
+            if (in_qos1 == Py_None) {
+                /* `other` on a connection with no packet ids: the caller makes them and
+                 * records this id (the first of none in flight is always within quota). */
+            }
+            else if (limited) {
                 int has = PySet_Contains(in_qos1, packet_id);
                 if (has < 0) {
                     Py_DECREF(packet_id);
@@ -397,7 +452,7 @@ scan_core(PyObject *buf_obj, Py_ssize_t off, PyObject *table, Py_ssize_t limit, 
                     break;
                 }
             }
-            if (PySet_Add(in_qos1, packet_id) < 0) {
+            if (in_qos1 != Py_None && PySet_Add(in_qos1, packet_id) < 0) {
                 Py_DECREF(packet_id);
                 return NULL;
             }
@@ -438,10 +493,14 @@ scan_core(PyObject *buf_obj, Py_ssize_t off, PyObject *table, Py_ssize_t limit, 
         SLOT(pub, F_PACKET_ID) = packet_id;
         Py_INCREF(Py_None);
         SLOT(pub, F_PROPERTIES) = Py_None;
-        int failed = PyList_Append(out, pub);
+        int failed = PyList_Append(to_other ? plain->other : out, pub);
         Py_DECREF(pub);
         if (failed) {
             return NULL;
+        }
+        if (to_other) {
+            off = end;
+            break; /* the caller decides about it before anything after it */
         }
         if (plain != NULL && (PyList_Append(plain->owners, plain->owner) < 0
                               || PyList_Append(plain->blocks, plain->owner_blocks) < 0)) {
@@ -486,7 +545,8 @@ scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 
 /*
  * take_plain(buf, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
- *            in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked) -> off:
+ *            in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked, other)
+ *            -> off:
  * a device's read (or a subscriber's run of PUBACKs), in one call.
  *
  * `scan` from offset 0 restricted to what the connection's read path handles with no Python
@@ -499,12 +559,18 @@ scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
  * caller's Python path handles the rest, with every rule. `in_qos1` and `out_flight` are None
  * on a connection with no packet ids yet: then it stops at a QoS 1 PUBLISH or a PUBACK (the
  * Python path makes them). Like scan, it never raises a protocol error and never decides one.
+ *
+ * One exception to stopping: a PUBLISH plain in every way but its topic (another one, or the
+ * connection has none yet: a device's first publish) is decoded into `other` (empty on entry)
+ * as `next_event` would hand it out next, and the run ends right after it: the caller checks
+ * its topic and ACL before anything that follows. Its packet id is recorded in `in_qos1`;
+ * with no packet ids yet (`in_qos1` None) the caller makes them and records it.
  */
 static PyObject *
 take_plain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 16) {
-        PyErr_SetString(PyExc_TypeError, "take_plain takes 16 arguments");
+    if (nargs != 17) {
+        PyErr_SetString(PyExc_TypeError, "take_plain takes 17 arguments");
         return NULL;
     }
     if (publish_type == NULL || puback_type == NULL) {
@@ -513,13 +579,14 @@ take_plain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *buf_obj = args[0], *table = args[1], *topics = args[4], *in_qos1 = args[5];
     PyObject *out_flight = args[6];
-    Plain plain = {args[9], args[11], args[12], args[13], args[14], args[15]};
+    Plain plain = {args[9], args[11], args[12], args[13], args[14], args[15], args[16]};
     if (!PyBytes_CheckExact(buf_obj) || !PyList_CheckExact(table) || PyList_GET_SIZE(table) != 256
         || !PyDict_CheckExact(topics) || (in_qos1 != Py_None && !PySet_CheckExact(in_qos1))
         || (out_flight != Py_None && !PyDict_CheckExact(out_flight))
         || (plain.topic != Py_None && !PyUnicode_CheckExact(plain.topic))
         || !PyList_CheckExact(args[10]) || !PyList_CheckExact(plain.owners)
-        || !PyList_CheckExact(plain.blocks) || !PyList_CheckExact(plain.acked)) {
+        || !PyList_CheckExact(plain.blocks) || !PyList_CheckExact(plain.acked)
+        || !PyList_CheckExact(plain.other)) {
         PyErr_SetString(PyExc_TypeError, "take_plain: unexpected argument types");
         return NULL;
     }
@@ -586,9 +653,17 @@ static PyObject *
 configure_scan(PyObject *Py_UNUSED(module), PyObject *args)
 {
     PyObject *type_obj;
-    if (!PyArg_ParseTuple(args, "O!:configure_scan", &PyType_Type, &type_obj)) {
+    Py_ssize_t key_max, cache_size;
+    if (!PyArg_ParseTuple(args, "O!nn:configure_scan", &PyType_Type, &type_obj, &key_max,
+                          &cache_size)) {
         return NULL;
     }
+    if (key_max < 0 || cache_size < 1) {
+        PyErr_SetString(PyExc_ValueError, "configure_scan: bad topic cache bounds");
+        return NULL;
+    }
+    topic_key_max = key_max;
+    topic_cache_size = cache_size;
     if (publish_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "configure_scan: call configure first");
         return NULL;
@@ -625,12 +700,13 @@ static PyMethodDef methods[] = {
      "in_flight_others, out) -> off: fast_decoder.decode_batch's inline loop over bytes, in C."},
     {"take_plain", (PyCFunction)(void (*)(void))take_plain, METH_FASTCALL,
      "take_plain(buf, table, limit, v5, topics, in_qos1, out_flight, receive_maximum, "
-     "in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked) -> off: a "
-     "device's plain publishes and a subscriber's PUBACKs."},
+     "in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked, other) -> off: "
+     "a device's plain publishes and a subscriber's PUBACKs."},
     {"pubacks", (PyCFunction)(void (*)(void))pubacks, METH_FASTCALL,
      "pubacks(packet_ids, in_qos1) -> bytes: a PUBACK per id (dropped from in_qos1)."},
     {"configure_scan", configure_scan, METH_VARARGS,
-     "configure_scan(puback_type): bind the PubAck class (after configure)."},
+     "configure_scan(puback_type, topic_key_max, topic_cache_size): bind the PubAck class and "
+     "the readers' topic cache bounds (after configure)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -310,16 +310,19 @@ class Connection(ConnectionSending):
         blocks: list[Any],
         owner_blocks: object,
         acked: list[int],
+        other: list[Publish],
     ) -> int:
         """Receive `data` (as `receive_data`), first taking from it, in one C call, what
         `next_event` would hand out first of these: plain PUBLISHes (QoS 0/1, not RETAIN, no
         properties) on `topic` (None: none), each appended to `pubs`, with `owner` to `owners`
         and `owner_blocks` to `blocks` (the caller's ingest batch); PUBACKs without reason
-        code, their packet ids appended to `acked` (and no longer in flight). Returns how many
-        bytes of `data` it left buffered for `next_event` (0: it took all). Takes nothing (only
-        buffers `data`) unless the buffer is drained and the fast decoder reads `data` now; it
-        decides nothing `next_event` would not (tests/gateway/protocol/
-        test_protocol_take_plain.py holds the two together).
+        code, their packet ids appended to `acked` (and no longer in flight); then the plain
+        PUBLISH on another topic (a device's first: `topic` None), if that is what ends the
+        run, appended to `other` (empty on entry) for the caller to check before anything
+        after it. Returns how many bytes of `data` it left buffered for `next_event` (0: it
+        took all). Takes nothing (only buffers `data`) unless the buffer is drained and the
+        fast decoder reads `data` now; it decides nothing `next_event` would not
+        (tests/gateway/protocol/test_protocol_take_plain.py holds the two together).
         """
         take = TAKE_PLAIN
         if (
@@ -350,7 +353,12 @@ class Connection(ConnectionSending):
             data, FAST_PUBLISH_QOS[self.maximum_qos >= 1, self.retain_available],
             self.max_packet_size, self.protocol_level == 5, TOPIC_CACHE, in_qos1, out_flight,
             self.receive_maximum, others, topic, pubs, owners, owner, blocks, owner_blocks, acked,
+            other,
         )  # fmt: skip
+        if other and ids is None and other[0].qos:
+            # Taken before the connection had packet ids: made now, as decode_batch makes them
+            # at a first QoS 1 PUBLISH, with its id in flight.
+            self._packet_ids().inbound_qos1.add(other[0].packet_id)  # type: ignore[arg-type]
         left = len(data) - off
         if left:
             self._buf = data

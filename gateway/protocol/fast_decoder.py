@@ -26,7 +26,7 @@ from gateway.protocol.errors import RemoteProtocolError
 from gateway.protocol.events import Connect, ConnectionClosed, Event, PubAck, Publish
 from gateway.protocol.packet_ids import PacketIds
 from gateway.protocol.phases import CONNECTED, NEED_DATA, Phase, Sentinel
-from gateway.protocol.readers import TOPIC_CACHE, cache_topic
+from gateway.protocol.readers import TOPIC_CACHE, TOPIC_CACHE_KEY_MAX, TOPIC_CACHE_SIZE, cache_topic
 
 
 class Connection(Protocol):
@@ -68,7 +68,7 @@ def _load_scan() -> Scan | None:
     speedups = accelerators.load("gateway.protocol._speedups", "LMQTT_PURE_PYTHON_READ")
     if speedups is None or not writers.SPEEDUPS:
         return None  # scan builds Publish instances, which the writers' configure() binds
-    speedups.configure_scan(PubAck)
+    speedups.configure_scan(PubAck, TOPIC_CACHE_KEY_MAX, TOPIC_CACHE_SIZE)
     scan: Scan = speedups.scan
     return scan
 
@@ -76,12 +76,13 @@ def _load_scan() -> Scan | None:
 SCAN = _load_scan()
 
 # take_plain(buf, table, limit, v5, topics, in_qos1, out_flight, receive_maximum,
-#            in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked) -> the
-# offset of the first packet it did not take (Connection.take_plain).
+#            in_flight_others, topic, pubs, owners, owner, blocks, owner_blocks, acked, other)
+# -> the offset of the first packet it did not take (Connection.take_plain).
 TakePlain = Callable[
     [bytes, list[int | None], int, bool, dict[bytes, str], "set[int] | None",
      "dict[int, int] | None", int, int,
-     "str | None", list[Publish], list[Any], object, list[Any], object, list[int]],
+     "str | None", list[Publish], list[Any], object, list[Any], object, list[int],
+     list[Publish]],
     int,
 ]  # fmt: skip
 

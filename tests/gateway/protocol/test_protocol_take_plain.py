@@ -117,14 +117,17 @@ def observe(conn: Connection, data: bytes, cuts: list[int], taking: bool) -> lis
                 owners: list[Any] = []
                 blocks: list[Any] = []
                 topic = PLAIN_TOPIC if len(data) % 3 else None  # sometimes none: PUBACKs only
+                other: list[Any] = []
                 left = conn.take_plain(
-                    chunk, topic, pubs, owners, owner, blocks, owner.blocks, acked
+                    chunk, topic, pubs, owners, owner, blocks, owner.blocks, acked, other
                 )
                 assert owners == [owner] * len(pubs)
                 assert blocks == [owner.blocks] * len(pubs)
                 assert 0 <= left <= len(chunk)
                 assert all(map(plain, pubs))
                 assert topic is not None or not pubs
+                assert len(other) <= 1 and all(o.topic != topic for o in other)
+                events += other  # handed out before what next_event reads after it
             else:
                 conn.receive_data(chunk)
             while (event := conn.next_event()) is not NEED_DATA:
@@ -197,14 +200,40 @@ def test_a_device_read_is_taken_in_c() -> None:
     conn.send(Publish("out/t", b"m", 1, packet_id=4))  # in flight to the device
     acks = encode(PubAck(4), 4)
     acked: list[int] = []
-    left = conn.take_plain(data + acks + other, PLAIN_TOPIC, pubs, owners, "c", blocks, "b", acked)
-    assert left == len(other)  # another topic: next_event's
+    taken: list[Any] = []
+    after = encode(Publish(PLAIN_TOPIC, b"r", 1, packet_id=9), 4)
+    left = conn.take_plain(
+        data + acks + other + after, PLAIN_TOPIC, pubs, owners, "c", blocks, "b", acked, taken
+    )
+    assert left == len(after)  # another topic ends the run: what follows is next_event's
+    assert taken == [Publish("cmd/3", b"q", 0)]  # for the caller to check first
     assert pubs == [Publish(PLAIN_TOPIC, b"p", 1, packet_id=i) for i in range(2, 9)]
     assert owners == ["c"] * 7 and blocks == ["b"] * 7 and acked == [4]
     assert conn._ids is not None and conn._ids.inbound_qos1 == set(range(1, 9))
     assert conn._ids.outbound == {}
-    assert conn.next_event() == Publish("cmd/3", b"q", 0)
+    assert conn.next_event() == Publish(PLAIN_TOPIC, b"r", 1, packet_id=9)
     assert conn.next_event() is NEED_DATA
+
+
+@pytest.mark.skipif(PURE, reason="a LMQTT_PURE_PYTHON switch is set: the Python path runs")
+def test_a_device_first_publish_is_taken_in_c() -> None:
+    """A new device's first PUBLISH (no topic yet, no packet ids, a name never read before):
+    decoded in the same C call into `other`, its name checked and cached, its id in flight."""
+    TOPIC_CACHE.clear()
+    conn = open_connection(4)
+    taken: list[Any] = []
+    first = Publish("site/3/dev/77/temp", b"t", 1, packet_id=1)
+    left = conn.take_plain(encode(first, 4), None, [], [], "c", [], None, [], taken)
+    assert (left, taken) == (0, [first])
+    assert TOPIC_CACHE == {b"site/3/dev/77/temp": "site/3/dev/77/temp"}
+    assert conn._ids is not None and conn._ids.inbound_qos1 == {1}
+    assert conn.next_event() is NEED_DATA
+    for bad in (b"a/+", b"a/\x00", b"\xff", b""):  # the Python decoder's to refuse
+        conn = open_connection(4)
+        data = raw_publish(0x32, bad, b"\x00\x01", b"", b"x")
+        taken = []
+        assert conn.take_plain(data, None, [], [], "c", [], None, [], taken) == len(data)
+        assert taken == [] and bad not in TOPIC_CACHE
 
 
 def test_no_reference_leak() -> None:
@@ -221,7 +250,7 @@ def test_no_reference_leak() -> None:
         pubs: list[Any] = []
         off: int = TAKE(
             data, table, 1 << 20, False, TOPIC_CACHE, set(), {7: 1}, 65535, 0, PLAIN_TOPIC,
-            pubs, [], owner, [], owner_blocks, [],
+            pubs, [], owner, [], owner_blocks, [], [],
         )  # fmt: skip
         return off
 
@@ -261,3 +290,27 @@ def test_c_pubacks_refuse_what_is_no_packet_id() -> None:
     for bad in ([0], [0x10000], [-1], ["1"]):
         with pytest.raises((ValueError, TypeError)):
             speedups.pubacks(bad, set())
+
+
+def test_a_first_publish_leaks_no_reference() -> None:
+    """`other` and the topic cached in C: every reference taken is let go."""
+    raw = b"site/9/dev/1/temp"
+    data = raw_publish(0x30, raw, b"", b"", b"x" * 8)
+    table = fast_decoder.FAST_PUBLISH_QOS[True, True]
+
+    def run() -> tuple[int, str]:
+        TOPIC_CACHE.pop(raw, None)  # cached anew each time
+        other: list[Any] = []
+        off = TAKE(
+            data, table, 1 << 20, False, TOPIC_CACHE, None, None, 65535, 0, None,
+            [], [], None, [], None, [], other,
+        )  # fmt: skip
+        return off, other[0].topic
+
+    assert run() == (len(data), raw.decode())
+    counts = [sys.getrefcount(o) for o in (data, table)]
+    for _ in range(20_000):
+        run()
+    assert [sys.getrefcount(o) for o in (data, table)] == counts
+    held = sys.getrefcount(TOPIC_CACHE[raw])  # outside the assert: pytest's would hold one
+    assert held == 2  # the cache's and the call's only
