@@ -168,7 +168,9 @@ def test_a_first_publish_stays_in_the_c_loop_once_its_kind_is_known(tmp_path: Pa
         PublishProperties("seed", store.encode_properties).of(Publish("s/0", b"", 1, packet_id=1))
         devices = [PublishProperties(f"dev-{d}", store.encode_properties) for d in range(3)]
         pubs = [Publish(f"site/{d}/temp", b"x", 1, packet_id=5) for d in range(3)]
-        routes = {p.topic: ("site", ("site/#",)) for p in pubs}
+        routes: dict[str, tuple[str, tuple[str, ...]]] = {
+            p.topic: ("site", ("site/#",)) for p in pubs
+        }
         for run in (speedups.encode_publishes, publishing.encode_publishes_py):
             for device in devices:
                 device.blocks.clear()
