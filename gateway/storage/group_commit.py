@@ -16,6 +16,9 @@ moment is answered by it. The thread says it is done through an eventfd the loop
     (end of the turn) -- request(C) ----->         |
     <-- eventfd: B answered ---------------   write(eventfd); fdatasync (covers C)
 
+`durable(position)` is `wait` without a coroutine: the future itself, for a caller that acts
+in its done callback (a SUBSCRIBE's SUBACK, gateway/connection/subscribe.py).
+
 The first wait of a loop turn requests the fsync at the end of the turn, so the turn's other
 writes (one SUBSCRIBE per client whose packet came in the same poll) share it rather than
 wait for the next one; a request made while an fsync runs starts the next one as soon as it
