@@ -100,8 +100,9 @@ class ClientConnection(KeepAlive):
         self._plain_topic: str | None = None
         self._plain_acl: ClientAccess | None = None
         # The reader task exists only while there are bytes to handle: an idle connection
-        # costs no task (memory per connection is what limits how many devices fit).
-        self._reader: asyncio.Task[None] | None = None
+        # costs no task (memory per connection is what limits how many devices fit). Or
+        # what the input is held for (`hold`): it is handled once that is done.
+        self._reader: asyncio.Future[None] | None = None
 
     # -- what the live view reads (gateway/ops/live_view.py) -----------------------------------
 
@@ -173,8 +174,11 @@ class ClientConnection(KeepAlive):
             self._pause_reading()
         if first is not None:
             self._kick(first)
-        elif self._reader is None and ingest is not None and self.session is not None:
-            self._read_inline(ingest)
+        elif self._reader is None and self.session is not None:
+            if ingest is not None:
+                self._read_inline(ingest)
+            else:
+                self._read_inline_sync()
         else:
             self._kick()
 
@@ -205,6 +209,24 @@ class ClientConnection(KeepAlive):
         self._cleanup()
         if self._reader is not None:
             self._reader.cancel()
+
+    def hold(self, pending: asyncio.Future[None]) -> None:
+        """Handle none of this connection's input until `release()`: a SUBACK waits for
+        `pending`, its record's fsync, and what the client sent after the SUBSCRIBE is
+        answered after it. Meanwhile `pending` stands in for the reader task: input is
+        buffered, and closing cancels it."""
+        self._reader = pending
+
+    def release(self) -> None:
+        """`hold` is over: handle what arrived meanwhile, as a read would."""
+        self._reader = None
+        if self.closed:
+            return
+        ingest = self._ingest
+        if ingest is not None:
+            self._read_inline(ingest)
+        else:
+            self._read_inline_sync()
 
     def _kick(self, first: object = None) -> None:
         """Start the reader task (it handles `first`, then what is buffered) unless it runs."""
@@ -278,8 +300,8 @@ class ClientConnection(KeepAlive):
                         return
                     assert isinstance(ev, Subscribe)
                     if self.ctx.packets.subscribe.subscribe_now(self, ev):
-                        if self.closed:
-                            return
+                        if self.closed or self._reader is not None:
+                            return  # or held until its SUBACK is out (see hold)
                         continue
                 self._kick(ev)  # the task runs after this: the acknowledgements come first
                 return
@@ -291,6 +313,36 @@ class ClientConnection(KeepAlive):
                 self.msgs_in += added
                 if self._held or self.ctx.overload.overloaded:
                     self.published(added, ingest.last_qos() == 0)
+
+    def _read_inline_sync(self) -> None:
+        """`_read_inline` in sync flush mode (no ingest batch: publishes wait for their
+        fsync in tasks): a SUBSCRIBE (its SUBACK sent once its record is durable, the
+        input held until then: SubscribeHandler.subscribe_now) and a DISCONNECT are handled
+        here; the first other packet, and whatever follows it, goes to the reader task."""
+        conn = self.conn
+        budget = EVENTS_PER_TURN
+        while budget > 0:
+            budget -= 1
+            try:
+                ev = conn.next_event()
+            except RemoteProtocolError as err:
+                self._protocol_error(err)
+                return
+            if ev is NEED_DATA:
+                self._unparsed = 0
+                if self._reading_paused:
+                    self._resume_reading()
+                return
+            if type(ev) is Disconnect:
+                self.ctx.packets.connect.on_disconnect(self, ev)
+                return
+            if type(ev) is Subscribe and self.ctx.packets.subscribe.subscribe_now(self, ev):
+                if self.closed or self._reader is not None:
+                    return  # or held until its SUBACK is out (see hold)
+                continue
+            self._kick(ev)
+            return
+        self._kick()
 
     def _pubacks(self, packet_ids: list[int]) -> None:
         if packet_ids and self.delivery is not None:

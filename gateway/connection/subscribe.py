@@ -3,15 +3,19 @@
 The handler parses the packet (replay requests included), asks access control, and hands the
 session's side to SubscriptionLifecycle (gateway/lifecycle/subscriptions.py); the SUBACK leaves
 once the subscriptions are durable and routed on every node, then the retained messages follow.
-Where nothing of that can wait (a single node, a store that `waits` not: the embedded store in
-async flush mode; no replay), `subscribe_now` does it in the transport's read callback, without
-a reader task; otherwise the reader task runs `on_subscribe`. Both take the same steps:
-`_admit` (parse, access), `_take` (subscribe), `_answer` (SUBACK, retained).
+Where nothing of that waits but the fsync of the session's record (a single node, a store that
+`waits` not: the embedded store; no replay), `subscribe_now` does it in the transport's read
+callback, without a reader task: in sync flush mode the connection then holds its input and the
+SUBACK leaves from the record's fsync future (`_answer_durable`); otherwise the reader task runs
+`on_subscribe`. Both take the same steps: `_admit` (parse, access), `_take` (subscribe),
+`_answer` (SUBACK, retained).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from functools import partial
 from typing import Final, Protocol
 
 from gateway.access.control import AccessControl, Client
@@ -65,6 +69,13 @@ class Subscribing(Client, Protocol):
 
     def fail(self, reason: int, message: str) -> None:
         """A rule the gateway enforces was broken: MQTT 5 DISCONNECT `reason`, close."""
+
+    def hold(self, pending: asyncio.Future[None]) -> None:
+        """Handle none of the client's input until `release()` (a SUBACK waits for
+        `pending`); closing the connection cancels `pending`."""
+
+    def release(self) -> None:
+        """`hold` is over: handle the input that arrived meanwhile."""
 
 
 # What _admit hands on: the filter, the replay's start (ms, and as requested), the QoS.
@@ -182,8 +193,10 @@ class SubscribeHandler:
 
     def subscribe_now(self, client: Subscribing, ev: Subscribe) -> bool:
         """Handle `ev` at once, in the transport's callback (no reader task), when nothing
-        it does can wait: a single node, a store that `waits` not (gateway/storage/port.py),
-        no replay asked. False: nothing was done (on_subscribe is for it)."""
+        it does can wait but its record's fsync: a single node, a store that `waits` not
+        (gateway/storage/port.py), no replay asked. False: nothing was done (on_subscribe is
+        for it). In sync flush mode the SUBACK leaves once the record is durable, and the
+        client's input is held until then (`client.hold`)."""
         if not self._at_once:
             return False
         reply = _Reply(client.conn.protocol_level, ev)
@@ -204,12 +217,34 @@ class SubscribeHandler:
             tf, since, start, qos = request
             delivery = self._take(client, session, delivery, req, reply, tf, since, start, qos)
         if session.persistent:
-            self._registry.save_written(session)  # the subscription must survive a crash
+            # The subscription must survive a crash: in sync flush mode its SUBACK waits for
+            # the fsync of its record, and the client's next packets wait with it.
+            pending = self._registry.save_written(session)
+            if pending is not None:
+                client.hold(pending)
+                pending.add_done_callback(partial(self._answer_durable, client, ev, reply))
+                return True
         else:
             self._registry.touch(session)
         if not client.closed:
             self._answer(client, ev, reply)
         return True
+
+    def _answer_durable(
+        self, client: Subscribing, ev: Subscribe, reply: _Reply, saved: asyncio.Future[None]
+    ) -> None:
+        """subscribe_now's record is durable (or its fsync failed, or the connection closed):
+        the SUBACK, then what the client sent after the SUBSCRIBE."""
+        if saved.cancelled():  # the connection closed (closing cancels what it holds)
+            return
+        error = saved.exception()
+        if error is not None:
+            log.error("%r: SUBSCRIBE not saved: %s", client.client_id, error)
+            client.abort(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
+            return
+        if not client.closed:
+            self._answer(client, ev, reply)
+        client.release()
 
     def _admit(
         self, client: Subscribing, session: Session, req: Subscription, reply: _Reply

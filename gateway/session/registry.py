@@ -426,11 +426,13 @@ class SessionRegistry:
         if position:
             await self._store.wait_state_durable(position)
 
-    def save_written(self, session: Session) -> None:
-        """`save` on a store that `waits` not (gateway/storage/port.py): the append is all there
-        is to it, so no coroutine."""
+    def save_written(self, session: Session) -> asyncio.Future[None] | None:
+        """`save` without a coroutine: the append, and what to wait for before telling the
+        client (None: nothing, the async flush mode; else the future of the store's
+        `state_durable`)."""
         self._dirty.add(session.client_id)
-        self._write(progress=False)
+        position = self._write(progress=False)
+        return self._store.state_durable(position) if position else None
 
     async def save_all(self) -> None:
         """Append every pending change, the slower kind included (in steps), and wait until

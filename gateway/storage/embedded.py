@@ -58,8 +58,9 @@ class EmbeddedStorage(MessageStore):
 
     @property
     def waits(self) -> bool:
-        """Only the state log's fsyncs (sync flush) are waited for: see the port."""
-        return self.config.flush == FlushMode.SYNC
+        """Never: queues open at once, the state log's fsyncs (sync flush) are futures
+        (`state_durable`)."""
+        return False
 
     async def open_queue(self, queue: str) -> None:
         """Nothing to do: every queue's end is in memory."""
@@ -88,13 +89,19 @@ class EmbeddedStorage(MessageStore):
         for every caller waiting at once (group commit: gateway/storage/group_commit.py).
         Async mode: the write already survives a process crash; the store's periodic full
         flush (each second) makes it survive a power loss, as for messages."""
-        state = self.state
-        if self.config.flush != FlushMode.SYNC or state is None:
-            return
+        fut = self.state_durable(position)
+        if fut is not None:
+            await fut
+
+    def state_durable(self, position: int) -> asyncio.Future[None] | None:
+        """`wait_state_durable`'s future (None in async mode, or when already durable)."""
         commit = self._state_commit
         if commit is None:
+            state = self.state
+            if self.config.flush != FlushMode.SYNC or state is None:
+                return None
             commit = self._state_commit = GroupCommit(state)
-        await commit.wait(position)
+        return commit.durable(position)
 
     def close(self) -> None:
         """Close the store (its state log fsynced), then end the state fsync worker."""

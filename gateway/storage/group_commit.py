@@ -16,6 +16,9 @@ moment is answered by it. The thread says it is done through an eventfd the loop
     (end of the turn) -- request(C) ----->         |
     <-- eventfd: B answered ---------------   write(eventfd); fdatasync (covers C)
 
+`durable(position)` is `wait` without a coroutine: the future itself, for a caller that acts
+in its done callback (a SUBSCRIBE's SUBACK, gateway/connection/subscribe.py).
+
 The first wait of a loop turn requests the fsync at the end of the turn, so the turn's other
 writes (one SUBSCRIBE per client whose packet came in the same poll) share it rather than
 wait for the next one; a request made while an fsync runs starts the next one as soon as it
@@ -77,16 +80,27 @@ class GroupCommit:
 
     async def wait(self, position: int) -> None:
         """Return once the log is durable up to `position` (an fsync's error is raised)."""
+        fut = self.durable(position)
+        if fut is not None:
+            await fut
+
+    def durable(self, position: int) -> asyncio.Future[None] | None:
+        """None if the log is durable up to `position` already; else a future answered once
+        it is (an fsync's error is its exception; cancelling it drops only this caller).
+        Called in the event loop's thread."""
         if self._log.synced >= position:
-            return
-        loop = asyncio.get_running_loop()
+            return None
+        loop = self._loop
+        if loop is None:
+            # Kept: get_running_loop() asks for the process id (a system call) each time.
+            loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append((position, fut))
         if not self._scheduled:
             # At the end of this loop turn: the other writes of the turn share the fsync.
             self._scheduled = True
             loop.call_soon(self._request, loop)
-        await fut
+        return fut
 
     def stop(self) -> None:
         """End the fsync thread (after the fsync it runs). Called once the log is closed (its
@@ -110,7 +124,6 @@ class GroupCommit:
             return
         log, thread = self._log, self._thread
         if thread is None:
-            self._loop = loop
             thread = self._thread = new_fsync_thread()
             loop.add_reader(thread.fileno(), self._done)
         if log.generation != self._generation:

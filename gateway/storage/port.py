@@ -52,6 +52,7 @@ offset in each, comma-separated, same order); a StoredMessage's `queues` is thei
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -178,9 +179,9 @@ class Storage(Protocol):
 
     @property
     def waits(self) -> bool:
-        """False when `open_queue` and `wait_state_durable` return at once whatever they are
-        given (the embedded store in async flush mode): a SUBSCRIBE is then handled without
-        a task (gateway/connection/subscribe.py)."""
+        """False when `open_queue` returns at once whatever it is given (the embedded store):
+        a SUBSCRIBE is then handled without a task, its SUBACK sent once `state_durable`'s
+        future is answered (gateway/connection/subscribe.py)."""
         ...
 
     @property
@@ -315,6 +316,11 @@ class Storage(Protocol):
 
     async def wait_state_durable(self, position: int) -> None:
         """Return once the state log is durable up to `position` (group commit)."""
+        ...
+
+    def state_durable(self, position: int) -> asyncio.Future[None] | None:
+        """`wait_state_durable` without a coroutine: None when there is nothing to wait for,
+        else a future answered once the state log is durable up to `position`."""
         ...
 
     async def compact_state(self) -> None:

@@ -389,6 +389,9 @@ class RocketMqStorage:
     async def wait_state_durable(self, position: int) -> None:
         await self._state_log.wait_durable(position)
 
+    def state_durable(self, position: int) -> asyncio.Future[None] | None:
+        return asyncio.ensure_future(self._state_log.wait_durable(position))
+
     async def compact_state(self) -> None:
         if not self._closed:
             await self._state_log.compact()
