@@ -21,21 +21,16 @@ import logging
 from gateway.access.acl import ClientAccess
 from gateway.connection.context import ClientContext
 from gateway.connection.ingest import IngestBatch
-from gateway.connection.keep_alive import KeepAlive
+from gateway.connection.reader import EVENTS_PER_TURN, ReaderTask
 from gateway.connection.transport import MAX_UNPARSED
 from gateway.delivery.loop import DeliveryLoop
 from gateway.messages.records import PublishProperties
 from gateway.protocol import (
     NEED_DATA,
-    ConnectionClosed,
     Disconnect,
     LocalProtocolError,
-    PingReq,
     PubAck,
-    PubComp,
     Publish,
-    PubRec,
-    ReasonCode,
     RemoteProtocolError,
     Subscribe,
     Will,
@@ -46,16 +41,8 @@ from topicmap import TopicError
 
 log = logging.getLogger("lmqtt.gateway")
 
-# Packets handled before the reader task yields to the event loop (a run of plain PUBLISHes
-# among them is one store append): a flooding client's turn stays short.
-EVENTS_PER_TURN = 128
 
-# Packets whose handling never waits (in async flush mode the store append does not either):
-# their replies are collected and written once per run of input (see ClientTransport._out).
-_COLLECTED = frozenset({Publish, PubAck, PubComp, PingReq})
-
-
-class ClientConnection(KeepAlive):
+class ClientConnection(ReaderTask):
     """One network connection: who the client is, its session, the reader task, the inline
     publish path, keep-alive and closing. What is written and when it is read is
     ClientTransport's, its deadlines KeepAlive's."""
@@ -69,7 +56,6 @@ class ClientConnection(KeepAlive):
         "_eof",
         "_plain_acl",
         "_plain_topic",
-        "_reader",
         "ack_chain",
         "acl",
         "client_id",
@@ -99,10 +85,6 @@ class ClientConnection(KeepAlive):
         # verdict stands while its ACL object does (a reload hands the client a new one).
         self._plain_topic: str | None = None
         self._plain_acl: ClientAccess | None = None
-        # The reader task exists only while there are bytes to handle: an idle connection
-        # costs no task (memory per connection is what limits how many devices fit). Or
-        # what the input is held for (`hold`): it is handled once that is done.
-        self._reader: asyncio.Future[None] | None = None
 
     # -- what the live view reads (gateway/ops/live_view.py) -----------------------------------
 
@@ -228,11 +210,6 @@ class ClientConnection(KeepAlive):
         else:
             self._read_inline_sync()
 
-    def _kick(self, first: object = None) -> None:
-        """Start the reader task (it handles `first`, then what is buffered) unless it runs."""
-        if self._reader is None and not self.closed:
-            self._reader = self._loop.create_task(self._read_loop(first))
-
     def _read_inline(self, ingest: IngestBatch) -> None:
         """The common case of a connected client, handled in the transport's callback with no
         task: plain PUBLISHes go to the turn's ingest batch (gateway/connection/ingest.py),
@@ -348,6 +325,9 @@ class ClientConnection(KeepAlive):
         if packet_ids and self.delivery is not None:
             self.delivery.on_pubacks(packet_ids)
 
+    def _handled(self) -> ClientConnection:
+        return self
+
     def _plain_publish(self, pub: Publish) -> bool:
         """True if `pub` may join a batched run: connected, a valid topic name this client may
         publish to. Otherwise PublishHandler.on_publish handles it (and its refusal) on its own."""
@@ -425,119 +405,7 @@ class ClientConnection(KeepAlive):
         will = self.will if self._abnormal else None
         self.ctx.packets.connect.connection_ended(self, session, will)
 
-    # -- the reader task ---------------------------------------------------------------------
-
-    async def _read_loop(self, first: object = None) -> None:
-        """Handle every complete packet buffered (and arriving meanwhile), then end.
-
-        Batched ingest: consecutive plain PUBLISHes (QoS 0/1, not retained, topic and ACL
-        checks passed) are collected in `run` and stored with one store call when anything
-        else comes (another packet kind, a PUBLISH needing the per-message path, the end of
-        the input, the end of the turn), so every other packet sees them stored and their
-        PUBACKs leave in order, before any later reply. Consecutive PUBRECs (of the gateway's
-        QoS 2 deliveries) are collected the same way: one session save for all of them before
-        their PUBRELs (PublishHandler.on_pubrecs).
-        """
-        handled = 0
-        run: list[Publish] = []
-        recs: list[PubRec] = []  # PUBRECs of this turn: one durable save before their PUBRELs
-        self._out = []
-        try:
-            while not self.closed:
-                if handled >= EVENTS_PER_TURN:
-                    # A flooding client must not hold the event loop: let delivery (which then
-                    # still finds the messages in RecentMessages) and other clients run.
-                    handled = 0
-                    if run:
-                        await self.ctx.packets.publish.store_run(self, run)
-                        run = []
-                    if recs:
-                        await self.ctx.packets.publish.on_pubrecs(self, recs)
-                        recs = []
-                    self._flush_out()
-                    await asyncio.sleep(0)
-                    continue
-                handled += 1
-                try:
-                    if first is not None:
-                        ev, first = first, None
-                    else:
-                        ev = self.conn.next_event()
-                except RemoteProtocolError as err:
-                    if run:
-                        await self.ctx.packets.publish.store_run(self, run)
-                        run = []
-                    self._protocol_error(err)
-                    return
-                kind = type(ev)
-                if kind is Publish:
-                    assert isinstance(ev, Publish)
-                    self.msgs_in += 1
-                    quota = self.quota
-                    if quota is not None:
-                        wait = quota.take(len(ev.payload), self._loop.time())
-                        if wait:
-                            if run:
-                                await self.ctx.packets.publish.store_run(self, run)
-                                run = []
-                            if not await self._over_quota(quota, ev, wait):
-                                continue  # refused (reject): not stored
-                    if ev.qos < 2 and not ev.retain and self._plain_publish(ev):
-                        run.append(ev)
-                        continue
-                elif kind is PubRec:
-                    assert isinstance(ev, PubRec)
-                    recs.append(ev)
-                    continue
-                if recs:
-                    await self.ctx.packets.publish.on_pubrecs(self, recs)
-                    recs = []
-                if run:
-                    await self.ctx.packets.publish.store_run(self, run)
-                    run = []
-                if ev is NEED_DATA:
-                    break
-                if kind is ConnectionClosed:
-                    log.debug("%r: connection closed by peer", self.client_id or self.peer)
-                    self.close(linger=False)
-                    return
-                if kind in _COLLECTED:
-                    await self.ctx.dispatch(self, ev)
-                else:
-                    await self._handle_waiting(ev)
-            self._unparsed = 0
-            self._resume_reading()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("%r: internal error handling a packet", self.client_id or self.peer)
-            self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
-        finally:
-            self._flush_out()
-            self._out = None
-            # This is the reader task (_kick starts one only while none runs): no
-            # current_task(), which asks the running loop (a getpid() system call) each time.
-            self._reader = None
-
-    def _protocol_error(self, err: RemoteProtocolError) -> None:
-        log.warning(
-            "%s (%r): protocol error 0x%02X: %s",
-            self.peer, self.client_id, err.reason_code, err.message,
-        )  # fmt: skip
-        self.write(self.conn.error_packet(err))
-        self.close()
-
     def fail(self, reason: int, message: str) -> None:
         """A rule the gateway (not the codec) enforces was broken: MQTT 5 DISCONNECT, close."""
         log.warning("%s (%r): 0x%02X: %s", self.peer, self.client_id, reason, message)
         self.close(reason)
-
-    async def _handle_waiting(self, ev: object) -> None:
-        # This handler may wait (session save, fsync, authentication): what the reader
-        # collected is sent now, and what is written meanwhile goes out directly.
-        self._flush_out()
-        self._out = None
-        try:
-            await self.ctx.dispatch(self, ev)
-        finally:
-            self._out = []
