@@ -26,7 +26,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -325,7 +325,9 @@ class RocketMQCluster:
         except Exception as exc:
             raise RuntimeError(f"{name} did not register: {exc}\n{self.log_tail(name)}") from exc
 
-    def _spawn_broker(self, name: str, auto_create: bool, flush: str, lmq: bool = True) -> None:
+    def _spawn_broker(
+        self, name: str, auto_create: bool, flush: str, lmq: bool = True, extra: Sequence[str] = ()
+    ) -> None:
         port = broker_port()
         store = self.root / name / "store"
         conf = self.root / f"{name}.conf"
@@ -386,6 +388,8 @@ class RocketMQCluster:
                     # re-reads the same offset until the flush moves), a core on a busy
                     # SYNC_FLUSH broker, and every delivery waits for the fsync.
                     "readUnCommitted=true",
+                    # A test's own settings (a later line wins over an earlier one).
+                    *extra,
                     "",
                 ]
             )
@@ -394,11 +398,17 @@ class RocketMQCluster:
         self.brokers[name] = f"{self.host}:{port}"
 
     def start_extra_broker(
-        self, name: str, *, lmq: bool = True, flush: str = "ASYNC_FLUSH", timeout: float = 180.0
+        self,
+        name: str,
+        *,
+        lmq: bool = True,
+        flush: str = "ASYNC_FLUSH",
+        timeout: float = 180.0,
+        extra: Sequence[str] = (),
     ) -> str:
-        """Start one more broker in the cluster (e.g. without light queues); its address once
-        registered. Stop it with stop_broker()."""
-        self._spawn_broker(name, True, flush, lmq=lmq)
+        """Start one more broker in the cluster (e.g. without light queues, or with `extra`
+        settings lines); its address once registered. Stop it with stop_broker()."""
+        self._spawn_broker(name, True, flush, lmq=lmq, extra=extra)
         self._wait_registered(name, timeout)
         return self.brokers[name]
 

@@ -41,7 +41,13 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from gateway.storage.port import ArrivalListener, GetResult, GetStatus, StoredMessage
-from gateway.storage.rocketmq.broker import Broker, to_stored
+from gateway.storage.rocketmq.broker import (
+    EMPTY_RETRIES,
+    EMPTY_RETRY_S,
+    Broker,
+    after_empty,
+    to_stored,
+)
 from gateway.storage.rocketmq.spread import SEP
 from gateway.storage.rocketmq.spread import phys as spread_phys
 from rocketmq_remoting import OffsetMovedError, RemotingClient, RemotingError
@@ -171,6 +177,24 @@ class ParentHistory:
             self._min = res.min_offset
             self._broker_max = max(self._broker_max, res.max_offset)
             self._keep(res.messages)
+            nxt = res.messages[0].queue_offset if res.messages else after_empty(offset, res)
+            if nxt is not None:
+                if nxt > offset:
+                    # Units whose CommitLog file is deleted by age (the oldest: all below
+                    # them are gone too): the reader sees OFFSET_TOO_SMALL and reads on.
+                    log.warning(
+                        "history of %s: offsets %d..%d hold no readable message (pull code "
+                        "%d; deleted by age?): reading on from %d",
+                        self.topic, offset, nxt, res.code, nxt,
+                    )  # fmt: skip
+                    self._min = max(self._min, nxt)
+                elif not res.messages:
+                    log.warning(
+                        "history of %s: the broker answers nothing at offset %d below its "
+                        "end %d (pull code %d); again in 1s",
+                        self.topic, offset, res.max_offset, res.code,
+                    )  # fmt: skip
+                    await asyncio.sleep(1.0)  # the reader asks again when notified
         except OffsetMovedError as exc:
             self._min = exc.min_offset
             self._broker_max = max(self._broker_max, exc.max_offset)
@@ -251,17 +275,41 @@ class PulledHistory:
         slot, addr, lo, hi = entry
         if offset >= hi:
             return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, lo, hi)
-        try:
-            res = self._run(
-                self._client.pull(
-                    addr, self.topic, offset, consumer_group=PULL_GROUP, max_messages=max_messages
+        for attempt in range(EMPTY_RETRIES + 1):
+            try:
+                res = self._run(
+                    self._client.pull(
+                        addr,
+                        self.topic,
+                        offset,
+                        consumer_group=PULL_GROUP,
+                        max_messages=max_messages,
+                    )
                 )
-            )
-        except OffsetMovedError as exc:
-            entry[2] = lo = exc.min_offset
-            if offset < exc.min_offset:
-                return GetResult(GetStatus.OFFSET_TOO_SMALL, [], lo, lo, hi)
-            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, lo, hi)
+            except OffsetMovedError as exc:
+                entry[2] = lo = exc.min_offset
+                if offset < exc.min_offset:
+                    return GetResult(GetStatus.OFFSET_TOO_SMALL, [], lo, lo, hi)
+                return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, [], offset, lo, hi)
+            # An empty answer below the end with no way on: ask again (a few times); one
+            # that passed over units without a readable message goes on past them (the
+            # replay skips to the answer's next offset).
+            if res.messages or after_empty(offset, res) != offset:
+                break
+            if attempt < EMPTY_RETRIES:
+                self._run(asyncio.sleep(EMPTY_RETRY_S * (attempt + 1)))
+        else:
+            log.warning(
+                "history of %s: the broker answers nothing at offset %d below its end %d "
+                "(pull code %d): the export ends there",
+                queue, offset, res.max_offset, res.code,
+            )  # fmt: skip
+        if not res.messages and res.next_begin_offset > offset:
+            log.warning(
+                "history of %s: offsets %d..%d hold no readable message (pull code %d; "
+                "deleted by age?): reading on from %d",
+                queue, offset, res.next_begin_offset, res.code, res.next_begin_offset,
+            )  # fmt: skip
         names = [to_stored(r, r.queue_offset, _same) for r in res.messages]
         msgs = [m for m in names if m.queue_offset < hi]
         if self._spread:

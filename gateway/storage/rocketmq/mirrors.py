@@ -22,9 +22,16 @@ import logging
 from collections.abc import Callable, Iterable
 
 from gateway.storage.port import ArrivalListener, GetResult, GetStatus, StoredMessage, StoreError
-from gateway.storage.rocketmq.broker import PULL_BATCH, PULL_GROUP, Broker, at_offset, to_stored
+from gateway.storage.rocketmq.broker import (
+    PULL_BATCH,
+    PULL_GROUP,
+    Broker,
+    after_empty,
+    at_offset,
+    to_stored,
+)
 from gateway.storage.rocketmq.tail import ParentTail
-from rocketmq_remoting import OffsetMovedError, RemotingError
+from rocketmq_remoting import OffsetMovedError, PullResult, RemotingError
 from rocketmq_remoting.message import MessageRecord
 
 log = logging.getLogger("lmqtt.rocketmq")
@@ -216,16 +223,19 @@ class Mirrors:
 
     async def catch_up(self, queue: str) -> int:
         """Bring `queue`'s mirror up to the broker's end now (reads of it then see every
-        message stored before the call) and return that end: the retained index before it
-        answers a SUBSCRIBE, so a retained message set through another gateway process is
-        never missed; the state log before a CONNACK (a session another node wrote)."""
+        message stored before the call) and return where the read got to: that end, unless
+        the broker kept answering nothing below it (RangeRead; logged). The retained index
+        before it answers a SUBSCRIBE, so a retained message set through another gateway
+        process is never missed; the state log before a CONNACK (a session another node
+        wrote)."""
         m = self.mirror(queue)
         await self._ready(m)
         broker = self._broker
         hi = await broker.client.get_max_offset(broker.addr, m.lmq)
-        async for records in broker.read(m.lmq, m.max, hi):
+        reader = broker.read(m.lmq, m.max, hi)
+        async for records in reader:
             self._keep(m, records)
-        return hi
+        return min(reader.reached, hi)
 
     async def read_range(self, queue: str, start: int, end: int) -> list[StoredMessage]:
         """The messages at `start` up to `end` of `queue`, read from the broker now and not
@@ -253,12 +263,14 @@ class Mirrors:
         await self._ready(m)
         todo = sorted(o for o in set(offsets) if o not in m.msgs and o < m.max)
         while todo:
-            first = todo[0]
-            async for records in self._broker.read(m.lmq, first, todo[-1] + 1):
+            reader = self._broker.read(m.lmq, todo[0], todo[-1] + 1)
+            async for records in reader:
                 self._keep(m, records)
-            todo = [o for o in todo if o not in m.msgs and o > first]
-            if todo and todo[0] == first:
-                break  # defensive: never spin
+            # Below `reached` the broker has no more (deleted by age, or trimmed off the
+            # mirror again by a full one: not asked twice); a read that stopped short ends it.
+            if reader.reached <= todo[0]:
+                break
+            todo = [o for o in todo if o not in m.msgs and o >= reader.reached]
 
     # -- following the broker --------------------------------------------------------------------
 
@@ -374,7 +386,12 @@ class Mirrors:
             )
             if res.messages:
                 self._keep(m, res.messages)
+                first = res.messages[0].light_queue_offsets().get(m.lmq, offset)
+                if first > offset:
+                    self._passed_over(m, offset, first, res.code)
                 self._notify(m)
+            else:
+                self._fetched_nothing(m, offset, res)
         except OffsetMovedError as exc:
             m.min = exc.min_offset
             self._notify(m)  # the reader sees OFFSET_TOO_SMALL and moves on
@@ -386,6 +403,38 @@ class Mirrors:
                 m.fetching.discard(offset)
                 if not m.fetching:
                     m.fetching = None
+
+    def _fetched_nothing(self, m: Mirror, offset: int, res: PullResult) -> None:
+        """A one-shot pull from `offset`, below the mirror's end, answered no message
+        (after_empty): past units with no readable message the queue's min moves
+        (`_passed_over`) and the reader is woken; with no way on it is woken again in a
+        second and asks again (a bound on the pulls, never a spin)."""
+        nxt = after_empty(offset, res)
+        if nxt is None:
+            return  # the broker's end: the held pull or the tail brings what comes
+        if nxt > offset:
+            self._passed_over(m, offset, nxt, res.code)
+            self._notify(m)
+            return
+        log.warning(
+            "queue %s: the broker answers nothing at offset %d below its end %d (pull code %d); "
+            "again in 1s",
+            m.queue, offset, res.max_offset, res.code,
+        )  # fmt: skip
+        self._loop.call_later(1.0, self._notify, m)
+
+    @staticmethod
+    def _passed_over(m: Mirror, offset: int, nxt: int, code: int) -> None:
+        """A pull from `offset` passed over units up to `nxt` with no readable message: their
+        CommitLog file is deleted (by age or disk space), the oldest of the queue, so all
+        below them are gone too: the queue's min is `nxt` (the broker moves its own a moment
+        later), and a reader below it sees OFFSET_TOO_SMALL and reads on from there."""
+        log.warning(
+            "queue %s: offsets %d..%d hold no readable message (pull code %d; deleted by age?): "
+            "reading on from %d",
+            m.queue, offset, nxt, code, nxt,
+        )  # fmt: skip
+        m.min = max(m.min, nxt)
 
     def _arrived(self, records: list[MessageRecord], last_phys: int) -> None:
         """The parent topic's tail read `records` (those dispatched to a mirrored queue; the
