@@ -151,31 +151,27 @@ class AccessControl:
 
     # -- CONNECT -----------------------------------------------------------------------------
 
+    def connect_waits(self, ev: Connect) -> bool:
+        """Whether check_connect would wait for something: a password's hash (in a worker
+        thread), or the durable ban of a client id found flapping. Counts nothing: when False,
+        check_connect_now gives check_connect's answer without an await."""
+        if ev.username is not None and self.passwords is not None:
+            return True
+        return bool(ev.client_id) and self.flapping.would_ban(ev.client_id)
+
     async def check_connect(
         self, ev: Connect, client: Client, connected: int
     ) -> tuple[int, str | None]:
         """(reason code, user name): 0 = accept. `connected` = clients connected now."""
-        s = self.settings
-        peer = client.transport.get_extra_info("peername")
-        host = str(peer[0]) if isinstance(peer, tuple) and peer else client.peer
-        ban = self.bans.check(ev.client_id or None, ev.username, host)
-        if ban is not None:
-            return self._banned(client, ban)
-        rate = self.rate
-        exempt = rate.rate <= 0 or (self._exempt_loopback and self._is_loopback(host))
-        if not exempt and not rate.allow(host):
-            return self._refused(
-                client, ReasonCode.CONNECTION_RATE_EXCEEDED, "connect rate exceeded"
-            )
-        if connected >= s.max_connections:
-            return self._refused(client, ReasonCode.QUOTA_EXCEEDED, "max_connections reached")
+        code = self._admit(ev, client, connected)
+        if code:
+            return code, None
         code, user = await self._authenticate(ev, client)
         if code:
             return code, None
-        if user is not None and user != ev.username:  # the certificate's name
-            ban = self.bans.check(None, user, None)
-            if ban is not None:
-                return self._banned(client, ban)
+        code = self._admit_user(ev, client, user)
+        if code:
+            return code, None
         # Counted once the client proved who it is: CONNECTs refused above (bad credentials,
         # the connect rate) do not count, or anyone reaching the port could have any client
         # id banned by connecting with it.
@@ -183,17 +179,69 @@ class AccessControl:
             count = self.flapping.connecting(ev.client_id)
             if count:
                 return self._banned(client, await self._ban_flapping(ev.client_id, count))
+        return self._admit_will(ev, client, user), user
+
+    def check_connect_now(
+        self, ev: Connect, client: Client, connected: int
+    ) -> tuple[int, str | None]:
+        """check_connect's answer for a CONNECT that connect_waits() found needs no wait
+        (no password to verify, not flapping): the same checks in the same order."""
+        code = self._admit(ev, client, connected)
+        if code:
+            return code, None
+        code, user = self._identify(ev, client)
+        if code:
+            return code, None
+        if user is not None and user != ev.username:
+            code = self._admit_user(ev, client, user)
+            if code:
+                return code, None
+        flapping = self.flapping
+        if ev.client_id and flapping.max_connects > 0:
+            # Not flapping (connect_waits asked, counting nothing): this count stays under
+            # the bound, as the clock only moves on.
+            flapping.connecting(ev.client_id)
+        return self._admit_will(ev, client, user) if ev.will is not None else 0, user
+
+    def _admit(self, ev: Connect, client: Client, connected: int) -> int:
+        """Bans, the connect rate and max_connections: a refusal's reason code, or 0."""
+        peer = client.transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else client.peer
+        ban = self.bans.check(ev.client_id or None, ev.username, host)
+        if ban is not None:
+            return self._banned(client, ban)[0]
+        rate = self.rate
+        exempt = rate.rate <= 0 or (self._exempt_loopback and self._is_loopback(host))
+        if not exempt and not rate.allow(host):
+            return self._refused(
+                client, ReasonCode.CONNECTION_RATE_EXCEEDED, "connect rate exceeded"
+            )[0]
+        if connected >= self.settings.max_connections:
+            return self._refused(client, ReasonCode.QUOTA_EXCEEDED, "max_connections reached")[0]
+        return 0
+
+    def _admit_user(self, ev: Connect, client: Client, user: str | None) -> int:
+        """A user name other than CONNECT's (the certificate's) checked against the bans."""
+        if user is not None and user != ev.username:
+            ban = self.bans.check(None, user, None)
+            if ban is not None:
+                return self._banned(client, ban)[0]
+        return 0
+
+    def _admit_will(self, ev: Connect, client: Client, user: str | None) -> int:
+        """The will is published for this client later, so it needs the right to publish
+        there now (Mosquitto 2 refuses such a CONNECT the same way)."""
         will = ev.will
-        if will is not None:
-            # The will is published for this client later, so it needs the right to publish
-            # there now (Mosquitto 2 refuses such a CONNECT the same way).
-            why = topic_limit_error(will.topic, s.max_topic_length, s.max_topic_levels)
-            if why is not None:
-                return self._refused(client, ReasonCode.TOPIC_NAME_INVALID, f"will topic: {why}")
-            acl = self.client_access(client.client_id, user)
-            if acl is not None and not acl.may_write(will.topic):
-                return self._refused(client, ReasonCode.NOT_AUTHORIZED, "will topic not authorized")
-        return 0, user
+        if will is None:
+            return 0
+        s = self.settings
+        why = topic_limit_error(will.topic, s.max_topic_length, s.max_topic_levels)
+        if why is not None:
+            return self._refused(client, ReasonCode.TOPIC_NAME_INVALID, f"will topic: {why}")[0]
+        acl = self.client_access(client.client_id, user)
+        if acl is not None and not acl.may_write(will.topic):
+            return self._refused(client, ReasonCode.NOT_AUTHORIZED, "will topic not authorized")[0]
+        return 0
 
     def _is_loopback(self, host: str) -> bool:
         known = self._loopback.get(host)
@@ -205,20 +253,10 @@ class AccessControl:
         return known
 
     async def _authenticate(self, ev: Connect, client: Client) -> tuple[int, str | None]:
-        if self.settings.tls_use_identity_as_username:
-            cn = certificate_cn(client.transport.get_extra_info("peercert"))
-            if cn is not None:
-                return 0, cn
-        user = ev.username
-        if user is None:
-            if self.allow_anonymous:
-                return 0, None
-            return self._refused(
-                client, ReasonCode.NOT_AUTHORIZED, "anonymous clients are not allowed"
-            )
         passwords = self.passwords
-        if passwords is None:
-            return 0, user
+        if passwords is None or ev.username is None or self._certificate_user(client):
+            return self._identify(ev, client)
+        user = ev.username
         password = ev.password or b""
         # scrypt takes ~50 ms of CPU: in a worker thread, so the event loop keeps serving.
         ok = await asyncio.get_running_loop().run_in_executor(
@@ -227,6 +265,28 @@ class AccessControl:
         if not ok:
             return self._refused(
                 client, ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"bad password for {user!r}"
+            )
+        return 0, user
+
+    def _certificate_user(self, client: Client) -> str | None:
+        """The client certificate's CN when it is the user name (tls_use_identity_as_username)."""
+        if not self.settings.tls_use_identity_as_username:
+            return None
+        return certificate_cn(client.transport.get_extra_info("peercert"))
+
+    def _identify(self, ev: Connect, client: Client) -> tuple[int, str | None]:
+        """Who the client is where no password is verified: the certificate's name, or
+        CONNECT's user name taken as given (no password file), or anonymous if allowed."""
+        if self.settings.tls_use_identity_as_username:
+            cn = self._certificate_user(client)
+            if cn is not None:
+                return 0, cn
+        user = ev.username
+        if user is None:
+            if self.allow_anonymous:
+                return 0, None
+            return self._refused(
+                client, ReasonCode.NOT_AUTHORIZED, "anonymous clients are not allowed"
             )
         return 0, user
 

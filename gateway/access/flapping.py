@@ -71,5 +71,17 @@ class FlappingDetector:
             del seen[next(iter(seen))]
         return 0
 
+    def would_ban(self, client_id: str) -> bool:
+        """Whether a connect of `client_id` now would find it flapping (connecting() would
+        return a count); nothing is counted. A False stays False until its next connect: the
+        window only moves on."""
+        found = self._seen.get(client_id)
+        if found is None or self.max_connects <= 0:
+            return False
+        start = self._clock() - self.window_s
+        if not isinstance(found, list):
+            return found > start and self.max_connects <= 1
+        return sum(1 for t in found if t > start) >= self.max_connects
+
     def __len__(self) -> int:
         return len(self._seen)

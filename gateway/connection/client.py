@@ -3,7 +3,9 @@
 The asyncio Protocol (gateway/net/server.py) only moves bytes: it feeds `feed()` and reports flow
 control. A connected client's plain PUBLISHes and PUBACKs are handled right in that callback,
 with no task: the publishes join the turn's ingest batch (gateway/connection/ingest.py), stored
-with one append for every connection. Anything else starts a reader task that pulls events out
+with one append for every connection; so are a CONNECT, a SUBSCRIBE and a DISCONNECT whose
+handling cannot wait (ConnectHandler.connect_now, SubscribeHandler.subscribe_now). Anything
+else starts a reader task that pulls events out
 of the sans-IO `Connection` and hands them, in order, to their handlers (PacketDispatch,
 gateway/connection/dispatch.py); runs of plain publishes it reads go to the store with one call.
 
@@ -27,10 +29,12 @@ from gateway.delivery.loop import DeliveryLoop
 from gateway.messages.records import PublishProperties
 from gateway.protocol import (
     NEED_DATA,
+    Connect,
     Disconnect,
     LocalProtocolError,
     PubAck,
     Publish,
+    ReasonCode,
     RemoteProtocolError,
     Subscribe,
     Will,
@@ -156,13 +160,14 @@ class ClientConnection(ReaderTask):
             self._pause_reading()
         if first is not None:
             self._kick(first)
-        elif self._reader is None and self.session is not None:
-            if ingest is not None:
-                self._read_inline(ingest)
-            else:
-                self._read_inline_sync()
-        else:
+        elif self._reader is not None:
             self._kick()
+        elif self.session is None:
+            self._connect_inline(ingest)
+        elif ingest is not None:
+            self._read_inline(ingest)
+        else:
+            self._read_inline_sync()
 
     def feed_eof(self) -> None:
         if self.closed:
@@ -206,6 +211,41 @@ class ClientConnection(ReaderTask):
             return
         ingest = self._ingest
         if ingest is not None:
+            self._read_inline(ingest)
+        else:
+            self._read_inline_sync()
+
+    def _connect_inline(self, ingest: IngestBatch | None) -> None:
+        """A client's first read, with no reader task: its CONNECT handled here when nothing
+        it does waits (ConnectHandler.connect_now), then what followed it as a connected
+        client's read. Anything else goes to the reader task, as it would have."""
+        try:
+            ev = self.conn.next_event()
+        except RemoteProtocolError as err:
+            self._protocol_error(err)
+            return
+        if ev is NEED_DATA:  # a CONNECT not complete yet
+            self._unparsed = 0
+            if self._reading_paused:
+                self._resume_reading()
+            return
+        if type(ev) is not Connect:
+            self._kick(ev)
+            return
+        assert isinstance(ev, Connect)
+        try:
+            if not self.ctx.packets.connect.connect_now(self, ev):
+                self._kick(ev)
+                return
+        except Exception:
+            log.exception("%r: internal error handling a packet", self.client_id or self.peer)
+            self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
+            return
+        if self.closed:
+            return
+        if self.session is None:
+            self._kick()
+        elif ingest is not None:
             self._read_inline(ingest)
         else:
             self._read_inline_sync()

@@ -3,8 +3,12 @@
 CONNECT: the will checked, the client authenticated (gateway/access/control.py), its session
 taken up or created (gateway/lifecycle/sessions.py; in cluster mode claimed on every node, a
 takeover closing the connection that had it), then the CONNACK, keep-alive and, for a session
-with something to receive, its delivery loop. Each await may end with the connection closed
-meanwhile (a takeover, the socket lost): the handler looks before going on.
+with something to receive, its delivery loop. Where nothing of that can wait (a single node,
+no password to verify, no flapping ban to write, no resumed session to read first),
+`connect_now` does it in the transport's read callback, without a reader task; otherwise the
+reader task runs `on_connect`, where each await may end with the connection closed meanwhile
+(a takeover, the socket lost): the handler looks before going on. Both take the same steps:
+`_start`, access control, `_authorized`, the session, `_accept`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ from topicmap import Topic, TopicError
 __all__ = ["ConnectHandler", "Connecting"]
 
 log = logging.getLogger("lmqtt.gateway")
+
+# What ConnectHandler._start hands on: the client id assigned (MQTT 5, an empty one asked
+# for), the session expiry granted and the one requested.
+_Start = tuple[str | None, int, int]
 
 
 class Connecting(Client, Connected, Protocol):
@@ -103,43 +111,50 @@ class ConnectHandler:
         self._cluster = cluster
         self._loop: asyncio.AbstractEventLoop | None = None  # the gateway's, once running
 
-    async def on_connect(self, client: Connecting, ev: Connect) -> None:
-        s = self._settings
-        stats = self._stats
-        sessions = self._sessions
-        level = ev.protocol_level
-        cid = ev.client_id
-        assigned: str | None = None
-        if not cid:
-            cid = "lmqtt-" + secrets.token_hex(8)
-            if level == 5:
-                assigned = cid
-        client.client_id = cid
-        if level == 5:
-            requested = ev.properties.session_expiry_interval or 0
-            expiry = min(requested, s.max_session_expiry)
-        else:
-            requested = expiry = 0 if ev.clean_start else s.default_session_expiry
-        will = ev.will
-        if will is not None:
-            code = self._check_will(will)
-            if code:
-                self._refuse(client, code)
-                return
-        if self._server.stopping:
-            code = ReasonCode.SERVER_BUSY if level == 5 else ReasonCode.SERVER_UNAVAILABLE
+    def connect_now(self, client: Connecting, ev: Connect) -> bool:
+        """Handle `ev` at once, in the transport's callback (no reader task), when nothing it
+        does can wait: a single node, no password to verify, no flapping client's ban to
+        write, no session resumed that needs reading first (see SessionLifecycle.resume_waits).
+        False: nothing was done (on_connect is for it)."""
+        if (
+            not isinstance(self._cluster, SingleNode)
+            or self._access.connect_waits(ev)
+            or self._sessions.resume_waits(ev.client_id, ev.clean_start)
+        ):
+            return False
+        start = self._start(client, ev)
+        if start is None:
+            return True
+        code, client.username = self._access.check_connect_now(
+            ev, client, self._stats.clients_connected
+        )
+        if code:
             self._refuse(client, code)
+            return True
+        self._authorized(client)
+        session, present = self._sessions.connect(
+            client.client_id, ev.protocol_level, start[1], ev.clean_start, client, ev.will
+        )
+        client.session = session
+        client.will = ev.will
+        self._accept(client, ev, session, present, start)
+        return True
+
+    async def on_connect(self, client: Connecting, ev: Connect) -> None:
+        start = self._start(client, ev)
+        if start is None:
             return
+        sessions = self._sessions
+        cid = client.client_id
         code, client.username = await self._access.check_connect(
-            ev, client, stats.clients_connected
+            ev, client, self._stats.clients_connected
         )
         if client.closed:
             return
         if code:
             self._refuse(client, code)
             return
-        client.acl = self._access.client_access(cid, client.username)
-        client.quota = self._access.quotas.bucket(cid, client.username, self._loop_time())
+        self._authorized(client)
         cluster = self._cluster
         clustered = not isinstance(cluster, SingleNode)
         if clustered:
@@ -148,7 +163,10 @@ class ConnectHandler:
             if client.closed:
                 cluster.released(cid, client)  # a claim made while it waited for a hand-over
                 return
-        session, present = sessions.connect(cid, level, expiry, ev.clean_start, client, will)
+        will = ev.will
+        session, present = sessions.connect(
+            cid, ev.protocol_level, start[1], ev.clean_start, client, will
+        )
         client.session = session
         client.will = will
         if present and session.behind:
@@ -172,6 +190,52 @@ class ConnectHandler:
                 return
             if client.closed:
                 return
+        self._accept(client, ev, session, present, start)
+
+    def _start(self, client: Connecting, ev: Connect) -> _Start | None:
+        """The client id (assigned when empty) and session expiry CONNECT asks for; None:
+        refused before access control (its will, or the gateway stopping)."""
+        s = self._settings
+        level = ev.protocol_level
+        cid = ev.client_id
+        assigned: str | None = None
+        if not cid:
+            cid = "lmqtt-" + secrets.token_hex(8)
+            if level == 5:
+                assigned = cid
+        client.client_id = cid
+        if level == 5:
+            requested = ev.properties.session_expiry_interval or 0
+            expiry = min(requested, s.max_session_expiry)
+        else:
+            requested = expiry = 0 if ev.clean_start else s.default_session_expiry
+        will = ev.will
+        if will is not None:
+            code = self._check_will(will)
+            if code:
+                self._refuse(client, code)
+                return None
+        if self._server.stopping:
+            code = ReasonCode.SERVER_BUSY if level == 5 else ReasonCode.SERVER_UNAVAILABLE
+            self._refuse(client, code)
+            return None
+        return assigned, expiry, requested
+
+    def _authorized(self, client: Connecting) -> None:
+        """Access control accepted the client: its ACL and publish quota."""
+        access = self._access
+        client.acl = access.client_access(client.client_id, client.username)
+        client.quota = access.quotas.bucket(client.client_id, client.username, self._loop_time())
+
+    def _accept(
+        self, client: Connecting, ev: Connect, session: Session, present: bool, start: _Start
+    ) -> None:
+        """The session is the client's: CONNACK, keep-alive, and a delivery loop for a session
+        with something to receive."""
+        assigned, expiry, requested = start
+        stats = self._stats
+        cid = client.client_id
+        level = ev.protocol_level
         props = self._connack_properties(ev, assigned, expiry, requested) if level == 5 else None
         conn = client.conn
         client.write(conn.send(ConnAck(session_present=present, reason_code=0, properties=props)))
@@ -204,8 +268,8 @@ class ConnectHandler:
             delivery = client.delivery = DeliveryLoop(self._delivery, session, client)
             self._subscriptions.attach(session, delivery)
             delivery.start()
-        sessions.registry.touch(session)
-        cluster.answered(cid, client)  # cluster mode: a takeover read meanwhile is done now
+        self._sessions.registry.touch(session)
+        self._cluster.answered(cid, client)  # cluster mode: a takeover read meanwhile is done now
 
     def _loop_time(self) -> float:
         loop = self._loop

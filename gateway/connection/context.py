@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -38,7 +39,11 @@ class ClientContext:
     route: Callable[[str], tuple[str, tuple[str, ...]]] = field(init=False)
     # packets.dispatch, bound once: the reader task hands it every packet but plain publishes.
     dispatch: Callable[[Handled, object], Awaitable[None]] = field(init=False)
+    # The gateway's event loop, asked once (built in it): asyncio.get_running_loop() makes a
+    # getpid() system call, and every connection needs the loop.
+    loop: asyncio.AbstractEventLoop = field(init=False)
 
     def __post_init__(self) -> None:
         self.route = self.publisher.publish_route
         self.dispatch = self.packets.dispatch
+        self.loop = asyncio.get_running_loop()

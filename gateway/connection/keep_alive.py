@@ -50,11 +50,16 @@ class KeepAlive(ClientTransport):
         raise NotImplementedError  # ClientConnection.close
 
     def start_keep_alive(self) -> None:
-        """The CONNECT was answered: the keep-alive deadline runs from now."""
-        self._last_rx = self._loop.time()
+        """The CONNECT was answered: the keep-alive deadline runs from now. The wheel keeps
+        the CONNECT deadline's entry when that comes first: on_due then answers the
+        keep-alive deadline (the wheel's lazy re-check), so a connection that closes before
+        it (a session created and left) never moves its entry."""
+        self._last_rx = now = self._loop.time()
         keep_alive = self.conn.keep_alive_timeout
         if keep_alive is not None:
-            self.ctx.timers.schedule(self, self._last_rx + keep_alive)
+            due = self.timer_due
+            if due is None or now + keep_alive < due:
+                self.ctx.timers.schedule(self, now + keep_alive)
 
     def on_due(self, now: float) -> float | None:
         """Timer wheel: close a socket that sent no CONNECT in time, or a client silent for

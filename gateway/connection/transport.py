@@ -75,7 +75,7 @@ class ClientTransport:
         self.conn = Connection(max_packet_size=context.settings.max_packet_size)
         self.writable = True
         self.closed = False
-        self._loop = asyncio.get_running_loop()
+        self._loop = context.loop
         self._unparsed = 0  # input received and not parsed yet
         self._reading_paused = False
         # Where plain publishes read in a transport callback go (async flush mode only).

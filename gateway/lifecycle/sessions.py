@@ -145,6 +145,15 @@ class SessionLifecycle:
         self._wills.store(session, will)  # persisted: a crash must not lose it
         return session, present
 
+    def resume_waits(self, client_id: str, clean_start: bool) -> bool:
+        """Whether a CONNECT of `client_id` would resume a session that needs a wait before
+        its CONNACK: a crashed node's record to reconcile (`skip_acknowledged`), or messages
+        in flight to read (`read_inflight`). Changes nothing."""
+        if clean_start:
+            return False
+        session = self.registry.get(client_id)
+        return session is not None and (session.behind or bool(session.inflight))
+
     async def read_inflight(self, session: Session) -> None:
         """Read the messages `session` has in flight before its CONNACK, where the store's
         synchronous reads would not find them yet (RocketMQ: a restarted gateway's mirrors

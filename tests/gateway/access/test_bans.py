@@ -101,6 +101,26 @@ def test_flapping_counts_a_sliding_window() -> None:
     assert det.bans == 1
 
 
+@pytest.mark.parametrize("max_connects", [1, 2, 3])
+def test_would_ban_tells_what_connecting_would_answer_and_counts_nothing(
+    max_connects: int,
+) -> None:
+    """The read callback's CONNECT asks would_ban first (nothing counted) and takes the
+    CONNECT at once only when it says no: it must agree with connecting() at every step."""
+    now = [0.0]
+    det = FlappingDetector(max_connects, 10.0, clock=lambda: now[0])
+    twin = FlappingDetector(max_connects, 10.0, clock=lambda: now[0])
+    for t in (0.0, 1.0, 2.0, 2.5, 12.6, 13.0, 30.0, 30.1, 30.2, 30.3):
+        now[0] = t
+        predicted = det.would_ban("a")
+        assert det.would_ban("a") == predicted  # asking twice changes nothing
+        count = det.connecting("a")
+        assert (count != 0) == predicted, t
+        assert count == twin.connecting("a"), t  # the twin was never asked: same counts
+    assert not det.would_ban("never-seen")
+    assert not FlappingDetector(0, 10.0).would_ban("a")  # off
+
+
 # -- a gateway process ---------------------------------------------------------------------
 
 

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from tests.gateway.conftest import Client, GatewayHarness, wait_until
+from gateway.protocol import (
+    ConnAck,
+    Connect,
+    Disconnect,
+    PingReq,
+    PingResp,
+    Properties,
+    SubAck,
+    Subscribe,
+    Subscription,
+    encode,
+)
+from tests.gateway.conftest import Client, GatewayHarness, RawClient, wait_until
 
 
 def test_qos0_wildcard_fanout(gateway: GatewayHarness, clients: list[Client]) -> None:
@@ -80,3 +92,31 @@ def test_a_new_session_leaves_the_connection_without_packet_ids_until_qos1(
     d.publish("ids/cmd", b"x", 1)  # waits for its PUBACK
     assert d.wait_messages(1)[0].payload == b"x"
     assert gateway.call(ids) is not None
+
+
+def test_a_connect_read_with_what_follows_it_answers_each_in_order(
+    gateway: GatewayHarness,
+) -> None:
+    """CONNECT, SUBSCRIBE, PINGREQ and DISCONNECT in one write: the read callback takes the
+    CONNECT itself (nothing in it waits), then the rest of the same read as a connected
+    client's; each is answered in order and the session is stored, as when they came apart."""
+    for level in (4, 5):
+        c = RawClient(gateway.port, level=level)
+        cid = f"burst-{level}"
+        expiry = Properties(session_expiry_interval=60) if level == 5 else Properties()
+        c.send_bytes(
+            encode(Connect(level, cid, False, 60, properties=expiry), level)
+            + encode(Subscribe(7, [Subscription(f"burst/{level}", 1)]), level)
+            + encode(PingReq(), level)
+            + encode(Disconnect(), level)
+        )
+        ack = c.recv()
+        assert isinstance(ack, ConnAck) and ack.reason_code == 0 and not ack.session_present
+        sub = c.recv()
+        assert isinstance(sub, SubAck) and sub.packet_id == 7 and sub.reason_codes == [1]
+        assert isinstance(c.recv(), PingResp)
+        assert c.is_closed()
+        c.close()
+        again = RawClient(gateway.port, level=level)
+        assert again.connect(cid, clean=False).session_present
+        again.close()

@@ -1,16 +1,21 @@
 """TimerWheel: due items are asked once, rescheduling is lazy, a due slot is handled in steps.
 
-The wheel is driven through ``advance(now)`` with chosen times: no sleeping, no timing.
+The wheel is driven through ``advance(now)`` with chosen times: no sleeping, no timing (but
+for the last test, a real gateway's keep-alive through the wheel).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import weakref
+from pathlib import Path
 
 from gateway.connection import timers
 from gateway.connection.timers import TimerWheel
+from gateway.protocol import Disconnect, ReasonCode
+from tests.gateway.conftest import GatewayHarness, RawClient
 
 
 class Device:
@@ -124,3 +129,22 @@ async def test_a_cancelled_or_rescheduled_entry_leaves_the_wheel_at_once() -> No
     wheel.schedule(overdue, start - 5)  # a deadline already past: the first slot not handled
     wheel.cancel(overdue)
     assert len(wheel) == 0 and await wheel.advance(start + 100) == 0 and overdue.asked == []
+
+
+def test_a_keep_alive_after_the_connect_deadline_still_closes_a_silent_client(
+    tmp_path: Path,
+) -> None:
+    """The CONNECT deadline's entry (0.5 s) comes before the keep-alive deadline (1.5 x 1 s):
+    CONNACK leaves the entry in place, and when it comes due the connection answers its
+    keep-alive deadline, which then closes the silent client (0x8D), not the CONNECT one."""
+    gateway = GatewayHarness(tmp_path / "data", connect_timeout=0.5).start()
+    try:
+        c = RawClient(gateway.port, level=5)
+        t0 = time.monotonic()
+        assert c.connect("silent", keep_alive=1).reason_code == 0
+        ev = c.recv(timeout=5)
+        assert isinstance(ev, Disconnect) and ev.reason_code == ReasonCode.KEEP_ALIVE_TIMEOUT
+        assert 1.4 <= time.monotonic() - t0 < 4
+        c.close()
+    finally:
+        gateway.stop()
