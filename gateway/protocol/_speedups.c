@@ -244,13 +244,16 @@ typedef struct {
     PyObject *other;        /* list: the plain publish on another topic that ends the run */
 } Plain;
 
-/* The readers' topic cache bounds (readers.py TOPIC_CACHE_KEY_MAX, TOPIC_CACHE_SIZE), from
- * configure_scan. */
+/* The readers' topic cache bounds (readers.py TOPIC_CACHE_KEY_MAX, TOPIC_CACHE_SIZE) and what
+ * a topic name must not contain (readers.py TOPIC_NAME_FORBIDDEN), from configure_scan. */
 static Py_ssize_t topic_key_max = 0, topic_cache_size = 0;
+#define FORBIDDEN_MAX 8
+static Py_UCS4 topic_forbidden[FORBIDDEN_MAX];
+static Py_ssize_t n_topic_forbidden = 0;
 
 /*
  * readers.cache_topic in C, for a `raw` topic missing from `topics`: its name if valid for a
- * PUBLISH (strict UTF-8, not empty, no U+0000, no wildcard), cached in `topics` (cleared when
+ * PUBLISH (strict UTF-8, not empty, none of TOPIC_NAME_FORBIDDEN), cached in `topics` (cleared when
  * full), as a reference borrowed from it. NULL with no exception when the Python loop must
  * decide (invalid, or too long to be cached: cache_topic decodes it each time); NULL with an
  * exception on a real error.
@@ -270,11 +273,11 @@ cache_new_topic(PyObject *topics, PyObject *raw)
         return NULL;
     }
     Py_ssize_t len = PyUnicode_GET_LENGTH(topic);
-    if (PyUnicode_FindChar(topic, 0, 0, len, 1) != -1
-        || PyUnicode_FindChar(topic, '+', 0, len, 1) != -1
-        || PyUnicode_FindChar(topic, '#', 0, len, 1) != -1) {
-        Py_DECREF(topic);
-        return NULL;
+    for (Py_ssize_t i = 0; i < n_topic_forbidden; i++) {
+        if (PyUnicode_FindChar(topic, topic_forbidden[i], 0, len, 1) != -1) {
+            Py_DECREF(topic);
+            return NULL;
+        }
     }
     if (PyDict_GET_SIZE(topics) >= topic_cache_size) {
         PyDict_Clear(topics);
@@ -652,16 +655,25 @@ pubacks(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 configure_scan(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    PyObject *type_obj;
+    PyObject *type_obj, *forbidden;
     Py_ssize_t key_max, cache_size;
-    if (!PyArg_ParseTuple(args, "O!nn:configure_scan", &PyType_Type, &type_obj, &key_max,
-                          &cache_size)) {
+    if (!PyArg_ParseTuple(args, "O!nnU:configure_scan", &PyType_Type, &type_obj, &key_max,
+                          &cache_size, &forbidden)) {
         return NULL;
     }
     if (key_max < 0 || cache_size < 1) {
         PyErr_SetString(PyExc_ValueError, "configure_scan: bad topic cache bounds");
         return NULL;
     }
+    Py_ssize_t n_forbidden = PyUnicode_GET_LENGTH(forbidden);
+    if (n_forbidden < 1 || n_forbidden > FORBIDDEN_MAX) {
+        PyErr_SetString(PyExc_ValueError, "configure_scan: 1 to 8 forbidden characters");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n_forbidden; i++) {
+        topic_forbidden[i] = PyUnicode_READ_CHAR(forbidden, i);
+    }
+    n_topic_forbidden = n_forbidden;
     topic_key_max = key_max;
     topic_cache_size = cache_size;
     if (publish_type == NULL) {
@@ -705,8 +717,9 @@ static PyMethodDef methods[] = {
     {"pubacks", (PyCFunction)(void (*)(void))pubacks, METH_FASTCALL,
      "pubacks(packet_ids, in_qos1) -> bytes: a PUBACK per id (dropped from in_qos1)."},
     {"configure_scan", configure_scan, METH_VARARGS,
-     "configure_scan(puback_type, topic_key_max, topic_cache_size): bind the PubAck class and "
-     "the readers' topic cache bounds (after configure)."},
+     "configure_scan(puback_type, topic_key_max, topic_cache_size, topic_name_forbidden): bind "
+     "the PubAck class, the readers' topic cache bounds and what a topic name must not contain "
+     "(after configure)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,7 +26,13 @@ from gateway.protocol.errors import RemoteProtocolError
 from gateway.protocol.events import Connect, ConnectionClosed, Event, PubAck, Publish
 from gateway.protocol.packet_ids import PacketIds
 from gateway.protocol.phases import CONNECTED, NEED_DATA, Phase, Sentinel
-from gateway.protocol.readers import TOPIC_CACHE, TOPIC_CACHE_KEY_MAX, TOPIC_CACHE_SIZE, cache_topic
+from gateway.protocol.readers import (
+    TOPIC_CACHE,
+    TOPIC_CACHE_KEY_MAX,
+    TOPIC_CACHE_SIZE,
+    TOPIC_NAME_FORBIDDEN,
+    cache_topic,
+)
 
 
 class Connection(Protocol):
@@ -68,7 +74,7 @@ def _load_scan() -> Scan | None:
     speedups = accelerators.load("gateway.protocol._speedups", "LMQTT_PURE_PYTHON_READ")
     if speedups is None or not writers.SPEEDUPS:
         return None  # scan builds Publish instances, which the writers' configure() binds
-    speedups.configure_scan(PubAck, TOPIC_CACHE_KEY_MAX, TOPIC_CACHE_SIZE)
+    speedups.configure_scan(PubAck, TOPIC_CACHE_KEY_MAX, TOPIC_CACHE_SIZE, TOPIC_NAME_FORBIDDEN)
     scan: Scan = speedups.scan
     return scan
 

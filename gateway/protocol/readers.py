@@ -165,6 +165,10 @@ def read_connack(flags: int, body: bytes, level: int) -> ConnAck:
 TOPIC_CACHE: dict[bytes, str] = {}
 TOPIC_CACHE_SIZE = 65_536
 TOPIC_CACHE_KEY_MAX = 256  # bytes; at most 65,536 x 256 B (16 MiB) of keys pinned
+# What a topic name (a PUBLISH's, not a filter) must not contain: U+0000 (MQTT 3.1.1 1.5.3,
+# 5.0 1.5.4) and the wildcards (4.7.1). The C scan (gateway/protocol/_speedups.c) takes them
+# from here (fast_decoder.configure_scan).
+TOPIC_NAME_FORBIDDEN = "\x00+#"
 
 
 def cache_topic(raw: bytes) -> str | None:
@@ -173,7 +177,7 @@ def cache_topic(raw: bytes) -> str | None:
         topic = raw.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    if not topic or "\x00" in topic or "+" in topic or "#" in topic:
+    if not topic or any(ch in topic for ch in TOPIC_NAME_FORBIDDEN):
         return None
     if len(raw) <= TOPIC_CACHE_KEY_MAX:  # bound the memory a hostile client can pin
         if len(TOPIC_CACHE) >= TOPIC_CACHE_SIZE:

@@ -30,6 +30,7 @@ from gateway.protocol import (
     connection,
     encode,
     fast_decoder,
+    readers,
     writers,
 )
 from gateway.protocol.readers import TOPIC_CACHE
@@ -44,7 +45,9 @@ PURE = any(
 )
 if fast_decoder.SCAN is None:  # pure-Python mode: bind the module here, as the loaders do otherwise
     speedups.configure(Publish, writers._ENCODED_TOPICS, writers._encode_py)
-    speedups.configure_scan(PubAck)
+    speedups.configure_scan(
+        PubAck, readers.TOPIC_CACHE_KEY_MAX, readers.TOPIC_CACHE_SIZE, readers.TOPIC_NAME_FORBIDDEN
+    )
 SCAN: fast_decoder.Scan = fast_decoder.SCAN or speedups.scan
 
 

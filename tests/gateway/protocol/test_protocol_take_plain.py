@@ -228,7 +228,7 @@ def test_a_device_first_publish_is_taken_in_c() -> None:
     assert TOPIC_CACHE == {b"site/3/dev/77/temp": "site/3/dev/77/temp"}
     assert conn._ids is not None and conn._ids.inbound_qos1 == {1}
     assert conn.next_event() is NEED_DATA
-    for bad in (b"a/+", b"a/\x00", b"\xff", b""):  # the Python decoder's to refuse
+    for bad in (b"a/+", b"a/#", b"a/\x00", b"\xff", b""):  # the Python decoder's to refuse
         conn = open_connection(4)
         data = raw_publish(0x32, bad, b"\x00\x01", b"", b"x")
         taken = []
