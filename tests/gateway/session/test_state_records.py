@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 from gateway.protocol import Disconnect, PubAck, Publish, Subscribe, Subscription
 from gateway.session.registry import QOS2_FLOOR_KEY
 from store import MessageStore, StoreConfig, read_state, read_state_records
-from tests.gateway.conftest import GatewayHarness, RawClient, wait_until
+from tests.gateway.conftest import TIMEOUT, GatewayHarness, RawClient, wait_until
 
 
 def _records(data_dir: Path) -> list[tuple[str, bytes | None]]:
@@ -307,8 +308,23 @@ def test_concurrent_subscribes_in_sync_mode_share_state_log_fsyncs(tmp_path: Pat
             devices.append(c)
         state = gw.store.state  # type: ignore[attr-defined]
         before = h.call(lambda: state.fsyncs)
-        for i, c in enumerate(devices):  # thirty SUBSCRIBEs at once, each SUBACK after fsync
-            c.send(Subscribe(1, [Subscription(f"dev/{i}/cmd", 1)]))
+        # Thirty SUBSCRIBEs at once, each SUBACK after its fsync: the event loop is held while
+        # they are written, so the gateway reads them together however slowly this thread
+        # sends (on a loaded host it would otherwise read a few per turn, an fsync each).
+        held, release = threading.Event(), threading.Event()
+        assert h.loop is not None
+
+        def hold_loop() -> None:
+            held.set()
+            release.wait(TIMEOUT)
+
+        h.loop.call_soon_threadsafe(hold_loop)
+        assert held.wait(TIMEOUT)
+        try:
+            for i, c in enumerate(devices):
+                c.send(Subscribe(1, [Subscription(f"dev/{i}/cmd", 1)]))
+        finally:
+            release.set()
         for c in devices:
             assert c.recv().reason_codes == [1]
         fsyncs = h.call(lambda: state.fsyncs) - before
