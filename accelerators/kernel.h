@@ -42,6 +42,18 @@ lmqtt_slot_offsets(const char *fname, PyObject *type_obj, const char *const *nam
     return 0;
 }
 
+/* `v` written big-endian at `o` (the byte order of the store's records and of RocketMQ's
+ * frames); returns the byte after it. */
+static inline unsigned char *
+lmqtt_put_be32(unsigned char *o, uint32_t v)
+{
+    o[0] = (unsigned char)(v >> 24);
+    o[1] = (unsigned char)(v >> 16);
+    o[2] = (unsigned char)(v >> 8);
+    o[3] = (unsigned char)v;
+    return o + 4;
+}
+
 /* The module of `def`, with SOURCE_SHA256: the digest of the sources it was compiled from,
  * which a test compares with the files on disk, so a stale build is caught instead of
  * silently tested. */

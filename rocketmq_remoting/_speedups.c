@@ -1071,16 +1071,6 @@ frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 /* -- send_frames ------------------------------------------------------------------------- */
 
 static inline unsigned char *
-put_be32(unsigned char *o, uint32_t v)
-{
-    o[0] = (unsigned char)(v >> 24);
-    o[1] = (unsigned char)(v >> 16);
-    o[2] = (unsigned char)(v >> 8);
-    o[3] = (unsigned char)v;
-    return o + 4;
-}
-
-static inline unsigned char *
 put_bytes(unsigned char *o, const char *b, Py_ssize_t n)
 {
     memcpy(o, b, (size_t)n);
@@ -1159,17 +1149,17 @@ send_frames(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
         Py_ssize_t fields_len = piece_len[2] + 4 + g_len + piece_len[3] + 4 + props_len +
                                 piece_len[4];
         Py_ssize_t header_len = piece_len[0] + 4 + piece_len[1] + 4 + fields_len;
-        o = put_be32(o, (uint32_t)(4 + header_len + body_len));
-        o = put_be32(o, (uint32_t)mark | (uint32_t)header_len);
+        o = lmqtt_put_be32(o, (uint32_t)(4 + header_len + body_len));
+        o = lmqtt_put_be32(o, (uint32_t)mark | (uint32_t)header_len);
         o = put_bytes(o, piece[0], piece_len[0]);
-        o = put_be32(o, (uint32_t)(first + i));
+        o = lmqtt_put_be32(o, (uint32_t)(first + i));
         o = put_bytes(o, piece[1], piece_len[1]);
-        o = put_be32(o, (uint32_t)fields_len);
+        o = lmqtt_put_be32(o, (uint32_t)fields_len);
         o = put_bytes(o, piece[2], piece_len[2]);
-        o = put_be32(o, (uint32_t)g_len);
+        o = lmqtt_put_be32(o, (uint32_t)g_len);
         o = put_bytes(o, g, g_len);
         o = put_bytes(o, piece[3], piece_len[3]);
-        o = put_be32(o, (uint32_t)props_len);
+        o = lmqtt_put_be32(o, (uint32_t)props_len);
         o = put_bytes(o, PyBytes_AS_STRING(props), props_len);
         o = put_bytes(o, piece[4], piece_len[4]);
         o = put_bytes(o, PyBytes_AS_STRING(body), body_len);

@@ -87,16 +87,6 @@ crc32_of(const unsigned char *p, Py_ssize_t n)
 }
 
 static unsigned char *
-put32(unsigned char *p, uint32_t v)
-{
-    p[0] = (unsigned char)(v >> 24);
-    p[1] = (unsigned char)(v >> 16);
-    p[2] = (unsigned char)(v >> 8);
-    p[3] = (unsigned char)v;
-    return p + 4;
-}
-
-static unsigned char *
 put64(unsigned char *p, long long value)
 {
     uint64_t v = (uint64_t)value;
@@ -246,14 +236,14 @@ put_record(PyObject *buf, long long room, long long qoff, long long phys, long l
     unsigned char *rec = (unsigned char *)PyByteArray_AS_STRING(buf) + old;
     unsigned char *p = rec;
     memset(p, 0, (size_t)head_size);
-    put32(p + head_at[H_TOTALSIZE], (uint32_t)size);
-    put32(p + head_at[H_MAGIC], magic);
-    put32(p + head_at[H_BODYCRC], crc32_of(body->buf, body->len) & crc_mask);
+    lmqtt_put_be32(p + head_at[H_TOTALSIZE], (uint32_t)size);
+    lmqtt_put_be32(p + head_at[H_MAGIC], magic);
+    lmqtt_put_be32(p + head_at[H_BODYCRC], crc32_of(body->buf, body->len) & crc_mask);
     put64(p + head_at[H_QUEUEOFFSET], qoff);
     put64(p + head_at[H_PHYSICALOFFSET], phys);
     put64(p + head_at[H_BORN], born);
     put64(p + head_at[H_STORED], stored);
-    put32(p + head_at[H_BODYLENGTH], (uint32_t)body->len);
+    lmqtt_put_be32(p + head_at[H_BODYLENGTH], (uint32_t)body->len);
     p += head_size;
     memcpy(p, body->buf, (size_t)body->len);
     p += body->len;
@@ -658,7 +648,7 @@ write_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         {
             unsigned char unit[CQ_UNIT_SIZE];
             put64(unit, phys);
-            put32(unit + 8, (uint32_t)size);
+            lmqtt_put_be32(unit + 8, (uint32_t)size);
             memset(unit + 12, 0, 8);
             queues = PyObject_GetAttr(route, w_queues);
             if (queues == NULL || !PyTuple_Check(queues)) {
@@ -1222,7 +1212,7 @@ append_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
         {
             unsigned char unit[CQ_UNIT_SIZE];
             put64(unit, phys);
-            put32(unit + 8, (uint32_t)size);
+            lmqtt_put_be32(unit + 8, (uint32_t)size);
             memset(unit + 12, 0, 8);
             for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(queues); k++) {
                 if (dispatch_slot(PyTuple_GET_ITEM(queues, k), unit, dirty) < 0) {
