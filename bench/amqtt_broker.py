@@ -30,7 +30,8 @@ async def serve(port: int) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.ERROR)
+    # Warnings too: amqtt logs a delivery it gave up on (no PUBACK in 5 s) as one.
+    logging.basicConfig(level=logging.WARNING)
     asyncio.run(serve(int(sys.argv[1])))
 
 

@@ -45,6 +45,7 @@ class RunSettings:
     capacity: bool = True  # fleet: also search the highest rate sustained
     device_window: int = 0  # fleet: a device's QoS 1 in-flight window (0: unbounded)
     warmup: float = 0.0  # fleet: an unmeasured paced phase first, s (the JVMs' JIT)
+    drain_idle: float = 2.0  # fanout: deliveries stalled this long end the drain, s
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +186,12 @@ async def fanout(
             await asyncio.gather(*(p.expect("result", settings.duration + 30) for p in pubs))
         )
         expected = int(published["acked"]) * per_message
-        await _drain(subs, expected, cap=max(5.0, settings.duration))
+        await _drain(
+            subs,
+            expected,
+            cap=max(5.0, settings.duration, 3 * settings.drain_idle),
+            idle=settings.drain_idle,
+        )
         cpu = probe.stop()
         results = await asyncio.gather(*(w.request("stop", "result", 30) for w in subs))
     finally:
