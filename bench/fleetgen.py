@@ -155,7 +155,8 @@ class Fleet:
         failed_sends = 0
         start = time.monotonic()
         start_ns = monotonic_ns()
-        interval_ns = 1e9 / rate
+        # A process whose devices all failed to connect is handed rate 0: it sends nothing.
+        interval_ns = 1e9 / rate if rate > 0 else 0.0
         deadline = start + duration
         total = int(rate * duration)
         cursor = 0

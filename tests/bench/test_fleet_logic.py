@@ -14,7 +14,7 @@ from bench.fleet import (
     gc_phase,
     phase_verdict,
 )
-from bench.fleetgen import deliveries_per_message, device_topic
+from bench.fleetgen import Fleet, deliveries_per_message, device_topic
 from bench.report import _ratio, row_validity, target_checks
 from bench.workers import GENERATOR_SATURATED, CpuProbe, invalid_reason
 
@@ -205,3 +205,11 @@ def test_fleet_targets_follow_the_device_count() -> None:
     assert ("fleet", "p999_ms") not in checks
     assert checks[("fleet", "kib_per_device")] == "<=5 KiB: MISSED"
     assert ("fleet", "p99_ms") not in target_checks(run(2_000, 50.0, 99.0, 4.0))
+
+
+async def test_a_generator_with_no_connected_device_runs_its_phase_sending_nothing() -> None:
+    """The fleet hands a process whose devices all failed to connect rate 0 (its share of the
+    offered rate): the phase ends with nothing sent instead of a ZeroDivisionError."""
+    fleet = Fleet({"host": "127.0.0.1", "port": 1, "first": 0, "last": 0})
+    result = await fleet.run(0.0, 0.2)
+    assert (result["sent"], result["expected"], result["acked"]) == (0, 0, 0)
