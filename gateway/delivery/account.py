@@ -222,7 +222,7 @@ class DeliveryAccount:
             return end != last and (last is not None or end > done)
 
         for session in sessions:
-            for sub in list(session.subscriptions.values()):
+            for sub in session.subscription_list():
                 if (
                     sub.share_group is None
                     and id(sub) not in self._dirty

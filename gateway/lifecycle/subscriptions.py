@@ -223,7 +223,7 @@ class SubscriptionLifecycle:
 
     def end(self, session: Session) -> None:
         """The session is over: every subscription goes, nothing stays in flight."""
-        for sub in list(session.subscriptions.values()):
+        for sub in session.subscription_list():
             self.remove(session, sub, None, keep_inflight=False)
 
     def remove(

@@ -366,6 +366,15 @@ class Session:
     def persistent(self) -> bool:
         return self.expiry_interval > 0
 
+    def subscription_list(self) -> tuple[SubscriptionState, ...]:
+        """The subscriptions' states, a copy that stays as it is while they change: the
+        common shapes (none, one) without a views object (walks over every offline session
+        call this per session)."""
+        subs = self.subscriptions
+        if type(subs) is OneSubscription:
+            return (subs.sub,)
+        return tuple(subs.values()) if subs else ()
+
     def add_subscription(self, sub: SubscriptionState) -> None:
         subs = self.subscriptions
         key = sub.topic_filter

@@ -292,7 +292,7 @@ class SessionRegistry:
         """(queue, read position) of every subscription, dormant sessions' included (metrics)."""
         # Copies: the metrics census yields to the event loop between steps.
         for session in list(self.sessions.values()):
-            for sub in list(session.subscriptions.values()):
+            for sub in session.subscription_list():
                 yield sub.queue, sub.next_offset
         for value in list(self._dormant.values()):
             for sd in from_json(value).get("subscriptions", []):

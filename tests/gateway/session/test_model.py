@@ -63,6 +63,22 @@ def test_subscriptions_none_one_then_a_dict_in_order() -> None:
     assert NO_SUBSCRIPTIONS == {}  # the shared empty one was not changed
 
 
+def test_subscription_list_is_every_shape_in_order_and_a_copy() -> None:
+    s = Session("a", 5, 0)
+    assert s.subscription_list() == ()
+    a, b, c = _sub("a/1"), _sub("$share/g/b", "g"), _sub("c/#")
+    s.add_subscription(a)
+    taken = s.subscription_list()
+    assert taken == (a,)
+    s.add_subscription(b)  # the walk that took it may change the session meanwhile
+    assert taken == (a,)
+    s.add_subscription(c)
+    taken = s.subscription_list()
+    assert taken == tuple(s.subscriptions.values()) == (a, b, c)
+    assert s.remove_subscription("a/1") is a and taken == (a, b, c)
+    assert s.subscription_list() == (b, c)
+
+
 def test_by_queue_holds_no_dict_until_a_delivery_loop_asks_for_one() -> None:
     s = Session("a", 5, 0)
     a, b, g = _sub("a/1"), _sub("b/+"), _sub("$share/g/c", "g")
