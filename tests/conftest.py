@@ -18,10 +18,13 @@ does not start last and leave the other worker idle.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from analytics.spark import JAVA_OPTIONS_ENV as SPARK_JAVA_OPTIONS_ENV
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -73,6 +76,10 @@ class GroupScheduling:
 def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(GroupScheduling(), "lmqtt-xdist-groups")
+    # The suite's Spark jobs are small and short: C2's compiles of Spark's code cost more than
+    # they win back, and G1's threads compete for the 2 cores. Set here, before any session
+    # starts, so the `lmqtt report` processes the tests run get them too.
+    os.environ.setdefault(SPARK_JAVA_OPTIONS_ENV, "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
 #: A test with one of these marks is a long one (pyproject.toml's markers).
