@@ -41,8 +41,12 @@ lint: $(DEV)
 
 # One pytest-xdist worker per core (auto). --dist loadgroup keeps the tests sharing an expensive
 # fixture (the RocketMQ cluster, the Spark session) on one worker: see tests/conftest.py.
+# Bytecode goes to the venv, written once even where PYTHONDONTWRITEBYTECODE is set: otherwise
+# every process of the run (each worker, each gateway or CLI the tests start) compiles the
+# project's modules from source again.
 WORKERS ?= auto
 unit: $(DEV) test-tools
+	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache \
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup --durations=40
 
 # The Debian programs end-to-end tests run, installed when missing (best effort: without root or

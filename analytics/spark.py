@@ -36,6 +36,8 @@ logger.parquet.name = org.apache.parquet
 logger.parquet.level = error
 """
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
+#: Extra flags for Spark's JVM (driver and, in local mode, executors), space-separated.
+JAVA_OPTIONS_ENV = "LMQTT_SPARK_JAVA_OPTIONS"
 
 
 def spark_log_path() -> Path:
@@ -84,7 +86,10 @@ def _create(master: str, shuffle_partitions: int) -> SparkSession:
 
     log4j = Path(tempfile.gettempdir()) / f"lmqtt-spark-log4j2-{os.getuid()}.properties"
     log4j.write_text(_LOG4J_PROPERTIES)
-    java_opts = f"-Dlog4j2.configurationFile=file:{log4j}"
+    # LMQTT_SPARK_JAVA_OPTIONS: more flags for the JVM (the test suite's are in tests/conftest.py).
+    java_opts = " ".join(
+        [f"-Dlog4j2.configurationFile=file:{log4j}", os.environ.get(JAVA_OPTIONS_ENV, "")]
+    ).strip()
     conf = (
         SparkConf()
         .setMaster(master)

@@ -11,15 +11,20 @@ fixtures stay on one worker, and the files spread over both workers, each of whi
 session cluster (three JVMs) when it first needs one. One cluster on one worker made that worker
 the suite's long pole; a second cluster costs a start and some memory, and the files then
 balance on their own. xdist hands out the groups with the most tests first, so the long ones
-start at once while the single tests fill in.
+start at once while the single tests fill in; among units of one size, those holding a test
+marked slow or spark go first (`pytest_collection_modifyitems` below), so a long single test
+does not start last and leave the other worker idle.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from analytics.spark import JAVA_OPTIONS_ENV as SPARK_JAVA_OPTIONS_ENV
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -71,6 +76,35 @@ class GroupScheduling:
 def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(GroupScheduling(), "lmqtt-xdist-groups")
+    # The suite's Spark jobs are small and short: C2's compiles of Spark's code cost more than
+    # they win back, and G1's threads compete for the 2 cores. Set here, before any session
+    # starts, so the `lmqtt report` processes the tests run get them too.
+    os.environ.setdefault(SPARK_JAVA_OPTIONS_ENV, "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+
+
+#: A test with one of these marks is a long one (pyproject.toml's markers).
+LONG_MARKS = ("slow", "spark")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker, the work units holding a long test come first in the collection.
+
+    The scheduler hands out the units with the most tests first; among units of the same size
+    it keeps this order, so a long single test starts early instead of after hundreds of short
+    ones, and the short ones fill in at the end. A unit's tests keep their order among
+    themselves (the sort is stable and moves whole units).
+    """
+    if not hasattr(config, "workerinput"):
+        return
+
+    def unit(item: pytest.Item) -> str:
+        return xdist_group(item.nodeid) or item.nodeid
+
+    long_units = {
+        unit(item) for item in items if any(item.get_closest_marker(m) for m in LONG_MARKS)
+    }
+    items.sort(key=lambda item: unit(item) not in long_units)
 
 
 @pytest.fixture(scope="session")
