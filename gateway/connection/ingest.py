@@ -20,11 +20,12 @@ arrival notice per queue and so the subscribers' delivery passes and writes) is 
 
 Ordering: a connection hands everything after its first non-plain packet to its reader task,
 which runs after the flush (at the end of the turn the batch's callback comes first; a
-lingering batch is stored before the task starts, ReaderTask._kick): the
-store sees a connection's packets in the order it sent them, and its PUBACKs leave before any
-later reply. Anything that must see the batch stored sooner (a protocol error answered now)
-calls `flush()` itself, and so does a delivery pass queued ahead of the flush callback
-(gateway/delivery/loop.py `_step`): the messages of the turn's reads go with it.
+lingering batch is stored before the task starts, and before a closed connection's will:
+`settle`): the store sees a connection's packets in the order it sent them, and its PUBACKs
+leave before any later reply. Anything that must see the batch stored sooner (a protocol
+error answered now) calls `flush()` itself, and so does a delivery pass queued ahead of the
+flush callback (gateway/delivery/loop.py `_step`): the messages of the turn's reads go with
+it.
 
 Only the async flush mode batches here: in sync mode every acknowledgement waits for its
 fsync, and the reader tasks' group commit already shares one fsync among many publishes.
@@ -103,6 +104,13 @@ class IngestBatch:
             self._loop.call_later(self.linger, self.flush)
         else:
             self._loop.call_soon(self.flush)
+
+    def settle(self) -> None:
+        """Store a lingering batch now: what a connection does next (a packet for its reader
+        task, its will once it is gone) must come after the publishes it has in the batch. At
+        the end of the turn (no linger) the batch's callback already comes first."""
+        if self.linger and self.scheduled:
+            self.flush()
 
     def flush(self) -> None:
         """Store what was collected, then acknowledge it (one write per connection). The end

@@ -59,13 +59,10 @@ class ReaderTask(KeepAlive):
 
     def _kick(self, first: object = None) -> None:
         """Start the reader task (it handles `first`, then what is buffered) unless it runs.
-        A lingering ingest batch (gateway/connection/ingest.py) is stored first: the task would
-        otherwise handle what followed this connection's publishes in it before they are
-        stored (at the end of the turn, the batch's callback comes before the task's start)."""
+        A lingering ingest batch is stored first (IngestBatch.settle)."""
         if self._reader is None and not self.closed:
-            ingest = self._ingest
-            if ingest is not None and ingest.linger and ingest.scheduled:
-                ingest.flush()
+            if self._ingest is not None:
+                self._ingest.settle()
             self._reader = self._loop.create_task(self._read_loop(first))
 
     async def _read_loop(self, first: object = None) -> None:

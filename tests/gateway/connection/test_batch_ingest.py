@@ -25,6 +25,7 @@ from gateway.protocol import (
     SubAck,
     Subscribe,
     Subscription,
+    Will,
     encode,
 )
 from gateway.storage.embedded import EmbeddedStorage
@@ -384,5 +385,29 @@ def test_lingering_batch_stored_before_the_reader_task(tmp_path: Path) -> None:
         assert _stored_topics(h, "linger") == [("linger/1", "1"), ("linger/2", "2")]
         watcher.close()
         pub.close()
+    finally:
+        h.stop()
+
+
+def test_lingering_batch_stored_before_the_will(tmp_path: Path) -> None:
+    """A client whose plain PUBLISH waits in a lingering batch and whose connection then ends
+    without DISCONNECT: its publish is stored and delivered before its will. (Closing the
+    connection stores the batch, IngestBatch.settle; the wills' own tick usually comes later
+    anyway, so this holds the behaviour, not that one call.)"""
+    h = GatewayHarness(tmp_path / "data", ingest_linger_ms=100).start()
+    try:
+        assert h.gw is not None and h.gw.ingest is not None
+        ingest = h.gw.ingest
+        watcher = _subscriber(h, "gone/#")
+        pub = RawClient(h.port, level=4)
+        assert pub.connect("goner", will=Will("gone/will", b"w", 1)).reason_code == 0
+        pub.send(Publish("gone/1", b"1", qos=1, packet_id=1))
+        deadline = time.monotonic() + 10
+        while not h.call(lambda: len(ingest.pubs)):
+            assert time.monotonic() < deadline, "the publish never reached the batch"
+        pub.close()
+        assert [p.payload for p in _received(watcher, 2)] == [b"1", b"w"]
+        assert _stored_topics(h, "gone") == [("gone/1", "1"), ("gone/will", None)]
+        watcher.close()
     finally:
         h.stop()
