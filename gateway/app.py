@@ -161,7 +161,11 @@ class Gateway:
             # Before anything is restored or routed: the other nodes' filters and sessions.
             await cluster.join()
             cluster.on_fenced(self._on_fenced)
-        self.ingest = IngestBatch(loop, publisher.append_publishes) if s.flush == "async" else None
+        self.ingest = (
+            IngestBatch(loop, publisher.append_publishes, s.ingest_linger_ms / 1000)
+            if s.flush == "async"
+            else None
+        )
         stats = self.stats
         self.overload = OverloadGuard(loop, lambda: stats.messages_received)
         self.timers = TimerWheel(loop)

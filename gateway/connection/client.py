@@ -432,6 +432,8 @@ class ClientConnection(ReaderTask):
             return
         self._cleaned = True
         self.closed = True
+        if self._ingest is not None:
+            self._ingest.settle()  # its publishes in a lingering batch come before its will
         self.ctx.timers.cancel(self)  # the wheel lets go of a closed connection at once
         session = self.session
         if self.delivery is not None:

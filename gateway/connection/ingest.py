@@ -12,12 +12,20 @@ per subscriber. Here the transports' `data_received` callbacks of one loop turn 
     data_received (conn n) --add--+           (each subscriber: one delivery pass, one write),
                                               then per connection one write of its PUBACKs
 
+The batch may also linger (`linger`, settings.ingest_linger_ms): stored that long after its
+first publish instead of at the end of the turn, with what the turns in between read. A fleet
+whose devices each send one message per read fills a turn's batch with a few publishes only,
+and what a batch costs beyond its messages (the store call, the recent cache's runs, one
+arrival notice per queue and so the subscribers' delivery passes and writes) is paid per batch.
+
 Ordering: a connection hands everything after its first non-plain packet to its reader task,
-which is created after the connection's publishes were added, so it runs after the flush: the
-store sees a connection's packets in the order it sent them, and its PUBACKs leave before any
-later reply. Anything that must see the batch stored sooner (a protocol error answered now)
-calls `flush()` itself, and so does a delivery pass queued ahead of the flush callback
-(gateway/delivery/loop.py `_step`): the messages of the turn's reads go with it.
+which runs after the flush (at the end of the turn the batch's callback comes first; a
+lingering batch is stored before the task starts, and before a closed connection's will:
+`settle`): the store sees a connection's packets in the order it sent them, and its PUBACKs
+leave before any later reply. Anything that must see the batch stored sooner (a protocol
+error answered now) calls `flush()` itself, and so does a delivery pass queued ahead of the
+flush callback (gateway/delivery/loop.py `_step`): the messages of the turn's reads go with
+it.
 
 Only the async flush mode batches here: in sync mode every acknowledgement waits for its
 fsync, and the reader tasks' group commit already shares one fsync among many publishes.
@@ -60,11 +68,16 @@ class IngestBatch:
     plain publishes fills them in one C call (Connection.take_plain, from
     ClientConnection.feed), which then calls `schedule`."""
 
-    __slots__ = ("_append", "_loop", "blocks", "owners", "pubs", "scheduled")
+    __slots__ = ("_append", "_loop", "blocks", "linger", "owners", "pubs", "scheduled")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, append: Append) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, append: Append, linger: float = 0.0
+    ) -> None:
+        """`linger`: seconds a batch waits for more after its first publish (0: stored at the
+        end of the turn)."""
         self._loop = loop
         self._append = append
+        self.linger = linger
         self.pubs: list[Publish] = []
         self.owners: list[Publisher] = []
         self.blocks: list[PublishProperties] = []
@@ -85,14 +98,25 @@ class IngestBatch:
             self.schedule()
 
     def schedule(self) -> None:
-        """Store what was added at the end of this turn."""
+        """Store what was added at the end of this turn, or once the linger is over."""
         self.scheduled = True
-        self._loop.call_soon(self.flush)
+        if self.linger:
+            self._loop.call_later(self.linger, self.flush)
+        else:
+            self._loop.call_soon(self.flush)
+
+    def settle(self) -> None:
+        """Store a lingering batch now: what a connection does next (a packet for its reader
+        task, its will once it is gone) must come after the publishes it has in the batch. At
+        the end of the turn (no linger) the batch's callback already comes first."""
+        if self.linger and self.scheduled:
+            self.flush()
 
     def flush(self) -> None:
         """Store what was collected, then acknowledge it (one write per connection). The end
-        of the turn's callback (`schedule`); called before it (a protocol error answered
-        now), the callback still runs and stores what was added since, if anything."""
+        of the turn's (or the linger's) callback (`schedule`); called before it (a protocol
+        error answered now, a reader task about to start), the callback still runs and stores
+        what was added since, if anything."""
         self.scheduled = False
         pubs = self.pubs
         if not pubs:

@@ -58,8 +58,11 @@ class ReaderTask(KeepAlive):
         raise NotImplementedError
 
     def _kick(self, first: object = None) -> None:
-        """Start the reader task (it handles `first`, then what is buffered) unless it runs."""
+        """Start the reader task (it handles `first`, then what is buffered) unless it runs.
+        A lingering ingest batch is stored first (IngestBatch.settle)."""
         if self._reader is None and not self.closed:
+            if self._ingest is not None:
+                self._ingest.settle()
             self._reader = self._loop.create_task(self._read_loop(first))
 
     async def _read_loop(self, first: object = None) -> None:
