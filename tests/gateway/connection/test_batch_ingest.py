@@ -362,23 +362,28 @@ def test_publishes_of_many_connections_in_one_turn_share_one_append(tmp_path: Pa
         h.stop()
 
 
+def _held_in_the_lingering_batch(h: GatewayHarness, pub: RawClient, publish: Publish) -> None:
+    """Send `publish` and wait until the lingering batch holds it: read, not stored yet."""
+    assert h.gw is not None and h.gw.ingest is not None
+    ingest = h.gw.ingest
+    pub.send(publish)
+    deadline = time.monotonic() + 10
+    while not h.call(lambda: len(ingest.pubs)):
+        assert time.monotonic() < deadline, "the publish never reached the batch"
+
+
 def test_lingering_batch_stored_before_the_reader_task(tmp_path: Path) -> None:
     """ingest_linger_ms: a device's plain PUBLISH waits in the batch for the linger. A packet
     of the same connection that needs the reader task (a QoS 2 PUBLISH) stores the batch
     first: the records keep the order the client sent them in, and so do the replies."""
     h = GatewayHarness(tmp_path / "data", ingest_linger_ms=100).start()
     try:
-        assert h.gw is not None and h.gw.ingest is not None
-        ingest = h.gw.ingest
         watcher = _subscriber(h, "linger/#")
         pub = RawClient(h.port, level=5)
         assert pub.connect("lingerer").reason_code == 0
-        pub.send(Publish("linger/1", b"1", qos=1, packet_id=1))
-        # Read and waiting in the batch (the linger is long): the next packet comes in a
-        # later read, so the batch's timer has not stored it yet.
-        deadline = time.monotonic() + 10
-        while not h.call(lambda: len(ingest.pubs)):
-            assert time.monotonic() < deadline, "the publish never reached the batch"
+        # Waiting in the batch (the linger is long): the next packet comes in a later read,
+        # so the batch's timer has not stored it yet.
+        _held_in_the_lingering_batch(h, pub, Publish("linger/1", b"1", qos=1, packet_id=1))
         pub.send(Publish("linger/2", b"2", qos=2, packet_id=2))
         assert [pub.recv(), pub.recv()] == [PubAck(1), PubRec(2)]
         assert [p.payload for p in _received(watcher, 2)] == [b"1", b"2"]
@@ -396,15 +401,10 @@ def test_lingering_batch_stored_before_the_will(tmp_path: Path) -> None:
     anyway, so this holds the behaviour, not that one call.)"""
     h = GatewayHarness(tmp_path / "data", ingest_linger_ms=100).start()
     try:
-        assert h.gw is not None and h.gw.ingest is not None
-        ingest = h.gw.ingest
         watcher = _subscriber(h, "gone/#")
         pub = RawClient(h.port, level=4)
         assert pub.connect("goner", will=Will("gone/will", b"w", 1)).reason_code == 0
-        pub.send(Publish("gone/1", b"1", qos=1, packet_id=1))
-        deadline = time.monotonic() + 10
-        while not h.call(lambda: len(ingest.pubs)):
-            assert time.monotonic() < deadline, "the publish never reached the batch"
+        _held_in_the_lingering_batch(h, pub, Publish("gone/1", b"1", qos=1, packet_id=1))
         pub.close()
         assert [p.payload for p in _received(watcher, 2)] == [b"1", b"w"]
         assert _stored_topics(h, "gone") == [("gone/1", "1"), ("gone/will", None)]
