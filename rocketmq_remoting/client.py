@@ -9,7 +9,6 @@ subclass) carrying the broker's own ``code`` and ``remark``.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -33,6 +32,7 @@ from rocketmq_remoting.errors import (
     TopicNotExistError,
     raise_for,
 )
+from rocketmq_remoting.held_pull import HeldPull
 from rocketmq_remoting.message import (
     PROPERTY_INNER_MULTI_DISPATCH,
     PROPERTY_WAIT_STORE_MSG_OK,
@@ -56,7 +56,7 @@ HOLD_CHECK_S = 5.0
 #: Pull frame templates kept (one per reader: a tail per broker, a mirror per queue without
 #: notify pulls); past it they are made again.
 PULL_TEMPLATES = 1024
-#: The sys flag of a held pull without commit (`pull_nowait`).
+#: The sys flag of a held pull without commit (`held_pull`).
 _HELD_PULL = PULL_SUBSCRIPTION | PULL_SUSPEND
 
 
@@ -319,51 +319,32 @@ class RemotingClient(Connections):
             self.held_pulls -= held
         return pull_result(answer, broker_addr, wanted, check_crc)
 
-    def pull_nowait(
+    def held_pull(
         self,
         broker_addr: str,
         topic: str,
-        offset: int,
         answered: Callable[[PullResult | RemotingError], None],
         *,
         consumer_group: str,
         max_messages: int,
         suspend_timeout: float,
         wanted: Container[str] | None = None,
-    ) -> bool:
-        """A held pull (`pull` with `suspend_timeout`, no commit) without a coroutine: its frame
-        written on the broker's open connection now, `answered` called once with its
-        PullResult or the RemotingError that ended it (OffsetMovedError included, the
-        connection lost, no answer in time). False, nothing sent, when no connection to the
-        broker is open (the caller pulls with `pull`, which opens one): a follower of a queue
-        (the parent topic's tail) answers itself without a task step per answer."""
-        conn = self.open_broker_connection(broker_addr)
-        if conn is None:
-            return False
-        suspend_ms = int(suspend_timeout * 1000)
-        frames = self._pull_template(
-            consumer_group, topic, LMQ_QUEUE_ID, max_messages, _HELD_PULL, suspend_ms
+    ) -> HeldPull[PullResult]:
+        """The held pulls (`pull` with `suspend_timeout`, no commit) of one follower of
+        `topic`'s end, sent one after another without a coroutine (held_pull.py): each
+        `send(offset)` writes one on the broker's open connection (False when there is none:
+        the caller pulls with `pull`, which opens one), and `answered` gets its PullResult, as
+        `pull` returns it, or the RemotingError that ended it."""
+        frames = PullFrames(
+            consumer_group=consumer_group,
+            topic=topic,
+            queue_id=LMQ_QUEUE_ID,
+            max_msg_nums=max_messages,
+            sys_flag=_HELD_PULL,
+            suspend_timeout_millis=int(suspend_timeout * 1000),
         )
-        timeout = self.request_timeout + suspend_timeout + HOLD_CHECK_S
-        opaque = conn.next_opaque()
-        timer = asyncio.get_running_loop().call_later(
-            timeout, conn.expire, (opaque,), RequestCode.PULL_MESSAGE, timeout
-        )
-        self.held_pulls += 1
-
-        def on_answer(_opaque: int, answer: RemotingCommand | RemotingError) -> None:
-            timer.cancel()
-            self.held_pulls -= 1
-            if not isinstance(answer, RemotingError):
-                try:
-                    answer = pull_result(answer, broker_addr, wanted, True)  # type: ignore[assignment]
-                except RemotingError as exc:
-                    answer = exc
-            answered(answer)  # type: ignore[arg-type]
-
-        conn.expect(opaque, on_answer)
-        conn.write(frames.frame(opaque, offset))
-        return True
+        wait = self.request_timeout + suspend_timeout + HOLD_CHECK_S
+        return HeldPull(self, broker_addr, frames, answered, wait, wanted, pull_result)
 
     def _pull_template(
         self,

@@ -26,7 +26,12 @@ from rocketmq_remoting.codes import VERSION_5_3_3, LanguageCode, RequestCode, Se
 from rocketmq_remoting.command import hashmap_order
 
 _INT: Final = struct.Struct(">i")
-_TWO_INTS: Final = struct.Struct(">ii")
+_FRAME_START: Final = struct.Struct(">ii")  # frame length, serialize type | header length
+#: opaque, flag 0, remark length 0, the fields' length.
+_OPAQUE_FLAG_REMARK: Final = struct.Struct(">iiii")
+#: The header's bytes before its fields: code, language, version, opaque, flag, remark length
+#: and the fields' length.
+_BEFORE_FIELDS: Final = 2 + 1 + 2 + 4 + 4 + 4 + 4
 _SHORT: Final = struct.Struct(">h")
 #: The header field that changes from one pull to the next.
 _VARIABLE: Final = "queueOffset"
@@ -35,7 +40,7 @@ _VARIABLE: Final = "queueOffset"
 class PullFrames:
     """Encodes the PULL_MESSAGE frames of one reader (group, queue, batch, flags, hold)."""
 
-    __slots__ = ("_after", "_after_opaque", "_head", "_to_offset")
+    __slots__ = ("_after", "_fixed", "_head", "_serialize", "_to_offset")
 
     def __init__(
         self,
@@ -76,15 +81,24 @@ class PullFrames:
         pieces.append(cur)
         self._to_offset, self._after = pieces
         self._head = struct.pack(">hbh", RequestCode.PULL_MESSAGE, LanguageCode[language], version)
-        self._after_opaque = _TWO_INTS.pack(0, 0)  # flag 0, remark absent (length 0)
+        self._serialize = SerializeType.ROCKETMQ << 24
+        #: The header's length but for the offset's text: code..opaque, flag and remark
+        #: (8: flag 0, remark absent), the fields' length, and the fields but for the value.
+        self._fixed = len(self._head) + 4 + 8 + 4 + len(self._to_offset) + 4 + len(self._after)
 
     def frame(self, opaque: int, queue_offset: int) -> bytes:
         """The whole frame (length prefix included) of the pull from `queue_offset`."""
-        value = str(queue_offset).encode()
-        fields = b"".join((self._to_offset, _INT.pack(len(value)), value, self._after))
-        header = b"".join(
-            (self._head, _INT.pack(opaque), self._after_opaque, _INT.pack(len(fields)), fields)
-        )
-        return (
-            _TWO_INTS.pack(4 + len(header), (SerializeType.ROCKETMQ << 24) | len(header)) + header
+        value = b"%d" % queue_offset
+        n = len(value)
+        header_len = self._fixed + n
+        return b"".join(
+            (
+                _FRAME_START.pack(4 + header_len, self._serialize | header_len),
+                self._head,
+                _OPAQUE_FLAG_REMARK.pack(opaque, 0, 0, header_len - _BEFORE_FIELDS),
+                self._to_offset,
+                _INT.pack(n),
+                value,
+                self._after,
+            )
         )

@@ -208,7 +208,7 @@ async def test_suspended_pull_is_woken_by_a_send(client: RemotingClient, broker_
 async def test_a_pull_without_a_coroutine_is_held_woken_and_failed_by_a_drop(
     rocketmq: RocketMQCluster, broker_a: str
 ) -> None:
-    """pull_nowait (the parent topic's tail after its first pull): on the broker's open
+    """held_pull (the parent topic's tail after its first pull): on the broker's open
     connection the pull is held, answered by callback with the records a send brought (parsed
     as pull's: `wanted`, offsets), counted as held meanwhile; a dropped connection ends it with
     the error, and with no open connection nothing is sent."""
@@ -216,22 +216,19 @@ async def test_a_pull_without_a_coroutine_is_held_woken_and_failed_by_a_drop(
         parent = await _parent(client, broker_a)
         lmq, other = _name("%LMQ%nowait-"), _name("%LMQ%other-")
         got: list[object] = []
-        group = _name(GROUP_PREFIX)
-
-        def pull(offset: int, wanted: set[str] | None = None) -> bool:
-            return client.pull_nowait(
-                broker_a,
-                parent,
-                offset,
-                got.append,
-                consumer_group=group,
-                max_messages=32,
-                suspend_timeout=20.0,
-                wanted=wanted,
-            )
+        held = client.held_pull(
+            broker_a,
+            parent,
+            got.append,
+            consumer_group=_name(GROUP_PREFIX),
+            max_messages=32,
+            suspend_timeout=20.0,
+            wanted={lmq},
+        )
+        pull = held.send
 
         start = await client.get_max_offset(broker_a, parent)
-        assert pull(start, {lmq})
+        assert pull(start)
         await asyncio.sleep(0.5)
         assert got == [] and client.held_pulls == 1  # held by the broker
         await client.send_message(broker_a, parent, b"skipped", light_queues=[other])
@@ -254,6 +251,7 @@ async def test_a_pull_without_a_coroutine_is_held_woken_and_failed_by_a_drop(
         assert len(got) == 1 and isinstance(got[0], RemotingClosedError)
         assert client.held_pulls == 0
         assert not pull(0)  # no open connection now: nothing sent (the caller uses pull)
+        held.close()
 
 
 async def test_suspended_pull_without_arrival_answers_not_found_at_timeout(

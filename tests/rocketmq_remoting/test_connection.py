@@ -23,8 +23,11 @@ from rocketmq_remoting import (
     RemotingTimeoutError,
     decode_frame,
 )
+from rocketmq_remoting.client import PullResult, pull_result
 from rocketmq_remoting.codes import FLAG_ONEWAY, FLAG_RESPONSE, RequestCode, ResponseCode
 from rocketmq_remoting.connection import Connection
+from rocketmq_remoting.held_pull import HeldPull
+from rocketmq_remoting.pull_frames import PullFrames
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 Serve = Callable[[Handler], Awaitable[str]]
@@ -289,3 +292,54 @@ async def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:
     while not check():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+async def test_held_pulls_follow_one_another_and_one_timer_ends_the_unanswered(
+    serve: Serve,
+) -> None:
+    """HeldPull (the parent topic's tail): each pull from the offset given, on the broker's
+    open connection, answered by callback as `pull` parses it; the pull nobody answers ends in
+    a RemotingTimeoutError from the one deadline timer (re-armed, not one timer per pull)."""
+    seen: list[RemotingCommand] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer(await read_cmd(reader)))  # the broker call that opens the connection
+        pull = await read_cmd(reader)
+        seen.append(pull)
+        fields = {"nextBeginOffset": "5", "minOffset": "0", "maxOffset": "5"}
+        writer.write(
+            RemotingCommand(
+                code=ResponseCode.PULL_NOT_FOUND,
+                opaque=pull.opaque,
+                flag=FLAG_RESPONSE,
+                ext_fields=fields,
+            ).encode()
+        )
+        await writer.drain()
+        seen.append(await read_cmd(reader))
+        await reader.read()  # silent from now on
+
+    addr = await serve(handler)
+    got: list[PullResult | RemotingError] = []
+    async with RemotingClient([addr], request_timeout=1.0) as client:
+        frames = PullFrames(
+            consumer_group="g",
+            topic="%LMQ%held",
+            queue_id=0,
+            max_msg_nums=32,
+            sys_flag=0x6,
+            suspend_timeout_millis=100,
+        )
+        held = HeldPull(client, addr, frames, got.append, 0.3, None, pull_result)
+        assert not held.send(0)  # no broker connection open yet: nothing sent
+        await client.invoke_broker(addr, RequestCode.GET_MAX_OFFSET)
+        assert held.send(0) and held.waiting and client.held_pulls == 1
+        await wait_until(lambda: len(got) == 1)
+        (first,) = got
+        assert isinstance(first, PullResult) and first.code == ResponseCode.PULL_NOT_FOUND
+        assert first.next_begin_offset == 5 and not held.waiting and client.held_pulls == 0
+        assert held.send(first.next_begin_offset)
+        await wait_until(lambda: len(got) == 2)
+        assert isinstance(got[1], RemotingTimeoutError) and client.held_pulls == 0
+        assert [cmd.ext_fields["queueOffset"] for cmd in seen] == ["0", "5"]
+        held.close()

@@ -14,9 +14,10 @@ subscribed light queue.
                answer's records go to `deliver` (in the loop's next step): the broker holds
                the next pull while this one's messages are handed out, so a message stored
                meanwhile is not left waiting for that work. After the first answer the pulls
-               follow one another by callback on the open connection (`pull_nowait`: no task
-               step or coroutine per answer); the first pull, and the one after an error or
-               a dropped connection, is the coroutine's (`run`), which reconnects and backs off
+               follow one another by callback on the open connection (`held_pull`: no task
+               step or coroutine per answer, the frame made once, one deadline timer); the
+               first pull, and the one after an error or a dropped connection, is the
+               coroutine's (`run`), which reconnects and backs off
     pass over  only the records dispatched to a light queue this node mirrors (`wanted`) are
                decoded; the others are passed over from their INNER_MULTI_DISPATCH property
                (rocketmq_remoting.message.scan_records), their body never copied. A mirror
@@ -71,9 +72,26 @@ class ParentTail:
         #: While the pulls follow by callback: what `run` awaits, resolved (None) when no
         #: connection is open for the next pull, or failed with the error that ended one.
         self._back: asyncio.Future[None] | None = None
+        #: The pulls after the first, one after another by callback (held_pull.py: the frame
+        #: made once, one deadline timer for all of them).
+        self._held = broker.client.held_pull(
+            broker.addr,
+            broker.topic,
+            self._answered,
+            consumer_group=PULL_GROUP,
+            max_messages=TAIL_BATCH,
+            suspend_timeout=SUSPEND_S,
+            wanted=wanted,
+        )
 
     async def run(self) -> None:
         """Follow the parent queue until cancelled."""
+        try:
+            await self._follow()
+        finally:
+            self._held.close()
+
+    async def _follow(self) -> None:
         broker = self._broker
         client = broker.client
         backoff = 0.1
@@ -125,17 +143,7 @@ class ParentTail:
             log.debug(
                 "parent topic %s: held pull ended empty (code %d)", self._broker.topic, res.code
             )
-        broker = self._broker
-        if not broker.client.pull_nowait(
-            broker.addr,
-            broker.topic,
-            self.offset,
-            self._answered,
-            consumer_group=PULL_GROUP,
-            max_messages=TAIL_BATCH,
-            suspend_timeout=SUSPEND_S,
-            wanted=self._wanted,
-        ):
+        if not self._held.send(self.offset):
             back = self._back
             if back is not None and not back.done():
                 back.set_result(None)  # no open connection: `run` pulls (and reconnects)
