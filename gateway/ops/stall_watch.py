@@ -91,6 +91,7 @@ class StallWatch:
         self._thread: threading.Thread | None = None
         self._gc_ns = 0  # total time in collections
         self._gc_started = 0
+        self._gc_starting = -1
         self._gc_gen = -1  # the oldest generation collected (reset per stall)
         self._switch_interval = 0.005
         self._ran_at = 0.0
@@ -142,9 +143,15 @@ class StallWatch:
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._gc_started = time.perf_counter_ns()
-            self._gc_gen = max(self._gc_gen, int(info.get("generation", 2)))
+            self._gc_starting = int(info.get("generation", 2))
         elif self._gc_started:
-            self._gc_ns += time.perf_counter_ns() - self._gc_started
+            took = time.perf_counter_ns() - self._gc_started
+            gen = self._gc_starting
+            # The time and the generation change together, with no call between them (the
+            # watchdog's thread could take the GIL at a call) to read them as one.
+            self._gc_ns += took
+            if gen > self._gc_gen:
+                self._gc_gen = gen
             self._gc_started = 0
 
     def _probe(self) -> None:
@@ -159,13 +166,22 @@ class StallWatch:
         assert loop is not None
         ran, stopping, threshold = self._ran, self._stop, self.threshold
         clock, loop_thread = self._clock, self._loop_thread
+        # Time in collections up to here is accounted for: seen by a probe, or too short.
+        gc0 = self._gc_ns
+        cpu0 = time.clock_gettime(clock)
+        process0 = time.process_time()
         while not stopping.is_set():
+            # Read together, with no call between them that could let a collection end.
+            gen, gc_now, self._gc_gen = self._gc_gen, self._gc_ns, -1
+            if (gc_now - gc0) / 1e9 >= threshold:
+                cpu = time.clock_gettime(clock) - cpu0
+                others = time.process_time() - process0 - cpu
+                self._unseen_collection((gc_now - gc0) / 1e9, gen, cpu, others)
+            gc0 = gc_now
             ran.clear()
             posted = time.perf_counter()
             cpu0 = time.clock_gettime(clock)
             process0 = time.process_time()
-            gc0 = self._gc_ns
-            self._gc_gen = -1
             try:
                 loop.call_soon_threadsafe(self._probe)
             except RuntimeError:  # the loop closed
@@ -193,8 +209,18 @@ class StallWatch:
                 continue  # the watchdog itself was late to look (a busy host)
             cpu = self._ran_cpu - cpu0
             others = self._ran_process - process0 - cpu
-            in_gc = (self._gc_ns - gc0) / 1e9
-            self._record(late, cpu, others, in_gc, self._gc_gen, stacks, threads)
+            gen, gc_now, self._gc_gen = self._gc_gen, self._gc_ns, -1
+            in_gc = (gc_now - gc0) / 1e9
+            gc0 = gc_now
+            # A collection that began before the probe was posted stalled the loop too.
+            self._record(max(late, in_gc), cpu, others, in_gc, gen, stacks, threads)
+
+    def _unseen_collection(self, in_gc: float, gen: int, cpu: float, others: float) -> None:
+        """Collections that no probe saw: one that starts after a probe ran, or before the one
+        just posted is queued, holds the GIL until it ends, so this thread cannot post or look
+        meanwhile. Counted from the time in collections, the stall's least length; what the
+        loop's thread and the others used since the last look goes with it."""
+        self._record(in_gc, cpu, others, in_gc, gen, [], {})
 
     def _record(
         self,
