@@ -335,13 +335,13 @@ class RemotingClient(Connections):
         `send(offset)` writes one on the broker's open connection (False when there is none:
         the caller pulls with `pull`, which opens one), and `answered` gets its PullResult, as
         `pull` returns it, or the RemotingError that ended it."""
-        frames = PullFrames(
-            consumer_group=consumer_group,
-            topic=topic,
-            queue_id=LMQ_QUEUE_ID,
-            max_msg_nums=max_messages,
-            sys_flag=_HELD_PULL,
-            suspend_timeout_millis=int(suspend_timeout * 1000),
+        frames = self._pull_template(
+            consumer_group,
+            topic,
+            LMQ_QUEUE_ID,
+            max_messages,
+            _HELD_PULL,
+            int(suspend_timeout * 1000),
         )
         wait = self.request_timeout + suspend_timeout + HOLD_CHECK_S
         return HeldPull(self, broker_addr, frames, answered, wait, wanted, pull_result)

@@ -82,9 +82,9 @@ class PullFrames:
         self._to_offset, self._after = pieces
         self._head = struct.pack(">hbh", RequestCode.PULL_MESSAGE, LanguageCode[language], version)
         self._serialize = SerializeType.ROCKETMQ << 24
-        #: The header's length but for the offset's text: code..opaque, flag and remark
-        #: (8: flag 0, remark absent), the fields' length, and the fields but for the value.
-        self._fixed = len(self._head) + 4 + 8 + 4 + len(self._to_offset) + 4 + len(self._after)
+        #: The header's length but for the offset's text: what comes before the fields, and
+        #: the fields but for the value (its 4-byte length included).
+        self._fixed = _BEFORE_FIELDS + len(self._to_offset) + 4 + len(self._after)
 
     def frame(self, opaque: int, queue_offset: int) -> bytes:
         """The whole frame (length prefix included) of the pull from `queue_offset`."""

@@ -92,7 +92,7 @@ class StallWatch:
         self._gc_ns = 0  # total time in collections
         self._gc_started = 0
         self._gc_starting = -1
-        self._gc_gen = -1  # the oldest generation collected (reset per stall)
+        self._gc_gen = -1  # the oldest generation collected (reset at each look)
         self._switch_interval = 0.005
         self._ran_at = 0.0
         self._ran_cpu = 0.0
