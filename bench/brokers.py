@@ -47,6 +47,9 @@ ROCKETMQ_NODES = {"lmqtt-rocketmq": 1, "lmqtt-rocketmq-2n": 2, "lmqtt-rocketmq-3
 #: Brokers run only when named in --brokers (they need Java and Maven: RocketMQ's JVMs).
 OPTIONAL_BROKERS = tuple(ROCKETMQ_NODES)
 LMQTT_BROKERS = ("lmqtt", *ROCKETMQ_NODES, LMQTT_NO_ACCOUNT)
+#: The sessions bench's floor (bench/session_floor.py): answers CONNECT, SUBSCRIBE and
+#: DISCONNECT, nothing else; named in `sessions_bench create --brokers` only.
+SESSION_FLOOR = "session-floor"
 
 
 class BrokerUnavailable(Exception):
@@ -147,6 +150,8 @@ class BrokerProcess:
             ]
         if self.name == "amqtt":
             return [sys.executable, "-m", "bench.amqtt_broker", str(self.port)]
+        if self.name == SESSION_FLOOR:
+            return [sys.executable, "-m", "bench.session_floor", str(self.port)]
         if self.name == "mosquitto":
             found = shutil.which("mosquitto") or (
                 "/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None

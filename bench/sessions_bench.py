@@ -17,7 +17,9 @@ generator process was busy >= GENERATOR_BOUND of a core is listed in
 INVALID_BOUND_SHARE of a broker's windows, its rate is the generator's, and the printed ratio
 says INVALID instead of counting it. Brokers run one after the other
 on the same host (Mosquitto with persistence on, autosave every second, the closest to lmqtt,
-which always stores; or without it: --mosquitto-memory).
+which always stores; or without it: --mosquitto-memory). ``session-floor`` (bench/
+session_floor.py) is a bare uvloop protocol answering the same exchange with no work of its
+own: what any broker on uvloop pays per session.
 
 ``restart``: N persistent sessions with one subscription each are written straight into a
 data directory's state log (the records the gateway itself writes, through the store's
@@ -245,7 +247,7 @@ async def create(
     return {
         "broker": broker,
         "cpu_model": cpu_model(),
-        "persistence": persistence if broker == "mosquitto" else True,
+        "persistence": persistence if broker == "mosquitto" else broker in LMQTT_BROKERS,
         "flush": flush if broker in LMQTT_BROKERS else None,
         "sessions": sessions,
         "clients": clients * workers,
