@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gateway.connection.ingest import Linger
 from gateway.protocol import (
     Disconnect,
     PubAck,
@@ -362,10 +363,18 @@ def test_publishes_of_many_connections_in_one_turn_share_one_append(tmp_path: Pa
         h.stop()
 
 
+class _Always(Linger):
+    """Lingers whatever the rate: an idle test gateway's batch would not (Linger)."""
+
+    def linger(self, n: int, now: float) -> float:
+        return self.most
+
+
 def _held_in_the_lingering_batch(h: GatewayHarness, pub: RawClient, publish: Publish) -> None:
     """Send `publish` and wait until the lingering batch holds it: read, not stored yet."""
     assert h.gw is not None and h.gw.ingest is not None
     ingest = h.gw.ingest
+    h.call(lambda: setattr(ingest, "linger", _Always(0.1)))
     pub.send(publish)
     deadline = time.monotonic() + 10
     while not h.call(lambda: len(ingest.pubs)):
@@ -373,9 +382,10 @@ def _held_in_the_lingering_batch(h: GatewayHarness, pub: RawClient, publish: Pub
 
 
 def test_lingering_batch_stored_before_the_reader_task(tmp_path: Path) -> None:
-    """ingest_linger_ms: a device's plain PUBLISH waits in the batch for the linger. A packet
-    of the same connection that needs the reader task (a QoS 2 PUBLISH) stores the batch
-    first: the records keep the order the client sent them in, and so do the replies."""
+    """ingest_linger_ms: a device's plain PUBLISH waits in the batch for the linger (forced:
+    an idle gateway does not linger, test_ingest_linger.py). A packet of the same connection
+    that needs the reader task (a QoS 2 PUBLISH) stores the batch first: the records keep the
+    order the client sent them in, and so do the replies."""
     h = GatewayHarness(tmp_path / "data", ingest_linger_ms=100).start()
     try:
         watcher = _subscriber(h, "linger/#")
