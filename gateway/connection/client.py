@@ -22,7 +22,7 @@ import logging
 
 from gateway.access.acl import ClientAccess
 from gateway.connection.context import ClientContext
-from gateway.connection.ingest import IngestBatch
+from gateway.connection.ingest import GATHERS_AT_MOST, IngestBatch
 from gateway.connection.reader import EVENTS_PER_TURN, ReaderTask
 from gateway.connection.transport import MAX_UNPARSED
 from gateway.delivery.loop import DeliveryLoop
@@ -140,6 +140,8 @@ class ClientConnection(ReaderTask):
             if taken:
                 if not ingest.scheduled:
                     ingest.schedule()
+                elif ingest.lingering and len(pubs) >= GATHERS_AT_MOST:
+                    ingest.full()
                 self.msgs_in += taken
                 if self._held or self.ctx.overload.overloaded:
                     self.published(taken, pubs[-1].qos == 0)

@@ -66,7 +66,8 @@ class Publisher(Protocol):
 # Linger: a batch lingers only while the arrival rate says its linger gathers at least
 # GATHERS_AT_LEAST publishes (fewer: the gateway is idle or nearly, and a lone message would
 # only wait) and at most GATHERS_AT_MOST (more: the turns of a loop that busy already gather
-# batches whose fixed cost is small beside their messages, and the latency is not worth it).
+# batches whose fixed cost is small beside their messages, and the latency is not worth it);
+# a lingering batch that holds GATHERS_AT_MOST is stored at the end of that turn.
 GATHERS_AT_LEAST = 1.0
 GATHERS_AT_MOST = 8.0
 # Linger: the arrival rate is averaged over about this many seconds; a store after a longer
@@ -121,6 +122,7 @@ class IngestBatch:
     __slots__ = (
         "_append",
         "_loop",
+        "_timer",
         "blocks",
         "linger",
         "lingering",
@@ -138,6 +140,7 @@ class IngestBatch:
         self._append = append
         self.linger = linger
         self.lingering = False  # the batch waits for its linger's timer, not the turn's end
+        self._timer: asyncio.TimerHandle | None = None  # the lingering batch's
         self.pubs: list[Publish] = []
         self.owners: list[Publisher] = []
         self.blocks: list[PublishProperties] = []
@@ -156,6 +159,18 @@ class IngestBatch:
         self.blocks.append(owner.publish_blocks())
         if not self.scheduled:
             self.schedule()
+        elif self.lingering and len(self.pubs) >= GATHERS_AT_MOST:
+            self.full()
+
+    def full(self) -> None:
+        """A lingering batch holds GATHERS_AT_MOST publishes (its caller checked): stored at the
+        end of this turn, not the linger's, as more would hardly lower its cost per message."""
+        self.lingering = False
+        timer = self._timer
+        if timer is not None:
+            timer.cancel()
+            self._timer = None
+        self._loop.call_soon(self.flush)
 
     def schedule(self) -> None:
         """Store what was added at the end of this turn, or once the linger is over."""
@@ -165,7 +180,7 @@ class IngestBatch:
             delay = linger.linger(len(self.pubs), time.monotonic())
             if delay:
                 self.lingering = True
-                self._loop.call_later(delay, self.flush)
+                self._timer = self._loop.call_later(delay, self.flush)
                 return
         self._loop.call_soon(self.flush)
 
@@ -183,6 +198,10 @@ class IngestBatch:
         what was added since, if anything."""
         self.scheduled = False
         self.lingering = False
+        timer = self._timer
+        if timer is not None:  # stored before its linger was over
+            timer.cancel()
+            self._timer = None
         pubs = self.pubs
         if not pubs:
             return
