@@ -194,8 +194,9 @@ class IngestBatch:
     def flush(self) -> None:
         """Store what was collected, then acknowledge it (one write per connection). The end
         of the turn's (or the linger's) callback (`schedule`); called before it (a protocol
-        error answered now, a reader task about to start), the callback still runs and stores
-        what was added since, if anything."""
+        error answered now, a reader task about to start), the end of the turn's callback
+        still runs and stores what was added since, if anything, while a linger's timer is
+        cancelled (the next publish schedules anew)."""
         self.scheduled = False
         self.lingering = False
         timer = self._timer
