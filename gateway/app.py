@@ -25,7 +25,7 @@ from gateway.connection.client import ClientConnection
 from gateway.connection.connect import ConnectHandler
 from gateway.connection.context import ClientContext
 from gateway.connection.dispatch import PacketDispatch
-from gateway.connection.ingest import IngestBatch
+from gateway.connection.ingest import IngestBatch, Linger
 from gateway.connection.node import ClusterLink, SingleNode
 from gateway.connection.overload import OverloadGuard
 from gateway.connection.publish import PublishHandler
@@ -162,7 +162,11 @@ class Gateway:
             await cluster.join()
             cluster.on_fenced(self._on_fenced)
         self.ingest = (
-            IngestBatch(loop, publisher.append_publishes, s.ingest_linger_ms / 1000)
+            IngestBatch(
+                loop,
+                publisher.append_publishes,
+                Linger(s.ingest_linger_ms / 1000) if s.ingest_linger_ms else None,
+            )
             if s.flush == "async"
             else None
         )

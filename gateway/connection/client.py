@@ -138,8 +138,7 @@ class ClientConnection(ReaderTask):
                     first = other[0]  # refused or not plain here: the reader task's, first
             taken = len(pubs) - before
             if taken:
-                if not ingest.scheduled:
-                    ingest.schedule()
+                ingest.added()
                 self.msgs_in += taken
                 if self._held or self.ctx.overload.overloaded:
                     self.published(taken, pubs[-1].qos == 0)

@@ -12,11 +12,13 @@ per subscriber. Here the transports' `data_received` callbacks of one loop turn 
     data_received (conn n) --add--+           (each subscriber: one delivery pass, one write),
                                               then per connection one write of its PUBACKs
 
-The batch may also linger (`linger`, settings.ingest_linger_ms): stored that long after its
+The batch may also linger (`Linger`, settings.ingest_linger_ms): stored that long after its
 first publish instead of at the end of the turn, with what the turns in between read. A fleet
 whose devices each send one message per read fills a turn's batch with a few publishes only,
 and what a batch costs beyond its messages (the store call, the recent cache's runs, one
 arrival notice per queue and so the subscribers' delivery passes and writes) is paid per batch.
+It lingers only while the measured arrival rate says that pays: not when idle (nothing more
+would come), not when the turns already gather enough on their own.
 
 Ordering: a connection hands everything after its first non-plain packet to its reader task,
 which runs after the flush (at the end of the turn the batch's callback comes first; a
@@ -34,6 +36,7 @@ fsync, and the reader tasks' group commit already shares one fsync among many pu
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -41,7 +44,7 @@ from gateway.messages.records import PublishProperties
 from gateway.protocol import Publish
 from gateway.storage.port import PutResult, StoreError
 
-__all__ = ["IngestBatch", "Publisher"]
+__all__ = ["IngestBatch", "Linger", "Publisher"]
 
 # (publishes, the property blocks of each publisher) -> one result per publish, or StoreError
 # with nothing stored.
@@ -60,6 +63,54 @@ class Publisher(Protocol):
     def store_failed(self, pub: Publish, err: StoreError) -> None: ...
 
 
+# Linger: a batch lingers only while the arrival rate says its linger gathers at least
+# GATHERS_AT_LEAST publishes (fewer: the gateway is idle or nearly, and a lone message would
+# only wait) and at most GATHERS_AT_MOST (more: the turns of a loop that busy already gather
+# batches whose fixed cost is small beside their messages, and the latency is not worth it);
+# a lingering batch that holds GATHERS_AT_MOST is stored at the end of that turn.
+GATHERS_AT_LEAST = 1.0
+GATHERS_AT_MOST = 8.0
+# Linger: the arrival rate is averaged over about this many seconds; a store after a longer
+# quiet measures it afresh (an idle gateway's lone publish: close to nothing, so no linger).
+RATE_HORIZON = 0.05
+
+
+class Linger:
+    """When a batch lingers, and how long (settings.ingest_linger_ms, `most` seconds).
+
+    The rate is publishes stored per second, measured at each store and averaged over
+    RATE_HORIZON; a batch whose first publish comes when `most` seconds of that rate make
+    between GATHERS_AT_LEAST and GATHERS_AT_MOST publishes lingers `most`, any other is
+    stored at the end of its turn."""
+
+    __slots__ = ("_last", "most", "rate")
+
+    def __init__(self, most: float) -> None:
+        self.most = most
+        self.rate = 0.0
+        self._last = float("-inf")
+
+    def _estimate(self, n: int, now: float) -> float:
+        """The rate with `n` publishes more since the last store, at `now`."""
+        elapsed = now - self._last
+        if elapsed >= RATE_HORIZON:
+            return n / elapsed
+        weight = elapsed / RATE_HORIZON
+        return self.rate * (1.0 - weight) + n / max(elapsed, 1e-6) * weight
+
+    def linger(self, n: int, now: float) -> float:
+        """Seconds a batch of `n` publishes, begun at `now`, lingers (0: the end of the turn)."""
+        gathers = self._estimate(n, now) * self.most
+        if GATHERS_AT_LEAST <= gathers <= GATHERS_AT_MOST:
+            return self.most
+        return 0.0
+
+    def stored(self, n: int, now: float) -> None:
+        """A batch of `n` publishes was stored at `now`."""
+        self.rate = self._estimate(n, now)
+        self._last = now
+
+
 class IngestBatch:
     """Collects plain (QoS 0/1, not retained, validated) PUBLISHes until the end of the turn.
 
@@ -68,16 +119,28 @@ class IngestBatch:
     plain publishes fills them in one C call (Connection.take_plain, from
     ClientConnection.feed), which then calls `schedule`."""
 
-    __slots__ = ("_append", "_loop", "blocks", "linger", "owners", "pubs", "scheduled")
+    __slots__ = (
+        "_append",
+        "_loop",
+        "_timer",
+        "blocks",
+        "linger",
+        "lingering",
+        "owners",
+        "pubs",
+        "scheduled",
+    )
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, append: Append, linger: float = 0.0
+        self, loop: asyncio.AbstractEventLoop, append: Append, linger: Linger | None = None
     ) -> None:
-        """`linger`: seconds a batch waits for more after its first publish (0: stored at the
-        end of the turn)."""
+        """`linger`: when a batch waits for more after its first publish (None: never, stored
+        at the end of the turn)."""
         self._loop = loop
         self._append = append
         self.linger = linger
+        self.lingering = False  # the batch waits for its linger's timer, not the turn's end
+        self._timer: asyncio.TimerHandle | None = None  # the lingering batch's
         self.pubs: list[Publish] = []
         self.owners: list[Publisher] = []
         self.blocks: list[PublishProperties] = []
@@ -94,30 +157,57 @@ class IngestBatch:
         self.pubs.append(pub)
         self.owners.append(owner)
         self.blocks.append(owner.publish_blocks())
+        self.added()
+
+    def added(self) -> None:
+        """Publishes were added (`add`, or a connection's C read straight into the lists):
+        the first schedules the batch's store; a lingering batch that now holds
+        GATHERS_AT_MOST is stored at the end of this turn, not the linger's, as more would
+        hardly lower its cost per message."""
         if not self.scheduled:
             self.schedule()
+        elif self.lingering and len(self.pubs) >= GATHERS_AT_MOST:
+            self._full()
+
+    def _full(self) -> None:
+        self.lingering = False
+        timer = self._timer
+        if timer is not None:
+            timer.cancel()
+            self._timer = None
+        self._loop.call_soon(self.flush)
 
     def schedule(self) -> None:
         """Store what was added at the end of this turn, or once the linger is over."""
         self.scheduled = True
-        if self.linger:
-            self._loop.call_later(self.linger, self.flush)
-        else:
-            self._loop.call_soon(self.flush)
+        linger = self.linger
+        if linger is not None:
+            delay = linger.linger(len(self.pubs), time.monotonic())
+            if delay:
+                self.lingering = True
+                self._timer = self._loop.call_later(delay, self.flush)
+                return
+        self._loop.call_soon(self.flush)
 
     def settle(self) -> None:
         """Store a lingering batch now: what a connection does next (a packet for its reader
         task, its will once it is gone) must come after the publishes it has in the batch. At
-        the end of the turn (no linger) the batch's callback already comes first."""
-        if self.linger and self.scheduled:
+        the end of the turn (not lingering) the batch's callback already comes first."""
+        if self.lingering and self.scheduled:
             self.flush()
 
     def flush(self) -> None:
         """Store what was collected, then acknowledge it (one write per connection). The end
         of the turn's (or the linger's) callback (`schedule`); called before it (a protocol
-        error answered now, a reader task about to start), the callback still runs and stores
-        what was added since, if anything."""
+        error answered now, a reader task about to start), the end of the turn's callback
+        still runs and stores what was added since, if anything, while a linger's timer is
+        cancelled (the next publish schedules anew)."""
         self.scheduled = False
+        self.lingering = False
+        timer = self._timer
+        if timer is not None:  # stored before its linger was over
+            timer.cancel()
+            self._timer = None
         pubs = self.pubs
         if not pubs:
             return
@@ -126,6 +216,8 @@ class IngestBatch:
         self.pubs = []
         self.owners = []
         self.blocks = []
+        if self.linger is not None:
+            self.linger.stored(len(pubs), time.monotonic())
         try:
             self._append(pubs, blocks)
         except StoreError:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gateway.connection.ingest import GATHERS_AT_MOST, Linger
 from gateway.protocol import (
     Disconnect,
     PubAck,
@@ -362,10 +363,18 @@ def test_publishes_of_many_connections_in_one_turn_share_one_append(tmp_path: Pa
         h.stop()
 
 
+class _Always(Linger):
+    """Lingers whatever the rate: an idle test gateway's batch would not (Linger)."""
+
+    def linger(self, n: int, now: float) -> float:
+        return self.most
+
+
 def _held_in_the_lingering_batch(h: GatewayHarness, pub: RawClient, publish: Publish) -> None:
     """Send `publish` and wait until the lingering batch holds it: read, not stored yet."""
     assert h.gw is not None and h.gw.ingest is not None
     ingest = h.gw.ingest
+    h.call(lambda: setattr(ingest, "linger", _Always(0.1)))
     pub.send(publish)
     deadline = time.monotonic() + 10
     while not h.call(lambda: len(ingest.pubs)):
@@ -373,9 +382,10 @@ def _held_in_the_lingering_batch(h: GatewayHarness, pub: RawClient, publish: Pub
 
 
 def test_lingering_batch_stored_before_the_reader_task(tmp_path: Path) -> None:
-    """ingest_linger_ms: a device's plain PUBLISH waits in the batch for the linger. A packet
-    of the same connection that needs the reader task (a QoS 2 PUBLISH) stores the batch
-    first: the records keep the order the client sent them in, and so do the replies."""
+    """ingest_linger_ms: a device's plain PUBLISH waits in the batch for the linger (forced:
+    an idle gateway does not linger, test_ingest_linger.py). A packet of the same connection
+    that needs the reader task (a QoS 2 PUBLISH) stores the batch first: the records keep the
+    order the client sent them in, and so do the replies."""
     h = GatewayHarness(tmp_path / "data", ingest_linger_ms=100).start()
     try:
         watcher = _subscriber(h, "linger/#")
@@ -410,4 +420,36 @@ def test_lingering_batch_stored_before_the_will(tmp_path: Path) -> None:
         assert _stored_topics(h, "gone") == [("gone/1", "1"), ("gone/will", None)]
         watcher.close()
     finally:
+        h.stop()
+
+
+def test_a_full_lingering_batch_is_stored_without_its_linger(tmp_path: Path) -> None:
+    """A lingering batch that holds GATHERS_AT_MOST publishes is stored at the end of the
+    turn that filled it: with a linger far longer than the test's patience, every device
+    still gets its PUBACK and the subscriber every message, once."""
+    h = GatewayHarness(tmp_path / "data", ingest_linger_ms=100).start()
+    devices: list[RawClient] = []
+    try:
+        assert h.gw is not None and h.gw.ingest is not None and h.loop is not None
+        ingest = h.gw.ingest
+        watcher = _subscriber(h, "full/#")
+        count = int(GATHERS_AT_MOST)
+        for d in range(count):
+            dev = RawClient(h.port, level=4)
+            assert dev.connect(f"full-{d}").reason_code == 0
+            devices.append(dev)
+        h.call(lambda: setattr(ingest, "linger", _Always(3600.0)))
+        release = threading.Event()  # one turn reads every device's publish
+        h.loop.call_soon_threadsafe(release.wait, 10)
+        for d, dev in enumerate(devices):
+            dev.send(Publish(f"full/{d}", str(d).encode(), qos=1, packet_id=d + 1))
+        release.set()
+        for d, dev in enumerate(devices):
+            assert dev.recv() == PubAck(d + 1)
+        got = _received(watcher, count)
+        assert sorted(int(p.payload) for p in got) == list(range(count))
+        watcher.close()
+    finally:
+        for dev in devices:
+            dev.close()
         h.stop()
