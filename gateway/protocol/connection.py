@@ -241,7 +241,7 @@ class Connection(ConnectionSending):
         off = self._off
         if (
             off < len(buf)
-            and buf[off] >> 4 not in _BATCHED
+            and buf[off] >> 4 not in BATCHED
             and (self._phase is CONNECTED or self._phase is AWAIT_CONNECT)
             and not self._eof
             and self._pending_error is None
@@ -542,9 +542,10 @@ def _without_problem_information(event: Event) -> Event:
 # A RemoteProtocolError on the way ends the receiving side in `_fail`.
 
 
-# Packet types decode_batch and the C scan decode in a batch (the rest go one by one through
-# the general path).
-_BATCHED = frozenset({pt.PUBLISH, pt.PUBACK})
+#: Packet types decode_batch and the C scan decode in a batch (the rest go one by one through
+#: the general path); what take_plain can take: a read that starts with another type is only
+#: buffered by it (its caller goes straight to receive_data then).
+BATCHED = frozenset({pt.PUBLISH, pt.PUBACK})
 
 
 _MQTT_NAME = b"\x00\x04MQTT"  # a CONNECT body's start: the protocol name of 3.1.1 and 5
