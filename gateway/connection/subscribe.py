@@ -307,7 +307,7 @@ class SubscribeHandler:
         # when every subscription is new, own (not shared) and live (no replay): each starts
         # at its queue's end, and what arrives from then on wakes the loop by itself. Until
         # then a loop is not needed: the connection stands by for it.
-        at_once = not new or since is not None or tf.is_shared
+        at_once = not new or since is not None or tf.share_group is not None  # or shared
         reply.look = reply.look or at_once
         if delivery is None and at_once and not client.closed:
             delivery = self.delivery_loop(client)
