@@ -113,7 +113,7 @@ class QuotaBucket:
 class PublishQuotas:
     """Which quota each client gets, from the settings (global and [[quotas]] rules)."""
 
-    __slots__ = ("_default", "_reject", "_rules", "counts")
+    __slots__ = ("_default", "_reject", "_rules", "configured", "counts")
 
     def __init__(self, settings: GatewaySettings) -> None:
         s = settings
@@ -126,11 +126,8 @@ class PublishQuotas:
         )
         self._reject = s.quota_action == "reject"
         self.counts = QuotaCounts.zero()
-
-    @property
-    def configured(self) -> bool:
-        """Whether any client can have a quota."""
-        return self._default.limited or any(q.limited for _, q in self._rules)
+        #: Whether any client can have a quota (False: `bucket` is None at once, every CONNECT).
+        self.configured = self._default.limited or any(q.limited for _, q in self._rules)
 
     def quota(self, client_id: str, username: str | None) -> Quota:
         for rule, quota in self._rules:
@@ -145,6 +142,8 @@ class PublishQuotas:
 
     def bucket(self, client_id: str, username: str | None, now: float) -> QuotaBucket | None:
         """The buckets of a client that just connected; None when it has no quota."""
+        if not self.configured:
+            return None
         quota = self.quota(client_id, username)
         if not quota.limited:
             return None

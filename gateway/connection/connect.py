@@ -342,7 +342,8 @@ class ConnectHandler:
         if session is not None and ev.properties is not None:
             new_expiry = ev.properties.session_expiry_interval
             if new_expiry is not None:
-                session.expiry_interval = min(new_expiry, self._settings.max_session_expiry)
+                session.set_expiry(min(new_expiry, self._settings.max_session_expiry))
         abnormal = ev.reason_code == ReasonCode.DISCONNECT_WITH_WILL_MESSAGE
-        log.info("%r disconnected (0x%02X)", client.client_id, ev.reason_code)
+        if log.isEnabledFor(logging.INFO):  # one call, not Logger.info's two
+            log.info("%r disconnected (0x%02X)", client.client_id, ev.reason_code)
         client.close(abnormal=abnormal, linger=False)

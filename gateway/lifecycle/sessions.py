@@ -138,8 +138,8 @@ class SessionLifecycle:
             present = True
             self._wills.cancel(client_id)
             registry.cancel_expiry(session)
-        session.protocol_level = level
-        session.expiry_interval = expiry
+            session.protocol_level = level
+            session.set_expiry(expiry)
         session.disconnected_at_ms = None
         session.connection = connection
         self._wills.store(session, will)  # persisted: a crash must not lose it

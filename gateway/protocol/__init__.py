@@ -1,6 +1,6 @@
 """Sans-IO MQTT 3.1 / 3.1.1 / 5.0 protocol core: bytes in, events out; events in, bytes out."""
 
-from gateway.protocol.connection import Connection
+from gateway.protocol.connection import BATCHED, Connection
 from gateway.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from gateway.protocol.events import (
     Auth,
@@ -31,6 +31,7 @@ from gateway.protocol.reason_codes import ReasonCode
 from gateway.protocol.writers import ENCODED_TOPICS, encode, remember_topic
 
 __all__ = [
+    "BATCHED",
     "ENCODED_TOPICS",
     "NEED_DATA",
     "Auth",

@@ -16,7 +16,7 @@ in this module:
 * The protocol level comes from the CONNECT and governs both directions afterwards.
 * Decoding: the fast decoder (`fast_decoder.decode_batch`) decodes runs of plain PUBLISH and
   PUBACK packets inline, the hot path, and hands every other packet to the general path here
-  (`Connection._next`), which applies the receiving rules: `_on_publish`, `_on_packet` and the
+  (`Connection._next_one`), which applies the receiving rules: `_on_publish`, `_on_packet` and the
   `_INBOUND` table. `send` applies the sending rules of the `_OUTBOUND` table.
 * Receive buffer: the caller's `bytes` plus a read offset. When everything was consumed the
   next chunk is kept as is (no copy; slicing bytes copies once). A leftover partial packet is
@@ -241,7 +241,7 @@ class Connection(ConnectionSending):
         off = self._off
         if (
             off < len(buf)
-            and buf[off] >> 4 not in _BATCHED
+            and buf[off] >> 4 not in BATCHED
             and (self._phase is CONNECTED or self._phase is AWAIT_CONNECT)
             and not self._eof
             and self._pending_error is None
@@ -399,39 +399,35 @@ class Connection(ConnectionSending):
         if self._phase == ERROR:
             raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, "connection already failed")
         try:
-            return self._next()
+            buf = self._buf
+            off = self._off
+            avail = len(buf) - off
+            if avail < 2:
+                return self._short(avail)
+            length = buf[off + 1]
+            if length < 128:
+                header = 2
+            else:
+                length, header = wire.read_remaining_length(buf, off)
+                if not header:
+                    return self._short(avail)
+            total = header + length
+            if total > self.max_packet_size:
+                raise RemoteProtocolError(
+                    PACKET_TOO_LARGE, f"packet of {total} bytes exceeds {self.max_packet_size}"
+                )
+            if avail < total:
+                return self._short(avail)
+            end = off + total
+            self._off = end
+            first = buf[off]
+            if first >> 4 == pt.PUBLISH and self._phase == CONNECTED:
+                level = self.protocol_level or 4
+                return _on_publish(self, read_publish(first & 0x0F, buf, off + header, end, level))
+            return _on_packet(self, first >> 4, first & 0x0F, bytes(buf[off + header : end]))
         except RemoteProtocolError as err:
             _fail(self, err)
             raise
-
-    def _next(self) -> Event | Literal[Sentinel.NEED_DATA]:
-        buf = self._buf
-        off = self._off
-        avail = len(buf) - off
-        if avail < 2:
-            return self._short(avail)
-        length = buf[off + 1]
-        if length < 128:
-            header = 2
-        else:
-            length, header = wire.read_remaining_length(buf, off)
-            if not header:
-                return self._short(avail)
-        total = header + length
-        if total > self.max_packet_size:
-            raise RemoteProtocolError(
-                PACKET_TOO_LARGE, f"packet of {total} bytes exceeds {self.max_packet_size}"
-            )
-        if avail < total:
-            return self._short(avail)
-        end = off + total
-        self._off = end
-        first = buf[off]
-        if first >> 4 == pt.PUBLISH and self._phase == CONNECTED:
-            return _on_publish(
-                self, read_publish(first & 0x0F, buf, off + header, end, self.protocol_level or 4)
-            )
-        return _on_packet(self, first >> 4, first & 0x0F, bytes(buf[off + header : end]))
 
     def _short(self, avail: int) -> Event | Literal[Sentinel.NEED_DATA]:
         if not self._eof:
@@ -541,14 +537,15 @@ def _without_problem_information(event: Event) -> Event:
 
 # ----------------------------------------------------------------- receiving rules
 # What each packet the client sends does to the connection once its reader has checked the
-# bytes: `Connection._next` hands PUBLISH to `_on_publish` and every other packet to
+# bytes: `Connection._next_one` hands PUBLISH to `_on_publish` and every other packet to
 # `_on_packet`, which checks that it may come now and runs its rule (CONNECT's or the table's).
 # A RemoteProtocolError on the way ends the receiving side in `_fail`.
 
 
-# Packet types decode_batch and the C scan decode in a batch (the rest go one by one through
-# the general path).
-_BATCHED = frozenset({pt.PUBLISH, pt.PUBACK})
+#: Packet types decode_batch and the C scan decode in a batch (the rest go one by one through
+#: the general path); what take_plain can take: a read that starts with another type is only
+#: buffered by it (its caller goes straight to receive_data then).
+BATCHED = frozenset({pt.PUBLISH, pt.PUBACK})
 
 
 _MQTT_NAME = b"\x00\x04MQTT"  # a CONNECT body's start: the protocol name of 3.1.1 and 5
@@ -575,7 +572,8 @@ def _on_packet(conn: Connection, ptype: int, flags: int, body: bytes) -> Event:
     if ptype == pt.CONNECT:
         raise wire.protocol_error("second CONNECT")
     level = conn.protocol_level or 4
-    check_fixed_flags(ptype, flags, level)
+    if pt.FIXED_FLAGS.get(ptype) != flags:  # the table's flags pass without a call
+        check_fixed_flags(ptype, flags, level)
     event = READERS[ptype](flags, body, level)
     handler = _INBOUND.get(ptype)
     if handler is not None:

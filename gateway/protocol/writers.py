@@ -344,7 +344,7 @@ def write_suback(ev: SubAck, level: int) -> bytes:
     if not ev.reason_codes:
         raise LocalProtocolError("SUBACK needs at least one reason code")
     if level < 5:
-        codes = bytes(suback_return_code_v4(code) for code in ev.reason_codes)
+        codes = bytes(map(suback_return_code_v4, ev.reason_codes))  # no generator's frame
         return frame(0x90, _packet_id(ev.packet_id) + codes)
     codes = bytes(_reason(pt.SUBACK, code) for code in ev.reason_codes)
     props = write_properties(ev.properties, pt.SUBACK)

@@ -267,31 +267,31 @@ class OneSubscription(Mapping[str, SubscriptionState]):
     without a dict's hash table. Read-only, like NO_SUBSCRIPTIONS (the empty one). Its
     `by_queue` too (keyed by the queue), until a delivery loop starts."""
 
-    __slots__ = ("_filter", "sub")
+    __slots__ = ("key", "sub")
 
     def __init__(self, topic_filter: str, sub: SubscriptionState) -> None:
-        self._filter = topic_filter
+        self.key = topic_filter  # the one key: the filter (the queue in a `by_queue`), read-only
         self.sub = sub  # the one subscription (read-only)
 
     def __getitem__(self, key: str) -> SubscriptionState:
-        if key == self._filter:
+        if key == self.key:
             return self.sub
         raise KeyError(key)
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self.sub if key == self._filter else default
+        return self.sub if key == self.key else default
 
     def __contains__(self, key: object) -> bool:
-        return key == self._filter
+        return key == self.key
 
     def __iter__(self) -> Iterator[str]:
-        yield self._filter
+        yield self.key
 
     def __len__(self) -> int:
         return 1
 
     def __repr__(self) -> str:
-        return f"{{{self._filter!r}: {self.sub!r}}}"
+        return f"{{{self.key!r}: {self.sub!r}}}"
 
 
 NO_SUBSCRIPTIONS: Mapping[str, SubscriptionState] = MappingProxyType({})
@@ -311,6 +311,7 @@ class Session:
         "expiry_timer",
         "inflight",
         "log_pos",
+        "persistent",
         "protocol_level",
         "qos2_inbound",
         "qos2_since",
@@ -324,6 +325,10 @@ class Session:
         self.client_id = client_id
         self.protocol_level = protocol_level
         self.expiry_interval = expiry_interval
+        #: Whether the session outlives its connection (an expiry interval above 0): set with
+        #: `expiry_interval`, by set_expiry only (read at every step of a session's life: an
+        #: attribute, not a property's call).
+        self.persistent = expiry_interval > 0
         self.disconnected_at_ms: int | None = None
         # By filter; read-only here (add_subscription and remove_subscription change it):
         # NO_SUBSCRIPTIONS, a OneSubscription, or a dict from the second one on.
@@ -362,9 +367,10 @@ class Session:
             self.by_queue = by_queue = dict(by_queue)
         return by_queue
 
-    @property
-    def persistent(self) -> bool:
-        return self.expiry_interval > 0
+    def set_expiry(self, expiry_interval: int) -> None:
+        """A new session expiry interval (seconds): `persistent` follows it."""
+        self.expiry_interval = expiry_interval
+        self.persistent = expiry_interval > 0
 
     def subscription_list(self) -> tuple[SubscriptionState, ...]:
         """The subscriptions' states, a copy that stays as it is while they change: the

@@ -122,3 +122,16 @@ def test_pending_is_shared_until_delivery_gives_its_own_and_round_trips() -> Non
     assert restored.subscriptions["a"].pending == {5: 3} and restored.inflight.keys() == {3}
     assert restored.subscriptions["b"].pending is NO_PENDING
     assert Session.from_json("b", Session("b", 5, 60).to_json()).inflight is NO_INFLIGHT
+
+
+def test_persistent_follows_the_expiry_interval() -> None:
+    """`persistent` is an attribute (read at every step of a session): set_expiry keeps it with
+    the interval, and a restored session has it from its record."""
+    s = Session("a", 5, 0)
+    assert not s.persistent
+    s.set_expiry(60)
+    assert s.persistent and s.expiry_interval == 60
+    assert Session.from_json("a", s.to_json()).persistent
+    s.set_expiry(0)
+    assert not s.persistent and s.expiry_interval == 0
+    assert not Session.from_json("a", s.to_json()).persistent
