@@ -14,7 +14,8 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # setup.py builds the optional C accelerators: a changed .c file re-installs (re-compiles) it.
-SPEEDUPS := setup.py accelerators/kernel.h gateway/protocol/_speedups.c gateway/delivery/_run.c gateway/messages/_batch.c store/_speedups.c
+SPEEDUPS := setup.py accelerators/kernel.h gateway/protocol/_speedups.c gateway/delivery/_run.c gateway/messages/_batch.c store/_speedups.c \
+	rocketmq_remoting/_speedups.c gateway/storage/_fsync.c gateway/storage/rocketmq/_arrivals.c
 
 $(CORE): pyproject.toml $(SPEEDUPS) | $(PY)
 	$(PY) -m pip install --quiet -e .
