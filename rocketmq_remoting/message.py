@@ -191,7 +191,8 @@ class MessageRecord:
     store_size: int = 0
 
     def light_queue_offsets(self) -> dict[str, int]:
-        """Light queue name -> this message's offset in it (INNER_MULTI_DISPATCH/QUEUE_OFFSET)."""
+        """Light queue name -> this message's offset in it (INNER_MULTI_DISPATCH/QUEUE_OFFSET).
+        gateway/storage/rocketmq/_arrivals.c reads them by the same rule."""
         names = self.properties.get(PROPERTY_INNER_MULTI_DISPATCH)
         offsets = self.properties.get(PROPERTY_INNER_MULTI_QUEUE_OFFSET)
         if not names or not offsets:
@@ -200,7 +201,9 @@ class MessageRecord:
         for name, off in zip(
             names.split(LMQ_DISPATCH_SEPARATOR), offsets.split(LMQ_DISPATCH_SEPARATOR), strict=False
         ):
-            if off.lstrip("-").isdigit():
+            # Java's Long.toString: '-'? and ASCII digits; anything else ("null") is no offset.
+            digits = off[1:] if off[:1] == "-" else off
+            if digits.isascii() and digits.isdigit():
                 out[name] = int(off)
         return out
 
