@@ -93,6 +93,8 @@ PASS_LIMIT = 256
 PASS_BYTES = 64 * 1024
 # A new loop's last write: long enough ago that it is not busy (one float for every loop).
 _NEVER_WROTE = -PASS_INTERVAL
+# A pass's ready queues when none is (a wake for the retained backlog): shared, never written.
+_NOTHING_READY: dict[str, int] = {}
 
 
 class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
@@ -236,18 +238,16 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             self._commit_acknowledged()
             return False
         by_queue = self.session.by_queue
+        # The queues to read and where they end: the ready dict itself (taken: a queue marked
+        # ready during the pass goes into a new one), or every queue asking the store.
         ready = self._ready
-        subs: list[tuple[SubscriptionState, int]]
+        self._ready = None
         if self._full:
             self._full = False
             self._behind = False
-            subs = [(sub, UNKNOWN_END) for sub in by_queue.values()]
-            self._ready = None
-        elif ready:
-            self._ready = None
-            subs = [(sub, end) for q, end in ready.items() if (sub := by_queue.get(q)) is not None]
-        else:
-            subs = []
+            ready = dict.fromkeys(by_queue, UNKNOWN_END)
+        elif ready is None:
+            ready = _NOTHING_READY
         progressed = False
         batch: list[bytes] = []
         self._batch = batch
@@ -265,7 +265,10 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             client = self.client
             window = self.window
             room = PASS_LIMIT - BATCH  # what reads past a queue's first may still take
-            for sub, end in subs:
+            for queue, end in ready.items():
+                sub = by_queue.get(queue)
+                if sub is None:  # unsubscribed since it was marked ready
+                    continue
                 if window - len(inflight) <= 0 or not client.writable or client.closed:
                     self._behind = True
                     break
