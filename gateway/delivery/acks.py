@@ -39,22 +39,26 @@ class Acknowledgements(LoopState):
         session = self.session
         inflight = session.inflight
         by_queue = session.by_queue
+        uncommitted = self._uncommitted  # committed by the next pass
         done = False
         for packet_id in packet_ids:
             inf = inflight.pop(packet_id, None)
             if inf is None:
                 continue
             done = True
+            queue = inf.queue
             if inf.group is not None:
                 inf.group.ack(inf.offset)
-            elif inf.queue is not None:
-                sub = by_queue.get(inf.queue)
-                if sub is not None and sub.pending.get(inf.offset) == packet_id:
-                    del sub.pending[inf.offset]
-                    uncommitted = self._uncommitted  # committed by the next pass
-                    if uncommitted is None:
-                        uncommitted = self._uncommitted = {}
-                    uncommitted[sub.queue] = sub
+            elif queue is not None:
+                sub = by_queue.get(queue)
+                if sub is not None:
+                    pending = sub.pending
+                    offset = inf.offset
+                    if pending.get(offset) == packet_id:
+                        del pending[offset]
+                        if uncommitted is None:
+                            uncommitted = self._uncommitted = {}
+                        uncommitted[queue] = sub
         if not done:
             return
         self.ctx.sessions.mark_progress(session)
