@@ -113,18 +113,17 @@ class Acknowledgements(LoopState):
         self._uncommitted = None
         session = self.session
         by_queue = session.by_queue
-        commit = self.ctx.store.offsets.commit
-        moved = self.ctx.account.moved
-        client_id = session.client_id
-        durable = session.persistent
         for queue, sub in uncommitted.items():
             if by_queue.get(queue) is not sub:
                 continue  # unsubscribed meanwhile
             committed = sub.committed()
             if committed != sub.last_commit:  # QoS 1 sends behind an unacked one change nothing
                 sub.last_commit = committed
-                commit(client_id, queue, committed, durable=durable)
-                moved(session, sub)
+                ctx = self.ctx
+                ctx.store.offsets.commit(
+                    session.client_id, queue, committed, durable=session.persistent
+                )
+                ctx.account.moved(session, sub)
 
     # -- re-sends after a reconnect ----------------------------------------------------------
 
