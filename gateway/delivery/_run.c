@@ -134,6 +134,10 @@ static PyTypeObject *rec_type = NULL;
 static PyObject *rec_fields = NULL;    /* tuple of member descriptors */
 static PyObject *rec_defaults = NULL;  /* tuple: a default per field after the fourth */
 static PyObject *rec_factories = NULL; /* tuple of bool: that default is a factory */
+/* Where each field's slot lies in a record (its member descriptor's offset): record_new writes
+ * there directly, which is what the descriptor's setter does on a new object. */
+#define REC_MAX_FIELDS 32
+static Py_ssize_t rec_offsets[REC_MAX_FIELDS];
 
 static PyObject *
 configure_record(PyObject *Py_UNUSED(module), PyObject *args)
@@ -149,13 +153,23 @@ configure_record(PyObject *Py_UNUSED(module), PyObject *args)
                         "configure_record: four fields, then one default and flag per field");
         return NULL;
     }
+    if (n > REC_MAX_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "configure_record: too many fields");
+        return NULL;
+    }
+    Py_ssize_t offsets[REC_MAX_FIELDS];
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *d = PyTuple_GET_ITEM(fields, k);
-        if (Py_TYPE(d)->tp_descr_set == NULL) {
+        if (!Py_IS_TYPE(d, &PyMemberDescr_Type)
+            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX
+            || (((PyMemberDescrObject *)d)->d_member->flags & READONLY)
+            || ((PyMemberDescrObject *)d)->d_common.d_type != (PyTypeObject *)type) {
             PyErr_SetString(PyExc_TypeError, "configure_record: a field is not a slot");
             return NULL;
         }
+        offsets[k] = ((PyMemberDescrObject *)d)->d_member->offset;
     }
+    memcpy(rec_offsets, offsets, sizeof offsets);
     Py_INCREF(fields);
     Py_XSETREF(rec_fields, fields);
     Py_INCREF(defaults);
@@ -167,8 +181,9 @@ configure_record(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* A new record of rec_type: fields 0..3 from `first`, the rest their defaults; NULL with an
- * exception on failure. */
+/* A new record of rec_type: fields 0..3 from `first`, the rest their defaults (a factory that
+ * is `list` gives a new empty list without a call); NULL with an exception on failure. Each
+ * value goes straight into its slot, empty in a new object (what the slot's setter does). */
 static PyObject *
 record_new(PyObject *const *first)
 {
@@ -182,17 +197,17 @@ record_new(PyObject *const *first)
         if (k < 4) {
             value = Py_NewRef(first[k]);
         } else if (PyTuple_GET_ITEM(rec_factories, k - 4) == Py_True) {
-            value = PyObject_CallNoArgs(PyTuple_GET_ITEM(rec_defaults, k - 4));
+            PyObject *factory = PyTuple_GET_ITEM(rec_defaults, k - 4);
+            value = factory == (PyObject *)&PyList_Type ? PyList_New(0)
+                                                        : PyObject_CallNoArgs(factory);
+            if (value == NULL) {
+                Py_DECREF(obj);
+                return NULL;
+            }
         } else {
             value = Py_NewRef(PyTuple_GET_ITEM(rec_defaults, k - 4));
         }
-        PyObject *d = PyTuple_GET_ITEM(rec_fields, k);
-        if (value == NULL || Py_TYPE(d)->tp_descr_set(d, obj, value) < 0) {
-            Py_XDECREF(value);
-            Py_DECREF(obj);
-            return NULL;
-        }
-        Py_DECREF(value);
+        *(PyObject **)((char *)obj + rec_offsets[k]) = value;
     }
     return obj;
 }

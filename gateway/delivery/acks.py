@@ -39,22 +39,26 @@ class Acknowledgements(LoopState):
         session = self.session
         inflight = session.inflight
         by_queue = session.by_queue
+        uncommitted = self._uncommitted  # committed by the next pass
         done = False
         for packet_id in packet_ids:
             inf = inflight.pop(packet_id, None)
             if inf is None:
                 continue
             done = True
+            queue = inf.queue
             if inf.group is not None:
                 inf.group.ack(inf.offset)
-            elif inf.queue is not None:
-                sub = by_queue.get(inf.queue)
-                if sub is not None and sub.pending.get(inf.offset) == packet_id:
-                    del sub.pending[inf.offset]
-                    uncommitted = self._uncommitted  # committed by the next pass
-                    if uncommitted is None:
-                        uncommitted = self._uncommitted = {}
-                    uncommitted[sub.queue] = sub
+            elif queue is not None:
+                sub = by_queue.get(queue)
+                if sub is not None:
+                    pending = sub.pending
+                    offset = inf.offset
+                    if pending.get(offset) == packet_id:
+                        del pending[offset]
+                        if uncommitted is None:
+                            uncommitted = self._uncommitted = {}
+                        uncommitted[queue] = sub
         if not done:
             return
         self.ctx.sessions.mark_progress(session)
@@ -109,18 +113,17 @@ class Acknowledgements(LoopState):
         self._uncommitted = None
         session = self.session
         by_queue = session.by_queue
-        commit = self.ctx.store.offsets.commit
-        moved = self.ctx.account.moved
-        client_id = session.client_id
-        durable = session.persistent
         for queue, sub in uncommitted.items():
             if by_queue.get(queue) is not sub:
                 continue  # unsubscribed meanwhile
             committed = sub.committed()
             if committed != sub.last_commit:  # QoS 1 sends behind an unacked one change nothing
                 sub.last_commit = committed
-                commit(client_id, queue, committed, durable=durable)
-                moved(session, sub)
+                ctx = self.ctx
+                ctx.store.offsets.commit(
+                    session.client_id, queue, committed, durable=session.persistent
+                )
+                ctx.account.moved(session, sub)
 
     # -- re-sends after a reconnect ----------------------------------------------------------
 

@@ -77,7 +77,7 @@ from gateway.delivery.state import NO_ALIASES, UNKNOWN_END, DeliveryContext, Sub
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import ReasonCode
-from gateway.session.model import Inflight, Session, SubscriptionState, pending_of
+from gateway.session.model import NO_PENDING, Inflight, Session, SubscriptionState, pending_of
 from gateway.storage.port import StoredMessage, StoreError
 
 __all__ = ["BATCH", "PASS_BYTES", "PASS_LIMIT", "DeliveryContext", "DeliveryLoop", "Subscriber"]
@@ -93,6 +93,8 @@ PASS_LIMIT = 256
 PASS_BYTES = 64 * 1024
 # A new loop's last write: long enough ago that it is not busy (one float for every loop).
 _NEVER_WROTE = -PASS_INTERVAL
+# A pass's ready queues when none is (a wake for the retained backlog): shared, never written.
+_NOTHING_READY: dict[str, int] = {}
 
 
 class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
@@ -231,23 +233,22 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     def _pass(self) -> bool:
         """Read the ready queues (or all of them) and send what the window allows, with one
         write; the acknowledged and the read positions are committed in one stage at its end."""
-        if not self.can_send():
+        client = self.client
+        if not client.writable or client.closed:  # can_send(), without the call per pass
             self._behind = True
             self._commit_acknowledged()
             return False
         by_queue = self.session.by_queue
+        # The queues to read and where they end: the ready dict itself (taken: a queue marked
+        # ready during the pass goes into a new one), or every queue asking the store.
         ready = self._ready
-        subs: list[tuple[SubscriptionState, int]]
+        self._ready = None
         if self._full:
             self._full = False
             self._behind = False
-            subs = [(sub, UNKNOWN_END) for sub in by_queue.values()]
-            self._ready = None
-        elif ready:
-            self._ready = None
-            subs = [(sub, end) for q, end in ready.items() if (sub := by_queue.get(q)) is not None]
-        else:
-            subs = []
+            ready = dict.fromkeys(by_queue, UNKNOWN_END)
+        elif ready is None:
+            ready = _NOTHING_READY
         progressed = False
         batch: list[bytes] = []
         self._batch = batch
@@ -262,10 +263,12 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             max_offset = self.ctx.store.max_offset
             codec = self._plain_outbound()
             inflight = self.session.inflight
-            client = self.client
             window = self.window
             room = PASS_LIMIT - BATCH  # what reads past a queue's first may still take
-            for sub, end in subs:
+            for queue, end in ready.items():
+                sub = by_queue.get(queue)
+                if sub is None:  # unsubscribed since it was marked ready
+                    continue
                 if window - len(inflight) <= 0 or not client.writable or client.closed:
                     self._behind = True
                     break
@@ -298,7 +301,8 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                     self._behind = True
         finally:
             self._batch = None
-            self._commit_acknowledged()  # the queues acknowledged and read, in one stage
+            if self._uncommitted:  # the queues acknowledged and read, in one stage
+                self._commit_acknowledged()
             if batch:
                 self.wrote()
                 if self._held is not None or (qos2 and self.session.persistent):
@@ -388,7 +392,8 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     # -- reading queues ----------------------------------------------------------------------
 
     def _read(self, sub: SubscriptionState, codec: tuple[dict[int, int], int] | None) -> bool:
-        pending_of(sub)  # what the batch sends at QoS > 0 is recorded in its own dict
+        if sub.pending is NO_PENDING:  # what the batch sends at QoS > 0 is recorded in its own dict
+            pending_of(sub)
         offset = sub.next_offset
         messages, start, _ = self.ctx.cursor.read(sub.queue, offset, BATCH)
         if start != offset:

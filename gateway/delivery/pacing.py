@@ -91,7 +91,7 @@ class Pacing(LoopState):
             self._scheduled = True
             self._loop.call_soon(self._step)
             return
-        self._schedule(soon)
+        self._schedule(soon, now)
 
     def _mark_ready(self, queue: str, end: int) -> None:
         """`queue` is to be read by the next pass (up to `end`, or UNKNOWN_END: ask the store)."""
@@ -107,15 +107,15 @@ class Pacing(LoopState):
         self._busy = now - self._last_write < BUSY_WINDOW
         self._last_write = now
 
-    def _schedule(self, company_soon: bool = False) -> None:
+    def _schedule(self, company_soon: bool = False, now: float | None = None) -> None:
         """Schedule a pass over the ready queues (and the offset commits): in this turn's
         callbacks, or, when the subscriber is busy (module docstring), from the pacing timer:
         paced while it or the loop is short of time; else an arrival whose company is due
         soon (`company_soon`) waits for it (arrived() sends both), and an acknowledgement
-        does not end that wait."""
+        does not end that wait. `now`: monotonic() if the caller just read it."""
         if self._scheduled or self._stopped or self._waiting:
             return
-        if self._busy and monotonic() - self._last_write < PASS_INTERVAL:
+        if self._busy and (now or monotonic()) - self._last_write < PASS_INTERVAL:
             if self.session.inflight or self.ctx.load.busy():
                 if self._pass_timer is None:
                     self._pass_timer = self._loop.call_later(PASS_INTERVAL, self._paced)

@@ -41,8 +41,9 @@ class Sender(LoopState):
         codec: tuple[dict[int, int], int] | None,
     ) -> bool:
         """Send what the window allows of `messages` (written at the end of the pass). `codec`:
-        the pass's `_plain_outbound()`. The subscription is marked uncommitted: the pass
-        commits every queue it read in one stage at its end (nothing awaits in between)."""
+        the pass's `_plain_outbound()`. The subscription is marked uncommitted when its
+        committed position moved: the pass commits every such queue in one stage at its end
+        (nothing awaits in between)."""
         moved = None
         passed = False
         if sub.replayed_phys >= 0:  # just after a replay (one int test per batch otherwise)
@@ -65,11 +66,14 @@ class Sender(LoopState):
                 moved = msg
         if moved is not None:
             sub.read_phys = moved.physical_offset + 1
-        uncommitted = self._uncommitted
-        if uncommitted is None:
-            self._uncommitted = {sub.queue: sub}
-        else:
-            uncommitted[sub.queue] = sub
+        # Only a read that moved the committed position has a commit to make: one that sent
+        # behind a message in flight (or behind the last commit) leaves it where it was.
+        if sub.committed() != sub.last_commit:
+            uncommitted = self._uncommitted
+            if uncommitted is None:
+                self._uncommitted = {sub.queue: sub}
+            else:
+                uncommitted[sub.queue] = sub
         return passed or moved is not None
 
     def _plain_outbound(self) -> tuple[dict[int, int], int] | None:

@@ -370,6 +370,8 @@ def test_the_record_layout_is_refused_unless_the_c_run_can_build_it() -> None:
     with pytest.raises(TypeError):  # not descriptors
         speedups.configure_record(NoSlots, (1, 2, 3, 4), (), ())
     fields, defaults, factories = delivery.record_layout(Inflight)
+    with pytest.raises(TypeError):  # another class's slots: the run writes them by offset
+        speedups.configure_record(MissingDefault, fields, defaults, factories)
     with pytest.raises(ValueError):  # a default short
         speedups.configure_record(Inflight, fields, defaults[1:], factories[1:])
     test_the_c_run_builds_the_inflight_record_as_its_class_does()
