@@ -15,7 +15,7 @@ $(PY):
 
 # setup.py builds the optional C accelerators: a changed .c file re-installs (re-compiles) it.
 SPEEDUPS := setup.py accelerators/kernel.h gateway/protocol/_speedups.c gateway/delivery/_run.c gateway/messages/_batch.c store/_speedups.c \
-	rocketmq_remoting/_speedups.c gateway/storage/_fsync.c gateway/storage/rocketmq/_arrivals.c
+	rocketmq_remoting/_speedups.c gateway/storage/_fsync.c
 
 $(CORE): pyproject.toml $(SPEEDUPS) | $(PY)
 	$(PY) -m pip install --quiet -e .
