@@ -39,6 +39,19 @@ def _segment(level: int, *events: Any) -> bytes:
     return b"".join(encode(ev, level) for ev in events)
 
 
+def _publish_in_one_turn(h: GatewayHarness, devices: list[RawClient], prefix: str) -> None:
+    """Hold the gateway's loop while device d writes its QoS 1 publish on `prefix/d`, so that
+    one turn reads them all; then each device gets its PUBACK."""
+    assert h.loop is not None
+    release = threading.Event()
+    h.loop.call_soon_threadsafe(release.wait, 10)
+    for d, dev in enumerate(devices):
+        dev.send(Publish(f"{prefix}/{d}", str(d).encode(), qos=1, packet_id=d + 1))
+    release.set()
+    for d, dev in enumerate(devices):
+        assert dev.recv() == PubAck(d + 1)
+
+
 def _subscriber(gateway: GatewayHarness, filter: str, level: int = 5) -> RawClient:
     sub = RawClient(gateway.port, level=level)
     assert sub.connect(f"sub-{filter}").reason_code == 0
@@ -334,15 +347,7 @@ def test_publishes_of_many_connections_in_one_turn_share_one_append(tmp_path: Pa
             assert dev.connect(f"dev-{d}").reason_code == 0
             devices.append(dev)
         before = scrape(h)
-        # Hold the gateway's loop while every device writes, so that one turn reads them all.
-        assert h.loop is not None
-        release = threading.Event()
-        h.loop.call_soon_threadsafe(release.wait, 10)
-        for d, dev in enumerate(devices):
-            dev.send(Publish(f"fleet/{d}", str(d).encode(), qos=1, packet_id=d + 1))
-        release.set()
-        for d, dev in enumerate(devices):
-            assert dev.recv() == PubAck(d + 1)
+        _publish_in_one_turn(h, devices, "fleet")
         got = _received(watcher, 100)
         assert sorted(int(p.payload) for p in got) == list(range(100))
         after = scrape(h)
@@ -439,13 +444,7 @@ def test_a_full_lingering_batch_is_stored_without_its_linger(tmp_path: Path) -> 
             assert dev.connect(f"full-{d}").reason_code == 0
             devices.append(dev)
         h.call(lambda: setattr(ingest, "linger", _Always(3600.0)))
-        release = threading.Event()  # one turn reads every device's publish
-        h.loop.call_soon_threadsafe(release.wait, 10)
-        for d, dev in enumerate(devices):
-            dev.send(Publish(f"full/{d}", str(d).encode(), qos=1, packet_id=d + 1))
-        release.set()
-        for d, dev in enumerate(devices):
-            assert dev.recv() == PubAck(d + 1)
+        _publish_in_one_turn(h, devices, "full")
         got = _received(watcher, count)
         assert sorted(int(p.payload) for p in got) == list(range(count))
         watcher.close()
