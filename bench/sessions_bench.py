@@ -149,6 +149,26 @@ def _worker(port: int, numbers: range, clients: int, count: Any, slot: int, go: 
     uvloop.run(run())
 
 
+class GeneratorCpu:
+    """The generator's CPU seconds: its worker processes' and this process's."""
+
+    def __init__(self, workers: list[psutil.Process]) -> None:
+        self.workers = workers
+        self.me = psutil.Process()
+        # Each worker's CPU seconds at its last read: a worker that has finished its share and
+        # exited keeps what it used (left out, the sum fell and a window read negative cores).
+        self.last = [0.0] * len(workers)
+
+    def read(self) -> tuple[float, float]:
+        """(CPU seconds of the workers and this process, the busiest worker's)."""
+        for i, ps in enumerate(self.workers):
+            with contextlib.suppress(psutil.Error):
+                t = ps.cpu_times()
+                self.last[i] = t.user + t.system
+        t = self.me.cpu_times()
+        return sum(self.last) + t.user + t.system, max(self.last, default=0.0)
+
+
 async def create(
     broker: str,
     sessions: int,
@@ -178,7 +198,6 @@ async def create(
     gen_cores: list[float] = []  # generator CPU (every process) per second of the window
     gen_ms: list[float] = []
     bound: list[int] = []  # windows where a generator process was the limit
-    me = psutil.Process()
     try:
         for p in procs:
             p.start()
@@ -189,15 +208,7 @@ async def create(
             await asyncio.sleep(0.01)
         go.set()
 
-        def gen_cpu() -> tuple[float, float]:
-            """(generator CPU seconds: workers + this process, busiest worker's)."""
-            per = []
-            for ps in pss:
-                with contextlib.suppress(psutil.Error):
-                    t = ps.cpu_times()
-                    per.append(t.user + t.system)
-            t = me.cpu_times()
-            return sum(per) + t.user + t.system, max(per, default=0.0)
+        gen_cpu = GeneratorCpu(pss).read
 
         t0 = time.perf_counter()
         window_start = t0
