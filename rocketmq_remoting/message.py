@@ -191,8 +191,7 @@ class MessageRecord:
     store_size: int = 0
 
     def light_queue_offsets(self) -> dict[str, int]:
-        """Light queue name -> this message's offset in it (INNER_MULTI_DISPATCH/QUEUE_OFFSET).
-        gateway/storage/rocketmq/_arrivals.c reads them by the same rule."""
+        """Light queue name -> this message's offset in it (INNER_MULTI_DISPATCH/QUEUE_OFFSET)."""
         names = self.properties.get(PROPERTY_INNER_MULTI_DISPATCH)
         offsets = self.properties.get(PROPERTY_INNER_MULTI_QUEUE_OFFSET)
         if not names or not offsets:
