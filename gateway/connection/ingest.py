@@ -125,7 +125,6 @@ class IngestBatch:
         "_timer",
         "blocks",
         "linger",
-        "lingering",
         "owners",
         "pubs",
         "scheduled",
@@ -139,8 +138,8 @@ class IngestBatch:
         self._loop = loop
         self._append = append
         self.linger = linger
-        self.lingering = False  # the batch waits for its linger's timer, not the turn's end
-        self._timer: asyncio.TimerHandle | None = None  # the lingering batch's
+        # The lingering batch's timer: set while the batch waits for it, not the turn's end.
+        self._timer: asyncio.TimerHandle | None = None
         self.pubs: list[Publish] = []
         self.owners: list[Publisher] = []
         self.blocks: list[PublishProperties] = []
@@ -166,16 +165,16 @@ class IngestBatch:
         hardly lower its cost per message."""
         if not self.scheduled:
             self.schedule()
-        elif self.lingering and len(self.pubs) >= GATHERS_AT_MOST:
-            self._full()
+        elif self._timer is not None and len(self.pubs) >= GATHERS_AT_MOST:
+            self._end_linger()
+            self._loop.call_soon(self.flush)
 
-    def _full(self) -> None:
-        self.lingering = False
+    def _end_linger(self) -> None:
+        """The batch no longer waits for its linger's timer (stored now, or at the turn's end)."""
         timer = self._timer
         if timer is not None:
             timer.cancel()
             self._timer = None
-        self._loop.call_soon(self.flush)
 
     def schedule(self) -> None:
         """Store what was added at the end of this turn, or once the linger is over."""
@@ -184,7 +183,6 @@ class IngestBatch:
         if linger is not None:
             delay = linger.linger(len(self.pubs), time.monotonic())
             if delay:
-                self.lingering = True
                 self._timer = self._loop.call_later(delay, self.flush)
                 return
         self._loop.call_soon(self.flush)
@@ -193,7 +191,7 @@ class IngestBatch:
         """Store a lingering batch now: what a connection does next (a packet for its reader
         task, its will once it is gone) must come after the publishes it has in the batch. At
         the end of the turn (not lingering) the batch's callback already comes first."""
-        if self.lingering and self.scheduled:
+        if self._timer is not None:
             self.flush()
 
     def flush(self) -> None:
@@ -203,11 +201,7 @@ class IngestBatch:
         still runs and stores what was added since, if anything, while a linger's timer is
         cancelled (the next publish schedules anew)."""
         self.scheduled = False
-        self.lingering = False
-        timer = self._timer
-        if timer is not None:  # stored before its linger was over
-            timer.cancel()
-            self._timer = None
+        self._end_linger()  # stored before its linger was over, if it lingered
         pubs = self.pubs
         if not pubs:
             return
