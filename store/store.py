@@ -398,10 +398,7 @@ class MessageStore:
 
     def append_state(self, records: Iterable[StateRecord]) -> int:
         """Append state changes with one write; returns the position for sync_state()."""
-        state = self.state
-        if state is None or self._closed or self.read_only:
-            state = self._state_log()  # raises why not
-        return state.append(records)
+        return self._state_log().append(records)
 
     def sync_state(self, position: int | None = None) -> None:
         """Block until the state log is on disk up to `position` (group commit)."""

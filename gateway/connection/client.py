@@ -116,7 +116,7 @@ class ClientConnection(ReaderTask):
             and self.quota is None
             and self.acl is self._plain_acl
             and self.session is not None
-            and (not data or data[0] >> 4 in BATCHED)  # else take_plain would only buffer it
+            and (not data or data[0] >> 4 in BATCHED)  # else the general path (BATCHED)
         ):
             # A device's read of plain publishes on the topic it published before (the ACL
             # decision stands while its ACL object does), or a subscriber's run of PUBACKs: in

@@ -32,7 +32,7 @@ from gateway.protocol import (
     UnsubAck,
     Unsubscribe,
 )
-from gateway.session.model import OneSubscription, Session, SubscriptionState
+from gateway.session.model import Session, SubscriptionState
 from gateway.session.registry import SessionRegistry
 from topicmap import (
     REPLAY_PREFIX,
@@ -152,13 +152,9 @@ class SubscribeHandler:
     def stand_down(self, client: Subscribing, session: Session) -> None:
         """The connection closes without having started its loop: it lets go of the queues
         it watched for it (those of the session's own subscriptions)."""
-        by_queue = session.by_queue
-        if type(by_queue) is OneSubscription:  # most devices: no __len__, no iterator
-            self._delivery.arrivals.unwatch(by_queue.key, client)
-            self._delivery.account.offline(session)
-        elif by_queue:
+        if session.by_queue:
             arrivals = self._delivery.arrivals
-            for queue in by_queue:
+            for queue in session.by_queue:
                 arrivals.unwatch(queue, client)
             self._delivery.account.offline(session)
 
@@ -307,7 +303,7 @@ class SubscribeHandler:
         # when every subscription is new, own (not shared) and live (no replay): each starts
         # at its queue's end, and what arrives from then on wakes the loop by itself. Until
         # then a loop is not needed: the connection stands by for it.
-        at_once = not new or since is not None or tf.share_group is not None  # or shared
+        at_once = not new or since is not None or tf.is_shared
         reply.look = reply.look or at_once
         if delivery is None and at_once and not client.closed:
             delivery = self.delivery_loop(client)

@@ -77,7 +77,7 @@ from gateway.delivery.state import NO_ALIASES, UNKNOWN_END, DeliveryContext, Sub
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import ReasonCode
-from gateway.session.model import NO_PENDING, Inflight, Session, SubscriptionState, pending_of
+from gateway.session.model import Inflight, Session, SubscriptionState, pending_of
 from gateway.storage.port import StoredMessage, StoreError
 
 __all__ = ["BATCH", "PASS_BYTES", "PASS_LIMIT", "DeliveryContext", "DeliveryLoop", "Subscriber"]
@@ -233,8 +233,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     def _pass(self) -> bool:
         """Read the ready queues (or all of them) and send what the window allows, with one
         write; the acknowledged and the read positions are committed in one stage at its end."""
-        client = self.client
-        if not client.writable or client.closed:  # can_send(), without the call per pass
+        if not self.can_send():
             self._behind = True
             self._commit_acknowledged()
             return False
@@ -263,6 +262,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
             max_offset = self.ctx.store.max_offset
             codec = self._plain_outbound()
             inflight = self.session.inflight
+            client = self.client
             window = self.window
             room = PASS_LIMIT - BATCH  # what reads past a queue's first may still take
             for queue, end in ready.items():
@@ -301,8 +301,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
                     self._behind = True
         finally:
             self._batch = None
-            if self._uncommitted:  # the queues acknowledged and read, in one stage
-                self._commit_acknowledged()
+            self._commit_acknowledged()  # the queues acknowledged and read, in one stage
             if batch:
                 self.wrote()
                 if self._held is not None or (qos2 and self.session.persistent):
@@ -392,8 +391,7 @@ class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
     # -- reading queues ----------------------------------------------------------------------
 
     def _read(self, sub: SubscriptionState, codec: tuple[dict[int, int], int] | None) -> bool:
-        if sub.pending is NO_PENDING:  # what the batch sends at QoS > 0 is recorded in its own dict
-            pending_of(sub)
+        pending_of(sub)  # what the batch sends at QoS > 0 is recorded in its own dict
         offset = sub.next_offset
         messages, start, _ = self.ctx.cursor.read(sub.queue, offset, BATCH)
         if start != offset:

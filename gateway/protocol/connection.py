@@ -543,8 +543,9 @@ def _without_problem_information(event: Event) -> Event:
 
 
 #: Packet types decode_batch and the C scan decode in a batch (the rest go one by one through
-#: the general path); what take_plain can take: a read that starts with another type is only
-#: buffered by it (its caller goes straight to receive_data then).
+#: the general path). A read whose first byte is not one of theirs goes to the general path
+#: (ClientConnection.feed): a control packet, which take_plain would only buffer, or the rest
+#: of a buffered packet, which either path reads on from the buffer.
 BATCHED = frozenset({pt.PUBLISH, pt.PUBACK})
 
 
@@ -572,8 +573,7 @@ def _on_packet(conn: Connection, ptype: int, flags: int, body: bytes) -> Event:
     if ptype == pt.CONNECT:
         raise wire.protocol_error("second CONNECT")
     level = conn.protocol_level or 4
-    if pt.FIXED_FLAGS.get(ptype) != flags:  # the table's flags pass without a call
-        check_fixed_flags(ptype, flags, level)
+    check_fixed_flags(ptype, flags, level)
     event = READERS[ptype](flags, body, level)
     handler = _INBOUND.get(ptype)
     if handler is not None:
