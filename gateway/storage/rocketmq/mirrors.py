@@ -91,11 +91,6 @@ class Mirrors:
         self._saw_phys = saw_phys  # the log's end: the highest CommitLog offset seen
         self._mirrors: dict[str, Mirror] = {}
         self._listeners: list[ArrivalListener] = []
-        #: Per listener, its batch notice (`on_arrivals`) if it has one, else its
-        #: `on_arrival` per queue: looked up once, at `add_listener`.
-        self._batch_notices: list[
-            tuple[Callable[[dict[str, int]], None] | None, ArrivalListener]
-        ] = []
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -169,7 +164,6 @@ class Mirrors:
 
     def add_listener(self, listener: ArrivalListener) -> None:
         self._listeners.append(listener)
-        self._batch_notices.append((getattr(listener, "on_arrivals", None), listener))
 
     async def open_queue(self, queue: str) -> None:
         m = self._mirrors.get(queue) or self.mirror(queue)
@@ -312,8 +306,9 @@ class Mirrors:
         """Where the queues of one tail answer end now: one call per listener with an
         `on_arrivals` (the store's batch notice, store/results.py ArrivalListener), else one
         per queue."""
-        for batch, listener in self._batch_notices:
+        for listener in self._listeners:
             try:
+                batch = getattr(listener, "on_arrivals", None)
                 if batch is not None:
                     batch(ends)
                 else:
@@ -451,8 +446,6 @@ class Mirrors:
             return
         if last_phys >= 0:
             self._saw_phys(last_phys)
-        if not records:
-            return
         by_lmq = self._by_lmq
         queue_of = self._broker.names.queue
         touched: dict[str, Mirror] = {}

@@ -9,7 +9,7 @@ one broker it hands everything to the home broker's parts as they are.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gateway.storage.port import ArrivalListener, EncodedMessage, GetResult
@@ -54,10 +54,6 @@ class MergedEnds:
     def __init__(self, listener: ArrivalListener, slots: Slots) -> None:
         self._listener = listener
         self._slots = slots
-        #: The listener's batch notice, if it takes batches (looked up once).
-        self._batch: Callable[[dict[str, int]], None] | None = getattr(
-            listener, "on_arrivals", None
-        )
 
     def on_arrival(self, queue: str, max_offset: int) -> None:
         merged = self._slots.merged
@@ -68,7 +64,7 @@ class MergedEnds:
     def on_arrivals(self, ends: dict[str, int]) -> None:
         """The queues of one tail answer (Mirrors' batch notice): passed on in one call when
         the listener takes batches, spread queues at their merged ends."""
-        batch = self._batch
+        batch = getattr(self._listener, "on_arrivals", None)
         merged = self._slots.merged
         if batch is None:
             for queue, end in ends.items():
