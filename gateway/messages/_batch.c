@@ -24,8 +24,6 @@
  *     topic_head + <UTF-8 name> + 0x02 + kind_middles[(qos, retain)] + publisher._client_raw
  *     properties: {keys[0]: name, keys[1]: str(qos), keys[2]: "1" | "0", keys[3]: client id}
  *
- * `extend_windows` (below) is RecentMessages.add_many's loop over a stored batch's runs.
- *
  * Built by setup.py as an optional extension; accelerators.load decides whether it runs.
  */
 #include "kernel.h"
@@ -330,166 +328,6 @@ encode_publishes(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
     return PyLong_FromSsize_t(i);
 }
 
-/*
- * extend_windows(runs, windows, trims) -> (messages, body bytes)
- *
- * RecentMessages.add_many's loop (gateway/messages/recent.py `extend_windows_py`, its
- * reference: tests/gateway/messages/test_extend_windows.py): for each queue's run of
- * stored_runs (`runs`: queue -> (StoredMessages, body bytes)) whose offsets are consecutive,
- * extend the queue's window in `windows` (queue -> the _Window class `configure_windows`
- * names) with it, or start a new window at the run's first offset when the queue has none or
- * the window does not end there; count the run in `trims` (window -> messages). Returns the
- * totals of the runs taken.
- */
-enum { W_FIRST, W_HEAD, W_MSGS, W_COUNT };
-static const char *const window_fields[W_COUNT] = {"first", "head", "msgs"};
-static Py_ssize_t window_at[W_COUNT];
-static PyObject *window_type = NULL;
-
-#define WSLOT(obj, field) (*(PyObject **)((char *)(obj) + window_at[field]))
-
-static PyObject *
-configure_windows(PyObject *Py_UNUSED(module), PyObject *args)
-{
-    PyObject *type_obj;
-    if (!PyArg_ParseTuple(args, "O!:configure_windows", &PyType_Type, &type_obj)) {
-        return NULL;
-    }
-    Py_ssize_t found[W_COUNT];
-    if (lmqtt_slot_offsets("configure_windows", type_obj, window_fields, W_COUNT, found) < 0) {
-        return NULL;
-    }
-    memcpy(window_at, found, sizeof(window_at));
-    Py_INCREF(type_obj);
-    Py_XSETREF(window_type, type_obj);
-    Py_RETURN_NONE;
-}
-
-/* The light offset of a StoredMessage (its field 3), or -1 with an error set. */
-static long long
-run_offset(PyObject *run, Py_ssize_t k)
-{
-    PyObject *m = PyList_GET_ITEM(run, k);
-    if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) < 4) {
-        PyErr_SetString(PyExc_TypeError, "extend_windows: a run holds StoredMessages");
-        return -1;
-    }
-    return PyLong_AsLongLong(PyTuple_GET_ITEM(m, 3));
-}
-
-static PyObject *
-extend_windows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "extend_windows takes 3 arguments, not %zd", nargs);
-        return NULL;
-    }
-    PyObject *runs = args[0], *windows = args[1], *trims = args[2];
-    if (window_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "extend_windows: configure_windows first");
-        return NULL;
-    }
-    if (!PyDict_Check(runs) || !PyDict_Check(windows) || !PyDict_Check(trims)) {
-        PyErr_SetString(PyExc_TypeError, "extend_windows: unexpected argument types");
-        return NULL;
-    }
-    long long count = 0, total = 0;
-    Py_ssize_t pos = 0;
-    PyObject *queue, *entry;
-    while (PyDict_Next(runs, &pos, &queue, &entry)) {
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2
-            || !PyList_Check(PyTuple_GET_ITEM(entry, 0))) {
-            PyErr_SetString(PyExc_TypeError, "extend_windows: a run is (list, bytes)");
-            return NULL;
-        }
-        PyObject *run = PyTuple_GET_ITEM(entry, 0);
-        Py_ssize_t n = PyList_GET_SIZE(run);
-        if (n == 0) {
-            PyErr_SetString(PyExc_ValueError, "extend_windows: an empty run");
-            return NULL;
-        }
-        long long nbytes = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
-        long long first = run_offset(run, 0);
-        if ((first == -1 || nbytes == -1) && PyErr_Occurred()) {
-            return NULL;
-        }
-        long long last = run_offset(run, n - 1);
-        if (last == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
-        if (last - first != n - 1) {
-            continue; /* not consecutive (cannot happen with one writer): left to the store */
-        }
-        PyObject *w = PyDict_GetItemWithError(windows, queue); /* borrowed */
-        if (w == NULL && PyErr_Occurred()) {
-            return NULL;
-        }
-        int fresh = w == NULL;
-        if (!fresh) {
-            if (!Py_IS_TYPE(w, (PyTypeObject *)window_type)) {
-                PyErr_SetString(PyExc_TypeError, "extend_windows: a window of another class");
-                return NULL;
-            }
-            PyObject *wf = WSLOT(w, W_FIRST), *wh = WSLOT(w, W_HEAD), *wm = WSLOT(w, W_MSGS);
-            if (wf == NULL || wh == NULL || wm == NULL || !PyList_Check(wm)) {
-                PyErr_SetString(PyExc_TypeError, "extend_windows: a window not set up");
-                return NULL;
-            }
-            long long f = PyLong_AsLongLong(wf), h = PyLong_AsLongLong(wh);
-            if ((f == -1 || h == -1) && PyErr_Occurred()) {
-                return NULL;
-            }
-            fresh = f + (long long)PyList_GET_SIZE(wm) - h != first;
-        }
-        if (fresh) { /* new queue, or a gap: start over */
-            PyObject *at = PyTuple_GET_ITEM(PyList_GET_ITEM(run, 0), 3);
-            PyObject *made = PyObject_CallFunctionObjArgs(window_type, queue, at, NULL);
-            if (made == NULL) {
-                return NULL;
-            }
-            int failed = PyDict_SetItem(windows, queue, made);
-            Py_DECREF(made);
-            if (failed < 0) {
-                return NULL;
-            }
-            w = made; /* the dict holds it */
-            if (!Py_IS_TYPE(w, (PyTypeObject *)window_type) || WSLOT(w, W_MSGS) == NULL
-                || !PyList_Check(WSLOT(w, W_MSGS))) {
-                PyErr_SetString(PyExc_TypeError, "extend_windows: a window not set up");
-                return NULL;
-            }
-        }
-        PyObject *msgs = WSLOT(w, W_MSGS);
-        Py_ssize_t end = PyList_GET_SIZE(msgs);
-        if (PyList_SetSlice(msgs, end, end, run) < 0) {
-            return NULL;
-        }
-        PyObject *had = PyDict_GetItemWithError(trims, w);
-        if (had == NULL && PyErr_Occurred()) {
-            return NULL;
-        }
-        long long before = 0;
-        if (had != NULL) {
-            before = PyLong_AsLongLong(had);
-            if (before == -1 && PyErr_Occurred()) {
-                return NULL;
-            }
-        }
-        PyObject *now = PyLong_FromLongLong(before + n);
-        if (now == NULL) {
-            return NULL;
-        }
-        int failed = PyDict_SetItem(trims, w, now);
-        Py_DECREF(now);
-        if (failed < 0) {
-            return NULL;
-        }
-        count += n;
-        total += nbytes;
-    }
-    return Py_BuildValue("(LL)", count, total);
-}
-
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(publish_type, blocks_attr, pid_head, pid_tail): the Publish class, the "
@@ -501,12 +339,6 @@ static PyMethodDef methods[] = {
      "encode_publishes(pubs, blocks, routes, messages, props, i) -> i: PublishPath."
      "append_publishes's loop, its common case (gateway/messages/publishing.py "
      "encode_publishes_py)."},
-    {"configure_windows", configure_windows, METH_VARARGS,
-     "configure_windows(window_type): the recent cache's window class (its first, head and "
-     "msgs slots)."},
-    {"extend_windows", (PyCFunction)(void (*)(void))extend_windows, METH_FASTCALL,
-     "extend_windows(runs, windows, trims) -> (messages, bytes): RecentMessages.add_many's "
-     "loop (gateway/messages/recent.py extend_windows_py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import accelerators
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.protocol import PreparedPublish
 from gateway.storage.port import EncodedMessage, PutResult, StoredMessage, stored_runs
@@ -89,44 +87,6 @@ class _Window:
         self.first = first
         self.head = 0
         self.msgs: list[StoredMessage] = []
-
-
-def extend_windows_py(
-    runs: dict[str, tuple[list[StoredMessage], int]],
-    windows: dict[str, _Window],
-    trims: dict[_Window, int],
-) -> tuple[int, int]:
-    """RecentMessages._extend of every queue's run of a stored batch (stored_runs), the
-    bucket's totals left to the caller: (messages, body bytes) taken. The reference of the C
-    `extend_windows` (gateway/messages/_batch.c, tests/gateway/messages/test_extend_windows.py)."""
-    count = total = 0
-    for q, (run, nbytes) in runs.items():
-        first = run[0][3]
-        n = len(run)
-        if run[-1][3] - first != n - 1:
-            continue  # not consecutive (cannot happen with one writer): left to the store
-        w = windows.get(q)
-        if w is None or w.first + len(w.msgs) - w.head != first:
-            w = windows[q] = _Window(q, first)  # new queue, or a gap: start over
-        w.msgs += run
-        trims[w] = trims.get(w, 0) + n
-        count += n
-        total += nbytes
-    return count, total
-
-
-def _load_extend_windows() -> Callable[..., tuple[int, int]]:
-    """The C `extend_windows` (gateway/messages/_batch.c) when it was built, else
-    extend_windows_py; LMQTT_PURE_PYTHON_APPEND (the append path's switch) keeps the
-    reference."""
-    kernel: Any = accelerators.load("gateway.messages._batch", "LMQTT_PURE_PYTHON_APPEND")
-    if kernel is None:
-        return extend_windows_py
-    kernel.configure_windows(_Window)
-    return kernel.extend_windows
-
-
-_EXTEND_WINDOWS = _load_extend_windows()
 
 
 class _Bucket:
@@ -211,12 +171,24 @@ class RecentMessages:
         results: Sequence[PutResult],
     ) -> None:
         """add() for a batch appended with MessageStore.append_encoded: `_extend` of every
-        queue's run in one call (extend_windows; a batch of a thousand-topic flood touches
+        queue's run, in one loop in this frame (a batch of a thousand-topic flood touches
         about one queue per message), with the totals added once."""
+        windows = self._windows
+        trims = self._open.trims
+        count = total = 0
+        for q, (run, nbytes) in stored_runs(messages, props, results).items():
+            first = run[0][3]
+            n = len(run)
+            if run[-1][3] - first != n - 1:
+                continue  # not consecutive (cannot happen with one writer): left to the store
+            w = windows.get(q)
+            if w is None or w.first + len(w.msgs) - w.head != first:
+                w = windows[q] = _Window(q, first)  # new queue, or a gap: start over
+            w.msgs += run
+            trims[w] = trims.get(w, 0) + n
+            count += n
+            total += nbytes
         b = self._open
-        count, total = _EXTEND_WINDOWS(
-            stored_runs(messages, props, results), self._windows, b.trims
-        )
         b.count += count
         b.nbytes += total
         self._count += count
