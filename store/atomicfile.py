@@ -69,10 +69,12 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def create_with_header(path: Path, header: bytes) -> int:
-    """Create ``path`` holding ``header``, durably and whole; returns a descriptor open for
-    appending to it. ``path`` must not exist (a leftover ``.tmp`` is overwritten)."""
+    """Create ``path`` holding ``header``, durably and whole; returns a descriptor positioned
+    at its end (not O_APPEND: the caller may allocate space beyond its writes, and they must
+    land at its own end, not the file's). ``path`` must not exist (a leftover ``.tmp`` is
+    overwritten)."""
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _write_all(fd, header)
         os.fsync(fd)

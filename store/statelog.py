@@ -36,6 +36,21 @@ a cut could leave when logs were created in place) holds nothing and is deleted 
 A clean close leaves ``CLEAN`` ("<last log's name> <size>"): open() then skips scanning that
 log for a torn tail (the reader validates every record anyway); open() deletes it.
 
+The zero tail: the log being appended to is kept allocated (``posix_fallocate``) at least
+``PREALLOCATE_BYTES`` ahead of its appends, so the fsync of an append does not also commit a
+new file size through the file system's journal (ext4), which made each one cost more
+system time. The space past the appends reads as zeros, and a zero head is no record
+(``size`` 0 < 3), so to every reader a zero tail is the end of the log::
+
+    | magic | record | record | ... | record | 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 |
+                                             ^ appends go here    allocated end ^
+
+The tail is cut off (``ftruncate``, then the fsync) before a log is sealed: at a compaction's
+roll, before the next generation starts, and at close, before CLEAN records the size. Only a
+crash leaves one, always on the last log, and open() cuts it like a torn tail (a torn record
+in front of zeros is a torn tail followed by the zero tail: ``truncated_bytes`` counts the
+torn part, ``zero_tail_bytes`` the zeros). Zeros in a sealed log are damage.
+
 Writes: ``append(records)`` encodes a batch and writes it with one ``os.write`` (a process
 crash loses nothing written); ``sync(position)`` fsyncs, and concurrent callers share one
 fsync (group commit). Recovery: a record cut short or failing its CRC at the end of the last
@@ -90,6 +105,8 @@ _HEAD = struct.Struct(">IIBH")  # crc32, size, kind, klen
 HEAD_SIZE: Final = _HEAD.size  # 11
 _SIZE_AND_REST = struct.Struct(">IBH")  # what the CRC covers starts at size
 MAX_KEY_BYTES: Final = 0xFFFF
+#: How far ahead of its appends the current log is allocated (the zero tail, see above).
+PREALLOCATE_BYTES: Final = 1024 * 1024
 #: Compact when the logs since the snapshot exceed both this and the snapshot's size.
 COMPACT_MIN_BYTES: Final = 64 * 1024 * 1024
 #: ... or when this many logs accumulated (one per open).
@@ -212,6 +229,24 @@ def _is_unwritten(head: bytes) -> bool:
     return len(head) < len(STATE_MAGIC) and (STATE_MAGIC.startswith(head) or not head.strip(b"\0"))
 
 
+def _nonzero_extent(path: Path, start: int, end: int) -> int:
+    """How many bytes of `path` from `start` reach up to the last non-zero byte before `end`
+    (what a crash left past the last whole record, without the zero tail behind it)."""
+    extent = 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        pos = start
+        while pos < end:
+            chunk = f.read(min(_READ_CHUNK, end - pos))
+            if not chunk:
+                break
+            kept = len(chunk.rstrip(b"\0"))
+            if kept:
+                extent = pos + kept - start
+            pos += len(chunk)
+    return extent
+
+
 def read_state_records(directory: Path) -> Iterator[StateRecord]:
     """Every record of the state log in `directory`, oldest first (the snapshot's, then the
     logs'); the last of a key wins. Read-only and safe while a writer appends: a partly
@@ -262,6 +297,8 @@ class StateLog:
         self._compact_lock = threading.Lock()
         self._fd: int | None = None
         self._generation = 0
+        self._end = 0  # the current log's end of appends (its size but for the zero tail)
+        self._allocated = 0  # where its zero tail ends (the next preallocation's start)
         self._written = 0  # bytes appended by this process (positions for sync)
         self._synced = 0
         self.fsyncs = 0  # fsyncs sync() made (group commit: fewer than its callers)
@@ -271,6 +308,7 @@ class StateLog:
         self._closed = False
         self.recovered_records = 0
         self.truncated_bytes = 0  # torn tail cut at open
+        self.zero_tail_bytes = 0  # zero tail (of a crash) cut at open
 
     @classmethod
     def open(cls, directory: Path, *, read_only: bool = False) -> StateLog:
@@ -325,7 +363,9 @@ class StateLog:
                 end = pos
             size = path.stat().st_size
             if tail and size > end:
-                self.truncated_bytes = size - end
+                torn = _nonzero_extent(path, end, size)
+                self.truncated_bytes = torn
+                self.zero_tail_bytes = size - end - torn
                 with open(path, "r+b") as f:
                     f.truncate(end)
                     os.fsync(f.fileno())
@@ -340,6 +380,25 @@ class StateLog:
         self._fd = fd
         self._generation = generation
         self._logs += 1
+        self._end = self._allocated = len(STATE_MAGIC)
+        self._preallocate(fd, self._end)
+
+    def _preallocate(self, fd: int, need: int) -> None:
+        """Extend the zero tail to PREALLOCATE_BYTES past `need` (the caller holds the lock
+        or is single-threaded). Where the file system cannot (full, or no fallocate), the
+        appends grow the file as they would without: only the next chunk tries again."""
+        start, self._allocated = self._allocated, need + PREALLOCATE_BYTES
+        try:
+            os.posix_fallocate(fd, start, self._allocated - start)
+        except OSError:
+            pass
+
+    def _cut_zero_tail(self, fd: int) -> None:
+        """Before the current log is sealed (the caller holds the lock): the file ends at
+        its last append again."""
+        if self._allocated > self._end:
+            os.ftruncate(fd, self._end)
+            self._allocated = self._end
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -353,9 +412,13 @@ class StateLog:
                     if self.read_only
                     else (StoreClosedError("state log is closed"))
                 )
+            end = self._end + len(data)
+            if end > self._allocated:
+                self._preallocate(self._fd, end)
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view) :]
+            self._end = end
             self._written += len(data)
             self._log_bytes += len(data)
             return self._written
@@ -424,6 +487,7 @@ class StateLog:
                 if self._closed or self._fd is None:
                     return
                 old_fd = self._fd
+                self._cut_zero_tail(old_fd)
                 os.fsync(old_fd)
                 self._synced = max(self._synced, self._written)
                 os.close(old_fd)
@@ -486,6 +550,8 @@ class StateLog:
                 return
             self._closed = True
             fd, self._fd = self._fd, None
+            if fd is not None:
+                self._cut_zero_tail(fd)
         if fd is not None:
             os.fsync(fd)
             size = os.fstat(fd).st_size

@@ -11,6 +11,7 @@ from store import CorruptStoreError, StateLog, read_state, read_state_records
 from store.statelog import (
     COMPACT_MAX_LOGS,
     HEAD_SIZE,
+    PREALLOCATE_BYTES,
     STATE_MAGIC,
     encode_record,
 )
@@ -51,17 +52,22 @@ def test_a_torn_tail_record_is_truncated_at_recovery(tmp_path: Path) -> None:
     log = StateLog.open(d)
     log.append([("keep", b"x" * 100)])
     log.sync()
-    # A crash in the middle of the next write: only part of the record reached the file.
+    # A crash in the middle of the next write: only part of the record reached the file,
+    # in front of the zero tail.
     (last,) = _logs(d)
+    end = len(STATE_MAGIC) + len(encode_record("keep", b"x" * 100))
     whole = encode_record("lost", b"y" * 100)
-    with open(last, "ab") as f:
-        f.write(whole[: len(whole) // 2])
     size_before = last.stat().st_size
+    assert size_before > end + len(whole)  # the zero tail
+    with open(last, "r+b") as f:
+        f.seek(end)
+        f.write(whole[: len(whole) // 2])
     # A reader (inspect, analytics) next to the writer stops at the partial record.
     assert read_state(d) == {"keep": b"x" * 100}
     log = StateLog.open(d)  # the previous writer "crashed": no close()
     assert log.truncated_bytes == len(whole) // 2
-    assert last.stat().st_size == size_before - len(whole) // 2
+    assert log.zero_tail_bytes == size_before - end - len(whole) // 2
+    assert last.stat().st_size == end
     log.append([("after", b"z")])
     log.close()
     assert read_state(d) == {"keep": b"x" * 100, "after": b"z"}
@@ -75,12 +81,76 @@ def test_a_tail_record_with_a_bad_crc_is_truncated(tmp_path: Path) -> None:
     log.sync()  # and then a crash: no close(), no CLEAN marker
     (last,) = _logs(d)
     data = bytearray(last.read_bytes())
-    data[-1] ^= 0xFF  # the last byte of record "b"'s value: its write was cut short
+    b_end = len(STATE_MAGIC) + len(encode_record("a", b"1")) + len(encode_record("b", b"2"))
+    data[b_end - 1] ^= 0xFF  # the last byte of record "b"'s value: its write was cut short
     last.write_bytes(bytes(data))
     log = StateLog.open(d)
     assert log.truncated_bytes == HEAD_SIZE + 2
     log.close()
     assert read_state(d) == {"a": b"1"}
+
+
+def test_a_zero_tail_left_by_a_crash_is_the_end_of_the_log(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    records = [(f"k{i}", b"v" * i) for i in range(50)]
+    for rec in records:
+        log.append([rec])
+    log.sync()
+    # The log is allocated ahead of its appends: past the last record, zeros.
+    (last,) = _logs(d)
+    end = len(STATE_MAGIC) + sum(len(encode_record(k, v)) for k, v in records)
+    assert last.stat().st_size >= len(STATE_MAGIC) + PREALLOCATE_BYTES > end
+    assert not last.read_bytes()[end:].strip(b"\0")
+    # A reader next to the writer, and a restart after a crash (no close), see every record.
+    assert list(read_state_records(d)) == records
+    log = StateLog.open(d)
+    assert log.recovered_records == len(records)
+    assert log.truncated_bytes == 0 and log.zero_tail_bytes >= PREALLOCATE_BYTES - end
+    assert last.stat().st_size == end  # cut, fsynced: the log is sealed at its last record
+    log.append([("after", b"z")])
+    log.close()
+    assert list(read_state_records(d)) == [*records, ("after", b"z")]
+    # Close cut the new log's zero tail before CLEAN recorded its size.
+    assert last.stat().st_size == end
+    newest = _logs(d)[-1]
+    assert newest.stat().st_size == len(STATE_MAGIC) + len(encode_record("after", b"z"))
+    assert (d / "CLEAN").read_text().split() == [newest.name, str(newest.stat().st_size)]
+
+
+def test_a_roll_cuts_the_zero_tail_before_the_next_generation(tmp_path: Path) -> None:
+    # A compaction cut short after its roll leaves the rolled log sealed, next to the new
+    # one: it ends at its last record, not in zeros (zeros in a sealed log are damage).
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    log.append([("a", b"1"), ("b", b"2")])
+
+    def crash() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        log.compact(step=crash)
+    log.append([("c", b"3")])
+    log.sync()  # and the process dies: no close()
+    sealed, current = _logs(d)
+    assert sealed.stat().st_size == len(STATE_MAGIC) + 2 * len(encode_record("a", b"1"))
+    assert current.stat().st_size > len(STATE_MAGIC) + len(encode_record("c", b"3"))
+    assert read_state(d) == {"a": b"1", "b": b"2", "c": b"3"}
+    StateLog.open(d).close()
+    assert read_state(d) == {"a": b"1", "b": b"2", "c": b"3"}
+
+
+def test_zeros_in_a_sealed_log_are_damage(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    log.append([("a", b"1")])
+    log.close()
+    StateLog.open(d).close()  # a second generation: the first is sealed
+    first = _logs(d)[0]
+    with open(first, "ab") as f:
+        f.write(bytes(64))
+    with pytest.raises(CorruptStoreError, match="bad record"):
+        read_state(d)
 
 
 def test_damage_in_a_sealed_log_is_an_error_not_a_silent_loss(tmp_path: Path) -> None:
@@ -104,12 +174,13 @@ def test_compaction_keeps_the_live_state_and_drops_history(tmp_path: Path) -> No
     for i in range(1000):
         log.append([(f"k{i % 10}", str(i).encode()), (f"gone{i}", b"x")])
         log.append([(f"gone{i}", None)])
-    before = sum(p.stat().st_size for p in d.iterdir())
+    before = log.written
     log.compact()
     log.append([("k0", b"new")])
     files = sorted(p.name for p in d.iterdir())
     assert [f.split(".", 1)[1] for f in files] == ["log", "snapshot"]
-    assert sum(p.stat().st_size for p in d.iterdir()) < before / 10
+    (snapshot,) = d.glob("*.snapshot")
+    assert snapshot.stat().st_size < before / 10
     expected = {f"k{i}": str(990 + i).encode() for i in range(10)} | {"k0": b"new"}
     assert read_state(d) == expected
     log.close()
