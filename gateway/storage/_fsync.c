@@ -11,7 +11,9 @@
  *     collect() -> (synced, fsyncs, errno)
  *
  * Every field below is read and written under `mu` (the thread's and the loop's); the GIL
- * plays no part. The object holds a reference to itself while its thread runs; stop() joins
+ * plays no part. Both sides signal after unlocking `mu` (the condition, the eventfd): the
+ * other side, woken while `mu` is still held, would block on it at once and need a second
+ * wake-up (two more futex calls per fsync on each side). The object holds a reference to itself while its thread runs; stop() joins
  * the thread and drops it.
  *
  * Built by setup.py as an optional extension; accelerators.load decides whether it runs.
@@ -76,11 +78,14 @@ fsync_run(void *arg)
             self->synced = upto;
         }
         self->fsyncs++;
+        int efd = self->efd; /* closed only by stop(), after joining this thread */
+        pthread_mutex_unlock(&self->mu);
         uint64_t one = 1;
         ssize_t w;
         do {
-            w = write(self->efd, &one, sizeof one);
+            w = write(efd, &one, sizeof one);
         } while (w < 0 && errno == EINTR);
+        pthread_mutex_lock(&self->mu);
     }
     pthread_mutex_unlock(&self->mu);
     return NULL;
@@ -210,8 +215,8 @@ FsyncThread_request(FsyncThread *self, PyObject *arg)
         }
         self->running = 1;
     }
-    pthread_cond_signal(&self->cond);
     pthread_mutex_unlock(&self->mu);
+    pthread_cond_signal(&self->cond);
     Py_RETURN_NONE;
 }
 
