@@ -354,6 +354,25 @@ static int do_ftruncate(int fd, off_t len) {
 int ftruncate(int fd, off_t len) { init(); return do_ftruncate(fd, len); }
 int ftruncate64(int fd, off_t len) { init(); return do_ftruncate(fd, len); }
 
+/* posix_fallocate (the state log's zero tail): a size change when it extends the file, like
+ * an ftruncate to the new end (the space reads as zeros). */
+static int do_fallocate(int fd, off_t off, off_t len) {
+    REAL(int, posix_fallocate64, int, off_t, off_t);
+    char p[PATH_MAX];
+    if (busy || log_fd < 0 || fd_path(fd, p) || !under_root(p)) return real_posix_fallocate64(fd, off, len);
+    busy = 1;
+    pthread_mutex_lock(&mu);
+    struct stat st;
+    off_t before = fstat(fd, &st) == 0 ? st.st_size : -1;
+    int r = real_posix_fallocate64(fd, off, len);
+    if (r == 0 && before >= 0 && off + len > before) emit_locked(T_TRUNC, off + len, p, NULL, NULL, 0);
+    pthread_mutex_unlock(&mu);
+    busy = 0;
+    return r;
+}
+int posix_fallocate(int fd, off_t off, off_t len) { init(); return do_fallocate(fd, off, len); }
+int posix_fallocate64(int fd, off_t off, off_t len) { init(); return do_fallocate(fd, off, len); }
+
 static int do_sync(int fd, int data_only) {
     REAL(int, fsync, int);
     REAL(int, fdatasync, int);
