@@ -7,21 +7,22 @@ moment is answered by it. The thread says it is done through an eventfd the loop
 (`add_reader`), so answering costs the loop one callback, however many callers it answers:
 
     loop thread                               fsync thread
-    append A; wait(A); append Z; wait(Z)
-    (end of the turn) -- request(Z) ----->    fdatasync (covers A and Z)
+    append A; wait(A) (nothing in flight)
+      -- request(A) ---------------------->   fdatasync (covers A)
+    append Z; wait(Z)                              |
+    (end of the turn) -- request(Z) ----->         |   (noted: runs next)
+    <-- eventfd: A answered ---------------   write(eventfd); fdatasync (covers Z)
     append B; wait(B)                              |
-    (end of the turn) -- request(B) ----->         |   (noted: runs next)
-    <-- eventfd: A, Z answered ------------   write(eventfd); fdatasync (covers B)
-    append C; wait(C)                              |
-    (end of the turn) -- request(C) ----->         |
-    <-- eventfd: B answered ---------------   write(eventfd); fdatasync (covers C)
+    (end of the turn) -- request(B) ----->         |
+    <-- eventfd: Z answered ---------------   write(eventfd); fdatasync (covers B)
 
 `durable(position)` is `wait` without a coroutine: the future itself, for a caller that acts
 in its done callback (a SUBSCRIBE's SUBACK, gateway/connection/subscribe.py).
 
-The first wait of a loop turn requests the fsync at the end of the turn, so the turn's other
-writes (one SUBSCRIBE per client whose packet came in the same poll) share it rather than
-wait for the next one; a request made while an fsync runs starts the next one as soon as it
+A wait while no other is pending (the thread idles) requests its fsync at once: it runs
+beside the rest of the loop's turn rather than after it. Any other wait requests at the end
+of the turn, so the turn's writes (one SUBSCRIBE per client whose packet came in the same
+poll) share one fsync; a request made while an fsync runs starts the next one as soon as it
 ends, without a round trip through the loop. A wait costs one future; a turn's request one
 mutex and a condition signal; an fsync one eventfd read, and the fsync thread never
 contends for the GIL with the loop (a Python thread took it twice per fsync: after its
@@ -95,8 +96,12 @@ class GroupCommit:
             # Kept: get_running_loop() asks for the process id (a system call) each time.
             loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
+        idle = not self._waiters
         self._waiters.append((position, fut))
-        if not self._scheduled:
+        if idle and not self._scheduled:
+            # Nothing in flight: the fsync starts now, beside the rest of the turn's work.
+            self._request(loop)
+        elif not self._scheduled:
             # At the end of this loop turn: the other writes of the turn share the fsync.
             self._scheduled = True
             loop.call_soon(self._request, loop)

@@ -15,7 +15,7 @@ from store.statelog import StateLog, read_state
 
 async def _write(log: StateLog, commit: GroupCommit, key: str, work_s: float = 0.0) -> int:
     # `work_s`: the rest of the turn's work before this write, the GIL free meanwhile (a
-    # syscall's): a sync thread woken at once would fsync the turn's earlier writes alone.
+    # syscall's): an fsync started at once covers only the turn's writes before it.
     time.sleep(work_s)
     position = log.append([(key, b"v")])
     await commit.wait(position)
@@ -23,17 +23,21 @@ async def _write(log: StateLog, commit: GroupCommit, key: str, work_s: float = 0
     return position
 
 
-def test_the_writes_of_one_loop_turn_share_one_fsync(tmp_path: Path) -> None:
+def test_a_write_on_an_idle_log_is_fsynced_at_once_the_rest_of_its_turn_share_one(
+    tmp_path: Path,
+) -> None:
     log = StateLog.open(tmp_path)
     commit = GroupCommit(log)
 
     async def main() -> None:
-        # Ten writers whose first steps run in the same turn (as SUBSCRIBEs of one poll).
+        # Ten writers whose first steps run in the same turn (as SUBSCRIBEs of one poll): the
+        # first write's fsync starts at once (nothing in flight) and ends during the turn's
+        # other work; the other nine, requested at the end of the turn, share the next.
         await asyncio.gather(*(_write(log, commit, f"k{i}", 0.01 if i else 0) for i in range(10)))
-        assert log.fsyncs == 1
+        assert log.fsyncs == 2
         # A later turn's write gets an fsync of its own.
         await _write(log, commit, "later")
-        assert log.fsyncs == 2
+        assert log.fsyncs == 3
 
     try:
         asyncio.run(main())
