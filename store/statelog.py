@@ -51,7 +51,7 @@ crash leaves one, always on the last log, and open() cuts it like a torn tail (a
 in front of zeros is a torn tail followed by the zero tail: ``truncated_bytes`` counts the
 torn part, ``zero_tail_bytes`` the zeros). Zeros in a sealed log are damage.
 
-Writes: ``append(records)`` encodes a batch and writes it with one ``os.write`` (a process
+Writes: ``append(records)`` encodes a batch and writes it with one ``os.pwrite`` (a process
 crash loses nothing written); ``sync(position)`` fsyncs, and concurrent callers share one
 fsync (group commit). Recovery: a record cut short or failing its CRC at the end of the last
 ``.log`` is a torn write of a crash: the file is truncated there. Damage anywhere else raises
@@ -412,12 +412,17 @@ class StateLog:
                     if self.read_only
                     else (StoreClosedError("state log is closed"))
                 )
-            end = self._end + len(data)
+            at = self._end
+            end = at + len(data)
             if end > self._allocated:
                 self._preallocate(self._fd, end)
+            # At the log's own end, not the file position's: after a write that failed half
+            # done, the next batch writes over its bytes (what close() keeps ends at _end).
             view = memoryview(data)
             while view:
-                view = view[os.write(self._fd, view) :]
+                n = os.pwrite(self._fd, view, at)
+                view = view[n:]
+                at += n
             self._end = end
             self._written += len(data)
             self._log_bytes += len(data)
