@@ -36,10 +36,11 @@ a cut could leave when logs were created in place) holds nothing and is deleted 
 A clean close leaves ``CLEAN`` ("<last log's name> <size>"): open() then skips scanning that
 log for a torn tail (the reader validates every record anyway); open() deletes it.
 
-The zero tail: the log being appended to is kept allocated (``posix_fallocate``) at least
-``PREALLOCATE_BYTES`` ahead of its appends, so the fsync of an append does not also commit a
-new file size through the file system's journal (ext4), which made each one cost more
-system time. The space past the appends reads as zeros, and a zero head is no record
+The zero tail (``preallocate=True``: the store's state log in sync flush mode, where an fsync
+waits for each acknowledgement): the log being appended to is kept allocated
+(``posix_fallocate``) at least ``PREALLOCATE_BYTES`` ahead of its appends, so the fsync of
+an append does not also commit a new file size (ext4), which made each one cost more system
+time. The space past the appends reads as zeros, and a zero head is no record
 (``size`` 0 < 3), so to every reader a zero tail is the end of the log::
 
     | magic | record | record | ... | record | 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 |
@@ -107,6 +108,7 @@ _SIZE_AND_REST = struct.Struct(">IBH")  # what the CRC covers starts at size
 MAX_KEY_BYTES: Final = 0xFFFF
 #: How far ahead of its appends the current log is allocated (the zero tail, see above).
 PREALLOCATE_BYTES: Final = 1024 * 1024
+_NO_TAIL: Final = 1 << 62  # `_allocated` without preallocation: no append reaches it
 #: Compact when the logs since the snapshot exceed both this and the snapshot's size.
 COMPACT_MIN_BYTES: Final = 64 * 1024 * 1024
 #: ... or when this many logs accumulated (one per open).
@@ -289,9 +291,12 @@ def fold_records(records: Iterable[StateRecord], prefix: str = "") -> dict[str, 
 class StateLog:
     """The writer (one per directory: the store's lock covers it). Thread-safe."""
 
-    def __init__(self, directory: Path, *, read_only: bool = False) -> None:
+    def __init__(
+        self, directory: Path, *, read_only: bool = False, preallocate: bool = False
+    ) -> None:
         self.directory = directory
         self.read_only = read_only
+        self._ahead = PREALLOCATE_BYTES if preallocate else 0  # the zero tail's length
         self._lock = threading.Lock()  # file switch and the written counter
         self._sync_lock = threading.Lock()  # one fsync at a time: the others ride on it
         self._compact_lock = threading.Lock()
@@ -311,9 +316,12 @@ class StateLog:
         self.zero_tail_bytes = 0  # zero tail (of a crash) cut at open
 
     @classmethod
-    def open(cls, directory: Path, *, read_only: bool = False) -> StateLog:
-        """Recover `directory` (created if missing) and start a new generation for appends."""
-        log = cls(directory, read_only=read_only)
+    def open(
+        cls, directory: Path, *, read_only: bool = False, preallocate: bool = False
+    ) -> StateLog:
+        """Recover `directory` (created if missing) and start a new generation for appends;
+        with `preallocate`, keep a zero tail ahead of them (see the module docstring)."""
+        log = cls(directory, read_only=read_only, preallocate=preallocate)
         if not read_only:
             make_dirs(directory)
             log._recover()
@@ -381,13 +389,16 @@ class StateLog:
         self._generation = generation
         self._logs += 1
         self._end = self._allocated = len(STATE_MAGIC)
-        self._preallocate(fd, self._end)
+        if self._ahead:
+            self._preallocate(fd, self._end)
+        else:
+            self._allocated = _NO_TAIL
 
     def _preallocate(self, fd: int, need: int) -> None:
         """Extend the zero tail to PREALLOCATE_BYTES past `need` (the caller holds the lock
         or is single-threaded). Where the file system cannot (full, or no fallocate), the
         appends grow the file as they would without: only the next chunk tries again."""
-        start, self._allocated = self._allocated, need + PREALLOCATE_BYTES
+        start, self._allocated = self._allocated, need + self._ahead
         try:
             os.posix_fallocate(fd, start, self._allocated - start)
         except OSError:
@@ -396,7 +407,7 @@ class StateLog:
     def _cut_zero_tail(self, fd: int) -> None:
         """Before the current log is sealed (the caller holds the lock): the file ends at
         its last append again."""
-        if self._allocated > self._end:
+        if self._ahead and self._allocated > self._end:
             os.ftruncate(fd, self._end)
             self._allocated = self._end
 

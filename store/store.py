@@ -117,7 +117,10 @@ class MessageStore:
     def _open(self) -> None:
         if not self.read_only:
             self._take_lock()
-            self.state = StateLog.open(self.state_dir)
+            # The zero tail where each acknowledgement waits for an fsync (statelog.py).
+            self.state = StateLog.open(
+                self.state_dir, preallocate=self.config.flush == FlushMode.SYNC
+            )
         self.offsets.load()
         self.commitlog.load()
         self.queues_table.log_min_offset = self.commitlog.min_offset

@@ -34,6 +34,9 @@ def test_newest_record_per_key_wins_and_deletes_remove(tmp_path: Path) -> None:
         ("b", None),
         ("c", b""),
     ]
+    # Without preallocation (async flush mode) the log ends at its last record.
+    (last,) = _logs(tmp_path / "s")
+    assert last.stat().st_size == len(STATE_MAGIC) + log.written
     log.close()
     # Reopened after a clean close: the same state, the last log trusted without a scan,
     # and appends go on in a new generation.
@@ -49,7 +52,7 @@ def test_newest_record_per_key_wins_and_deletes_remove(tmp_path: Path) -> None:
 
 def test_a_torn_tail_record_is_truncated_at_recovery(tmp_path: Path) -> None:
     d = tmp_path / "s"
-    log = StateLog.open(d)
+    log = StateLog.open(d, preallocate=True)
     log.append([("keep", b"x" * 100)])
     log.sync()
     # A crash in the middle of the next write: only part of the record reached the file,
@@ -92,7 +95,7 @@ def test_a_tail_record_with_a_bad_crc_is_truncated(tmp_path: Path) -> None:
 
 def test_a_zero_tail_left_by_a_crash_is_the_end_of_the_log(tmp_path: Path) -> None:
     d = tmp_path / "s"
-    log = StateLog.open(d)
+    log = StateLog.open(d, preallocate=True)
     records = [(f"k{i}", b"v" * i) for i in range(50)]
     for rec in records:
         log.append([rec])
@@ -104,7 +107,7 @@ def test_a_zero_tail_left_by_a_crash_is_the_end_of_the_log(tmp_path: Path) -> No
     assert not last.read_bytes()[end:].strip(b"\0")
     # A reader next to the writer, and a restart after a crash (no close), see every record.
     assert list(read_state_records(d)) == records
-    log = StateLog.open(d)
+    log = StateLog.open(d, preallocate=True)
     assert log.recovered_records == len(records)
     assert log.truncated_bytes == 0 and log.zero_tail_bytes >= PREALLOCATE_BYTES - end
     assert last.stat().st_size == end  # cut, fsynced: the log is sealed at its last record
@@ -122,7 +125,7 @@ def test_a_roll_cuts_the_zero_tail_before_the_next_generation(tmp_path: Path) ->
     # A compaction cut short after its roll leaves the rolled log sealed, next to the new
     # one: it ends at its last record, not in zeros (zeros in a sealed log are damage).
     d = tmp_path / "s"
-    log = StateLog.open(d)
+    log = StateLog.open(d, preallocate=True)
     log.append([("a", b"1"), ("b", b"2")])
 
     def crash() -> None:
