@@ -179,7 +179,7 @@ class Gateway:
         account = self.account = (
             # The ends of the queues read here only (read_max_offset): on RocketMQ, sampling
             # another node's sessions opens no mirror of their queues on this one.
-            DeliveryAccount(self._account_writer(store), store.read_max_offset)
+            DeliveryAccount(self._account_writer(store), store.read_max_offset, arrivals)
             if s.delivery_account
             else NoDeliveryAccount()
         )

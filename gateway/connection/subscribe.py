@@ -156,7 +156,9 @@ class SubscribeHandler:
             arrivals = self._delivery.arrivals
             for queue in session.by_queue:
                 arrivals.unwatch(queue, client)
-            self._delivery.account.offline(session)
+            # Nothing arrived since these subscriptions started at their queues' ends (an
+            # arrival would have started the loop): nothing owed to look at.
+            self._delivery.account.offline(session, owes=False)
 
     async def on_subscribe(self, client: Subscribing, ev: Subscribe) -> None:
         session = client.session

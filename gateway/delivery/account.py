@@ -16,9 +16,12 @@ there. Off the hot path:
     queue grew, so the report can draw lag over time for a subscriber that stopped
     acknowledging: those of offline persistent sessions, and those of online sessions whose
     delivery loop left something unsent since the last cycle (`behind`, once per such pass).
-    The sessions to look at are collected as they change (a delivery loop starting, stopping
-    or falling behind), not found by walking every session: a cycle costs what lags, whatever
-    the number connected (walked in slices between flushes, remembering one end per queue);
+    Nothing is found by walking sessions: an offline persistent session's queues are watched
+    (ArrivalHub, as its delivery loop watched them while it ran), so a cycle looks at the
+    queues that grew since the last one and at the sessions that changed (a loop stopping
+    with something maybe owed, or falling behind), whatever the number offline; those it
+    asks the store for a queue's end are walked in slices between flushes, remembering one
+    end per queue;
   - `close()` writes everything at shutdown.
 """
 
@@ -28,9 +31,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from gateway.delivery.arrivals import ArrivalHub
 from gateway.storage.port import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, AccountWriter
 
 if TYPE_CHECKING:
@@ -57,12 +61,15 @@ class DeliveryAccount:
         self,
         writer: AccountWriter | CountedAccount,
         max_offset: Callable[[str], int],
+        arrivals: ArrivalHub,
         flush_s: float = FLUSH_S,
         record_s: float = RECORD_S,
         sample_s: float = SAMPLE_S,
     ) -> None:
         self._writer = writer
         self._max_offset = max_offset
+        self._arrivals = arrivals
+        arrivals.sampler = self
         self.flush_s = flush_s
         self.record_s = record_s
         self.sample_s = sample_s
@@ -71,11 +78,15 @@ class DeliveryAccount:
         self._pending: list[AccountRecord] = []  # written by the next flush
         self._queue_seen: dict[str, int] = {}  # queue -> its end at the last sampling cycle
         self._group_qos: dict[tuple[str, str], int] = {}
-        # What the next sampling cycle looks at (see the module docstring), by client id:
-        # persistent sessions without a delivery loop, and online ones whose loop fell behind
-        # since the last cycle. None until the first cycle seeds it with the sessions then
-        # offline (restored at start).
-        self._offline: dict[str, Session] | None = None
+        # The offline persistent sessions, by the queues of theirs this account watches (a
+        # queue read by one of them maps to it, by more to a set): filled as sessions go
+        # offline, and by the first cycle with those restored offline at start.
+        self._offline: dict[str, Session | set[Session]] = {}
+        self._seeded = False
+        self._grown: set[str] = set()  # watched queues that grew since the last cycle
+        # What the next cycle asks the store about, by client id: sessions whose loop stopped
+        # (it may have left something owed) and online ones whose loop fell behind.
+        self._look: dict[str, Session] = {}
         self._lagging: dict[str, Session] = {}
 
     # -- hot path ------------------------------------------------------------------------------
@@ -91,13 +102,50 @@ class DeliveryAccount:
 
     def online(self, session: Session) -> None:
         """`session`'s delivery loop started: it is sampled only while it falls behind."""
-        if self._offline is not None:
-            self._offline.pop(session.client_id, None)
+        self._look.pop(session.client_id, None)
+        self._forget(session)
 
-    def offline(self, session: Session) -> None:
-        """`session`'s delivery loop stopped: a persistent session's queues go on growing."""
-        if self._offline is not None and session.persistent:
-            self._offline[session.client_id] = session
+    def offline(self, session: Session, owes: bool = True) -> None:
+        """`session`'s delivery loop stopped: a persistent session's queues go on growing,
+        and are watched from now on. `owes`: the loop may have left something unsent or
+        unacknowledged (the next cycle looks at its queues' ends once); not so for a
+        connection that closed before its loop was needed (nothing arrived since its
+        subscriptions started at their queues' ends)."""
+        if not session.persistent:
+            return
+        offline = self._offline
+        arrivals = self._arrivals
+        for queue in session.by_queue:
+            found = offline.get(queue)
+            if found is None:
+                offline[queue] = session
+                arrivals.watch(queue, self)
+            elif isinstance(found, set):
+                found.add(session)
+            elif found is not session:
+                offline[queue] = {found, session}
+        if owes:
+            self._look[session.client_id] = session
+
+    def arrived(self, queue: str, end: int) -> None:
+        """ArrivalHub: a queue of an offline session grew."""
+        self._grown.add(queue)
+
+    def _forget(self, session: Session) -> None:
+        """`session`'s queues are no longer watched for it (online again, or ended)."""
+        for queue in session.by_queue:
+            self._unwatch(queue, session)
+
+    def _unwatch(self, queue: str, session: Session) -> None:
+        offline = self._offline
+        found = offline.get(queue)
+        if found is session:
+            del offline[queue]
+            self._arrivals.unwatch(queue, self)
+        elif isinstance(found, set):
+            found.discard(session)
+            if len(found) == 1:
+                offline[queue] = next(iter(found))
 
     def behind(self, session: Session) -> None:
         """`session`'s delivery loop left something unsent (once per such pass)."""
@@ -109,6 +157,7 @@ class DeliveryAccount:
         """`sub` is removed from `session` (unsubscribe or session over)."""
         if sub.share_group is not None:
             return  # the group's account ends with the group (group_ended)
+        self._unwatch(sub.queue, session)  # over while offline (expiry, a new clean session)
         self._dirty.pop(id(sub), None)
         self._pending.append(self._session_record(session, sub, FLAG_CLOSED))
 
@@ -161,7 +210,7 @@ class DeliveryAccount:
             now = time.monotonic()
             if cycle is None and now >= next_cycle:
                 next_cycle = now + self.sample_s
-                cycle = self._cycle(self._due(sessions), list(groups()))
+                cycle = self.start_cycle(sessions, list(groups()))
             for step in range(SAMPLE_STEPS):
                 if cycle is None:
                     break
@@ -174,24 +223,55 @@ class DeliveryAccount:
                 next_record = now + self.record_s
             self.flush(moved)
 
-    def _due(self, sessions: Mapping[str, Session]) -> list[Session]:
-        """The sessions a sampling cycle looks at: the offline persistent ones (the first
-        cycle finds those restored at start, once) and those that fell behind since the last
-        cycle; a session ended since it was listed is dropped (it is no longer `sessions`')."""
-        offline = self._offline
-        if offline is None:
-            offline = self._offline = {
-                cid: s for cid, s in sessions.items() if s.persistent and s.connection is None
-            }
+    def start_cycle(
+        self, sessions: Mapping[str, Session], groups: list[SharedGroup]
+    ) -> Iterator[bool]:
+        """A sampling cycle (`_cycle`) over what is due (`_due`), to be walked in steps.
+        `sessions`: the registry's, by client id."""
+        due, grown = self._due(sessions)
+        return self._cycle(due, groups, grown)
+
+    def _due(
+        self, sessions: Mapping[str, Session]
+    ) -> tuple[list[Session], list[tuple[Session, SubscriptionState]]]:
+        """What a sampling cycle looks at: the sessions whose queues' ends it asks the store
+        for (restored offline at start, by the first cycle; a loop stopped; fallen behind),
+        and the subscriptions of offline sessions whose queue grew since the last cycle. A
+        session ended or replaced since it was listed is dropped (it is no longer
+        `sessions`'), and so is one online again."""
+        look, self._look = self._look, {}
         lagging, self._lagging = self._lagging, {}
-        due: list[Session] = []
-        for cid, s in list(offline.items()):
-            if sessions.get(cid) is not s or s.connection is not None:
-                del offline[cid]  # ended, replaced by a new session, or online again
-            elif cid not in lagging:
-                due.append(s)
+        if not self._seeded:
+            self._seeded = True
+            for s in sessions.values():
+                if s.persistent and s.connection is None:
+                    self.offline(s)  # watched from now on, and looked at once
+            look.update(self._look)
+            self._look = {}
+        due = [
+            s
+            for cid, s in look.items()
+            if sessions.get(cid) is s and s.connection is None and cid not in lagging
+        ]
         due += [s for cid, s in lagging.items() if sessions.get(cid) is s]
-        return due
+        grown, self._grown = self._grown, set()
+        pairs: list[tuple[Session, SubscriptionState]] = []
+        offline = self._offline
+        for queue in grown:
+            found = offline.get(queue)
+            readers = () if found is None else found if isinstance(found, set) else (found,)
+            for s in readers:
+                cid = s.client_id
+                sub = s.by_queue.get(queue)
+                if (
+                    sub is not None
+                    and sessions.get(cid) is s
+                    and s.connection is None
+                    and cid not in look
+                    and cid not in lagging
+                ):
+                    pairs.append((s, sub))
+        return due, pairs
 
     def close(self, sessions: Iterable[Session], groups: Iterable[SharedGroup]) -> None:
         """Write the final state of every open subscription and close the files. Clean
@@ -206,11 +286,21 @@ class DeliveryAccount:
         finally:
             self._writer.close()
 
-    def _cycle(self, sessions: list[Session], groups: list[SharedGroup]) -> Iterator[bool]:
-        """Queue a record for every subscription not written since its queue grew: its queue's
-        end differs from the previous cycle's (on a first look: it owes messages). Memory is
-        one int per queue, not per subscription. Yields once per subscription looked at: whether it
-        queued a record."""
+    def _cycle(
+        self,
+        sessions: list[Session],
+        groups: list[SharedGroup],
+        grown: Sequence[tuple[Session, SubscriptionState]] = (),
+    ) -> Iterator[bool]:
+        """Queue a record for every subscription not written since its queue grew: `grown`'s
+        (their queues were watched), and those of `sessions` and `groups` whose queue's end
+        differs from the previous cycle's (on a first look: it owes messages). Memory is
+        one int per queue, not per subscription. Yields once per subscription looked at:
+        whether it queued a record."""
+        for session, sub in grown:
+            if id(sub) not in self._dirty:
+                self._pending.append(self._session_record(session, sub, 0))
+                yield True
         before = self._queue_seen
         now: dict[str, int] = {}
 
@@ -332,7 +422,7 @@ class NoDeliveryAccount(DeliveryAccount):
     def online(self, session: Session) -> None:
         pass
 
-    def offline(self, session: Session) -> None:
+    def offline(self, session: Session, owes: bool = True) -> None:
         pass
 
     def behind(self, session: Session) -> None:

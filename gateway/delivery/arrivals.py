@@ -37,6 +37,9 @@ class ArrivalHub:
         self._loop = loop
         self._thread = threading.get_ident()
         self._waiters: dict[str, Watcher | set[Watcher]] = {}
+        # The delivery account, watching the queues of offline sessions to sample their lag:
+        # told like the others, but no reader of the queue (`watchers` leaves it out).
+        self.sampler: Watcher | None = None
 
     def watch(self, queue: str, watcher: Watcher) -> None:
         found = self._waiters.get(queue)
@@ -61,7 +64,9 @@ class ArrivalHub:
         found = self._waiters.get(queue)
         if found is None:
             return 0
-        return len(found) if isinstance(found, set) else 1
+        if isinstance(found, set):
+            return len(found) - (self.sampler in found)
+        return 0 if found is self.sampler else 1
 
     def on_arrival(self, queue: str, max_offset: int) -> None:
         if queue not in self._waiters:
