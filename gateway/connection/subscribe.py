@@ -314,8 +314,9 @@ class SubscribeHandler:
         )
         if delivery is None and not client.closed and sub.share_group is None:
             # The connection watches the new queue for its loop-to-be.
+            # (The account watches nothing of this session: a session it sampled offline
+            # has subscriptions, so its loop started at CONNECT, and that told it.)
             self._delivery.arrivals.watch(sub.queue, client)
-            self._delivery.account.online(session)
         reply.codes.append(qos)
         if cutoff is not None:
             log.warning("%r: %s", session.client_id, cutoff.text(tf.filter))
