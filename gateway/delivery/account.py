@@ -202,6 +202,7 @@ class DeliveryAccount:
         """Flush every flush_s; every sample_s start a sampling cycle over the sessions that
         may lag (`_due`), walked SAMPLE_SLICE subscriptions per flush (a million offline
         sessions must not stall the loop). `sessions`: the registry's, by client id."""
+        self.restored(sessions)
         cycle: Iterator[bool] | None = None
         next_cycle = time.monotonic() + self.sample_s
         next_record = time.monotonic() + self.record_s
@@ -223,6 +224,16 @@ class DeliveryAccount:
                 next_record = now + self.record_s
             self.flush(moved)
 
+    def restored(self, sessions: Mapping[str, Session]) -> None:
+        """Once, before anything else is sampled: the persistent sessions offline now (those
+        restored at start) are watched from now on, and looked at by the next cycle."""
+        if self._seeded:
+            return
+        self._seeded = True
+        for s in sessions.values():
+            if s.persistent and s.connection is None:
+                self.offline(s)
+
     def start_cycle(
         self, sessions: Mapping[str, Session], groups: list[SharedGroup]
     ) -> Iterator[bool]:
@@ -235,19 +246,13 @@ class DeliveryAccount:
         self, sessions: Mapping[str, Session]
     ) -> tuple[list[Session], list[tuple[Session, SubscriptionState]]]:
         """What a sampling cycle looks at: the sessions whose queues' ends it asks the store
-        for (restored offline at start, by the first cycle; a loop stopped; fallen behind),
+        for (restored offline at start; a loop stopped; fallen behind),
         and the subscriptions of offline sessions whose queue grew since the last cycle. A
         session ended or replaced since it was listed is dropped (it is no longer
         `sessions`'), and so is one online again."""
+        self.restored(sessions)
         look, self._look = self._look, {}
         lagging, self._lagging = self._lagging, {}
-        if not self._seeded:
-            self._seeded = True
-            for s in sessions.values():
-                if s.persistent and s.connection is None:
-                    self.offline(s)  # watched from now on, and looked at once
-            look.update(self._look)
-            self._look = {}
         due = [
             s
             for cid, s in look.items()
