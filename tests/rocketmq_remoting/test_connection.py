@@ -343,3 +343,84 @@ async def test_held_pulls_follow_one_another_and_one_timer_ends_the_unanswered(
         assert isinstance(got[1], RemotingTimeoutError) and client.held_pulls == 0
         assert [cmd.ext_fields["queueOffset"] for cmd in seen] == ["0", "5"]
         held.close()
+
+
+async def test_send_next_queues_a_made_frame_and_calls_back_with_its_answer(serve: Serve) -> None:
+    """Connection.send_next (next_opaque + expect + write in one call, a held pull's): the
+    frame made from the opaque it returns reaches the peer, the answer reaches the callback;
+    on a closed connection it returns -1 and sends nothing."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        req = await read_cmd(reader)
+        writer.write(answer(req, remark=req.ext_fields["arg"]))
+        await writer.drain()
+        await reader.read()
+
+    def make(opaque: int, arg: int) -> bytes:
+        cmd = RemotingCommand(code=RequestCode.PULL_MESSAGE, ext_fields={"arg": str(arg)})
+        cmd.opaque = opaque
+        return cmd.encode()
+
+    got: list[tuple[int, RemotingCommand | RemotingError]] = []
+    conn = await Connection.open(await serve(handler), 1.0)
+    opaque = conn.send_next(make, 42, lambda o, a: got.append((o, a)))
+    assert opaque > 0
+    await wait_until(lambda: len(got) == 1)
+    ((answered, cmd),) = got
+    assert answered == opaque and isinstance(cmd, RemotingCommand) and cmd.remark == "42"
+    await conn.close()
+    assert conn.send_next(make, 43, lambda o, a: got.append((o, a))) == -1
+    assert len(got) == 1
+
+
+async def test_a_held_pull_goes_on_the_brokers_new_connection_after_a_drop(
+    serve: Serve,
+) -> None:
+    """HeldPull keeps to the connection its last pull went on while that is open; once it is
+    closed the next pull finds none (False: the caller reconnects) and, after the reconnect,
+    goes on the broker's new connection."""
+    offsets: list[list[str]] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen: list[str] = []
+        offsets.append(seen)
+        writer.write(answer(await read_cmd(reader)))  # the broker call that opens it
+        pull = await read_cmd(reader)
+        seen.append(pull.ext_fields["queueOffset"])
+        nxt = str(int(pull.ext_fields["queueOffset"]) + 5)
+        fields = {"nextBeginOffset": nxt, "minOffset": "0", "maxOffset": nxt}
+        writer.write(
+            RemotingCommand(
+                code=ResponseCode.PULL_NOT_FOUND,
+                opaque=pull.opaque,
+                flag=FLAG_RESPONSE,
+                ext_fields=fields,
+            ).encode()
+        )
+        await writer.drain()
+        writer.close()  # the broker drops the connection after one pull
+
+    addr = await serve(handler)
+    got: list[PullResult | RemotingError] = []
+    async with RemotingClient([addr], request_timeout=1.0) as client:
+        frames = PullFrames(
+            consumer_group="g",
+            topic="%LMQ%held",
+            queue_id=0,
+            max_msg_nums=32,
+            sys_flag=0x6,
+            suspend_timeout_millis=100,
+        )
+        held = HeldPull(client, addr, frames, got.append, 5.0, None, pull_result)
+        await client.invoke_broker(addr, RequestCode.GET_MAX_OFFSET)
+        assert held.send(0)
+        await wait_until(lambda: len(got) == 1 and client.open_broker_connection(addr) is None)
+        first = got[0]
+        assert isinstance(first, PullResult) and first.next_begin_offset == 5
+        assert not held.send(5)  # the last pull's connection is closed and there is no other
+        await client.invoke_broker(addr, RequestCode.GET_MAX_OFFSET)  # reconnects
+        assert held.send(5)
+        await wait_until(lambda: len(got) == 2)
+        assert isinstance(got[1], PullResult) and got[1].next_begin_offset == 10
+        assert offsets == [["0"], ["5"]]
+        held.close()
