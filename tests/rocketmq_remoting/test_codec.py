@@ -14,15 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rocketmq_remoting import headers
-from rocketmq_remoting.client import pull_result
-from rocketmq_remoting.codes import FLAG_ONEWAY, FLAG_RESPONSE, ResponseCode, SerializeType
+from rocketmq_remoting.codes import FLAG_ONEWAY, FLAG_RESPONSE, SerializeType
 from rocketmq_remoting.command import (
     RemotingCommand,
     decode_frame,
     java_hashmap_order,
     java_string_hash,
 )
-from rocketmq_remoting.errors import BrokerError, OffsetMovedError, ProtocolError
+from rocketmq_remoting.errors import ProtocolError
 from rocketmq_remoting.message import (
     MAGIC_V1,
     MAGIC_V2,
@@ -34,7 +33,6 @@ from rocketmq_remoting.message import (
     encode_message_id,
     encode_properties,
     message_id_offset,
-    records_py,
     scan_records,
 )
 from rocketmq_remoting.pull_frames import PullFrames
@@ -455,29 +453,3 @@ def test_light_queue_offsets_read_java_longs_only() -> None:
     }
     rec = MessageRecord("t", b"", 0, 0, 0, 0, 0, 0, 0, ("h", 1), ("h", 2), 0, props)
     assert rec.light_queue_offsets() == {"%LMQ%a": -4, "%LMQ%e": 12}
-
-
-def test_a_found_pull_answer_reads_the_same_by_either_path() -> None:
-    """pull_result's FOUND-with-`wanted` answer (a tail's, read without the generic layers)
-    gives what the generic path gives; one lacking an offset falls back to it (0 for the
-    missing), and the other codes still raise their typed errors."""
-    props = "INNER_MULTI_DISPATCH\x01%LMQ%a\x02INNER_MULTI_QUEUE_OFFSET\x013\x02"
-    body = _record(MAGIC_V1, "mqtt", b"one", props, phys=100) + _record(
-        MAGIC_V1, "mqtt", b"two", props.replace("%LMQ%a", "%LMQ%z"), phys=200
-    )
-    fields = {"nextBeginOffset": "9", "minOffset": "1", "maxOffset": "9"}
-
-    def found(ext: dict[str, str], code: int = ResponseCode.SUCCESS) -> RemotingCommand:
-        return RemotingCommand(code=code, flag=FLAG_RESPONSE, ext_fields=ext, body=body)
-
-    res = pull_result(found(fields), "b:1", {"%LMQ%a"}, True)
-    assert (res.code, res.next_begin_offset, res.min_offset, res.max_offset) == (0, 9, 1, 9)
-    assert [r.body for r in res.messages] == [b"one"] and res.last_commitlog_offset == 200
-    assert res.messages[0].properties == records_py(body, True, {"%LMQ%a"})[0][0].properties
-    lacking = pull_result(found({"nextBeginOffset": "9", "maxOffset": "null"}), "b:1", {"x"}, True)
-    assert (lacking.next_begin_offset, lacking.min_offset, lacking.max_offset) == (9, 0, 0)
-    assert lacking.messages == [] and lacking.last_commitlog_offset == 200
-    with pytest.raises(OffsetMovedError):
-        pull_result(found(fields, ResponseCode.PULL_OFFSET_MOVED), "b:1", {"%LMQ%a"}, True)
-    with pytest.raises(BrokerError):
-        pull_result(found(fields, ResponseCode.SYSTEM_ERROR), "b:1", {"%LMQ%a"}, True)
