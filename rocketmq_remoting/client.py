@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
-from typing import Final
 
 from rocketmq_remoting import headers
 from rocketmq_remoting.codes import (
@@ -41,7 +40,7 @@ from rocketmq_remoting.message import (
     decode_records,
     dispatch_property,
     encode_properties,
-    records,
+    scan_records,
 )
 from rocketmq_remoting.pull_frames import PullFrames
 from rocketmq_remoting.route import ClusterInfo, TopicRoute
@@ -59,8 +58,6 @@ HOLD_CHECK_S = 5.0
 PULL_TEMPLATES = 1024
 #: The sys flag of a held pull without commit (`held_pull`).
 _HELD_PULL = PULL_SUBSCRIPTION | PULL_SUSPEND
-#: A pull's FOUND (a plain int: compared once per answer).
-_FOUND: Final = int(ResponseCode.SUCCESS)
 
 
 @dataclass(slots=True)
@@ -125,20 +122,6 @@ def pull_result(
     answer: RemotingCommand, broker_addr: str, wanted: Container[str] | None, check_crc: bool
 ) -> PullResult:
     """A PULL_MESSAGE answer as `RemotingClient.pull` returns it (see there), or raised."""
-    code = answer.code
-    if code == _FOUND and wanted is not None:
-        # The common answer (a tail's, hundreds a second) without the generic layers below:
-        # the broker always sets the three offsets on FOUND; if not, the generic path reads it.
-        fields = answer.ext_fields
-        try:
-            next_begin = int(fields["nextBeginOffset"])
-            min_offset = int(fields["minOffset"])
-            max_offset = int(fields["maxOffset"])
-        except (KeyError, ValueError):
-            pass
-        else:
-            messages, last = records(answer.body, check_crc, wanted)
-            return PullResult(code, next_begin, min_offset, max_offset, messages, last)
     next_begin = _int(answer, "nextBeginOffset")
     min_offset = _int(answer, "minOffset")
     max_offset = _int(answer, "maxOffset")
@@ -160,7 +143,7 @@ def pull_result(
     if wanted is None:
         messages = list(decode_records(answer.body, check_crc))
         return PullResult(answer.code, next_begin, min_offset, max_offset, messages)
-    messages, last = records(answer.body, check_crc, wanted)
+    messages, last = scan_records(answer.body, wanted, check_crc)
     return PullResult(answer.code, next_begin, min_offset, max_offset, messages, last)
 
 

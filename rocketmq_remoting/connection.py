@@ -21,9 +21,8 @@ A caller that sends many requests at once (a producer's sends of one loop turn) 
 coroutine per request: ``next_opaque`` + ``expect`` + ``write`` queue a frame it encoded itself
 and register a callback, called once per request with its opaque and the answer or the
 RemotingError that ended the wait (connection lost, or ``expire`` when the caller's own timer
-ran out); ``send_next`` does the three in one call. A batch takes ``reserve_opaques(n)`` (n
-consecutive opaques), writes its frames at once and registers one callback for all of them
-with ``expect_all``.
+ran out). A batch takes ``reserve_opaques(n)`` (n consecutive opaques), writes its frames at
+once and registers one callback for all of them with ``expect_all``.
 """
 
 from __future__ import annotations
@@ -173,21 +172,6 @@ class Connection(asyncio.Protocol):
         if self._closed:
             raise RemotingClosedError(self.addr, self._close_reason)
         self._callbacks[opaque] = callback
-
-    def send_next(
-        self, make: Callable[[int, int], bytes], arg: int, callback: AnswerCallback
-    ) -> int:
-        """`next_opaque`, `expect` and `write` in one call (a held pull's, once per answer):
-        the frame `make(opaque, arg)` queued and `callback` registered for its answer; its
-        opaque, or -1, nothing sent, when the connection is closed."""
-        if self._closed:
-            return -1
-        self._opaque = opaque = (self._opaque + 1) & 0x7FFFFFFF
-        self._callbacks[opaque] = callback
-        if not self._out:
-            self._loop.call_soon(self._flush_out)
-        self._out.append(make(opaque, arg))
-        return opaque
 
     def expect_all(self, first: int, count: int, callback: AnswerCallback) -> None:
         """`expect` for the `count` requests of opaques `first` on (`reserve_opaques`), one

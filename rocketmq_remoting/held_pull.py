@@ -13,10 +13,8 @@ so that a pull costs only its offset and opaque:
                far inside their wait, so the timer fires about once per wait, not per pull
                (a call_later and its cancel per pull were the tail's largest fixed cost)
 
-`send(offset)` writes the pull on the broker's open connection (the last pull's while it is
-open: the client replaces a broker's connection only once it is closed) and returns False,
-nothing sent, when there is none (the caller then pulls with `RemotingClient.pull`, which opens
-one).
+`send(offset)` writes the pull on the broker's open connection and returns False, nothing sent,
+when there is none (the caller then pulls with `RemotingClient.pull`, which opens one).
 `answered` gets, once per pull sent, its PullResult or the RemotingError that ended it
 (OffsetMovedError included, the connection lost, no answer in time). At most one pull is in
 flight: `send` is called again only after its answer.
@@ -49,8 +47,7 @@ class HeldPull(Generic[R]):
         "_client",
         "_conn",
         "_deadline",
-        "_frame",
-        "_last",
+        "_frames",
         "_loop",
         "_opaque",
         "_parse",
@@ -71,15 +68,13 @@ class HeldPull(Generic[R]):
     ) -> None:
         self._client = client
         self._addr = broker_addr
-        self._frame = frames.frame  # bound once: made per pull
+        self._frames = frames
         self._answered = answered
         self._wait = wait  # how long a pull is waited for (its hold, then the request timeout)
         self._wanted = wanted
         self._parse = parse
         self._loop = asyncio.get_running_loop()
         self._conn: Connection | None = None  # where the pull in flight went (None: none)
-        #: Where the last pull went: the next goes there while it is open, with no look-up.
-        self._last: Connection | None = None
         self._opaque = 0
         self._deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -92,18 +87,12 @@ class HeldPull(Generic[R]):
     def send(self, offset: int) -> bool:
         """The held pull from `offset`, written now on the broker's open connection; False,
         nothing sent, when there is none."""
-        conn = self._last
-        opaque = -1 if conn is None else conn.send_next(self._frame, offset, self._on_answer)
-        if opaque < 0:
-            # The first pull, or the connection the last went on is closed: the broker's open
-            # connection now, if any (a closed one is never the client's again).
-            conn = self._last = self._client.open_broker_connection(self._addr)
-            if conn is None:
-                return False
-            opaque = conn.send_next(self._frame, offset, self._on_answer)
-            if opaque < 0:
-                return False
-        self._opaque = opaque
+        conn = self._client.open_broker_connection(self._addr)
+        if conn is None:
+            return False
+        self._opaque = opaque = conn.next_opaque()
+        conn.expect(opaque, self._on_answer)
+        conn.write(self._frames.frame(opaque, offset))
         self._conn = conn
         self._client.held_pulls += 1
         self._deadline = deadline = self._loop.time() + self._wait

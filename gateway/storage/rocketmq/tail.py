@@ -137,8 +137,7 @@ class ParentTail:
     def _took(self, res: PullResult) -> None:
         """An answer: the next pull written (by callback), then its records handed out in
         the loop's next step, after the next pull's frame left (its write was queued first)."""
-        found = res.found
-        if found:
+        if res.found:
             self.offset = max(self.offset, res.next_begin_offset)
         else:
             log.debug(
@@ -148,7 +147,7 @@ class ParentTail:
             back = self._back
             if back is not None and not back.done():
                 back.set_result(None)  # no open connection: `run` pulls (and reconnects)
-        if found:
+        if res.found:
             self._loop.call_soon(self._hand_out, res.messages, res.last_commitlog_offset)
 
     def _answered(self, res: PullResult | RemotingError) -> None:
