@@ -64,6 +64,9 @@ records: memory for the keys only), write ``G.snapshot.tmp``, fsync, rename to
 ``G.snapshot`` (the atomic step), fsync the directory, delete the files below G. A crash
 before the rename leaves the old files authoritative. ``needs_compaction()`` says when the
 logs since the snapshot outweigh it, which bounds recovery to about twice the live state.
+``compact(child=True)`` has a child process write ``G.snapshot.tmp`` (the reads and the
+encoding, all of the compaction's CPU) and does the rest: a process serving an event loop
+compacts without its threads taking turns for the GIL with the loop.
 
 Compaction never holds the GIL long, so the event loop of the process keeps its pace: its
 Python loops are interrupted by the interpreter's switch interval anyway, but one C call over
@@ -77,6 +80,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -92,7 +97,7 @@ from store.atomicfile import (
     unlink_durably,
     write_atomic,
 )
-from store.errors import CorruptStoreError, ReadOnlyStoreError, StoreClosedError
+from store.errors import CorruptStoreError, ReadOnlyStoreError, StoreClosedError, StoreError
 
 STATE_DIR: Final = "state"
 STATE_MAGIC: Final = b"LMQSTAT1"
@@ -494,9 +499,11 @@ class StateLog:
             self._logs > COMPACT_MAX_LOGS
         )
 
-    def compact(self, step: Callable[[], object] = give_way) -> None:
+    def compact(self, step: Callable[[], object] = give_way, *, child: bool = False) -> None:
         """Rewrite the live state as a snapshot and drop the files it covers (blocking).
-        `step` is called every COMPACT_STEP records (default: give the GIL away)."""
+        `step` is called every COMPACT_STEP records (default: give the GIL away); with
+        `child`, a child process writes the snapshot (write_snapshot_in_child) and this
+        thread only waits for it."""
         with self._compact_lock:
             # The sync lock first (the order sync() takes them in): no fsync of a closed fd.
             with self._sync_lock, self._lock:
@@ -517,28 +524,12 @@ class StateLog:
             snap, logs = _files(d)
             covered = [d / _name(snap, SNAPSHOT_SUFFIX)] if snap is not None else []
             covered += [p for g, p in logs if g < generation]
+            tmp = d / (_name(generation, SNAPSHOT_SUFFIX) + TMP_SUFFIX)
             try:
-                # Two passes, so only the keys are held, not every value: the index of each
-                # key's newest record, then the records that are their key's newest (puts).
-                shards: list[dict[str, int]] = [{} for _ in range(INDEX_SHARDS)]
-                mask = INDEX_SHARDS - 1
-                for i, (key, _) in enumerate(read_state_records_of(covered)):
-                    shards[hash(key) & mask][key] = i
-                    if i % COMPACT_STEP == 0:
-                        step()
-
-                def live() -> Iterator[tuple[str, bytes]]:
-                    for i, (key, value) in enumerate(read_state_records_of(covered)):
-                        if i % COMPACT_STEP == 0:
-                            step()
-                        if value is not None and shards[hash(key) & mask][key] == i:
-                            yield key, value
-
-                tmp = d / (_name(generation, SNAPSHOT_SUFFIX) + TMP_SUFFIX)
-                size = self._write_file(tmp, live())
-                while shards:
-                    shards.pop()  # one small dict freed at a time
-                    step()
+                if child:
+                    size = write_snapshot_in_child(covered, tmp)
+                else:
+                    size = write_snapshot(covered, tmp, step)
             except BaseException:
                 with self._lock:
                     self._log_bytes += log_bytes_before
@@ -546,19 +537,6 @@ class StateLog:
             replace_durably(tmp, d / _name(generation, SNAPSHOT_SUFFIX))
             unlink_durably(covered)
             self._snapshot_bytes = size
-
-    @staticmethod
-    def _write_file(path: Path, records: Iterable[tuple[str, bytes]]) -> int:
-        with open(path, "wb", buffering=_READ_CHUNK) as f:
-            f.write(STATE_MAGIC)
-            size = len(STATE_MAGIC)
-            for key, value in records:
-                rec = encode_record(key, value)
-                f.write(rec)
-                size += len(rec)
-            f.flush()
-            os.fsync(f.fileno())
-        return size
 
     def close(self) -> None:
         with self._sync_lock, self._lock:
@@ -575,6 +553,94 @@ class StateLog:
             self._synced = self._written
             path = self.directory / _name(self._generation, LOG_SUFFIX)
             write_atomic(self.directory / CLEAN_FILE, f"{path.name} {size}\n".encode())
+
+
+def write_snapshot(covered: Sequence[Path], tmp: Path, step: Callable[[], object]) -> int:
+    """Every live record of `covered` (a snapshot first, then sealed logs, in order) into
+    `tmp`, fsynced; returns its size. Two passes, so only the keys are held, not every value:
+    the index of each key's newest record, then the records that are their key's newest
+    (puts). `step` is called every COMPACT_STEP records read and per index shard freed."""
+    shards: list[dict[str, int]] = [{} for _ in range(INDEX_SHARDS)]
+    mask = INDEX_SHARDS - 1
+    for i, (key, _) in enumerate(read_state_records_of(covered)):
+        shards[hash(key) & mask][key] = i
+        if i % COMPACT_STEP == 0:
+            step()
+
+    def live() -> Iterator[tuple[str, bytes]]:
+        for i, (key, value) in enumerate(read_state_records_of(covered)):
+            if i % COMPACT_STEP == 0:
+                step()
+            if value is not None and shards[hash(key) & mask][key] == i:
+                yield key, value
+
+    size = _write_file(tmp, live())
+    while shards:
+        shards.pop()  # one small dict freed at a time
+        step()
+    return size
+
+
+def _write_file(path: Path, records: Iterable[tuple[str, bytes]]) -> int:
+    with open(path, "wb", buffering=_READ_CHUNK) as f:
+        f.write(STATE_MAGIC)
+        size = len(STATE_MAGIC)
+        for key, value in records:
+            rec = encode_record(key, value)
+            f.write(rec)
+            size += len(rec)
+        f.flush()
+        os.fsync(f.fileno())
+    return size
+
+
+def _no_step() -> None:
+    """A child process writing a snapshot has no event loop to give way to."""
+
+
+#: The child's program: its arguments are the snapshot's temporary path, then `covered`.
+_CHILD_PROGRAM: Final = (
+    "import sys; from store.statelog import snapshot_main; snapshot_main(sys.argv[1:])"
+)
+
+
+def write_snapshot_in_child(covered: Sequence[Path], tmp: Path) -> int:
+    """write_snapshot in a child process, so the reading, decoding and encoding of every
+    record run beside this process's threads instead of taking turns with them for the GIL
+    (an event loop waits for the GIL at each callback while a thread of its own process
+    compacts). The files it reads are sealed and the snapshot is only made live by the
+    caller's rename, so a child that dies leaves the old files authoritative, as a crash
+    does. Raises StoreError when the child fails."""
+    root = str(Path(__file__).resolve().parent.parent)  # where `store` is importable from
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD_PROGRAM, str(tmp), *(str(p) for p in covered)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        check=False,
+    )
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        reason = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+        raise StoreError(f"state snapshot child exited {done.returncode}: {reason[0]}")
+    return tmp.stat().st_size
+
+
+def snapshot_main(argv: Sequence[str]) -> None:
+    """The child of write_snapshot_in_child: `argv` = [tmp, *covered]. Background work at
+    the lowest priority (batch scheduling, nice 19, out of a real-time class its parent may
+    run in): it takes the CPU the event loop leaves, not the loop's share of a busy host.
+    Nothing waits for it but the next compaction."""
+    if hasattr(os, "sched_setscheduler"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError:
+            pass
+    os.nice(19)
+    write_snapshot([Path(p) for p in argv[1:]], Path(argv[0]), _no_step)
 
 
 def read_state_records_of(paths: Sequence[Path]) -> Iterator[StateRecord]:

@@ -410,9 +410,10 @@ class MessageStore:
     def state_needs_compaction(self) -> bool:
         return self.state is not None and self.state.needs_compaction()
 
-    def rewrite_state(self) -> None:
-        """Compact the state log into a snapshot (blocking: run it in a thread)."""
-        self._state_log().compact()
+    def rewrite_state(self, *, child: bool = False) -> None:
+        """Compact the state log into a snapshot (blocking: run it in a thread); with
+        `child`, its snapshot is written by a child process (statelog.py)."""
+        self._state_log().compact(child=child)
 
     # =========================================================================================
     # config files

@@ -8,6 +8,7 @@ log's fsync and compacting it, in worker threads so the event loop keeps serving
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,11 @@ class EmbeddedStorage(MessageStore):
             return
         if self._compacting is not None and not self._compacting.done():
             return
-        fut = asyncio.get_running_loop().run_in_executor(None, self.rewrite_state)
+        # The snapshot is written by a child process: a thread of this one would take turns
+        # with the event loop for the GIL at every callback (store/statelog.py).
+        fut = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.rewrite_state, child=True)
+        )
         self._compacting = fut
         await fut
 

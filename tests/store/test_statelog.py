@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
 import pytest
 
-from store import CorruptStoreError, StateLog, read_state, read_state_records
+from store import CorruptStoreError, StateLog, StoreError, read_state, read_state_records
 from store.statelog import (
     COMPACT_MAX_LOGS,
     HEAD_SIZE,
@@ -171,14 +172,15 @@ def test_damage_in_a_sealed_log_is_an_error_not_a_silent_loss(tmp_path: Path) ->
         read_state(d)
 
 
-def test_compaction_keeps_the_live_state_and_drops_history(tmp_path: Path) -> None:
+@pytest.mark.parametrize("child", [False, True])
+def test_compaction_keeps_the_live_state_and_drops_history(tmp_path: Path, child: bool) -> None:
     d = tmp_path / "s"
     log = StateLog.open(d)
     for i in range(1000):
         log.append([(f"k{i % 10}", str(i).encode()), (f"gone{i}", b"x")])
         log.append([(f"gone{i}", None)])
     before = log.written
-    log.compact()
+    log.compact(child=child)
     log.append([("k0", b"new")])
     files = sorted(p.name for p in d.iterdir())
     assert [f.split(".", 1)[1] for f in files] == ["log", "snapshot"]
@@ -224,7 +226,8 @@ def test_compaction_crashed_after_its_rename_leaves_the_snapshot_authoritative(
     assert read_state(d) == {"a": b"1", "c": b"3"}
 
 
-def test_appends_during_a_compaction_are_kept(tmp_path: Path) -> None:
+@pytest.mark.parametrize("child", [False, True])
+def test_appends_during_a_compaction_are_kept(tmp_path: Path, child: bool) -> None:
     d = tmp_path / "s"
     log = StateLog.open(d)
     for i in range(20_000):
@@ -233,7 +236,7 @@ def test_appends_during_a_compaction_are_kept(tmp_path: Path) -> None:
 
     def compact() -> None:
         try:
-            log.compact()
+            log.compact(child=child)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -246,6 +249,44 @@ def test_appends_during_a_compaction_are_kept(tmp_path: Path) -> None:
     assert not errors
     log.close()
     assert read_state(d) == {f"k{i % 5000}": f"v{i}".encode() for i in range(25_000, 30_000)}
+
+
+def test_a_compaction_in_a_child_reads_and_writes_there(tmp_path: Path) -> None:
+    # The records' reading, decoding and encoding run in a child process (its CPU is a
+    # waited-for child's), not in a thread that takes turns with an event loop for the GIL.
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    for i in range(50_000):
+        log.append([(f"k{i % 500}", b"%d" % i)])
+    before = os.times()
+    log.compact(child=True)
+    after = os.times()
+    assert after.children_user + after.children_system > (
+        before.children_user + before.children_system
+    )
+    log.close()
+    assert read_state(d) == {f"k{i % 500}": b"%d" % i for i in range(49_500, 50_000)}
+
+
+def test_a_compaction_child_that_fails_leaves_the_old_files_authoritative(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    log.append([("a", b"1"), ("b", b"2")])
+    (sealed,) = _logs(d)
+    log.sync()
+    # Damage in a sealed log: the child's read of it fails (CorruptStoreError there).
+    with open(sealed, "r+b") as f:
+        f.seek(len(STATE_MAGIC) + 1)
+        f.write(b"\xff")
+    with pytest.raises(StoreError, match="snapshot child exited"):
+        log.compact(child=True)
+    assert not list(d.glob("*.tmp")) and not list(d.glob("*.snapshot"))
+    assert sealed.exists() and log.needs_compaction() is False
+    log.append([("c", b"3")])
+    log.close()
+    assert _logs(d)[0] == sealed
 
 
 def test_needs_compaction_after_many_reopenings(tmp_path: Path) -> None:
