@@ -594,11 +594,21 @@ def _write_file(path: Path, records: Iterable[tuple[str, bytes]]) -> int:
     return size
 
 
-def _no_step() -> None:
-    """A child process writing a snapshot has no event loop to give way to."""
+class _ParentWatch:
+    """The `step` of a child writing a snapshot: it has no event loop to give way to, and it
+    ends (exit 1, the .tmp left to the next open) once its parent is gone (a gateway killed
+    mid-compaction leaves no orphan reading its files and burning CPU)."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+
+    def __call__(self) -> None:
+        if os.getppid() != self.parent:
+            os._exit(1)
 
 
-#: The child's program: its arguments are the snapshot's temporary path, then `covered`.
+#: The child's program: its arguments are the parent's pid, the snapshot's temporary path,
+#: then `covered`.
 _CHILD_PROGRAM: Final = (
     "import sys; from store.statelog import snapshot_main; snapshot_main(sys.argv[1:])"
 )
@@ -615,7 +625,8 @@ def write_snapshot_in_child(covered: Sequence[Path], tmp: Path) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD_PROGRAM, str(tmp), *(str(p) for p in covered)],
+        [sys.executable, "-c", _CHILD_PROGRAM, str(os.getpid()), str(tmp)]
+        + [str(p) for p in covered],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -630,17 +641,17 @@ def write_snapshot_in_child(covered: Sequence[Path], tmp: Path) -> int:
 
 
 def snapshot_main(argv: Sequence[str]) -> None:
-    """The child of write_snapshot_in_child: `argv` = [tmp, *covered]. Background work at
-    the lowest priority (batch scheduling, nice 19, out of a real-time class its parent may
-    run in): it takes the CPU the event loop leaves, not the loop's share of a busy host.
-    Nothing waits for it but the next compaction."""
+    """The child of write_snapshot_in_child: `argv` = [parent pid, tmp, *covered].
+    Background work at the lowest priority (batch scheduling, nice 19, out of a real-time
+    class its parent may run in): it takes the CPU the event loop leaves, not the loop's
+    share of a busy host; only the next compaction and a stop wait for it."""
     if hasattr(os, "sched_setscheduler"):
         try:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         except OSError:
             pass
     os.nice(19)
-    write_snapshot([Path(p) for p in argv[1:]], Path(argv[0]), _no_step)
+    write_snapshot([Path(p) for p in argv[2:]], Path(argv[1]), _ParentWatch(int(argv[0])))
 
 
 def read_state_records_of(paths: Sequence[Path]) -> Iterator[StateRecord]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -287,6 +289,19 @@ def test_a_compaction_child_that_fails_leaves_the_old_files_authoritative(
     log.append([("c", b"3")])
     log.close()
     assert _logs(d)[0] == sealed
+
+
+def test_a_compaction_child_ends_once_its_parent_is_gone() -> None:
+    # Its step (every COMPACT_STEP records) checks the parent: the same one goes on, another
+    # (the parent died and the child was re-parented) exits 1 at once.
+    program = (
+        "import os, sys; from store.statelog import _ParentWatch; "
+        "_ParentWatch(os.getppid() + int(sys.argv[1]))(); print('on')"
+    )
+    kept = subprocess.run([sys.executable, "-c", program, "0"], capture_output=True, check=False)
+    assert (kept.returncode, kept.stdout.strip()) == (0, b"on")
+    gone = subprocess.run([sys.executable, "-c", program, "1"], capture_output=True, check=False)
+    assert (gone.returncode, gone.stdout) == (1, b"")
 
 
 def test_needs_compaction_after_many_reopenings(tmp_path: Path) -> None:
