@@ -305,6 +305,7 @@ class StateLog:
         self._lock = threading.Lock()  # file switch and the written counter
         self._sync_lock = threading.Lock()  # one fsync at a time: the others ride on it
         self._compact_lock = threading.Lock()
+        self._child: subprocess.Popen[bytes] | None = None  # a compaction's snapshot child
         self._fd: int | None = None
         self._generation = 0
         self._end = 0  # the current log's end of appends (its size but for the zero tail)
@@ -502,7 +503,7 @@ class StateLog:
     def compact(self, step: Callable[[], object] = give_way, *, child: bool = False) -> None:
         """Rewrite the live state as a snapshot and drop the files it covers (blocking).
         `step` is called every COMPACT_STEP records (default: give the GIL away); with
-        `child`, a child process writes the snapshot (write_snapshot_in_child) and this
+        `child`, a child process writes the snapshot (start_snapshot_child) and this
         thread only waits for it."""
         with self._compact_lock:
             # The sync lock first (the order sync() takes them in): no fsync of a closed fd.
@@ -527,7 +528,7 @@ class StateLog:
             tmp = d / (_name(generation, SNAPSHOT_SUFFIX) + TMP_SUFFIX)
             try:
                 if child:
-                    size = write_snapshot_in_child(covered, tmp)
+                    size = self._snapshot_in_child(covered, tmp)
                 else:
                     size = write_snapshot(covered, tmp, step)
             except BaseException:
@@ -538,11 +539,26 @@ class StateLog:
             unlink_durably(covered)
             self._snapshot_bytes = size
 
+    def _snapshot_in_child(self, covered: Sequence[Path], tmp: Path) -> int:
+        """write_snapshot in a child process that close() kills (a stop does not wait for a
+        background compaction at nice 19)."""
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("state log is closed")
+            child = self._child = start_snapshot_child(covered, tmp)
+        try:
+            return finish_snapshot_child(child, tmp)
+        finally:
+            with self._lock:
+                self._child = None
+
     def close(self) -> None:
         with self._sync_lock, self._lock:
             if self._closed:
                 return
             self._closed = True
+            if self._child is not None:
+                self._child.kill()  # its compaction fails; the old files stay authoritative
             fd, self._fd = self._fd, None
             if fd is not None:
                 self._cut_zero_tail(fd)
@@ -614,34 +630,39 @@ _CHILD_PROGRAM: Final = (
 )
 
 
-def write_snapshot_in_child(covered: Sequence[Path], tmp: Path) -> int:
-    """write_snapshot in a child process, so the reading, decoding and encoding of every
-    record run beside this process's threads instead of taking turns with them for the GIL
-    (an event loop waits for the GIL at each callback while a thread of its own process
-    compacts). The files it reads are sealed and the snapshot is only made live by the
-    caller's rename, so a child that dies leaves the old files authoritative, as a crash
-    does. Raises StoreError when the child fails."""
+def start_snapshot_child(covered: Sequence[Path], tmp: Path) -> subprocess.Popen[bytes]:
+    """Start write_snapshot in a child process (finish_snapshot_child waits for it), so the
+    reading, decoding and encoding of every record run beside this process's threads instead
+    of taking turns with them for the GIL (an event loop waits for the GIL at each callback
+    while a thread of its own process compacts). The files it reads are sealed and the
+    snapshot is only made live by the caller's rename, so a child that dies leaves the old
+    files authoritative, as a crash does."""
     root = str(Path(__file__).resolve().parent.parent)  # where `store` is importable from
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    done = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", _CHILD_PROGRAM, str(os.getpid()), str(tmp)]
         + [str(p) for p in covered],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        check=False,
     )
-    if done.returncode != 0:
+
+
+def finish_snapshot_child(child: subprocess.Popen[bytes], tmp: Path) -> int:
+    """Wait for a snapshot child; the snapshot's size, or StoreError (its .tmp removed) when
+    the child failed or was killed."""
+    _, err = child.communicate()
+    if child.returncode != 0:
         tmp.unlink(missing_ok=True)
-        reason = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
-        raise StoreError(f"state snapshot child exited {done.returncode}: {reason[0]}")
+        reason = err.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+        raise StoreError(f"state snapshot child exited {child.returncode}: {reason[0]}")
     return tmp.stat().st_size
 
 
 def snapshot_main(argv: Sequence[str]) -> None:
-    """The child of write_snapshot_in_child: `argv` = [parent pid, tmp, *covered].
+    """The child of start_snapshot_child: `argv` = [parent pid, tmp, *covered].
     Background work at the lowest priority (batch scheduling, nice 19, out of a real-time
     class its parent may run in): it takes the CPU the event loop leaves, not the loop's
     share of a busy host; only the next compaction and a stop wait for it."""

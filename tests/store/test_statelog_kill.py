@@ -1,5 +1,5 @@
 """SIGKILL of a process while its state log compacts in a child (store/statelog.py
-``compact(child=True)``): the child ends, and the state reopens whole."""
+``compact(child=True)``), or a close meanwhile: the child ends, and the state reopens whole."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from store import StateLog, read_state
+from store import StateLog, StoreError, read_state
 from store.statelog import STATE_MAGIC, encode_record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,4 +78,36 @@ def test_sigkill_while_a_child_compacts_loses_nothing_and_leaves_no_child(
     log = StateLog.open(d)
     log.close()
     assert not list(d.glob("*.tmp"))
+    assert read_state(d) == {f"k{n}": b"%d:%d" % (ROUNDS - 1, n) for n in range(KEYS)}
+
+
+def test_close_during_a_child_compaction_ends_the_child_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    # A stop does not wait for a background compaction: close() kills the child, the
+    # compaction fails (StoreError), the files it would have replaced stay authoritative.
+    d = tmp_path / "state"
+    log = StateLog.open(d)
+    for r in range(ROUNDS):
+        log.append([(f"k{n}", b"%d:%d" % (r, n)) for n in range(KEYS)])
+    errors: list[BaseException] = []
+
+    def compact() -> None:
+        try:
+            log.compact(child=True)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=compact)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not _snapshot_children(d) and time.monotonic() < deadline and t.is_alive():
+        time.sleep(0.001)
+    assert _snapshot_children(d), "no snapshot child seen"
+    log.close()
+    t.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], StoreError), errors
+    assert not _snapshot_children(d)
+    assert not list(d.glob("*.tmp")) and not list(d.glob("*.snapshot"))
+    StateLog.open(d).close()
     assert read_state(d) == {f"k{n}": b"%d:%d" % (ROUNDS - 1, n) for n in range(KEYS)}
