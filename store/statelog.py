@@ -68,12 +68,14 @@ logs since the snapshot outweigh it, which bounds recovery to about twice the li
 encoding, all of the compaction's CPU) and does the rest: a process serving an event loop
 compacts without its threads taking turns for the GIL with the loop.
 
-Compaction never holds the GIL long, so the event loop of the process keeps its pace: its
-Python loops are interrupted by the interpreter's switch interval anyway, but one C call over
+An in-process compaction never holds the GIL long, so the process's event loop keeps its
+pace: its Python loops are interrupted by the switch interval anyway, but one C call over
 the whole index is not (growing a dict of a million keys copies it whole; freeing it frees a
 million strings). So the index is split in INDEX_SHARDS dicts by the key's hash (each grows
 and is freed in small steps), and every COMPACT_STEP records the compaction calls its `step`
 hook, which by default gives the GIL away (``time.sleep(0)``) to whichever thread waits.
+Short holds still cost a loop that takes the GIL back at every callback (uvloop does) a wait
+each, up to the switch interval: that is what ``child=True`` removes.
 """
 
 from __future__ import annotations
