@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from gateway.delivery.arrivals import ArrivalHub
+from gateway.delivery.arrivals import ArrivalHub, table_add, table_discard
 from gateway.storage.port import FLAG_CLEAN, FLAG_CLOSED, FLAG_SHARED, AccountRecord, AccountWriter
 
 if TYPE_CHECKING:
@@ -113,17 +113,9 @@ class DeliveryAccount:
         subscriptions started at their queues' ends)."""
         if not session.persistent:
             return
-        offline = self._offline
-        arrivals = self._arrivals
         for queue in session.by_queue:
-            found = offline.get(queue)
-            if found is None:
-                offline[queue] = session
-                arrivals.watch(queue, self)
-            elif isinstance(found, set):
-                found.add(session)
-            elif found is not session:
-                offline[queue] = {found, session}
+            if table_add(self._offline, queue, session):
+                self._arrivals.watch(queue, self)
         if owes:
             self._look[session.client_id] = session
 
@@ -137,15 +129,8 @@ class DeliveryAccount:
             self._unwatch(queue, session)
 
     def _unwatch(self, queue: str, session: Session) -> None:
-        offline = self._offline
-        found = offline.get(queue)
-        if found is session:
-            del offline[queue]
+        if table_discard(self._offline, queue, session):
             self._arrivals.unwatch(queue, self)
-        elif isinstance(found, set):
-            found.discard(session)
-            if len(found) == 1:
-                offline[queue] = next(iter(found))
 
     def behind(self, session: Session) -> None:
         """`session`'s delivery loop left something unsent (once per such pass)."""

@@ -14,7 +14,37 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def table_add(table: dict[K, V | set[V]], key: K, value: V) -> bool:
+    """Add `value` under `key` of a table that maps a key to its one value itself, and to a
+    set only once a second one comes (see ArrivalHub). True when `key` is new."""
+    found = table.get(key)
+    if found is None:
+        table[key] = value
+        return True
+    if isinstance(found, set):
+        found.add(value)
+    elif found is not value:
+        table[key] = {found, value}
+    return False
+
+
+def table_discard(table: dict[K, V | set[V]], key: K, value: V) -> bool:
+    """Remove `value` from under `key` (table_add's layout). True when `key` is gone."""
+    found = table.get(key)
+    if found is value:
+        del table[key]
+        return True
+    if isinstance(found, set):
+        found.discard(value)
+        if len(found) == 1:
+            table[key] = next(iter(found))
+    return False
 
 
 class Watcher(Protocol):
@@ -42,22 +72,10 @@ class ArrivalHub:
         self.sampler: Watcher | None = None
 
     def watch(self, queue: str, watcher: Watcher) -> None:
-        found = self._waiters.get(queue)
-        if found is None:
-            self._waiters[queue] = watcher
-        elif isinstance(found, set):
-            found.add(watcher)
-        elif found is not watcher:
-            self._waiters[queue] = {found, watcher}
+        table_add(self._waiters, queue, watcher)
 
     def unwatch(self, queue: str, watcher: Watcher) -> None:
-        found = self._waiters.get(queue)
-        if found is watcher:
-            del self._waiters[queue]
-        elif isinstance(found, set):
-            found.discard(watcher)
-            if len(found) == 1:
-                self._waiters[queue] = next(iter(found))
+        table_discard(self._waiters, queue, watcher)
 
     def watchers(self, queue: str) -> int:
         """How many delivery loops (or shared groups) read `queue` now."""
