@@ -13,8 +13,8 @@
  * Every field below is read and written under `mu` (the thread's and the loop's); the GIL
  * plays no part. Both sides signal after unlocking `mu` (the condition, the eventfd): the
  * other side, woken while `mu` is still held, would block on it at once and need a second
- * wake-up (two more futex calls per fsync on each side). The object holds a reference to itself while its thread runs; stop() joins
- * the thread and drops it.
+ * wake-up (two more futex calls per fsync on each side). The object holds a reference to
+ * itself while its thread runs; stop() joins the thread and drops it.
  *
  * Built by setup.py as an optional extension; accelerators.load decides whether it runs.
  */

@@ -98,13 +98,14 @@ class GroupCommit:
         fut: asyncio.Future[None] = loop.create_future()
         idle = not self._waiters
         self._waiters.append((position, fut))
-        if idle and not self._scheduled:
-            # Nothing in flight: the fsync starts now, beside the rest of the turn's work.
-            self._request(loop)
-        elif not self._scheduled:
-            # At the end of this loop turn: the other writes of the turn share the fsync.
-            self._scheduled = True
-            loop.call_soon(self._request, loop)
+        if not self._scheduled:
+            if idle:
+                # Nothing in flight: the fsync starts now, beside the rest of the turn's work.
+                self._request(loop)
+            else:
+                # At the end of this loop turn: the other writes of the turn share the fsync.
+                self._scheduled = True
+                loop.call_soon(self._request, loop)
         return fut
 
     def stop(self) -> None:
