@@ -84,7 +84,21 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
         return False
 
 
-def test_max_connections(limited: GatewayHarness, clients: list[Client]) -> None:
+@pytest.fixture
+def three_connections(tmp_path: Path) -> Iterator[GatewayHarness]:
+    """max_connections 3 and a connect timeout far longer than the test: the sockets it holds
+    open without a CONNECT stay open (with `limited`'s 0.5 s they were closed while a loaded
+    host was still opening the others), and a socket closed within seconds was closed by the
+    socket limit, not by the timeout."""
+    h = GatewayHarness(tmp_path / "data", max_connections=3, connect_timeout=60).start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+def test_max_connections(three_connections: GatewayHarness, clients: list[Client]) -> None:
+    limited = three_connections
     for i in range(3):
         c = Client(limited.port, f"c{i}")
         clients.append(c)
