@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rocketmq_remoting import RemotingClient
+from rocketmq_remoting import RemotingClient, RemotingError
 from rocketmq_remoting.admin import wait_for_brokers
 
 HERE = Path(__file__).resolve().parent
@@ -309,11 +309,32 @@ class RocketMQCluster:
 
     def start_broker_again(self, name: str, addr: str, timeout: float = 180.0) -> None:
         """Start stopped broker `name` again on its address and store; returns once it is
-        registered."""
+        registered: once the name server has dropped the stopped process's registration
+        (gone with its connection, within milliseconds; up to 120 s if that connection hangs),
+        then lists the new one. Without the first wait a registration still listed for the
+        stopped process passed for the new one's, which can take seconds more to listen."""
+        self._wait_unregistered(name, timeout)
         conf = self.root / f"{name}.conf"
         self._spawn(name, "org.apache.rocketmq.broker.BrokerStartup", conf)
         self.brokers[name] = addr
         self._wait_registered(name, timeout)
+
+    def _wait_unregistered(self, name: str, timeout: float) -> None:
+        async def unregistered() -> None:
+            deadline = time.monotonic() + timeout
+            async with self.client(connect_timeout=1.0, request_timeout=2.0) as client:
+                while True:
+                    broker = (await client.get_cluster_info()).brokers.get(name)
+                    if broker is None or not broker.master_addr:
+                        return
+                    if time.monotonic() > deadline:
+                        raise RemotingError(f"still registered after {timeout:.0f}s")
+                    await asyncio.sleep(0.05)
+
+        try:
+            asyncio.run(unregistered())
+        except Exception as exc:
+            raise RuntimeError(f"stopped broker {name} stays registered: {exc}") from exc
 
     def _wait_registered(self, name: str, timeout: float) -> None:
         async def registered() -> None:
