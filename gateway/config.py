@@ -178,6 +178,10 @@ class GatewaySettings(BaseSettings):
     # Seconds a starting gateway waits for the name server and its brokers to be registered
     # (logging what it waits for) before it gives up: they usually start together.
     rocketmq_start_timeout: float = Field(default=120.0, ge=0)
+    # Seconds a message send the broker did not take because it was away (connection refused
+    # or lost, no answer, service not available: a broker restarting) is sent again, in order,
+    # before it fails (async mode: an error line, the message lost); 0: it fails at once.
+    rocketmq_send_retry: float = Field(default=30.0, ge=0)
     # The inbound topic (gateway/storage/rocketmq/inbound.py): RocketMQ producers' messages
     # for MQTT subscribers, consumed by the deployment's consumer group (default names:
     # `<rocketmq_topic>-in`, `<rocketmq_topic>-dlq` for the messages that are no publish,

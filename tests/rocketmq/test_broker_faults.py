@@ -163,3 +163,55 @@ def test_an_idle_subscribers_held_pull_never_times_out_across_a_broker_restart(
     finally:
         stop_clients(clients)
         h.stop()
+
+
+def test_messages_acknowledged_while_the_broker_is_away_are_stored_in_order_once_it_is_back(
+    rocketmq: RocketMQCluster,
+    tmp_path: Path,
+    clients: list[Client],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`--flush async` acknowledges a QoS 1 PUBLISH before the broker answers. Messages
+    published while the gateway's broker is down (killed, then started again on its store)
+    are sent again until it is back (sender.py "away"), not logged as lost: the subscriber
+    gets them in order, then one published after the restart. (`rocketmq_send_retry` is set
+    well over a broker's restart on a loaded host: the bound is not what is tested.)"""
+    caplog.set_level(logging.DEBUG, logger="lmqtt.rocketmq")
+    h = GatewayHarness(
+        tmp_path / "data",
+        store="rocketmq",
+        namesrv=rocketmq.namesrv_addr,
+        rocketmq_broker="broker-b",
+        rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
+        rocketmq_send_retry=180.0,
+    ).start()
+    try:
+        sub = Client(h.port, "sub")
+        pub = Client(h.port, "pub")
+        clients.extend([sub, pub])
+        sub.subscribe("away/#", 1)
+        pub.publish("away/0", b"before", 1)
+        sub.wait_messages(1)
+        addr = rocketmq.stop_broker("broker-b", signal.SIGKILL)
+        away = [f"away {i}".encode() for i in range(1, 6)]
+        for i, payload in enumerate(away, 1):
+            pub.publish(f"away/{i}", payload, 1)  # PUBACKed (async mode), the broker down
+        # A send has found the broker away before it is back (sent again; before the resends:
+        # given up as lost at once).
+        wait_until(
+            lambda: any(
+                "sending again" in m or "messages not stored" in m
+                for m in (r.getMessage() for r in list(caplog.records))
+            ),
+            30,
+            "a send finding the broker away",
+        )
+        rocketmq.start_broker_again("broker-b", addr)
+        pub.publish("away/6", b"after", 1)
+        sub.wait_messages(7, 120)
+        assert sub.payloads() == [b"before", *away, b"after"]
+        lost = [r.getMessage() for r in caplog.records if "messages not stored" in r.getMessage()]
+        assert not lost, lost
+    finally:
+        stop_clients(clients)
+        h.stop()

@@ -2,7 +2,8 @@
 
 A batch on an open connection goes as frames from the sender's template (binary header) with
 callbacks, no coroutine per message: the broker must store and index those exactly as it does
-the coroutine path's sends, and a batch whose answers never come fails whole.
+the coroutine path's sends. A batch whose connection drops is sent again on a new connection,
+in order, later sends behind it; with no resends (`resend_s` 0) it fails whole.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ async def client(rocketmq: RocketMQCluster) -> AsyncIterator[RemotingClient]:
         yield c
 
 
-async def _sender(client: RemotingClient, rocketmq: RocketMQCluster) -> tuple[Sender, Counted]:
+async def _sender(
+    client: RemotingClient, rocketmq: RocketMQCluster, resend_s: float = 30.0
+) -> tuple[Sender, Counted]:
     addr = rocketmq.brokers["broker-a"]
     topic = f"lmqtt-send-{uuid.uuid4().hex[:10]}"
     await create_topic(client, addr, topic, queues=1)
     counted = Counted()
-    return Sender(Broker(client, "broker-a", addr, topic), counted, sync=False), counted
+    broker = Broker(client, "broker-a", addr, topic, resend_s=resend_s)
+    return Sender(broker, counted, sync=False), counted
 
 
 async def test_frame_batches_are_stored_and_indexed_like_coroutine_sends(
@@ -88,13 +92,47 @@ async def test_frame_batches_are_stored_and_indexed_like_coroutine_sends(
     assert sender.log_max == got[-1].commitlog_offset + 1
 
 
-async def test_a_frame_batch_whose_connection_drops_fails_whole(
+async def test_a_frame_batch_whose_connection_drops_is_sent_again_in_order(
     client: RemotingClient, rocketmq: RocketMQCluster
 ) -> None:
-    # The frames are written, then the connection is gone before any answer: stored or not,
-    # nothing is acknowledged; the batch's ticket fails (the publishes go to the retry path),
-    # and every send is told answered (None: no offset).
+    # The frames are written, then the connection is gone before any answer: stored or not
+    # (close_nowait writes what is queued first), each is sent again on a new connection, one
+    # at a time in order, and a batch made meanwhile goes after them, not on the frame path.
     sender, counted = await _sender(client, rocketmq)
+    broker = sender._broker
+    await sender.wait_durable(sender.send_batch([("p", ("a/x",), b"first", b"")]))
+    conn = client.open_broker_connection(broker.addr)
+    assert conn is not None
+    ticket = sender.send_batch([("p", ("a/x",), f"m{i}".encode(), b"") for i in range(3)])
+    assert conn.in_flight == 3
+    conn.close_nowait()
+    later = sender.send_batch([("p", ("a/x",), b"later", b"")])
+    await asyncio.wait_for(sender.wait_durable(ticket), 30)
+    await asyncio.wait_for(sender.wait_durable(later), 30)
+    assert len(counted.offsets) == 5 and None not in counted.offsets
+    assert not sender.in_flight_sends() and not sender.in_flight()
+
+    lmq = broker.names.lmq("a/x")
+    bodies: list[bytes] = []
+    offset = 0
+    while b"later" not in bodies:  # dispatch to the light queue follows SEND_OK
+        res = await client.pull(broker.addr, lmq, offset, consumer_group="%LMQ%t")
+        bodies += [m.body for m in res.messages]
+        offset = res.next_begin_offset
+        if not res.messages:
+            await asyncio.sleep(0.05)
+    # The copies sent again and the later batch last, in order; before them "first", and
+    # whatever of the dropped frames the broker had read (a copy each at most).
+    assert bodies[0] == b"first" and bodies[-4:] == [b"m0", b"m1", b"m2", b"later"]
+    assert bodies[1:-4] in ([], [b"m0"], [b"m0", b"m1"], [b"m0", b"m1", b"m2"])
+
+
+async def test_a_frame_batch_whose_connection_drops_fails_whole_without_resends(
+    client: RemotingClient, rocketmq: RocketMQCluster
+) -> None:
+    # `resend_s` 0: stored or not, nothing is acknowledged; the batch's ticket fails (the
+    # publishes go to the retry path), and every send is told answered (None: no offset).
+    sender, counted = await _sender(client, rocketmq, resend_s=0)
     await sender.wait_durable(sender.send_batch([("p", ("a/x",), b"first", b"")]))
     conn = client.open_broker_connection(sender._broker.addr)
     assert conn is not None

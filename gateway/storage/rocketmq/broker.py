@@ -48,6 +48,9 @@ class Broker:
     # native consumers can use (settings.rocketmq_topic_property; gateway/storage/rocketmq/
     # sender.py).
     topic_property: bool = False
+    # Seconds a send the broker did not take while it was away (a restart) is sent again
+    # before it fails (settings.rocketmq_send_retry; gateway/storage/rocketmq/sender.py).
+    resend_s: float = 30.0
     names: LightQueueNames = field(init=False)
 
     def __post_init__(self) -> None:

@@ -19,6 +19,15 @@
              queues of single messages only (CommitLog's batch append assigns no
              INNER_MULTI_QUEUE_OFFSET, so the consume-queue dispatch skips them).
     busy     SYSTEM_BUSY (nothing stored) is retried with backoff, SEND_ATTEMPTS times.
+    away     a send the broker did not take because it was away (connection refused or lost,
+             no answer in time, SERVICE_NOT_AVAILABLE: a broker restarting) is sent again on a
+             new connection, pausing RESEND_FIRST_S doubling to RESEND_MAX_S, until
+             `Broker.resend_s` has passed; then it fails (async mode: logged, the message
+             lost). Resends go one at a time in the order their failures were seen (`_resend`,
+             a FIFO lock), and a send made while any is pending waits for them (a gate, so
+             the coroutine path): order is kept across a broker restart. A message lost with
+             its connection may have been stored: it can be stored twice (QoS 1 allows it).
+             At most HELD_MAX sends wait so; past it a new send fails at once.
     sync     `--flush sync` sends WAIT=true: on a SYNC_FLUSH broker SEND_OK follows the flush.
     counted  every send is told to a SendCounter when it is made and when it is answered (its
              offset in the parent queue, or None): the parent topic's history
@@ -50,8 +59,11 @@ from rocketmq_remoting import (
     BrokerBusyError,
     BrokerError,
     ProtocolError,
+    RemotingClosedError,
     RemotingCommand,
+    RemotingConnectError,
     RemotingError,
+    RemotingTimeoutError,
     RequestCode,
     ResponseCode,
     SendResult,
@@ -74,6 +86,12 @@ from topicmap.rocketmq import EMPTY_BODY_PROPERTY, TOPIC_PROPERTY
 log = logging.getLogger("lmqtt.rocketmq")
 
 SEND_ATTEMPTS = 5  # broker busy (nothing stored): retried with backoff
+#: The pauses between the attempts to resend a message while its broker is away ("away" above).
+RESEND_FIRST_S = 0.1
+RESEND_MAX_S = 1.0
+#: Sends a sender holds behind its resends (memory while its broker is away); past it a new
+#: send fails at once, as it would with no resends.
+HELD_MAX = 50_000
 FAILED_TICKETS_KEPT = 10_000
 #: Light-queue sets whose encoded dispatch property a sender keeps (a route's queues repeat).
 DISPATCH_MEMO = 4096
@@ -98,6 +116,14 @@ def topic_in(block: bytes) -> bytes | None:
 
 #: What a frame-path send was answered: the broker's command, or the error that ended the wait.
 Answer = RemotingCommand | RemotingError
+
+
+def broker_away(exc: RemotingError) -> bool:
+    """Whether a send failed because the broker was not there to take it (so it is sent
+    again, "away" above), rather than refused by it."""
+    if isinstance(exc, BrokerError):
+        return exc.code == ResponseCode.SERVICE_NOT_AVAILABLE
+    return isinstance(exc, RemotingConnectError | RemotingClosedError | RemotingTimeoutError)
 
 
 class SendCounter(Protocol):
@@ -139,6 +165,15 @@ class Sender:
         # One per send (coroutine path) or per batch (frames) not answered yet.
         self._sending: set[asyncio.Future[None]] = set()
         self._coroutine_batches = 0  # in flight: later batches must not overtake them
+        # Sends to be sent again ("away"): counted from their failure on; later sends wait
+        # for `_resent`, resolved when none is left; `_resend` takes them one at a time.
+        # `_away_since`: when the first of them failed (loop time); they fail once
+        # `Broker.resend_s` has passed since, or it is reset by a resend the broker took.
+        self._resending = 0
+        self._resent: asyncio.Future[None] | None = None
+        self._resend = asyncio.Lock()
+        self._away_since: float | None = None
+        self._held = 0  # sends waiting for `_resent`
         self._frames = SendFrames(broker.client.producer_group, broker.topic)
         # Light queues -> the property head of their messages: dispatch, then WAIT.
         self._heads: dict[tuple[str, ...], bytes] = {}
@@ -158,6 +193,7 @@ class Sender:
         ticket = self._ticket
         fut: asyncio.Future[None] = self._loop.create_future()
         self._batches[ticket] = fut
+        gate = self._behind_resends(gate, len(messages))
         conn = None
         if gate is None and not self._coroutine_batches and messages:
             conn = self._broker.client.open_broker_connection(self._broker.addr)
@@ -173,7 +209,9 @@ class Sender:
                     _Batch(self, ticket, fut, messages, conn, first).send(frames)
                     return ticket
         self._coroutine_batches += 1
-        sends = [self.send(queues, body, block, gate) for _parent, queues, body, block in messages]
+        sends = [
+            self._start(queues, body, block, gate) for _parent, queues, body, block in messages
+        ]
         batch = asyncio.ensure_future(asyncio.gather(*sends))
         batch.add_done_callback(lambda b: self._coroutine_batch_done(ticket, fut, b))
         return ticket
@@ -270,8 +308,33 @@ class Sender:
     ) -> Awaitable[SendResult]:
         """One SEND_MESSAGE_V2 (see _send_message), counted from this call on, before its task
         runs: a replay pinned meanwhile must cover it."""
+        return self._start(queues, body, block, self._behind_resends(gate, 1))
+
+    def _start(
+        self, queues: Sequence[str], body: bytes, block: bytes, gate: asyncio.Future[Any] | None
+    ) -> Awaitable[SendResult]:
         self._counter.sending()
         return self._counted(queues, body, block, gate)
+
+    def _behind_resends(
+        self, gate: asyncio.Future[Any] | None, sends: int
+    ) -> asyncio.Future[Any] | None:
+        """`gate`, joined by the resends pending now: `sends` made meanwhile go after them
+        (or fail at once, past HELD_MAX)."""
+        if not self._resending:
+            return gate
+        if self._held + sends > HELD_MAX:
+            full: asyncio.Future[None] = self._loop.create_future()
+            full.set_exception(
+                StoreError(
+                    f"broker {self._broker.name} away: {self._held} sends wait for it already"
+                )
+            )
+            return full
+        self._held += sends
+        if self._resent is None:
+            self._resent = self._loop.create_future()
+        return self._resent if gate is None else asyncio.gather(gate, self._resent)
 
     async def send_delayed(
         self, queues: Sequence[str], body: bytes, block: bytes, deliver_ms: int
@@ -310,81 +373,146 @@ class Sender:
             answered.set_result(None)
 
     async def resend(
-        self, queues: Sequence[str], body: bytes, block: bytes, first: Answer
+        self, queues: Sequence[str], body: bytes, block: bytes, first: Answer, counted: bool
     ) -> SendResult:
         """A frame-path send (_Batch) not answered SEND_OK: its first attempt's `first`
-        answer handled, and what follows done, as on the coroutine path; counted."""
+        answer handled, and what follows done, as on the coroutine path; counted.
+        `counted`: a broker away, already counted in `_resending` by the caller."""
         offset: int | None = None
         try:
-            res = await self._send(queues, body, block, first)
+            res = await self._send(queues, body, block, first, counted)
             offset = res.queue_offset
             return res
         finally:
             self._counter.sent(offset)
 
     async def _send_with_topic(
-        self, queues: Sequence[str], body: bytes, block: bytes, first: Answer | None = None
+        self,
+        queues: Sequence[str],
+        body: bytes,
+        block: bytes,
+        first: Answer | None = None,
+        counted: bool = False,
     ) -> SendResult:
         """_send, the MQTT topic also as TOPIC_PROPERTY (settings.rocketmq_topic_property)."""
         topic = topic_in(block)
         if topic is not None:
             block += _TOPIC_PROPERTY_HEAD + topic + b"\x02"
-        return await Sender._send(self, queues, body, block, first)
+        return await Sender._send(self, queues, body, block, first, counted)
 
     async def _send(
-        self, queues: Sequence[str], body: bytes, block: bytes, first: Answer | None = None
+        self,
+        queues: Sequence[str],
+        body: bytes,
+        block: bytes,
+        first: Answer | None = None,
+        counted: bool = False,
     ) -> SendResult:
-        """One message, SEND_ATTEMPTS times while the broker is busy; `first`: the answer
-        to a first attempt already made (_Batch)."""
+        """One message, SEND_ATTEMPTS times while the broker is busy, again and again for
+        `Broker.resend_s` while it is away; `first`: the answer to a first attempt already
+        made (_Batch), `counted`: its resend already counted in `_resending` (_Batch)."""
         broker = self._broker
         lmqs = [broker.names.lmq(q) for q in queues]
         if not body:
             body, block = b"\x00", block + _EMPTY_BODY_MARK
         delay = 0.05
-        for attempt in range(SEND_ATTEMPTS):
-            try:
-                if first is not None:
-                    answer, first = first, None
-                    if isinstance(answer, RemotingError):
-                        raise answer
-                    res = send_result(answer, broker.addr)
-                else:
-                    res = await broker.client.send_message(
-                        broker.addr,
-                        broker.topic,
-                        body,
-                        light_queues=lmqs,
-                        raw_properties=block.decode("utf-8"),
-                        wait_store=self._sync,
+        attempt = 0
+        pause = RESEND_FIRST_S
+        own = False  # counted in `_resending` here
+        turn = False  # `_resend` taken: this send's turn to be sent again
+        try:
+            while True:
+                try:
+                    res = await self._attempt(lmqs, body, block, first)
+                    first = None
+                    if turn:
+                        self._away_since = None  # back: the resends behind go at once
+                except BrokerBusyError as exc:
+                    first = None
+                    attempt += 1
+                    if attempt == SEND_ATTEMPTS:
+                        raise StoreError(f"broker {broker.name} busy: {exc}") from exc
+                    await asyncio.sleep(delay)
+                    delay *= 2
+                    continue
+                except RemotingError as exc:
+                    first = None
+                    if not broker_away(exc):
+                        raise StoreError(
+                            f"broker {broker.name} refused the message: {exc}"
+                        ) from exc
+                    # Maybe stored, maybe not: sent to another broker (spread), else sent
+                    # here again while the broker may be coming back.
+                    other = None
+                    if self.failover is not None:
+                        other = self.failover.instead_of(broker.name, queues, block)
+                    if other is not None:
+                        log.debug("broker %s: %s; message sent to broker %s", broker.name,
+                                  exc, other._broker.name)  # fmt: skip
+                        return await other.send(queues, body, block)
+                    if not broker.resend_s:
+                        raise StoreError(f"broker {broker.name}: {exc}") from exc
+                    if not counted and not own:
+                        self._resending += 1
+                        own = True
+                    if self._away_since is None:
+                        self._away_since = self._loop.time()
+                    if not turn:
+                        await self._resend.acquire()  # after the resends that failed before
+                        turn = True
+                        if self._away_since is None:
+                            continue  # the broker took the resend before this one
+                    if self._loop.time() + pause > self._away_since + broker.resend_s:
+                        raise StoreError(
+                            f"broker {broker.name} away for over {broker.resend_s:g} s: {exc}"
+                        ) from exc
+                    log.debug("broker %s: %s; sending again in %.1f s", broker.name, exc, pause)
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, RESEND_MAX_S)
+                    continue
+                if not res.ok:
+                    raise StoreError(
+                        f"broker {broker.name} stored the message but could not make it"
+                        f" durable in time (response code {res.code})"
                     )
-            except BrokerBusyError as exc:
-                if attempt == SEND_ATTEMPTS - 1:
-                    raise StoreError(f"broker {broker.name} busy: {exc}") from exc
-                await asyncio.sleep(delay)
-                delay *= 2
-                continue
-            except BrokerError as exc:
-                raise StoreError(f"broker {broker.name} refused the message: {exc}") from exc
-            except RemotingError as exc:
-                # Maybe stored, maybe not: not acknowledged (the client sends it again), or
-                # sent to another broker (spread).
-                other = None
-                if self.failover is not None:
-                    other = self.failover.instead_of(broker.name, queues, block)
-                if other is None:
-                    raise StoreError(f"broker {broker.name}: {exc}") from exc
-                log.debug("broker %s: %s; message sent to broker %s", broker.name, exc,
-                          other._broker.name)  # fmt: skip
-                return await other.send(queues, body, block)
-            if not res.ok:
-                raise StoreError(
-                    f"broker {broker.name} stored the message but could not make it"
-                    f" durable in time (response code {res.code})"
-                )
-            with contextlib.suppress(ValueError):
-                self.saw_phys(decode_message_id(res.msg_id)[1])
-            return res
-        raise AssertionError("unreachable")
+                with contextlib.suppress(ValueError):
+                    self.saw_phys(decode_message_id(res.msg_id)[1])
+                return res
+        finally:
+            if turn:
+                self._resend.release()
+            if own:
+                self._resend_done()
+
+    def _resend_done(self) -> None:
+        """One resend less pending; with none left, the sends held behind them go."""
+        self._resending -= 1
+        if self._resending:
+            return
+        self._away_since = None
+        self._held = 0
+        if self._resent is not None:
+            self._resent.set_result(None)
+            self._resent = None
+
+    async def _attempt(
+        self, lmqs: list[str], body: bytes, block: bytes, first: Answer | None
+    ) -> SendResult:
+        """One attempt to send: the broker's answer as a SendResult (`first`: the answer of
+        one already made), or its error raised."""
+        broker = self._broker
+        if first is not None:
+            if isinstance(first, RemotingError):
+                raise first
+            return send_result(first, broker.addr)
+        return await broker.client.send_message(
+            broker.addr,
+            broker.topic,
+            body,
+            light_queues=lmqs,
+            raw_properties=block.decode("utf-8"),
+            wait_store=self._sync,
+        )
 
     def saw_phys(self, phys: int) -> None:
         if phys >= self.log_max:
@@ -463,8 +591,17 @@ class _Batch:
                 self._finish()
             return
         _parent, queues, body, block = self._messages[opaque - self._first]
-        task = sender._loop.create_task(sender.resend(queues, body, block, answer))
-        task.add_done_callback(self._resent)
+        # A broker away: counted as a resend pending from now on (before the task runs), so
+        # no send made meanwhile overtakes it.
+        away = isinstance(answer, RemotingError) and broker_away(answer)
+        if away:
+            sender._resending += 1
+        task = sender._loop.create_task(sender.resend(queues, body, block, answer, away))
+        task.add_done_callback(self._resent_away if away else self._resent)
+
+    def _resent_away(self, task: asyncio.Task[SendResult]) -> None:
+        self._sender._resend_done()
+        self._resent(task)
 
     def _resent(self, task: asyncio.Task[SendResult]) -> None:
         if task.cancelled():

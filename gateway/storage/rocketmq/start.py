@@ -106,7 +106,14 @@ async def _open(
         )  # fmt: skip
     await _prepare_broker(client, name, addr, topic, sync=settings.flush == "sync")
     storage = RocketMqStorage(
-        Broker(client, name, addr, topic, settings.rocketmq_topic_property),
+        Broker(
+            client,
+            name,
+            addr,
+            topic,
+            settings.rocketmq_topic_property,
+            settings.rocketmq_send_retry,
+        ),
         local,
         sync=settings.flush == "sync",
         node_id=node_id,
@@ -174,7 +181,16 @@ async def _spread(
             )
         await _prepare_broker(client, name, addr, topic, sync=settings.flush == "sync")
         await _probe_light_queues(client, name, addr, topic)
-        storage.add_slot(Broker(client, name, addr, topic, settings.rocketmq_topic_property))
+        storage.add_slot(
+            Broker(
+                client,
+                name,
+                addr,
+                topic,
+                settings.rocketmq_topic_property,
+                settings.rocketmq_send_retry,
+            )
+        )
         log.info("broker %s (%s) holds part of topic %s now", name, addr, topic)
     storage.routing.set_registered(masters)
     with contextlib.suppress(RemotingError):
