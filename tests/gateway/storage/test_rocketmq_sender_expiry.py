@@ -1,6 +1,7 @@
 """The RocketMQ sender's frame batches whose answers do not come in time
-(gateway/storage/rocketmq/sender.py, `_Batch`): each expires on its own, fails its ticket
-whole, and a batch answered in time is left alone. A broker that stays silent on
+(gateway/storage/rocketmq/sender.py, `_Batch`): each expires on its own, is sent again as long
+as a broker away is (`Broker.resend_s`, RESEND_S here), then fails its ticket whole, and a
+batch answered in time is left alone. A broker that stays silent on
 request cannot be had, so the peer here is a scripted one: a real asyncio server on 127.0.0.1
 port 0 speaking the remoting frame format (the real broker: tests/rocketmq/test_sender.py)."""
 
@@ -18,6 +19,7 @@ from rocketmq_remoting import RemotingClient, RemotingCommand, decode_frame
 from rocketmq_remoting.codes import FLAG_RESPONSE
 
 TIMEOUT = 0.3  # the client's request timeout: the silent peer's sends expire after it
+RESEND_S = 1.0  # how long an expired send is sent again (each attempt expiring in turn)
 
 
 class Counted:
@@ -49,6 +51,7 @@ def stored(request: RemotingCommand, offset: int) -> bytes:
 
 async def test_unanswered_frame_batches_expire_and_answered_ones_do_not() -> None:
     offsets = iter(range(100))
+    received: list[bytes] = []
 
     async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Answers the sends whose body starts with b"ok", none of the others.
@@ -58,6 +61,7 @@ async def test_unanswered_frame_batches_expire_and_answered_ones_do_not() -> Non
                 request = decode_frame(await reader.readexactly(length))
             except asyncio.IncompleteReadError:
                 return
+            received.append(request.body)
             if request.body.startswith(b"ok"):
                 writer.write(stored(request, next(offsets)))
 
@@ -65,7 +69,8 @@ async def test_unanswered_frame_batches_expire_and_answered_ones_do_not() -> Non
     addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     client = RemotingClient([addr], request_timeout=TIMEOUT, connect_timeout=1.0)
     counted = Counted()
-    sender = Sender(Broker(client, "broker-a", addr, "parent"), counted, sync=False)
+    broker = Broker(client, "broker-a", addr, "parent", resend_s=RESEND_S)
+    sender = Sender(broker, counted, sync=False)
     try:
         # The first batch opens the connection (coroutine path); the next ones go as frames.
         await sender.wait_durable(sender.send_batch([("p", ("a",), b"ok first", b"")]))
@@ -79,6 +84,10 @@ async def test_unanswered_frame_batches_expire_and_answered_ones_do_not() -> Non
                 await asyncio.wait_for(sender.wait_durable(ticket), 10)
         assert sorted(o for o in counted.offsets if o is not None) == [0, 1, 2, 3]
         assert counted.offsets.count(None) == 2  # the two silent sends, told unanswered
+        # The first expired send was sent again (the one behind it waits its turn, and the
+        # bound counts from the first failure: its own attempts depend on the timing).
+        assert received.count(b"silent 1") > 1
+        assert received.count(b"ok 1") == 1
         assert not sender.in_flight() and not sender.in_flight_sends()
         # A batch after the expiries is expired in its turn.
         again = sender.send_batch([("p", ("a",), b"silent 3", b"")])
