@@ -107,6 +107,10 @@ async def test_a_frame_batch_whose_connection_drops_is_sent_again_in_order(
     assert conn.in_flight == 3
     conn.close_nowait()
     later = sender.send_batch([("p", ("a/x",), b"later", b"")])
+    # Settling (cluster mode's filter registration) waits for the later batch too, though it
+    # waits behind the resends: it was made before.
+    await asyncio.wait_for(asyncio.ensure_future(sender.settle()), 30)
+    assert not sender.in_flight()
     await asyncio.wait_for(sender.wait_durable(ticket), 30)
     await asyncio.wait_for(sender.wait_durable(later), 30)
     assert len(counted.offsets) == 5 and None not in counted.offsets

@@ -354,19 +354,26 @@ class Sender:
     ) -> SendResult:
         offset: int | None = None
         try:
-            if gate is not None:
-                await asyncio.shield(gate)
-            res = await self._send_message(queues, body, block)
+            res = await self._send_message(queues, body, block, gate)
             offset = res.queue_offset
             return res
         finally:
             self._counter.sent(offset)
 
-    async def _send_message(self, queues: Sequence[str], body: bytes, block: bytes) -> SendResult:
-        """One SEND_MESSAGE_V2; StoreError unless the broker answered SEND_OK."""
+    async def _send_message(
+        self,
+        queues: Sequence[str],
+        body: bytes,
+        block: bytes,
+        gate: asyncio.Future[Any] | None = None,
+    ) -> SendResult:
+        """One SEND_MESSAGE_V2, after `gate` (in flight while it waits: `settle` and a later
+        gate wait for it too); StoreError unless the broker answered SEND_OK."""
         answered: asyncio.Future[None] = self._loop.create_future()
         self._sending.add(answered)
         try:
+            if gate is not None:
+                await asyncio.shield(gate)
             return await self._send(queues, body, block)
         finally:
             self._sending.discard(answered)
