@@ -25,8 +25,10 @@
              `Broker.resend_s` has passed; then it fails (async mode: logged, the message
              lost). Resends go one at a time in the order their failures were seen (`_resend`,
              a FIFO lock), and a send made while any is pending waits for them (a gate, so
-             the coroutine path): order is kept across a broker restart. A message lost with
-             its connection may have been stored: it can be stored twice (QoS 1 allows it).
+             the coroutine path): order is kept across a lost connection or a broker restart
+             (not behind a send timed out alone: the sends already in flight after it on a
+             live connection may be stored first). A message lost with its connection may
+             have been stored: it can be stored twice (QoS 1 allows it).
              At most HELD_MAX sends wait so; past it a new send fails at once.
     sync     `--flush sync` sends WAIT=true: on a SYNC_FLUSH broker SEND_OK follows the flush.
     counted  every send is told to a SendCounter when it is made and when it is answered (its
