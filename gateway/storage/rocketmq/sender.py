@@ -19,17 +19,19 @@
              queues of single messages only (CommitLog's batch append assigns no
              INNER_MULTI_QUEUE_OFFSET, so the consume-queue dispatch skips them).
     busy     SYSTEM_BUSY (nothing stored) is retried with backoff, SEND_ATTEMPTS times.
-    away     a send the broker did not take because it was away (connection refused or lost,
-             no answer in time, SERVICE_NOT_AVAILABLE: a broker restarting) is sent again on a
-             new connection, pausing RESEND_FIRST_S doubling to RESEND_MAX_S, until
-             `Broker.resend_s` has passed; then it fails (async mode: logged, the message
-             lost). Resends go one at a time in the order their failures were seen (`_resend`,
-             a FIFO lock), and a send made while any is pending waits for them (a gate, so
-             the coroutine path): order is kept across a lost connection or a broker restart
-             (not behind a send timed out alone: the sends already in flight after it on a
-             live connection may be stored first). A message lost with its connection may
-             have been stored: it can be stored twice (QoS 1 allows it).
-             At most HELD_MAX sends wait so; past it a new send fails at once.
+    away     a send the broker did not take because it was away (connection refused,
+             SERVICE_NOT_AVAILABLE: a broker restarting) is sent again on a new connection,
+             pausing RESEND_FIRST_S doubling to RESEND_MAX_S, until `Broker.resend_s` has
+             passed since the first such failure; then it fails (async mode: logged, the
+             message lost). So is one that may have been stored (connection lost, no answer
+             in time) if the message may be stored `twice`: a batch's QoS 0/1 publish; a
+             single `send` (QoS 2, retained, wills, state) then fails at once, as before
+             (stored twice, a QoS 2 message would be delivered twice). Resends go one at a
+             time in the order their failures were seen (`_resend`, a FIFO lock), and a send
+             made while any is pending waits for them (a gate, so the coroutine path): order
+             is kept across a lost connection or a broker restart (not behind a send timed
+             out alone: the sends already in flight after it on a live connection may be
+             stored first). At most HELD_MAX sends wait so; past it a new send fails at once.
     sync     `--flush sync` sends WAIT=true: on a SYNC_FLUSH broker SEND_OK follows the flush.
     counted  every send is told to a SendCounter when it is made and when it is answered (its
              offset in the parent queue, or None): the parent topic's history
@@ -120,12 +122,15 @@ def topic_in(block: bytes) -> bytes | None:
 Answer = RemotingCommand | RemotingError
 
 
-def broker_away(exc: RemotingError) -> bool:
-    """Whether a send failed because the broker was not there to take it (so it is sent
-    again, "away" above), rather than refused by it."""
+def broker_away(exc: RemotingError, twice: bool) -> bool:
+    """Whether a send failed because the broker was not there to take it, so it is sent
+    again ("away" above): not stored (no connection, SERVICE_NOT_AVAILABLE) or, if the
+    message may be stored `twice`, maybe stored (connection lost, no answer in time)."""
     if isinstance(exc, BrokerError):
         return exc.code == ResponseCode.SERVICE_NOT_AVAILABLE
-    return isinstance(exc, RemotingConnectError | RemotingClosedError | RemotingTimeoutError)
+    if isinstance(exc, RemotingConnectError):
+        return True
+    return twice and isinstance(exc, RemotingClosedError | RemotingTimeoutError)
 
 
 class SendCounter(Protocol):
@@ -212,7 +217,8 @@ class Sender:
                     return ticket
         self._coroutine_batches += 1
         sends = [
-            self._start(queues, body, block, gate) for _parent, queues, body, block in messages
+            self._start(queues, body, block, gate, True)
+            for _parent, queues, body, block in messages
         ]
         batch = asyncio.ensure_future(asyncio.gather(*sends))
         batch.add_done_callback(lambda b: self._coroutine_batch_done(ticket, fut, b))
@@ -307,16 +313,25 @@ class Sender:
         body: bytes,
         block: bytes,
         gate: asyncio.Future[Any] | None = None,
+        *,
+        twice: bool = False,
     ) -> Awaitable[SendResult]:
         """One SEND_MESSAGE_V2 (see _send_message), counted from this call on, before its task
-        runs: a replay pinned meanwhile must cover it."""
-        return self._start(queues, body, block, self._behind_resends(gate, 1))
+        runs: a replay pinned meanwhile must cover it. `twice`: the message may be stored
+        twice (a QoS 1 publish), so a send that may have been stored is sent again too
+        (broker_away); else (QoS 2, state) only one that certainly was not."""
+        return self._start(queues, body, block, self._behind_resends(gate, 1), twice)
 
     def _start(
-        self, queues: Sequence[str], body: bytes, block: bytes, gate: asyncio.Future[Any] | None
+        self,
+        queues: Sequence[str],
+        body: bytes,
+        block: bytes,
+        gate: asyncio.Future[Any] | None,
+        twice: bool,
     ) -> Awaitable[SendResult]:
         self._counter.sending()
-        return self._counted(queues, body, block, gate)
+        return self._counted(queues, body, block, gate, twice)
 
     def _behind_resends(
         self, gate: asyncio.Future[Any] | None, sends: int
@@ -353,10 +368,11 @@ class Sender:
         body: bytes,
         block: bytes,
         gate: asyncio.Future[Any] | None,
+        twice: bool,
     ) -> SendResult:
         offset: int | None = None
         try:
-            res = await self._send_message(queues, body, block, gate)
+            res = await self._send_message(queues, body, block, gate, twice)
             offset = res.queue_offset
             return res
         finally:
@@ -368,6 +384,7 @@ class Sender:
         body: bytes,
         block: bytes,
         gate: asyncio.Future[Any] | None = None,
+        twice: bool = False,
     ) -> SendResult:
         """One SEND_MESSAGE_V2, after `gate` (in flight while it waits: `settle` and a later
         gate wait for it too); StoreError unless the broker answered SEND_OK."""
@@ -376,7 +393,7 @@ class Sender:
         try:
             if gate is not None:
                 await asyncio.shield(gate)
-            return await self._send(queues, body, block)
+            return await self._send(queues, body, block, twice=twice)
         finally:
             self._sending.discard(answered)
             answered.set_result(None)
@@ -385,11 +402,12 @@ class Sender:
         self, queues: Sequence[str], body: bytes, block: bytes, first: Answer, counted: bool
     ) -> SendResult:
         """A frame-path send (_Batch) not answered SEND_OK: its first attempt's `first`
-        answer handled, and what follows done, as on the coroutine path; counted.
-        `counted`: a broker away, already counted in `_resending` by the caller."""
+        answer handled, and what follows done, as on the coroutine path (a publish of a
+        batch: stored `twice` allowed); counted. `counted`: a broker away, already counted in
+        `_resending` by the caller."""
         offset: int | None = None
         try:
-            res = await self._send(queues, body, block, first, counted)
+            res = await self._send(queues, body, block, first, counted, True)
             offset = res.queue_offset
             return res
         finally:
@@ -402,12 +420,13 @@ class Sender:
         block: bytes,
         first: Answer | None = None,
         counted: bool = False,
+        twice: bool = False,
     ) -> SendResult:
         """_send, the MQTT topic also as TOPIC_PROPERTY (settings.rocketmq_topic_property)."""
         topic = topic_in(block)
         if topic is not None:
             block += _TOPIC_PROPERTY_HEAD + topic + b"\x02"
-        return await Sender._send(self, queues, body, block, first, counted)
+        return await Sender._send(self, queues, body, block, first, counted, twice)
 
     async def _send(
         self,
@@ -416,10 +435,12 @@ class Sender:
         block: bytes,
         first: Answer | None = None,
         counted: bool = False,
+        twice: bool = False,
     ) -> SendResult:
         """One message, SEND_ATTEMPTS times while the broker is busy, again and again for
-        `Broker.resend_s` while it is away; `first`: the answer to a first attempt already
-        made (_Batch), `counted`: its resend already counted in `_resending` (_Batch)."""
+        `Broker.resend_s` while it is away (broker_away, `twice`: see `send`); `first`: the
+        answer to a first attempt already made (_Batch), `counted`: its resend already
+        counted in `_resending` (_Batch)."""
         broker = self._broker
         lmqs = [broker.names.lmq(q) for q in queues]
         if not body:
@@ -446,20 +467,21 @@ class Sender:
                     continue
                 except RemotingError as exc:
                     first = None
-                    if not broker_away(exc):
+                    refused = isinstance(exc, BrokerError)
+                    if refused and not broker_away(exc, twice):
                         raise StoreError(
                             f"broker {broker.name} refused the message: {exc}"
                         ) from exc
                     # Maybe stored, maybe not: sent to another broker (spread), else sent
                     # here again while the broker may be coming back.
                     other = None
-                    if self.failover is not None:
+                    if self.failover is not None and not refused:
                         other = self.failover.instead_of(broker.name, queues, block)
                     if other is not None:
                         log.debug("broker %s: %s; message sent to broker %s", broker.name,
                                   exc, other._broker.name)  # fmt: skip
-                        return await other.send(queues, body, block)
-                    if not broker.resend_s:
+                        return await other.send(queues, body, block, twice=twice)
+                    if not broker.resend_s or not broker_away(exc, twice):
                         raise StoreError(f"broker {broker.name}: {exc}") from exc
                     if not counted and not own:
                         self._resending += 1
@@ -602,7 +624,7 @@ class _Batch:
         _parent, queues, body, block = self._messages[opaque - self._first]
         # A broker away: counted as a resend pending from now on (before the task runs), so
         # no send made meanwhile overtakes it.
-        away = isinstance(answer, RemotingError) and broker_away(answer)
+        away = isinstance(answer, RemotingError) and broker_away(answer, True)
         if away:
             sender._resending += 1
         task = sender._loop.create_task(sender.resend(queues, body, block, answer, away))

@@ -1,7 +1,8 @@
 """The RocketMQ sender's frame batches whose answers do not come in time
 (gateway/storage/rocketmq/sender.py, `_Batch`): each expires on its own, is sent again as long
 as a broker away is (`Broker.resend_s`, RESEND_S here), then fails its ticket whole, and a
-batch answered in time is left alone. A broker that stays silent on
+batch answered in time is left alone; a single send (not to be stored twice) is not sent
+again. A broker that stays silent on
 request cannot be had, so the peer here is a scripted one: a real asyncio server on 127.0.0.1
 port 0 speaking the remoting frame format (the real broker: tests/rocketmq/test_sender.py)."""
 
@@ -93,6 +94,11 @@ async def test_unanswered_frame_batches_expire_and_answered_ones_do_not() -> Non
         again = sender.send_batch([("p", ("a",), b"silent 3", b"")])
         with pytest.raises(StoreError, match="broker-a"):
             await asyncio.wait_for(sender.wait_durable(again), 10)
+        # A single send (QoS 2, state: not to be stored twice) that may have been stored
+        # fails at once, not sent again.
+        with pytest.raises(StoreError, match="no answer"):
+            await asyncio.wait_for(sender.send(("a",), b"silent single", b""), 10)
+        assert received.count(b"silent single") == 1
     finally:
         await client.close()
         server.close()
