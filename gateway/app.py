@@ -262,6 +262,7 @@ class Gateway:
             s.host,
             s.default_port,
             reuse_address=True,
+            backlog=s.listen_backlog,
         )
         # The live view of this node's clients (/api/clients, /api/slow-subscriptions).
         live = self.live = LiveView(

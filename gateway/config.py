@@ -146,6 +146,11 @@ class GatewaySettings(BaseSettings):
     # None = 1883, or a free port if 1883 is taken (logged loudly); 0 = any free port.
     port: int | None = None
     max_connections: int = Field(default=100_000, ge=1)
+    # Connections the kernel completes and holds until the gateway accepts them, per listener
+    # (listen(2)'s backlog; Linux caps it at net.core.somaxconn). A fleet reconnecting at once
+    # outruns the accept loop: past the backlog the kernel drops the SYNs and each of those
+    # devices waits a retransmission (1 s, then 3 s, ...). asyncio's default is 100.
+    listen_backlog: int = Field(default=4096, ge=1, le=U16_MAX)
 
     # --- store
     data_dir: Path = Path("lmqtt-data")

@@ -60,6 +60,7 @@ class ExtraListeners:
                     s.tls_port,
                     ssl=ctx,
                     reuse_address=True,
+                    backlog=s.listen_backlog,
                 )
             if s.ws_port is not None:
                 self.servers["ws"] = await loop.create_server(
@@ -67,6 +68,7 @@ class ExtraListeners:
                     s.host,
                     s.ws_port,
                     reuse_address=True,
+                    backlog=s.listen_backlog,
                 )
             if s.wss_port is not None:
                 self.servers["wss"] = await loop.create_server(
@@ -75,6 +77,7 @@ class ExtraListeners:
                     s.wss_port,
                     ssl=ctx,
                     reuse_address=True,
+                    backlog=s.listen_backlog,
                 )
             if s.admin_port is not None:
                 self.admin = AdminServer(sources, metrics, api)
