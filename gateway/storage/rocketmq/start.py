@@ -106,14 +106,7 @@ async def _open(
         )  # fmt: skip
     await _prepare_broker(client, name, addr, topic, sync=settings.flush == "sync")
     storage = RocketMqStorage(
-        Broker(
-            client,
-            name,
-            addr,
-            topic,
-            settings.rocketmq_topic_property,
-            settings.rocketmq_send_retry,
-        ),
+        _broker(client, name, addr, topic, settings),
         local,
         sync=settings.flush == "sync",
         node_id=node_id,
@@ -181,16 +174,7 @@ async def _spread(
             )
         await _prepare_broker(client, name, addr, topic, sync=settings.flush == "sync")
         await _probe_light_queues(client, name, addr, topic)
-        storage.add_slot(
-            Broker(
-                client,
-                name,
-                addr,
-                topic,
-                settings.rocketmq_topic_property,
-                settings.rocketmq_send_retry,
-            )
-        )
+        storage.add_slot(_broker(client, name, addr, topic, settings))
         log.info("broker %s (%s) holds part of topic %s now", name, addr, topic)
     storage.routing.set_registered(masters)
     with contextlib.suppress(RemotingError):
@@ -223,6 +207,16 @@ async def _state_holder(
             if await client.get_max_offset(addr, lmq) > 0:
                 return name, addr
     return default
+
+
+def _broker(
+    client: RemotingClient, name: str, addr: str, topic: str, settings: GatewaySettings
+) -> Broker:
+    """A broker the deployment stores on (the home broker or a spread slot), with the
+    settings every one of them sends by."""
+    return Broker(
+        client, name, addr, topic, settings.rocketmq_topic_property, settings.rocketmq_send_retry
+    )
 
 
 async def _prepare_broker(
