@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.conftest import Client, GatewayHarness, stop_clients, wait_until
+from tests.gateway.conftest import Client, stop_clients, wait_until
 from tests.rocketmq.cluster import RocketMQCluster, namesrv_port
+from tests.rocketmq.conftest import start_gateway
 from tests.rocketmq.test_gateway_rocketmq import ROOT, ServeProcess
 from topicmap import queue_name
 
@@ -107,14 +108,7 @@ def test_an_idle_subscribers_held_pull_never_times_out_across_a_broker_restart(
     gateway's own writes reach it every ~10 s), an idle light queue is; the client's hold
     timing checked here is the same for both."""
     caplog.set_level(logging.DEBUG, logger="lmqtt.rocketmq")
-    h = GatewayHarness(
-        tmp_path / "data",
-        store="rocketmq",
-        namesrv=rocketmq.namesrv_addr,
-        rocketmq_broker="broker-b",
-        rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
-        rocketmq_notify_pulls=False,
-    ).start()
+    h = start_gateway(rocketmq, tmp_path, rocketmq_broker="broker-b", rocketmq_notify_pulls=False)
     queue = queue_name("idle/#")
 
     def ended_empty(since: int) -> int:
@@ -177,14 +171,7 @@ def test_messages_acknowledged_while_the_broker_is_away_are_stored_in_order_once
     gets them in order, then one published after the restart. (`rocketmq_send_retry` is set
     well over a broker's restart on a loaded host: the bound is not what is tested.)"""
     caplog.set_level(logging.DEBUG, logger="lmqtt.rocketmq")
-    h = GatewayHarness(
-        tmp_path / "data",
-        store="rocketmq",
-        namesrv=rocketmq.namesrv_addr,
-        rocketmq_broker="broker-b",
-        rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
-        rocketmq_send_retry=180.0,
-    ).start()
+    h = start_gateway(rocketmq, tmp_path, rocketmq_broker="broker-b", rocketmq_send_retry=180.0)
     try:
         sub = Client(h.port, "sub")
         pub = Client(h.port, "pub")

@@ -26,6 +26,7 @@ from tests.crash.gateway_proc import ROOT, GatewayProcess
 from tests.gateway.conftest import GatewayHarness, RawClient
 from tests.gateway.messages import delayed_scenario
 from tests.rocketmq.cluster import RocketMQCluster
+from tests.rocketmq.conftest import start_gateway
 
 
 def test_delayed_across_restart_and_sigkill(rocketmq: RocketMQCluster, tmp_path: Path) -> None:
@@ -46,15 +47,7 @@ def test_delayed_across_restart_and_sigkill(rocketmq: RocketMQCluster, tmp_path:
 @pytest.fixture
 def acl_gateway(rocketmq: RocketMQCluster, tmp_path: Path) -> Iterator[GatewayHarness]:
     (tmp_path / "acl").write_text(delayed_scenario.ACL)
-    h = GatewayHarness(
-        tmp_path / "data",
-        store="rocketmq",
-        namesrv=rocketmq.namesrv_addr,
-        rocketmq_broker="broker-a",
-        rocketmq_topic=f"t{uuid.uuid4().hex[:12]}",
-        acl_file=tmp_path / "acl",
-        max_delay=60,
-    ).start()
+    h = start_gateway(rocketmq, tmp_path, acl_file=tmp_path / "acl", max_delay=60)
     try:
         yield h
     finally:
