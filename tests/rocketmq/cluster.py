@@ -174,23 +174,32 @@ def _bindable(port: int, host: str = "127.0.0.1") -> bool:
 #: address, which then collides with any connection (or TIME_WAIT) on another loopback address
 #: that happens to use that port, as the busy shared host showed.
 _PORTS = random.Random(os.getpid() ^ time.time_ns())
+#: Every port handed out by this process, never handed out again: a cluster in a network
+#: namespace (tests/partition) binds its ports there, where the checks below, made in this
+#: process's namespace, cannot see them, so its second broker could otherwise draw the first
+#: one's ports.
+_HANDED_OUT: set[int] = set()
 
 
-def _pick(ports_ok: Callable[[int], bool]) -> int:
+def _pick(ports: Callable[[int], tuple[int, ...]], ports_ok: Callable[[int], bool]) -> int:
     for _ in range(500):
         port = _PORTS.randrange(20000, 32000)
-        if ports_ok(port):
+        if _HANDED_OUT.isdisjoint(ports(port)) and ports_ok(port):
+            _HANDED_OUT.update(ports(port))
             return port
     raise RuntimeError("no free ports for RocketMQ")
 
 
 def namesrv_port() -> int:
-    return _pick(_bindable)
+    return _pick(lambda p: (p,), _bindable)
 
 
 def broker_port() -> int:
     """A port P with P-2 (the second, "fast" remoting server) and P+1 (HA, wildcard) free."""
-    return _pick(lambda p: _bindable(p) and _bindable(p - 2) and _bindable(p + 1, "0.0.0.0"))
+    return _pick(
+        lambda p: (p - 2, p, p + 1),
+        lambda p: _bindable(p) and _bindable(p - 2) and _bindable(p + 1, "0.0.0.0"),
+    )
 
 
 @dataclass
@@ -522,11 +531,17 @@ class RocketMQCluster:
         return out
 
     def log_tail(self, name: str, lines: int = 30) -> str:
+        """The last `lines` lines of `name`'s output, without the class archive's warnings: a
+        JVM that dumps its archive at exit writes hundreds of ``[cds]`` lines after the line
+        that says why it exited."""
         path = self.root / f"{name}.out"
         if not path.exists():
             return f"[{name}: no output]"
-        text = path.read_text(errors="replace").splitlines()[-lines:]
-        return f"[{name}]\n" + "\n".join(text)
+        text = path.read_text(errors="replace").splitlines()
+        kept = [line for line in text if "][cds" not in line]
+        left_out = len(text) - len(kept)
+        note = f" ({left_out} class archive lines left out; {path})" if left_out else ""
+        return f"[{name}{note}]\n" + "\n".join(kept[-lines:])
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Send `sig` to every process (whole process group; SIGTERM to one dumping its class
