@@ -183,3 +183,13 @@ def at_offset(stored: StoredMessage, offset: int) -> StoredMessage:
     """`stored` as read from another light queue it was dispatched to, at `offset` there (the
     same topic, body and properties: one decoded record serves every queue of it)."""
     return _tuple_new(StoredMessage, (*stored[:3], offset, *stored[4:]))
+
+
+def trim_window(msgs: dict[int, StoredMessage], limit: int) -> None:
+    """Past `limit` messages, drop the oldest of a window of read messages (keyed by queue
+    offset: a mirror's, a history's), down to three quarters of `limit`, so that the offsets
+    are sorted once per quarter of the window, not once per message. A reader of a dropped
+    offset pulls it again."""
+    if len(msgs) > limit:
+        for off in sorted(msgs)[: len(msgs) - limit * 3 // 4]:
+            del msgs[off]

@@ -47,6 +47,7 @@ from gateway.storage.rocketmq.broker import (
     Broker,
     after_empty,
     to_stored,
+    trim_window,
 )
 from gateway.storage.rocketmq.spread import SEP
 from gateway.storage.rocketmq.spread import phys as spread_phys
@@ -209,9 +210,7 @@ class ParentHistory:
         msgs = self._msgs
         for rec in records:
             msgs[rec.queue_offset] = to_stored(rec, rec.queue_offset, self._queue_of)
-        if len(msgs) > KEEP:
-            for off in sorted(msgs)[: len(msgs) - KEEP * 3 // 4]:
-                del msgs[off]
+        trim_window(msgs, KEEP)
 
     def _notify(self) -> None:
         hi = self.max_offset()

@@ -29,6 +29,7 @@ from gateway.storage.rocketmq.broker import (
     after_empty,
     at_offset,
     to_stored,
+    trim_window,
 )
 from gateway.storage.rocketmq.tail import ParentTail
 from rocketmq_remoting import OffsetMovedError, PullResult, RemotingError
@@ -469,7 +470,7 @@ class Mirrors:
                     touched[lmq] = m
         ends: dict[str, int] = {}
         for m in touched.values():
-            self._trim(m)
+            trim_window(m.msgs, m.limit)
             if m.ready:
                 ends[m.queue] = m.max
         if ends:
@@ -481,7 +482,7 @@ class Mirrors:
             off = offsets.get(m.lmq)
             if off is not None:
                 self._keep_one(m, rec, off, offsets)
-        self._trim(m)
+        trim_window(m.msgs, m.limit)
 
     def _keep_one(self, m: Mirror, rec: MessageRecord, off: int, offsets: dict[str, int]) -> None:
         self._put(m, to_stored(rec, off, self._broker.names.queue, offsets), off)
@@ -498,10 +499,3 @@ class Mirrors:
                 waiter.set_result(off)
         if off >= m.max:
             m.max = off + 1
-
-    @staticmethod
-    def _trim(m: Mirror) -> None:
-        msgs = m.msgs
-        if len(msgs) > m.limit:
-            for off in sorted(msgs)[: len(msgs) - m.limit * 3 // 4]:
-                del msgs[off]
