@@ -127,8 +127,8 @@ class _HostLoad:
 
     SAMPLE_S = 0.2
 
-    def __init__(self) -> None:
-        self.pids: list[int] = [os.getpid()]
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = [os.getpid(), *pids]
         self._last: dict[int, int] = {}  # a process's CPU ticks when last read (kept at its end)
         self.samples: list[tuple[float, int, int]] = []  # (at, host busy ticks, ours)
         self._stop = threading.Event()
@@ -279,9 +279,8 @@ def test_a_flooder_is_held_to_its_rate_and_the_fleet_keeps_its_latency(tmp_path:
     the host's other processes left it room (OTHER_CORES_MAX)."""
     toml = f"max_publish_rate = {FLOOD_RATE}\nmax_publish_burst = {FLOOD_BURST}\n"
     with ServedGateway(tmp_path, toml) as gw:
-        host = _HostLoad()
-        host.pids.append(gw.proc.pid)
         fleet = _Fleet(gw.port)
+        host = _HostLoad([gw.proc.pid])
         try:
             time.sleep(0.5)  # the fleet settles (connect bursts done) before measuring
             quiet_start = time.perf_counter()
