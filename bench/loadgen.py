@@ -476,8 +476,6 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
                 await asyncio.wait_for(room.wait(), 0.1)
     acked_end = time.monotonic()
     lost_connection = client.lost.is_set()
-    for each in clients:
-        each.close(graceful=not lost_connection)
     emit(
         "result",
         sent=seq,
@@ -491,8 +489,15 @@ async def run_pub(spec: dict[str, Any], commands: Commands) -> None:
         puback_ms=percentiles_ms(puback_ns),
         gc_ms=percentiles_ms(GC_PAUSES.pauses_ns),
     )
+    # The publishers stay connected until the orchestrator has drained the subscribers, as
+    # devices do. amqtt 0.12 sends PUBACK once a PUBLISH is queued for routing, and its client
+    # loop stops routing that queue at DISCONNECT: a disconnect right after the last PUBACK
+    # could lose what a loaded broker had not routed yet.
     with contextlib.suppress(Exception):
         await commands.next()
+    for each in clients:
+        each.close(graceful=not lost_connection)
+    await asyncio.sleep(0.05)
 
 
 async def run_idle(spec: dict[str, Any], commands: Commands) -> None:

@@ -208,6 +208,7 @@ async def fanout(
         "deliveries_per_s": round(delivered / span),
         "publish_per_s": round(int(published["sent"]) / pub_span),
         "published": int(published["sent"]),
+        "acked": int(published["acked"]),
         "delivered": delivered,
         "loss_pct": round(100.0 * max(0, expected - delivered) / expected, 3) if expected else 0.0,
         # Robust to a shared host: what one second of broker CPU delivers.
