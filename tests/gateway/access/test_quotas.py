@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
+import psutil
 import pytest
 
 from gateway.access.quotas import PublishQuotas, QuotaBucket, QuotaCounts
@@ -123,32 +124,33 @@ OTHER_CORES_MAX = 0.5
 
 class _HostLoad:
     """How much CPU the host's other processes (not `pids`, this process included) use, read
-    from /proc every SAMPLE_S by a thread of its own: `other_cores(start, end)`."""
+    by psutil every SAMPLE_S in a thread of its own: `other_cores(start, end)`."""
 
     SAMPLE_S = 0.2
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = [os.getpid(), *pids]
-        self._last: dict[int, int] = {}  # a process's CPU ticks when last read (kept at its end)
-        self.samples: list[tuple[float, int, int]] = []  # (at, host busy ticks, ours)
+        self._procs: dict[int, psutil.Process] = {}
+        self._last: dict[
+            int, float
+        ] = {}  # a process's CPU seconds when last read (kept at its end)
+        self.samples: list[tuple[float, float, float]] = []  # (at, host busy seconds, ours)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     @staticmethod
-    def _busy() -> int:
-        # /proc/stat "cpu user nice system idle iowait irq softirq steal ...": all but idle
-        # and iowait.
-        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(ticks) - ticks[3] - ticks[4]
+    def _busy() -> float:
+        t = psutil.cpu_times()  # all but idle, iowait and the hypervisor's steal
+        return float(t.user + t.nice + t.system + t.irq + t.softirq)
 
-    def _ours(self) -> int:
+    def _ours(self) -> float:
         for pid in self.pids:
             try:
-                # Fields after the ")" of the command: utime and stime are the 12th and 13th.
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                self._last[pid] = int(fields[11]) + int(fields[12])
-            except (OSError, IndexError, ValueError):
+                proc = self._procs.get(pid) or self._procs.setdefault(pid, psutil.Process(pid))
+                times = proc.cpu_times()
+                self._last[pid] = times.user + times.system
+            except psutil.Error:
                 pass  # ended: its last reading stands
         return sum(self._last.values())
 
@@ -164,7 +166,7 @@ class _HostLoad:
         (t0, busy0, ours0), (t1, busy1, ours1) = before[-1], after[0]
         if t1 <= t0:
             return 0.0
-        return ((busy1 - busy0) - (ours1 - ours0)) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+        return ((busy1 - busy0) - (ours1 - ours0)) / (t1 - t0)
 
     def close(self) -> None:
         self._stop.set()
