@@ -26,7 +26,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -560,6 +560,28 @@ class RocketMQCluster:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
             self._keep_archive(name, proc)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> None:
+    """Return once `check()` is true; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def dispatched(client: RemotingClient, broker: str, queue: str, count: int) -> None:
+    """Wait until the broker's dispatch thread has indexed ``count`` messages in ``queue``.
+
+    A send is answered once the CommitLog append is done; the consume-queue units (the light
+    queues' included) are written by a separate thread right after, so a pull issued at once
+    may not see the message yet.
+    """
+
+    async def reached() -> bool:
+        return await client.get_max_offset(broker, queue) >= count
+
+    await eventually(reached)
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -26,7 +26,7 @@ from rocketmq_remoting import (
 from rocketmq_remoting.admin import create_topic, get_broker_config
 from rocketmq_remoting.codes import RequestCode
 from rocketmq_remoting.command import RemotingCommand
-from tests.rocketmq.cluster import CLUSTER_NAME, RocketMQCluster
+from tests.rocketmq.cluster import CLUSTER_NAME, RocketMQCluster, dispatched, eventually
 
 # The first test also waits for the cluster to start (20-30 s on a loaded host; more on a cold
 # one), so the per-test limit is raised for this module.
@@ -48,27 +48,6 @@ async def client(rocketmq: RocketMQCluster) -> AsyncIterator[RemotingClient]:
 @pytest.fixture
 def broker_a(rocketmq: RocketMQCluster) -> str:
     return rocketmq.brokers["broker-a"]
-
-
-async def _eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
-async def _dispatched(client: RemotingClient, broker: str, queue: str, count: int) -> None:
-    """Wait until the broker's dispatch thread has indexed ``count`` messages in ``queue``.
-
-    A send is answered once the CommitLog append is done; the consume-queue units (the light
-    queues' included) are written by a separate thread right after, so a pull issued at once
-    may not see the message yet.
-    """
-
-    async def reached() -> bool:
-        return await client.get_max_offset(broker, queue) >= count
-
-    await _eventually(reached)
 
 
 async def _parent(client: RemotingClient, broker: str) -> str:
@@ -96,7 +75,7 @@ async def test_cluster_info_and_route_lookup(
             return False
         return len(route.master_addrs()) == 2
 
-    await _eventually(both_brokers_listed)
+    await eventually(both_brokers_listed)
     route = await client.get_route(topic)
     assert route.master_addrs() == rocketmq.brokers
     assert sorted((q.broker_name, q.read_queue_nums, q.write_queue_nums) for q in route.queues) == [
@@ -123,7 +102,7 @@ async def test_name_server_json_quirk_integer_keys(
             return False
         return True
 
-    await _eventually(routed)
+    await eventually(routed)
     conn = await client.connection(rocketmq.namesrv_addr)
     old = await conn.request(
         RemotingCommand(
@@ -165,8 +144,8 @@ async def test_send_dispatches_to_light_queues_at_recorded_offsets(
         sent.append(result)
     assert [r.queue_offset for r in sent] == [2, 3, 4]  # offsets in the parent queue
 
-    await _dispatched(client, broker_a, lmq_x, 3)
-    await _dispatched(client, broker_a, lmq_y, 5)
+    await dispatched(client, broker_a, lmq_x, 3)
+    await dispatched(client, broker_a, lmq_y, 5)
     assert await client.get_max_offset(broker_a, lmq_x) == 3
     assert await client.get_max_offset(broker_a, lmq_y) == 5
     assert await client.get_min_offset(broker_a, lmq_x) == 0
@@ -302,7 +281,7 @@ async def test_consumer_offsets_per_lmq_group(client: RemotingClient, broker_a: 
     async def committed() -> bool:
         return await client.query_consumer_offset(broker_a, group, lmq) == 7
 
-    await _eventually(committed)
+    await eventually(committed)
 
     # A pull can commit the group's offset on the way (PULL_COMMIT_OFFSET).
     await client.pull(broker_a, lmq, 0, consumer_group=group, commit_offset=9)
@@ -315,7 +294,7 @@ async def test_search_offset_by_timestamp(client: RemotingClient, broker_a: str)
     for i in range(3):
         await client.send_message(broker_a, parent, f"t{i}".encode(), light_queues=[lmq])
         await asyncio.sleep(0.05)  # distinct store timestamps (milliseconds)
-    await _dispatched(client, broker_a, lmq, 3)
+    await dispatched(client, broker_a, lmq, 3)
     got = await client.pull(broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX))
     stamps = [m.store_timestamp for m in got.messages]
     assert len(stamps) == 3 and stamps == sorted(stamps) and len(set(stamps)) == 3
@@ -344,7 +323,7 @@ async def test_errors_carry_the_brokers_code_and_remark(
     for i in range(2):
         await client.send_message(broker_a, parent, f"m{i}".encode(), light_queues=[lmq])
 
-    await _dispatched(client, broker_a, lmq, 2)
+    await dispatched(client, broker_a, lmq, 2)
     with pytest.raises(OffsetMovedError) as moved:
         await client.pull(broker_a, lmq, 100, consumer_group=_name(GROUP_PREFIX))
     assert moved.value.code == ResponseCode.PULL_OFFSET_MOVED == 21
@@ -368,7 +347,7 @@ async def test_pipelined_sends_on_one_connection(client: RemotingClient, broker_
     assert len({id(c) for c in client._conns.values()}) == len(client._conns)
     assert (await client.connection(broker_a)).in_flight == 0
 
-    await _dispatched(client, broker_a, lmq, 200)
+    await dispatched(client, broker_a, lmq, 200)
 
 
 async def test_timeout_leaves_the_connection_usable(client: RemotingClient, broker_a: str) -> None:
@@ -402,7 +381,7 @@ async def test_reconnect_after_the_connection_drops(client: RemotingClient, brok
     assert result.ok
     second = await client.connection(broker_a)
     assert second is not first and not second.closed
-    await _dispatched(client, broker_a, lmq, 1)
+    await dispatched(client, broker_a, lmq, 1)
     got = await client.pull(broker_a, lmq, 0, consumer_group=_name(GROUP_PREFIX))
     assert [m.body for m in got.messages] == [b"after reconnect"]
 
@@ -420,7 +399,7 @@ async def test_sync_flush_broker_acknowledges_after_the_flush(
         )
     )
     assert all(r.code == ResponseCode.SUCCESS for r in results)  # not FLUSH_DISK_TIMEOUT
-    await _dispatched(client, broker_b, lmq, 20)
+    await dispatched(client, broker_b, lmq, 20)
     got = await client.pull(broker_b, lmq, 0, consumer_group=_name(GROUP_PREFIX))
     assert sorted(m.body for m in got.messages) == sorted(f"s{i}".encode() for i in range(20))
 
@@ -471,7 +450,7 @@ async def test_messages_spread_over_the_routes_brokers_and_each_indexes_its_own_
         except TopicNotExistError:
             return False
 
-    await _eventually(both_writable)
+    await eventually(both_writable)
     route = await client.get_route(parent)
     brokers = route.writable_brokers()
     assert brokers == ["broker-a", "broker-b"] and route.readable_brokers() == brokers
@@ -494,7 +473,7 @@ async def test_messages_spread_over_the_routes_brokers_and_each_indexes_its_own_
     per_broker = {b: sum(1 for t in topics if homes[t] == b) * 3 for b in brokers}
     assert all(count > 0 for count in per_broker.values()), per_broker
     for b, count in per_broker.items():
-        await _dispatched(client, addrs[b], lmq, count)
+        await dispatched(client, addrs[b], lmq, count)
         assert await client.get_max_offset(addrs[b], lmq) == count  # its own offsets 0..count
         assert await client.get_max_offset(addrs[b], parent) == count
 
