@@ -32,7 +32,7 @@ from gateway.storage.rocketmq.mirrors import Mirrors
 from rocketmq_remoting import OffsetMovedError, PullResult, RemotingClient
 from rocketmq_remoting.admin import create_topic
 from rocketmq_remoting.codes import ResponseCode
-from tests.rocketmq.cluster import RocketMQCluster
+from tests.rocketmq.cluster import RocketMQCluster, dispatched
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -107,6 +107,7 @@ async def test_reads_go_on_past_units_whose_commitlog_file_was_deleted(
     for i in range(NEW):
         await client.send_message(addr, topic, b"new %02d" % i, light_queues=[lmq])
     end = OLD + NEW
+    await dispatched(client, addr, lmq, end)  # the broker indexes a send after answering it
     first = await client.pull(addr, lmq, 0, consumer_group=PULL_GROUP, max_messages=1)
     assert FILE <= first.messages[0].commitlog_offset < 2 * FILE
     last = await client.pull(addr, lmq, end - 1, consumer_group=PULL_GROUP, max_messages=1)
