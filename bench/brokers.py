@@ -302,14 +302,19 @@ class BrokerProcess:
     def cpu_seconds(self) -> float:
         """CPU time of the broker's processes (every node's), with their children's once
         waited for (lmqtt's state-log compaction runs in a child process)."""
-        total = 0.0
+        user, system = self.cpu_split()
+        return user + system
+
+    def cpu_split(self) -> tuple[float, float]:
+        """`cpu_seconds` as (user, system): the broker's own code (for lmqtt the interpreter
+        and its C kernels) against the kernel's work for it (syscalls, the TCP stack)."""
+        user = system = 0.0
         for ps in self.pss:
             with contextlib.suppress(psutil.Error):
                 times = ps.cpu_times()
-                total += float(times.user + times.system)
-                total += float(getattr(times, "children_user", 0.0))
-                total += float(getattr(times, "children_system", 0.0))
-        return total
+                user += float(times.user) + float(getattr(times, "children_user", 0.0))
+                system += float(times.system) + float(getattr(times, "children_system", 0.0))
+        return user, system
 
     def kill(self, node: int | None = None) -> None:
         """SIGKILL every node (or node `node`)."""

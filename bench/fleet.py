@@ -363,6 +363,12 @@ class FleetRun:
             "p999_steady_ms": steady("p999"),
             "us_cpu_per_delivery": round(1e6 * broker_cpu / max(delivered, 1), 2),
             "us_cpu_per_publish": round(1e6 * broker_cpu / max(sent, 1), 2),
+            # The same, split: the broker's own code (for lmqtt: the interpreter and its C
+            # kernels) and the kernel's work for it (syscalls, the TCP stack).
+            "us_user_cpu_per_publish": round(1e6 * float(cpu["broker_user_s"]) / max(sent, 1), 2),
+            "us_system_cpu_per_publish": round(
+                1e6 * float(cpu["broker_system_s"]) / max(sent, 1), 2
+            ),
             # RocketMQ's JVMs (lmqtt-rocketmq; 0 for brokers storing in their own process).
             "us_store_cpu_per_publish": round(1e6 * store_cpu / max(sent, 1), 2),
             "send_lag_p99_ms": round(lag, 3),

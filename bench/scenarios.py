@@ -554,6 +554,8 @@ FLEET_METRICS = (
     Metric("p999_steady_ms", "latency p99.9 after the first second", "ms", False),
     Metric("us_cpu_per_delivery", "broker CPU per delivery", "us", False),
     Metric("us_cpu_per_publish", "broker CPU per publish", "us", False),
+    Metric("us_user_cpu_per_publish", "broker CPU per publish, user (its own code)", "us", False),
+    Metric("us_system_cpu_per_publish", "broker CPU per publish, system (the kernel)", "us", False),
     Metric("broker_cpu", "broker CPU", "cores", False),
     Metric("us_store_cpu_per_publish", "RocketMQ JVMs' CPU per publish", "us", False, ratio=False),
     Metric("store_cpu", "RocketMQ JVMs' CPU", "cores", False, ratio=False),

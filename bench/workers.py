@@ -147,20 +147,24 @@ class CpuProbe:
     workers: list[Worker]
     wall0: float = 0.0
     broker0: float = 0.0
+    broker_user0: float = 0.0
     store0: float = 0.0
     workers0: tuple[float, ...] = ()
     host0: float = 0.0
 
     def start(self) -> None:
         self.wall0 = time.monotonic()
-        self.broker0 = self.broker.cpu_seconds()
+        self.broker_user0, system = self.broker.cpu_split()
+        self.broker0 = self.broker_user0 + system
         self.store0 = self.broker.store_cpu_seconds()
         self.workers0 = tuple(w.cpu_seconds() for w in self.workers)
         self.host0 = _busy_seconds()
 
     def stop(self) -> dict[str, Any]:
         wall = max(time.monotonic() - self.wall0, 1e-6)
-        broker = (self.broker.cpu_seconds() - self.broker0) / wall
+        user, system = self.broker.cpu_split()
+        broker = (user + system - self.broker0) / wall
+        broker_user = (user - self.broker_user0) / wall
         per_worker = [
             (w.cpu_seconds() - before) / wall
             for w, before in zip(self.workers, self.workers0, strict=True)
@@ -187,6 +191,9 @@ class CpuProbe:
         return {
             "broker_cpu_s": round(broker * wall, 3),
             "broker_cpu": round(broker, 3),
+            # The broker's CPU split: its own code (user) and the kernel's work for it.
+            "broker_user_s": round(broker_user * wall, 3),
+            "broker_system_s": round((broker - broker_user) * wall, 3),
             "store_cpu_s": round(store * wall, 3),
             "store_cpu": round(store, 3),
             "gen_cpu": round(generator, 3),

@@ -7,6 +7,8 @@ import asyncio
 import math
 import sys
 
+import pytest
+
 from bench.fleet import (
     CAPACITY_P99_MS,
     capacity_search,
@@ -48,6 +50,9 @@ def test_a_generator_process_past_the_limit_flags_the_run() -> None:
         def cpu_seconds(self) -> float:
             return self.seconds.pop(0)
 
+        def cpu_split(self) -> tuple[float, float]:  # all of it user time
+            return self.cpu_seconds(), 0.0
+
         def store_cpu_seconds(self) -> float:  # a broker storing in its own process
             return 0.0
 
@@ -64,6 +69,29 @@ def test_a_generator_process_past_the_limit_flags_the_run() -> None:
     hot.seconds = [GENERATOR_SATURATED + 0.05]
     flags = probe.stop()["flags"]
     assert "generator-bound" in flags
+
+
+def test_the_brokers_cpu_is_split_into_its_own_code_and_the_kernels_work() -> None:
+    class Split:
+        processes: list[object] = []
+
+        def __init__(self) -> None:
+            self.times = [(1.0, 2.0), (1.3, 2.1)]  # (user, system) at start, then at stop
+
+        def cpu_split(self) -> tuple[float, float]:
+            return self.times.pop(0)
+
+        def store_cpu_seconds(self) -> float:
+            return 0.0
+
+    probe = CpuProbe(Split(), [])  # type: ignore[arg-type]
+    probe.start()
+    probe.wall0 -= 2.0  # two seconds of wall time
+    cpu = probe.stop()
+    assert cpu["broker_user_s"] == pytest.approx(0.3)
+    assert cpu["broker_system_s"] == pytest.approx(0.1)
+    assert cpu["broker_cpu_s"] == pytest.approx(0.4)
+    assert cpu["broker_cpu"] == pytest.approx(0.2, abs=0.01)
 
 
 def test_row_validity_looks_at_both_brokers() -> None:
@@ -97,8 +125,8 @@ async def test_a_broker_process_that_ended_flags_the_run() -> None:
         def __init__(self, processes: list[asyncio.subprocess.Process]) -> None:
             self.processes = processes
 
-        def cpu_seconds(self) -> float:
-            return 0.0
+        def cpu_split(self) -> tuple[float, float]:
+            return 0.0, 0.0
 
         def store_cpu_seconds(self) -> float:
             return 0.0
