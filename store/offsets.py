@@ -106,7 +106,7 @@ class ConsumerOffsets:
         # Positions that need not survive a restart (a gateway's clean sessions, which end with
         # their connection): kept for get()/all() but never written, so that 10,000 devices'
         # command subscriptions do not each cost a log record per delivery.
-        self._volatile: dict[tuple[str, str], int] = {}
+        self._unsaved: dict[tuple[str, str], int] = {}
 
     def load(self) -> None:
         """Open the log (a writable store: after taking its lock, recovering it) and import an
@@ -142,10 +142,10 @@ class ConsumerOffsets:
         with self._lock:
             table = self._offsets
             if not durable and key not in self._changed and (table is None or key not in table):
-                self._volatile[key] = offset
+                self._unsaved[key] = offset
                 return
-            if self._volatile:
-                self._volatile.pop(key, None)
+            if self._unsaved:
+                self._unsaved.pop(key, None)
             if table is not None:
                 if table.get(key) == offset:
                     return
@@ -156,19 +156,19 @@ class ConsumerOffsets:
         key = (group, queue)
         with self._lock:
             found = self._table().get(key)
-            return self._volatile.get(key) if found is None else found
+            return self._unsaved.get(key) if found is None else found
 
     def remove(self, group: str, queue: str) -> None:
         key = (group, queue)
         with self._lock:
-            self._volatile.pop(key, None)
+            self._unsaved.pop(key, None)
             if self._offsets is not None and self._offsets.pop(key, None) is None:
                 return
             self._changed[key] = None
 
     def all(self) -> dict[tuple[str, str], int]:
         with self._lock:
-            return {**self._volatile, **self._table()}
+            return {**self._unsaved, **self._table()}
 
     def persist(self) -> bool:
         """Append the changed entries and fsync them; returns whether it wrote."""

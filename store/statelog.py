@@ -655,7 +655,11 @@ def start_snapshot_child(covered: Sequence[Path], tmp: Path) -> subprocess.Popen
 def finish_snapshot_child(child: subprocess.Popen[bytes], tmp: Path) -> int:
     """Wait for a snapshot child; the snapshot's size, or StoreError (its .tmp removed) when
     the child failed or was killed."""
-    _, err = child.communicate()
+    # Its one pipe, read to the end, then the wait: what communicate() does (whose stub types
+    # the stdout it returns as bytes: None here, which a compiled build would refuse).
+    assert child.stderr is not None
+    err = child.stderr.read()
+    child.wait()
     if child.returncode != 0:
         tmp.unlink(missing_ok=True)
         reason = err.decode(errors="replace").strip().splitlines()[-1:] or ["?"]

@@ -252,8 +252,9 @@ class NameTable:
                 reason_code=TOPIC_FILTER_INVALID,
             )
 
-    def update(self, entries: Mapping[str, str]) -> None:
-        """Add checked entries (name -> filter), e.g. from another table's snapshot."""
+    def update(self, entries: object) -> None:
+        """Add checked entries (name -> filter), e.g. from another table's snapshot: a
+        `Mapping[str, str]`, checked (a snapshot read back may be anything)."""
         if not isinstance(entries, Mapping):
             raise TopicError(
                 "a name-table snapshot must be a mapping of queue name to filter",
@@ -279,7 +280,7 @@ class NameTable:
         return dict(self._filters)
 
     @classmethod
-    def restore(cls, snapshot: Mapping[str, str]) -> NameTable:
+    def restore(cls, snapshot: object) -> NameTable:
         table = cls()
         table.update(snapshot)
         return table

@@ -111,10 +111,10 @@ class Topic:
     name: str
     levels: tuple[str, ...]
 
-    def __init__(self, name: str) -> None:
-        check_topic_name(name)
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "levels", tuple(name.split("/")))
+    def __init__(self, name: object) -> None:  # checked: TopicError for a non-str too
+        text = check_topic_name(name)
+        object.__setattr__(self, "name", text)
+        object.__setattr__(self, "levels", tuple(text.split("/")))
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Topic:
@@ -166,8 +166,8 @@ class TopicFilter:
     share_group: str | None
     levels: tuple[str, ...]
 
-    def __init__(self, text: str) -> None:
-        check_utf8_string("topic filter", text, TOPIC_FILTER_INVALID)
+    def __init__(self, given: object) -> None:  # checked: TopicError for a non-str too
+        text = check_utf8_string("topic filter", given, TOPIC_FILTER_INVALID)
         group: str | None = None
         underlying = text
         if text.startswith(SHARE_PREFIX):

@@ -65,7 +65,7 @@ class ArrivalHub:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.get_ident()
+        self._loop_thread = threading.get_ident()
         self._waiters: dict[str, Watcher | set[Watcher]] = {}
         # The delivery account, watching the queues of offline sessions to sample their lag:
         # told like the others, but no reader of the queue (`watchers` leaves it out).
@@ -89,7 +89,7 @@ class ArrivalHub:
     def on_arrival(self, queue: str, max_offset: int) -> None:
         if queue not in self._waiters:
             return
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self._loop_thread:
             self._loop.call_soon_threadsafe(self._notify, queue, max_offset)
         else:
             self._notify(queue, max_offset)
@@ -97,7 +97,7 @@ class ArrivalHub:
     def on_arrivals(self, ends: dict[str, int]) -> None:
         """The queue ends of one append batch (the store's batch notice): each watcher is
         told of its queues, in this one call."""
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self._loop_thread:
             self._loop.call_soon_threadsafe(self.on_arrivals, dict(ends))
             return
         waiters = self._waiters

@@ -203,9 +203,9 @@ def test_name_table_restore_rejects_corrupt_entries() -> None:
     with pytest.raises(TopicError, match="does not match the naming scheme"):
         NameTable.restore({name: "q/" + "w" * 299})
     with pytest.raises(TopicError, match="str queue names"):
-        NameTable.restore({name: 7})  # type: ignore[dict-item]
+        NameTable.restore({name: 7})
     with pytest.raises(TopicError, match="mapping"):
-        NameTable.restore(["x"])  # type: ignore[arg-type]
+        NameTable.restore(["x"])
     with pytest.raises(TopicError):
         NameTable.restore({name: "bad/#/filter"})
 

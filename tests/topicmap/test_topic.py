@@ -117,9 +117,9 @@ def test_invalid_topic_names(name: str, hint: str) -> None:
 
 def test_non_str_is_rejected() -> None:
     with pytest.raises(TopicError, match="must be a str"):
-        Topic(b"a/b")  # type: ignore[arg-type]
+        Topic(b"a/b")
     with pytest.raises(TopicError, match="must be a str"):
-        TopicFilter(None)  # type: ignore[arg-type]
+        TopicFilter(None)
 
 
 def test_length_limit_counts_utf8_bytes() -> None:
