@@ -13,9 +13,12 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# setup.py builds the optional C accelerators: a changed .c file re-installs (re-compiles) it.
+# setup.py builds the optional C accelerators: a changed .c file re-installs (re-compiles) it,
+# and so does a changed module of the mypyc group (accelerators/compiled.py lists them; until
+# it is built again, the group runs as Python).
+COMPILED := $(shell $(PYTHON) -c 'import accelerators.compiled as c; print(*c.sources())' 2>/dev/null)
 SPEEDUPS := setup.py accelerators/kernel.h gateway/protocol/_speedups.c gateway/delivery/_run.c gateway/messages/_batch.c store/_speedups.c \
-	rocketmq_remoting/_speedups.c gateway/storage/_fsync.c
+	rocketmq_remoting/_speedups.c gateway/storage/_fsync.c accelerators/compiled.py $(COMPILED)
 
 $(CORE): pyproject.toml $(SPEEDUPS) | $(PY)
 	$(PY) -m pip install --quiet -e .

@@ -6,13 +6,18 @@ every kernel includes, accelerators/kernel.h) is compiled in, so the test suite 
 stale build from the current source.
 """
 
+import json
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accelerators
+from accelerators import compiled
 
 SOURCES = {
     "gateway.protocol._speedups": "gateway/protocol/_speedups.c",
@@ -37,4 +42,70 @@ def extension(name: str, source: str) -> Extension:
     )
 
 
-setup(ext_modules=[extension(name, source) for name, source in SOURCES.items()])
+def mypyc_group() -> list[Extension]:
+    """accelerators.compiled.MODULES as one mypyc group (optional too: without mypyc, or
+    where it fails, they run as Python). Called when extensions are built, not on every run
+    of this file: mypyc type-checks the group and writes its C first."""
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        return []
+    paths = compiled.sources()
+    try:
+        # The project's mypy settings check the sources (make lint); the build needs none.
+        extensions: list[Extension] = mypycify(
+            ["--config-file", os.devnull, *paths],
+            opt_level="3",
+            multi_file=True,
+            group_name=compiled.GROUP,
+        )
+    except BaseException as exc:  # mypyc reports a type error by SystemExit
+        print(f"mypyc: not compiled ({exc!r}); the group runs as Python", file=sys.stderr)
+        return []
+    for ext in extensions:
+        ext.optional = True
+    return extensions
+
+
+class BuildExt(build_ext):
+    """build_ext with the mypyc group, compiled on every core; once every module of the group was
+    built, the digests of their sources (compiled.BUILT_DIGESTS: they tell a current build
+    from a stale one). A group that failed to build leaves none: its modules run as Python."""
+
+    def finalize_options(self) -> None:
+        # Before build_ext's own: it prepares every extension of the distribution.
+        self.distribution.ext_modules = [*(self.distribution.ext_modules or []), *mypyc_group()]
+        super().finalize_options()
+
+    def build_extensions(self) -> None:
+        """One extension after another, each one's C files on every core: the group's
+        library is one extension of ~20 large files, the other extensions are small."""
+        compile_files = self.compiler.compile
+        cores = os.cpu_count() or 1
+
+        def compile_parallel(sources: list[str], *args: object, **kwargs: object) -> list[str]:
+            if len(sources) < 2 or cores < 2:
+                return compile_files(sources, *args, **kwargs)
+            with ThreadPoolExecutor(cores) as pool:
+                parts = pool.map(lambda one: compile_files([one], *args, **kwargs), sources)
+                return [obj for part in parts for obj in part]
+
+        self.compiler.compile = compile_parallel
+        super().build_extensions()
+
+    def run(self) -> None:
+        compiled.BUILT_DIGESTS.unlink(missing_ok=True)
+        targets = [Path(self.get_ext_fullpath(m)) for m in compiled.MODULES]
+        for target in targets:  # no older build may pass for this one
+            target.unlink(missing_ok=True)
+        for old in compiled.stale_builds():  # of a module no longer in the group
+            old.unlink()
+        super().run()
+        if all(target.exists() for target in targets):
+            compiled.BUILT_DIGESTS.write_text(json.dumps(compiled.digests(), indent=1) + "\n")
+
+
+setup(
+    ext_modules=[extension(name, source) for name, source in SOURCES.items()],
+    cmdclass={"build_ext": BuildExt},
+)

@@ -1,1 +1,4 @@
 """lmqtt package."""
+
+# First of all (its import decides it): whether the mypyc-compiled modules run compiled.
+import accelerators.compiled  # noqa: F401

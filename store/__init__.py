@@ -1,5 +1,7 @@
 """Embedded CommitLog store with light message queues (RocketMQ's model, RIP-28 LMQ)."""
 
+# First of all (its import decides it): whether the mypyc-compiled modules run compiled.
+import accelerators.compiled  # noqa: F401
 from store.append import EncodedMessage
 from store.config import FlushMode, StoreConfig
 from store.delivery_account import (

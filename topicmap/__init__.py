@@ -1,5 +1,7 @@
 """MQTT topic mapping onto a parent topic and light queues: validation, naming, routing."""
 
+# First of all (its import decides it): whether the mypyc-compiled modules run compiled.
+import accelerators.compiled  # noqa: F401
 from topicmap.errors import TopicError
 from topicmap.naming import (
     EMPTY_PARENT,
