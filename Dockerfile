@@ -13,8 +13,8 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS wheels
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# A C compiler for the optional PUBLISH encoder (gateway/protocol/_speedups.c); only this stage
-# has it, the runtime image gets the compiled wheel.
+# A C compiler for the optional accelerators (the C kernels, and the modules mypyc compiles:
+# accelerators/compiled.py); only this stage has it, the runtime image gets the compiled wheel.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml setup.py README.md ./

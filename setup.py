@@ -6,6 +6,7 @@ every kernel includes, accelerators/kernel.h) is compiled in, so the test suite 
 stale build from the current source.
 """
 
+import functools
 import json
 import os
 import sys
@@ -42,6 +43,11 @@ def extension(name: str, source: str) -> Extension:
     )
 
 
+#: Commands that build nothing: no mypyc group for them.
+METADATA_ONLY = {"egg_info", "dist_info", "sdist"}
+
+
+@functools.cache  # once per process: an editable build prepares build_ext twice
 def mypyc_group() -> list[Extension]:
     """accelerators.compiled.MODULES as one mypyc group (optional too: without mypyc, or
     where it fails, they run as Python). Called when extensions are built, not on every run
@@ -51,10 +57,12 @@ def mypyc_group() -> list[Extension]:
     except ImportError:
         return []
     paths = compiled.sources()
+    print(f"mypyc: compiling {len(paths)} modules as {compiled.GROUP}", file=sys.stderr)
     try:
-        # The project's mypy settings check the sources (make lint); the build needs none.
+        # The project's mypy settings check the sources (make lint); the build needs none, nor
+        # the dependencies (not installed yet when pip builds): what they type is Any here.
         extensions: list[Extension] = mypycify(
-            ["--config-file", os.devnull, *paths],
+            ["--config-file", os.devnull, "--ignore-missing-imports", *paths],
             opt_level="3",
             multi_file=True,
             group_name=compiled.GROUP,
@@ -73,8 +81,12 @@ class BuildExt(build_ext):
     from a stale one). A group that failed to build leaves none: its modules run as Python."""
 
     def finalize_options(self) -> None:
-        # Before build_ext's own: it prepares every extension of the distribution.
-        self.distribution.ext_modules = [*(self.distribution.ext_modules or []), *mypyc_group()]
+        # Before build_ext's own: it prepares every extension of the distribution. Not when
+        # only metadata is asked for (pip asks first, in processes of their own): mypyc takes
+        # ~10 s to check and translate the group.
+        if not set(self.distribution.commands) <= METADATA_ONLY:
+            have = self.distribution.ext_modules or []
+            self.distribution.ext_modules = have + [e for e in mypyc_group() if e not in have]
         super().finalize_options()
 
     def build_extensions(self) -> None:
@@ -102,7 +114,12 @@ class BuildExt(build_ext):
             old.unlink()
         super().run()
         if all(target.exists() for target in targets):
-            compiled.BUILT_DIGESTS.write_text(json.dumps(compiled.digests(), indent=1) + "\n")
+            text = json.dumps(compiled.digests(), indent=1) + "\n"
+            compiled.BUILT_DIGESTS.write_text(text)
+            if not self.inplace:  # a wheel: the digests go with its modules (Dockerfile)
+                packaged = Path(self.build_lib) / "accelerators" / compiled.BUILT_DIGESTS.name
+                packaged.parent.mkdir(parents=True, exist_ok=True)
+                packaged.write_text(text)
 
 
 setup(
