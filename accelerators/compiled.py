@@ -160,14 +160,4 @@ def install() -> None:
         sys.meta_path.insert(0, _FromSource(reason))
 
 
-def running_compiled() -> bool:
-    """Whether the group runs compiled in this process (every listed module from its build)."""
-    return all(
-        not getattr(sys.modules.get(m) or importlib.import_module(m), "__file__", "").endswith(
-            ".py"
-        )
-        for m in MODULES
-    )
-
-
 install()
