@@ -1,4 +1,5 @@
-"""Build glue for the optional C accelerators; everything else is in pyproject.toml.
+"""Build glue for the optional C accelerators and the mypyc group (accelerators/compiled.py);
+everything else is in pyproject.toml.
 
 `optional=True`: without a compiler or Python headers the install still succeeds and
 every kernel's pure-Python reference runs. The sources' SHA-256 (the kernel and the header
