@@ -146,25 +146,23 @@ class CpuProbe:
     broker: BrokerProcess
     workers: list[Worker]
     wall0: float = 0.0
-    broker0: float = 0.0
-    broker_user0: float = 0.0
+    broker0: tuple[float, float] = (0.0, 0.0)  # (user, system)
     store0: float = 0.0
     workers0: tuple[float, ...] = ()
     host0: float = 0.0
 
     def start(self) -> None:
         self.wall0 = time.monotonic()
-        self.broker_user0, system = self.broker.cpu_split()
-        self.broker0 = self.broker_user0 + system
+        self.broker0 = self.broker.cpu_split()
         self.store0 = self.broker.store_cpu_seconds()
         self.workers0 = tuple(w.cpu_seconds() for w in self.workers)
         self.host0 = _busy_seconds()
 
     def stop(self) -> dict[str, Any]:
         wall = max(time.monotonic() - self.wall0, 1e-6)
-        user, system = self.broker.cpu_split()
-        broker = (user + system - self.broker0) / wall
-        broker_user = (user - self.broker_user0) / wall
+        user, system = (b - a for a, b in zip(self.broker0, self.broker.cpu_split(), strict=True))
+        broker = (user + system) / wall
+        broker_user = user / wall
         per_worker = [
             (w.cpu_seconds() - before) / wall
             for w, before in zip(self.workers, self.workers0, strict=True)
