@@ -23,8 +23,12 @@ tests run both ways; what else differs is in docs/benchmarks.md, "mypyc"):
 - no attribute named like a C keyword once mangled (`_thread`, `_volatile`), no `continue`
   inside try/finally (mypyc refuses both);
 - annotations that hold at run time (a compiled build checks them: a value typed `bytes` that
-  may be a bytearray fails), and no narrowed attribute read again after a call that may
-  assign it (mypy keeps the narrowing; the compiled read checks it).
+  may be a bytearray fails), and no narrowed attribute read again after a call or an await
+  that may assign it (mypy keeps the narrowing; the compiled read checks it). Where the read
+  is a check again (`if self.x is None` after an await), mypy finds it unreachable: that is
+  an error, in `make lint` and in the build (setup.py);
+- no method assigned on an instance (a native class's methods are read-only), no method
+  aliased in its class body (`frames = frames_py`), no async generator.
 Standard library only, like the package.
 """
 

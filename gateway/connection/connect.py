@@ -41,13 +41,24 @@ from gateway.stats import GatewayStats
 from gateway.storage.port import StoreError
 from topicmap import Topic, TopicError
 
-__all__ = ["ConnectHandler", "Connecting"]
+__all__ = ["Closable", "ConnectHandler", "Connecting", "closed_now"]
 
 log = logging.getLogger("lmqtt.gateway")
 
 # What ConnectHandler._start hands on: the client id assigned (MQTT 5, an empty one asked
 # for), the session expiry granted and the one requested.
 _Start = tuple[str | None, int, int]
+
+
+class Closable(Protocol):
+    closed: bool
+
+
+def closed_now(client: Closable) -> bool:
+    """`client.closed` read again after an await. Read through a call: mypy keeps what an
+    earlier `if client.closed` found across the await, and so (its checks of re-checked
+    attributes made an error: setup.py) would the compiled build."""
+    return client.closed
 
 
 class Connecting(Client, Connected, Protocol):
@@ -160,7 +171,7 @@ class ConnectHandler:
         if clustered:
             # The session as another node left it (or hands it over).
             await cluster.before_connect(cid, client, ev.clean_start)
-            if client.closed:
+            if closed_now(client):
                 cluster.released(cid, client)  # a claim made while it waited for a hand-over
                 return
         will = ev.will
@@ -174,12 +185,12 @@ class ConnectHandler:
             # and a QoS 2 PUBLISH it stored after that record is recognised when resent.
             sessions.registry.qos2.resumed_behind(session)
             await sessions.skip_acknowledged(session)
-            if client.closed:
+            if closed_now(client):
                 return
         if present and session.inflight and not clustered:
             # Cluster mode reads them when the node claims the session (below).
             await sessions.read_inflight(session)
-            if client.closed:
+            if closed_now(client):
                 return
         if clustered:
             try:
@@ -188,7 +199,7 @@ class ConnectHandler:
                 log.error("%r: CONNECT not announced to the cluster: %s", cid, exc)
                 self._refuse(client, ReasonCode.SERVER_UNAVAILABLE)
                 return
-            if client.closed:
+            if closed_now(client):
                 return
         self._accept(client, ev, session, present, start)
 

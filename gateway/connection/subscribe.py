@@ -19,6 +19,7 @@ from functools import partial
 from typing import Final, Protocol
 
 from gateway.access.control import AccessControl, Client
+from gateway.connection.connect import closed_now
 from gateway.connection.node import ClusterLink, SingleNode
 from gateway.delivery.loop import DeliveryContext, DeliveryLoop
 from gateway.lifecycle.subscriptions import SubscriptionLifecycle
@@ -189,7 +190,7 @@ class SubscribeHandler:
             return
         if reply.retained_for and not single:
             await cluster.retained_caught_up()  # set through another node a moment ago
-            if client.closed:
+            if closed_now(client):
                 return
         self._answer(client, ev, reply)
 

@@ -486,14 +486,16 @@ class Sender:
                     if not counted and not own:
                         self._resending += 1
                         own = True
-                    if self._away_since is None:
-                        self._away_since = self._loop.time()
+                    since = self._away_since
+                    if since is None:
+                        since = self._away_since = self._loop.time()
                     if not turn:
                         await self._resend.acquire()  # after the resends that failed before
                         turn = True
-                        if self._away_since is None:
+                        since = self._away_since  # read again: cleared while we waited?
+                        if since is None:
                             continue  # the broker took the resend before this one
-                    if self._loop.time() + pause > self._away_since + broker.resend_s:
+                    if self._loop.time() + pause > since + broker.resend_s:
                         raise StoreError(
                             f"broker {broker.name} away for over {broker.resend_s:g} s: {exc}"
                         ) from exc
