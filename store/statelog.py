@@ -60,12 +60,12 @@ CorruptStoreError (those files were fsynced before the next one started).
 
 Compaction (``compact()``, blocking, run it in a thread): roll to a new generation G, read
 the snapshot and logs below G twice (the index of each key's newest record, then those
-records: memory for the keys only), write ``G.snapshot.tmp``, fsync, rename to
-``G.snapshot`` (the atomic step), fsync the directory, delete the files below G. A crash
-before the rename leaves the old files authoritative. ``needs_compaction()`` says when the
+records, copied undecoded: memory for the keys only), write ``G.snapshot.tmp``, fsync,
+rename to ``G.snapshot`` (the atomic step), fsync the directory, delete the files below G. A
+crash before the rename leaves the old files authoritative. ``needs_compaction()`` says when the
 logs since the snapshot outweigh it, which bounds recovery to about twice the live state.
 ``compact(child=True)`` has a child process write ``G.snapshot.tmp`` (the reads and the
-encoding, all of the compaction's CPU) and does the rest: a process serving an event loop
+writes, all of the compaction's CPU) and does the rest: a process serving an event loop
 compacts without its threads taking turns for the GIL with the loop.
 
 An in-process compaction never holds the GIL long, so the process's event loop keeps its
@@ -174,9 +174,22 @@ def _files(directory: Path) -> tuple[int | None, list[tuple[int, Path]]]:
 
 
 def _scan(path: Path, *, tail_ok: bool) -> Iterator[tuple[int, StateRecord]]:
-    """(end position, record) of every whole record of one file. A bad record ends the scan
-    when `tail_ok` (the caller truncates there), else raises CorruptStoreError. A log shorter
-    than its header is empty, wherever it is (see _is_unwritten)."""
+    """(end position, record) of every whole record of one file (_frames, decoded)."""
+    for pos, data, start, end, kind, klen in _frames(path, tail_ok=tail_ok):
+        k = start + HEAD_SIZE + klen
+        yield pos, (data[start + HEAD_SIZE : k].decode(), data[k:end] if kind == KIND_PUT else None)
+
+
+#: One whole record of a file as _frames finds it: (its end position in the file, a buffer,
+#: start, end, kind, key length). The record is buffer[start:end], CRC checked; its key is
+#: the klen bytes after the head, its value (a put's) the rest.
+_Frame = tuple[int, bytes, int, int, int, int]
+
+
+def _frames(path: Path, *, tail_ok: bool) -> Iterator[_Frame]:
+    """Every whole record of one file, undecoded. A bad record ends the scan when `tail_ok`
+    (the caller truncates there), else raises CorruptStoreError. A log shorter than its
+    header is empty, wherever it is (see _is_unwritten)."""
     with open(path, "rb", buffering=0) as f:
         magic = f.read(len(STATE_MAGIC))
         if magic != STATE_MAGIC:
@@ -223,11 +236,9 @@ def _scan(path: Path, *, tail_ok: bool) -> Iterator[tuple[int, StateRecord]]:
                 if tail_ok:
                     return
                 raise CorruptStoreError(str(path), f"bad record at {pos}")
-            key = data[i + HEAD_SIZE : i + HEAD_SIZE + klen].decode()
-            value = data[i + HEAD_SIZE + klen : end] if kind == KIND_PUT else None
             pos += end - i
-            i = end
-            yield pos, (key, value)
+            start, i = i, end
+            yield pos, data, start, end, kind, klen
 
 
 def _is_unwritten(head: bytes) -> bool:
@@ -577,20 +588,25 @@ def write_snapshot(covered: Sequence[Path], tmp: Path, step: Callable[[], object
     """Every live record of `covered` (a snapshot first, then sealed logs, in order) into
     `tmp`, fsynced; returns its size. Two passes, so only the keys are held, not every value:
     the index of each key's newest record, then the records that are their key's newest
-    (puts). `step` is called every COMPACT_STEP records read and per index shard freed."""
-    shards: list[dict[str, int]] = [{} for _ in range(INDEX_SHARDS)]
+    (puts), copied as they were read: a record's bytes are the same in every file of the log,
+    so none is decoded or encoded again. `step` is called every COMPACT_STEP records read and
+    per index shard freed."""
+    shards: list[dict[bytes, int]] = [{} for _ in range(INDEX_SHARDS)]
     mask = INDEX_SHARDS - 1
-    for i, (key, _) in enumerate(read_state_records_of(covered)):
-        shards[hash(key) & mask][key] = i
-        if i % COMPACT_STEP == 0:
+    for n, (_, data, start, _end, _kind, klen) in enumerate(_frames_of(covered)):
+        key = data[start + HEAD_SIZE : start + HEAD_SIZE + klen]
+        shards[hash(key) & mask][key] = n
+        if n % COMPACT_STEP == 0:
             step()
 
-    def live() -> Iterator[tuple[str, bytes]]:
-        for i, (key, value) in enumerate(read_state_records_of(covered)):
-            if i % COMPACT_STEP == 0:
+    def live() -> Iterator[bytes]:
+        for n, (_, data, start, end, kind, klen) in enumerate(_frames_of(covered)):
+            if n % COMPACT_STEP == 0:
                 step()
-            if value is not None and shards[hash(key) & mask][key] == i:
-                yield key, value
+            if kind == KIND_PUT:
+                key = data[start + HEAD_SIZE : start + HEAD_SIZE + klen]
+                if shards[hash(key) & mask][key] == n:
+                    yield data[start:end]
 
     size = _write_file(tmp, live())
     while shards:
@@ -599,12 +615,12 @@ def write_snapshot(covered: Sequence[Path], tmp: Path, step: Callable[[], object
     return size
 
 
-def _write_file(path: Path, records: Iterable[tuple[str, bytes]]) -> int:
+def _write_file(path: Path, records: Iterable[bytes]) -> int:
+    """A state file of `records` (encoded), fsynced; its size."""
     with open(path, "wb", buffering=_READ_CHUNK) as f:
         f.write(STATE_MAGIC)
         size = len(STATE_MAGIC)
-        for key, value in records:
-            rec = encode_record(key, value)
+        for rec in records:
             f.write(rec)
             size += len(rec)
         f.flush()
@@ -686,3 +702,9 @@ def read_state_records_of(paths: Sequence[Path]) -> Iterator[StateRecord]:
     for path in paths:
         for _, rec in _scan(path, tail_ok=False):
             yield rec
+
+
+def _frames_of(paths: Sequence[Path]) -> Iterator[_Frame]:
+    """read_state_records_of, undecoded (_frames)."""
+    for path in paths:
+        yield from _frames(path, tail_ok=False)

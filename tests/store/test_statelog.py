@@ -196,6 +196,23 @@ def test_compaction_keeps_the_live_state_and_drops_history(tmp_path: Path, child
     assert read_state(d) == expected
 
 
+@pytest.mark.parametrize("child", [False, True])
+def test_a_snapshot_holds_each_live_record_as_it_was_written(tmp_path: Path, child: bool) -> None:
+    # Compaction copies the live records' bytes (no decoding, no encoding again): the snapshot
+    # is what encode_record makes of them, in the order of their newest writes; keys compare
+    # as bytes there, so a non-ASCII key is one key as it is for a reader.
+    d = tmp_path / "s"
+    log = StateLog.open(d)
+    log.append([("ключ", b"1"), ("k", b"a"), ("x", b"gone"), ("", b"empty key")])
+    log.append([("k", b"b"), ("x", None), ("ключ", b"2"), ("z", b"")])
+    log.compact(child=child)
+    log.close()
+    (snapshot,) = d.glob("*.snapshot")
+    live = [("", b"empty key"), ("k", b"b"), ("ключ", b"2"), ("z", b"")]
+    assert snapshot.read_bytes() == STATE_MAGIC + b"".join(encode_record(k, v) for k, v in live)
+    assert read_state(d) == dict(live)
+
+
 def test_compaction_cut_short_before_its_rename_changes_nothing(tmp_path: Path) -> None:
     d = tmp_path / "s"
     log = StateLog.open(d)
