@@ -195,8 +195,17 @@ def test_messages_acknowledged_while_the_broker_is_away_are_stored_in_order_once
         )
         rocketmq.start_broker_again("broker-b", addr)
         pub.publish("away/6", b"after", 1)
-        sub.wait_messages(7, 120)
-        assert sub.payloads() == [b"before", *away, b"after"]
+        sub.wait_for(lambda: b"after" in sub.payloads(), 120, "the message published after")
+        got = sub.payloads()
+        # QoS 1 is at least once, and "before" may be stored twice: the broker writes the
+        # tail's pull answer and the send's answer from two threads onto the one connection,
+        # so "before" can be delivered while its send is still unanswered; killed then, the
+        # broker never answers it, and the sender sends it again (sender.py "away": a
+        # batch's publish may be stored twice). Seen once in a full suite on a loaded host.
+        # Every message published while the broker was away is stored once, in order.
+        if got[:2] == [b"before", b"before"]:
+            got = got[1:]
+        assert got == [b"before", *away, b"after"]
         lost = [r.getMessage() for r in caplog.records if "messages not stored" in r.getMessage()]
         assert not lost, lost
     finally:
