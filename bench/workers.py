@@ -162,7 +162,6 @@ class CpuProbe:
         wall = max(time.monotonic() - self.wall0, 1e-6)
         user, system = (b - a for a, b in zip(self.broker0, self.broker.cpu_split(), strict=True))
         broker = (user + system) / wall
-        broker_user = user / wall
         per_worker = [
             (w.cpu_seconds() - before) / wall
             for w, before in zip(self.workers, self.workers0, strict=True)
@@ -190,8 +189,8 @@ class CpuProbe:
             "broker_cpu_s": round(broker * wall, 3),
             "broker_cpu": round(broker, 3),
             # The broker's CPU split: its own code (user) and the kernel's work for it.
-            "broker_user_s": round(broker_user * wall, 3),
-            "broker_system_s": round((broker - broker_user) * wall, 3),
+            "broker_user_s": round(user, 3),
+            "broker_system_s": round(system, 3),
             "store_cpu_s": round(store * wall, 3),
             "store_cpu": round(store, 3),
             "gen_cpu": round(generator, 3),
