@@ -146,9 +146,12 @@ def test_an_idle_subscribers_held_pull_never_times_out_across_a_broker_restart(
         assert not timeouts, timeouts
         sent = time.monotonic()
         pub.publish("idle/1", b"after", 1)
-        got = sub.wait_messages(2)
-        assert bytes(got[1].payload) == b"after"
-        latency = got[1].timestamp - sent
+        sub.wait_for(lambda: b"after" in sub.payloads(), 30, "the message published after")
+        # QoS 1 is at least once: "before" may be stored twice when the broker is killed
+        # after its pull answer but before its send answer (two broker threads write them
+        # onto the one connection; sender.py "away" sends it again), as in the test below.
+        assert sub.payloads() in ([b"before", b"after"], [b"before", b"before", b"after"])
+        latency = sub.messages[-1].timestamp - sent
         print(f"delivered {latency * 1000:.1f} ms after the publish")
         # The pull was sent again right after the hold check that ended the second one, so the
         # next check is ~5 s away: within 1 s only the arrival wake-up can have answered it (a
