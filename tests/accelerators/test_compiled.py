@@ -104,13 +104,18 @@ def test_every_module_of_the_group_has_its_source_and_no_other_module_has_a_buil
 def test_the_groups_own_tests_pass_from_source_too() -> None:
     """The source is the reference: the tests of the group's modules, run again with the
     group from its source (the suite itself runs it compiled, when built)."""
-    tests = [  # the unit-level ones (~25 s): the end-to-end suites run the group compiled
+    # The unit-level ones and the connection's inline paths (~25 s): the end-to-end suites
+    # run the group compiled.
+    tests = [
         "tests/topicmap",
         "tests/store/test_statelog.py",
         "tests/store/test_offsets.py",
         "tests/gateway/session/test_expiry_ticks.py",
         "tests/gateway/session/test_sessions.py",
         "tests/gateway/session/test_state_records.py",
+        "tests/gateway/connection/test_basic.py",
+        "tests/gateway/connection/test_batch_ingest.py",
+        "tests/gateway/connection/test_bad_input.py",
     ]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests],
