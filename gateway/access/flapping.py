@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from gateway.bounded import trim_oldest
+
 __all__ = ["FlappingDetector"]
 
 MAX_TRACKED_CLIENTS = 65_536
@@ -68,7 +70,7 @@ class FlappingDetector:
             times.append(now)
         seen[client_id] = times  # the most recently seen last (dicts keep insertion order)
         if len(seen) > self._max_clients:
-            del seen[next(iter(seen))]
+            trim_oldest(seen, self._max_clients)
         return 0
 
     def would_ban(self, client_id: str) -> bool:

@@ -40,6 +40,7 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+from gateway.bounded import trim_oldest
 from gateway.storage.port import ArrivalListener, GetResult, GetStatus, StoredMessage
 from gateway.storage.rocketmq.broker import (
     EMPTY_RETRIES,
@@ -124,7 +125,7 @@ class ParentHistory:
         found = await self._client.search_offset(self._addr, self.topic, since_ms)
         self._by_time[since_ms] = max(self._min, found)
         if len(self._by_time) > 1024:
-            self._by_time.pop(next(iter(self._by_time)))
+            trim_oldest(self._by_time, 1024)
 
     # -- the port's reads for this queue ---------------------------------------------------------
 

@@ -57,6 +57,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
+from gateway.bounded import trim_oldest
 from gateway.storage.port import EncodedMessage, StoreError
 from gateway.storage.rocketmq.broker import Broker
 from rocketmq_remoting import (
@@ -279,7 +280,7 @@ class Sender:
             log.error("RocketMQ send failed, messages not stored: %s", err)
         self._failed[ticket] = err
         if len(self._failed) > FAILED_TICKETS_KEPT:
-            self._failed.pop(next(iter(self._failed)))
+            trim_oldest(self._failed, FAILED_TICKETS_KEPT)
         fut.set_exception(err)
         fut.exception()  # retrieved: a batch nobody awaits (async mode) logs nothing more
 

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from gateway.bounded import trim_oldest
 from gateway.storage.port import ArrivalListener, EncodedMessage, GetResult
 from gateway.storage.rocketmq.broker import Broker
 from gateway.storage.rocketmq.history import ParentHistory
@@ -188,7 +189,7 @@ class Slots:
             (s, s.send_batch(batch, gate)) for s, batch in parts.values()
         ]
         if len(self._tickets) > 100_000:
-            self._tickets.pop(next(iter(self._tickets)))
+            trim_oldest(self._tickets, 100_000)
         return self._ticket
 
     async def wait_durable(self, ticket: int) -> None:

@@ -34,6 +34,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from gateway.bounded import trim_oldest
 from gateway.storage.port import GetResult, GetStatus, StateRecord, StoreError
 from gateway.storage.rocketmq.broker import Broker
 from gateway.storage.rocketmq.fences import FENCE_PROPERTY, Fences, has_marker, marker
@@ -257,7 +258,7 @@ class StateLog:
                 log.error("state write to RocketMQ failed: %s", exc)
                 self._failed[ticket] = exc if isinstance(exc, StoreError) else StoreError(str(exc))
                 if len(self._failed) > FAILED_TICKETS_KEPT:
-                    self._failed.pop(next(iter(self._failed)))
+                    trim_oldest(self._failed, FAILED_TICKETS_KEPT)
 
         task.add_done_callback(done)
         return ticket

@@ -101,6 +101,24 @@ def test_flapping_counts_a_sliding_window() -> None:
     assert det.bans == 1
 
 
+def test_the_flapping_table_stays_bounded_and_keeps_a_flapping_client() -> None:
+    """A fleet of one-off client ids is forgotten oldest first, in steps (gateway/bounded.py),
+    never past `max_clients`; a client id seen again and again stays at the recent end and is
+    still caught."""
+    now = [0.0]
+    det = FlappingDetector(3, 1000.0, clock=lambda: now[0], max_clients=64)
+    caught = 0
+    for i in range(5_000):
+        now[0] = i * 0.01
+        assert det.connecting(f"dev-{i}") == 0
+        assert len(det) <= 64
+        if i % 40 == 0:
+            caught += det.connecting("twin") != 0
+    assert caught == 125 // 4  # every fourth connect of the twin: more than 3 in the window
+    assert det.bans == caught
+    assert not det.would_ban("dev-0")  # forgotten long ago: counts from one again
+
+
 @pytest.mark.parametrize("max_connects", [1, 2, 3])
 def test_would_ban_tells_what_connecting_would_answer_and_counts_nothing(
     max_connects: int,
