@@ -5,9 +5,9 @@ Dropping one entry per insert, `del d[next(iter(d))]`, is the obvious way and a 
 CPython: a deleted entry's slot stays in the dict's entry array until the dict is resized (a
 resize comes only from inserts, every ~2x the live size), and iteration starts at the first
 slot. So each such call walks past every entry dropped since the last resize: at a bound of
-tens of thousands, tens of thousands of empty slots per insert, until the next resize. A
-SUBSCRIBE-heavy fleet met it in the flapping detector (docs/benchmarks.md, "The flapping
-detector's table").
+tens of thousands, tens of thousands of empty slots per insert, until the next resize.
+Persistent sessions created one after another met it in the flapping detector
+(docs/benchmarks.md, "The flapping detector's table").
 
 `trim_oldest` drops an eighth of the bound at once, with one walk: that walk is paid once per
 bound/8 inserts.
