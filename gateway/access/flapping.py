@@ -69,8 +69,7 @@ class FlappingDetector:
                 return len(times) + 1
             times.append(now)
         seen[client_id] = times  # the most recently seen last (dicts keep insertion order)
-        if len(seen) > self._max_clients:
-            trim_oldest(seen, self._max_clients)
+        trim_oldest(seen, self._max_clients)
         return 0
 
     def would_ban(self, client_id: str) -> bool:

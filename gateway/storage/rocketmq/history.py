@@ -124,8 +124,7 @@ class ParentHistory:
             return
         found = await self._client.search_offset(self._addr, self.topic, since_ms)
         self._by_time[since_ms] = max(self._min, found)
-        if len(self._by_time) > 1024:
-            trim_oldest(self._by_time, 1024)
+        trim_oldest(self._by_time, 1024)
 
     # -- the port's reads for this queue ---------------------------------------------------------
 

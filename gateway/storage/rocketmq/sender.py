@@ -279,8 +279,7 @@ class Sender:
         if not self._sync:  # nobody waits in async mode: the log is all there is
             log.error("RocketMQ send failed, messages not stored: %s", err)
         self._failed[ticket] = err
-        if len(self._failed) > FAILED_TICKETS_KEPT:
-            trim_oldest(self._failed, FAILED_TICKETS_KEPT)
+        trim_oldest(self._failed, FAILED_TICKETS_KEPT)
         fut.set_exception(err)
         fut.exception()  # retrieved: a batch nobody awaits (async mode) logs nothing more
 

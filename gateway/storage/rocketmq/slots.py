@@ -188,8 +188,7 @@ class Slots:
         self._tickets[self._ticket] = [
             (s, s.send_batch(batch, gate)) for s, batch in parts.values()
         ]
-        if len(self._tickets) > 100_000:
-            trim_oldest(self._tickets, 100_000)
+        trim_oldest(self._tickets, 100_000)
         return self._ticket
 
     async def wait_durable(self, ticket: int) -> None:

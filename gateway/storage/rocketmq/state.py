@@ -257,8 +257,7 @@ class StateLog:
             if exc is not None:
                 log.error("state write to RocketMQ failed: %s", exc)
                 self._failed[ticket] = exc if isinstance(exc, StoreError) else StoreError(str(exc))
-                if len(self._failed) > FAILED_TICKETS_KEPT:
-                    trim_oldest(self._failed, FAILED_TICKETS_KEPT)
+                trim_oldest(self._failed, FAILED_TICKETS_KEPT)
 
         task.add_done_callback(done)
         return ticket
