@@ -44,7 +44,7 @@ from gateway.messages.records import PublishProperties
 from gateway.protocol import Publish
 from gateway.storage.port import PutResult, StoreError
 
-__all__ = ["IngestBatch", "Linger", "Publisher"]
+__all__ = ["IngestBatch", "Linger", "Lingering", "Publisher"]
 
 # (publishes, the property blocks of each publisher) -> one result per publish, or StoreError
 # with nothing stored.
@@ -61,6 +61,14 @@ class Publisher(Protocol):
     def acknowledge_stored(self, packet_ids: list[int]) -> None: ...
 
     def store_failed(self, pub: Publish, err: StoreError) -> None: ...
+
+
+class Lingering(Protocol):
+    """When a batch lingers (`Linger`; a test forces one)."""
+
+    def linger(self, n: int, now: float) -> float: ...
+
+    def stored(self, n: int, now: float) -> None: ...
 
 
 # Linger: a batch lingers only while the arrival rate says its linger gathers at least
@@ -131,7 +139,7 @@ class IngestBatch:
     )
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, append: Append, linger: Linger | None = None
+        self, loop: asyncio.AbstractEventLoop, append: Append, linger: Lingering | None = None
     ) -> None:
         """`linger`: when a batch waits for more after its first publish (None: never, stored
         at the end of the turn)."""

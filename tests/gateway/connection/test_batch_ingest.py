@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway.connection.ingest import GATHERS_AT_MOST, Linger
+from gateway.connection.ingest import GATHERS_AT_MOST
 from gateway.protocol import (
     Disconnect,
     PubAck,
@@ -368,11 +368,17 @@ def test_publishes_of_many_connections_in_one_turn_share_one_append(tmp_path: Pa
         h.stop()
 
 
-class _Always(Linger):
+class _Always:
     """Lingers whatever the rate: an idle test gateway's batch would not (Linger)."""
+
+    def __init__(self, most: float) -> None:
+        self.most = most
 
     def linger(self, n: int, now: float) -> float:
         return self.most
+
+    def stored(self, n: int, now: float) -> None:
+        pass
 
 
 def _held_in_the_lingering_batch(h: GatewayHarness, pub: RawClient, publish: Publish) -> None:
