@@ -11,20 +11,16 @@ per PUBACK.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from gateway.delivery.overlap import covering
 from gateway.delivery.rules import identifiers, retain_flag
-from gateway.delivery.state import LoopState
+from gateway.delivery.send import Sender
 from gateway.messages.records import read_record
 from gateway.protocol import PubRel
 from gateway.session.model import Inflight, SubscriptionState
 
-if TYPE_CHECKING:
-    pass
 
-
-class Acknowledgements(LoopState):
+class Acknowledgements(Sender):
     """PUBACK / PUBREC / PUBCOMP handling, re-sends and commits of a DeliveryLoop."""
 
     __slots__ = ()

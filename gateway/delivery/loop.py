@@ -33,7 +33,9 @@ listener synchronously on the loop thread after dispatch, and a pass runs to com
 without yielding, so no notice can fall between "found nothing" and "sleep". What one pass
 sends leaves with one transport.write().
 
-The loop is composed of parts, each in its own module over the shared LoopState (state.py):
+The loop is composed of parts, each in its own module over the shared LoopState (state.py);
+the parts (pacing, send, acks, replay) extend one another in that order, and DeliveryLoop
+extends replay's (state.py says why):
 
     pacing.py     when a pass runs (at once, with the next arrival for a busy subscriber, or
                   under load paced to one per PASS_INTERVAL; load.py: whether the event
@@ -66,12 +68,10 @@ import asyncio
 import logging
 from collections import deque
 
-from gateway.delivery.acks import Acknowledgements
 from gateway.delivery.arrivals import Watcher
-from gateway.delivery.pacing import PASS_INTERVAL, Pacing
+from gateway.delivery.pacing import PASS_INTERVAL
 from gateway.delivery.replay import Replaying
 from gateway.delivery.rules import decide
-from gateway.delivery.send import Sender
 from gateway.delivery.shared import SharedGroup
 from gateway.delivery.state import NO_ALIASES, UNKNOWN_END, DeliveryContext, Subscriber
 from gateway.messages.records import RecordedPublish, read_record
@@ -97,7 +97,7 @@ _NEVER_WROTE = -PASS_INTERVAL
 _NOTHING_READY: dict[str, int] = {}
 
 
-class DeliveryLoop(Pacing, Sender, Acknowledgements, Replaying):
+class DeliveryLoop(Replaying):
     """Sends a connected session's messages within its window; see the module docstring."""
 
     __slots__ = ()

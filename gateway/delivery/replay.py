@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
+from gateway.delivery.acks import Acknowledgements
 from gateway.delivery.rules import decide
-from gateway.delivery.state import UNKNOWN_END, LoopState
+from gateway.delivery.state import UNKNOWN_END
 from gateway.session.model import Inflight, SubscriptionState
 from gateway.session.replay import Replay
 from gateway.storage.port import StoredMessage
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("lmqtt.gateway")
 
@@ -31,7 +28,7 @@ REPLAY_STEP = 256
 REPLAY_SLICE_S = 0.0005
 
 
-class Replaying(LoopState):
+class Replaying(Acknowledgements):
     """Sends the replays of a DeliveryLoop's subscriptions."""
 
     __slots__ = ()

@@ -19,8 +19,9 @@ import logging
 
 from gateway.delivery import run
 from gateway.delivery.overlap import covering, owner_has_read
+from gateway.delivery.pacing import Pacing
 from gateway.delivery.rules import decide, passed_over
-from gateway.delivery.state import UNKNOWN_END, LoopState
+from gateway.delivery.state import UNKNOWN_END
 from gateway.messages.records import RecordedPublish, read_record
 from gateway.protocol import ENCODED_TOPICS, PreparedPublish, Properties, Publish
 from gateway.session.model import Inflight, SubscriptionState
@@ -29,7 +30,7 @@ from gateway.storage.port import StoredMessage
 log = logging.getLogger("lmqtt.gateway")
 
 
-class Sender(LoopState):
+class Sender(Pacing):
     """The send paths of a DeliveryLoop (see the module docstring)."""
 
     __slots__ = ()

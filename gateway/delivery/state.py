@@ -5,7 +5,11 @@ The parts of a DeliveryLoop (gateway/delivery/loop.py) are classes of their own 
 over this one state: pacing.py (when a pass runs), send.py (the send paths), acks.py
 (acknowledgements, re-sends and offset commits), replay.py (history before the light queue).
 They are composed as bases of DeliveryLoop rather than as objects it holds, so that a call
-from one part to another on the per-message path stays a plain method call on one object.
+from one part to another on the per-message path stays a plain method call on one object:
+one chain, each part extending the one before (LoopState <- Pacing <- Sender <-
+Acknowledgements <- Replaying <- DeliveryLoop), because mypyc compiles single inheritance
+(multiple inheritance only through traits) and the loop is in the compiled group
+(accelerators/compiled.py). A part calls the later ones through what LoopState declares.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from gateway.access.acl import ClientAccess
 from gateway.delivery.account import DeliveryAccount
@@ -22,7 +26,6 @@ from gateway.delivery.backlog import BacklogWatch
 from gateway.delivery.load import LoopLoad
 from gateway.delivery.shared import SharedGroup
 from gateway.messages.recent import PreparedCache, RecentMessages
-from gateway.messages.records import RecordedPublish
 from gateway.messages.retained import RetainedMessage
 from gateway.protocol import Connection, Publish
 from gateway.session.model import Session, SubscriptionState
@@ -175,36 +178,18 @@ class LoopState:
     # Set while a replay waits for its share of the loop (replay.py).
     _replay_timer: asyncio.TimerHandle | None
 
-    if TYPE_CHECKING:
-        # What the parts call on each other (pacing.py, send.py, acks.py, replay.py, and
-        # loop.py's DeliveryLoop, which composes them), declared once for the type checker.
+    # What a part calls on a later one of the chain (see the module docstring): defined there.
 
-        def wake(self) -> None: ...
+    def _step(self) -> None:  # pacing.py -> loop.py
+        raise NotImplementedError
 
-        def _schedule(self) -> None: ...
+    def capacity(self) -> int:  # replay.py -> loop.py
+        raise NotImplementedError
 
-        def _mark_ready(self, queue: str, end: int) -> None: ...
+    def can_send(self) -> bool:  # replay.py -> loop.py
+        raise NotImplementedError
 
-        def _step(self) -> None: ...
-
-        def capacity(self) -> int: ...
-
-        def can_send(self) -> bool: ...
-
-        def send(
-            self,
-            rec: RecordedPublish,
-            qos: int,
-            retain: bool,
-            sub_ids: list[int],
-            expiry_left: int | None,
-            physical_offset: int | None,
-            dup: bool = False,
-            packet_id: int | None = None,
-        ) -> int: ...
-
-        def _pass_replayed(
-            self, sub: SubscriptionState, messages: list[StoredMessage]
-        ) -> list[StoredMessage]: ...
-
-        def _commit(self, sub: SubscriptionState) -> None: ...
+    def _pass_replayed(  # send.py -> replay.py
+        self, sub: SubscriptionState, messages: list[StoredMessage]
+    ) -> list[StoredMessage]:
+        raise NotImplementedError
