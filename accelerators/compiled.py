@@ -54,22 +54,36 @@ BUILT_DIGESTS = Path(__file__).with_name("compiled.json")
 GROUP = "lmqtt_compiled"
 
 #: The compiled group: the connection, session, subscription and state-log path of a device
-#: (CONNECT, SUBSCRIBE, DISCONNECT, the records they leave), with what it calls.
+#: (CONNECT, SUBSCRIBE, DISCONNECT, the records they leave), the publishes' way into the store
+#: (the ingest batch, the publish path, the recent messages) and the delivery loop, with what
+#: they call.
 MODULES: tuple[str, ...] = (
     "gateway.access.control",
     "gateway.access.flapping",
     "gateway.access.limits",
     "gateway.connection.client",
     "gateway.connection.connect",
+    "gateway.connection.ingest",
     "gateway.connection.keep_alive",
     "gateway.connection.reader",
     "gateway.connection.subscribe",
     "gateway.connection.timers",
     "gateway.connection.transport",
     "gateway.delivery.account",
+    "gateway.delivery.acks",
     "gateway.delivery.arrivals",
+    "gateway.delivery.load",
+    "gateway.delivery.loop",
+    "gateway.delivery.overlap",
+    "gateway.delivery.pacing",
+    "gateway.delivery.replay",
+    "gateway.delivery.rules",
+    "gateway.delivery.send",
+    "gateway.delivery.state",
     "gateway.lifecycle.sessions",
     "gateway.lifecycle.subscriptions",
+    "gateway.messages.publishing",
+    "gateway.messages.recent",
     "gateway.session.expiry",
     "gateway.session.qos2",
     "gateway.session.registry",

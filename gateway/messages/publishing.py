@@ -192,8 +192,6 @@ class PublishPath:
         routes = self._routes
         messages: list[EncodedMessage] = []
         props: list[dict[str, str]] = []
-        if type(pubs) is not list or type(blocks) is not list:
-            pubs, blocks = list(pubs), list(blocks)
         n = len(pubs)
         i = 0
         while True:

@@ -104,8 +104,8 @@ def test_every_module_of_the_group_has_its_source_and_no_other_module_has_a_buil
 def test_the_groups_own_tests_pass_from_source_too() -> None:
     """The source is the reference: the tests of the group's modules, run again with the
     group from its source (the suite itself runs it compiled, when built)."""
-    # The unit-level ones and the connection's inline paths (~25 s): the end-to-end suites
-    # run the group compiled.
+    # The unit-level ones, the connection's inline paths and the delivery loop's (~30 s): the
+    # end-to-end suites run the group compiled.
     tests = [
         "tests/topicmap",
         "tests/store/test_statelog.py",
@@ -116,6 +116,13 @@ def test_the_groups_own_tests_pass_from_source_too() -> None:
         "tests/gateway/connection/test_basic.py",
         "tests/gateway/connection/test_batch_ingest.py",
         "tests/gateway/connection/test_bad_input.py",
+        "tests/gateway/delivery/test_delivery_pacing.py",
+        "tests/gateway/delivery/test_delivery_plain.py",
+        "tests/gateway/delivery/test_delivery_drain.py",
+        "tests/gateway/delivery/test_outbound.py",
+        "tests/gateway/delivery/test_standby.py",
+        "tests/gateway/messages/test_publishing.py",
+        "tests/gateway/messages/test_recent_messages.py",
     ]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests],
