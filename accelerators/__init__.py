@@ -8,7 +8,8 @@ one loader and the one switch rule, for the store and the gateway alike (neither
 other's internals; both may import this standard-library-only package).
 
 The switch: LMQTT_PURE_PYTHON keeps every reference; one path's own switch keeps that path's
-(LMQTT_PURE_PYTHON_READ, _DELIVERY, _APPEND) for A/B runs. Any value but "" and "0" sets it.
+(LMQTT_PURE_PYTHON_READ, _DELIVERY, _APPEND; _COMPILED for the mypyc group, compiled.py) for
+A/B runs and timers. Any value but "" and "0" sets it.
 """
 
 from __future__ import annotations

@@ -52,6 +52,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILT_DIGESTS = Path(__file__).with_name("compiled.json")
 #: The group's shared library: the extension module `lmqtt_compiled__mypyc` at the top level.
 GROUP = "lmqtt_compiled"
+#: Runs the group from its source while the C kernels stay (LMQTT_PURE_PYTHON: both): for
+#: A/B runs, and for bench/stages.py, whose timers wrap methods a compiled caller would call
+#: past them.
+SWITCH = "LMQTT_PURE_PYTHON_COMPILED"
 
 #: The compiled group: the connection, session, subscription and state-log path of a device
 #: (CONNECT, SUBSCRIBE, DISCONNECT, the records they leave), the publishes' way into the store
@@ -138,6 +142,8 @@ def why_source() -> str | None:
     """Why the group runs from its source (None: it runs compiled, if it was built)."""
     if pure_python():
         return "LMQTT_PURE_PYTHON is set"
+    if pure_python(SWITCH):
+        return f"{SWITCH} is set"
     built = built_digests()
     if not built:
         return "not compiled"

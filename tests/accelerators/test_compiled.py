@@ -20,9 +20,10 @@ ROOT = Path(compiled.__file__).resolve().parents[1]
 # Where each of the group's modules came from, and why, in a fresh interpreter.
 PROBE = """
 import importlib, json, sys
-import accelerators.compiled as c
+import accelerators, accelerators.compiled as c
 files = {m: importlib.import_module(m).__file__ for m in c.MODULES}
-print(json.dumps({"why": c.why_source(), "files": files}))
+kernels = not accelerators.pure_python()
+print(json.dumps({"why": c.why_source(), "files": files, "kernels": kernels}))
 """
 
 
@@ -64,6 +65,15 @@ def test_the_pure_python_switch_runs_every_module_from_its_source() -> None:
     files = probe["files"]
     assert isinstance(files, dict)
     assert all(f.endswith(".py") for f in files.values()), files
+
+
+def test_the_groups_own_switch_runs_it_from_source_and_keeps_the_kernels() -> None:
+    probe = _probe({"LMQTT_PURE_PYTHON": "", compiled.SWITCH: "1"})
+    assert probe["why"] == f"{compiled.SWITCH} is set"
+    files = probe["files"]
+    assert isinstance(files, dict)
+    assert all(f.endswith(".py") for f in files.values()), files
+    assert probe["kernels"] is True  # the C kernels are not switched off by it
 
 
 def test_a_source_changed_after_the_build_runs_the_whole_group_from_source(
