@@ -158,10 +158,10 @@ class GatewaySettings(BaseSettings):
     flush_interval_ms: int = Field(default=200, ge=1, le=60_000)
     # Async flush: how long the plain publishes read in a turn of the event loop wait for more
     # before the ingest batch stores them, while the arrival rate says that pays
-    # (gateway/connection/ingest.py Linger: not when idle, not when the turns gather enough
-    # on their own). 0: always at the end of that turn. Whole milliseconds: the event loop's
-    # timers have no finer grain. More per batch costs less CPU per message and adds up to
-    # about this much to the latency of the messages it holds.
+    # (gateway/connection/ingest.py Linger: not when idle; a batch that holds GATHERS_AT_MOST
+    # is stored at once). 0: always at the end of that turn. Whole milliseconds: the event
+    # loop's timers have no finer grain. More per batch costs less CPU per message and adds up
+    # to about this much to the latency of the messages it holds.
     ingest_linger_ms: int = Field(default=1, ge=0, le=100)
     segment_size: int = Field(default=1 << 30, ge=4096, le=(1 << 31) - 1)
     retention_hours: float | None = Field(default=None, gt=0)

@@ -458,3 +458,36 @@ def test_a_full_lingering_batch_is_stored_without_its_linger(tmp_path: Path) -> 
         for dev in devices:
             dev.close()
         h.stop()
+
+
+def test_a_read_that_fills_a_batch_is_stored_without_a_linger(tmp_path: Path) -> None:
+    """One read that brings GATHERS_AT_MOST publishes or more (a flood's connection, several
+    PUBLISHes per write) is stored at the end of its turn whatever the linger says: with a
+    linger far longer than the test's patience, the PUBACKs and the deliveries still come."""
+    h = GatewayHarness(tmp_path / "data", ingest_linger_ms=100).start()
+    try:
+        assert h.gw is not None and h.gw.ingest is not None
+        ingest = h.gw.ingest
+        watcher = _subscriber(h, "flood/#")
+        dev = RawClient(h.port, level=4)
+        assert dev.connect("flood-0").reason_code == 0
+        # Its first publish to the topic makes the connection's plain path for it; the read
+        # below then goes into the batch in one C call, scheduled once, already full.
+        dev.send(Publish("flood/t", b"first", qos=1, packet_id=1))
+        assert dev.recv() == PubAck(1)
+        assert [p.payload for p in _received(watcher, 1)] == [b"first"]
+        h.call(lambda: setattr(ingest, "linger", _Always(3600.0)))
+        count = 2 * int(GATHERS_AT_MOST)
+        dev.send_bytes(
+            b"".join(
+                encode(Publish("flood/t", str(i).encode(), qos=1, packet_id=i + 2), 4)
+                for i in range(count)
+            )
+        )
+        assert [dev.recv() for _ in range(count)] == [PubAck(i + 2) for i in range(count)]
+        got = _received(watcher, count)
+        assert [int(p.payload) for p in got] == list(range(count))
+        watcher.close()
+        dev.close()
+    finally:
+        h.stop()
